@@ -1,0 +1,100 @@
+"""Process-group set-up and tear-down.
+
+Nothing here is global state of stalwart's own: the process group lives in torch.distributed, and
+`DistributedContext` is a plain value passed to whoever needs rank/world size/device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits in the job.
+
+    Attributes:
+        rank: global rank (0 when not distributed).
+        world_size: number of processes (1 when not distributed).
+        local_rank: rank on this node (LOCAL_RANK under torchrun).
+        device: the device this rank computes on (``cuda:<local_rank>`` or ``cpu``).
+        backend: ``"nccl"``, ``"gloo"`` or ``None`` when no process group exists.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1 and self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world_size() -> int:
+    """World size announced by the launcher (torchrun sets WORLD_SIZE), 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def choose_device(local_rank: int, use_cpu: bool = False) -> torch.device:
+    """``cuda:<local_rank>`` when CUDA is available and not disabled, else ``cpu``."""
+    if not use_cpu and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def init_distributed(
+    use_cpu: bool = False,
+    timeout_s: float = 600.0,
+    backend: str | None = None,
+) -> DistributedContext:
+    """Initialise the default process group from torchrun's environment (or do nothing).
+
+    Picks NCCL on CUDA and gloo on CPU unless ``backend`` is given, then runs one barrier-like
+    all-reduce at once so that a half-initialised backend is never left behind (a later abort of
+    a lazily-initialised NCCL communicator can hang).
+
+    Returns:
+        The context; with WORLD_SIZE unset or 1 and no group requested, a single-process context.
+    """
+    world_size = env_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = choose_device(local_rank, use_cpu)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size <= 1 and not dist.is_initialized():
+        return DistributedContext(device=device)
+    if not dist.is_initialized():
+        chosen = backend or ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(
+            backend=chosen,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    ctx = DistributedContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=str(dist.get_backend()),
+    )
+    # Deliberate sync: force the backend to finish initialising before any training work.
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    return ctx
+
+
+def destroy_distributed() -> None:
+    """Destroy the default process group if one exists (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
