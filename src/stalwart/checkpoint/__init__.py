@@ -1,0 +1,26 @@
+"""Crash-safe checkpoints in Megatron's layout: DCP model/optimizer shards, async save,
+non-persistent checkpoints, retention and an atomically advanced ``latest`` tracker.
+
+See :mod:`stalwart.checkpoint.manager` for the save/finalize/load protocol.
+"""
+
+from stalwart.checkpoint.errors import CheckpointError
+from stalwart.checkpoint.layout import (
+    TRACKER_FILENAME,
+    iteration_dir_name,
+    list_complete_checkpoints,
+    read_tracker,
+    write_tracker_atomic,
+)
+from stalwart.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+
+__all__ = [
+    "TRACKER_FILENAME",
+    "CheckpointError",
+    "CheckpointManager",
+    "LoadedCheckpoint",
+    "iteration_dir_name",
+    "list_complete_checkpoints",
+    "read_tracker",
+    "write_tracker_atomic",
+]

@@ -1,0 +1,348 @@
+"""Benchmark: eager vs full-iteration CUDA graph (+optimizer graph) vs torch.compile, side by side.
+
+One process, one GPU, every variant on a fresh model (same seed) with 4 micro-batches of bf16
+autocast per iteration. Times are CUDA-event medians over ``--iters`` timed iterations after
+``--warmup`` untimed ones (graph variants capture during warm-up). The kernel floor is the sum of
+device-side event durations from torch.profiler over ``--profile-iters`` iterations.
+
+    PYTHONPATH=src python3 bench/graphs.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from stalwart.graphs import (
+    DeviceFlags,
+    FullIterationGraph,
+    GraphContext,
+    OptimizerGraph,
+    compile_for_graph,
+    make_capturable_adamw,
+)
+from stalwart.models import GPT, PRESET_MICRO_BATCH_SIZE, preset_model_config
+from stalwart.models import num_floating_point_operations as model_flops
+
+NUM_MICROBATCHES = 4
+LR = 1e-4
+CLIP = 1.0
+VARIANTS = (
+    "eager",
+    "graph",
+    "graph_fused_adamw",
+    "graph_validation",
+    "graph_validation_noread",
+    "graph_compiled",
+    "graph_compiled_fused_adamw",
+    "compile_reduce_overhead",
+    "compile_reduce_overhead_fused_adamw",
+)
+COMPILED = (
+    "graph_compiled",
+    "graph_compiled_fused_adamw",
+    "compile_reduce_overhead",
+    "compile_reduce_overhead_fused_adamw",
+)
+PROFILED = ("eager", "graph", "graph_fused_adamw", "graph_compiled", "graph_compiled_fused_adamw")
+
+
+def forward_backward(
+    *,
+    forward_step_func: Any,
+    data_iterator: Iterator[dict],
+    model: Any,
+    num_microbatches: int,
+    forward_only: bool = False,
+    **_unused: Any,
+) -> list[dict[str, torch.Tensor]]:
+    """No-pipelining schedule with the Megatron forward_backward_func keyword signature."""
+    losses = []
+    for _ in range(num_microbatches):
+        loss, loss_dict = forward_step_func(data_iterator, model)
+        if not forward_only:
+            (loss / num_microbatches).backward()
+        losses.append(loss_dict)
+    return losses
+
+
+def make_forward_step(flags: DeviceFlags | None) -> Callable[..., Any]:
+    def forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tensor, dict]:
+        batch = next(data_iterator)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(batch["input_ids"], batch["labels"])
+        if flags is not None:
+            flags.record_nonfinite("loss", out["loss"])  # device-side, inside the graph
+        return out["loss"], {"lm loss": out["lm loss"]}
+
+    return forward_step
+
+
+def make_data(preset: str, num_iters: int) -> list[list[dict]]:
+    cfg = preset_model_config(preset)
+    gen = torch.Generator().manual_seed(0)
+    iters = []
+    for _ in range(num_iters):
+        mbs = []
+        for _ in range(NUM_MICROBATCHES):
+            tok = torch.randint(
+                0,
+                cfg.vocab_size,
+                (PRESET_MICRO_BATCH_SIZE[preset], cfg.seq_length + 1),
+                generator=gen,
+            )
+            mbs.append({"input_ids": tok[:, :-1].cuda(), "labels": tok[:, 1:].cuda()})
+        iters.append(mbs)
+    return iters
+
+
+def _kwargs(model: Any, batches: list[dict], step: Any, seq: int) -> dict[str, Any]:
+    return {
+        "forward_step_func": step,
+        "data_iterator": iter(batches),
+        "model": model,
+        "num_microbatches": len(batches),
+        "seq_length": seq,
+        "micro_batch_size": batches[0]["input_ids"].shape[0],
+    }
+
+
+def build_variant(
+    variant: str, preset: str
+) -> tuple[Callable[[list[dict]], None], GraphContext | None]:
+    """Return (one-iteration step function, graph context or None) for a fresh model."""
+    torch.manual_seed(1234)
+    model = GPT(preset_model_config(preset)).cuda()
+    params = list(model.parameters())
+    seq = model.config.seq_length
+    if variant == "eager" or variant.startswith("compile_reduce_overhead"):
+        runner: Any = model
+        reduce_overhead = variant.startswith("compile_reduce_overhead")
+        if reduce_overhead:
+            runner = torch.compile(model, mode="reduce-overhead")
+        fused = variant.endswith("fused_adamw")
+        opt = torch.optim.AdamW(params, lr=LR, foreach=None if fused else True, fused=fused or None)
+        step = make_forward_step(None)
+
+        def eager_step(batches: list[dict]) -> None:
+            if reduce_overhead:
+                torch.compiler.cudagraph_mark_step_begin()
+            opt.zero_grad(set_to_none=True)
+            forward_backward(**_kwargs(runner, batches, step, seq))
+            torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+            opt.step()
+
+        return eager_step, None
+    ctx = GraphContext(torch.device("cuda"))
+    validate = variant.startswith("graph_validation")
+    read_flags = variant == "graph_validation"
+    flags = DeviceFlags(["loss"], torch.device("cuda")) if validate else None
+    runner = compile_for_graph(model) if variant.startswith("graph_compiled") else model
+    fb = FullIterationGraph(
+        forward_backward, context=ctx, warmup_steps=3, grad_params=params, validation_buffer=flags
+    )
+    opt_graph = OptimizerGraph(
+        make_capturable_adamw(params, lr=LR, device=torch.device("cuda")),
+        context=ctx,
+        clip_grad=CLIP,
+    )
+    step = make_forward_step(flags)
+
+    def graph_step(batches: list[dict]) -> None:
+        fb(**_kwargs(runner, batches, step, seq))
+        # read: the one per-iteration validation sync ("_noread" isolates the in-graph cost)
+        if not read_flags or flags is None or flags.read().ok:
+            opt_graph.step(lr=LR)
+
+    return graph_step, ctx
+
+
+def kernel_time_ms(
+    step: Callable[[list[dict]], None], data: list[list[dict]], iters: int
+) -> tuple[float, float]:
+    """Per-iteration sum of device-side event durations (kernels, memcpy, memset), and count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            step(data[i % len(data)])
+        torch.cuda.synchronize()
+    total_us, count = 0.0, 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total_us += event.time_range.elapsed_us()
+            count += 1
+    return total_us / iters / 1000.0, count / iters
+
+
+def time_variant(
+    step: Callable[[list[dict]], None], data: list[list[dict]], warmup: int, iters: int
+) -> list[float]:
+    for i in range(warmup):
+        step(data[i % len(data)])
+    torch.cuda.synchronize()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
+    for i, (start, end) in enumerate(events):
+        start.record()  # events around the replay, never inside the graph
+        step(data[i % len(data)])
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def run_one(
+    preset: str, variant: str, args: argparse.Namespace, data: list[list[dict]]
+) -> dict[str, Any]:
+    start = time.perf_counter()
+    step, ctx = build_variant(variant, preset)
+    times = time_variant(step, data, args.warmup, args.iters)
+    cfg = preset_model_config(preset)
+    median = statistics.median(times)
+    flops = model_flops(cfg, PRESET_MICRO_BATCH_SIZE[preset] * NUM_MICROBATCHES)
+    row: dict[str, Any] = {
+        "preset": preset,
+        "variant": variant,
+        "median_ms": median,
+        "p10_ms": _quantile(times, 0.1),
+        "p90_ms": _quantile(times, 0.9),
+        "tflops": flops / (median / 1000.0) / 1e12,
+        "iters": len(times),
+    }
+    if variant in PROFILED and args.profile_iters > 0:
+        row["kernel_floor_ms"], row["kernels_per_iter"] = kernel_time_ms(
+            step, data, args.profile_iters
+        )
+    row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["reserved_gib"] = torch.cuda.memory_reserved() / 2**30
+    if ctx is not None:
+        ctx.teardown()
+    del step
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    row["wall_s"] = time.perf_counter() - start
+    return row
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[str]:
+    by = {(r["preset"], r["variant"]): r for r in rows if "median_ms" in r}
+    lines = [
+        "| preset | variant | median ms | p10–p90 ms | speedup vs eager | TFLOP/s | kernel floor ms | floor/median |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "median_ms" not in r:
+            lines.append(
+                f"| {r['preset']} | {r['variant']} | {r.get('error', 'skipped')} | | | | | |"
+            )
+            continue
+        eager = by.get((r["preset"], "eager"))
+        speed = f"{eager['median_ms'] / r['median_ms']:.2f}x" if eager else "-"
+        floor = r.get("kernel_floor_ms")
+        floor_ms = "" if floor is None else f"{floor:.2f}"
+        floor_ratio = "" if floor is None else f"{floor / r['median_ms']:.1%}"
+        lines.append(
+            f"| {r['preset']} | {r['variant']} | {r['median_ms']:.2f} "
+            f"| {r['p10_ms']:.2f}–{r['p90_ms']:.2f} | {speed} | {r['tflops']:.1f} "
+            f"| {floor_ms} | {floor_ratio} |"
+        )
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        graph, val = by.get((preset, "graph")), by.get((preset, "graph_validation"))
+        noread = by.get((preset, "graph_validation_noread"))
+        if graph and noread:
+            lines.append(
+                f"- {preset}: in-graph checks alone (no host read) "
+                f"{noread['median_ms'] / graph['median_ms'] - 1:+.2%}"
+            )
+        gc_, ro = by.get((preset, "graph_compiled")), by.get((preset, "compile_reduce_overhead"))
+        if graph and val:
+            lines.append(
+                f"- {preset}: in-graph validation overhead {val['median_ms'] / graph['median_ms'] - 1:+.2%} (target <= 1%)"
+            )
+        if graph and graph.get("kernel_floor_ms"):
+            lines.append(
+                f"- {preset}: graph replay at {graph['kernel_floor_ms'] / graph['median_ms']:.1%} of kernel floor (target >= 95%)"
+            )
+        gcf = by.get((preset, "graph_compiled_fused_adamw"))
+        rof = by.get((preset, "compile_reduce_overhead_fused_adamw"))
+        if gcf and rof:
+            lines.append(
+                f"- {preset}: graph+compiled vs reduce-overhead, both fused AdamW "
+                f"{rof['median_ms'] / gcf['median_ms']:.2f}x"
+            )
+        if gc_ and ro:
+            lines.append(
+                f"- {preset}: graph+compiled vs reduce-overhead {ro['median_ms'] / gc_['median_ms']:.2f}x (target >= 1.1x)"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="tiny,small,gpt2-124m")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--profile-iters", type=int, default=3)
+    parser.add_argument(
+        "--budget-s", type=float, default=1e9, help="skip remaining variants after this"
+    )
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.iters < 20:
+        raise ValueError(f"--iters must be >= 20, got {args.iters}")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    presets = args.presets.split(",")
+    variants = args.variants.split(",")
+    compiled = COMPILED
+    # Cheap variants for every preset first, compiled ones last: compile time is what may run out.
+    plan = [(p, v) for p in presets for v in variants if v not in compiled]
+    plan += [(p, v) for p in presets for v in variants if v in compiled]
+    data_by_preset = {preset: make_data(preset, 4) for preset in presets}
+    for preset, variant in plan:
+        if time.perf_counter() - t0 > args.budget_s:
+            rows.append({"preset": preset, "variant": variant, "error": "skipped (time budget)"})
+            continue
+        if variant in compiled:
+            torch._dynamo.reset()
+        try:
+            row = run_one(preset, variant, args, data_by_preset[preset])
+        except Exception as err:  # keep going: one failing variant must not hide the others
+            row = {
+                "preset": preset,
+                "variant": variant,
+                "error": f"{type(err).__name__}: {err}"[:300],
+            }
+            gc.collect()
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"torch": torch.__version__, "rows": rows}, fh, indent=1)
+    rows.sort(key=lambda r: (presets.index(r["preset"]), variants.index(r["variant"])))
+    print("\n".join(summarize(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Version-tolerant wrappers over ``torch.distributed.checkpoint`` (DCP) for torch >= 2.4.
+
+Newer keyword arguments (``no_dist``, ``async_stager``, ``allow_partial_load``) and the
+``DefaultStager``/``StagingOptions`` staging API are feature-detected, so the same code runs on
+torch 2.4 through 2.13, with or without an initialised process group.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import enum
+import inspect
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.optim import Optimizer
+
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+
+
+class StagingMode(enum.Enum):
+    """How an async save copies state to host memory before the background write."""
+
+    PINNED_STAGER = "DefaultStager, pinned host memory"
+    PAGEABLE_STAGER = "DefaultStager, pageable host memory (pinned memory needs CUDA)"
+    MANUAL_COPY = "own host copy + background thread (DefaultStager not available)"
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every call without a process group; single process is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
+        yield
+
+
+def _dist_kwargs(fn: Callable[..., Any], group: Any) -> dict[str, Any]:
+    if _dist_on():
+        return {"process_group": group}
+    return {"no_dist": True} if _accepts(fn, "no_dist") else {}
+
+
+def gather_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
+    """Model (and optimizer) state keyed by clean FQNs (no DDP ``module.`` prefix), DCP-ready."""
+    if optimizer is None:
+        return {MODEL_KEY: get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+
+
+def apply_state(
+    model: nn.Module, optimizer: Optimizer | None, state: dict[str, Any], strict: bool
+) -> None:
+    """Push a loaded :func:`gather_state` dict back into the model (and optimizer)."""
+    options = StateDictOptions(strict=strict)
+    if optimizer is None:
+        set_model_state_dict(model, state[MODEL_KEY], options=options)
+        return
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state[MODEL_KEY],
+        optim_state_dict=state[OPTIM_KEY],
+        options=options,
+    )
+
+
+def save_sync(state: dict[str, Any], path: str, group: Any) -> None:
+    """Blocking DCP save of ``state`` into directory ``path`` (collective when a group exists)."""
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), **_dist_kwargs(dcp.save, group))
+
+
+def load_into(state: dict[str, Any], path: str, group: Any, strict: bool) -> None:
+    """Fill the tensors of ``state`` in place from the DCP checkpoint in ``path``."""
+    kwargs = _dist_kwargs(dcp.load, group)
+    if not strict and _accepts(dcp.DefaultLoadPlanner, "allow_partial_load"):
+        kwargs["planner"] = dcp.DefaultLoadPlanner(allow_partial_load=True)
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), **kwargs)
+
+
+def new_checkpoint_group(group: Any) -> Any:
+    """A gloo group mirroring ``group`` for background DCP collectives; None without a group.
+
+    Collective over ``group``: every member must call it. The async writer runs DCP's planning
+    collectives on its own thread, so it must not share a communicator with the training loop
+    (interleaved collectives from two threads on one group can deadlock), and async DCP needs a
+    CPU-capable backend even when training uses NCCL.
+    """
+    if not _dist_on():
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def _host_copy(obj: Any, pin: bool) -> Any:
+    """Deep copy of every tensor in a nested state dict into (optionally pinned) host memory."""
+    if isinstance(obj, dict):
+        return {k: _host_copy(v, pin) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_host_copy(v, pin) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_host_copy(v, pin) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor:  # DTensor & co.: keep the wrapper, copy its data
+            return obj.detach().clone().cpu()
+        out = torch.empty_like(obj, device="cpu", pin_memory=pin)
+        out.copy_(obj.detach())
+        return out
+    return obj
+
+
+class AsyncWriter:
+    """Starts background DCP saves; the caller only blocks while state is copied to host memory.
+
+    Uses ``dcp.async_save`` with a reusable ``DefaultStager`` (pinned memory when CUDA exists) when
+    the installed torch offers it; otherwise copies state to host memory itself and runs a blocking
+    ``dcp.save`` on one worker thread. Either way the returned future completes once this rank's
+    shards (and, on the coordinator, ``.metadata``) are written.
+    """
+
+    def __init__(self, group: Any, log: logging.Logger) -> None:
+        self._group = group
+        self._pin = torch.cuda.is_available()
+        self._stager: Any = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.mode = self._choose_mode()
+        if self.mode is StagingMode.MANUAL_COPY:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, "stalwart-ckpt")
+        log.info("async checkpoint save: %s", self.mode.value)
+
+    def _choose_mode(self) -> StagingMode:
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:
+            return StagingMode.MANUAL_COPY
+        needed = ["async_stager"] + ([] if _dist_on() else ["no_dist"])
+        if not all(_accepts(dcp.async_save, name) for name in needed):
+            return StagingMode.MANUAL_COPY
+        # Synchronous staging: save() returns only when the host copy is done, so the caller may
+        # update parameters immediately; the write itself is the background part.
+        options = StagingOptions(
+            use_pinned_memory=self._pin,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=self._pin,
+        )
+        self._stager = DefaultStager(options)
+        return StagingMode.PINNED_STAGER if self._pin else StagingMode.PAGEABLE_STAGER
+
+    def start(self, state: dict[str, Any], path: str) -> concurrent.futures.Future:
+        """Stage ``state`` to host memory (blocking), then write it to ``path`` in the background."""
+        writer = dcp.FileSystemWriter(path)
+        if self._executor is not None:
+            staged = _host_copy(state, self._pin)
+            group = self._group
+            return self._executor.submit(save_sync, staged, path, group)
+        with _quiet_single_process():
+            result = dcp.async_save(
+                state,
+                storage_writer=writer,
+                async_stager=self._stager,
+                **_dist_kwargs(dcp.async_save, self._group),
+            )
+        # Newer torch may return AsyncSaveResponse(staging_completion, upload_completion).
+        return cast(concurrent.futures.Future, getattr(result, "upload_completion", result))
+
+    def close(self, wait: bool = True) -> None:
+        """Release the stager's host buffers and the worker thread (``wait=False``: don't join)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=wait)
+            self._executor = None
+        if self._stager is not None and wait:
+            with contextlib.suppress(Exception):
+                self._stager.close()
+        self._stager = None

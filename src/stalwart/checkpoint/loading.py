@@ -1,0 +1,166 @@
+"""Which checkpoint to load: pure filesystem decisions, run on rank 0 and then broadcast."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stalwart.checkpoint import layout
+from stalwart.checkpoint.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A checkpoint directory chosen for loading."""
+
+    iteration: int
+    path: str
+    non_persistent: bool
+
+
+class CheckpointLocator:
+    """Finds the checkpoint to resume from among a persistent and a non-persistent root.
+
+    The trackers are authoritative: the newest tracked iteration across both roots wins (a tie
+    prefers the persistent one). A complete directory newer than its tracker (crash between
+    rename and tracker update) is ignored; with ``fallback`` older complete directories are
+    candidates when the tracked one is unusable.
+    """
+
+    def __init__(self, load_dir: str | None, np_dir: str | None, fallback: bool) -> None:
+        self._roots = [(r, np) for r, np in ((load_dir, False), (np_dir, True)) if r is not None]
+        self._fallback = fallback
+
+    def latest_tracked(self) -> int | None:
+        """Newest tracked iteration whose directory is complete; None if there is none."""
+        best = None
+        for root, _ in self._roots:
+            tracked = layout.read_tracker(root)
+            if tracked is None:
+                continue
+            if layout.is_complete(os.path.join(root, layout.iteration_dir_name(tracked))):
+                best = tracked if best is None else max(best, tracked)
+        return best
+
+    def choose(
+        self, iteration: int | None, rejected: set[str], log: logging.Logger
+    ) -> Choice | None:
+        """The checkpoint to load, None for a fresh start.
+
+        Raises:
+            CheckpointError: naming the path and the problem when nothing usable is found.
+        """
+        if iteration is not None:
+            return self._explicit(iteration)
+        heads, garbage = self._heads(log)
+        if not heads and not garbage:
+            found = [it for root, _ in self._roots for it in layout.list_complete_checkpoints(root)]
+            if found:
+                log.warning(
+                    "complete checkpoints %s exist but no %s: starting from scratch",
+                    found,
+                    layout.TRACKER_FILENAME,
+                )
+            return None
+        ordered = heads[:1]
+        if self._fallback:
+            limit = heads[0].iteration if heads else None
+            ordered += self._older(limit)
+        return self._first_usable(ordered, rejected, log)
+
+    def _explicit(self, iteration: int) -> Choice:
+        for root, non_persistent in self._roots:
+            path = os.path.join(root, layout.iteration_dir_name(iteration))
+            if os.path.isdir(path):
+                problem = layout.check_files(path)
+                if problem is not None:
+                    raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+                return Choice(iteration, path, non_persistent)
+        dirs = ", ".join(root for root, _ in self._roots)
+        name = layout.iteration_dir_name(iteration)
+        raise CheckpointError(f"no checkpoint directory {name} in {dirs or '(no --load)'}")
+
+    def _heads(self, log: logging.Logger) -> tuple[list[Choice], bool]:
+        """Tracked checkpoints, newest first; flag set when a tracker was garbage (fallback only)."""
+        heads: list[Choice] = []
+        garbage = False
+        for root, non_persistent in self._roots:
+            try:
+                tracked = layout.read_tracker(root)
+            except CheckpointError as exc:
+                if not self._fallback:
+                    raise
+                log.warning("%s; falling back to complete checkpoints (--ckpt-fallback)", exc)
+                garbage = True
+                continue
+            if tracked is not None:
+                path = os.path.join(root, layout.iteration_dir_name(tracked))
+                heads.append(Choice(tracked, path, non_persistent))
+        heads.sort(key=lambda c: (c.iteration, not c.non_persistent), reverse=True)
+        return heads, garbage
+
+    def _older(self, limit: int | None) -> list[Choice]:
+        """Every complete checkpoint at or below ``limit`` in both roots, newest first."""
+        found = [
+            Choice(it, os.path.join(root, layout.iteration_dir_name(it)), non_persistent)
+            for root, non_persistent in self._roots
+            for it in layout.list_complete_checkpoints(root)
+            if limit is None or it <= limit
+        ]
+        found.sort(key=lambda c: (c.iteration, not c.non_persistent), reverse=True)
+        return found
+
+    def _first_usable(
+        self, ordered: list[Choice], rejected: set[str], log: logging.Logger
+    ) -> Choice:
+        seen: set[str] = set()
+        for choice in ordered:
+            if choice.path in seen or choice.path in rejected:
+                continue
+            seen.add(choice.path)
+            problem = layout.check_files(choice.path)
+            if problem is None:
+                return choice
+            message = f"checkpoint {choice.path} is unusable: {problem}"
+            if not self._fallback:
+                raise CheckpointError(message)
+            log.warning("%s; trying an older one (--ckpt-fallback)", message)
+        raise CheckpointError(
+            "no usable checkpoint found in "
+            + ", ".join(root for root, _ in self._roots)
+            + (f" (rejected: {sorted(rejected)})" if rejected else "")
+        )
+
+
+def read_small_files(
+    path: str, rank: int, world_size: int, log: logging.Logger
+) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+    """(common, this rank's per-rank dict or None, saved world size) of a checkpoint directory.
+
+    When the world size changed, rank r gets the file of saved rank r if it exists, else None,
+    with a warning: the caller decides how to rebuild RNG/data-iterator state.
+    """
+    with open(os.path.join(path, layout.METADATA_FILENAME), encoding="utf-8") as f:
+        saved_world = int(json.load(f)["world_size"])
+    # weights_only=False: these are our own files, holding arbitrary picklable user state.
+    common = torch.load(
+        os.path.join(path, layout.COMMON_FILENAME), map_location="cpu", weights_only=False
+    )
+    rank_file = os.path.join(path, layout.rank_filename(rank))
+    if saved_world != world_size:
+        log.warning(
+            "checkpoint %s was saved by %d ranks, loading with %d: per-rank state %s",
+            path,
+            saved_world,
+            world_size,
+            "taken from the same rank's file" if os.path.exists(rank_file) else "is None",
+        )
+        if not os.path.exists(rank_file):
+            return common, None, saved_world
+    per_rank = torch.load(rank_file, map_location="cpu", weights_only=False)
+    return common, per_rank, saved_world

@@ -1,0 +1,510 @@
+"""CheckpointManager: crash-safe, Megatron-layout checkpoints for any hand-written training loop.
+
+Typical loop (every rank calls every method; each is collective when a process group exists)::
+
+    ckpt = CheckpointManager(args.save, args.load, keep_last=args.ckpt_keep_last,
+                             async_save=args.async_save, fallback=args.ckpt_fallback,
+                             non_persistent_dir=args.non_persistent_ckpt_dir)
+    ckpt.check_writable()                                   # before training: clear error for --save
+    loaded = ckpt.load(model, optimizer, load_optim=not args.no_load_optim)
+    for iteration in range(start, train_iters):
+        ckpt.maybe_finalize()                               # top of step: commit a finished async save
+        ...train step...
+        if iteration % save_interval == 0:
+            ckpt.save(iteration, model, optimizer, common, per_rank)
+    ckpt.finalize()                                         # before exit: blocking commit
+    ckpt.close()
+
+Save protocol: every rank writes into ``<root>/iter_N.tmp-<token>/`` (DCP shards, ``common.pt`` from
+rank 0, ``rank_XXXXX.pt`` from each rank); once all ranks agree that their part is written, rank 0
+writes the ``COMPLETE`` marker, renames the directory to ``iter_N`` and only then atomically
+advances ``latest_checkpointed_iteration.txt``. A crash at any point leaves the tracker on the
+previous complete checkpoint; leftover tmp directories are removed by the next save.
+
+Test-only hook: when the environment variable ``STALWART_TEST_CKPT_SLEEP_S`` is set, rank 0 sleeps
+that many seconds after all shards are written and before the marker/rename/tracker update, so
+tests can SIGKILL a process inside the commit window. Never set it in production.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from stalwart.checkpoint import dcp_io, layout
+from stalwart.checkpoint.errors import CheckpointError
+from stalwart.checkpoint.loading import CheckpointLocator, Choice, read_small_files
+from stalwart.distributed import collectives
+
+logger = logging.getLogger("stalwart.checkpoint")
+
+TEST_SLEEP_ENV = "STALWART_TEST_CKPT_SLEEP_S"
+FORMAT_VERSION = "stalwart-dcp-v1"
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What :meth:`CheckpointManager.load` restored besides model/optimizer tensors.
+
+    Attributes:
+        iteration: the checkpoint's iteration (all ranks agree).
+        path: the checkpoint directory.
+        common: the ``common`` dict given to ``save`` (identical on all ranks).
+        per_rank: this rank's ``per_rank`` dict; None when the world size changed and no file
+            exists for this rank (the caller decides how to re-derive RNG/data state).
+        saved_world_size: the world size at save time.
+        non_persistent: True when it came from the non-persistent directory.
+    """
+
+    iteration: int
+    path: str
+    common: dict[str, Any]
+    per_rank: dict[str, Any] | None
+    saved_world_size: int
+    non_persistent: bool = False
+
+
+@dataclass
+class _PendingSave:
+    iteration: int
+    root: str
+    tmp_path: str
+    non_persistent: bool
+    future: concurrent.futures.Future | None
+    started: float
+
+
+def _group_rank_and_size(group: Any) -> tuple[int, int, int]:
+    """(rank in group, group size, global rank of the group's rank 0)."""
+    if not collectives.is_initialized():
+        return 0, 1, 0
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    return dist.get_rank(group), dist.get_world_size(group), src
+
+
+def _save_fsynced(obj: Any, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _test_sleep() -> None:
+    """Test-only: widen the commit window (see module docstring)."""
+    raw = os.environ.get(TEST_SLEEP_ENV)
+    if raw:
+        time.sleep(float(raw))
+
+
+class CheckpointManager:
+    """Saves and loads checkpoints in Megatron's directory layout (see module docstring).
+
+    Args:
+        save_dir: ``--save``; None disables saving.
+        load_dir: ``--load``; defaults to ``save_dir``.
+        keep_last: ``--ckpt-keep-last``: keep only the newest N persistent checkpoints.
+        async_save: ``--async-save``: ``save`` blocks only for the host copy; the write finishes in
+            the background and is committed by a later ``maybe_finalize``/``finalize``/``save``.
+        fallback: ``--ckpt-fallback``: on an unusable newest checkpoint, warn and load the newest
+            older complete one instead of raising.
+        non_persistent_dir: ``--non-persistent-ckpt-dir``; defaults to ``<save>/non_persistent``.
+        process_group: group the checkpoint spans (default: the world). With ``async_save`` and a
+            process group, the constructor is collective (it creates a gloo group for DCP).
+    """
+
+    def __init__(
+        self,
+        save_dir: str | None,
+        load_dir: str | None = None,
+        *,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        fallback: bool = False,
+        non_persistent_dir: str | None = None,
+        process_group: Any = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(
+                f"--ckpt-keep-last must be an integer >= 1 (or unset), got {keep_last}"
+            )
+        self._save_dir = save_dir
+        self._load_dir = load_dir if load_dir is not None else save_dir
+        self._np_dir_explicit = non_persistent_dir is not None
+        self._np_dir = non_persistent_dir or (
+            os.path.join(save_dir, "non_persistent") if save_dir else None
+        )
+        self._keep_last = keep_last
+        self._fallback = fallback
+        self._group = process_group
+        self._rank, self._world_size, self._src = _group_rank_and_size(process_group)
+        self._pending: _PendingSave | None = None
+        self._closed = False
+        self._ckpt_group: Any = None
+        self._async: dcp_io.AsyncWriter | None = None
+        if async_save:
+            self._ckpt_group = dcp_io.new_checkpoint_group(process_group)
+            self._async = dcp_io.AsyncWriter(self._ckpt_group, logger)
+
+    # ------------------------------------------------------------------ checks
+    def check_writable(self) -> None:
+        """Create the save directories and probe-write a file on every rank.
+
+        Raises:
+            ValueError: naming ``--save`` (or ``--non-persistent-ckpt-dir``) on every rank when any
+                rank cannot write there.
+        """
+        dirs = [(self._save_dir, "--save")]
+        if self._np_dir_explicit:
+            dirs.append((self._np_dir, "--non-persistent-ckpt-dir"))
+        problem = None
+        for directory, flag in dirs:
+            if directory is None or problem is not None:
+                continue
+            try:
+                os.makedirs(directory, exist_ok=True)
+                probe = os.path.join(directory, f".write_probe_rank{self._rank}_{os.getpid()}")
+                with open(probe, "w", encoding="utf-8") as f:
+                    f.write("ok")
+                os.unlink(probe)
+            except OSError as exc:
+                problem = f"{flag} {directory!r} is not writable: {exc.strerror or exc}"
+        failed = collectives.all_reduce_any([problem is not None], self._group)[0]
+        if failed:
+            raise ValueError(
+                problem or "a checkpoint directory (--save) is not writable on another rank"
+            )
+
+    # -------------------------------------------------------------------- save
+    def save(
+        self,
+        iteration: int,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        common: dict[str, Any],
+        per_rank: dict[str, Any],
+        *,
+        non_persistent: bool = False,
+    ) -> None:
+        """Save a checkpoint of ``iteration`` (collective; all ranks pass the same ``common``).
+
+        Synchronous mode returns after the checkpoint is committed and the tracker advanced.
+        Async mode returns after staging; ``maybe_finalize``/``finalize`` commit it later. Any
+        earlier async save is finalized (blocking) first.
+
+        Raises:
+            ValueError: saving is disabled (no ``--save``).
+            CheckpointError: writing failed on some rank; nothing was committed.
+        """
+        if self._closed:
+            raise CheckpointError("CheckpointManager.save() called after close()")
+        root = self._np_dir if non_persistent else self._save_dir
+        if root is None:
+            raise ValueError("checkpoint save requested but --save is not set")
+        self.finalize()
+        started = time.monotonic()
+        tmp = self._begin(root, iteration)
+        self._write_small_files(tmp, iteration, common, per_rank, non_persistent)
+        state = dcp_io.gather_state(model, optimizer)
+        pending = _PendingSave(iteration, root, tmp, non_persistent, None, started)
+        if self._async is None:
+            try:
+                dcp_io.save_sync(state, tmp, self._group)
+            except Exception as exc:
+                self._discard(pending)
+                raise CheckpointError(f"saving checkpoint into {tmp} failed: {exc}") from exc
+            self._commit(pending)
+            return
+        pending.future = self._async.start(state, tmp)
+        self._pending = pending
+        if self._rank == 0:
+            logger.info(
+                "async checkpoint save of iteration %d started into %s (blocked %.2fs for staging)",
+                iteration,
+                tmp,
+                time.monotonic() - started,
+            )
+
+    def _begin(self, root: str, iteration: int) -> str:
+        """Rank 0 removes stale tmp dirs and creates this save's tmp dir; all ranks get its path."""
+        decision: tuple[str | None, str | None] = (None, None)
+        if self._rank == 0:
+            try:
+                os.makedirs(root, exist_ok=True)
+                for stale in layout.list_tmp_dirs(root):
+                    logger.info("removing leftover partial checkpoint %s", stale)
+                    layout.remove_checkpoint_dir(stale)
+                token = f"{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}"
+                created = os.path.join(root, layout.tmp_dir_name(iteration, token))
+                os.makedirs(created)
+                decision = (created, None)
+            except OSError as exc:
+                decision = (None, f"cannot create checkpoint directory under {root}: {exc}")
+        path, error = cast(
+            "tuple[str | None, str | None]",
+            collectives.broadcast_object(decision, self._src, self._group),
+        )
+        if error is not None or path is None:
+            raise CheckpointError(error or "checkpoint directory was not created")
+        return str(path)
+
+    def _write_small_files(
+        self,
+        tmp: str,
+        iteration: int,
+        common: dict[str, Any],
+        per_rank: dict[str, Any],
+        non_persistent: bool,
+    ) -> None:
+        """Write common.pt + metadata.json (rank 0) and this rank's file; agree on success."""
+        problem = None
+        try:
+            os.makedirs(tmp, exist_ok=True)
+            if self._rank == 0:
+                _save_fsynced(common, os.path.join(tmp, layout.COMMON_FILENAME))
+                facts = self._facts(iteration, non_persistent)
+                layout.write_text_atomic(
+                    os.path.join(tmp, layout.METADATA_FILENAME), json.dumps(facts, indent=2) + "\n"
+                )
+            _save_fsynced(per_rank, os.path.join(tmp, layout.rank_filename(self._rank)))
+        except Exception as exc:  # report any failure (pickling included) to every rank
+            problem = f"rank {self._rank} could not write into {tmp}: {exc}"
+        if collectives.all_reduce_any([problem is not None], self._group)[0]:
+            self._discard(_PendingSave(iteration, "", tmp, non_persistent, None, 0.0))
+            raise CheckpointError(problem or f"another rank failed writing into {tmp}")
+
+    def _facts(self, iteration: int, non_persistent: bool) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "iteration": iteration,
+            "world_size": self._world_size,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "torch_version": torch.__version__,
+            "non_persistent": non_persistent,
+            "async_save": self._async is not None,
+        }
+
+    # ---------------------------------------------------------------- finalize
+    def maybe_finalize(self, blocking: bool = False) -> int | None:
+        """Commit the in-flight async save once it is written on every rank (collective).
+
+        Non-blocking: one all-reduce of (not-done, failed) flags; returns None while any rank is
+        still writing. Blocking: waits for this rank's write first. On success the checkpoint is
+        renamed into place and the tracker advanced; returns its iteration. Without a pending save
+        it returns None and issues no collective.
+
+        Raises:
+            CheckpointError: the background write failed on some rank (the partial save is removed).
+        """
+        pending = self._pending
+        if pending is None or pending.future is None:
+            return None
+        if blocking:
+            concurrent.futures.wait([pending.future])
+        done = pending.future.done()
+        failed = done and pending.future.exception() is not None
+        any_not_done, any_failed = collectives.all_reduce_any([not done, failed], self._group)
+        if any_not_done and not any_failed:
+            return None
+        if any_failed:
+            if not done:  # never commit or delete under a writer that is still running
+                concurrent.futures.wait([pending.future])
+            self._pending = None
+            self._discard(pending)
+            cause = pending.future.exception() if failed else "failed on another rank"
+            raise CheckpointError(f"async checkpoint save into {pending.tmp_path} failed: {cause}")
+        self._pending = None
+        self._commit(pending)
+        return pending.iteration
+
+    def finalize(self) -> None:
+        """Blocking :meth:`maybe_finalize`: call before exit and before loading."""
+        self.maybe_finalize(blocking=True)
+
+    def _commit(self, pending: _PendingSave) -> None:
+        """Rank 0 publishes the checkpoint; every rank learns the outcome (one broadcast)."""
+        error = None
+        if self._rank == 0:
+            try:
+                self._publish(pending)
+            except Exception as exc:
+                error = f"committing checkpoint {pending.tmp_path} failed: {exc}"
+        outcome = collectives.broadcast_object(error, self._src, self._group)
+        if outcome is not None:
+            raise CheckpointError(str(outcome))
+        if self._rank == 0:
+            kind = "non-persistent checkpoint" if pending.non_persistent else "checkpoint"
+            logger.info(
+                "saved %s iteration %d to %s in %.2fs",
+                kind,
+                pending.iteration,
+                os.path.join(pending.root, layout.iteration_dir_name(pending.iteration)),
+                time.monotonic() - pending.started,
+            )
+
+    def _publish(self, pending: _PendingSave) -> None:
+        """Marker → rename → tracker → retention. Only rank 0 runs this."""
+        _test_sleep()
+        root, iteration = pending.root, pending.iteration
+        layout.write_marker(pending.tmp_path, self._facts(iteration, pending.non_persistent))
+        final = os.path.join(root, layout.iteration_dir_name(iteration))
+        replaced = None
+        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): move old aside
+            replaced = pending.tmp_path + "-replaced"
+            os.replace(final, replaced)
+        os.replace(pending.tmp_path, final)
+        layout.fsync_dir(root)
+        layout.write_tracker_atomic(root, iteration)
+        if replaced is not None:
+            layout.remove_checkpoint_dir(replaced)
+        keep = 1 if pending.non_persistent else self._keep_last
+        if keep is not None:
+            doomed = layout.select_for_deletion(
+                layout.list_complete_checkpoints(root), keep, layout.read_tracker(root)
+            )
+            for old in doomed:
+                layout.remove_checkpoint_dir(os.path.join(root, layout.iteration_dir_name(old)))
+            if doomed:
+                logger.info("retention removed checkpoints %s from %s", doomed, root)
+
+    def _discard(self, pending: _PendingSave) -> None:
+        if self._rank == 0:
+            layout.remove_checkpoint_dir(pending.tmp_path)
+
+    # -------------------------------------------------------------------- load
+    def _locator(self) -> CheckpointLocator:
+        return CheckpointLocator(self._load_dir, self._np_dir, self._fallback)
+
+    def latest_iteration(self) -> int | None:
+        """Newest complete checkpoint that a tracker points at (persistent or non-persistent).
+
+        Local (no collective); None when neither directory holds a tracked complete checkpoint.
+        """
+        return self._locator().latest_tracked()
+
+    def load(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        *,
+        load_optim: bool = True,
+        iteration: int | None = None,
+        strict: bool = True,
+    ) -> LoadedCheckpoint | None:
+        """Load the newest checkpoint (or ``iteration``) into ``model``/``optimizer`` in place.
+
+        Rank 0 chooses the checkpoint and broadcasts it, so all ranks load the same iteration.
+        ``load_optim=False`` (``--no-load-optim``/``--finetune``) restores only the model.
+
+        Returns:
+            None when there is nothing to load (no tracker anywhere), else the restored metadata.
+
+        Raises:
+            CheckpointError: naming the path and the problem, when the chosen checkpoint is
+                missing/incomplete/corrupt (with ``fallback``, only when no older one works either;
+                an explicit ``iteration`` never falls back).
+        """
+        self.finalize()
+        rejected: set[str] = set()
+        while True:
+            choice = self._decide(iteration, rejected)
+            if choice is None:
+                return None
+            started = time.monotonic()
+            problem, loaded = self._try_load(
+                choice, model, optimizer if load_optim else None, strict
+            )
+            if problem is None and loaded is not None:
+                if self._rank == 0:
+                    logger.info(
+                        "loaded checkpoint iteration %d from %s in %.2fs",
+                        loaded.iteration,
+                        loaded.path,
+                        time.monotonic() - started,
+                    )
+                return loaded
+            if not self._fallback or iteration is not None:
+                raise CheckpointError(problem or f"loading {choice.path} failed")
+            logger.warning(
+                "checkpoint %s unusable (%s); falling back (--ckpt-fallback)", choice.path, problem
+            )
+            rejected.add(choice.path)
+
+    def _decide(self, iteration: int | None, rejected: set[str]) -> Choice | None:
+        decision: tuple[Choice | None, str | None] = (None, None)
+        if self._rank == 0:
+            try:
+                decision = (self._locator().choose(iteration, rejected, logger), None)
+            except CheckpointError as exc:
+                decision = (None, str(exc))
+        choice, error = cast(
+            "tuple[Choice | None, str | None]",
+            collectives.broadcast_object(decision, self._src, self._group),
+        )
+        if error is not None:
+            raise CheckpointError(error)
+        return choice
+
+    def _try_load(
+        self, choice: Choice, model: nn.Module, optimizer: Optimizer | None, strict: bool
+    ) -> tuple[str | None, LoadedCheckpoint | None]:
+        """Two agreed phases: small files, then DCP tensors; returns (problem, result)."""
+        problem = None
+        small: tuple[dict[str, Any], dict[str, Any] | None, int] | None = None
+        try:
+            small = read_small_files(choice.path, self._rank, self._world_size, logger)
+        except Exception as exc:
+            problem = f"checkpoint {choice.path} is unreadable on rank {self._rank}: {exc}"
+        if collectives.all_reduce_any([problem is not None], self._group)[0] or small is None:
+            return problem or f"checkpoint {choice.path} is unreadable on another rank", None
+        try:
+            state = dcp_io.gather_state(model, optimizer)
+            dcp_io.load_into(state, choice.path, self._group, strict)
+            dcp_io.apply_state(model, optimizer, state, strict)
+        except Exception as exc:
+            problem = f"checkpoint {choice.path}: loading model/optimizer failed: {exc}"
+        if collectives.all_reduce_any([problem is not None], self._group)[0]:
+            return problem or f"checkpoint {choice.path} failed to load on another rank", None
+        common, per_rank, saved_world = small
+        loaded = LoadedCheckpoint(
+            choice.iteration, choice.path, common, per_rank, saved_world, choice.non_persistent
+        )
+        return None, loaded
+
+    # ------------------------------------------------------------------- close
+    def close(self, *, abort: bool = False) -> None:
+        """Stop async machinery. ``abort=False``: finalize (collective) an in-flight save.
+
+        ``abort=True`` (in-process restart after a fault; no collectives): an in-flight save is
+        discarded, never committed; its tmp directory is removed by the next save.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if abort:
+                if self._pending is not None:
+                    logger.warning(
+                        "discarding in-flight async checkpoint %s", self._pending.tmp_path
+                    )
+                self._pending = None
+            else:
+                self.finalize()
+        finally:
+            if self._async is not None:
+                self._async.close(wait=not abort)
+                self._async = None
+            if self._ckpt_group is not None and not abort:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(self._ckpt_group)
+            self._ckpt_group = None

@@ -1,0 +1,240 @@
+"""Command-line flags in Megatron spelling, grouped by the component that owns them.
+
+The parser only parses; turning the namespace into typed configs (and validating combinations)
+is ``stalwart.config.run.build_run_config``. Parse errors print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+PRESET_NAMES = ("tiny", "small", "gpt2-124m")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (``stalwart train: error: ...``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        raise SystemExit(2)
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model size preset")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--vocab-size", type=int)
+    g.add_argument("--hidden-dropout", type=float)
+    g.add_argument("--num-experts", type=int, help="MoE experts per layer (0: dense MLP)")
+    g.add_argument("--moe-router-topk", type=int)
+    g.add_argument("--moe-aux-loss-coeff", type=float)
+    g.add_argument("--moe-capacity-factor", type=float)
+
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", help="file.txt (bytes) or file.bin (token ids); default: embedded corpus")
+    g.add_argument("--data-dtype", default="uint16", help="token dtype of a .bin file: uint16|uint32")
+    g.add_argument("--valid-fraction", type=float, default=0.02)
+    g.add_argument("--no-shuffle", dest="shuffle", action="store_false")
+
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--global-batch-size", type=int)
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**16)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--eval-interval", type=int, default=0)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--use-cpu", action="store_true", help="train on CPU even if CUDA is present")
+    g.add_argument("--use-torch-fsdp2", action="store_true")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--demo", action="store_true", help="defaults for the interactive CPU demo")
+
+
+def _optimizer_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int)
+    g.add_argument("--lr-decay-style", default="cosine", help="constant|linear|cosine")
+
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", help="checkpoint directory")
+    g.add_argument("--load", help="directory to resume from (default: --save)")
+    g.add_argument("--save-interval", type=int, default=0)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only, start at iteration 0")
+    g.add_argument("--ckpt-keep-last", type=int)
+    g.add_argument("--ckpt-fallback", action="store_true")
+    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--non-persistent-save-interval", type=int, default=0)
+    g.add_argument("--non-persistent-ckpt-dir")
+
+
+def _logging_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--metrics-file", help="append one JSON object per logged iteration")
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--wandb-project")
+    g.add_argument("--wandb-exp-name")
+    g.add_argument("--wandb-save-dir")
+    g.add_argument("--wandb-mode", choices=("online", "offline", "disabled"))
+    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--timing-log-level", type=int, default=0)
+    g.add_argument("--timing-log-option", default="minmax")
+    g.add_argument("--timing-mode", default="sync", help="sync|events")
+    g.add_argument("--log-straggler", action="store_true")
+    g.add_argument("--straggler-threshold", type=float, default=1.2)
+    g.add_argument("--log-memory-interval", type=int, default=0)
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-energy", action="store_true")
+    g.add_argument("--dump-dir", help="directory for activation/dgrad/tokens-per-expert dumps")
+    g.add_argument("--save-activations-interval", type=int, default=0)
+    g.add_argument("--log-dgrads", action="store_true")
+    g.add_argument("--log-tokens-per-expert", action="store_true")
+    g.add_argument("--dump-stats-only", action="store_true", help="summary statistics, not tensors")
+    g.add_argument("--run-dir", help="where run artefacts (events, memory, report) go")
+    g.add_argument("--no-progress-bar", dest="progress_bar", action="store_false")
+
+
+def _rerun_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("rerun state machine")
+    g.add_argument("--rerun-mode", default="validate_results")
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+    )
+    g.add_argument("--check-for-spiky-loss", action="store_true")
+    g.add_argument("--check-for-large-grads", action="store_true")
+    g.add_argument("--error-injection-rate", type=int, default=0)
+    g.add_argument("--error-injection-type", default="transient_error")
+    g.add_argument("--result-rejected-tracker-filename")
+    g.add_argument("--iterations-to-skip", type=int, nargs="*", default=[])
+
+
+def _fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fault tolerance and exit")
+    g.add_argument("--enable-ft", action="store_true", help="hang detection by timed sections")
+    g.add_argument("--ft-timeouts", help="setup=600,step=180,checkpointing=420,out_of_section=600")
+    g.add_argument("--calc-ft-timeouts", action="store_true")
+    g.add_argument("--ft-num-warmup-iters", type=int, default=5)
+    g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--exit-signal", default="SIGTERM")
+    g.add_argument("--exit-duration-in-mins", type=float)
+    g.add_argument("--exit-interval", type=int)
+    g.add_argument("--phase-transition-iterations", type=int, nargs="*", default=[])
+    g.add_argument("--inject-fault", choices=("hang", "exception", "sigkill", "sigterm"))
+    g.add_argument("--inject-fault-iteration", type=int)
+    g.add_argument("--inject-fault-hang-seconds", type=float)
+    g.add_argument("--inject-fault-rank", type=int, default=0)
+    g.add_argument("--inject-fault-phase", default="step")
+
+
+def _inprocess_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("in-process restart")
+    g.add_argument("--inprocess-restart", action="store_true")
+    g.add_argument("--inprocess-max-iterations", type=int, default=3)
+    g.add_argument("--inprocess-soft-timeout", type=float, default=60.0)
+    g.add_argument("--inprocess-hard-timeout", type=float, default=90.0)
+    g.add_argument("--inprocess-heartbeat-interval", type=float, default=1.0)
+    g.add_argument("--inprocess-granularity", default="rank", help="rank|node")
+
+
+def _graph_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("CUDA graphs")
+    g.add_argument("--cuda-graph-impl", default="none", help="none|full_iteration")
+    g.add_argument("--optimizer-cuda-graph", action="store_true")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3)
+    g.add_argument("--recompute-granularity", help="full|selective (activation recompute)")
+
+
+def build_train_parser(prog: str = "stalwart train") -> argparse.ArgumentParser:
+    """The ``stalwart train`` parser (flags only; defaults that depend on the preset are None)."""
+    p = OneLineErrorParser(prog=prog, description="Train the reference GPT with stalwart.")
+    p.add_argument("--config", help="TOML file of flag values (flag names, - or _); CLI wins")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    for add in (
+        _model_flags,
+        _data_flags,
+        _training_flags,
+        _optimizer_flags,
+        _checkpoint_flags,
+        _logging_flags,
+        _rerun_flags,
+        _fault_tolerance_flags,
+        _inprocess_flags,
+        _graph_flags,
+    ):
+        add(p)
+    return p
+
+
+def parse_train_args(argv: list[str]) -> argparse.Namespace:
+    """Parse ``stalwart train`` flags, applying ``--config run.toml`` values as defaults."""
+    parser = build_train_parser()
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        parser.set_defaults(**_load_toml_defaults(parser, pre.config))
+    return parser.parse_args(argv)
+
+
+def _load_toml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, object]:
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        parser.error(f"--config: file not found: {path}")
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        parser.error(f"--config: cannot read {path}: {exc}")
+    known = {a.dest for a in parser._actions}
+    defaults: dict[str, object] = {}
+    for key, value in _flatten(data).items():
+        dest = key.replace("-", "_")
+        if dest not in known or dest in ("config", "help"):
+            parser.error(f"--config: unknown key {key!r} in {path}")
+        defaults[dest] = value
+    return defaults
+
+
+def _flatten(data: dict[str, object]) -> dict[str, object]:
+    """Tables group flags for readability only: ``[training] lr = 1e-3`` means ``--lr``."""
+    flat: dict[str, object] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value))
+        else:
+            flat[key] = value
+    return flat

@@ -1,0 +1,37 @@
+"""``stalwart report <run-dir>``: write a self-contained HTML report of a run directory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stalwart.observability.report import write_report
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stalwart report",
+        description="Render <run-dir>/report.html (inline SVG charts) and PNGs from a run's artefacts.",
+    )
+    p.add_argument("run_dir", help="the run directory (metrics.jsonl, straggler.jsonl, ...)")
+    p.add_argument("--output", "-o", default=None, help="HTML path (default <run-dir>/report.html)")
+    p.add_argument("--no-png", action="store_true", help="skip the matplotlib PNGs")
+    return p
+
+
+def main_report(argv: list[str] | None = None) -> int:
+    """Run the subcommand; returns 0 on success, 2 for a missing run directory or bad usage."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on bad usage; keep it a return code
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        path = write_report(args.run_dir, args.output, pngs=not args.no_png)
+    except FileNotFoundError as exc:
+        print(f"stalwart report: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"report written to {path}")
+    return EXIT_OK

@@ -1,0 +1,188 @@
+"""``RunConfig``: every component's typed config in one value, built from the CLI namespace.
+
+Each component owns its dataclass (``GPTConfig`` in models, ``RerunConfig`` in reliability, ...);
+this module only aggregates them and checks combinations that span components. Any invalid value
+raises ``ValueError`` naming the flag; the CLI turns that into exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from stalwart.config.observability import ObservabilityConfig
+from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
+from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
+from stalwart.observability.train_log import LogConfig
+from stalwart.reliability.exit import ExitConfig
+from stalwart.reliability.faults import FaultInjectionConfig
+from stalwart.reliability.inprocess.config import InProcessConfig
+from stalwart.reliability.rerun import RerunConfig
+from stalwart.reliability.sections import FaultToleranceConfig, parse_ft_timeouts
+
+# `--demo`: the interactive CPU job of `make demo` (tiny preset, short sequences, ~1.5 min).
+DEMO_DEFAULTS: dict[str, Any] = {
+    "seq_length": 128,
+    "train_iters": 150,
+    "lr": 2e-3,
+    "min_lr": 2e-4,
+    "lr_warmup_iters": 10,
+    "log_interval": 20,
+    "eval_interval": 50,
+    "eval_iters": 4,
+    "num_layers": 2,
+}
+
+_MODEL_FLAGS = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "seq_length": "seq_length",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "vocab_size": "vocab_size",
+    "hidden_dropout": "dropout",
+    "num_experts": "num_experts",
+    "moe_router_topk": "moe_router_topk",
+    "moe_aux_loss_coeff": "moe_aux_loss_coeff",
+    "moe_capacity_factor": "moe_capacity_factor",
+}
+
+
+@dataclass(kw_only=True)
+class GraphConfig:
+    """CUDA-graph flags (validated against the rest by ``stalwart.graphs.check_graph_config``)."""
+
+    cuda_graph_impl: str = "none"
+    optimizer_cuda_graph: bool = False
+    cuda_graph_warmup_steps: int = 3
+    recompute_granularity: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_impl not in ("none", "full_iteration"):
+            raise ValueError(
+                f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"
+            )
+        if self.cuda_graph_warmup_steps < 1:
+            raise ValueError("--cuda-graph-warmup-steps must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The whole run: one field per component."""
+
+    preset: str
+    model: GPTConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    obs: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    rerun: RerunConfig = field(default_factory=RerunConfig)
+    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    exit: ExitConfig = field(default_factory=ExitConfig)
+    faults: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
+    inprocess: InProcessConfig = field(default_factory=InProcessConfig)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe nested dict (saved in checkpoints and printed by ``--print-config``)."""
+        return _jsonable(dataclasses.asdict(self))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value if not isinstance(value.value, tuple) else value.name
+    return value
+
+
+def _pick(ns: argparse.Namespace, cls: type, renames: dict[str, str] | None = None) -> Any:
+    """Build dataclass ``cls`` from the namespace entries whose names match its fields."""
+    renames = renames or {}
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in vars(ns).items():
+        target = renames.get(key, key)
+        if target in names and value is not None:
+            kwargs[target] = value
+    return cls(**kwargs)
+
+
+def _apply_demo_defaults(ns: argparse.Namespace, argv_flags: set[str]) -> None:
+    for key, value in DEMO_DEFAULTS.items():
+        if key not in argv_flags:
+            setattr(ns, key, value)
+
+
+def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> RunConfig:
+    """Typed, validated config from parsed flags (``argv`` tells which flags were explicit)."""
+    explicit = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or []) if a[:2] == "--"}
+    if getattr(ns, "demo", False):
+        _apply_demo_defaults(ns, explicit)
+    overrides = {
+        dst: getattr(ns, src) for src, dst in _MODEL_FLAGS.items() if getattr(ns, src) is not None
+    }
+    model = preset_model_config(ns.preset, **overrides)
+    if ns.micro_batch_size is None:
+        ns.micro_batch_size = PRESET_MICRO_BATCH_SIZE[ns.preset]
+    training = _pick(ns, TrainingConfig)
+    checkpoint = _pick(ns, CheckpointConfig)
+    ft_kwargs: dict[str, Any] = {
+        "enable_ft": ns.enable_ft,
+        "calc_ft_timeouts": ns.calc_ft_timeouts,
+        "ft_num_warmup_iters": ns.ft_num_warmup_iters,
+    }
+    if ns.ft_timeouts:
+        ft_kwargs["timeouts"] = parse_ft_timeouts(ns.ft_timeouts)
+    exit_config = ExitConfig(
+        exit_signal_handler=ns.exit_signal_handler,
+        exit_signal=ns.exit_signal,
+        exit_duration_in_mins=ns.exit_duration_in_mins,
+        exit_interval=ns.exit_interval,
+        phase_transition_iterations=tuple(ns.phase_transition_iterations or ()),
+        save_interval=ns.save_interval or None,
+        non_persistent_save_interval=ns.non_persistent_save_interval or None,
+    )
+    config = RunConfig(
+        preset=ns.preset,
+        model=model,
+        data=_pick(ns, DataConfig),
+        optim=_pick(ns, OptimizerConfig),
+        training=training,
+        checkpoint=checkpoint,
+        log=_pick(ns, LogConfig, {"progress_bar": "log_progress_bar"}),
+        obs=_pick(ns, ObservabilityConfig),
+        rerun=_pick(ns, RerunConfig),
+        ft=FaultToleranceConfig(**ft_kwargs),
+        exit=exit_config,
+        faults=_pick(ns, FaultInjectionConfig),
+        inprocess=_pick(ns, InProcessConfig),
+        graphs=_pick(ns, GraphConfig),
+    )
+    check_combinations(config)
+    return config
+
+
+def check_combinations(config: RunConfig) -> None:
+    """Cross-component rules (each component validated its own fields already)."""
+    if config.log.log_progress_bar is True:
+        config.log.log_progress_bar = None  # default: only on a TTY
+    config.ft.check_exit_signal(config.exit.signal_enum)
+    if config.training.fp16 and config.rerun.check_for_nan_in_loss_and_grad:
+        # Overflow NaN/Inf is expected with dynamic loss scaling (Megatron turns the check off too).
+        config.rerun.check_for_nan_in_loss_and_grad = False
+    if config.inprocess.inprocess_restart and not config.checkpoint.save:
+        raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
+    if config.faults.inject_fault and not config.checkpoint.save:
+        raise ValueError("--inject-fault needs --save (the fired-once marker lives there)")

@@ -1,0 +1,175 @@
+"""Resumable, deterministic, data-parallel-sharded micro-batch iteration.
+
+Global order: epoch ``e`` visits the dataset in order
+``np.random.default_rng([seed, e]).permutation(N)`` (or identity without shuffling); global
+sample ``g`` (counted across epochs) is element ``g % N`` of epoch ``g // N``'s order. With
+``c`` global samples consumed, the next micro-batch of DP rank ``r`` holds global samples
+``c + r*mbs ... c + (r+1)*mbs - 1`` and consuming it advances ``c`` by ``mbs * dp_size``.
+Hence micro-batch ``m`` of an iteration starting at ``c`` holds ``c + (m*dp + r)*mbs + j``, and a
+global batch of ``G`` samples is always the global range ``[c, c + G)`` whatever ``dp_size`` is:
+a checkpoint written with 2 ranks resumes with 1 rank on exactly the same data.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from stalwart.data.datasets import TokenDataset
+
+
+def calculate_num_microbatches(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
+    """``global_batch_size // (micro_batch_size * dp_size)``; ``ValueError`` unless exact."""
+    for flag, value in (
+        ("--global-batch-size", global_batch_size),
+        ("--micro-batch-size", micro_batch_size),
+        ("data-parallel size", dp_size),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+    per_step = micro_batch_size * dp_size
+    if global_batch_size % per_step != 0:
+        raise ValueError(
+            f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
+            f"({micro_batch_size}) x data-parallel size ({dp_size}) = {per_step}"
+        )
+    return global_batch_size // per_step
+
+
+class MicroBatchIterator:
+    """Infinite iterator of ``{"input_ids", "labels"}`` int64 CPU tensors ``[mbs, seq]``.
+
+    The only progress state is ``consumed_samples`` (global samples consumed by all DP ranks);
+    see the module docstring for the exact order. ``pin_memory=True`` pins each batch (needs an
+    accelerator build of torch).
+    """
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+        consumed_samples: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+            raise ValueError(f"--micro-batch-size must be an integer, got {micro_batch_size!r}")
+        if micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(
+                f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank} dp_size={dp_size}"
+            )
+        if len(dataset) < 1:
+            raise ValueError("--seq-length: dataset has no samples")
+        self.dataset = dataset
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.pin_memory = pin_memory
+        self._consumed = 0
+        self._epoch_cache: tuple[int, np.ndarray] | None = None
+        self.consumed_samples = consumed_samples
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples consumed so far by all DP ranks together."""
+        return self._consumed
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"consumed_samples must be an integer >= 0, got {value!r}")
+        self._consumed = value
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(n)
+            else:
+                order = np.arange(n)
+            self._epoch_cache = (epoch, order)
+        return self._epoch_cache[1]
+
+    def global_sample_index(self, g: int) -> int:
+        """Dataset index of global sample ``g`` (counting across epochs)."""
+        n = len(self.dataset)
+        return int(self._epoch_order(g // n)[g % n])
+
+    def next_indices(self) -> list[int]:
+        """Dataset indices of this rank's next micro-batch (does not advance the state)."""
+        start = self._consumed + self.dp_rank * self.micro_batch_size
+        return [self.global_sample_index(start + j) for j in range(self.micro_batch_size)]
+
+    def __iter__(self) -> MicroBatchIterator:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        windows = np.stack([self.dataset.window(i) for i in self.next_indices()])
+        batch = torch.from_numpy(windows)
+        out = {"input_ids": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
+        if self.pin_memory:
+            out = {k: v.pin_memory() for k, v in out.items()}
+        self._consumed += self.micro_batch_size * self.dp_size
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state; only ``consumed_samples`` is progress, the rest is validated."""
+        return {
+            "consumed_samples": self._consumed,
+            "seed": self.seed,
+            "dataset_len": len(self.dataset),
+            "micro_batch_size": self.micro_batch_size,
+            "dp_size": self.dp_size,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state``; a different ``dp_size``/``micro_batch_size`` is accepted.
+
+        Raises ``ValueError`` if the seed, dataset length or shuffle flag differ, since the
+        sample order would then silently change.
+        """
+        checks = (("seed", self.seed, "--seed"), ("dataset_len", len(self.dataset), "--data-path"))
+        for key, mine, flag in checks:
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"data iterator checkpoint has {key}={state.get(key)!r} but this run has "
+                    f"{mine!r}; resuming would change the sample order (check {flag})"
+                )
+        if "shuffle" in state and state["shuffle"] != self.shuffle:
+            raise ValueError(
+                f"data iterator checkpoint has shuffle={state['shuffle']!r} but this run has "
+                f"{self.shuffle!r}"
+            )
+        self.consumed_samples = state["consumed_samples"]
+
+
+def make_eval_iterator(
+    valid: TokenDataset,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_microbatches: int | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Fresh validation iterator starting at sample 0, in dataset order, cycling forever.
+
+    Call it again for every evaluation so each one sees the same samples. With
+    ``num_microbatches`` the iterator stops after that many micro-batches for this rank.
+    """
+    it = MicroBatchIterator(valid, micro_batch_size, dp_rank, dp_size, seed=0, shuffle=False)
+    if num_microbatches is None:
+        return it
+    if num_microbatches < 0:
+        raise ValueError(f"--eval-iters must be >= 0, got {num_microbatches}")
+    return itertools.islice(it, num_microbatches)

@@ -1,0 +1,229 @@
+"""Configuration checks for CUDA graphs x recompute x offload x host-syncing checks x compile.
+
+``graph_config_problems`` is a pure decision function returning every violated rule as a
+one-line reason naming the offending flag (Megatron spelling); ``check_graph_config`` raises one
+``ValueError`` listing them. Rules follow Megatron's ``TransformerConfig``/``arguments.py`` checks,
+with two deliberate differences: NaN checks stay on under ``full_iteration`` (they run on the
+device, see ``stalwart.graphs.validation``), and host-syncing checks that Megatron forgets to
+reject (``--check-for-spiky-loss``, ``--check-for-large-grads``) are rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+
+class CudaGraphImpl(enum.Enum):
+    """``--cuda-graph-impl``: stalwart implements ``none`` and ``full_iteration``."""
+
+    NONE = "none"
+    LOCAL = "local"
+    TRANSFORMER_ENGINE = "transformer_engine"
+    FULL_ITERATION = "full_iteration"
+
+
+class RecomputeGranularity(enum.Enum):
+    """``--recompute-granularity``."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+GRAPHABLE_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+_GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")
+# recompute module -> the dropout-like settings whose randomness it would replay inside the graph
+_RANDOM_RECOMPUTE = {
+    "core_attn": ("attention_dropout", "--attention-dropout"),
+    "mlp": ("hidden_dropout", "--hidden-dropout"),
+    "moe": ("hidden_dropout", "--hidden-dropout"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GraphSettings:
+    """The flags that interact with CUDA graphs (Megatron names, underscores for dashes)."""
+
+    device: torch.device
+    cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
+    cuda_graph_modules: tuple[str, ...] = ()  # also the deprecated --cuda-graph-scope
+    enable_cuda_graph: bool = False  # deprecated per-layer switch
+    cuda_graph_warmup_steps: int = 3
+    optimizer_cuda_graph: bool = False
+    optimizer: str = "adam"
+    recompute_granularity: RecomputeGranularity = RecomputeGranularity.NONE
+    recompute_modules: tuple[str, ...] = ()
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    moe_input_jitter_eps: float | None = None
+    cpu_offloading: bool = False
+    fine_grained_activation_offloading: bool = False
+    fine_grained_offloading_max_inflight_offloads: int | None = None
+    check_for_nan_in_loss_and_grad: bool = True
+    check_for_spiky_loss: bool = False
+    check_for_large_grads: bool = False
+    log_num_zeros_in_grad: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None  # None with --fp16: dynamic loss scaling
+    compile: bool = False
+    compile_mode: str = "default"
+
+
+def _impl_problems(s: GraphSettings) -> list[str]:
+    problems: list[str] = []
+    full = s.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
+    if s.cuda_graph_impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE):
+        problems.append(
+            f"--cuda-graph-impl {s.cuda_graph_impl.value} (per-layer graphs) is not implemented "
+            "by stalwart; allowed: none, full_iteration"
+        )
+    if full and (s.cuda_graph_modules or s.enable_cuda_graph):
+        problems.append(
+            "--cuda-graph-modules/--cuda-graph-scope/--enable-cuda-graph (per-module graphs) "
+            "cannot be combined with --cuda-graph-impl full_iteration: the whole iteration is "
+            "one graph"
+        )
+    if (full or s.optimizer_cuda_graph) and s.device.type != "cuda":
+        flag = "--cuda-graph-impl full_iteration" if full else "--optimizer-cuda-graph"
+        problems.append(f"{flag} requires a CUDA device (got device '{s.device}')")
+    if full and (
+        isinstance(s.cuda_graph_warmup_steps, bool)
+        or not isinstance(s.cuda_graph_warmup_steps, int)
+        or s.cuda_graph_warmup_steps < 1
+    ):
+        problems.append(
+            f"--cuda-graph-warmup-steps must be an integer >= 1 with full_iteration, got "
+            f"{s.cuda_graph_warmup_steps!r}"
+        )
+    return problems
+
+
+def _recompute_problems(s: GraphSettings) -> list[str]:
+    problems: list[str] = []
+    full = s.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
+    per_layer = (
+        s.enable_cuda_graph
+        or bool(s.cuda_graph_modules)
+        or s.cuda_graph_impl
+        in (
+            CudaGraphImpl.LOCAL,
+            CudaGraphImpl.TRANSFORMER_ENGINE,
+        )
+    )
+    if s.recompute_granularity is RecomputeGranularity.FULL and per_layer and not full:
+        problems.append(
+            "--recompute-granularity full is only supported with --cuda-graph-impl full_iteration "
+            "(not with per-layer CUDA graphs)"
+        )
+    if not full or s.recompute_granularity is RecomputeGranularity.NONE:
+        return problems
+    modules = (
+        tuple(_RANDOM_RECOMPUTE)
+        if s.recompute_granularity is RecomputeGranularity.FULL
+        else s.recompute_modules
+    )
+    for module in modules:
+        if module in _RANDOM_RECOMPUTE:
+            field, flag = _RANDOM_RECOMPUTE[module]
+            if getattr(s, field) != 0.0:
+                problems.append(
+                    f"{flag}={getattr(s, field)} is not allowed with recomputed '{module}' inside "
+                    "a full_iteration CUDA graph: recompute's RNG save/restore cannot be captured"
+                )
+    if s.moe_input_jitter_eps and ("moe" in modules):
+        problems.append(
+            "--moe-input-jitter-eps is not allowed with recomputed 'moe' inside a full_iteration "
+            "CUDA graph: recompute's RNG save/restore cannot be captured"
+        )
+    return problems
+
+
+def _offload_problems(s: GraphSettings) -> list[str]:
+    problems: list[str] = []
+    full = s.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
+    graphs_on = s.cuda_graph_impl is not CudaGraphImpl.NONE or s.enable_cuda_graph
+    if s.cpu_offloading and graphs_on and not full:
+        problems.append(
+            "--cpu-offloading with CUDA graphs requires --cuda-graph-impl full_iteration"
+        )
+    if s.fine_grained_activation_offloading and graphs_on:
+        if not full:
+            problems.append(
+                "--fine-grained-activation-offloading with CUDA graphs requires "
+                "--cuda-graph-impl full_iteration"
+            )
+        max_inflight = s.fine_grained_offloading_max_inflight_offloads
+        if full and (
+            isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 0
+        ):
+            problems.append(
+                "--fine-grained-activation-offloading with full_iteration requires "
+                "--fine-grained-offloading-max-inflight-offloads to be an integer >= 0, got "
+                f"{max_inflight!r}"
+            )
+    return problems
+
+
+def _host_sync_problems(s: GraphSettings) -> list[str]:
+    problems: list[str] = []
+    if s.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION:
+        for flag, on in (
+            ("--check-for-spiky-loss", s.check_for_spiky_loss),
+            ("--check-for-large-grads", s.check_for_large_grads),
+        ):
+            if on:
+                problems.append(
+                    f"{flag} reads values on the host inside the captured iteration; it cannot be "
+                    "used with --cuda-graph-impl full_iteration (the NaN check stays on, "
+                    "device-side)"
+                )
+    if s.optimizer_cuda_graph:
+        if s.log_num_zeros_in_grad:
+            problems.append(
+                "--log-num-zeros-in-grad syncs with the host inside the optimizer step; it cannot "
+                "be used with --optimizer-cuda-graph"
+            )
+        if s.optimizer not in ("adam", "adamw"):
+            problems.append(
+                f"--optimizer-cuda-graph requires --optimizer adam (capturable AdamW), got "
+                f"--optimizer {s.optimizer}"
+            )
+    graphs = s.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION or s.optimizer_cuda_graph
+    if graphs and s.fp16 and s.loss_scale is None:
+        problems.append(
+            "--fp16 with dynamic loss scaling is not supported with CUDA graphs (the found-inf "
+            "skip decision syncs with the host); use --bf16, or --fp16 with a constant --loss-scale"
+        )
+    return problems
+
+
+def _compile_problems(s: GraphSettings) -> list[str]:
+    if not s.compile or s.cuda_graph_impl is not CudaGraphImpl.FULL_ITERATION:
+        return []
+    if s.compile_mode in _GRAPHED_COMPILE_MODES:
+        return [
+            f"--compile mode {s.compile_mode} uses its own CUDA graphs, which cannot nest inside "
+            f"--cuda-graph-impl full_iteration; allowed modes: {', '.join(GRAPHABLE_COMPILE_MODES)}"
+        ]
+    return []
+
+
+def graph_config_problems(settings: GraphSettings) -> list[str]:
+    """Every violated rule as a one-line reason (empty list: the combination is valid)."""
+    return [
+        *_impl_problems(settings),
+        *_recompute_problems(settings),
+        *_offload_problems(settings),
+        *_host_sync_problems(settings),
+        *_compile_problems(settings),
+    ]
+
+
+def check_graph_config(settings: GraphSettings) -> None:
+    """Raise ``ValueError`` listing every violated rule; return None when valid."""
+    problems = graph_config_problems(settings)
+    if problems:
+        raise ValueError("invalid CUDA graph configuration: " + "; ".join(problems))

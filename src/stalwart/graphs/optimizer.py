@@ -1,0 +1,196 @@
+"""Optimizer CUDA graph: gradient clipping and a capturable AdamW step replayed as one graph.
+
+Graph-safe requirements, all checked by :class:`OptimizerGraph`:
+
+* every param group is ``capturable=True`` (step counters live on the device, so replays advance
+  them) and ``foreach=True``;
+* every group's ``lr`` is a device tensor; :func:`set_learning_rate` writes it with ``fill_`` so
+  an LR schedule takes effect under replay (a float LR would be frozen at capture);
+* the gradient norm and clip coefficient stay on the device (:func:`grad_norm`,
+  :func:`clip_coefficient`): no ``.item()``.
+
+Warm-up: the first ``warmup_steps`` (>= 2) calls of :meth:`OptimizerGraph.step` are real eager
+optimizer steps on the capture stream. They create the lazily-allocated Adam state (``exp_avg``,
+``exp_avg_sq``, ``step``) at fixed addresses; the capture call then captures and replays, so every
+call is exactly one real step and no snapshot/restore of parameters is needed.
+
+Gradients are not zeroed here: with :class:`FullIterationGraph` ``grad_params`` the zeroing is
+part of the forward-backward graph, which keeps ``.grad`` addresses fixed for this graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from stalwart.graphs.full_iteration import CaptureFailurePolicy, StagePhase
+from stalwart.graphs.pool import GraphContext
+
+logger = logging.getLogger(__name__)
+
+_CLIP_EPS = 1e-6
+
+
+def make_capturable_adamw(
+    params: Iterable[torch.Tensor] | Iterable[dict],
+    *,
+    lr: float,
+    device: torch.device,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    fused: bool = False,
+) -> torch.optim.AdamW:
+    """AdamW ready for :class:`OptimizerGraph`: capturable, device-tensor LR.
+
+    ``fused=False``: the foreach implementation; ``fused=True``: the single-kernel fused one
+    (also capturable; fewer passes over the optimizer state).
+    """
+    return torch.optim.AdamW(
+        params,
+        lr=torch.tensor(lr, dtype=torch.float32, device=device),
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        capturable=True,
+        foreach=None if fused else True,
+        fused=True if fused else None,
+    )
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's LR; in place (``fill_``, no sync) when it is a tensor, as a graph needs."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def grad_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of the gradients as a device tensor (foreach, no host sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        raise ValueError("grad_norm: no parameter has a gradient")
+    norms = torch._foreach_norm(grads, 2.0)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))`` on the device; NaN norm gives a NaN coefficient."""
+    return torch.clamp(max_norm / (total_norm + _CLIP_EPS), max=1.0)
+
+
+def clip_grads_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip gradients in place to ``max_norm`` without a host sync; return the pre-clip norm.
+
+    Always multiplies (by 1.0 when under the limit) so the captured kernel sequence is fixed.
+    """
+    total = grad_norm(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    torch._foreach_mul_(grads, clip_coefficient(total, max_norm))
+    return total
+
+
+def check_optimizer_graphable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``ValueError`` unless every param group can be captured and scheduled under replay."""
+    for index, group in enumerate(optimizer.param_groups):
+        if not group.get("capturable", False):
+            raise ValueError(
+                f"--optimizer-cuda-graph needs a capturable optimizer: param group {index} has "
+                "capturable=False (use make_capturable_adamw or capturable=True)"
+            )
+        if not isinstance(group["lr"], torch.Tensor):
+            raise ValueError(
+                f"--optimizer-cuda-graph needs the learning rate as a device tensor: param group "
+                f"{index} has lr={group['lr']!r}, which replay would freeze at its capture value"
+            )
+
+
+class OptimizerGraph:
+    """Capture ``[clip_grads_ +] optimizer.step()`` once and replay it every iteration.
+
+    ``step(lr)`` sets the LR (device ``fill_``), then runs eagerly (first ``warmup_steps`` calls),
+    or captures + replays, or replays. It returns the pre-clip gradient norm as a static device
+    tensor (overwritten by the next call) when ``clip_grad > 0``, else None.
+    Skipping an iteration (rejected by validation) means simply not calling ``step``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        context: GraphContext,
+        clip_grad: float = 0.0,
+        warmup_steps: int = 2,
+        on_capture_failure: CaptureFailurePolicy = CaptureFailurePolicy.FAIL,
+    ) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
+            raise ValueError(
+                f"optimizer graph warmup_steps must be an integer >= 2 (Adam state is created "
+                f"lazily), got {warmup_steps!r}"
+            )
+        if clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {clip_grad!r}")
+        check_optimizer_graphable(optimizer)
+        self.optimizer = optimizer
+        self.clip_grad = float(clip_grad)
+        self.warmup_steps = warmup_steps
+        self.on_capture_failure = on_capture_failure
+        self._context = context
+        self._params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self._graph: object | None = None
+        self._norm: torch.Tensor | None = None
+        self.phase = StagePhase.WARMUP
+        self.num_eager = 0
+        self.capture_seconds = 0.0
+        context.register(self)
+
+    def step(self, lr: float | None = None) -> torch.Tensor | None:
+        """One optimizer step (see class docstring)."""
+        if lr is not None:
+            set_learning_rate(self.optimizer, lr)
+        if self.phase is StagePhase.CAPTURED:
+            assert self._graph is not None
+            self._graph.replay()  # type: ignore[attr-defined]
+            return self._norm
+        if self.phase is StagePhase.EAGER_FALLBACK or self.num_eager < self.warmup_steps:
+            self.num_eager += 1
+            with self._context.side_stream():
+                return self._body()
+        return self._capture()
+
+    def _body(self) -> torch.Tensor | None:
+        norm = clip_grads_(self._params, self.clip_grad) if self.clip_grad > 0 else None
+        self.optimizer.step()
+        return norm
+
+    def _capture(self) -> torch.Tensor | None:
+        graph = self._context.new_graph()
+        start = time.perf_counter()
+        try:
+            with self._context.capture(graph):
+                norm = self._body()
+        except Exception as err:
+            del graph
+            if self.on_capture_failure is CaptureFailurePolicy.FAIL:
+                raise RuntimeError(f"capture of the optimizer CUDA graph failed: {err}") from err
+            logger.warning("optimizer graph capture failed (%s); stepping eagerly", err)
+            self.phase = StagePhase.EAGER_FALLBACK
+            with self._context.side_stream():
+                return self._body()
+        self.capture_seconds = time.perf_counter() - start
+        self._graph, self._norm, self.phase = graph, norm, StagePhase.CAPTURED
+        logger.info("captured the optimizer CUDA graph in %.3f s", self.capture_seconds)
+        graph.replay()  # capture does not execute: replay so this call is a real step
+        return norm
+
+    def reset(self) -> None:
+        """Drop the graph; the next ``step`` warms up (``warmup_steps`` eager steps) again."""
+        self._graph = None
+        self._norm = None
+        self.phase = StagePhase.WARMUP
+        self.num_eager = 0

@@ -1,0 +1,148 @@
+"""Static (fixed-address) input buffers and input-signature checks for captured iterations.
+
+A CUDA graph replays kernels with the pointers seen at capture, so every input a captured
+iteration reads must live at the same address on every replay. :class:`StaticInputs` allocates
+buffers matching the first structure it is given and afterwards copies new data into them in
+place. Its :class:`InputSignature` (structure, shapes, dtypes, non-tensor leaves) detects a
+changed workload, so a stale graph is never replayed with different shapes or micro-batch count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+
+_CONST_TYPES = (type(None), bool, int, float, str)
+
+
+def signature_of(obj: Any) -> Hashable:
+    """Hashable description of a nested batch: containers, tensor shapes/dtypes, constant leaves.
+
+    Tensors contribute ``(shape, dtype)`` (not their device: a CPU batch and a device batch copy
+    into the same buffers). Non-tensor leaves (``None``, bool, int, float, str) are part of the
+    signature because a graph freezes them at capture. Raises ``ValueError`` for other types.
+    """
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", tuple(obj.shape), str(obj.dtype))
+    if isinstance(obj, Mapping):
+        return ("dict", tuple((key, signature_of(value)) for key, value in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(signature_of(value) for value in obj))
+    if isinstance(obj, _CONST_TYPES):
+        return ("const", obj)
+    raise ValueError(
+        f"unsupported value of type {type(obj).__name__} in a captured micro-batch; "
+        "use tensors, dicts, lists, tuples or None/bool/int/float/str constants"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSignature:
+    """What a captured graph was specialised to: micro-batch count, batch structure, static kwargs."""
+
+    num_microbatches: int
+    batches: Hashable
+    static_kwargs: Hashable
+
+    def difference(self, other: InputSignature) -> str:
+        """Human-readable reason why ``other`` cannot replay a graph captured for ``self``."""
+        if self.num_microbatches != other.num_microbatches:
+            return (
+                f"num_microbatches changed from {self.num_microbatches} to {other.num_microbatches}"
+            )
+        if self.static_kwargs != other.static_kwargs:
+            return f"static arguments changed from {self.static_kwargs} to {other.static_kwargs}"
+        if self.batches != other.batches:
+            return f"micro-batch shapes/dtypes changed from {self.batches} to {other.batches}"
+        return "no difference"
+
+
+def _allocate_like(src: Any, device: torch.device) -> Any:
+    if isinstance(src, torch.Tensor):
+        return torch.empty(src.shape, dtype=src.dtype, device=device)
+    if isinstance(src, Mapping):
+        return {key: _allocate_like(value, device) for key, value in src.items()}
+    if isinstance(src, list):
+        return [_allocate_like(value, device) for value in src]
+    if isinstance(src, tuple):
+        return tuple(_allocate_like(value, device) for value in src)
+    return src  # constant leaf: frozen into the graph, checked by the signature
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        # non_blocking: pinned host batches overlap with the previous replay; the copy is
+        # stream-ordered before the replay on the same stream.
+        dst.copy_(src, non_blocking=True)
+    elif isinstance(dst, Mapping):
+        for key, value in dst.items():
+            _copy_into(value, src[key])
+    elif isinstance(dst, (list, tuple)):
+        for dst_value, src_value in zip(dst, src):
+            _copy_into(dst_value, src_value)
+
+
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    """All tensors of a nested structure, in a deterministic order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for value in obj.values() for t in tensor_leaves(value)]
+    if isinstance(obj, (list, tuple)):
+        return [t for value in obj for t in tensor_leaves(value)]
+    return []
+
+
+class StaticInputs:
+    """Fixed-address buffers for the micro-batches of one captured stage (training or evaluation).
+
+    ``load(batches)`` returns the same Python objects, backed by the same storage, on every call
+    while the signature is unchanged; it raises ``ValueError`` if the signature differs from the
+    one the buffers were allocated for (call :meth:`clear` first to re-allocate).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._buffers: Any = None
+        self._signature: Hashable | None = None
+
+    @property
+    def allocated(self) -> bool:
+        """True once buffers exist."""
+        return self._signature is not None
+
+    @property
+    def signature(self) -> Hashable | None:
+        """Signature of the allocated buffers, or None."""
+        return self._signature
+
+    @property
+    def buffers(self) -> Any:
+        """The static structure last returned by :meth:`load` (None before the first load)."""
+        return self._buffers
+
+    def load(self, batches: Any) -> Any:
+        """Copy ``batches`` into the static buffers (allocating them on first use); return them."""
+        signature = signature_of(batches)
+        if self._signature is None:
+            self._buffers = _allocate_like(batches, self.device)
+            self._signature = signature
+        elif signature != self._signature:
+            raise ValueError(
+                "micro-batch structure/shape changed since the static buffers were allocated: "
+                f"{self._signature} -> {signature}"
+            )
+        _copy_into(self._buffers, batches)
+        return self._buffers
+
+    def data_ptrs(self) -> list[int]:
+        """Addresses of all buffer tensors (for tests and debugging)."""
+        return [t.data_ptr() for t in tensor_leaves(self._buffers)]
+
+    def clear(self) -> None:
+        """Drop the buffers; the next :meth:`load` allocates new ones."""
+        self._buffers = None
+        self._signature = None

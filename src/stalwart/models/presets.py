@@ -1,0 +1,64 @@
+"""Named model presets (read-only) and ``preset_model_config`` to build a ``GPTConfig`` from one."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from stalwart.models.gpt import GPTConfig
+
+PRESETS: Mapping[str, Mapping[str, int]] = MappingProxyType(
+    {
+        "tiny": MappingProxyType(
+            {
+                "num_layers": 2,
+                "hidden_size": 256,
+                "num_attention_heads": 4,
+                "seq_length": 256,
+                "vocab_size": 8192,
+            }
+        ),
+        "small": MappingProxyType(
+            {
+                "num_layers": 6,
+                "hidden_size": 512,
+                "num_attention_heads": 8,
+                "seq_length": 512,
+                "vocab_size": 32768,
+            }
+        ),
+        "gpt2-124m": MappingProxyType(
+            {
+                "num_layers": 12,
+                "hidden_size": 768,
+                "num_attention_heads": 12,
+                "seq_length": 1024,
+                "vocab_size": 50304,
+            }
+        ),
+    }
+)
+"""Preset name -> read-only ``GPTConfig`` field values (other fields keep their defaults)."""
+
+PRESET_MICRO_BATCH_SIZE: Mapping[str, int] = MappingProxyType({name: 8 for name in PRESETS})
+"""Preset name -> default ``--micro-batch-size``."""
+
+
+def preset_model_config(name: str, **overrides: object) -> GPTConfig:
+    """Return a fresh ``GPTConfig`` for preset ``name`` with ``overrides`` applied on top.
+
+    Raises ``ValueError`` naming ``--preset`` for an unknown name, listing the allowed ones, and
+    for an override that is not a ``GPTConfig`` field; invalid values raise ``GPTConfig``'s own
+    ``ValueError`` naming the offending flag.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {name!r}")
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(
+            f"--preset {name}: unknown model override(s) {unknown}; allowed: {sorted(fields)}"
+        )
+    values: dict[str, object] = {**PRESETS[name], **overrides}
+    return GPTConfig(**values)  # type: ignore[arg-type]

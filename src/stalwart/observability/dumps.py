@@ -1,0 +1,346 @@
+"""Tensor dumps: activations, dgrads, tokens per expert and cheap per-module statistics.
+
+Usage in a hand-written loop::
+
+    cfg = DumpConfig(save_activations_interval=100, save_dgrads_interval=100,
+                     save_tokens_per_expert_interval=10, tensor_stats_interval=10)
+    dumper = make_tensor_dumper(model, run_dir, cfg, rank=rank, dp_rank=dp_rank)
+    for it in range(1, iters + 1):
+        dumper.begin_iteration(it)                  # registers hooks only if `it` dumps anything
+        for i, mb in enumerate(micro_batches):
+            dumper.set_last_microbatch(i == len(micro_batches) - 1)
+            model(mb).loss.backward()
+        dumper.end_iteration()                      # writes files, removes the hooks
+    dumper.close()
+
+Files (iteration numbers are the caller's, zero-padded to 7 digits):
+
+* ``<dir>/activations/iter_0000010/rank{R}.pt``: ``{"<module>/input<i>"|"<module>/output<i>": cpu
+  tensor}`` for every ``nn.Linear``, ``nn.Embedding`` and MoE router, last micro-batch only.
+* ``<dir>/dgrads/iter_0000010/rank{R}.pt``: ``{"<module>/grad_input<i>"|"<module>/grad_output<i>"}``
+  from full backward hooks, last micro-batch only, data-parallel replica 0 only.
+* ``<dir>/tokens_per_expert/rank{R}.jsonl``: one line per router per dump iteration
+  ``{"iteration", "layer", "name", "tokens_per_expert": [...]}`` read from the router's
+  ``last_tokens_per_expert`` (the last micro-batch's counts).
+* ``<dir>/tensor_stats/rank{R}.jsonl``: one line per stats iteration ``{"iteration", "modules":
+  {name: {"mean", "std", "absmax", "nonfinite"}}}`` over each module's outputs in the last
+  micro-batch. Computed on device into one preallocated ``[modules, 4]`` buffer; read once.
+
+Cost: nothing on iterations that dump nothing (no hooks are registered); on stats iterations ~4
+small reductions per hooked module; on full-dump iterations a device-to-host copy of every hooked
+tensor (a deliberate sync). Hooks do not fire under CUDA-graph replay: run dump iterations eager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+_LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    """Which dumps run and how often (``None`` = off). Intervals count the caller's iterations."""
+
+    save_activations_interval: int | None = None
+    save_dgrads_interval: int | None = None
+    save_tokens_per_expert_interval: int | None = None
+    tensor_stats_interval: int | None = None
+    module_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--save-activations-interval", self.save_activations_interval),
+            ("--save-dgrads-interval", self.save_dgrads_interval),
+            ("--save-tokens-per-expert-interval", self.save_tokens_per_expert_interval),
+            ("--log-tensor-stats-interval", self.tensor_stats_interval),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be a positive integer or unset, got {value}")
+
+    @property
+    def any_enabled(self) -> bool:
+        return any(
+            v is not None
+            for v in (
+                self.save_activations_interval,
+                self.save_dgrads_interval,
+                self.save_tokens_per_expert_interval,
+                self.tensor_stats_interval,
+            )
+        )
+
+
+def _due(interval: int | None, iteration: int) -> bool:
+    return interval is not None and iteration % interval == 0
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    """Tensors inside a hook argument (tensor, tuple/list, dict), in order; ``None`` skipped."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def layer_number(name: str) -> int | None:
+    """First integer path component of a module name (``layers.3.mlp.router`` → 3)."""
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+class TensorDumper:
+    """Hook-based dumps for one model on one rank (see the module docstring).
+
+    Args:
+        model: the module to instrument (hooks go on its submodules).
+        out_dir: run directory; files go into subdirectories of it.
+        config: intervals.
+        rank: global rank (file names).
+        dp_rank: data-parallel rank; dgrads are saved only on replica 0.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        out_dir: str | os.PathLike[str],
+        config: DumpConfig,
+        rank: int = 0,
+        dp_rank: int = 0,
+    ) -> None:
+        self.model = model
+        self.out_dir = Path(out_dir)
+        self.config = config
+        self.rank = rank
+        self.dp_rank = dp_rank
+        routers = getattr(model, "moe_routers", None)
+        self._routers: list[tuple[str, nn.Module]] = list(routers()) if callable(routers) else []
+        router_ids = {id(m) for _, m in self._routers}
+        self._modules: list[tuple[str, nn.Module]] = [
+            (name, mod)
+            for name, mod in model.named_modules()
+            if isinstance(mod, config.module_types) or id(mod) in router_ids
+        ]
+        self._handles: list[RemovableHandle] = []
+        self._iteration: int | None = None
+        self._last_microbatch = True
+        self._activations: dict[str, torch.Tensor] = {}
+        self._dgrads: dict[str, torch.Tensor] = {}
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        # One row per module: mean, std, absmax, non-finite count. Written on device by hooks.
+        self._stats = torch.zeros(len(self._modules), 4, dtype=torch.float32, device=device)
+        self._stats_seen = [False] * len(self._modules)
+
+    # -- per-iteration protocol ------------------------------------------------------------------
+    def begin_iteration(self, iteration: int) -> None:
+        """Register the hooks that ``iteration`` needs (none on iterations that dump nothing)."""
+        self._remove_hooks()
+        self._iteration = iteration
+        self._last_microbatch = True
+        cfg = self.config
+        want_acts = _due(cfg.save_activations_interval, iteration)
+        want_stats = _due(cfg.tensor_stats_interval, iteration)
+        want_dgrads = _due(cfg.save_dgrads_interval, iteration) and self.dp_rank == 0
+        if want_stats:
+            self._stats.zero_()
+            self._stats_seen = [False] * len(self._modules)
+        for index, (name, mod) in enumerate(self._modules):
+            if want_acts or want_stats:
+                self._handles.append(
+                    mod.register_forward_hook(
+                        self._forward_hook(index, name, want_acts, want_stats)
+                    )
+                )
+            if want_dgrads and isinstance(mod, nn.Embedding):
+                # Integer inputs never need grad: a full backward hook would warn every backward,
+                # so capture the output gradient with a tensor hook instead.
+                self._handles.append(mod.register_forward_hook(self._output_grad_hook(name)))
+            elif want_dgrads:
+                self._handles.append(mod.register_full_backward_hook(self._backward_hook(name)))
+
+    def set_last_microbatch(self, is_last: bool) -> None:
+        """Tell the dumper whether the coming forward/backward is the iteration's last micro-batch."""
+        self._last_microbatch = is_last
+
+    def end_iteration(self) -> None:
+        """Write whatever this iteration collected, then remove the hooks."""
+        it = self._iteration
+        self._remove_hooks()
+        if it is None:
+            return
+        self._iteration = None
+        cfg = self.config
+        if self._activations:
+            self._save_tensors("activations", it, self._activations)
+        if self._dgrads:
+            self._save_tensors("dgrads", it, self._dgrads)
+        self._activations, self._dgrads = {}, {}
+        if _due(cfg.tensor_stats_interval, it):
+            self._write_stats(it)
+        if _due(cfg.save_tokens_per_expert_interval, it):
+            self._write_tokens_per_expert(it)
+
+    def close(self) -> None:
+        """Remove every hook and drop collected tensors (safe to call twice)."""
+        self._remove_hooks()
+        self._activations, self._dgrads = {}, {}
+        self._iteration = None
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _forward_hook(self, index: int, name: str, acts: bool, stats: bool) -> Any:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if not self._last_microbatch:
+                return
+            if acts:
+                for i, t in enumerate(_tensors(inputs)):
+                    # Deliberate sync: device-to-host copy, only on activation-dump iterations.
+                    self._activations[f"{name}/input{i}"] = t.detach().to("cpu")
+                for i, t in enumerate(_tensors(output)):
+                    self._activations[f"{name}/output{i}"] = t.detach().to("cpu")
+            if stats:
+                self._record_stats(index, output)
+
+        return hook
+
+    def _backward_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+            if not self._last_microbatch:
+                return
+            for i, t in enumerate(_tensors(grad_input)):
+                # Deliberate sync: device-to-host copy, only on dgrad-dump iterations.
+                self._dgrads[f"{name}/grad_input{i}"] = t.detach().to("cpu")
+            for i, t in enumerate(_tensors(grad_output)):
+                self._dgrads[f"{name}/grad_output{i}"] = t.detach().to("cpu")
+
+        return hook
+
+    def _output_grad_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if not self._last_microbatch:
+                return
+            for i, t in enumerate(_tensors(output)):
+                if t.requires_grad:
+                    t.register_hook(self._store_grad(f"{name}/grad_output{i}"))
+
+        return hook
+
+    def _store_grad(self, key: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            # Deliberate sync: device-to-host copy, only on dgrad-dump iterations.
+            self._dgrads[key] = grad.detach().to("cpu")
+
+        return hook
+
+    def _record_stats(self, index: int, output: Any) -> None:
+        floats = [t.detach() for t in _tensors(output) if t.is_floating_point()]
+        if not floats:
+            return
+        x = floats[0]
+        n = max(x.numel(), 1)
+        # fp32 accumulation without materialising an fp32 copy of a bf16 tensor.
+        mean = x.sum(dtype=torch.float32) / n
+        sq = torch.linalg.vector_norm(x, 2, dtype=torch.float32).square() / n
+        std = (sq - mean.square()).clamp_min(0).sqrt()
+        absmax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+        nonfinite = torch.isfinite(x).logical_not_().sum().to(torch.float32)
+        self._stats[index].copy_(torch.stack([mean, std, absmax, nonfinite]))
+        self._stats_seen[index] = True
+
+    # -- writers ---------------------------------------------------------------------------------
+    def _save_tensors(self, label: str, iteration: int, tensors: dict[str, torch.Tensor]) -> None:
+        path = self.out_dir / label / f"iter_{iteration:07d}" / f"rank{self.rank}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".pt.tmp")
+        torch.save(dict(tensors), tmp)
+        os.replace(tmp, path)
+
+    def _append_jsonl(self, label: str, lines: list[dict[str, Any]]) -> None:
+        if not lines:
+            return
+        path = self.out_dir / label / f"rank{self.rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+
+    def _write_stats(self, iteration: int) -> None:
+        # Deliberate sync: the one read of the statistics buffer per stats iteration.
+        rows = self._stats.tolist()
+        modules = {
+            name: dict(zip(("mean", "std", "absmax", "nonfinite"), rows[i]))
+            for i, (name, _) in enumerate(self._modules)
+            if self._stats_seen[i]
+        }
+        self._append_jsonl("tensor_stats", [{"iteration": iteration, "modules": modules}])
+
+    def _write_tokens_per_expert(self, iteration: int) -> None:
+        lines = []
+        for name, router in self._routers:
+            tpe = getattr(router, "last_tokens_per_expert", None)
+            if not isinstance(tpe, torch.Tensor):
+                continue
+            # Deliberate sync: read the router's counts at dump iterations only.
+            counts = [int(c) for c in tpe.detach().to("cpu").tolist()]
+            lines.append(
+                {
+                    "iteration": iteration,
+                    "layer": layer_number(name),
+                    "name": name,
+                    "tokens_per_expert": counts,
+                }
+            )
+        self._append_jsonl("tokens_per_expert", lines)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def num_hooks(self) -> int:
+        return len(self._handles)
+
+
+class NullTensorDumper:
+    """All dumps off: no hooks, no buffers, no files."""
+
+    num_hooks = 0
+
+    def begin_iteration(self, iteration: int) -> None:
+        return None
+
+    def set_last_microbatch(self, is_last: bool) -> None:
+        return None
+
+    def end_iteration(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def make_tensor_dumper(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    config: DumpConfig,
+    rank: int = 0,
+    dp_rank: int = 0,
+) -> TensorDumper | NullTensorDumper:
+    """A `TensorDumper` when any interval is set, else the `NullTensorDumper`."""
+    if not config.any_enabled:
+        return NullTensorDumper()
+    return TensorDumper(model, out_dir, config, rank, dp_rank)

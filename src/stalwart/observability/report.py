@@ -1,0 +1,274 @@
+"""Run report: read a run directory's artefacts, write ``report.html`` (+ PNGs when matplotlib exists).
+
+Usage::
+
+    append_event(run_dir, iteration=120, kind=EventKind.SKIPPED, detail="non-finite grad norm")
+    ...
+    path = write_report(run_dir)          # <run_dir>/report.html, <run_dir>/report/*.png
+    # or: stalwart report <run-dir>
+
+Artefacts read (each optional; a missing one becomes a note in the report):
+
+* ``metrics.jsonl`` (or any ``*metrics*.jsonl``): one object per log step with ``iteration`` and
+  e.g. ``loss``/``lm loss``, ``lr``/``learning-rate``, ``throughput``, ``elapsed_ms``,
+  ``timer/<name>``, ``mem-*``.
+* ``straggler.jsonl`` (`stalwart.observability.straggler`), ``memory.json``
+  (`stalwart.observability.memory`), ``exit_reason.json``, ``events.jsonl`` (`append_event`),
+  ``chaos.json`` (``{"passed": bool, "faults": [...]}``).
+
+The HTML is self-contained: charts are inline SVG, nothing is fetched from the network.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+REPORT_FILE = "report.html"
+PNG_DIR = "report"
+LOSS_KEYS = ("lm loss", "loss")
+LR_KEYS = ("lr", "learning-rate")
+THROUGHPUT_KEYS = ("throughput_tflops_per_gpu", "throughput", "tokens_per_s")
+
+
+class EventKind(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11)
+    """Kinds of run events shown on the report's timeline."""
+
+    SKIPPED = "skipped"
+    NAN = "nan"
+    RERUN = "rerun"
+    RESTART = "restart"
+    EXIT = "exit"
+    CHECKPOINT = "checkpoint"
+
+
+def append_event(
+    run_dir: str | os.PathLike[str],
+    iteration: int,
+    kind: EventKind | str,
+    detail: str = "",
+    when: float | None = None,
+) -> dict[str, Any]:
+    """Append one event line to ``<run_dir>/events.jsonl`` and return it.
+
+    ``kind`` must be an `EventKind` value; ``detail`` is free text. Call from one rank only
+    (usually rank 0): lines are appended with a single ``write`` each.
+    """
+    try:
+        kind_value = EventKind(kind).value
+    except ValueError:
+        allowed = ", ".join(k.value for k in EventKind)
+        raise ValueError(f"event kind must be one of {allowed}, got {kind!r}") from None
+    record = {
+        "time": time.time() if when is None else when,
+        "iteration": int(iteration),
+        "kind": kind_value,
+        "detail": detail,
+    }
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / EVENTS_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+@dataclass
+class RunArtefacts:
+    """Everything the report shows; fields are empty/None when the artefact was missing."""
+
+    run_dir: Path
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    straggler: list[dict[str, Any]] = field(default_factory=list)
+    memory: dict[str, Any] | None = None
+    exit_reason: dict[str, Any] | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    chaos: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    bad = 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1  # a torn last line after a crash is normal
+                continue
+            if isinstance(obj, dict):
+                rows.append(obj)
+    if bad:
+        notes.append(f"{path.name}: skipped {bad} unreadable line(s)")
+    return rows
+
+
+def _read_json(path: Path, notes: list[str]) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        notes.append(f"{path.name}: unreadable ({exc})")
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _find_metrics(run_dir: Path) -> Path | None:
+    direct = run_dir / "metrics.jsonl"
+    if direct.exists():
+        return direct
+    candidates = sorted(run_dir.glob("*metrics*.jsonl")) + sorted(run_dir.glob("*/*metrics*.jsonl"))
+    return candidates[0] if candidates else None
+
+
+def load_run(run_dir: str | os.PathLike[str]) -> RunArtefacts:
+    """Read every known artefact; missing ones are recorded in ``notes``, never raised.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` does not exist or is not a directory.
+    """
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"run directory not found: {root}")
+    art = RunArtefacts(run_dir=root)
+    notes = art.notes
+    metrics = _find_metrics(root)
+    if metrics is None:
+        notes.append(
+            "metrics JSONL not found: loss, learning-rate, throughput and timer charts skipped"
+        )
+    else:
+        # Training rows only: validation rows ("split": "validation...") share the file.
+        art.metrics = sorted(
+            (
+                r
+                for r in _read_jsonl(metrics, notes)
+                if "iteration" in r and r.get("split", "train") == "train"
+            ),
+            key=lambda r: float(r["iteration"]),
+        )
+    for name, attr in (("straggler.jsonl", "straggler"), (EVENTS_FILE, "events")):
+        path = root / name
+        if path.exists():
+            setattr(art, attr, _read_jsonl(path, notes))
+        else:
+            notes.append(f"{name} not found: section skipped")
+    for name, attr in (
+        ("memory.json", "memory"),
+        ("exit_reason.json", "exit_reason"),
+        ("chaos.json", "chaos"),
+    ):
+        path = root / name
+        if path.exists():
+            setattr(art, attr, _read_json(path, notes))
+        elif name != "chaos.json":  # chaos runs are the exception, not worth a note
+            notes.append(f"{name} not found: section skipped")
+    return art
+
+
+def series(rows: list[dict[str, Any]], *keys: str) -> list[tuple[float, float]]:
+    """``(iteration, value)`` for the first of ``keys`` present and numeric in each row."""
+    out: list[tuple[float, float]] = []
+    for row in rows:
+        for key in keys:
+            value = row.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out.append((float(row["iteration"]), float(value)))
+                break
+    return out
+
+
+NOT_TIMERS = frozenset({"iteration-time-ms", "interval-time-time-ms"})
+
+
+def timer_label(key: str) -> str:
+    """``timer/forward`` or ``forward-time-ms`` → ``forward``."""
+    return key[len("timer/") :] if key.startswith("timer/") else key[: -len("-time-ms")]
+
+
+def timer_names(rows: list[dict[str, Any]]) -> list[str]:
+    """Per-region timer keys (``timer/<name>`` or TrainingLog's ``<name>-time-ms``), first seen first.
+
+    The whole-iteration timers are left out: they are the sum, not a part of the breakdown.
+    """
+    seen: dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            is_timer = key.startswith("timer/") or key.endswith("-time-ms")
+            if is_timer and key not in NOT_TIMERS:
+                seen.setdefault(key, None)
+    return list(seen)
+
+
+def write_pngs(art: RunArtefacts, out_dir: Path) -> list[Path]:
+    """Loss/LR/throughput/timer PNGs with matplotlib (Agg); empty list when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        art.notes.append("matplotlib not installed: PNGs skipped (the HTML uses inline SVG)")
+        return []
+    charts: list[tuple[str, str, dict[str, list[tuple[float, float]]]]] = [
+        ("loss", "loss", {"loss": series(art.metrics, *LOSS_KEYS)}),
+        ("learning_rate", "learning rate", {"lr": series(art.metrics, *LR_KEYS)}),
+        (
+            "throughput",
+            "throughput",
+            {"throughput": series(art.metrics, *THROUGHPUT_KEYS)},
+        ),
+        (
+            "timers",
+            "ms",
+            {timer_label(k): series(art.metrics, k) for k in timer_names(art.metrics)},
+        ),
+    ]
+    written: list[Path] = []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, ylabel, data in charts:
+        data = {k: v for k, v in data.items() if v}
+        if not data:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for label, pts in data.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if len(data) > 1:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(
+    run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, pngs: bool = True
+) -> Path:
+    """Load ``run_dir``, render the HTML report (default ``<run_dir>/report.html``), write PNGs.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` does not exist.
+    """
+    from stalwart.observability.report_html import render_html
+
+    art = load_run(run_dir)
+    png_paths = write_pngs(art, art.run_dir / PNG_DIR) if pngs else []
+    target = Path(out) if out is not None else art.run_dir / REPORT_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(render_html(art, [p.name for p in png_paths]), encoding="utf-8")
+    os.replace(tmp, target)
+    return target

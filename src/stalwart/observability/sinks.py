@@ -1,0 +1,284 @@
+"""Metric sinks: where scalars go (TensorBoard, Weights & Biases, JSON lines, nowhere).
+
+Every sink implements :class:`MetricSink`. Callers write through one sink object; to reach several
+back-ends they use :class:`FanOutSink`, which forwards each call to every child, so TensorBoard and
+W&B always receive the same keys at the same steps ("written in pairs", as Megatron intends but
+does by hand). Only **rank 0** writes metrics: :func:`build_sinks` returns a :class:`NullSink` on
+every other rank. (Megatron uses the last rank because losses live on the last pipeline stage;
+stalwart's trainer has its losses on rank 0.)
+
+Optional dependencies (``tensorboard``, ``wandb``) are imported when a sink is constructed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, cast, runtime_checkable
+
+WANDB_MODES = ("online", "offline", "disabled")
+# Keys with this suffix use consumed samples as their x-axis (Megatron's "vs samples" variants).
+VS_SAMPLES_SUFFIX = " vs samples"
+
+
+@runtime_checkable
+class MetricSink(Protocol):
+    """Destination for scalar metrics. ``step`` is the x-axis value (iteration or samples)."""
+
+    def add_scalar(self, name: str, value: float, step: int) -> None: ...
+    def add_scalars(self, values: Mapping[str, float], step: int) -> None: ...
+    def add_text(self, name: str, text: str, step: int) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullSink:
+    """Writes nothing. The sink of every non-zero rank and of runs without metric back-ends."""
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        return None
+
+    def add_scalars(self, values: Mapping[str, float], step: int) -> None:
+        return None
+
+    def add_text(self, name: str, text: str, step: int) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def is_null_sink(sink: MetricSink) -> bool:
+    """True when writing to ``sink`` has no effect (lets callers skip computing the values).
+
+    Exact type check: a subclass that overrides the methods is a real sink.
+    """
+    return type(sink) is NullSink
+
+
+class TensorBoardSink:
+    """TensorBoard event files under ``log_dir`` (``--tensorboard-dir``)."""
+
+    def __init__(self, log_dir: str, max_queue: int = 1000) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # tensorboard is an optional dependency
+            raise ImportError(
+                "--tensorboard-dir needs the 'tensorboard' package: pip install 'stalwart[tensorboard]'"
+            ) from exc
+        self.log_dir = log_dir
+        self._writer = SummaryWriter(log_dir=log_dir, max_queue=max_queue)
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        self._writer.add_scalar(name, value, step)
+
+    def add_scalars(self, values: Mapping[str, float], step: int) -> None:
+        # One tag per key (SummaryWriter.add_scalars would create one sub-run per key instead).
+        for name, value in values.items():
+            self._writer.add_scalar(name, value, step)
+
+    def add_text(self, name: str, text: str, step: int) -> None:
+        self._writer.add_text(name, text, step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run (``--wandb-project``, ``--wandb-exp-name``, ``--wandb-save-dir``).
+
+    ``mode`` (``--wandb-mode``) is ``online`` | ``offline`` | ``disabled``; ``None`` lets wandb read
+    ``WANDB_MODE`` from the environment. W&B needs a monotonic step, so the sink does not pass
+    ``step=`` to W&B: it logs each call as one row with an explicit x-axis column, ``iteration`` for
+    ordinary keys and ``samples`` for ``"... vs samples"`` keys (declared with ``define_metric``).
+    """
+
+    def __init__(
+        self,
+        project: str,
+        exp_name: str | None = None,
+        save_dir: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        mode: str | None = None,
+    ) -> None:
+        if mode is not None and mode not in WANDB_MODES:
+            raise ValueError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}, got {mode!r}")
+        if not project:
+            raise ValueError("--wandb-project must be a non-empty string")
+        try:
+            import wandb
+        except ImportError as exc:  # wandb is an optional dependency
+            raise ImportError(
+                "--wandb-project needs the 'wandb' package: pip install 'stalwart[wandb]'"
+            ) from exc
+        if save_dir:
+            os.makedirs(save_dir, exist_ok=True)
+        self._run = wandb.init(
+            project=project,
+            name=exp_name,
+            dir=save_dir,
+            config=dict(config or {}),
+            mode=cast(Any, mode),  # validated above; wandb's stub wants a Literal
+        )
+        self._run.define_metric("iteration")
+        self._run.define_metric("samples")
+        self._defined: set[str] = set()
+
+    @property
+    def run_dir(self) -> str:
+        """Directory of this run's files (``.../wandb/<run>/files``)."""
+        return str(self._run.dir)
+
+    def _define(self, name: str) -> str:
+        axis = "samples" if name.endswith(VS_SAMPLES_SUFFIX) else "iteration"
+        if name not in self._defined:
+            self._run.define_metric(name, step_metric=axis)
+            self._defined.add(name)
+        return axis
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        self.add_scalars({name: value}, step)
+
+    def add_scalars(self, values: Mapping[str, float], step: int) -> None:
+        by_axis: dict[str, dict[str, float]] = {}
+        for name, value in values.items():
+            by_axis.setdefault(self._define(name), {})[name] = float(value)
+        for axis, row in by_axis.items():
+            self._run.log({axis: step, **row})
+
+    def add_text(self, name: str, text: str, step: int) -> None:
+        self._run.summary[name] = text
+
+    def flush(self) -> None:
+        return None  # wandb streams in the background; finish() in close() drains it.
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def _json_number(value: Any) -> Any:
+    """JSON has no NaN/Infinity: non-finite floats become null (the nan counters say why)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class JsonlSink:
+    """JSON lines file (``--metrics-file``): one object per step, ``{"step": s, key: value, ...}``.
+
+    Scalars for the same step are grouped into one line; a line is written when the step changes
+    or on ``flush``/``close``. :meth:`write_record` writes one complete object immediately.
+    """
+
+    def __init__(self, path: str) -> None:
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 -- closed by close()
+        self._pending_step: int | None = None
+        self._pending: dict[str, Any] = {}
+
+    def write_record(self, record: Mapping[str, Any]) -> None:
+        """Write ``record`` as one line now (flushed so a crash loses at most this line)."""
+        self._flush_pending()
+        clean = {k: _json_number(v) for k, v in record.items()}
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        self.add_scalars({name: value}, step)
+
+    def add_scalars(self, values: Mapping[str, float], step: int) -> None:
+        if self._pending_step is not None and step != self._pending_step:
+            self._flush_pending()
+        self._pending_step = step
+        self._pending.update(values)
+
+    def add_text(self, name: str, text: str, step: int) -> None:
+        self.add_scalars({name: text}, step)  # type: ignore[dict-item]
+
+    def _flush_pending(self) -> None:
+        if self._pending_step is None:
+            return
+        record = {"step": self._pending_step, **self._pending}
+        self._pending_step, self._pending = None, {}
+        self.write_record(record)
+
+    def flush(self) -> None:
+        self._flush_pending()
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self.flush()
+            self._file.close()
+
+
+class FanOutSink:
+    """Forwards every call to each child, in order, so all back-ends get identical keys and steps."""
+
+    def __init__(self, children: Sequence[MetricSink]) -> None:
+        self.children: tuple[MetricSink, ...] = tuple(children)
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        for child in self.children:
+            child.add_scalar(name, value, step)
+
+    def add_scalars(self, values: Mapping[str, float], step: int) -> None:
+        for child in self.children:
+            child.add_scalars(values, step)
+
+    def add_text(self, name: str, text: str, step: int) -> None:
+        for child in self.children:
+            child.add_text(name, text, step)
+
+    def flush(self) -> None:
+        for child in self.children:
+            child.flush()
+
+    def close(self) -> None:
+        for child in self.children:
+            child.close()
+
+
+def build_sinks(
+    *,
+    rank: int,
+    tensorboard_dir: str | None = None,
+    tensorboard_queue_size: int = 1000,
+    wandb_project: str | None = None,
+    wandb_exp_name: str | None = None,
+    wandb_save_dir: str | None = None,
+    wandb_mode: str | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> MetricSink:
+    """The sink for this rank from config values: NullSink unless rank 0 configured a back-end.
+
+    One back-end is returned as is; TensorBoard + W&B are wrapped in a :class:`FanOutSink`.
+    ``wandb_save_dir`` defaults to ``<tensorboard_dir>/wandb`` when TensorBoard is on, else cwd.
+    """
+    if wandb_mode is not None and wandb_mode not in WANDB_MODES:
+        raise ValueError(
+            f"--wandb-mode must be one of {', '.join(WANDB_MODES)}, got {wandb_mode!r}"
+        )
+    if rank != 0:
+        return NullSink()
+    children: list[MetricSink] = []
+    if tensorboard_dir:
+        children.append(TensorBoardSink(tensorboard_dir, max_queue=tensorboard_queue_size))
+    if wandb_project:
+        save_dir = wandb_save_dir or (
+            os.path.join(tensorboard_dir, "wandb") if tensorboard_dir else None
+        )
+        children.append(WandbSink(wandb_project, wandb_exp_name, save_dir, config, wandb_mode))
+    if not children:
+        return NullSink()
+    return children[0] if len(children) == 1 else FanOutSink(children)

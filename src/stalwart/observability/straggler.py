@@ -1,0 +1,313 @@
+"""Straggler detection: per-rank *compute* time, gathered once per log interval.
+
+A slow rank is invisible in iteration time because every rank waits for it in the gradient
+all-reduce. So the detector times only the regions the trainer marks as compute (forward and
+backward of each micro-batch, never a collective) with CUDA events on GPU, or ``time.perf_counter``
+on CPU, and at each log step gathers one float per rank with a single ``all_gather``.
+
+Usage in a hand-written loop::
+
+    detector = StragglerDetector(device, rank, world_size, threshold=1.2, run_dir=run_dir)
+    for it in range(1, iters + 1):
+        for mb in micro_batches:
+            with detector.compute():
+                loss = model(mb).loss
+                loss.backward()
+        all_reduce_grads(model)              # NOT inside compute(): waiting here is not compute
+        optimizer.step()
+        if it % log_interval == 0:
+            report = detector.report(it)     # collective: call on every rank
+            print(report.fields())           # rank 0 also appends to <run_dir>/straggler.jsonl
+
+With `stalwart.observability.TrainingLog`, pass the detector as a log-field provider instead:
+its ``log_fields(info)`` runs ``report(info.iteration, info.num_iterations)`` at each log step.
+
+Disabled: ``NullStragglerDetector`` has the same methods and does nothing (``compute()`` returns a
+shared no-op context manager, ``report`` returns ``None`` and issues no collective).
+
+Cost: two ``cudaEventRecord`` per marked region (a few microseconds of host time, no sync); one
+event synchronisation plus one ``all_gather`` of one float per rank per log interval.
+
+Limitations: under a full-iteration CUDA graph the Python ``compute()`` regions do not run on
+replay; time the replay as a single region instead. With DDP the last bucket's all-reduce wait
+lands in the backward of the last micro-batch; wrap only forward/backward for precise numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.distributed import ProcessGroup
+
+from stalwart.distributed import collectives
+from stalwart.observability.train_log import IntervalInfo, LogField
+
+STRAGGLER_FILE = "straggler.jsonl"
+
+
+def validate_straggler_args(threshold: float, minmax_count: int) -> None:
+    """Raise ``ValueError`` naming the flag when a straggler option is out of range."""
+    if not (math.isfinite(threshold) and threshold > 1.0):
+        raise ValueError(f"--straggler-threshold must be a finite number > 1.0, got {threshold}")
+    if minmax_count < 1:
+        raise ValueError(f"--straggler-minmax-count must be an integer >= 1, got {minmax_count}")
+
+
+@dataclass(frozen=True)
+class StragglerReport:
+    """Per-rank compute time over one log interval, in milliseconds per iteration.
+
+    Attributes:
+        iteration: the iteration the report was taken at.
+        compute_ms: ``compute_ms[r]`` is rank r's compute time per iteration.
+        min_ms / median_ms / max_ms: statistics over ranks.
+        slowest / fastest: ``(rank, ms)`` of the ``minmax_count`` slowest / fastest ranks.
+        relative_throughput: ``median_ms / compute_ms[r]`` (1.0 = median rank, < 1 = slower).
+        stragglers: ranks whose compute time exceeds ``threshold * median_ms``.
+        threshold: the threshold used.
+    """
+
+    iteration: int
+    compute_ms: list[float]
+    min_ms: float
+    median_ms: float
+    max_ms: float
+    slowest: list[tuple[int, float]]
+    fastest: list[tuple[int, float]]
+    relative_throughput: list[float]
+    stragglers: list[int]
+    threshold: float
+
+    def fields(self) -> list[LogField]:
+        """Fields for the training log line; keyed ones also go to the sinks and metrics file."""
+        slow_rank = self.slowest[0][0]
+        out = [
+            LogField("compute ms min", self.min_ms, "{:.1f}", "straggler/compute-ms-min"),
+            LogField("median", self.median_ms, "{:.1f}", "straggler/compute-ms-median"),
+            LogField("max", self.max_ms, "{:.1f}", "straggler/compute-ms-max"),
+            LogField("slowest rank", slow_rank, "{}", "straggler/slowest-rank"),
+            LogField(
+                "slowest rel. throughput",
+                self.relative_throughput[slow_rank],
+                "{:.2f}",
+                "straggler/slowest-relative-throughput",
+            ),
+        ]
+        if len(self.slowest) > 1:
+            ranks = ",".join(f"{r}:{ms:.1f}" for r, ms in self.slowest)
+            out.append(LogField("slowest ranks (ms)", ranks, "{}"))
+            ranks = ",".join(f"{r}:{ms:.1f}" for r, ms in self.fastest)
+            out.append(LogField("fastest ranks (ms)", ranks, "{}"))
+        out.append(LogField("stragglers", len(self.stragglers), "{}", "straggler/num-stragglers"))
+        if self.stragglers:
+            out.append(LogField("straggler ranks", ",".join(map(str, self.stragglers)), "{}"))
+        return out
+
+    def scalars(self) -> dict[str, float]:
+        """Scalars for metric sinks: the keyed fields of `fields`."""
+        return {f.key: float(f.value) for f in self.fields() if f.key is not None}
+
+    def to_record(self) -> dict[str, object]:
+        """The JSON record appended to ``straggler.jsonl`` (one line per report, all ranks)."""
+        record = asdict(self)
+        record["time"] = time.time()
+        return record
+
+
+def build_report(
+    iteration: int, compute_ms: list[float], threshold: float, minmax_count: int = 1
+) -> StragglerReport:
+    """Pure decision: turn gathered per-rank times into a report (no I/O, no collectives)."""
+    if not compute_ms:
+        raise ValueError("build_report needs at least one rank's time")
+    median = statistics.median(compute_ms)
+    order = sorted(range(len(compute_ms)), key=lambda r: (compute_ms[r], r))
+    k = min(max(minmax_count, 1), len(compute_ms))
+    relative = [median / t if t > 0 else 0.0 for t in compute_ms]
+    stragglers = [r for r, t in enumerate(compute_ms) if median > 0 and t > threshold * median]
+    return StragglerReport(
+        iteration=iteration,
+        compute_ms=list(compute_ms),
+        min_ms=compute_ms[order[0]],
+        median_ms=median,
+        max_ms=compute_ms[order[-1]],
+        slowest=[(r, compute_ms[r]) for r in reversed(order[-k:])],
+        fastest=[(r, compute_ms[r]) for r in order[:k]],
+        relative_throughput=relative,
+        stragglers=stragglers,
+        threshold=threshold,
+    )
+
+
+@dataclass
+class _Interval:
+    """Compute time accumulated since the last report (host side)."""
+
+    wall_s: float = 0.0
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    iterations: int = 0
+
+
+class StragglerDetector:
+    """Times marked compute regions and reports stragglers at log steps.
+
+    Args:
+        device: this rank's compute device; CUDA uses events, anything else wall clock.
+        rank: global rank (only rank 0 writes ``straggler.jsonl``).
+        world_size: number of ranks (for messages only; the gather uses ``group``).
+        threshold: a rank is a straggler when its compute time > threshold × median.
+        minmax_count: how many slowest/fastest ranks to name.
+        run_dir: where rank 0 appends ``straggler.jsonl``; ``None`` disables the file.
+        group: process group for the gather (default group when ``None``).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        threshold: float = 1.2,
+        minmax_count: int = 1,
+        run_dir: str | os.PathLike[str] | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
+        validate_straggler_args(threshold, minmax_count)
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.threshold = threshold
+        self.minmax_count = minmax_count
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.group = group
+        self._use_events = device.type == "cuda"
+        self._pool: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._interval = _Interval()
+        self._last: StragglerReport | None = None
+
+    def _event_pair(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        # Reuse events: creating CUDA events every micro-batch costs more than recording them.
+        if self._pool:
+            return self._pool.pop()
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """Mark a compute region (forward and/or backward). Nesting is not supported."""
+        if self._use_events:
+            start, end = self._event_pair()
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._interval.events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._interval.wall_s += time.perf_counter() - t0
+
+    def step(self) -> None:
+        """Count one finished iteration (call once per iteration, outside compute regions)."""
+        self._interval.iterations += 1
+
+    def _local_ms_per_iteration(self, num_iterations: int) -> float:
+        total_ms = self._interval.wall_s * 1000.0
+        if self._interval.events:
+            # Deliberate sync: once per log interval, to read the recorded event times.
+            self._interval.events[-1][1].synchronize()
+            total_ms += sum(s.elapsed_time(e) for s, e in self._interval.events)
+            self._pool.extend(self._interval.events)
+        self._interval = _Interval()
+        return total_ms / max(num_iterations, 1)
+
+    def report(self, iteration: int, num_iterations: int | None = None) -> StragglerReport:
+        """Gather compute time from every rank (ONE all_gather) and build the report.
+
+        Collective: every rank of ``group`` must call it at the same iteration. ``num_iterations``
+        defaults to the number of ``step()`` calls since the last report (at least 1).
+        """
+        n = num_iterations if num_iterations is not None else self._interval.iterations
+        local = self._local_ms_per_iteration(n)
+        gathered = collectives.all_gather_floats([local], group=self.group)
+        report = build_report(
+            iteration, [g[0] for g in gathered], self.threshold, self.minmax_count
+        )
+        self._last = report
+        if self.rank == 0 and self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / STRAGGLER_FILE, "a", encoding="utf-8") as f:
+                f.write(json.dumps(report.to_record()) + "\n")
+        return report
+
+    @property
+    def last_report(self) -> StragglerReport | None:
+        return self._last
+
+    def log_fields(self, info: IntervalInfo) -> list[LogField]:
+        """`LogFieldProvider`: report at this log step (collective on every rank) and return fields."""
+        return self.report(info.iteration, info.num_iterations).fields()
+
+    def scalars(self) -> dict[str, float]:
+        """Metric-sink provider: scalars of the latest report (empty before the first)."""
+        return self._last.scalars() if self._last is not None else {}
+
+    def close(self) -> None:
+        self._pool.clear()
+        self._interval = _Interval()
+
+
+class NullStragglerDetector:
+    """Disabled detector: same surface, no timing, no collectives, no files."""
+
+    def __init__(self) -> None:
+        self._noop = contextlib.nullcontext()
+
+    def compute(self) -> contextlib.AbstractContextManager[None]:
+        return self._noop
+
+    def step(self) -> None:
+        return None
+
+    def report(self, iteration: int, num_iterations: int | None = None) -> None:
+        return None
+
+    @property
+    def last_report(self) -> None:
+        return None
+
+    def log_fields(self, info: IntervalInfo) -> list[LogField]:
+        return []
+
+    def scalars(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+def make_straggler_detector(
+    enabled: bool,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    threshold: float = 1.2,
+    minmax_count: int = 1,
+    run_dir: str | os.PathLike[str] | None = None,
+    group: ProcessGroup | None = None,
+) -> StragglerDetector | NullStragglerDetector:
+    """``--log-straggler`` → a real detector, otherwise the null one (args validated either way)."""
+    validate_straggler_args(threshold, minmax_count)
+    if not enabled:
+        return NullStragglerDetector()
+    return StragglerDetector(device, rank, world_size, threshold, minmax_count, run_dir, group)

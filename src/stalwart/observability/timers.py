@@ -1,0 +1,487 @@
+"""Named wall-clock timers with Megatron-compatible API, cross-rank aggregation and one unit.
+
+Contract summary:
+
+* ``Timers(log_level, log_option)`` hands out timers by name. A timer whose level is above the
+  configured ``--timing-log-level`` is the one shared :class:`NullTimer` (no registration, no cost).
+* ``Timer.elapsed()`` returns **seconds** (Megatron's API). Everything that leaves this module for a
+  human or a dashboard -- :meth:`Timers.log` strings and :meth:`Timers.write` scalars -- is in
+  **milliseconds**, and the sink keys say so (``"<name>-time-ms"``). Megatron writes seconds to
+  TensorBoard and milliseconds to stdout; stalwart does not.
+* :meth:`Timers.log` / :meth:`Timers.write` / :meth:`Timers.report` are collectives: every rank must
+  call them with the same names. One ``all_gather`` of a ``[world, len(names)]`` matrix serves both
+  the string and the scalars. Only **rank 0** gets a string back and writes scalars.
+
+Modes (:class:`TimingMode`):
+
+* ``SYNC``: Megatron's behaviour: ``torch.cuda.synchronize`` on start/stop when the device is CUDA,
+  then the host clock. Measures wall time including host gaps and communication waits.
+* ``EVENTS``: CUDA events recorded on the current stream; start/stop never block the host. The
+  elapsed time is resolved lazily when it is read (log steps). On a non-CUDA device there are no
+  events, so ``EVENTS`` falls back to the host clock (identical to ``SYNC`` there).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.distributed as dist
+
+from stalwart.distributed import collectives
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from stalwart.observability.sinks import MetricSink
+
+MAX_LOG_LEVEL = 2
+LOG_OPTIONS = ("max", "minmax", "all")
+
+# Standard timer names (Megatron spelling) and the level at which each one is real.
+INTERVAL_TIME = "interval-time"
+SAVE_CHECKPOINT = "save-checkpoint"
+SAVE_CHECKPOINT_NON_PERSISTENT = "save-checkpoint-non-persistent"
+LOAD_CHECKPOINT = "load-checkpoint"
+EVALUATE = "evaluate"
+FORWARD_BACKWARD = "forward-backward"
+ALL_GRADS_SYNC = "all-grads-sync"
+PARAMS_ALL_GATHER = "params-all-gather"
+OPTIMIZER_COPY_TO_MAIN_GRAD = "optimizer-copy-to-main-grad"
+OPTIMIZER_UNSCALE_AND_CHECK_INF = "optimizer-unscale-and-check-inf"
+OPTIMIZER_CLIP_MAIN_GRAD = "optimizer-clip-main-grad"
+OPTIMIZER_COUNT_ZEROS = "optimizer-count-zeros"
+OPTIMIZER_INNER_STEP = "optimizer-inner-step"
+OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS = "optimizer-copy-main-to-model-params"
+OPTIMIZER = "optimizer"
+BATCH_GENERATOR = "batch-generator"
+FORWARD_COMPUTE = "forward-compute"
+BACKWARD_COMPUTE = "backward-compute"
+
+STANDARD_TIMER_LEVELS: Mapping[str, int] = types.MappingProxyType(
+    {
+        INTERVAL_TIME: 0,
+        SAVE_CHECKPOINT: 0,
+        SAVE_CHECKPOINT_NON_PERSISTENT: 0,
+        LOAD_CHECKPOINT: 0,
+        EVALUATE: 0,
+        FORWARD_BACKWARD: 1,
+        ALL_GRADS_SYNC: 1,
+        PARAMS_ALL_GATHER: 1,
+        OPTIMIZER_COPY_TO_MAIN_GRAD: 1,
+        OPTIMIZER_UNSCALE_AND_CHECK_INF: 1,
+        OPTIMIZER_CLIP_MAIN_GRAD: 1,
+        OPTIMIZER_COUNT_ZEROS: 1,
+        OPTIMIZER_INNER_STEP: 1,
+        OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS: 1,
+        OPTIMIZER: 1,
+        BATCH_GENERATOR: 2,
+        FORWARD_COMPUTE: 2,
+        BACKWARD_COMPUTE: 2,
+    }
+)
+
+# The per-iteration timers the training log reports, in Megatron's order (level filtered at use).
+TRAINING_TIMERS: tuple[str, ...] = (
+    FORWARD_BACKWARD,
+    ALL_GRADS_SYNC,
+    PARAMS_ALL_GATHER,
+    OPTIMIZER_COPY_TO_MAIN_GRAD,
+    OPTIMIZER_UNSCALE_AND_CHECK_INF,
+    OPTIMIZER_CLIP_MAIN_GRAD,
+    OPTIMIZER_COUNT_ZEROS,
+    OPTIMIZER_INNER_STEP,
+    OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS,
+    OPTIMIZER,
+    BATCH_GENERATOR,
+    FORWARD_COMPUTE,
+    BACKWARD_COMPUTE,
+)
+
+# Fold finished CUDA event pairs once this many are pending, so long intervals stay bounded.
+_MAX_PENDING_EVENTS = 64
+
+
+class TimingMode(enum.Enum):
+    """How a timer measures: see the module docstring."""
+
+    SYNC = "sync"
+    EVENTS = "events"
+
+
+def validate_timing_flags(log_level: int, log_option: str) -> None:
+    """Raise ``ValueError`` naming the flag when ``--timing-log-level``/``-option`` is invalid."""
+    if isinstance(log_level, bool) or not isinstance(log_level, int):
+        raise ValueError(
+            f"--timing-log-level must be an integer 0-{MAX_LOG_LEVEL}, got {log_level!r}"
+        )
+    if not 0 <= log_level <= MAX_LOG_LEVEL:
+        raise ValueError(f"--timing-log-level must be one of 0, 1, 2, got {log_level}")
+    if log_option not in LOG_OPTIONS:
+        raise ValueError(
+            f"--timing-log-option must be one of {', '.join(LOG_OPTIONS)}, got {log_option!r}"
+        )
+
+
+class TimerLike(Protocol):
+    """What callers may do with the object returned by ``timers(name)``."""
+
+    name: str
+
+    def start(self, barrier: bool = False) -> None: ...
+    def stop(self, barrier: bool = False) -> None: ...
+    def reset(self) -> None: ...
+    def elapsed(self, reset: bool = True, barrier: bool = False) -> float: ...
+    def active_time(self) -> float: ...
+
+
+class NullTimer:
+    """Timer for names above the configured level: every call is a no-op.
+
+    Reading it is a programming error (the caller asked for a timer it disabled), so
+    ``elapsed``/``active_time`` raise ``RuntimeError`` rather than return a misleading 0.
+    """
+
+    name = "null timer"
+
+    def start(self, barrier: bool = False) -> None:
+        return None
+
+    def stop(self, barrier: bool = False) -> None:
+        return None
+
+    def reset(self) -> None:
+        return None
+
+    def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
+        raise RuntimeError(
+            "null timer cannot report elapsed time; its log_level is above --timing-log-level"
+        )
+
+    def active_time(self) -> float:
+        raise RuntimeError(
+            "null timer cannot report active time; its log_level is above --timing-log-level"
+        )
+
+
+class Timer:
+    """One named timer. Accumulates across start/stop pairs until reset; times are in seconds.
+
+    ``elapsed`` on a running timer stops it, reads, optionally resets, and restarts it (as Megatron).
+    ``reset`` clears the elapsed accumulator but not ``active_time`` (cumulative since creation).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        log_level: int,
+        mode: TimingMode,
+        device: torch.device,
+        barrier_group: ProcessGroup | None = None,
+    ) -> None:
+        self.name = name
+        self.log_level = log_level
+        self._device = device
+        self._sync = mode is TimingMode.SYNC and device.type == "cuda"
+        self._use_events = mode is TimingMode.EVENTS and device.type == "cuda"
+        self._barrier_group = barrier_group
+        self._elapsed_s = 0.0
+        self._active_s = 0.0
+        self._running = False
+        self._start_wall = 0.0
+        self._start_event: torch.cuda.Event | None = None
+        # (start, end) event pairs not yet converted to seconds; counted in elapsed and active.
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # Pairs dropped by reset() before being resolved: they still count in active_time().
+        self._pending_active_only: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    def set_barrier_group(self, group: ProcessGroup | None) -> None:
+        """Group used by ``barrier=True`` (None: the default world group)."""
+        self._barrier_group = group
+
+    def start(self, barrier: bool = False) -> None:
+        if self._running:
+            raise RuntimeError(f"timer {self.name!r} has already been started")
+        if barrier:
+            collectives.barrier(self._barrier_group)
+        if self._use_events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self._device))
+            self._start_event = event
+        else:
+            if self._sync:
+                # Deliberate sync (SYNC mode only): wall time must include queued device work.
+                torch.cuda.synchronize(self._device)
+            self._start_wall = time.perf_counter()
+        self._running = True
+
+    def stop(self, barrier: bool = False) -> None:
+        if not self._running:
+            raise RuntimeError(f"timer {self.name!r} is not started")
+        if barrier:
+            collectives.barrier(self._barrier_group)
+        if self._use_events:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self._device))
+            assert self._start_event is not None
+            self._pending.append((self._start_event, end))
+            self._start_event = None
+            if len(self._pending) >= _MAX_PENDING_EVENTS:
+                self._fold_finished()
+        else:
+            if self._sync:
+                # Deliberate sync (SYNC mode only): see start().
+                torch.cuda.synchronize(self._device)
+            delta = time.perf_counter() - self._start_wall
+            self._elapsed_s += delta
+            self._active_s += delta
+        self._running = False
+
+    def _fold_finished(self) -> None:
+        """Convert event pairs whose end already completed (non-blocking ``query``)."""
+        still: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        for start, end in self._pending:
+            if end.query():
+                seconds = start.elapsed_time(end) / 1000.0
+                self._elapsed_s += seconds
+                self._active_s += seconds
+            else:
+                still.append((start, end))
+        self._pending = still
+
+    def _resolve(self) -> None:
+        if not self._pending and not self._pending_active_only:
+            return
+        for start, end in self._pending:
+            # Deliberate sync: EVENTS mode resolves lazily, only when a value is read (log step).
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000.0
+            self._elapsed_s += seconds
+            self._active_s += seconds
+        for start, end in self._pending_active_only:
+            end.synchronize()  # Deliberate sync: same as above, for active_time().
+            self._active_s += start.elapsed_time(end) / 1000.0
+        self._pending = []
+        self._pending_active_only = []
+
+    def reset(self) -> None:
+        """Zero the elapsed accumulator and mark the timer stopped (active time is kept)."""
+        self._elapsed_s = 0.0
+        self._pending_active_only.extend(self._pending)
+        self._pending = []
+        self._start_event = None
+        self._running = False
+
+    def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
+        """Accumulated seconds since the last reset (a running timer is stopped and restarted)."""
+        was_running = self._running
+        if was_running:
+            self.stop(barrier=barrier)
+        self._resolve()
+        value = self._elapsed_s
+        if reset:
+            self.reset()
+        if was_running:
+            self.start(barrier=barrier)
+        return value
+
+    def active_time(self) -> float:
+        """Seconds this timer has been running since creation, across resets."""
+        self._resolve()
+        return self._active_s
+
+
+@dataclass(frozen=True)
+class TimerReport:
+    """Per-rank milliseconds (already divided by the normalizer) for a list of timer names.
+
+    ``ms[r][i]`` is rank ``r``'s value for ``names[i]``; 0 means "not timed on that rank" and is
+    excluded from min/max, as in Megatron.
+    """
+
+    names: tuple[str, ...]
+    ms: tuple[tuple[float, ...], ...]
+
+    def min_max(self) -> dict[str, tuple[float, float]]:
+        """Name -> (min, max) over ranks with a positive value; names without one are omitted."""
+        out: dict[str, tuple[float, float]] = {}
+        for i, name in enumerate(self.names):
+            values = [row[i] for row in self.ms if row[i] > 0.0]
+            if values:
+                out[name] = (min(values), max(values))
+        return out
+
+    def format(self, log_option: str) -> str | None:
+        """Megatron's text for ``max`` / ``minmax`` / ``all``; None when nothing was timed."""
+        if log_option == "all":
+            return self._format_all()
+        pairs = self.min_max()
+        if not pairs:
+            return None
+        if log_option == "max":
+            text = "max time across ranks (ms):"
+            for name, (_, hi) in pairs.items():
+                text += "\n    " + (name + " ").ljust(48, ".") + f": {hi:.2f}"
+        else:
+            text = "(min, max) time across ranks (ms):"
+            for name, (lo, hi) in pairs.items():
+                text += "\n    " + (name + " ").ljust(48, ".") + f": ({lo:.2f}, {hi:.2f})"
+        return text
+
+    def _format_all(self) -> str | None:
+        text = "times across ranks (ms):"
+        found = False
+        for i, name in enumerate(self.names):
+            per_rank = [(r, row[i]) for r, row in enumerate(self.ms) if row[i] > 0.0]
+            if not per_rank:
+                continue
+            found = True
+            text += f"\n  {name}:"
+            for r, value in per_rank:
+                text += f"\n     rank {r:2d}: {value:.2f}"
+        return text if found else None
+
+    def scalars(self) -> dict[str, float]:
+        """Sink scalars: ``"<name>-time-ms"`` -> max over ranks (milliseconds)."""
+        return {f"{name}-time-ms": hi for name, (_, hi) in self.min_max().items()}
+
+
+class Timers:
+    """Registry of named timers (one per process; pass it to whoever times something).
+
+    Args:
+        log_level: ``--timing-log-level`` (0-2). Timers above it are the shared :class:`NullTimer`.
+        log_option: ``--timing-log-option``: ``max`` | ``minmax`` | ``all``.
+        mode: :class:`TimingMode`; ``EVENTS`` needs a CUDA ``device`` (else it uses the host clock).
+        device: device whose work is timed; default: the current CUDA device if any, else CPU.
+        group: process group for aggregation and barriers (None: world).
+    Raises:
+        ValueError: naming ``--timing-log-level`` or ``--timing-log-option``.
+    """
+
+    def __init__(
+        self,
+        log_level: int = 0,
+        log_option: str = "minmax",
+        mode: TimingMode = TimingMode.SYNC,
+        device: torch.device | None = None,
+        group: ProcessGroup | None = None,
+    ) -> None:
+        validate_timing_flags(log_level, log_option)
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+        self.log_level = log_level
+        self.log_option = log_option
+        self.mode = mode
+        self.device = device
+        self._group = group
+        self._timers: dict[str, Timer] = {}
+        self._null = NullTimer()
+
+    def __call__(self, name: str, log_level: int | None = None) -> Timer | NullTimer:
+        """The timer ``name``; the shared NullTimer when its level exceeds ``--timing-log-level``.
+
+        ``log_level=None`` means: the existing timer's level, else the standard level of a known
+        name (:data:`STANDARD_TIMER_LEVELS`), else 0. An explicit level must match an existing one.
+        """
+        existing = self._timers.get(name)
+        if existing is not None:
+            if log_level is not None and log_level != existing.log_level:
+                raise ValueError(
+                    f"timer {name!r} exists with log level {existing.log_level}, asked for {log_level}"
+                )
+            return existing
+        level = STANDARD_TIMER_LEVELS.get(name, 0) if log_level is None else log_level
+        if not 0 <= level <= MAX_LOG_LEVEL:
+            raise ValueError(f"timer log level must be 0-{MAX_LOG_LEVEL}, got {level} for {name!r}")
+        if level > self.log_level:
+            return self._null
+        timer = Timer(name, level, self.mode, self.device, self._group)
+        self._timers[name] = timer
+        return timer
+
+    @property
+    def names(self) -> list[str]:
+        """Registered (real) timer names, in creation order."""
+        return list(self._timers)
+
+    def enabled_names(self, candidates: Sequence[str]) -> list[str]:
+        """Those of ``candidates`` whose standard level is within ``--timing-log-level``."""
+        return [n for n in candidates if STANDARD_TIMER_LEVELS.get(n, 0) <= self.log_level]
+
+    def _rank(self) -> int:
+        return dist.get_rank(self._group) if collectives.is_initialized() else 0
+
+    def report(
+        self,
+        names: Sequence[str] | None = None,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        barrier: bool = False,
+    ) -> TimerReport | None:
+        """Collective: gather every rank's ``elapsed`` (ms / normalizer) in one all_gather.
+
+        Every rank must call this with the same ``names`` (``None`` = this rank's registered names,
+        safe only when all ranks registered the same ones). Returns None when ``names`` is empty.
+        """
+        if normalizer <= 0.0:
+            raise ValueError(f"timer normalizer must be > 0, got {normalizer}")
+        selected = list(self._timers) if names is None else list(names)
+        if not selected:
+            return None
+        if barrier:
+            collectives.barrier(self._group)
+        local = []
+        for name in selected:
+            timer = self._timers.get(name)
+            local.append(timer.elapsed(reset=reset) * 1000.0 if timer is not None else 0.0)
+        # Deliberate sync: one all_gather of the [world, len(names)] matrix, at log steps only.
+        rows = collectives.all_gather_floats(local, self._group)
+        ms = tuple(tuple(v / normalizer for v in row) for row in rows)
+        return TimerReport(tuple(selected), ms)
+
+    def log(
+        self,
+        names: Sequence[str] | None = None,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        barrier: bool = False,
+    ) -> str | None:
+        """Collective. Megatron's timer text (ms) on **rank 0**; None on other ranks or if empty.
+
+        The caller prints it (the training log prints it right after its iteration line).
+        """
+        rep = self.report(names, normalizer, reset, barrier)
+        if rep is None or self._rank() != 0:
+            return None
+        return rep.format(self.log_option)
+
+    def write(
+        self,
+        names: Sequence[str] | None,
+        writer: MetricSink,
+        iteration: int,
+        normalizer: float = 1.0,
+        reset: bool = True,
+        barrier: bool = False,
+    ) -> None:
+        """Collective. On rank 0, write the max over ranks as ``"<name>-time-ms"`` (milliseconds)."""
+        rep = self.report(names, normalizer, reset, barrier)
+        if rep is None or self._rank() != 0:
+            return
+        scalars = rep.scalars()
+        if scalars:
+            writer.add_scalars(scalars, iteration)

@@ -1,0 +1,519 @@
+"""The per-iteration training log: Megatron's stdout line, TensorBoard/W&B keys and a JSONL file.
+
+Call protocol (every rank, once per completed iteration)::
+
+    timers(INTERVAL_TIME).start(barrier=True)          # once, before the first iteration
+    for it in range(start, train_iters):
+        ... train step ...
+        train_log.on_iteration(it + 1, losses=..., learning_rate=..., ...)
+
+``iteration`` is the **1-based number of the iteration just completed** (the count of completed
+iterations), so ``iteration % log_interval == 0`` selects Megatron's log steps.
+
+Host syncs: on an iteration that is neither a log step nor a sink step nothing is read from the
+device (losses and the advanced/skipped/NaN counters are accumulated in device tensors). A log step
+reads everything in one ``.tolist()``; so does a sink-only step (``--tensorboard-log-interval``)
+on rank 0, which needs that iteration's values. Only **rank 0** prints and writes; other ranks
+take part in the log-step collectives (interval-time barrier, timer all_gather, providers).
+
+Differences from Megatron (deliberate): every log line resets the interval (including the first
+iteration's line), timers and losses are averaged over the iterations actually in the interval,
+"nan iterations" counts every iteration with a non-finite loss (not only skipped ones), negative
+and undefined averages are printed (an interval with no advanced iteration prints ``NAN``), and
+all times are milliseconds (``iteration-time-ms``, ``<timer>-time-ms``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from stalwart.observability.progress import ProgressBar
+from stalwart.observability.sinks import JsonlSink, MetricSink, NullSink, is_null_sink
+from stalwart.observability.timers import INTERVAL_TIME, TRAINING_TIMERS, TimerReport, Timers
+
+TensorOrScalar = torch.Tensor | float | int
+
+# Name of the main loss (Megatron's "lm loss"): reported as "loss" in the metrics file.
+MAIN_LOSS_KEY = "lm loss"
+_ADVANCED, _SKIPPED, _NAN = 0, 1, 2
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    """Logging flags (Megatron spelling in the CLI: ``--log-interval`` etc.)."""
+
+    log_interval: int = 10
+    tensorboard_log_interval: int = 1
+    log_throughput: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_params_norm: bool = False
+    log_timers_to_tensorboard: bool = False
+    log_loss_scale_to_tensorboard: bool = True
+    log_validation_ppl_to_tensorboard: bool = False
+    log_progress_bar: bool | None = None  # None: only when stdout is a TTY
+    log_timestamp: bool = True  # prefix the iteration line with " [YYYY-mm-dd HH:MM:SS.ffffff]"
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1:
+            raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.tensorboard_log_interval < 1:
+            raise ValueError(
+                f"--tensorboard-log-interval must be >= 1, got {self.tensorboard_log_interval}"
+            )
+
+
+@dataclass(frozen=True)
+class LogField:
+    """One extra field of the iteration line.
+
+    ``label``/``fmt`` render `` <label>: <fmt.format(value)> |``; ``key`` (optional) is the sink and
+    metrics-file key of the value (None: stdout only).
+    """
+
+    label: str
+    value: Any
+    fmt: str = "{:.3f}"
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class IntervalInfo:
+    """What a provider knows about the interval being logged."""
+
+    iteration: int
+    num_iterations: int
+    elapsed_ms_per_iteration: float
+    consumed_samples: int
+    is_first: bool
+
+
+class LogFieldProvider(Protocol):
+    """Adds fields to log steps (straggler, memory, energy, ...).
+
+    Called at every log step on **every rank**, in list order, so it may run collectives; only rank
+    0's fields are printed and written. Must not read the device outside log steps.
+    """
+
+    def log_fields(self, info: IntervalInfo) -> Sequence[LogField]: ...
+
+
+@dataclass(frozen=True)
+class IntervalSummary:
+    """Everything one iteration line shows (host values, after the log-step read)."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    elapsed_ms: float
+    global_batch_size: int
+    loss_averages: Mapping[str, float]
+    skipped: int
+    nan: int
+    learning_rate: float | None = None
+    throughput: float | None = None
+    loss_scale: float | None = None
+    grad_norm: float | None = None
+    num_zeros: float | None = None
+    params_norm: float | None = None
+    extra_fields: Sequence[LogField] = field(default_factory=tuple)
+    timestamp: str | None = None
+
+
+def format_iteration_line(s: IntervalSummary) -> str:
+    """Megatron's iteration line, field for field (see the module docstring for the differences)."""
+    line = f" [{s.timestamp}]" if s.timestamp is not None else ""
+    line += f" iteration {s.iteration:8d}/{s.train_iters:8d} |"
+    line += f" consumed samples: {s.consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {s.elapsed_ms:.1f} |"
+    if s.throughput is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {s.throughput:.1f} |"
+    if s.learning_rate is not None:
+        line += f" learning rate: {s.learning_rate:.6E} |"
+    line += f" global batch size: {s.global_batch_size:5d} |"
+    for key, avg in s.loss_averages.items():
+        line += f" {key}: {avg:.6E} |"
+    if s.loss_scale is not None:
+        line += f" loss scale: {s.loss_scale:.1f} |"
+    if s.grad_norm is not None:
+        line += f" grad norm: {s.grad_norm:.3f} |"
+    if s.num_zeros is not None:
+        zeros = int(s.num_zeros) if math.isfinite(s.num_zeros) else s.num_zeros
+        line += f" num zeros: {zeros} |"
+    if s.params_norm is not None:
+        line += f" params norm: {s.params_norm:.3f} |"
+    for f in s.extra_fields:
+        line += f" {f.label}: {f.fmt.format(f.value)} |"
+    line += f" number of skipped iterations: {s.skipped:3d} |"
+    line += f" number of nan iterations: {s.nan:3d} |"
+    return line
+
+
+def format_validation_lines(
+    iteration: int, losses: Mapping[str, float], suffix: str = ""
+) -> list[str]:
+    """Megatron's validation block: dashes, the loss/PPL line, dashes. PPL = exp(min(20, loss))."""
+    text = f" validation{suffix} loss at iteration {iteration} | "
+    for key, value in losses.items():
+        text += f"{key} value: {value:.6E} | {key} PPL: {_ppl(value):.6E} | "
+    dashes = "-" * (len(text) + 1)
+    return [dashes, text, dashes]
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(20.0, loss)) if not math.isnan(loss) else math.nan
+
+
+@dataclass
+class _IterationInputs:
+    """The current iteration's optional values, kept only until the step's read (if any)."""
+
+    losses: Mapping[str, TensorOrScalar]
+    global_batch_size: int
+    learning_rate: TensorOrScalar | None
+    grad_norm: TensorOrScalar | None
+    loss_scale: TensorOrScalar | None
+    num_zeros: TensorOrScalar | None
+    params_norm: TensorOrScalar | None
+
+
+class TrainingLog:
+    """Megatron-style training log for one run (see the module docstring for the call protocol).
+
+    Args:
+        config: logging flags.
+        train_iters: total iterations (the ``/TOTAL`` of the line).
+        sink: metric sink (only used on rank 0; pass ``build_sinks(...)``).
+        timers: the run's timers; ``interval-time`` is read at log steps and the standard training
+            timers up to ``--timing-log-level`` are printed (and written if
+            ``log_timers_to_tensorboard``).
+        rank, world_size: this process's place in the job.
+        flops_per_iteration: model FLOPs of one iteration, whole job; required by ``log_throughput``.
+        metrics_file: JSONL path (``--metrics-file``); one object per log step and per evaluation.
+        extra_providers: :class:`LogFieldProvider` objects (fields appear before the counters).
+        print_fn: where rank 0's lines go.
+    """
+
+    def __init__(
+        self,
+        config: LogConfig,
+        *,
+        train_iters: int,
+        sink: MetricSink,
+        timers: Timers,
+        rank: int,
+        world_size: int,
+        flops_per_iteration: float | None = None,
+        metrics_file: str | None = None,
+        extra_providers: Sequence[LogFieldProvider] = (),
+        print_fn: Callable[[str], None] = print,
+    ) -> None:
+        if config.log_throughput and flops_per_iteration is None:
+            raise ValueError("--log-throughput needs the model's FLOPs per iteration")
+        self.config = config
+        self.train_iters = train_iters
+        self.rank = rank
+        self.world_size = world_size
+        self._is_writer = rank == 0
+        self.sink: MetricSink = sink if self._is_writer else NullSink()
+        self._sink_active = self._is_writer and not is_null_sink(self.sink)
+        self.timers = timers
+        self.flops_per_iteration = flops_per_iteration
+        self.providers = tuple(extra_providers)
+        self._print = print_fn
+        self._metrics = JsonlSink(metrics_file) if metrics_file and self._is_writer else None
+        self._progress = ProgressBar(
+            train_iters, enabled=config.log_progress_bar if self._is_writer else False
+        )
+        self._device: torch.device | None = None
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: torch.Tensor | None = None  # [advanced, skipped, nan], int64, on device
+        self._iters_in_interval = 0
+        self._logged_once = False
+        self._consumed_samples = 0
+        self.total_skipped = 0
+        self.total_nan = 0
+
+    # ----------------------------------------------------------------- per iteration (hot path)
+    def on_iteration(
+        self,
+        iteration: int,
+        *,
+        losses: Mapping[str, TensorOrScalar],
+        learning_rate: TensorOrScalar | None,
+        global_batch_size: int,
+        consumed_samples: int,
+        grad_norm: TensorOrScalar | None,
+        skipped: torch.Tensor | bool,
+        loss_scale: TensorOrScalar | None = None,
+        num_zeros: TensorOrScalar | None = None,
+        params_norm: TensorOrScalar | None = None,
+    ) -> None:
+        """Record the iteration just completed (1-based ``iteration``); log/write when due.
+
+        Collective at log steps (every rank must call with the same ``iteration``). Tensors may live
+        on the training device; nothing is read from it except at log/sink steps.
+        """
+        self._accumulate(losses, skipped)
+        self._iters_in_interval += 1
+        self._consumed_samples = consumed_samples
+        self._progress.update(iteration)
+        is_log = not self._logged_once or iteration % self.config.log_interval == 0
+        is_sink = self._sink_active and iteration % self.config.tensorboard_log_interval == 0
+        if not (is_log or is_sink):
+            return
+        inputs = _IterationInputs(
+            losses, global_batch_size, learning_rate, grad_norm, loss_scale, num_zeros, params_norm
+        )
+        values = self._read(inputs, interval=is_log) if self._is_writer else {}
+        if is_sink:
+            self._write_iteration_scalars(iteration, inputs, values)
+        if is_log:
+            self._log_interval(iteration, global_batch_size, values)
+
+    def _ensure_state(self, losses: Mapping[str, TensorOrScalar]) -> torch.device:
+        if self._device is None:
+            tensors = [v for v in losses.values() if isinstance(v, torch.Tensor)]
+            self._device = tensors[0].device if tensors else torch.device("cpu")
+            self._counts = torch.zeros(3, dtype=torch.int64, device=self._device)
+        return self._device
+
+    def _accumulate(
+        self, losses: Mapping[str, TensorOrScalar], skipped: torch.Tensor | bool
+    ) -> None:
+        """Device-side only: add losses of advanced iterations and bump the three counters."""
+        device = self._ensure_state(losses)
+        counts = self._counts
+        assert counts is not None
+        skip_t: torch.Tensor | None = None
+        if isinstance(skipped, torch.Tensor):
+            skip_t = skipped.detach().reshape(()).to(device=device, dtype=torch.bool)
+            counts[_SKIPPED].add_(skip_t.long())
+            counts[_ADVANCED].add_((~skip_t).long())
+        else:
+            counts[_SKIPPED if skipped else _ADVANCED].add_(1)
+        host_bad = False
+        dev_bad: torch.Tensor | None = None
+        for key, loss in losses.items():
+            acc = self._sums.get(key)
+            if acc is None:
+                acc = self._sums[key] = torch.zeros((), dtype=torch.float64, device=device)
+            if isinstance(loss, torch.Tensor):
+                value = loss.detach().reshape(()).to(device=device, dtype=torch.float64)
+                bad = ~torch.isfinite(value)
+                dev_bad = bad if dev_bad is None else dev_bad | bad
+            else:
+                host_bad |= not math.isfinite(float(loss))
+                value = torch.full_like(acc, float(loss))
+            if skip_t is not None:
+                # torch.where selects, so a NaN loss of a skipped iteration does not leak in.
+                acc.add_(torch.where(skip_t, torch.zeros_like(value), value))
+            elif not skipped:
+                acc.add_(value)
+        if host_bad:
+            counts[_NAN].add_(1)
+        elif dev_bad is not None:
+            counts[_NAN].add_(dev_bad.long())
+
+    # ----------------------------------------------------------------- log / sink steps
+    def _read(self, inputs: _IterationInputs, *, interval: bool) -> dict[str, float | None]:
+        """Read every device value this step needs in ONE transfer; host scalars pass through."""
+        i = inputs
+        named: dict[str, TensorOrScalar | None] = dict(
+            lr=i.learning_rate, grad_norm=i.grad_norm, loss_scale=i.loss_scale,
+            num_zeros=i.num_zeros, params_norm=i.params_norm,
+        )  # fmt: skip
+        named.update({f"cur:{k}": v for k, v in i.losses.items()})
+        if interval:
+            named.update({f"sum:{k}": v for k, v in self._sums.items()})
+            assert self._counts is not None
+            for idx, name in enumerate(("advanced", "skipped", "nan")):
+                named[f"count:{name}"] = self._counts[idx]
+        device = self._device or torch.device("cpu")
+        tensor_names = [k for k, v in named.items() if isinstance(v, torch.Tensor)]
+        out: dict[str, float | None] = {
+            k: (None if v is None else float(v))
+            for k, v in named.items()
+            if not isinstance(v, torch.Tensor)
+        }
+        if tensor_names:
+            stacked = torch.stack(
+                [
+                    named[k].detach().reshape(()).to(device=device, dtype=torch.float64)  # type: ignore[union-attr]
+                    for k in tensor_names
+                ]
+            )
+            # Deliberate sync: the one device read of a log/sink step.
+            out.update(zip(tensor_names, stacked.tolist()))
+        return out
+
+    def _write_iteration_scalars(
+        self, iteration: int, inputs: _IterationInputs, values: Mapping[str, float | None]
+    ) -> None:
+        """Megatron's per-iteration keys, each with its "vs samples" twin (x = consumed samples)."""
+        candidates: dict[str, float | None] = {"learning-rate": values.get("lr")}
+        candidates["batch-size"] = float(inputs.global_batch_size)
+        candidates.update({key: values.get(f"cur:{key}") for key in inputs.losses})
+        if self.config.log_loss_scale_to_tensorboard:
+            candidates["loss-scale"] = values.get("loss_scale")
+        for key in ("grad-norm", "num-zeros", "params-norm"):
+            candidates[key] = values.get(key.replace("-", "_"))
+        scalars = {k: v for k, v in candidates.items() if v is not None}
+        self.sink.add_scalars(scalars, iteration)
+        self.sink.add_scalars(
+            {f"{k} vs samples": v for k, v in scalars.items()}, self._consumed_samples
+        )
+
+    def _log_interval(
+        self, iteration: int, global_batch_size: int, values: Mapping[str, float | None]
+    ) -> None:
+        """Log step on every rank: collectives first, then rank 0 prints/writes, then reset."""
+        n = max(self._iters_in_interval, 1)
+        interval_timer = self.timers(INTERVAL_TIME)
+        # barrier=True: the interval ends at the same moment on every rank (as Megatron).
+        elapsed_ms = interval_timer.elapsed(reset=True, barrier=True) * 1000.0 / n
+        report = self.timers.report(self.timers.enabled_names(TRAINING_TIMERS), normalizer=n)
+        info = IntervalInfo(iteration, n, elapsed_ms, self._consumed_samples, not self._logged_once)
+        fields = [f for p in self.providers for f in p.log_fields(info)]
+        if self._is_writer:
+            summary = self._summarize(iteration, global_batch_size, elapsed_ms, values, fields)
+            self._emit(summary, report, is_first=not self._logged_once)
+        self._reset_interval()
+
+    def _summarize(
+        self,
+        iteration: int,
+        global_batch_size: int,
+        elapsed_ms: float,
+        values: Mapping[str, float | None],
+        fields: Sequence[LogField],
+    ) -> IntervalSummary:
+        advanced = int(values.get("count:advanced") or 0)
+        averages = {
+            k: (values[f"sum:{k}"] or 0.0) / advanced if advanced > 0 else math.nan
+            for k in self._sums
+        }
+        throughput = None
+        if self.config.log_throughput and self.flops_per_iteration is not None and elapsed_ms > 0:
+            throughput = self.flops_per_iteration / (elapsed_ms / 1000.0 * 1e12 * self.world_size)
+        stamp = None
+        if self.config.log_timestamp:
+            stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
+        return IntervalSummary(
+            iteration=iteration,
+            train_iters=self.train_iters,
+            consumed_samples=self._consumed_samples,
+            elapsed_ms=elapsed_ms,
+            global_batch_size=global_batch_size,
+            loss_averages=averages,
+            skipped=int(values.get("count:skipped") or 0),
+            nan=int(values.get("count:nan") or 0),
+            learning_rate=values.get("lr"),
+            throughput=throughput,
+            loss_scale=values.get("loss_scale"),
+            grad_norm=values.get("grad_norm"),
+            num_zeros=values.get("num_zeros"),
+            params_norm=values.get("params_norm"),
+            extra_fields=tuple(fields),
+            timestamp=stamp,
+        )
+
+    def _emit(self, s: IntervalSummary, report: TimerReport | None, *, is_first: bool) -> None:
+        """Rank 0: print the line and the timers, write log-step scalars and the metrics record."""
+        self.total_skipped += s.skipped
+        self.total_nan += s.nan
+        self._progress.clear()
+        self._print(format_iteration_line(s))
+        timer_text = report.format(self.timers.log_option) if report is not None else None
+        if timer_text is not None:
+            self._print(timer_text)
+        timer_scalars = report.scalars() if report is not None else {}
+        scalars = {f.key: float(f.value) for f in s.extra_fields if f.key is not None}
+        if self.config.log_timers_to_tensorboard:
+            if not is_first:  # the first interval includes start-up time (as Megatron)
+                scalars["iteration-time-ms"] = s.elapsed_ms
+            if s.throughput is not None:
+                scalars["throughput"] = s.throughput
+            scalars.update(timer_scalars)
+        if scalars:
+            self.sink.add_scalars(scalars, s.iteration)
+        if self._metrics is not None:
+            self._metrics.write_record(self._metrics_record(s, timer_scalars))
+        main = s.loss_averages.get(MAIN_LOSS_KEY)
+        self._progress.update(s.iteration, None if main is None else f"{MAIN_LOSS_KEY} {main:.4g}")
+
+    def _metrics_record(self, s: IntervalSummary, timer_scalars: Mapping[str, float]) -> dict:
+        main_key = (
+            MAIN_LOSS_KEY if MAIN_LOSS_KEY in s.loss_averages else next(iter(s.loss_averages), None)
+        )
+        record: dict[str, Any] = dict(
+            split="train", iteration=s.iteration, consumed_samples=s.consumed_samples,
+            loss=s.loss_averages[main_key] if main_key is not None else None,
+            lr=s.learning_rate, grad_norm=s.grad_norm, elapsed_ms=s.elapsed_ms,
+            global_batch_size=s.global_batch_size, loss_scale=s.loss_scale,
+            num_zeros=s.num_zeros, params_norm=s.params_norm,
+            throughput_tflops_per_gpu=s.throughput,
+            skipped_iterations=s.skipped, nan_iterations=s.nan,
+            total_skipped_iterations=self.total_skipped, total_nan_iterations=self.total_nan,
+        )  # fmt: skip
+        record.update(s.loss_averages)
+        record.update({f.key: f.value for f in s.extra_fields if f.key is not None})
+        record.update(timer_scalars)
+        return record
+
+    def _reset_interval(self) -> None:
+        for acc in self._sums.values():
+            acc.zero_()
+        if self._counts is not None:
+            self._counts.zero_()
+        self._iters_in_interval = 0
+        self._logged_once = True
+
+    # ----------------------------------------------------------------- evaluation / shutdown
+    def on_eval(
+        self,
+        iteration: int,
+        losses: Mapping[str, TensorOrScalar],
+        *,
+        consumed_samples: int | None = None,
+        suffix: str = "",
+    ) -> None:
+        """Print Megatron's validation block and write ``"<key> validation<suffix>"`` keys (rank 0).
+
+        ``losses`` are the averaged validation losses. ``consumed_samples`` defaults to the value of
+        the last ``on_iteration``. ``suffix`` is ``-<name>`` for extra validation sets.
+        """
+        if not self._is_writer:
+            return
+        # Deliberate sync: evaluation has finished; its averaged losses are read once here.
+        host = {k: float(v) for k, v in losses.items()}
+        samples = self._consumed_samples if consumed_samples is None else consumed_samples
+        self._progress.clear()
+        for line in format_validation_lines(iteration, host, suffix):
+            self._print(line)
+        by_iter: dict[str, float] = {}
+        for key, value in host.items():
+            by_iter[f"{key} validation{suffix}"] = value
+            if self.config.log_validation_ppl_to_tensorboard:
+                by_iter[f"{key} validation{suffix} ppl"] = _ppl(value)
+        self.sink.add_scalars(by_iter, iteration)
+        self.sink.add_scalars({f"{k} vs samples": v for k, v in by_iter.items()}, samples)
+        if self._metrics is not None:
+            record: dict[str, Any] = dict(
+                split=f"validation{suffix}", iteration=iteration, consumed_samples=samples
+            )
+            record.update(by_iter)
+            record.update({f"{k} validation{suffix} ppl": _ppl(v) for k, v in host.items()})
+            self._metrics.write_record(record)
+
+    def close(self) -> None:
+        """Flush the sink, close the metrics file and the progress bar (the sink's owner closes it)."""
+        self._progress.close()
+        self.sink.flush()
+        if self._metrics is not None:
+            self._metrics.close()

@@ -1,0 +1,275 @@
+"""Graceful exit: one agreed input vector per iteration, one pure decision, one side effect.
+
+Per-iteration recipe (after the step and its logging, every rank, same place)::
+
+    inputs = gather_exit_inputs(config, signal_handler, elapsed_minutes)   # <= 1 collective
+    decision = decide(iteration, inputs, config, can_save=save_dir is not None,
+                      already_saved=saved_by_rerun_or_rampup, finished=iteration == train_iters)
+    if decision.save is SaveKind.PERSISTENT: save(...)
+    elif decision.save is SaveKind.NON_PERSISTENT: save(..., non_persistent=True)
+    if decision.exit:
+        log(exit_message(decision, iteration)); rank 0: write_exit_reason(save_dir, ...); break
+
+Because the inputs are agreed first (a single all-reduce MAX over ``[signal, elapsed_minutes]``)
+and `decide` is a pure function of them and of values every rank shares, ranks never disagree on
+whether to save or exit, and so never deadlock in a save that only some ranks entered.
+
+Priority (Megatron's ``checkpoint_and_decide_exit``):
+1. exit signal (``--exit-signal-handler``, any rank): save, exit.
+2. ``--save-interval`` (persistent) or else ``--non-persistent-save-interval``: save, continue.
+3. ``--exit-duration-in-mins`` (elapsed minutes MAX-reduced over ranks): save unless saved, exit.
+4. ``--exit-interval`` or ``--phase-transition-iterations``: save unless saved, exit.
+5. the last iteration (``finished``): save unless saved, exit.
+
+Deliberate deviation: when exiting, a non-persistent save of the same iteration does not count as
+"saved" (Megatron counts it). A local/in-memory checkpoint does not survive the job ending, so the
+exit save is upgraded to persistent.
+
+Every graceful exit uses exit code 0 (what launchers and Megatron expect); ``exit_reason.json``
+tells the reasons apart. On a signal, the save must finish inside torchrun's 30 s
+SIGTERM-to-SIGKILL window (see `stalwart.reliability.signals`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from stalwart.reliability.signals import DistributedSignalHandler, parse_exit_signal
+
+logger = logging.getLogger(__name__)
+
+EXIT_REASON_FILENAME = "exit_reason.json"
+EXIT_CODE_GRACEFUL = 0  # signal, duration, interval, phase and finished all exit 0
+
+
+class ExitReason(Enum):
+    """Why training stopped (the ``reason`` field of ``exit_reason.json``)."""
+
+    SIGNAL = "signal"
+    DURATION = "duration"
+    INTERVAL = "interval"
+    PHASE = "phase"
+    FINISHED = "finished"
+    RERUN = "rerun"
+    FAILED = "failed"
+
+
+class SaveKind(Enum):
+    """Which checkpoint, if any, to write at this iteration."""
+
+    NONE = "none"
+    PERSISTENT = "persistent"
+    NON_PERSISTENT = "non_persistent"
+
+
+def _positive_or_off(value: float | None, flag: str) -> None:
+    if value is not None and (not math.isfinite(value) or value < 0):
+        raise ValueError(f"{flag}: must be > 0 (0 or unset disables), got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExitConfig:
+    """Exit and save-cadence settings (Megatron flags). Intervals of 0 or None are disabled.
+
+    Attributes:
+        exit_signal_handler: install `DistributedSignalHandler` (``--exit-signal-handler``).
+        exit_signal: the signal it handles (``--exit-signal``; a name or `signal.Signals`).
+        exit_duration_in_mins: wall-clock budget of this run in minutes.
+        exit_interval: exit when ``iteration % exit_interval == 0``.
+        phase_transition_iterations: exit (after saving) at these iterations.
+        save_interval: persistent save cadence (``--save-interval``).
+        non_persistent_save_interval: non-persistent save cadence.
+    """
+
+    exit_signal_handler: bool = False
+    exit_signal: signal.Signals | str = signal.SIGTERM
+    exit_duration_in_mins: float | None = None
+    exit_interval: int | None = None
+    phase_transition_iterations: tuple[int, ...] = field(default_factory=tuple)
+    save_interval: int | None = None
+    non_persistent_save_interval: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "exit_signal", parse_exit_signal(self.exit_signal))
+        _positive_or_off(self.exit_duration_in_mins, "--exit-duration-in-mins")
+        for value, flag in (
+            (self.exit_interval, "--exit-interval"),
+            (self.save_interval, "--save-interval"),
+            (self.non_persistent_save_interval, "--non-persistent-save-interval"),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(
+                    f"{flag}: must be an integer >= 0 (0 or unset disables), got {value!r}"
+                )
+        phases = tuple(self.phase_transition_iterations)
+        if any(not isinstance(i, int) or i <= 0 for i in phases) or len(set(phases)) != len(phases):
+            raise ValueError(
+                f"--phase-transition-iterations: must be distinct positive integers, got {list(phases)}"
+            )
+        object.__setattr__(self, "phase_transition_iterations", tuple(sorted(phases)))
+
+    @property
+    def signal_enum(self) -> signal.Signals:
+        """``exit_signal`` as `signal.Signals` (validated in ``__post_init__``)."""
+        return parse_exit_signal(self.exit_signal)
+
+    @property
+    def needs_agreement(self) -> bool:
+        """Whether any input must be agreed across ranks (else no collective is needed)."""
+        return self.exit_signal_handler or bool(self.exit_duration_in_mins)
+
+
+@dataclass(frozen=True)
+class ExitInputs:
+    """The per-iteration inputs, already agreed across ranks."""
+
+    signal_received: bool = False
+    elapsed_minutes_max: float = 0.0
+
+
+@dataclass(frozen=True)
+class ExitDecision:
+    """What to do now: ``save`` a checkpoint (or not), then ``exit`` (or not), and why."""
+
+    save: SaveKind = SaveKind.NONE
+    exit: bool = False
+    reason: ExitReason | None = None
+    detail: str = ""
+
+
+def _every(interval: int | None, iteration: int) -> bool:
+    return bool(interval) and iteration % int(interval or 1) == 0
+
+
+def decide(
+    iteration: int,
+    inputs: ExitInputs,
+    config: ExitConfig,
+    *,
+    can_save: bool = True,
+    already_saved: bool = False,
+    finished: bool = False,
+) -> ExitDecision:
+    """The save/exit decision for the completed ``iteration`` (pure; see the module priority list).
+
+    Args:
+        iteration: completed iterations, the number the log line shows.
+        inputs: agreed across ranks (`gather_exit_inputs`).
+        can_save: a checkpoint directory exists (``--save``).
+        already_saved: a persistent checkpoint of this iteration was already written (e.g. by the
+            rerun machine); no second save is requested.
+        finished: this was the last training iteration.
+    """
+    # Exits always save persistently: a non-persistent save of the same iteration would not
+    # survive the end of the job (deliberate deviation from Megatron, see the module docstring).
+    exit_save = SaveKind.PERSISTENT if can_save and not already_saved else SaveKind.NONE
+    if config.exit_signal_handler and inputs.signal_received:
+        return ExitDecision(
+            exit_save, True, ExitReason.SIGNAL, f"received {config.signal_enum.name}"
+        )
+    regular = SaveKind.NONE
+    if can_save and not already_saved:
+        if _every(config.save_interval, iteration):
+            regular = SaveKind.PERSISTENT
+        elif _every(config.non_persistent_save_interval, iteration):
+            regular = SaveKind.NON_PERSISTENT
+    limit = config.exit_duration_in_mins
+    if limit and inputs.elapsed_minutes_max > limit:
+        detail = (
+            f"{inputs.elapsed_minutes_max:.1f} minutes elapsed > --exit-duration-in-mins {limit:g}"
+        )
+        return ExitDecision(exit_save, True, ExitReason.DURATION, detail)
+    if _every(config.exit_interval, iteration):
+        return ExitDecision(
+            exit_save, True, ExitReason.INTERVAL, f"--exit-interval {config.exit_interval}"
+        )
+    if iteration in config.phase_transition_iterations:
+        return ExitDecision(exit_save, True, ExitReason.PHASE, "--phase-transition-iterations")
+    if finished:
+        return ExitDecision(exit_save, True, ExitReason.FINISHED, "reached --train-iters")
+    return ExitDecision(regular, False, None, "")
+
+
+def gather_exit_inputs(
+    config: ExitConfig,
+    signal_handler: DistributedSignalHandler | None,
+    elapsed_minutes: float,
+    group: Any = None,
+) -> ExitInputs:
+    """Agree on the signal flag and the elapsed time in ONE all-reduce MAX (or none at all).
+
+    Every rank must call it at the same point of every iteration. Without
+    ``--exit-signal-handler`` and ``--exit-duration-in-mins`` nothing needs agreeing and no
+    collective runs (all ranks share the config, so all skip it together).
+    """
+    if not config.needs_agreement:
+        return ExitInputs(False, elapsed_minutes)
+    local_flag = bool(
+        config.exit_signal_handler and signal_handler is not None and signal_handler.received
+    )
+    import torch.distributed as dist
+
+    from stalwart.distributed.collectives import all_reduce_floats
+
+    # Deliberate sync: the one per-iteration exit agreement (signal OR, time budget MAX).
+    flag, elapsed = all_reduce_floats(
+        [1.0 if local_flag else 0.0, elapsed_minutes], dist.ReduceOp.MAX, group
+    )
+    return ExitInputs(flag > 0.5, elapsed)
+
+
+def exit_message(decision: ExitDecision, iteration: int) -> str:
+    """One line saying why the program exits (Megatron's wording where it exists)."""
+    reason = decision.reason
+    if reason is ExitReason.SIGNAL:
+        return f"exiting program after {decision.detail.removeprefix('received ')} at iteration {iteration}"
+    if reason is ExitReason.DURATION:
+        return f"exiting program after {decision.detail} at iteration {iteration}"
+    return f"exiting program at iteration {iteration} ({reason.value if reason else 'unknown'}: {decision.detail})"
+
+
+def write_exit_reason(
+    save_dir: str | os.PathLike[str],
+    reason: ExitReason,
+    iteration: int,
+    detail: str = "",
+    exit_code: int = EXIT_CODE_GRACEFUL,
+) -> Path:
+    """Write ``<save>/exit_reason.json`` atomically (call on rank 0 only) and log one line.
+
+    Fields: reason, iteration, detail, exit_code, time (UTC ISO 8601), hostname, pid.
+    """
+    payload = {
+        "reason": reason.value,
+        "iteration": int(iteration),
+        "detail": detail,
+        "exit_code": int(exit_code),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+    target = Path(save_dir) / EXIT_REASON_FILENAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    logger.info(
+        "stalwart: exit reason %s at iteration %d%s",
+        reason.value,
+        iteration,
+        f" ({detail})" if detail else "",
+    )
+    return target

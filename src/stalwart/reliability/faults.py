@@ -1,0 +1,219 @@
+"""Deterministic fault injection for testing the reliability machinery (off by default).
+
+``--inject-fault KIND --inject-fault-iteration N [--inject-fault-rank R]
+[--inject-fault-hang-seconds S] [--inject-fault-phase step|eval|checkpointing]``
+
+Kinds, fired on rank R when the trainer calls ``maybe_inject(N, rank, phase)``:
+
+* ``hang``: sleeps inside the step, forever or for S seconds (hang detection must kill it; the
+  sleep wakes periodically, so a flag-only signal handler still runs but cannot end the hang).
+* ``exception``: raises `InjectedFault` (a RuntimeError) out of the step.
+* ``sigkill``: SIGKILL to its own process (exit status -9; torchrun restarts the job).
+* ``sigterm``: a preemption drill. Under torchrun (``TORCHELASTIC_RUN_ID`` set) SIGTERM goes to the
+  parent, the torchrun agent, which forwards SIGTERM to *every* local worker as a scheduler
+  would; otherwise to this process itself. With ``--exit-signal-handler`` this exercises the
+  graceful save-and-exit path; training continues until the next exit decision.
+
+Once per job: before firing, the injector atomically creates
+``<marker_dir>/.stalwart_fault_fired_<kind>_<iteration>_<rank>`` (O_CREAT|O_EXCL) and keeps an
+in-memory flag. A process restarted by torchrun, or by in-process restart, that reaches the same
+iteration again finds the marker and does not fire, so the restarted job can make progress. Use
+the checkpoint directory (``--save``) as ``marker_dir``; without one, only the in-memory flag
+protects against re-firing (a warning says so).
+
+This module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MARKER_PREFIX = ".stalwart_fault_fired_"
+FAULT_PHASES: tuple[str, ...] = ("step", "eval", "checkpointing")
+
+
+class FaultKind(Enum):
+    """``--inject-fault`` values."""
+
+    HANG = "hang"
+    EXCEPTION = "exception"
+    SIGKILL = "sigkill"
+    SIGTERM = "sigterm"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the ``exception`` fault."""
+
+
+def parse_fault_kind(value: str | FaultKind) -> FaultKind:
+    """``--inject-fault`` value -> `FaultKind`; ValueError naming the flag and allowed values."""
+    if isinstance(value, FaultKind):
+        return value
+    try:
+        return FaultKind(str(value).strip().lower())
+    except ValueError:
+        allowed = ", ".join(k.value for k in FaultKind)
+        raise ValueError(f"--inject-fault: got {value!r}, allowed: {allowed}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultInjectionConfig:
+    """Fault-injection flags; ``inject_fault=None`` (the default) disables injection."""
+
+    inject_fault: str | None = None
+    inject_fault_iteration: int | None = None
+    inject_fault_rank: int = 0
+    inject_fault_hang_seconds: float | None = None
+    inject_fault_phase: str = "step"
+
+    def __post_init__(self) -> None:
+        if self.inject_fault is None:
+            return
+        parse_fault_kind(self.inject_fault)
+        it = self.inject_fault_iteration
+        if it is None or not isinstance(it, int) or it < 1:
+            raise ValueError(
+                f"--inject-fault-iteration: required with --inject-fault, an integer >= 1, got {it!r}"
+            )
+        if not isinstance(self.inject_fault_rank, int) or self.inject_fault_rank < 0:
+            raise ValueError(
+                f"--inject-fault-rank: must be an integer >= 0, got {self.inject_fault_rank!r}"
+            )
+        hang = self.inject_fault_hang_seconds
+        if hang is not None and not hang > 0:
+            raise ValueError(
+                f"--inject-fault-hang-seconds: must be > 0 (unset hangs forever), got {hang!r}"
+            )
+        if self.inject_fault_phase not in FAULT_PHASES:
+            raise ValueError(
+                f"--inject-fault-phase: got {self.inject_fault_phase!r}, allowed: {', '.join(FAULT_PHASES)}"
+            )
+
+
+class NullFaultInjector:
+    """Injection disabled: ``maybe_inject`` does nothing."""
+
+    fired = False
+
+    def maybe_inject(self, iteration: int, rank: int, phase: str = "step") -> None:
+        pass
+
+
+class FaultInjector:
+    """Fires one fault of ``kind`` on ``rank`` at ``iteration`` (in ``phase``), once per job.
+
+    ``iteration`` is the number the trainer logs for the step being run (1-based).
+    """
+
+    def __init__(
+        self,
+        kind: FaultKind | str,
+        iteration: int,
+        rank: int,
+        marker_dir: str | os.PathLike[str] | None,
+        *,
+        hang_seconds: float | None = None,
+        phase: str = "step",
+    ) -> None:
+        self.kind = parse_fault_kind(kind)
+        self.iteration, self.rank, self.phase = iteration, rank, phase
+        self.hang_seconds = hang_seconds
+        self.marker_dir = Path(marker_dir) if marker_dir is not None else None
+        self.fired = False
+        if self.marker_dir is None:
+            logger.warning(
+                "fault injection without a marker directory: a restarted job fires again"
+            )
+
+    @property
+    def marker_path(self) -> Path | None:
+        if self.marker_dir is None:
+            return None
+        return self.marker_dir / f"{MARKER_PREFIX}{self.kind.value}_{self.iteration}_{self.rank}"
+
+    def maybe_inject(self, iteration: int, rank: int, phase: str = "step") -> None:
+        """Fire if this is the target (iteration, rank, phase) and it has not fired in this job."""
+        if self.fired or iteration != self.iteration or rank != self.rank or phase != self.phase:
+            return
+        self.fired = True
+        if not self._claim_marker():
+            logger.warning(
+                "fault injection: %s already fired in an earlier run (%s); skipping",
+                self.kind.value,
+                self.marker_path,
+            )
+            return
+        self._fire()
+
+    def _claim_marker(self) -> bool:
+        """Create the marker atomically; False if it already exists (fired before a restart)."""
+        path = self.marker_path
+        if path is None:
+            return True
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        record = {
+            "kind": self.kind.value,
+            "iteration": self.iteration,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "time": time.time(),
+        }
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())  # the marker must survive the SIGKILL that may follow at once
+        return True
+
+    def _fire(self) -> None:
+        line = f"FAULT INJECTION: rank {self.rank} fires '{self.kind.value}' at iteration {self.iteration} ({self.phase})"
+        logger.error(line)
+        print(line, file=sys.stderr, flush=True)  # visible even without logging configured
+        if self.kind is FaultKind.EXCEPTION:
+            raise InjectedFault(line)
+        if self.kind is FaultKind.SIGKILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind is FaultKind.SIGTERM:
+            under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+            os.kill(os.getppid() if under_torchrun else os.getpid(), signal.SIGTERM)
+        elif self.kind is FaultKind.HANG:
+            self._hang()
+
+    def _hang(self) -> None:
+        deadline = None if self.hang_seconds is None else time.monotonic() + self.hang_seconds
+        while deadline is None or time.monotonic() < deadline:
+            remaining = 1.0 if deadline is None else deadline - time.monotonic()
+            time.sleep(max(0.0, min(1.0, remaining)))
+
+
+def build_fault_injector(
+    config: FaultInjectionConfig, marker_dir: str | os.PathLike[str] | None, world_size: int = 1
+) -> FaultInjector | NullFaultInjector:
+    """The injector for ``config``; `NullFaultInjector` when ``--inject-fault`` is unset."""
+    if config.inject_fault is None or config.inject_fault_iteration is None:
+        return NullFaultInjector()
+    if config.inject_fault_rank >= world_size:
+        raise ValueError(
+            f"--inject-fault-rank: {config.inject_fault_rank} is not a rank of a world of size {world_size}"
+        )
+    return FaultInjector(
+        config.inject_fault,
+        config.inject_fault_iteration,
+        config.inject_fault_rank,
+        marker_dir,
+        hang_seconds=config.inject_fault_hang_seconds,
+        phase=config.inject_fault_phase,
+    )

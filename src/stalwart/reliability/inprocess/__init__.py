@@ -1,0 +1,1 @@
+"""In-process restart: recover from a fault without restarting the job."""

@@ -1,0 +1,86 @@
+"""Rerun state machine: detect NaN/Inf/spiky results and attribute them by re-running.
+
+Re-implements Megatron-LM's rerun state machine as an instance passed to the training loop,
+with host syncs batched to one read per iteration and Megatron's known defects fixed.
+"""
+
+from __future__ import annotations
+
+from stalwart.reliability.rerun.buffer import CheckSpec, ValidationBuffer, host_predicate
+from stalwart.reliability.rerun.checks import (
+    GRAD_TOLERANCE,
+    INF_GRAD_MESSAGE,
+    INF_LOSS_MESSAGE,
+    LARGE_GRAD_MESSAGE,
+    NAN_GRAD_MESSAGE,
+    NAN_LOSS_MESSAGE,
+    SPIKY_LOSS_MESSAGE,
+    GradCheckState,
+    check_grad_norm,
+    check_grads,
+    check_loss,
+    grad_check_comm_hook,
+    local_grad_norm,
+    register_grad_check_hook,
+)
+from stalwart.reliability.rerun.config import (
+    RerunConfig,
+    make_state_machine,
+    resolve_iterations_to_skip,
+)
+from stalwart.reliability.rerun.data_iterator import RerunDataIterator
+from stalwart.reliability.rerun.injector import RerunErrorInjector
+from stalwart.reliability.rerun.machine import RerunStateMachine
+from stalwart.reliability.rerun.rng import RngStateTracker, capture_rng_state, restore_rng_state
+from stalwart.reliability.rerun.stats import QuickStats, compare_floats
+from stalwart.reliability.rerun.tracker import read_iterations_to_skip
+from stalwart.reliability.rerun.types import (
+    DEVICE_ID_ENV,
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+    RerunDiagnostic,
+    RerunMode,
+    RerunState,
+    RerunValidationStatus,
+    device_identity,
+)
+
+__all__ = [
+    "DEVICE_ID_ENV",
+    "EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
+    "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
+    "GRAD_TOLERANCE",
+    "INF_GRAD_MESSAGE",
+    "INF_LOSS_MESSAGE",
+    "LARGE_GRAD_MESSAGE",
+    "NAN_GRAD_MESSAGE",
+    "NAN_LOSS_MESSAGE",
+    "SPIKY_LOSS_MESSAGE",
+    "CheckSpec",
+    "GradCheckState",
+    "QuickStats",
+    "RerunConfig",
+    "RerunDataIterator",
+    "RerunDiagnostic",
+    "RerunErrorInjector",
+    "RerunMode",
+    "RerunState",
+    "RerunStateMachine",
+    "RerunValidationStatus",
+    "RngStateTracker",
+    "ValidationBuffer",
+    "capture_rng_state",
+    "check_grad_norm",
+    "check_grads",
+    "check_loss",
+    "compare_floats",
+    "device_identity",
+    "grad_check_comm_hook",
+    "host_predicate",
+    "local_grad_norm",
+    "make_state_machine",
+    "read_iterations_to_skip",
+    "register_grad_check_hook",
+    "resolve_iterations_to_skip",
+    "restore_rng_state",
+]

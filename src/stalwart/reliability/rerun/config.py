@@ -1,0 +1,111 @@
+"""``RerunConfig``: the rerun-related training flags (Megatron spelling) and their validation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from stalwart.reliability.rerun.injector import RerunErrorInjector
+from stalwart.reliability.rerun.machine import RerunStateMachine
+from stalwart.reliability.rerun.tracker import read_iterations_to_skip
+from stalwart.reliability.rerun.types import RerunDiagnostic, RerunMode
+
+
+@dataclass(kw_only=True)
+class RerunConfig:
+    """Result validation and rerun flags.
+
+    Attributes:
+        rerun_mode: ``--rerun-mode``: disabled | validate_results | report_determinism_stats
+            (alias report_stats). Normalised to :class:`RerunMode`.
+        check_for_nan_in_loss_and_grad: off with ``--no-check-for-nan-in-loss-and-grad``. Turn it
+            off yourself with fp16 dynamic loss scaling (overflow NaNs are expected there).
+        check_for_spiky_loss: ``--check-for-spiky-loss`` (non-fatal, factor ``spiky_loss_factor``).
+        check_for_large_grads: ``--check-for-large-grads`` (non-fatal, factor ``large_grads_factor``).
+        error_injection_rate: ``--error-injection-rate``; 0 = off, else 1/rate per validation call.
+        error_injection_type: ``--error-injection-type``: transient_error | persistent_error |
+            correct_result.
+        error_injection_seed: seed of the injector's private RNG.
+        result_rejected_tracker_filename: ``--result-rejected-tracker-filename``.
+        iterations_to_skip: ``--iterations-to-skip``: 0-based iterations the loop skips.
+        spiky_loss_factor / large_grads_factor: threshold factors over the sampled max (10).
+    """
+
+    rerun_mode: RerunMode | str = RerunMode.VALIDATE_RESULTS
+    check_for_nan_in_loss_and_grad: bool = True
+    check_for_spiky_loss: bool = False
+    check_for_large_grads: bool = False
+    error_injection_rate: int = 0
+    error_injection_type: RerunDiagnostic | str = RerunDiagnostic.TRANSIENT_ERROR
+    error_injection_seed: int = 0
+    result_rejected_tracker_filename: str | None = None
+    iterations_to_skip: list[int] = field(default_factory=list)
+    spiky_loss_factor: float = 10.0
+    large_grads_factor: float = 10.0
+
+    def __post_init__(self) -> None:
+        self.rerun_mode = RerunMode.parse(self.rerun_mode)
+        self.error_injection_type = RerunDiagnostic.parse(self.error_injection_type)
+        rate = self.error_injection_rate
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 0:
+            raise ValueError(f"--error-injection-rate must be an integer >= 0; got {rate!r}")
+        bad = [
+            i
+            for i in self.iterations_to_skip
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0
+        ]
+        if bad:
+            raise ValueError(
+                f"--iterations-to-skip must be 0-based iteration indices >= 0; got {bad}"
+            )
+        for flag, value in (
+            ("--spiky-loss-factor", self.spiky_loss_factor),
+            ("--large-grads-factor", self.large_grads_factor),
+        ):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0; got {value!r}")
+        if self.error_injection_rate > 0 and self.mode is not RerunMode.VALIDATE_RESULTS:
+            raise ValueError(
+                "--error-injection-rate > 0 needs --rerun-mode validate_results "
+                f"(got {self.mode.value})"
+            )
+
+    @property
+    def mode(self) -> RerunMode:
+        return RerunMode.parse(self.rerun_mode)
+
+    @property
+    def injection_type(self) -> RerunDiagnostic:
+        return RerunDiagnostic.parse(self.error_injection_type)
+
+
+def resolve_iterations_to_skip(config: RerunConfig) -> list[int]:
+    """``--iterations-to-skip`` merged with what the tracker file says (sorted, 0-based)."""
+    skip = set(config.iterations_to_skip)
+    if config.result_rejected_tracker_filename:
+        skip.update(read_iterations_to_skip(config.result_rejected_tracker_filename))
+    return sorted(skip)
+
+
+def make_state_machine(
+    config: RerunConfig,
+    *,
+    state_save_func: Callable[[], Any] | None = None,
+    state_restore_func: Callable[[Any], None] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> RerunStateMachine:
+    """Build the machine (and its injector) described by ``config``."""
+    injector = RerunErrorInjector(
+        config.error_injection_rate, config.injection_type, seed=config.error_injection_seed
+    )
+    return RerunStateMachine(
+        mode=config.mode,
+        error_injector=injector,
+        result_rejected_tracker_filename=config.result_rejected_tracker_filename,
+        state_save_func=state_save_func,
+        state_restore_func=state_restore_func,
+        process_group=process_group,
+    )

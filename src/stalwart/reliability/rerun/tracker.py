@@ -1,0 +1,116 @@
+"""The result-rejected tracker file (``--result-rejected-tracker-filename``).
+
+One line per event, Megatron's format::
+
+    ts=<datetime> node=<host> device=<id> jobID=<id> rank=<r> iteration=<i> status=<s> result=<v> message='<m>'
+
+``iteration`` is the 0-based index of the iteration, the same number in every run of it and the
+same number the training loop compares against ``--iterations-to-skip``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+from collections import defaultdict
+
+from stalwart.reliability.rerun.types import Identity, RerunValidationStatus, job_id
+
+logger = logging.getLogger(__name__)
+
+_LINE = re.compile(
+    r"ts=.+? node=\S+ device=\S+ jobID=(?P<job>\S+) rank=(?P<rank>-?\d+) "
+    r"iteration=(?P<it>-?\d+) status=(?P<status>\S+) result=.+ message=.*"
+)
+_SKIP_STATUSES = frozenset(
+    {
+        RerunValidationStatus.RERUN_DISABLED,
+        RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE,
+        RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE,
+    }
+)
+
+
+class TrackerFile:
+    """Appends event lines; checks at construction that the file can be appended to."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise RuntimeError(
+                f"--result-rejected-tracker-filename {path!r} cannot be appended to ({exc})"
+            ) from exc
+
+    def write(
+        self,
+        *,
+        identity: Identity,
+        rank: int,
+        iteration: int,
+        status: RerunValidationStatus,
+        result: float,
+        message: str,
+    ) -> None:
+        """Append one line; an I/O error is logged, never raised (the run matters more)."""
+        line = (
+            f"ts={datetime.datetime.now()} node={identity[0]} device={identity[1]} "
+            f"jobID={job_id()} rank={rank} iteration={iteration} status={status.value} "
+            f"result={result!r} message={message!r}\n"
+        )
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+        except OSError as exc:
+            logger.error("Cannot append to result-rejected tracker file %s: %s", self.path, exc)
+
+
+def _parse_status(text: str) -> RerunValidationStatus | None:
+    name = text.split(".")[-1].lower()  # accepts "RerunValidationStatus.X" too
+    try:
+        return RerunValidationStatus(name)
+    except ValueError:
+        return None
+
+
+def read_iterations_to_skip(tracker_path: str) -> list[int]:
+    """0-based iterations to skip, derived from a tracker file.
+
+    An iteration is skipped when the same (rank, iteration) was reported twice with a status
+    meaning "the bad result is real" (``rerun_disabled``, ``first_rerun_reproducible``,
+    ``second_rerun_reproducible``), in any jobs; it is *not* skipped when several ranks reported it
+    within one job (a systemic or application problem, not bad data). A missing or unreadable
+    file yields ``[]``.
+    """
+    hits: dict[tuple[int, int], int] = defaultdict(int)
+    ranks_per_job: dict[tuple[str, int], set[int]] = defaultdict(set)
+    try:
+        with open(tracker_path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as exc:
+        logger.warning("Cannot read tracker file %s: %s", tracker_path, exc)
+        return []
+    for line in lines:
+        m = _LINE.match(line.strip())
+        if m is None:
+            continue
+        status = _parse_status(m["status"])
+        if status not in _SKIP_STATUSES:
+            continue
+        rank, it = int(m["rank"]), int(m["it"])
+        hits[(rank, it)] += 1
+        ranks_per_job[(m["job"], it)].add(rank)
+    candidates = {it for (_, it), n in hits.items() if n >= 2}
+    systemic = {it for (_, it), ranks in ranks_per_job.items() if len(ranks) > 1}
+    skip = sorted(candidates - systemic)
+    if skip:
+        logger.warning("Will skip these iterations from tracker file: %s", skip)
+    if candidates & systemic:
+        logger.warning(
+            "Will not skip these iterations due to multiple rank errors: %s",
+            sorted(candidates & systemic),
+        )
+    return skip

@@ -1,0 +1,127 @@
+"""Enums, exit codes and small value types shared by the rerun state machine.
+
+Names and string values follow Megatron-LM so that migrating users, launchers and log parsers keep
+working; behaviour is re-implemented from a behavioural spec, not copied.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+
+import torch
+
+EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
+"""The launcher should restart the job from the checkpoint just saved (or the same one)."""
+
+EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
+"""Result validation failed and the diagnosis is complete (or the error was transient)."""
+
+DEVICE_ID_ENV = "STALWART_DEVICE_ID"
+"""Overrides the device part of a rank's identity, so one machine can simulate "another GPU"."""
+
+COMPARISON_MATCH = 0.0
+COMPARISON_MISMATCH = float("inf")
+
+CallKey = tuple[str, str, int]
+"""Identity of one validation call inside a run: (scope, message, 1-based sequence number).
+
+``scope`` is ``""`` for eager ``validate_result`` calls and the buffer name for the slots of a
+:class:`ValidationBuffer`. The sequence number counts calls with the same scope and message.
+"""
+
+Identity = tuple[str, str]
+"""Where a rank computes: (node name, device id)."""
+
+
+class RerunMode(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11)
+    """What the machine does with validation calls.
+
+    ``report_stats`` is accepted as an alias of ``report_determinism_stats`` (Megatron's CLI used
+    the former while its enum used the latter, so neither spelling worked end to end).
+    """
+
+    DISABLED = "disabled"
+    VALIDATE_RESULTS = "validate_results"
+    REPORT_DETERMINISM_STATS = "report_determinism_stats"
+
+    @classmethod
+    def _missing_(cls, value: object) -> RerunMode | None:
+        if isinstance(value, str) and value.strip().lower() in ("report_stats", "report-stats"):
+            return cls.REPORT_DETERMINISM_STATS
+        if isinstance(value, str):
+            for member in cls:
+                if member.value == value.strip().lower().replace("-", "_"):
+                    return member
+        return None
+
+    @classmethod
+    def parse(cls, value: RerunMode | str) -> RerunMode:
+        """Convert user input; raises ``ValueError`` naming ``--rerun-mode`` and the allowed values."""
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls) + " (alias: report_stats)"
+            raise ValueError(f"--rerun-mode must be one of {allowed}; got {value!r}") from None
+
+
+class RerunDiagnostic(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11)
+    """Cause attributed to an unexpected result (also the error-injection types)."""
+
+    CORRECT_RESULT = "correct_result"
+    TRANSIENT_ERROR = "transient_error"
+    PERSISTENT_ERROR = "persistent_error"
+
+    @classmethod
+    def parse(cls, value: RerunDiagnostic | str) -> RerunDiagnostic:
+        """Convert user input; raises ``ValueError`` naming ``--error-injection-type``."""
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(m.value for m in cls)
+            raise ValueError(
+                f"--error-injection-type must be one of {allowed}; got {value!r}"
+            ) from None
+
+
+class RerunState(enum.Enum):
+    """The six states of the machine (values as in Megatron)."""
+
+    NOT_RUNNING_YET = 0
+    INITIAL_RUN = 1
+    RERUNNING_IN_PLACE = 2
+    WILL_RERUN_FROM_CHECKPOINT = 3
+    RERUNNING_FROM_CHECKPOINT = 4
+    RERUNNING_AGAIN_FROM_CHECKPOINT = 5
+
+
+class RerunValidationStatus(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11)
+    """Status written to the result-rejected tracker file."""
+
+    RERUN_DISABLED = "rerun_disabled"
+    INITIAL_RUN = "initial_run"
+    FIRST_RERUN_NOT_REPRODUCIBLE = "first_rerun_not_reproducible"
+    FIRST_RERUN_REPRODUCIBLE = "first_rerun_reproducible"
+    SECOND_RERUN_NOT_REPRODUCIBLE = "second_rerun_not_reproducible"
+    SECOND_RERUN_REPRODUCIBLE = "second_rerun_reproducible"
+
+
+def device_identity() -> Identity:
+    """(node, device) of this process, read now.
+
+    The device is ``$STALWART_DEVICE_ID`` when set; else the current CUDA device index when CUDA is
+    initialised; else ``cpu:<LOCAL_RANK>``. Reading it never initialises CUDA.
+    """
+    node = socket.gethostname()
+    override = os.environ.get(DEVICE_ID_ENV)
+    if override:
+        return node, override
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return node, str(torch.cuda.current_device())
+    return node, f"cpu:{os.environ.get('LOCAL_RANK', '0')}"
+
+
+def job_id() -> str:
+    """Scheduler job id for the tracker file (``N/A`` outside SLURM)."""
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID") or "N/A"

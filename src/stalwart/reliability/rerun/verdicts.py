@@ -1,0 +1,259 @@
+"""Per-rank verdicts of the rerun state machine, and its checkpointable state.
+
+Split from ``machine.py`` to keep files small. Each verdict function looks only at this rank's
+values and returns request flags; the machine then agrees on them across ranks in one collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from stalwart.distributed import collectives
+from stalwart.reliability.rerun.buffer import (
+    ValidationRecord,
+    evaluate_comparison,
+    evaluate_rejection,
+)
+from stalwart.reliability.rerun.injector import RerunErrorInjector
+from stalwart.reliability.rerun.stats import LargeValueTracker
+from stalwart.reliability.rerun.tracker import TrackerFile
+from stalwart.reliability.rerun.types import (
+    CallKey,
+    Identity,
+    RerunDiagnostic,
+    RerunMode,
+    RerunState,
+    RerunValidationStatus,
+    device_identity,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_DICT_VERSION = 1
+
+
+@dataclass
+class Event:
+    """The failed validation call of this rank, carried across the reruns (and the restart)."""
+
+    key: CallKey
+    message: str
+    fatal: bool
+    tolerance: float
+    initial_result: float
+    suspicious: Identity | None = None
+
+
+class EventMixin:
+    """Verdicts, logging and checkpoint state; mixed into ``RerunStateMachine``."""
+
+    mode: RerunMode
+    state: RerunState
+    iteration: int
+    event: Event | None
+    diagnosis: RerunDiagnostic | None
+    injector: RerunErrorInjector
+    tracker: TrackerFile | None
+    process_group: dist.ProcessGroup | None
+    _large: dict[str, LargeValueTracker]
+    _awaiting_exit: bool
+
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def group_rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------ verdicts
+    def _first_rejection(self, items: list[tuple[ValidationRecord, float]]) -> bool:
+        """Initial run: the first rejected call of this rank opens an event (later ones ignored)."""
+        for rec, v in items:
+            if not (rec.injected or evaluate_rejection(rec.spec.rejection_func, v)):
+                continue
+            spec = rec.spec
+            self.event = Event(rec.key, spec.message, spec.fatal, spec.tolerance, v)
+            if not self.injector.is_pending_for(rec.key):
+                self.injector.clear()
+            self._track(RerunValidationStatus.INITIAL_RUN, v, spec.message)
+            logger.error(
+                "Unexpected result %s on rank %d at iteration %d invocation #%d (message='%s')",
+                v, self.rank, self.iteration, rec.key[2], spec.message,
+            )  # fmt: skip
+            return True
+        self.injector.clear()
+        return False
+
+    def _rerun_value(self, items: list[tuple[ValidationRecord, float]]) -> tuple[float, float]:
+        """(value, comparison) of this rank's failed call in the rerun; missing = mismatch."""
+        assert self.event is not None
+        for rec, v in items:
+            if rec.key == self.event.key:
+                return v, evaluate_comparison(
+                    rec.spec.comparison_func, self.event.initial_result, v
+                )
+        logger.warning(
+            self._describe(f"validation call {self.event.key} was not made in the rerun")
+        )
+        return float("nan"), float("inf")
+
+    def _first_rerun_verdict(
+        self, items: list[tuple[ValidationRecord, float]]
+    ) -> tuple[bool, bool, bool]:
+        """After the in-place rerun: (checkpoint_requested, fatal_exit_requested, continue_requested)."""
+        ev = self.event
+        if ev is None:
+            return False, False, False
+        v, cmp = self._rerun_value(items)
+        if cmp > ev.tolerance:
+            self.diagnosis = RerunDiagnostic.TRANSIENT_ERROR
+            self._track(RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE, v, ev.message)
+            self._log_failure(
+                f"First rerun: unexpected result is not reproducible within the tolerance "
+                f"({ev.initial_result} != {v}) (message='{ev.message}'). Possible transient error!",
+                ev.fatal,
+            )
+            return False, ev.fatal, not ev.fatal
+        ev.suspicious = device_identity()
+        self._track(RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE, v, ev.message)
+        self._log_failure(
+            f"First rerun: unexpected result is reproducible within the tolerance "
+            f"({ev.initial_result} = {v}) (message='{ev.message}'). Need to rerun on a different "
+            f"GPU to verify correctness",
+            ev.fatal,
+        )
+        return ev.fatal, False, not ev.fatal
+
+    def _second_rerun_verdict(
+        self, items: list[tuple[ValidationRecord, float]]
+    ) -> tuple[bool, bool, bool]:
+        """After the rerun from checkpoint: (restart_again, fatal_exit, continue) for this rank."""
+        ev = self.event
+        if ev is None:
+            return False, False, False
+        here = device_identity()
+        if ev.suspicious is not None and here == ev.suspicious:
+            logger.error(
+                self._describe(
+                    "Got rescheduled on the same GPU that produced the suspicious result; "
+                    "need to resume on a different GPU"
+                )
+            )
+            return True, False, False
+        v, cmp = self._rerun_value(items)
+        if cmp > ev.tolerance:
+            self.diagnosis = RerunDiagnostic.PERSISTENT_ERROR
+            self._track(RerunValidationStatus.SECOND_RERUN_NOT_REPRODUCIBLE, v, ev.message)
+            logger.warning(
+                "Second rerun: unexpected result is not reproducible on a different GPU, "
+                "therefore was likely incorrect (%s != %s)", ev.initial_result, v,
+            )  # fmt: skip
+            self._log_failure(f"Possible persistent error! (message='{ev.message}')", True)
+        else:
+            self.diagnosis = RerunDiagnostic.CORRECT_RESULT
+            self._track(RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE, v, ev.message)
+            logger.warning(
+                "Second rerun: unexpected result is reproducible on a different GPU, "
+                "therefore it was likely correct (%s = %s)", ev.initial_result, v,
+            )  # fmt: skip
+            self._log_failure(
+                f"Correct result (but possible application error) ({ev.message})", True
+            )
+        return False, ev.fatal, not ev.fatal
+
+    def _finish_event(self) -> None:
+        """A non-fatal event is over: forget it and its injection so injection can continue."""
+        self.event = None
+        self.injector.clear()
+
+    # ------------------------------------------------------------------------------ logging
+    def _describe(self, message: str) -> str:
+        node, device = device_identity()
+        return (
+            f"Rank {self.rank}, node {node}, device {device}, iteration {self.iteration}: {message}"
+        )
+
+    def _log_failure(self, message: str, fatal: bool) -> None:
+        (logger.error if fatal else logger.warning)(self._describe(message))
+
+    def _log0(self, message: str) -> None:
+        if self.rank == 0:
+            logger.warning(message)
+
+    def _track(self, status: RerunValidationStatus, result: float, message: str) -> None:
+        if self.tracker is not None:
+            self.tracker.write(
+                identity=device_identity(),
+                rank=self.rank,
+                iteration=self.iteration,
+                status=status,
+                result=result,
+                message=message,
+            )
+
+    # --------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state, identical on every rank (collective: call it on all ranks).
+
+        Always the same structure (steady state included). ``ranks[r]`` holds rank r's failed
+        call, initial result, suspicious identity, identity at save time, injector state and
+        large-value windows; gathered with one ``all_gather_object``. The data position is not
+        included: the checkpoint must hold the loader position of the start of ``iteration``.
+        """
+        mine = {
+            "event": asdict(self.event) if self.event is not None else None,
+            "identity": device_identity(),
+            "injector": self.injector.state_dict(),
+            "large_values": {k: (t.count, t.max_value) for k, t in self._large.items()},
+        }
+        return {
+            "version": STATE_DICT_VERSION,
+            "mode": self.mode.value,
+            "state": self.state.name,
+            "iteration": self.iteration,
+            "world_size": self.world_size,
+            "ranks": collectives.all_gather_objects(mine, self.process_group),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any] | None, world_size: int | None = None) -> None:
+        """Restore after a restart. Ignored (with a warning) when the world size changed, when this
+        machine is disabled, or when the checkpoint was taken in steady state (only the
+        large-value windows are restored then). The mode given now always wins."""
+        if not sd:
+            return
+        expected = self.world_size if world_size is None else world_size
+        if sd.get("world_size") != expected:
+            logger.warning(
+                "World size changed (%s -> %s): rerun state ignored", sd.get("world_size"), expected
+            )
+            return
+        if self.mode is RerunMode.DISABLED:
+            logger.warning("Rerun state machine disabled; ignoring its checkpointed state")
+            return
+        mine = sd["ranks"][self.group_rank]
+        self._large = {k: LargeValueTracker(c, m) for k, (c, m) in mine["large_values"].items()}
+        state = RerunState[sd["state"]]
+        if state is not RerunState.WILL_RERUN_FROM_CHECKPOINT:
+            return
+        if self.mode is not RerunMode.VALIDATE_RESULTS:
+            logger.warning("Checkpoint awaits a rerun but mode is %s: ignored", self.mode.value)
+            return
+        ev = mine["event"]
+        if ev is not None:
+            ev = Event(**ev)
+            ev.key = tuple(ev.key)  # type: ignore[assignment]
+            ev.suspicious = tuple(ev.suspicious) if ev.suspicious else None  # type: ignore[assignment]
+        self.event = ev
+        self.injector.load_state_dict(mine["injector"])
+        self.state = state
+        self.iteration = int(sd["iteration"])
+        self._awaiting_exit = False

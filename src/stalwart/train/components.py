@@ -1,0 +1,289 @@
+"""Build every collaborator of a training run from a :class:`RunConfig`.
+
+Nothing here is global: :func:`build_components` returns one :class:`Components` value that the
+trainer owns and that in-process restart can throw away and build again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from stalwart.checkpoint import CheckpointManager
+from stalwart.config.run import RunConfig
+from stalwart.data import (
+    MicroBatchIterator,
+    TokenDataset,
+    build_datasets,
+    calculate_num_microbatches,
+)
+from stalwart.distributed.process_group import DistributedContext
+from stalwart.models import GPT, num_floating_point_operations
+from stalwart.observability.sinks import MetricSink, build_sinks
+from stalwart.observability.timers import Timers, TimingMode
+from stalwart.observability.train_log import TrainingLog
+from stalwart.reliability.faults import FaultInjector, NullFaultInjector, build_fault_injector
+from stalwart.reliability.rerun import (
+    RerunDataIterator,
+    RerunStateMachine,
+    check_grads,
+    check_loss,
+    make_state_machine,
+    register_grad_check_hook,
+    resolve_iterations_to_skip,
+)
+from stalwart.reliability.sections import NullSectionMonitor, SectionMonitor, build_section_monitor
+from stalwart.reliability.signals import DistributedSignalHandler
+from stalwart.train.forward_step import GPTForwardStep
+from stalwart.train.precision import NullLossScaler, autocast_context, build_loss_scaler
+from stalwart.train.schedule import LRScheduler
+from stalwart.train.step import StepParts
+
+logger = logging.getLogger("stalwart.train")
+
+
+@dataclass
+class Components:
+    """Everything a run owns. Built by :func:`build_components`, released by ``close()``."""
+
+    config: RunConfig
+    ctx: DistributedContext
+    model: nn.Module  # wrapped (DDP/FSDP2) module used for training
+    raw_model: GPT
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    loss_scaler: NullLossScaler
+    sampler: MicroBatchIterator
+    train_iterator: RerunDataIterator[Any]
+    valid_dataset: TokenDataset
+    num_microbatches: int
+    global_batch_size: int
+    checkpoint: CheckpointManager
+    rerun: RerunStateMachine
+    timers: Timers
+    sink: MetricSink
+    log: TrainingLog
+    sections: SectionMonitor | NullSectionMonitor
+    faults: FaultInjector | NullFaultInjector
+    signal_handler: DistributedSignalHandler | None
+    step_parts: StepParts
+    forward_step: GPTForwardStep
+    eval_forward_step: GPTForwardStep
+    iterations_to_skip: frozenset[int] = frozenset()
+    flops_per_iteration: float = 0.0
+    closers: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Release processes, files and handlers (safe to call twice)."""
+        for closer in reversed(self.closers):
+            with contextlib.suppress(Exception):
+                closer()
+        self.closers.clear()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, biases/LayerNorm/position vectors do not (GPT-2 convention)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    o = config.optim
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": o.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+        foreach=True,
+    )
+
+
+def wrap_model(model: GPT, config: RunConfig, ctx: DistributedContext) -> nn.Module:
+    """DDP (or FSDP2 with ``--use-torch-fsdp2``) across ranks; the bare model on one rank."""
+    if not ctx.is_distributed:
+        return model
+    if config.training.use_torch_fsdp2:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+
+
+def _build_data(config: RunConfig, ctx: DistributedContext) -> tuple[TokenDataset, TokenDataset, int, int]:
+    train, valid = build_datasets(
+        config.data.data_path,
+        config.model.seq_length,
+        config.model.vocab_size,
+        data_dtype=config.data.data_dtype,
+        valid_fraction=config.data.valid_fraction,
+    )
+    mbs = config.training.micro_batch_size
+    gbs = config.training.global_batch_size or mbs * ctx.world_size
+    num_microbatches = calculate_num_microbatches(gbs, mbs, ctx.world_size)
+    return train, valid, num_microbatches, gbs
+
+
+def _build_observability(
+    config: RunConfig, ctx: DistributedContext, flops: float
+) -> tuple[Timers, MetricSink, TrainingLog]:
+    obs = config.obs
+    timers = Timers(
+        obs.timing_log_level,
+        obs.timing_log_option,
+        mode=TimingMode.EVENTS if obs.timing_mode == "events" else TimingMode.SYNC,
+        device=ctx.device,
+    )
+    sink = build_sinks(
+        rank=ctx.rank,
+        tensorboard_dir=obs.tensorboard_dir,
+        wandb_project=obs.wandb_project,
+        wandb_exp_name=obs.wandb_exp_name,
+        wandb_save_dir=obs.wandb_save_dir,
+        wandb_mode=obs.wandb_mode,
+        config=config.to_dict(),
+    )
+    log = TrainingLog(
+        config.log,
+        train_iters=config.training.train_iters,
+        sink=sink,
+        timers=timers,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        flops_per_iteration=flops,
+        metrics_file=obs.metrics_file if ctx.rank == 0 else None,
+    )
+    return timers, sink, log
+
+
+def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
+    """Construct the model, optimizer, data, checkpointing and reliability/observability shell."""
+    closers: list[Any] = []
+    ckpt_cfg = config.checkpoint
+    checkpoint = CheckpointManager(
+        ckpt_cfg.save,
+        ckpt_cfg.load_dir,
+        keep_last=ckpt_cfg.ckpt_keep_last,
+        async_save=ckpt_cfg.async_save,
+        fallback=ckpt_cfg.ckpt_fallback,
+        non_persistent_dir=ckpt_cfg.non_persistent_ckpt_dir,
+    )
+    if ckpt_cfg.save:
+        checkpoint.check_writable()  # fail before any training work
+    closers.append(checkpoint.close)
+    sections = build_section_monitor(config.ft, ctx.rank, ckpt_cfg.save)
+    closers.append(sections.close)
+    faults = build_fault_injector(config.faults, ckpt_cfg.save, ctx.world_size)
+
+    train_ds, valid_ds, num_microbatches, gbs = _build_data(config, ctx)
+    seed_everything(config.training.seed)  # identical initial weights on every rank
+    raw_model = GPT(config.model).to(ctx.device)
+    model = wrap_model(raw_model, config, ctx)
+    seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
+    optimizer = build_optimizer(model, config)
+    scheduler = LRScheduler(optimizer, config.optim, config.training.train_iters)
+    loss_scaler = build_loss_scaler(config.training)
+
+    rerun = make_state_machine(
+        config.rerun,
+        state_save_func=loss_scaler.state_dict,
+        state_restore_func=loss_scaler.load_state_dict,
+    )
+    sampler = MicroBatchIterator(
+        train_ds,
+        config.training.micro_batch_size,
+        ctx.rank,
+        ctx.world_size,
+        seed=config.training.seed,
+        shuffle=config.data.shuffle,
+        pin_memory=ctx.device.type == "cuda",
+    )
+    train_iterator: RerunDataIterator[Any] = RerunDataIterator(sampler)
+    forward_step = GPTForwardStep(
+        ctx.device,
+        autocast=lambda: autocast_context(config.training, ctx.device),
+        loss_check=lambda loss: check_loss(rerun, loss, config.rerun),
+    )
+    after_backward = _grad_checks(model, rerun, config, ctx)
+    step_parts = StepParts(
+        model=model,
+        optimizer=optimizer,
+        forward_step_func=forward_step,
+        num_microbatches=num_microbatches,
+        clip_grad=config.optim.clip_grad,
+        loss_scaler=loss_scaler,
+        rerun=rerun,
+        log_num_zeros=config.log.log_num_zeros_in_grad,
+        after_backward=after_backward,
+    )
+    flops = num_floating_point_operations(config.model, gbs)
+    timers, sink, log = _build_observability(config, ctx, flops)
+    closers.extend([sink.close, log.close])
+    handler = None
+    if config.exit.exit_signal_handler:
+        handler = DistributedSignalHandler(config.exit.signal_enum)
+        handler.__enter__()
+        closers.append(handler.release)
+    return Components(
+        config=config,
+        ctx=ctx,
+        model=model,
+        raw_model=raw_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loss_scaler=loss_scaler,
+        sampler=sampler,
+        train_iterator=train_iterator,
+        valid_dataset=valid_ds,
+        num_microbatches=num_microbatches,
+        global_batch_size=gbs,
+        checkpoint=checkpoint,
+        rerun=rerun,
+        timers=timers,
+        sink=sink,
+        log=log,
+        sections=sections,
+        faults=faults,
+        signal_handler=handler,
+        step_parts=step_parts,
+        forward_step=forward_step,
+        eval_forward_step=GPTForwardStep(ctx.device, forward_step.autocast),
+        iterations_to_skip=frozenset(resolve_iterations_to_skip(config.rerun)),
+        flops_per_iteration=flops,
+        closers=closers,
+    )
+
+
+def _grad_checks(
+    model: nn.Module, rerun: RerunStateMachine, config: RunConfig, ctx: DistributedContext
+) -> Any:
+    """Gradient NaN/Inf/large checks: a DDP comm hook (before the all-reduce) or a post-backward
+    check of the local gradients (single rank, FSDP2)."""
+    wants = config.rerun.check_for_nan_in_loss_and_grad or config.rerun.check_for_large_grads
+    if not wants:
+        return None
+    if isinstance(model, DistributedDataParallel):
+        register_grad_check_hook(model, rerun, config.rerun)
+        return None
+    params = [p for p in model.parameters() if p.requires_grad]
+    return lambda: check_grads(rerun, params, config.rerun)

@@ -1,0 +1,181 @@
+"""One training iteration as a composition of small pieces.
+
+``forward_backward`` runs the micro-batch schedule (gradient accumulation) with a Megatron-style
+call signature, so a CUDA-graph wrapper can capture it whole. ``train_step`` wraps it in the rerun
+state machine's protocol (run, validate, maybe replay), asks the machine whether to exit, and only
+then clips and steps the optimizer: a rejected iteration never touches the parameters.
+
+Host syncs: none here on the normal path. The rerun state machine reads its device-side checks
+once per iteration inside ``should_run_forward_backward``; fp16 reads its overflow flag once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from stalwart.train.precision import NullLossScaler
+
+ForwardStepFunc = Callable[[Iterator[dict[str, torch.Tensor]], nn.Module], dict[str, torch.Tensor]]
+
+
+class RerunProtocol(Protocol):
+    """The part of :class:`stalwart.reliability.rerun.RerunStateMachine` the step uses."""
+
+    def should_run_forward_backward(self, data_iterator: Any) -> bool: ...
+
+    def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]: ...
+
+
+def _no_sync(model: nn.Module, is_last: bool) -> contextlib.AbstractContextManager[Any]:
+    """Skip DDP's gradient all-reduce on all but the last micro-batch (FSDP2 handled by caller)."""
+    if not is_last and hasattr(model, "no_sync"):
+        return model.no_sync()  # type: ignore[no-any-return, operator]
+    return contextlib.nullcontext()
+
+
+def forward_backward(
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator[dict[str, torch.Tensor]],
+    model: nn.Module,
+    num_microbatches: int,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    forward_only: bool = False,
+    loss_scaler: NullLossScaler | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Run ``num_microbatches`` forward (and backward) passes, accumulating gradients.
+
+    Megatron-compatible signature (``seq_length``/``micro_batch_size`` are accepted for wrappers
+    that size static buffers). ``forward_step_func(data_iterator, model)`` returns a dict whose
+    ``"loss"`` entry is backpropagated (divided by ``num_microbatches`` so gradients are a mean)
+    and whose other entries are detached values to report.
+
+    Returns:
+        One dict of detached reported values per micro-batch (device tensors, no host sync).
+    """
+    del seq_length, micro_batch_size
+    scaler = loss_scaler or NullLossScaler()
+    reported: list[dict[str, torch.Tensor]] = []
+    for index in range(num_microbatches):
+        is_last = index == num_microbatches - 1
+        grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with grad_mode, _no_sync(model, is_last or forward_only):
+            output = forward_step_func(data_iterator, model)
+            if not forward_only:
+                scaler.scale_loss(output["loss"] / num_microbatches).backward()
+        reported.append({k: v.detach() for k, v in output.items()})
+    return reported
+
+
+def average_reported(
+    reported: list[dict[str, torch.Tensor]], group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """Mean over micro-batches and data-parallel ranks of every reported value except ``loss``.
+
+    One all-reduce of a stacked device tensor (asynchronous on NCCL: no host sync).
+    """
+    keys = [k for k in reported[0] if k != "loss"] or ["loss"]
+    stacked = torch.stack([torch.stack([r[k].float() for r in reported]).mean() for k in keys])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(stacked, group=group)
+        stacked = stacked / dist.get_world_size(group)
+    return {k: stacked[i] for i, k in enumerate(keys)}
+
+
+def grad_norm_and_clip(parameters: list[nn.Parameter], clip_grad: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (device tensor); clip to ``clip_grad`` when > 0."""
+    max_norm = clip_grad if clip_grad > 0 else float("inf")
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+
+
+def count_zeros(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """Number of exactly-zero gradient entries (device tensor, ``--log-num-zeros-in-grad``)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    return torch.stack([(g == 0).sum() for g in grads]).sum()
+
+
+def params_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all parameters (device tensor, ``--log-params-norm``)."""
+    norms = torch._foreach_norm([p.detach() for p in parameters])
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+@dataclass
+class StepResult:
+    """What one iteration produced. Tensors stay on the device; nothing here forced a sync."""
+
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_norm: torch.Tensor | None = None
+    num_zeros: torch.Tensor | None = None
+    skipped: bool = False
+    should_checkpoint: bool = False
+    should_exit: bool = False
+    exit_code: int = 0
+
+
+@dataclass
+class StepParts:
+    """The collaborators of a training step, built once by the trainer."""
+
+    model: nn.Module
+    optimizer: Optimizer
+    forward_step_func: ForwardStepFunc
+    num_microbatches: int
+    clip_grad: float
+    loss_scaler: NullLossScaler
+    rerun: RerunProtocol
+    forward_backward_func: Callable[..., list[dict[str, torch.Tensor]]] = forward_backward
+    optimizer_step: Callable[[], None] | None = None
+    log_num_zeros: bool = False
+    dp_group: dist.ProcessGroup | None = None
+    after_backward: Callable[[], None] | None = None
+
+
+def _zero_grad(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def train_step(parts: StepParts, data_iterator: Any) -> StepResult:
+    """One iteration: rerun-guarded forward/backward, exit decision, then clip and step.
+
+    The rerun state machine may run forward/backward twice (replay with the same data and RNG);
+    if it asks to exit, the optimizer is not stepped.
+    """
+    reported: list[dict[str, torch.Tensor]] = []
+    while parts.rerun.should_run_forward_backward(data_iterator):
+        _zero_grad(parts.model)
+        reported = parts.forward_backward_func(
+            forward_step_func=parts.forward_step_func,
+            data_iterator=data_iterator,
+            model=parts.model,
+            num_microbatches=parts.num_microbatches,
+            loss_scaler=parts.loss_scaler,
+        )
+        if parts.after_backward is not None:
+            parts.after_backward()  # records device-side gradient checks for this pass
+    should_checkpoint, should_exit, exit_code = parts.rerun.should_checkpoint_and_exit()
+    losses = average_reported(reported, parts.dp_group) if reported else {}
+    if should_exit:
+        return StepResult(losses, None, None, True, should_checkpoint, True, exit_code)
+    params = [p for p in parts.model.parameters() if p.requires_grad]
+    found_inf = parts.loss_scaler.unscale_and_check(params)
+    grad_norm = grad_norm_and_clip(params, parts.clip_grad)
+    num_zeros = count_zeros(params) if parts.log_num_zeros else None
+    skipped = False
+    if found_inf is not None:
+        # Deliberate sync (fp16 only): an overflow must skip the optimizer step.
+        skipped = bool(found_inf.item() > 0)
+        parts.loss_scaler.update(skipped)
+    if not skipped:
+        (parts.optimizer_step or parts.optimizer.step)()
+    return StepResult(losses, grad_norm, num_zeros, skipped)

@@ -1,0 +1,274 @@
+"""The training loop: a short composition of the components built in ``components.py``.
+
+Per iteration: finalize a pending async save, (maybe) inject a fault, run the rerun-guarded step
+inside the hang watchdog's ``step`` section, log, evaluate, then one agreed save/exit decision.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stalwart.config.run import RunConfig
+from stalwart.data import make_eval_iterator
+from stalwart.distributed.process_group import DistributedContext
+from stalwart.observability.timers import INTERVAL_TIME
+from stalwart.reliability.exit import (
+    ExitDecision,
+    ExitReason,
+    SaveKind,
+    decide,
+    exit_message,
+    gather_exit_inputs,
+    write_exit_reason,
+)
+from stalwart.reliability.rerun import capture_rng_state, restore_rng_state
+from stalwart.reliability.sections import Section
+from stalwart.train.components import Components, build_components
+from stalwart.train.evaluate import evaluate
+from stalwart.train.step import StepResult, params_norm, train_step
+
+logger = logging.getLogger("stalwart.train")
+
+
+class Phase(enum.Enum):
+    """What the loop does with the iteration it is about to run."""
+
+    TRAIN = "train"
+    SKIP = "skip"  # --iterations-to-skip: consume the data, do not train
+
+
+@dataclass
+class TrainOutcome:
+    """How ``train()`` ended: the process exit code and why."""
+
+    exit_code: int
+    reason: ExitReason
+    iteration: int
+    detail: str = ""
+
+
+@dataclass
+class TrainState:
+    """Progress counters; ``iteration`` counts completed iterations (0-based index of the next)."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+class Trainer:
+    """Owns every component of a run; ``train()`` runs to an agreed exit.
+
+    Usage::
+
+        ctx = init_distributed()
+        with Trainer(config, ctx) as trainer:
+            outcome = trainer.train()
+        sys.exit(outcome.exit_code)
+    """
+
+    def __init__(self, config: RunConfig, ctx: DistributedContext, print_fn: Any = print) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.print = print_fn if ctx.is_main else (lambda *a, **k: None)
+        self.started = time.monotonic()
+        self.c: Components = build_components(config, ctx)
+        self.state = TrainState()
+        self.loaded_iteration: int | None = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.c.close()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_common(self) -> dict[str, Any]:
+        c = self.c
+        return {
+            "iteration": self.state.iteration,
+            "consumed_samples": self.state.consumed_samples,
+            # The sampler may be ahead (a rerun exit saves before the failed iteration): the data
+            # position is the one of the completed iterations.
+            "data": {**c.sampler.state_dict(), "consumed_samples": self.state.consumed_samples},
+            "scheduler": c.scheduler.state_dict(),
+            "loss_scaler": c.loss_scaler.state_dict(),
+            "config": self.config.to_dict(),
+        }
+
+    def _checkpoint_per_rank(self) -> dict[str, Any]:
+        return {"rng": capture_rng_state(), "rerun": self.c.rerun.state_dict()}
+
+    def save(self, non_persistent: bool = False) -> None:
+        """Save the current state (collective) inside the ``checkpointing`` section."""
+        c = self.c
+        with c.sections.section(Section.CHECKPOINTING):
+            c.faults.maybe_inject(self.state.iteration, self.ctx.rank, "checkpointing")
+            common, per_rank = self._checkpoint_common(), self._checkpoint_per_rank()
+            c.checkpoint.save(
+                self.state.iteration,
+                c.model,
+                c.optimizer,
+                common,
+                per_rank,
+                non_persistent=non_persistent,
+            )
+        c.sections.maybe_update_timeouts(async_save=self.config.checkpoint.async_save)
+
+    def load(self) -> None:
+        """Resume from the newest complete checkpoint, if any (``--load`` defaults to ``--save``)."""
+        cfg, c = self.config.checkpoint, self.c
+        if cfg.load_dir is None:
+            return
+        load_optim = not (cfg.no_load_optim or cfg.finetune)
+        loaded = c.checkpoint.load(c.model, c.optimizer, load_optim=load_optim)
+        if loaded is None:
+            return
+        c.sections.on_checkpoint_loaded(persistent=not loaded.non_persistent)
+        if cfg.finetune:
+            self.print(f"finetuning from {loaded.path}: weights loaded, starting at iteration 0")
+            return
+        common = loaded.common
+        self.state = TrainState(common["iteration"], common["consumed_samples"])
+        self.loaded_iteration = loaded.iteration
+        c.sampler.load_state_dict(common["data"])
+        c.loss_scaler.load_state_dict(common.get("loss_scaler", {}))
+        per_rank = loaded.per_rank
+        if per_rank is None:
+            logger.warning("world size changed: RNG and rerun state not restored for this rank")
+        else:
+            if not cfg.no_load_rng:
+                restore_rng_state(per_rank["rng"])
+            c.rerun.load_state_dict(per_rank["rerun"])
+        self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> TrainOutcome:
+        """Train until an exit decision; returns the outcome (exit code 0, 16 or 17)."""
+        c, cfg = self.c, self.config
+        self.load()
+        c.timers(INTERVAL_TIME).start(barrier=True)
+        decision = ExitDecision()
+        outcome: TrainOutcome | None = None
+        while outcome is None:
+            if self.state.iteration >= cfg.training.train_iters:
+                decision = ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, "reached --train-iters")
+                break
+            with c.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
+                c.checkpoint.maybe_finalize()
+            result = self._run_iteration()
+            if result.should_exit:
+                outcome = self._rerun_exit(result)
+                break
+            self._after_iteration(result)
+            decision = self._decide()
+            if decision.save is not SaveKind.NONE:
+                self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
+            if decision.exit:
+                break
+        return outcome or self._finish(decision)
+
+    def _run_iteration(self) -> StepResult:
+        c, it = self.c, self.state.iteration
+        c.scheduler.set_iteration(it)
+        c.rerun.set_iteration(it)
+        with c.sections.step_section():
+            c.faults.maybe_inject(it + 1, self.ctx.rank, "step")
+            if it in c.iterations_to_skip:
+                return self._skip_iteration()
+            return train_step(c.step_parts, c.train_iterator)
+
+    def _skip_iteration(self) -> StepResult:
+        """``--iterations-to-skip``: consume this iteration's data without training on it."""
+        for _ in range(self.c.num_microbatches):
+            next(self.c.sampler)
+        self.print(f"skipping iteration {self.state.iteration + 1} (--iterations-to-skip)")
+        return StepResult(skipped=True)
+
+    def _after_iteration(self, result: StepResult) -> None:
+        c, cfg = self.c, self.config
+        self.state.iteration += 1
+        self.state.consumed_samples += c.global_batch_size
+        it = self.state.iteration
+        is_log = it % cfg.log.log_interval == 0 or it == 1
+        norm = params_norm(list(c.model.parameters())) if cfg.log.log_params_norm and is_log else None
+        c.log.on_iteration(
+            it,
+            losses=result.losses or {"lm loss": torch.tensor(float("nan"))},
+            learning_rate=c.scheduler.last_lr,
+            global_batch_size=c.global_batch_size,
+            consumed_samples=self.state.consumed_samples,
+            grad_norm=result.grad_norm,
+            skipped=result.skipped,
+            loss_scale=c.loss_scaler.scale if cfg.training.fp16 else None,
+            num_zeros=result.num_zeros,
+            params_norm=norm,
+        )
+        if cfg.training.eval_interval and it % cfg.training.eval_interval == 0:
+            self.run_evaluation()
+
+    def run_evaluation(self) -> dict[str, float]:
+        """Evaluate on the held-out split with validation checks disabled."""
+        c, cfg = self.c, self.config
+        c.sections.start_evaluation()
+        data = make_eval_iterator(c.valid_dataset, cfg.training.micro_batch_size, self.ctx.rank, self.ctx.world_size)
+        losses = evaluate(
+            model=c.model,
+            forward_step_func=c.eval_forward_step,
+            data_iterator=data,
+            num_microbatches=c.num_microbatches,
+            eval_iters=cfg.training.eval_iters,
+            disable_validation=c.rerun.disabled,
+            step_section=lambda: c.sections.step_section(is_eval=True),
+        )
+        c.log.on_eval(self.state.iteration, losses, consumed_samples=self.state.consumed_samples)
+        return losses
+
+    def _decide(self) -> ExitDecision:
+        cfg = self.config
+        elapsed_min = (time.monotonic() - self.started) / 60.0
+        inputs = gather_exit_inputs(cfg.exit, self.c.signal_handler, elapsed_min)
+        return decide(
+            self.state.iteration,
+            inputs,
+            cfg.exit,
+            can_save=cfg.checkpoint.save is not None,
+            finished=self.state.iteration >= cfg.training.train_iters,
+        )
+
+    def _rerun_exit(self, result: StepResult) -> TrainOutcome:
+        """The rerun state machine asked to exit (16: resume elsewhere, 17: validation failed)."""
+        if result.should_checkpoint and self.config.checkpoint.save:
+            self.save()
+        detail = f"rerun state machine exit code {result.exit_code}"
+        self._record_exit(ExitReason.RERUN, detail, result.exit_code)
+        return TrainOutcome(result.exit_code, ExitReason.RERUN, self.state.iteration, detail)
+
+    def _finish(self, decision: ExitDecision) -> TrainOutcome:
+        reason = decision.reason or ExitReason.FINISHED
+        self._record_exit(reason, decision.detail, 0)
+        self.print(exit_message(decision, self.state.iteration))
+        return TrainOutcome(0, reason, self.state.iteration, decision.detail)
+
+    def _record_exit(self, reason: ExitReason, detail: str, exit_code: int) -> None:
+        c = self.c
+        with c.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
+            c.checkpoint.finalize()  # an exit always completes the pending async save first
+        c.sections.maybe_update_timeouts(closing=True, async_save=self.config.checkpoint.async_save)
+        save_dir = self.config.checkpoint.save
+        if save_dir and self.ctx.is_main:
+            write_exit_reason(save_dir, reason, self.state.iteration, detail, exit_code=exit_code)
+
+
+def run_training(config: RunConfig, ctx: DistributedContext) -> TrainOutcome:
+    """Build a trainer, train, release everything; the one-call entry used by the CLI."""
+    with Trainer(config, ctx) as trainer:
+        return trainer.train()

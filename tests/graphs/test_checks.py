@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from stalwart.graphs import (
+    CudaGraphImpl,
+    GraphSettings,
+    RecomputeGranularity,
+    check_graph_config,
+    compile_for_graph,
+    graph_config_problems,
+)
+
+CUDA = torch.device("cuda", 0)
+FULL = GraphSettings(device=CUDA, cuda_graph_impl=CudaGraphImpl.FULL_ITERATION)
+
+
+def _reject(settings: GraphSettings, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_graph_config(settings)
+
+
+def test_valid_combinations_pass() -> None:
+    check_graph_config(FULL)
+    check_graph_config(GraphSettings(device=torch.device("cpu")))
+    check_graph_config(dataclasses.replace(FULL, optimizer_cuda_graph=True, compile=True))
+    # NaN checks stay on: they run device-side inside the graph.
+    check_graph_config(dataclasses.replace(FULL, check_for_nan_in_loss_and_grad=True))
+    # Full recompute without dropout is fine inside the full-iteration graph.
+    check_graph_config(dataclasses.replace(FULL, recompute_granularity=RecomputeGranularity.FULL))
+    check_graph_config(dataclasses.replace(FULL, fp16=True, loss_scale=1024.0))
+    # Without graphs, host-syncing checks and dynamic fp16 are not our concern.
+    check_graph_config(
+        GraphSettings(
+            device=CUDA,
+            check_for_spiky_loss=True,
+            fp16=True,
+            compile=True,
+            compile_mode="reduce-overhead",
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            {"device": torch.device("cpu")},
+            "--cuda-graph-impl full_iteration requires a CUDA device",
+        ),
+        (
+            {"cuda_graph_modules": ("attn",)},
+            "cannot be combined with --cuda-graph-impl full_iteration",
+        ),
+        ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
+        ({"cuda_graph_warmup_steps": 0}, "--cuda-graph-warmup-steps must be an integer >= 1"),
+        ({"check_for_spiky_loss": True}, "--check-for-spiky-loss reads values on the host"),
+        ({"check_for_large_grads": True}, "--check-for-large-grads reads values on the host"),
+        ({"fp16": True}, "--fp16 with dynamic loss scaling is not supported"),
+        ({"compile": True, "compile_mode": "reduce-overhead"}, "cannot nest inside"),
+        ({"compile": True, "compile_mode": "max-autotune"}, "cannot nest inside"),
+        (
+            {"recompute_granularity": RecomputeGranularity.FULL, "hidden_dropout": 0.1},
+            "--hidden-dropout=0.1 is not allowed with recomputed 'mlp'",
+        ),
+        (
+            {
+                "recompute_granularity": RecomputeGranularity.SELECTIVE,
+                "recompute_modules": ("core_attn",),
+                "attention_dropout": 0.1,
+            },
+            "--attention-dropout=0.1 is not allowed with recomputed 'core_attn'",
+        ),
+        (
+            {
+                "recompute_granularity": RecomputeGranularity.SELECTIVE,
+                "recompute_modules": ("moe",),
+                "moe_input_jitter_eps": 0.01,
+            },
+            "--moe-input-jitter-eps",
+        ),
+        (
+            {"fine_grained_activation_offloading": True},
+            "--fine-grained-offloading-max-inflight-offloads to be an integer >= 0",
+        ),
+    ],
+)
+def test_full_iteration_rejections(change: dict, match: str) -> None:
+    _reject(dataclasses.replace(FULL, **change), match)
+
+
+def test_selective_recompute_of_deterministic_modules_is_allowed() -> None:
+    check_graph_config(
+        dataclasses.replace(
+            FULL,
+            recompute_granularity=RecomputeGranularity.SELECTIVE,
+            recompute_modules=("core_attn",),
+            hidden_dropout=0.1,
+        )
+    )
+    check_graph_config(
+        dataclasses.replace(
+            FULL,
+            fine_grained_activation_offloading=True,
+            fine_grained_offloading_max_inflight_offloads=2,
+            cpu_offloading=True,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        (
+            GraphSettings(device=CUDA, cuda_graph_impl=CudaGraphImpl.LOCAL),
+            "not implemented by stalwart",
+        ),
+        (
+            GraphSettings(
+                device=CUDA, enable_cuda_graph=True, recompute_granularity=RecomputeGranularity.FULL
+            ),
+            "--recompute-granularity full is only supported",
+        ),
+        (
+            GraphSettings(
+                device=CUDA, cuda_graph_impl=CudaGraphImpl.TRANSFORMER_ENGINE, cpu_offloading=True
+            ),
+            "--cpu-offloading with CUDA graphs requires",
+        ),
+        (
+            GraphSettings(device=torch.device("cpu"), optimizer_cuda_graph=True),
+            "--optimizer-cuda-graph requires a CUDA device",
+        ),
+        (
+            GraphSettings(device=CUDA, optimizer_cuda_graph=True, optimizer="sgd"),
+            "--optimizer-cuda-graph requires --optimizer adam",
+        ),
+        (
+            GraphSettings(device=CUDA, optimizer_cuda_graph=True, log_num_zeros_in_grad=True),
+            "--log-num-zeros-in-grad",
+        ),
+    ],
+)
+def test_other_rejections(settings: GraphSettings, match: str) -> None:
+    _reject(settings, match)
+
+
+def test_all_problems_are_reported_together() -> None:
+    bad = dataclasses.replace(
+        FULL, device=torch.device("cpu"), check_for_spiky_loss=True, cuda_graph_modules=("mlp",)
+    )
+    assert len(graph_config_problems(bad)) == 3
+
+
+def test_compile_for_graph_rejects_graphing_modes() -> None:
+    with pytest.raises(ValueError, match="reduce-overhead"):
+        compile_for_graph(torch.nn.Linear(2, 2), mode="reduce-overhead")

@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.models import GPT, GPTConfig
+from stalwart.observability.memory import (
+    MEMORY_FILE,
+    MemoryMonitor,
+    NullMemoryMonitor,
+    activation_breakdown,
+    bytes_per_parameter,
+    count_parameters,
+    measured_memory,
+    megatron_bytes_per_parameter,
+    theoretical_memory,
+)
+from stalwart.observability.train_log import IntervalInfo
+
+# L=2, h=8, heads=2, s=4, V=16, f=4h=32; micro-batch b=2 -> t = 8 tokens.
+DENSE = GPTConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16)
+MOE = GPTConfig(
+    num_layers=2,
+    hidden_size=8,
+    num_attention_heads=2,
+    seq_length=4,
+    vocab_size=16,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_capacity_factor=1.0,
+)
+
+
+def test_parameter_count_matches_reference_model() -> None:
+    # V*h + s*h + L*(qkv 8*24+24 + proj 64+8 + fc1 8*32+32 + fc2 32*8+8 + 2 LN 32) + final LN 16
+    assert count_parameters(DENSE) == 128 + 32 + 2 * (216 + 72 + 288 + 264 + 32) + 16 == 1920
+    assert count_parameters(DENSE) == GPT(DENSE).num_parameters()
+    assert count_parameters(MOE) == GPT(MOE).num_parameters()
+
+
+def test_bytes_per_parameter() -> None:
+    assert bytes_per_parameter(1, False, bf16=True) == 18  # 4 param + 4 grad + 8 Adam + 2 copy
+    assert bytes_per_parameter(4, True, bf16=True) == 12  # 10 + 8/4
+    assert bytes_per_parameter(1, False, bf16=False) == 16
+    assert megatron_bytes_per_parameter(1, False) == 18
+    assert megatron_bytes_per_parameter(2, True) == 12  # 6 + 12/2
+
+
+def test_dense_bf16_hand_computed() -> None:
+    acts = activation_breakdown(DENSE, micro_batch_size=2, bf16=True)
+    # attention/layer: t*(8h + 16 + 5*e*h) + 4*b*heads*s = 8*(64+16+80) + 64 = 1344
+    assert acts["layers.attention"] == 2 * 1344
+    # dense MLP/layer: t*(e*h + 2*e*f) = 8*(16 + 128) = 1152
+    assert acts["layers.mlp"] == 2 * 1152
+    assert acts["embedding"] == 16 * 8  # ids + labels
+    # head: t*(4h+8) + e*t*h + 4*t*V = 320 + 128 + 512
+    assert acts["head"] == 960
+    assert acts["loss_backward_transient"] == 8 * 8 * 16
+    est = theoretical_memory(DENSE, micro_batch_size=2, dp_size=1)
+    assert est.activation_bytes == 7104
+    assert est.weights_optimizer_bytes == 18 * 1920
+    # The optimizer-step temporary (4 B/param = 7680) exceeds this toy's activations.
+    assert est.total_bytes == 34560 + 7680
+
+
+def test_dense_sharded_and_fp32_hand_computed() -> None:
+    est = theoretical_memory(DENSE, micro_batch_size=2, dp_size=4, sharded_optimizer=True)
+    assert est.weights_optimizer_bytes == 12 * 1920
+    assert est.total_bytes == 23040 + 7104
+    fp32 = theoretical_memory(DENSE, micro_batch_size=2, dp_size=1, bf16=False)
+    # e=4: attention 2*(8*(64+16+160)+64) + MLP 2*8*(32+256) + emb 128 + head 1088 + 1024
+    assert fp32.activation_bytes == 3968 + 4608 + 128 + 1088 + 1024
+    assert fp32.total_bytes == 16 * 1920 + 10816
+
+
+def test_moe_hand_computed() -> None:
+    acts = activation_breakdown(MOE, micro_batch_size=2, bf16=True)
+    # capacity = ceil(1.0*2*8/4) = 4 -> N = 16 slots;
+    # t*(4h + 4E + 24k) + e*k*t*h + N*(e*h + 2*e*f) = 768 + 256 + 16*144
+    assert acts["layers.mlp"] == 2 * (768 + 256 + 2304)
+    est = theoretical_memory(MOE, micro_batch_size=2, dp_size=1)
+    assert est.num_parameters == count_parameters(MOE)
+
+
+def test_bad_args() -> None:
+    with pytest.raises(ValueError, match="--micro-batch-size"):
+        theoretical_memory(DENSE, 0, 1)
+    with pytest.raises(ValueError, match="--log-memory-interval"):
+        MemoryMonitor(torch.device("cpu"), None, log_interval=10, log_memory_interval=15)
+
+
+def test_measured_cpu_is_rss() -> None:
+    m = measured_memory(torch.device("cpu"))
+    assert m["mem-rss-bytes"] > 0 and m["mem-max-rss-bytes"] >= m["mem-rss-bytes"] * 0.5
+
+
+def _info(it: int) -> IntervalInfo:
+    return IntervalInfo(
+        iteration=it,
+        num_iterations=1,
+        elapsed_ms_per_iteration=1.0,
+        consumed_samples=0,
+        is_first=it == 1,
+    )
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, float], int]] = []
+
+    def add_scalars(self, values: dict[str, float], step: int) -> None:
+        self.calls.append((dict(values), step))
+
+
+def test_monitor_reports_once_then_interval(tmp_path: Path) -> None:
+    lines: list[str] = []
+    sink = _Sink()
+    est = theoretical_memory(DENSE, 2, 1)
+    mon = MemoryMonitor(
+        torch.device("cpu"),
+        est,
+        run_dir=tmp_path,
+        log_interval=1,
+        log_memory_interval=3,
+        to_tensorboard=True,
+        sink=sink,
+        log=lines.append,  # type: ignore[arg-type]
+    )
+    assert mon.log_fields(_info(1))  # first: report + file
+    record = json.loads((tmp_path / MEMORY_FILE).read_text())
+    assert record["measured_source"] == "cpu-rss"
+    assert record["theoretical"]["total_bytes"] == est.total_bytes
+    assert lines[0].startswith("Theoretical memory footprints: weight and optimizer=")
+    assert "[Rank 0] (after 1 iterations) memory (MB)" in lines[1]
+    assert mon.log_fields(_info(2)) == []  # not due
+    assert mon.log_fields(_info(3))  # due
+    assert [step for _, step in sink.calls] == [1, 3]
+    assert len(lines) == 2  # the report lines are printed once
+    assert NullMemoryMonitor().log_fields(_info(1)) == []

@@ -1,0 +1,129 @@
+"""End-to-end: the training log writes the same keys to TensorBoard event files and a W&B run."""
+
+from __future__ import annotations
+
+import glob
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.observability.sinks import FanOutSink, MetricSink, TensorBoardSink
+from stalwart.observability.timers import FORWARD_BACKWARD, INTERVAL_TIME, Timers
+from stalwart.observability.train_log import LogConfig, TrainingLog
+
+EXPECTED_KEYS = {
+    "learning-rate",
+    "batch-size",
+    "lm loss",
+    "loss-scale",
+    "grad-norm",
+    "params-norm",
+    "lm loss validation",
+    "lm loss validation ppl",
+}
+EXPECTED_KEYS |= {f"{k} vs samples" for k in EXPECTED_KEYS}
+EXPECTED_KEYS |= {"iteration-time-ms", "forward-backward-time-ms"}
+
+
+def _drive(sink: MetricSink) -> None:
+    timers = Timers(1, "max")
+    config = LogConfig(
+        log_interval=2,
+        log_timers_to_tensorboard=True,
+        log_validation_ppl_to_tensorboard=True,
+        log_progress_bar=False,
+    )
+    log = TrainingLog(
+        config,
+        train_iters=4,
+        sink=sink,
+        timers=timers,
+        rank=0,
+        world_size=1,
+        print_fn=lambda s: None,
+    )
+    timers(INTERVAL_TIME).start()
+    for it in range(1, 5):
+        fb = timers(FORWARD_BACKWARD)
+        fb.start()
+        time.sleep(0.002)
+        fb.stop()
+        log.on_iteration(
+            it,
+            losses={"lm loss": torch.tensor(10.0 - it)},
+            learning_rate=0.01 * it,
+            global_batch_size=4,
+            consumed_samples=4 * it,
+            grad_norm=torch.tensor(1.0),
+            skipped=False,
+            loss_scale=1.0,
+            params_norm=torch.tensor(3.0),
+        )
+    log.on_eval(4, {"lm loss": 5.0})
+    log.close()
+    sink.close()
+
+
+def _tensorboard_scalars(log_dir: str) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir)
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def _wandb_history_keys(wandb_dir: str) -> set[str]:
+    """Keys of every history row in an offline run's ``.wandb`` file (LevelDB-log framing)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "*.wandb"))
+    data = Path(path).read_bytes()
+    block, pos, buf, keys = 32768, 7, b"", set()  # 7-byte ":W&B" file header
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:
+            break
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST fragment
+            record = pb.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            if record.WhichOneof("record_type") == "history":
+                keys |= {item.key or "/".join(item.nested_key) for item in record.history.item}
+    return {k for k in keys if not k.startswith("_")} - {"iteration", "samples"}
+
+
+def test_tensorboard_event_files_have_megatron_keys(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    _drive(TensorBoardSink(str(tmp_path / "tb")))
+    scalars = _tensorboard_scalars(str(tmp_path / "tb"))
+    assert set(scalars) == EXPECTED_KEYS
+    assert scalars["lm loss"] == {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0}
+    assert scalars["lm loss vs samples"] == {4: 9.0, 8: 8.0, 12: 7.0, 16: 6.0}
+    assert set(scalars["iteration-time-ms"]) == {2, 4}  # not on the first (start-up) log line
+    assert scalars["lm loss validation"] == {4: 5.0}
+
+
+def test_wandb_offline_gets_the_same_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        import wandb  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        pytest.skip(f"wandb cannot be imported: {exc}")
+    from stalwart.observability.sinks import WandbSink
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tb = TensorBoardSink(str(tmp_path / "tb"))
+    wb = WandbSink("stalwart-test", "keys", save_dir=str(tmp_path), config={"x": 1})
+    _drive(FanOutSink([tb, wb]))
+    tb_keys = set(_tensorboard_scalars(str(tmp_path / "tb")))
+    assert _wandb_history_keys(str(tmp_path)) == tb_keys == EXPECTED_KEYS

@@ -1,0 +1,137 @@
+"""The monitor process: kills a hung worker, leaves a healthy one alone, exits with its worker.
+
+Workers are plain Python subprocesses that never import torch (startup ~0.1 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from stalwart.reliability.sections import (
+        FaultToleranceConfig, Section, SectionTimeouts, build_section_monitor,
+    )
+
+    save_dir, scenario = sys.argv[1], sys.argv[2]
+    timeouts = SectionTimeouts(setup=1.0, step=1.0, checkpointing=1.0, out_of_section=1.0)
+    if scenario != "setup_hang":
+        timeouts = SectionTimeouts(setup=5.0, step=1.0, checkpointing=1.0, out_of_section=1.0)
+    cfg = FaultToleranceConfig(
+        enable_ft=True, timeouts=timeouts, ft_num_warmup_iters=1, poll_interval_s=0.05,
+        stack_dump_wait_s=0.5,
+    )
+    mon = build_section_monitor(cfg, rank=3, save_dir=save_dir)
+    print(mon.monitor_pid, flush=True)
+
+    def stuck_in_the_step():
+        time.sleep(30)
+
+    if scenario == "setup_hang":
+        time.sleep(30)
+    for i in range(4):
+        with mon.step_section():
+            if scenario == "step_hang" and i == 2:
+                stuck_in_the_step()
+            time.sleep(0.02)
+        if scenario == "oos_hang" and i == 2:
+            time.sleep(30)
+        with mon.section(Section.CHECKPOINTING):
+            time.sleep(0.01)
+    if scenario == "crash":
+        os._exit(7)
+    mon.close()
+    print("clean", flush=True)
+    """
+)
+
+
+def _start(tmp_path: Path, scenario: str) -> tuple[subprocess.Popen[str], int]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "save"), scenario],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    monitor_pid = int(proc.stdout.readline())
+    return proc, monitor_pid
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.05)
+    return _gone(pid)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "section"),
+    [("step_hang", "step"), ("oos_hang", "out_of_section"), ("setup_hang", "setup")],
+)
+def test_hung_worker_is_killed_with_report_and_stack(
+    tmp_path: Path, scenario: str, section: str
+) -> None:
+    started = time.monotonic()
+    proc, monitor_pid = _start(tmp_path, scenario)
+    try:
+        # Everything before the hang takes < 0.5 s; timeout 1 s; budget timeout + 2 s.
+        proc.wait(timeout=4.0)
+    finally:
+        proc.kill()
+    elapsed = time.monotonic() - started
+    assert proc.returncode == -9
+    assert elapsed < 4.0
+    assert _wait_gone(monitor_pid, 2.0)
+    logs = tmp_path / "save" / "ft_logs"
+    log = (logs / "monitor_rank3.log").read_text()
+    assert "rank 3" in log and f"section '{section}'" in log and "open for" in log
+    assert "Current thread" in log or "Thread 0x" in log  # faulthandler's dump was copied in
+    if scenario == "step_hang":
+        assert "stuck_in_the_step" in log
+    report = json.loads((logs / "ft_hang_rank3.json").read_text())
+    assert report["rank"] == 3 and report["section"] == section
+    assert report["elapsed_s"] >= report["timeout_s"] == 1.0
+    assert "HANG" in (proc.stderr.read() if proc.stderr else "")
+
+
+def test_healthy_worker_is_not_killed_and_monitor_stops(tmp_path: Path) -> None:
+    proc, monitor_pid = _start(tmp_path, "healthy")
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    assert "clean" in out
+    assert _wait_gone(monitor_pid, 2.0)
+    assert not (tmp_path / "save" / "ft_logs" / "ft_hang_rank3.json").exists()
+
+
+def test_monitor_exits_when_worker_dies(tmp_path: Path) -> None:
+    proc, monitor_pid = _start(tmp_path, "crash")
+    proc.communicate(timeout=10)
+    assert proc.returncode == 7
+    assert _wait_gone(monitor_pid, 2.0)
+    assert not (tmp_path / "save" / "ft_logs" / "ft_hang_rank3.json").exists()
