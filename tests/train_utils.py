@@ -53,13 +53,16 @@ def assert_params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[key], b[key]), f"parameter {key} differs"
 
 
-def run_cli(args: list[str], *, nproc: int = 1, env: dict[str, str] | None = None,
-            timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    args: list[str], *, nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 180.0
+) -> subprocess.CompletedProcess[str]:
     """Run ``stalwart`` in a subprocess (under torchrun when ``nproc > 1``)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", "0", "-m", "stalwart", *args]  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), "-m", "stalwart", *args]  # fmt: skip
     else:
         cmd = [sys.executable, "-m", "stalwart", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO
+    )

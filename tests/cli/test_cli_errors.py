@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from train_utils import TINY_FLAGS, run_cli
 
 from stalwart.cli.main import main
+
+from train_utils import TINY_FLAGS, run_cli
 
 
 def _train(*args: str) -> list[str]:
@@ -68,7 +69,7 @@ def test_unreadable_checkpoint_is_a_clear_error_and_nothing_overwritten(tmp_path
 
 def test_print_config_and_toml(tmp_path, capsys) -> None:
     toml = tmp_path / "run.toml"
-    toml.write_text('[optimizer]\nweight-decay = 0.05\ntrain_iters = 7\n')
+    toml.write_text("[optimizer]\nweight-decay = 0.05\ntrain_iters = 7\n")
     assert main(_train("--config", str(toml), "--print-config")) == 0
     out = capsys.readouterr().out
     assert '"weight_decay": 0.05' in out and '"train_iters": 2' in out  # CLI wins over the file

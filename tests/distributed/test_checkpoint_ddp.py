@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from dist_utils import run_distributed
 from stalwart.checkpoint import CheckpointManager, read_tracker
+
+from dist_utils import run_distributed
 
 
 def _model() -> nn.Module:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+
 from train_utils import TINY_FLAGS, assert_params_equal, load_params, run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 
-from train_utils import assert_params_equal, load_params, make_config
-
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.train.trainer import run_training
 
+from train_utils import assert_params_equal, load_params, make_config
+
 
 def _losses(path) -> list[float]:
-    records = [json.loads(line) for line in open(path)]
+    with open(path) as f:
+        records = [json.loads(line) for line in f]
     return [r["loss"] for r in records if r.get("split") == "train"]
 
 

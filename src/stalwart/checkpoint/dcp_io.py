@@ -149,13 +149,22 @@ class AsyncWriter:
 
     def __init__(self, group: Any, log: logging.Logger) -> None:
         self._group = group
+        self._log = log
         self._pin = torch.cuda.is_available()
         self._stager: Any = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.mode = self._choose_mode()
         if self.mode is StagingMode.MANUAL_COPY:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, "stalwart-ckpt")
+            self._use_manual_copy()
         log.info("async checkpoint save: %s", self.mode.value)
+
+    def _use_manual_copy(self) -> None:
+        if self._stager is not None:
+            with contextlib.suppress(Exception):
+                self._stager.close()
+        self._stager = None
+        self.mode = StagingMode.MANUAL_COPY
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "stalwart-ckpt")
 
     def _choose_mode(self) -> StagingMode:
         try:
@@ -183,13 +192,25 @@ class AsyncWriter:
             staged = _host_copy(state, self._pin)
             group = self._group
             return self._executor.submit(save_sync, staged, path, group)
-        with _quiet_single_process():
-            result = dcp.async_save(
-                state,
-                storage_writer=writer,
-                async_stager=self._stager,
-                **_dist_kwargs(dcp.async_save, self._group),
+        try:
+            with _quiet_single_process():
+                result = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    async_stager=self._stager,
+                    **_dist_kwargs(dcp.async_save, self._group),
+                )
+        except Exception as exc:
+            # Staging runs before any write or collective, so nothing is lost by retrying. Seen on
+            # torch 2.11: DefaultStager's deep copy raises KeyError(<class 'type'>) for CPU state.
+            self._log.warning(
+                "async checkpoint: DefaultStager failed (%s: %s); using %s from now on",
+                type(exc).__name__,
+                exc,
+                StagingMode.MANUAL_COPY.value,
             )
+            self._use_manual_copy()
+            return self.start(state, path)
         # Newer torch may return AsyncSaveResponse(staging_completion, upload_completion).
         return cast(concurrent.futures.Future, getattr(result, "upload_completion", result))
 
@@ -202,3 +223,11 @@ class AsyncWriter:
             with contextlib.suppress(Exception):
                 self._stager.close()
         self._stager = None
+
+
+def group_rank_info(group: Any) -> tuple[int, int, int]:
+    """(rank in ``group``, its size, global rank of its rank 0); (0, 1, 0) without a group."""
+    if not _dist_on():
+        return 0, 1, 0
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    return dist.get_rank(group), dist.get_world_size(group), src

@@ -206,3 +206,13 @@ def select_for_deletion(complete: list[int], keep_last: int, protected: int | No
         raise ValueError(f"--ckpt-keep-last must be >= 1, got {keep_last}")
     older = sorted(complete)[:-keep_last]
     return [it for it in older if it != protected]
+
+
+def torch_save_fsynced(obj: Any, path: str) -> None:
+    """torch.save + fsync, so the file is durable before the completeness marker is written."""
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())

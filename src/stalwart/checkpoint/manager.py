@@ -85,21 +85,6 @@ class _PendingSave:
     started: float
 
 
-def _group_rank_and_size(group: Any) -> tuple[int, int, int]:
-    """(rank in group, group size, global rank of the group's rank 0)."""
-    if not collectives.is_initialized():
-        return 0, 1, 0
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    return dist.get_rank(group), dist.get_world_size(group), src
-
-
-def _save_fsynced(obj: Any, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _test_sleep() -> None:
     """Test-only: widen the commit window (see module docstring)."""
     raw = os.environ.get(TEST_SLEEP_ENV)
@@ -147,7 +132,7 @@ class CheckpointManager:
         self._keep_last = keep_last
         self._fallback = fallback
         self._group = process_group
-        self._rank, self._world_size, self._src = _group_rank_and_size(process_group)
+        self._rank, self._world_size, self._src = dcp_io.group_rank_info(process_group)
         self._pending: _PendingSave | None = None
         self._closed = False
         self._ckpt_group: Any = None
@@ -210,7 +195,8 @@ class CheckpointManager:
             raise CheckpointError("CheckpointManager.save() called after close()")
         root = self._np_dir if non_persistent else self._save_dir
         if root is None:
-            raise ValueError("checkpoint save requested but --save is not set")
+            flags = "--save or --non-persistent-ckpt-dir" if non_persistent else "--save"
+            raise ValueError(f"checkpoint save requested but {flags} is not set")
         self.finalize()
         started = time.monotonic()
         tmp = self._begin(root, iteration)
@@ -225,7 +211,13 @@ class CheckpointManager:
                 raise CheckpointError(f"saving checkpoint into {tmp} failed: {exc}") from exc
             self._commit(pending)
             return
-        pending.future = self._async.start(state, tmp)
+        try:
+            pending.future = self._async.start(state, tmp)
+        except Exception as exc:
+            self._discard(pending)
+            raise CheckpointError(
+                f"starting async checkpoint save into {tmp} failed: {exc}"
+            ) from exc
         self._pending = pending
         if self._rank == 0:
             logger.info(
@@ -271,12 +263,12 @@ class CheckpointManager:
         try:
             os.makedirs(tmp, exist_ok=True)
             if self._rank == 0:
-                _save_fsynced(common, os.path.join(tmp, layout.COMMON_FILENAME))
+                layout.torch_save_fsynced(common, os.path.join(tmp, layout.COMMON_FILENAME))
                 facts = self._facts(iteration, non_persistent)
                 layout.write_text_atomic(
                     os.path.join(tmp, layout.METADATA_FILENAME), json.dumps(facts, indent=2) + "\n"
                 )
-            _save_fsynced(per_rank, os.path.join(tmp, layout.rank_filename(self._rank)))
+            layout.torch_save_fsynced(per_rank, os.path.join(tmp, layout.rank_filename(self._rank)))
         except Exception as exc:  # report any failure (pickling included) to every rank
             problem = f"rank {self._rank} could not write into {tmp}: {exc}"
         if collectives.all_reduce_any([problem is not None], self._group)[0]:
@@ -313,6 +305,7 @@ class CheckpointManager:
             concurrent.futures.wait([pending.future])
         done = pending.future.done()
         failed = done and pending.future.exception() is not None
+        # Deliberate sync: only while a save is in flight; all ranks must agree before the commit.
         any_not_done, any_failed = collectives.all_reduce_any([not done, failed], self._group)
         if any_not_done and not any_failed:
             return None
@@ -369,13 +362,21 @@ class CheckpointManager:
             layout.remove_checkpoint_dir(replaced)
         keep = 1 if pending.non_persistent else self._keep_last
         if keep is not None:
+            self._apply_retention(root, keep)
+
+    def _apply_retention(self, root: str, keep: int) -> None:
+        """Delete old complete checkpoints; failures only warn (the new one is already committed)."""
+        try:
             doomed = layout.select_for_deletion(
                 layout.list_complete_checkpoints(root), keep, layout.read_tracker(root)
             )
             for old in doomed:
                 layout.remove_checkpoint_dir(os.path.join(root, layout.iteration_dir_name(old)))
-            if doomed:
-                logger.info("retention removed checkpoints %s from %s", doomed, root)
+        except (OSError, CheckpointError) as exc:
+            logger.warning("checkpoint retention in %s failed: %s", root, exc)
+            return
+        if doomed:
+            logger.info("retention removed checkpoints %s from %s", doomed, root)
 
     def _discard(self, pending: _PendingSave) -> None:
         if self._rank == 0:

@@ -39,8 +39,12 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 
 def _data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", help="file.txt (bytes) or file.bin (token ids); default: embedded corpus")
-    g.add_argument("--data-dtype", default="uint16", help="token dtype of a .bin file: uint16|uint32")
+    g.add_argument(
+        "--data-path", help="file.txt (bytes) or file.bin (token ids); default: embedded corpus"
+    )
+    g.add_argument(
+        "--data-dtype", default="uint16", help="token dtype of a .bin file: uint16|uint32"
+    )
     g.add_argument("--valid-fraction", type=float, default=0.02)
     g.add_argument("--no-shuffle", dest="shuffle", action="store_false")
 
@@ -87,7 +91,9 @@ def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=0)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true", help="load weights only, start at iteration 0")
+    g.add_argument(
+        "--finetune", action="store_true", help="load weights only, start at iteration 0"
+    )
     g.add_argument("--ckpt-keep-last", type=int)
     g.add_argument("--ckpt-fallback", action="store_true")
     g.add_argument("--async-save", action="store_true")

@@ -56,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from stalwart.cli.chaos import main_chaos
 
         return main_chaos(rest)
-    sys.stderr.write(f"stalwart: error: unknown command {command!r}; allowed: train, report, chaos\n")
+    sys.stderr.write(
+        f"stalwart: error: unknown command {command!r}; allowed: train, report, chaos\n"
+    )
     return 2
 
 

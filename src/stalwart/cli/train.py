@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shlex
 import sys
@@ -14,13 +15,35 @@ from stalwart.train.trainer import TrainOutcome, run_training
 logger = logging.getLogger("stalwart.cli")
 
 
+def _loss_summary(metrics_file: str) -> str | None:
+    """'first -> last interval loss' from the metrics file, or None when it has no train records."""
+    try:
+        with open(metrics_file) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return None
+    losses = [r["loss"] for r in records if r.get("split") == "train" and r.get("loss") is not None]
+    if len(losses) < 2:
+        return None
+    ratio = losses[-1] / losses[0]
+    return f"loss fell from {losses[0]:.3f} (first log) to {losses[-1]:.3f} (last interval): {ratio:.0%} of the first"
+
+
 def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
     save = config.checkpoint.save
     print(f"\nDemo finished at iteration {outcome.iteration} ({outcome.reason.value}).")
+    summary = _loss_summary(config.obs.metrics_file) if config.obs.metrics_file else None
+    if summary:
+        print(summary)
     if save:
-        print(f"Checkpoint: {save}/iter_{outcome.iteration:07d} (latest in {save}/latest_checkpointed_iteration.txt)")
-        resume = " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "--demo")
-        print(f"Resume (e.g. train further): stalwart {resume} --demo --train-iters {outcome.iteration + 100}")
+        print(
+            f"Checkpoint: {save}/iter_{outcome.iteration:07d} (latest in {save}/latest_checkpointed_iteration.txt)"
+        )
+        print(
+            "Resume and train 100 more iterations: "
+            f"stalwart train --preset tiny --demo --save {shlex.quote(save)} "
+            f"--train-iters {outcome.iteration + 100}"
+        )
     if config.obs.metrics_file:
         print(f"Metrics: {config.obs.metrics_file}")
 

@@ -127,7 +127,9 @@ def _apply_demo_defaults(ns: argparse.Namespace, argv_flags: set[str]) -> None:
 
 def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> RunConfig:
     """Typed, validated config from parsed flags (``argv`` tells which flags were explicit)."""
-    explicit = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or []) if a[:2] == "--"}
+    explicit = {
+        a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or []) if a[:2] == "--"
+    }
     if getattr(ns, "demo", False):
         _apply_demo_defaults(ns, explicit)
     overrides = {

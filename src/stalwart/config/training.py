@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 
-class LRDecayStyle(str, enum.Enum):
+class LRDecayStyle(enum.StrEnum):
     """``--lr-decay-style`` values."""
 
     CONSTANT = "constant"
@@ -51,12 +51,19 @@ class OptimizerConfig:
         _require(self.lr > 0, f"--lr must be > 0 (got {self.lr})")
         _require(0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, --lr] (got {self.min_lr})")
         _require(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
-        _require(0 <= self.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1) (got {self.adam_beta1})")
-        _require(0 <= self.adam_beta2 < 1, f"--adam-beta2 must be in [0, 1) (got {self.adam_beta2})")
-        _require(self.adam_eps > 0, f"--adam-eps must be > 0 (got {self.adam_eps})")
-        _require(self.clip_grad >= 0, f"--clip-grad must be >= 0, 0 disables (got {self.clip_grad})")
         _require(
-            self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0 (got {self.lr_warmup_iters})"
+            0 <= self.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1) (got {self.adam_beta1})"
+        )
+        _require(
+            0 <= self.adam_beta2 < 1, f"--adam-beta2 must be in [0, 1) (got {self.adam_beta2})"
+        )
+        _require(self.adam_eps > 0, f"--adam-eps must be > 0 (got {self.adam_eps})")
+        _require(
+            self.clip_grad >= 0, f"--clip-grad must be >= 0, 0 disables (got {self.clip_grad})"
+        )
+        _require(
+            self.lr_warmup_iters >= 0,
+            f"--lr-warmup-iters must be >= 0 (got {self.lr_warmup_iters})",
         )
         _require(
             self.lr_decay_iters is None or self.lr_decay_iters > 0,
@@ -86,18 +93,25 @@ class TrainingConfig:
     distributed_timeout_minutes: float = 10.0
 
     def __post_init__(self) -> None:
-        _require(self.micro_batch_size > 0, f"--micro-batch-size must be > 0 (got {self.micro_batch_size})")
+        _require(
+            self.micro_batch_size > 0,
+            f"--micro-batch-size must be > 0 (got {self.micro_batch_size})",
+        )
         _require(
             self.global_batch_size is None or self.global_batch_size > 0,
             f"--global-batch-size must be > 0 (got {self.global_batch_size})",
         )
         _require(self.train_iters > 0, f"--train-iters must be > 0 (got {self.train_iters})")
-        _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive: pick one")
+        _require(
+            not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive: pick one"
+        )
         _require(self.initial_loss_scale > 0, "--initial-loss-scale must be > 0")
         _require(self.min_loss_scale > 0, "--min-loss-scale must be > 0")
         _require(self.loss_scale_window > 0, "--loss-scale-window must be > 0")
         _require(self.hysteresis > 0, "--hysteresis must be > 0")
-        _require(self.eval_interval >= 0, f"--eval-interval must be >= 0 (got {self.eval_interval})")
+        _require(
+            self.eval_interval >= 0, f"--eval-interval must be >= 0 (got {self.eval_interval})"
+        )
         _require(self.eval_iters >= 0, f"--eval-iters must be >= 0 (got {self.eval_iters})")
 
 
@@ -140,7 +154,9 @@ class CheckpointConfig:
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _require(self.save_interval >= 0, f"--save-interval must be >= 0 (got {self.save_interval})")
+        _require(
+            self.save_interval >= 0, f"--save-interval must be >= 0 (got {self.save_interval})"
+        )
         _require(
             self.ckpt_keep_last is None or self.ckpt_keep_last > 0,
             f"--ckpt-keep-last must be > 0 (got {self.ckpt_keep_last})",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,10 +128,16 @@ def wrap_model(model: GPT, config: RunConfig, ctx: DistributedContext) -> nn.Mod
         fully_shard(model)
         return model
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    with warnings.catch_warnings():
+        # Router counters are rank-local buffers: they must not be broadcast (newer torch
+        # deprecates the flag in favour of one that still syncs at init).
+        warnings.simplefilter("ignore", FutureWarning)
+        return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
 
-def _build_data(config: RunConfig, ctx: DistributedContext) -> tuple[TokenDataset, TokenDataset, int, int]:
+def _build_data(
+    config: RunConfig, ctx: DistributedContext
+) -> tuple[TokenDataset, TokenDataset, int, int]:
     train, valid = build_datasets(
         config.data.data_path,
         config.model.seq_length,

@@ -19,7 +19,9 @@ def evaluate(
     data_iterator: Iterator[dict[str, torch.Tensor]],
     num_microbatches: int,
     eval_iters: int,
-    disable_validation: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    disable_validation: Callable[
+        [], contextlib.AbstractContextManager[Any]
+    ] = contextlib.nullcontext,
     step_section: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     forward_backward_func: Callable[..., list[dict[str, torch.Tensor]]] = forward_backward,
 ) -> dict[str, float]:

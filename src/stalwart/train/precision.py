@@ -17,7 +17,9 @@ import torch
 from stalwart.config.training import TrainingConfig
 
 
-def autocast_context(config: TrainingConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+def autocast_context(
+    config: TrainingConfig, device: torch.device
+) -> contextlib.AbstractContextManager[Any]:
     """Autocast to bf16/fp16 on ``device``; a null context in fp32."""
     if config.bf16:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

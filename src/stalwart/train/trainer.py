@@ -160,7 +160,9 @@ class Trainer:
         outcome: TrainOutcome | None = None
         while outcome is None:
             if self.state.iteration >= cfg.training.train_iters:
-                decision = ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, "reached --train-iters")
+                decision = ExitDecision(
+                    SaveKind.NONE, True, ExitReason.FINISHED, "reached --train-iters"
+                )
                 break
             with c.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
                 c.checkpoint.maybe_finalize()
@@ -199,7 +201,9 @@ class Trainer:
         self.state.consumed_samples += c.global_batch_size
         it = self.state.iteration
         is_log = it % cfg.log.log_interval == 0 or it == 1
-        norm = params_norm(list(c.model.parameters())) if cfg.log.log_params_norm and is_log else None
+        norm = (
+            params_norm(list(c.model.parameters())) if cfg.log.log_params_norm and is_log else None
+        )
         c.log.on_iteration(
             it,
             losses=result.losses or {"lm loss": torch.tensor(float("nan"))},
@@ -219,7 +223,9 @@ class Trainer:
         """Evaluate on the held-out split with validation checks disabled."""
         c, cfg = self.c, self.config
         c.sections.start_evaluation()
-        data = make_eval_iterator(c.valid_dataset, cfg.training.micro_batch_size, self.ctx.rank, self.ctx.world_size)
+        data = make_eval_iterator(
+            c.valid_dataset, cfg.training.micro_batch_size, self.ctx.rank, self.ctx.world_size
+        )
         losses = evaluate(
             model=c.model,
             forward_step_func=c.eval_forward_step,

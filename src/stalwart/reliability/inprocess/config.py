@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 
 
-class RestartGranularity(str, enum.Enum):
+class RestartGranularity(enum.StrEnum):
     """``--inprocess-granularity``: restart only the faulty rank's process state, or its node's."""
 
     RANK = "rank"
