@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_distributed
 from stalwart.observability.straggler import STRAGGLER_FILE, StragglerDetector
+
+from dist_utils import run_distributed
 
 
 def _body(rank: int, world_size: int, run_dir: str) -> tuple[list[int], list[float], int]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from fake_backend import FakeGraphContext  # type: ignore[import-not-found]
+from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
 from torch import nn
 
 from stalwart.graphs import (

@@ -113,3 +113,47 @@ def test_off_is_null_and_bad_interval(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--save-dgrads-interval"):
         DumpConfig(save_dgrads_interval=0)
     assert layer_number("layers.12.mlp.router") == 12 and layer_number("router") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stats_and_dumps_on_cuda_bf16(tmp_path: Path) -> None:
+    model = GPT(CFG).cuda()
+    dumper = TensorDumper(model, tmp_path, ALL)
+    for it in (1, 2):
+        dumper.begin_iteration(it)
+        ids = torch.randint(0, CFG.vocab_size, (2, CFG.seq_length), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(ids, ids)
+        assert isinstance(out, dict)
+        out["loss"].backward()
+        dumper.end_iteration()
+    dumper.close()
+    stats = [json.loads(x) for x in (tmp_path / "tensor_stats" / "rank0.jsonl").open()]
+    qkv = stats[-1]["modules"]["layers.0.attn.qkv"]
+    assert qkv["absmax"] > 0 and qkv["nonfinite"] == 0
+    acts = torch.load(tmp_path / "activations" / "iter_0000002" / "rank0.pt")
+    assert acts["layers.0.attn.qkv/output0"].dtype == torch.bfloat16
+    assert acts["layers.0.attn.qkv/output0"].device.type == "cpu"
+    assert (tmp_path / "dgrads" / "iter_0000002" / "rank0.pt").exists()
+
+
+def test_from_trainer_flags() -> None:
+    cfg = DumpConfig.from_flags(
+        save_activations_interval=0,
+        log_dgrads=True,
+        log_tokens_per_expert=True,
+        dump_stats_only=False,
+        log_interval=10,
+    )
+    assert cfg.save_activations_interval is None
+    assert (cfg.save_dgrads_interval, cfg.save_tokens_per_expert_interval) == (10, 10)
+    stats = DumpConfig.from_flags(
+        save_activations_interval=5,
+        log_dgrads=True,
+        log_tokens_per_expert=False,
+        dump_stats_only=True,
+        log_interval=10,
+    )
+    assert stats.tensor_stats_interval == 5
+    assert stats.save_activations_interval is None and stats.save_dgrads_interval is None

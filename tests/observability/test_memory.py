@@ -59,18 +59,22 @@ def test_dense_bf16_hand_computed() -> None:
     # head: t*(4h+8) + e*t*h + 4*t*V = 320 + 128 + 512
     assert acts["head"] == 960
     assert acts["loss_backward_transient"] == 8 * 8 * 16
-    est = theoretical_memory(DENSE, micro_batch_size=2, dp_size=1)
+    est = theoretical_memory(DENSE, micro_batch_size=2, dp_size=1, workspace_bytes=0)
     assert est.activation_bytes == 7104
     assert est.weights_optimizer_bytes == 18 * 1920
     # The optimizer-step temporary (4 B/param = 7680) exceeds this toy's activations.
     assert est.total_bytes == 34560 + 7680
+    # Default: + 64 MiB of cuBLAS/cuBLASLt workspaces.
+    assert theoretical_memory(DENSE, 2, 1).total_bytes == 34560 + 7680 + 64 * 2**20
 
 
 def test_dense_sharded_and_fp32_hand_computed() -> None:
-    est = theoretical_memory(DENSE, micro_batch_size=2, dp_size=4, sharded_optimizer=True)
+    est = theoretical_memory(
+        DENSE, micro_batch_size=2, dp_size=4, sharded_optimizer=True, workspace_bytes=0
+    )
     assert est.weights_optimizer_bytes == 12 * 1920
     assert est.total_bytes == 23040 + 7104
-    fp32 = theoretical_memory(DENSE, micro_batch_size=2, dp_size=1, bf16=False)
+    fp32 = theoretical_memory(DENSE, micro_batch_size=2, dp_size=1, bf16=False, workspace_bytes=0)
     # e=4: attention 2*(8*(64+16+160)+64) + MLP 2*8*(32+256) + emb 128 + head 1088 + 1024
     assert fp32.activation_bytes == 3968 + 4608 + 128 + 1088 + 1024
     assert fp32.total_bytes == 16 * 1920 + 10816

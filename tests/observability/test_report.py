@@ -141,6 +141,16 @@ def test_missing_artefacts_are_notes(tmp_path: Path) -> None:
     assert 'id="chaos"' not in page
 
 
+def test_metrics_file_elsewhere(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    make_run(run)
+    moved = tmp_path / "train_log.jsonl"
+    (run / "metrics.jsonl").rename(moved)
+    out = tmp_path / "r.html"
+    assert main_report([str(run), "--metrics-file", str(moved), "-o", str(out), "--no-png"]) == 0
+    assert "60 metric rows" in out.read_text()
+
+
 def test_missing_run_dir_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main_report([str(tmp_path / "nope")]) == 2
     assert "run directory not found" in capsys.readouterr().err

@@ -145,6 +145,13 @@ def _rerun_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--check-for-large-grads", action="store_true")
     g.add_argument("--error-injection-rate", type=int, default=0)
     g.add_argument("--error-injection-type", default="transient_error")
+    g.add_argument(
+        "--error-injection-iterations",
+        type=int,
+        nargs="+",
+        help="0-based iterations eligible for injection (with --error-injection-rate 1: exactly)",
+    )
+    g.add_argument("--error-injection-ranks", type=int, nargs="+", help="ranks that inject")
     g.add_argument("--result-rejected-tracker-filename")
     g.add_argument("--iterations-to-skip", type=int, nargs="*", default=[])
 

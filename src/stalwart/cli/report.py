@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run directory (metrics.jsonl, straggler.jsonl, ...)")
     p.add_argument("--output", "-o", default=None, help="HTML path (default <run-dir>/report.html)")
     p.add_argument("--no-png", action="store_true", help="skip the matplotlib PNGs")
+    p.add_argument(
+        "--metrics-file", default=None, help="metrics JSONL (default: <run-dir>/metrics.jsonl)"
+    )
     return p
 
 
@@ -29,7 +32,7 @@ def main_report(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on bad usage; keep it a return code
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        path = write_report(args.run_dir, args.output, pngs=not args.no_png)
+        path = write_report(args.run_dir, args.output, not args.no_png, args.metrics_file)
     except FileNotFoundError as exc:
         print(f"stalwart report: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -10,6 +10,8 @@ one real iteration), or replays. Training (``forward_only=False``) and evaluatio
 After capture no Python inside ``forward_backward_func`` runs again: only device work is
 replayed. Device-side checks (``isfinite(loss)`` into a flag buffer) keep working because they
 are device work; host reads (``.item()``) are illegal in capture and must happen after the call.
+Timers: record CUDA events (event-mode timers) around the call, never inside the wrapped
+function; events recorded inside would be captured once and replayed, not re-recorded.
 """
 
 from __future__ import annotations

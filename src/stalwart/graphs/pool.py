@@ -8,7 +8,7 @@ the context (on in-process restart, at the end of training), after which the con
 unusable.
 
 Capture, warm-up and stream handling are methods of the context so that CPU tests can
-substitute a fake backend (see ``tests/graphs/fake_backend.py``) and exercise the
+substitute a fake backend (see ``tests/graphs/graphs_fake_backend.py``) and exercise the
 warm-up -> capture -> replay state machines without a GPU.
 """
 

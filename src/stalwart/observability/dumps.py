@@ -68,6 +68,30 @@ class DumpConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be a positive integer or unset, got {value}")
 
+    @classmethod
+    def from_flags(
+        cls,
+        *,
+        save_activations_interval: int,
+        log_dgrads: bool,
+        log_tokens_per_expert: bool,
+        dump_stats_only: bool,
+        log_interval: int,
+    ) -> DumpConfig:
+        """Map the trainer's flags: every requested dump runs every ``--save-activations-interval``
+        iterations (``--log-interval`` when that is 0); ``--dump-stats-only`` replaces the
+        activation/dgrad tensors with the per-module statistics."""
+        interval = save_activations_interval if save_activations_interval > 0 else log_interval
+        tensors = not dump_stats_only
+        return cls(
+            save_activations_interval=interval
+            if tensors and save_activations_interval > 0
+            else None,
+            save_dgrads_interval=interval if tensors and log_dgrads else None,
+            save_tokens_per_expert_interval=interval if log_tokens_per_expert else None,
+            tensor_stats_interval=interval if dump_stats_only else None,
+        )
+
     @property
     def any_enabled(self) -> bool:
         return any(

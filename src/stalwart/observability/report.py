@@ -129,8 +129,12 @@ def _find_metrics(run_dir: Path) -> Path | None:
     return candidates[0] if candidates else None
 
 
-def load_run(run_dir: str | os.PathLike[str]) -> RunArtefacts:
+def load_run(
+    run_dir: str | os.PathLike[str], metrics_file: str | os.PathLike[str] | None = None
+) -> RunArtefacts:
     """Read every known artefact; missing ones are recorded in ``notes``, never raised.
+
+    ``metrics_file`` overrides the search for ``metrics.jsonl`` / ``*metrics*.jsonl`` in the run dir.
 
     Raises:
         FileNotFoundError: ``run_dir`` does not exist or is not a directory.
@@ -140,8 +144,8 @@ def load_run(run_dir: str | os.PathLike[str]) -> RunArtefacts:
         raise FileNotFoundError(f"run directory not found: {root}")
     art = RunArtefacts(run_dir=root)
     notes = art.notes
-    metrics = _find_metrics(root)
-    if metrics is None:
+    metrics = Path(metrics_file) if metrics_file is not None else _find_metrics(root)
+    if metrics is None or not metrics.exists():
         notes.append(
             "metrics JSONL not found: loss, learning-rate, throughput and timer charts skipped"
         )
@@ -255,7 +259,10 @@ def write_pngs(art: RunArtefacts, out_dir: Path) -> list[Path]:
 
 
 def write_report(
-    run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, pngs: bool = True
+    run_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    pngs: bool = True,
+    metrics_file: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Load ``run_dir``, render the HTML report (default ``<run_dir>/report.html``), write PNGs.
 
@@ -264,7 +271,7 @@ def write_report(
     """
     from stalwart.observability.report_html import render_html
 
-    art = load_run(run_dir)
+    art = load_run(run_dir, metrics_file)
     png_paths = write_pngs(art, art.run_dir / PNG_DIR) if pngs else []
     target = Path(out) if out is not None else art.run_dir / REPORT_FILE
     target.parent.mkdir(parents=True, exist_ok=True)

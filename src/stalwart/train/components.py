@@ -27,6 +27,7 @@ from stalwart.data import (
     calculate_num_microbatches,
 )
 from stalwart.distributed.process_group import DistributedContext
+from stalwart.graphs import make_capturable_adamw
 from stalwart.models import GPT, num_floating_point_operations
 from stalwart.observability.sinks import MetricSink, build_sinks
 from stalwart.observability.timers import Timers, TimingMode
@@ -44,6 +45,7 @@ from stalwart.reliability.rerun import (
 from stalwart.reliability.sections import NullSectionMonitor, SectionMonitor, build_section_monitor
 from stalwart.reliability.signals import DistributedSignalHandler
 from stalwart.train.forward_step import GPTForwardStep
+from stalwart.train.graphed import check_graph_flags
 from stalwart.train.precision import NullLossScaler, autocast_context, build_loss_scaler
 from stalwart.train.schedule import LRScheduler
 from stalwart.train.step import StepParts
@@ -102,15 +104,18 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     o = config.optim
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if config.graphs.optimizer_cuda_graph:
+        device = next(model.parameters()).device
+        # Capturable AdamW with the LR as a device tensor, so a schedule works under replay.
+        return make_capturable_adamw(
+            groups, lr=o.lr, device=device, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps
+        )
     return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": o.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=o.lr,
-        betas=(o.adam_beta1, o.adam_beta2),
-        eps=o.adam_eps,
-        foreach=True,
+        groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, foreach=True
     )
 
 
@@ -202,9 +207,17 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     closers.append(sections.close)
     faults = build_fault_injector(config.faults, ckpt_cfg.save, ctx.world_size)
 
+    graphed = config.graphs.cuda_graph_impl == "full_iteration"
+    if graphed:
+        check_graph_flags(config, ctx.device)  # before any expensive set-up
     train_ds, valid_ds, num_microbatches, gbs = _build_data(config, ctx)
     seed_everything(config.training.seed)  # identical initial weights on every rank
     raw_model = GPT(config.model).to(ctx.device)
+    if config.training.compile:
+        # In place (nn.Module.compile): parameter names and checkpoints stay unchanged. Under a
+        # full-iteration graph Inductor's own CUDA graphs are off (they cannot nest).
+        options = {"triton.cudagraphs": False} if graphed else None
+        raw_model.compile(dynamic=False, options=options)
     model = wrap_model(raw_model, config, ctx)
     seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
     optimizer = build_optimizer(model, config)
@@ -243,8 +256,11 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         log_num_zeros=config.log.log_num_zeros_in_grad,
         after_backward=after_backward,
     )
+    if graphed:
+        closers.append(_use_graphs(config, ctx, model, optimizer, rerun, forward_step, step_parts))
     flops = num_floating_point_operations(config.model, gbs)
     timers, sink, log = _build_observability(config, ctx, flops)
+    step_parts.timers = timers
     closers.extend([sink.close, log.close])
     handler = None
     if config.exit.exit_signal_handler:
@@ -294,3 +310,30 @@ def _grad_checks(
         return None
     params = [p for p in model.parameters() if p.requires_grad]
     return lambda: check_grads(rerun, params, config.rerun)
+
+
+def _use_graphs(
+    config: RunConfig,
+    ctx: DistributedContext,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rerun: RerunStateMachine,
+    forward_step: GPTForwardStep,
+    step_parts: StepParts,
+) -> Any:
+    """Switch the step to the full-iteration graph (+ optimizer graph); returns the teardown."""
+    from stalwart.train.graphed import build_graph_parts
+
+    parts = build_graph_parts(
+        config, ctx.device, model, optimizer, rerun, step_parts.num_microbatches
+    )
+    forward_step.loss_check = parts.validation.record_loss  # in-graph validation
+    step_parts.forward_backward_func = parts.forward_backward
+    step_parts.after_backward = None  # gradient checks are recorded inside the graph
+    step_parts.zero_grad = lambda: None  # the graph zeroes grads in place (fixed addresses)
+    step_parts.time_inside_schedule = False
+    opt_graph = parts.optimizer_graph
+    if opt_graph is not None:
+        # The LR scheduler fills the device-tensor LR in place; clip + step replay as one graph.
+        step_parts.clip_and_step = lambda params, clip_grad: opt_graph.step()
+    return parts.teardown

@@ -21,6 +21,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from stalwart.observability.timers import (
+    BACKWARD_COMPUTE,
+    FORWARD_BACKWARD,
+    FORWARD_COMPUTE,
+    OPTIMIZER,
+    OPTIMIZER_CLIP_MAIN_GRAD,
+    OPTIMIZER_COUNT_ZEROS,
+    OPTIMIZER_INNER_STEP,
+    Timers,
+)
 from stalwart.train.precision import NullLossScaler
 
 ForwardStepFunc = Callable[[Iterator[dict[str, torch.Tensor]], nn.Module], dict[str, torch.Tensor]]
@@ -51,6 +61,7 @@ def forward_backward(
     micro_batch_size: int | None = None,
     forward_only: bool = False,
     loss_scaler: NullLossScaler | None = None,
+    timers: Timers | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Run ``num_microbatches`` forward (and backward) passes, accumulating gradients.
 
@@ -64,16 +75,26 @@ def forward_backward(
     """
     del seq_length, micro_batch_size
     scaler = loss_scaler or NullLossScaler()
+    timers = timers or _NULL_TIMERS
+    forward_timer, backward_timer = timers(FORWARD_COMPUTE), timers(BACKWARD_COMPUTE)
     reported: list[dict[str, torch.Tensor]] = []
     for index in range(num_microbatches):
         is_last = index == num_microbatches - 1
         grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_mode, _no_sync(model, is_last or forward_only):
+            forward_timer.start()
             output = forward_step_func(data_iterator, model)
+            forward_timer.stop()
             if not forward_only:
+                backward_timer.start()
                 scaler.scale_loss(output["loss"] / num_microbatches).backward()
+                backward_timer.stop()
         reported.append({k: v.detach() for k, v in output.items()})
     return reported
+
+
+# Level 0: every timer above level 0 is the shared NullTimer (the default when none is passed).
+_NULL_TIMERS = Timers(0, "minmax")
 
 
 def average_reported(
@@ -138,6 +159,13 @@ class StepParts:
     log_num_zeros: bool = False
     dp_group: dist.ProcessGroup | None = None
     after_backward: Callable[[], None] | None = None
+    # Graph mode: grads are zeroed inside the captured iteration (fixed addresses), and clip +
+    # optimizer step may be one captured graph returning the pre-clip norm.
+    zero_grad: Callable[[], None] | None = None
+    clip_and_step: Callable[[list[nn.Parameter], float], torch.Tensor | None] | None = None
+    timers: Timers = field(default_factory=lambda: _NULL_TIMERS)
+    # Graph mode times only around the captured call (events inside would be frozen at capture).
+    time_inside_schedule: bool = True
 
 
 def _zero_grad(model: nn.Module) -> None:
@@ -152,30 +180,56 @@ def train_step(parts: StepParts, data_iterator: Any) -> StepResult:
     if it asks to exit, the optimizer is not stepped.
     """
     reported: list[dict[str, torch.Tensor]] = []
+    timers = parts.timers
+    inner_timers = {"timers": timers} if parts.time_inside_schedule else {}
     while parts.rerun.should_run_forward_backward(data_iterator):
-        _zero_grad(parts.model)
+        timers(FORWARD_BACKWARD).start()
+        (parts.zero_grad or (lambda: _zero_grad(parts.model)))()
         reported = parts.forward_backward_func(
             forward_step_func=parts.forward_step_func,
             data_iterator=data_iterator,
             model=parts.model,
             num_microbatches=parts.num_microbatches,
             loss_scaler=parts.loss_scaler,
+            **inner_timers,
         )
         if parts.after_backward is not None:
             parts.after_backward()  # records device-side gradient checks for this pass
+        timers(FORWARD_BACKWARD).stop()
     should_checkpoint, should_exit, exit_code = parts.rerun.should_checkpoint_and_exit()
     losses = average_reported(reported, parts.dp_group) if reported else {}
     if should_exit:
         return StepResult(losses, None, None, True, should_checkpoint, True, exit_code)
     params = [p for p in parts.model.parameters() if p.requires_grad]
+    timers(OPTIMIZER).start()
+    try:
+        if parts.clip_and_step is not None:
+            return StepResult(losses, parts.clip_and_step(params, parts.clip_grad), None, False)
+        return _clip_and_step(parts, params, losses)
+    finally:
+        timers(OPTIMIZER).stop()
+
+
+def _clip_and_step(
+    parts: StepParts, params: list[nn.Parameter], losses: dict[str, torch.Tensor]
+) -> StepResult:
+    timers = parts.timers
     found_inf = parts.loss_scaler.unscale_and_check(params)
+    timers(OPTIMIZER_CLIP_MAIN_GRAD).start()
     grad_norm = grad_norm_and_clip(params, parts.clip_grad)
-    num_zeros = count_zeros(params) if parts.log_num_zeros else None
+    timers(OPTIMIZER_CLIP_MAIN_GRAD).stop()
+    num_zeros = None
+    if parts.log_num_zeros:
+        timers(OPTIMIZER_COUNT_ZEROS).start()
+        num_zeros = count_zeros(params)
+        timers(OPTIMIZER_COUNT_ZEROS).stop()
     skipped = False
     if found_inf is not None:
         # Deliberate sync (fp16 only): an overflow must skip the optimizer step.
         skipped = bool(found_inf.item() > 0)
         parts.loss_scaler.update(skipped)
     if not skipped:
+        timers(OPTIMIZER_INNER_STEP).start()
         (parts.optimizer_step or parts.optimizer.step)()
+        timers(OPTIMIZER_INNER_STEP).stop()
     return StepResult(losses, grad_norm, num_zeros, skipped)

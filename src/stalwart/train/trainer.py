@@ -16,6 +16,7 @@ import torch
 
 from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
+from stalwart.distributed import collectives
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.observability.timers import INTERVAL_TIME
 from stalwart.reliability.exit import (
@@ -190,9 +191,12 @@ class Trainer:
 
     def _skip_iteration(self) -> StepResult:
         """``--iterations-to-skip``: consume this iteration's data without training on it."""
+        it = self.state.iteration
+        self.c.rerun.skip_iteration(it)  # drops a pending rerun of this iteration
         for _ in range(self.c.num_microbatches):
             next(self.c.sampler)
-        self.print(f"skipping iteration {self.state.iteration + 1} (--iterations-to-skip)")
+        # 0-based, like --iterations-to-skip and the tracker file; the log line counts from 1.
+        self.print(f"skipping iteration {it} (0-based; logged as {it + 1}) (--iterations-to-skip)")
         return StepResult(skipped=True)
 
     def _after_iteration(self, result: StepResult) -> None:
@@ -254,8 +258,12 @@ class Trainer:
         """The rerun state machine asked to exit (16: resume elsewhere, 17: validation failed)."""
         if result.should_checkpoint and self.config.checkpoint.save:
             self.save()
+        elif result.should_checkpoint:
+            logger.warning("rerun needs a checkpoint to resume from but --save is not set")
         detail = f"rerun state machine exit code {result.exit_code}"
         self._record_exit(ExitReason.RERUN, detail, result.exit_code)
+        # A non-zero exit makes torchrun kill the other ranks: leave together, after rank 0 wrote.
+        collectives.barrier()
         return TrainOutcome(result.exit_code, ExitReason.RERUN, self.state.iteration, detail)
 
     def _finish(self, decision: ExitDecision) -> TrainOutcome:

@@ -29,6 +29,9 @@ class RerunConfig:
         error_injection_type: ``--error-injection-type``: transient_error | persistent_error |
             correct_result.
         error_injection_seed: seed of the injector's private RNG.
+        error_injection_iterations: ``--error-injection-iterations``: only these 0-based
+            iterations may be injected (None: any). With rate 1 this targets an iteration exactly.
+        error_injection_ranks: ``--error-injection-ranks``: only these ranks inject (None: any).
         result_rejected_tracker_filename: ``--result-rejected-tracker-filename``.
         iterations_to_skip: ``--iterations-to-skip``: 0-based iterations the loop skips.
         spiky_loss_factor / large_grads_factor: threshold factors over the sampled max (10).
@@ -41,6 +44,8 @@ class RerunConfig:
     error_injection_rate: int = 0
     error_injection_type: RerunDiagnostic | str = RerunDiagnostic.TRANSIENT_ERROR
     error_injection_seed: int = 0
+    error_injection_iterations: list[int] | None = None
+    error_injection_ranks: list[int] | None = None
     result_rejected_tracker_filename: str | None = None
     iterations_to_skip: list[int] = field(default_factory=list)
     spiky_loss_factor: float = 10.0
@@ -61,12 +66,24 @@ class RerunConfig:
             raise ValueError(
                 f"--iterations-to-skip must be 0-based iteration indices >= 0; got {bad}"
             )
+        for flag, values in (
+            ("--error-injection-iterations", self.error_injection_iterations),
+            ("--error-injection-ranks", self.error_injection_ranks),
+        ):
+            if values is not None and not _all_non_negative_ints(values):
+                raise ValueError(f"{flag} must be integers >= 0; got {list(values)}")
         for flag, value in (
             ("--spiky-loss-factor", self.spiky_loss_factor),
             ("--large-grads-factor", self.large_grads_factor),
         ):
             if not value > 0:
                 raise ValueError(f"{flag} must be > 0; got {value!r}")
+        targeted = (self.error_injection_iterations, self.error_injection_ranks)
+        if self.error_injection_rate == 0 and any(v is not None for v in targeted):
+            raise ValueError(
+                "--error-injection-iterations/--error-injection-ranks need "
+                "--error-injection-rate > 0 (1 injects at the first eligible validation call)"
+            )
         if self.error_injection_rate > 0 and self.mode is not RerunMode.VALIDATE_RESULTS:
             raise ValueError(
                 "--error-injection-rate > 0 needs --rerun-mode validate_results "
@@ -80,6 +97,10 @@ class RerunConfig:
     @property
     def injection_type(self) -> RerunDiagnostic:
         return RerunDiagnostic.parse(self.error_injection_type)
+
+
+def _all_non_negative_ints(values: list[int]) -> bool:
+    return all(not isinstance(v, bool) and isinstance(v, int) and v >= 0 for v in values)
 
 
 def resolve_iterations_to_skip(config: RerunConfig) -> list[int]:
@@ -99,7 +120,11 @@ def make_state_machine(
 ) -> RerunStateMachine:
     """Build the machine (and its injector) described by ``config``."""
     injector = RerunErrorInjector(
-        config.error_injection_rate, config.injection_type, seed=config.error_injection_seed
+        config.error_injection_rate,
+        config.injection_type,
+        seed=config.error_injection_seed,
+        ranks=config.error_injection_ranks,
+        at_iterations=config.error_injection_iterations,
     )
     return RerunStateMachine(
         mode=config.mode,

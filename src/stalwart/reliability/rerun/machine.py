@@ -121,6 +121,7 @@ class RerunStateMachine(EventMixin):
         self._large: dict[str, LargeValueTracker] = {}
         self._awaiting_exit = False
         self._announced = False
+        self._iteration_set = False
         logger.info("RerunStateMachine initialized in mode %s", self.mode.value)
 
     # ----------------------------------------------------------------- identity / configuration
@@ -145,8 +146,13 @@ class RerunStateMachine(EventMixin):
         logger.warning("RerunStateMachine mode set to %s", self.mode.value)
 
     def set_iteration(self, iteration: int) -> None:
-        """The 0-based index of the iteration about to run (used in every message and tracker line)."""
+        """The 0-based index of the iteration about to run (used in every message and tracker line).
+
+        The next ``should_run_forward_backward`` call that starts an iteration uses it as is
+        instead of incrementing the counter (a loop may call this, then omit ``iteration=``).
+        """
         self.iteration = int(iteration)
+        self._iteration_set = True
 
     def attach_buffer(self, buffer: ValidationBuffer) -> None:
         """Read ``buffer`` in the per-iteration sync (checks written by a captured graph)."""
@@ -225,6 +231,22 @@ class RerunStateMachine(EventMixin):
             tracker.count, tracker.max_value = 0, 0.0
         return tracker.check(host_float(result), threshold, context, num_samples)
 
+    def skip_iteration(self, iteration: int) -> None:
+        """The loop skips ``iteration`` (``--iterations-to-skip``) without running it.
+
+        A rerun from checkpoint still pending for that iteration (restored from the checkpoint of
+        an exit 16) is dropped with a warning; otherwise it would replay a later iteration's data
+        and compare it with this one's result.
+        """
+        self.set_iteration(iteration)
+        if self.state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
+            self._log0(
+                f"Iteration {iteration} is skipped (--iterations-to-skip): "
+                "dropping its pending rerun from checkpoint"
+            )
+            self._finish_event()
+            self.state = RerunState.NOT_RUNNING_YET
+
     def resolve(self) -> None:
         """Evaluate checks recorded while disabled (one sync); fatal rejections raise RuntimeError."""
         if self.mode is not RerunMode.DISABLED:
@@ -290,7 +312,11 @@ class RerunStateMachine(EventMixin):
     def _start_iteration(
         self, iterators: list[RerunDataIterator[Any]], iteration: int | None
     ) -> bool:
-        self.iteration = self.iteration + 1 if iteration is None else int(iteration)
+        if iteration is not None:
+            self.iteration = int(iteration)
+        elif not self._iteration_set:
+            self.iteration += 1
+        self._iteration_set = False
         for it in iterators:
             it.advance()
         if self.mode is not RerunMode.DISABLED:

@@ -33,7 +33,8 @@ _SKIP_STATUSES = frozenset(
 
 
 class TrackerFile:
-    """Appends event lines; checks at construction that the file can be appended to."""
+    """Appends event lines; checks at construction that the file can be appended to
+    (``ValueError`` naming ``--result-rejected-tracker-filename`` if not)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -41,7 +42,8 @@ class TrackerFile:
             with open(path, "a", encoding="utf-8"):
                 pass
         except OSError as exc:
-            raise RuntimeError(
+            # ValueError: bad user input (the CLI turns it into exit code 2 and one line).
+            raise ValueError(
                 f"--result-rejected-tracker-filename {path!r} cannot be appended to ({exc})"
             ) from exc
 

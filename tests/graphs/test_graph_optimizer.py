@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_backend import FakeGraphContext  # type: ignore[import-not-found]
+from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
 
 from stalwart.graphs import (
     DeviceFlags,

@@ -1,0 +1,154 @@
+"""Full-iteration CUDA graphs for the reference trainer (``--cuda-graph-impl full_iteration``).
+
+The forward-backward of all micro-batches is one captured graph; with ``--optimizer-cuda-graph``
+the clip + AdamW step is another (shared pool and capture stream). Validation goes beyond
+Megatron, which turns its NaN checks off under full-iteration graphs: the rerun state machine's
+loss and gradient checks are recorded into a static :class:`ValidationBuffer` *inside* the graph,
+and the machine reads it in its one per-iteration sync after the replay. A rejected iteration
+never replays the optimizer graph, and a rerun replays the forward-backward graph on the same
+micro-batches (the rerun data iterator hands them to the graph's static buffers again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from stalwart.config.run import RunConfig
+from stalwart.graphs import (
+    CudaGraphImpl,
+    FullIterationGraph,
+    GraphContext,
+    GraphSettings,
+    OptimizerGraph,
+    RecomputeGranularity,
+    check_graph_config,
+)
+from stalwart.reliability.rerun import (
+    GRAD_TOLERANCE,
+    INF_GRAD_MESSAGE,
+    INF_LOSS_MESSAGE,
+    NAN_GRAD_MESSAGE,
+    NAN_LOSS_MESSAGE,
+    RerunStateMachine,
+    ValidationBuffer,
+    local_grad_norm,
+)
+from stalwart.train.step import forward_backward
+
+
+def check_graph_flags(config: RunConfig, device: torch.device) -> None:
+    """Reject invalid graph/recompute/validation combinations before training (ValueError)."""
+    g = config.graphs
+    check_graph_config(
+        GraphSettings(
+            device=device,
+            cuda_graph_impl=CudaGraphImpl(g.cuda_graph_impl),
+            cuda_graph_warmup_steps=g.cuda_graph_warmup_steps,
+            optimizer_cuda_graph=g.optimizer_cuda_graph,
+            recompute_granularity=RecomputeGranularity(g.recompute_granularity or "none"),
+            hidden_dropout=config.model.dropout,
+            attention_dropout=config.model.dropout,
+            check_for_nan_in_loss_and_grad=config.rerun.check_for_nan_in_loss_and_grad,
+            check_for_spiky_loss=config.rerun.check_for_spiky_loss,
+            check_for_large_grads=config.rerun.check_for_large_grads,
+            log_num_zeros_in_grad=config.log.log_num_zeros_in_grad,
+            fp16=config.training.fp16,
+            compile=config.training.compile,
+        )
+    )
+
+
+class GraphValidation:
+    """Loss/grad NaN-Inf checks written into a :class:`ValidationBuffer` (graph-capturable).
+
+    Slots are declared up front: one NaN and one Inf slot per micro-batch loss and for the local
+    gradient norm. ``record_loss`` is called by the forward step once per micro-batch; the Python
+    counter only runs during warm-up and capture, the recorded device writes replay.
+    """
+
+    def __init__(self, device: torch.device, num_microbatches: int, enabled: bool) -> None:
+        self.buffer = ValidationBuffer(
+            device, name="full_iteration", capacity=4 * num_microbatches + 4
+        )
+        self.enabled = enabled
+        self._loss_slots: list[tuple[int, int]] = []
+        self._grad_slots: tuple[int, int] | None = None
+        if enabled:
+            for _ in range(num_microbatches):
+                nan = self.buffer.add_check(NAN_LOSS_MESSAGE, torch.isnan)
+                inf = self.buffer.add_check(INF_LOSS_MESSAGE, torch.isinf)
+                self._loss_slots.append((nan, inf))
+            nan = self.buffer.add_check(NAN_GRAD_MESSAGE, torch.isnan, tolerance=GRAD_TOLERANCE)
+            inf = self.buffer.add_check(INF_GRAD_MESSAGE, torch.isinf, tolerance=GRAD_TOLERANCE)
+            self._grad_slots = (nan, inf)
+        self._index = 0
+
+    def begin_pass(self) -> None:
+        self._index = 0
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        nan, inf = self._loss_slots[self._index % len(self._loss_slots)]
+        self.buffer.record(nan, loss)
+        self.buffer.record(inf, loss)
+        self._index += 1
+
+    def record_grads(self, params: list[nn.Parameter]) -> None:
+        if self._grad_slots is None:
+            return
+        norm = local_grad_norm(params)
+        self.buffer.record(self._grad_slots[0], norm)
+        self.buffer.record(self._grad_slots[1], norm)
+
+
+@dataclass
+class GraphParts:
+    """What the step uses instead of the eager pieces when graphs are on."""
+
+    context: GraphContext
+    forward_backward: FullIterationGraph
+    validation: GraphValidation
+    optimizer_graph: OptimizerGraph | None
+
+    def teardown(self) -> None:
+        """Free the graphs and their pool (in-process restart, end of training)."""
+        self.context.teardown()
+
+
+def build_graph_parts(
+    config: RunConfig,
+    device: torch.device,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rerun: RerunStateMachine,
+    num_microbatches: int,
+) -> GraphParts:
+    """Graph context, the full-iteration graph (+ optimizer graph) and in-graph validation."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    context = GraphContext(device)
+    validation = GraphValidation(
+        device, num_microbatches, config.rerun.check_for_nan_in_loss_and_grad
+    )
+    rerun.attach_buffer(validation.buffer)
+
+    def graphed_forward_backward(**kwargs: Any) -> list[dict[str, torch.Tensor]]:
+        validation.begin_pass()
+        reported = forward_backward(**kwargs)
+        validation.record_grads(params)
+        return reported
+
+    fb = FullIterationGraph(
+        graphed_forward_backward,
+        context=context,
+        warmup_steps=config.graphs.cuda_graph_warmup_steps,
+        grad_params=params,
+    )
+    opt_graph = None
+    if config.graphs.optimizer_cuda_graph:
+        opt_graph = OptimizerGraph(optimizer, context=context, clip_grad=config.optim.clip_grad)
+    return GraphParts(context, fb, validation, opt_graph)
