@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = [(name, build_variant(base, extra)) for name, extra in specs]
     times: dict[str, list[float]] = {name: [] for name, _ in variants}
     position = 0
-    for name, c in variants:
+    for _name, c in variants:
         run_iterations(c, position, args.warmup, device)
     position += args.warmup
     for _ in range(args.rounds):
