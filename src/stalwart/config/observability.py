@@ -41,9 +41,3 @@ class ObservabilityConfig:
             raise ValueError(f"--log-memory-interval must be >= 0 (got {self.log_memory_interval})")
         if self.save_activations_interval < 0:
             raise ValueError("--save-activations-interval must be >= 0")
-        wants_dump = self.save_activations_interval or self.log_dgrads or self.log_tokens_per_expert
-        if wants_dump and not (self.dump_dir or self.run_dir):
-            raise ValueError(
-                "--save-activations-interval/--log-dgrads/--log-tokens-per-expert need "
-                "--dump-dir (or --run-dir)"
-            )

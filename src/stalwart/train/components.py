@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -29,7 +30,11 @@ from stalwart.data import (
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import make_capturable_adamw
 from stalwart.models import GPT, num_floating_point_operations
+from stalwart.observability.dumps import DumpConfig, make_tensor_dumper
+from stalwart.observability.energy import make_energy_meter
+from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryMonitor, theoretical_memory
 from stalwart.observability.sinks import MetricSink, build_sinks
+from stalwart.observability.straggler import make_straggler_detector
 from stalwart.observability.timers import Timers, TimingMode
 from stalwart.observability.train_log import TrainingLog
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector, build_fault_injector
@@ -46,6 +51,7 @@ from stalwart.reliability.sections import NullSectionMonitor, SectionMonitor, bu
 from stalwart.reliability.signals import DistributedSignalHandler
 from stalwart.train.forward_step import GPTForwardStep
 from stalwart.train.graphed import check_graph_flags
+from stalwart.train.observe import StepObserver
 from stalwart.train.precision import NullLossScaler, autocast_context, build_loss_scaler
 from stalwart.train.schedule import LRScheduler
 from stalwart.train.step import StepParts
@@ -78,6 +84,8 @@ class Components:
     faults: FaultInjector | NullFaultInjector
     signal_handler: DistributedSignalHandler | None
     step_parts: StepParts
+    observer: StepObserver
+    energy: Any
     forward_step: GPTForwardStep
     eval_forward_step: GPTForwardStep
     iterations_to_skip: frozenset[int] = frozenset()
@@ -156,9 +164,66 @@ def _build_data(
     return train, valid, num_microbatches, gbs
 
 
+def run_dir_of(config: RunConfig) -> str | None:
+    """Where run artefacts go: ``--run-dir``, else the checkpoint directory, else nowhere."""
+    return config.obs.run_dir or config.checkpoint.save
+
+
+def metrics_file_of(config: RunConfig) -> str | None:
+    """``--metrics-file``, else ``<run dir>/metrics.jsonl`` (what ``stalwart report`` reads)."""
+    run_dir = run_dir_of(config)
+    if config.obs.metrics_file:
+        return config.obs.metrics_file
+    return os.path.join(run_dir, "metrics.jsonl") if run_dir else None
+
+
+def _build_probes(
+    config: RunConfig, ctx: DistributedContext, model: GPT, sink: MetricSink
+) -> tuple[list[Any], StepObserver]:
+    """Straggler detector, memory monitor and energy meter (log providers) + tensor dumper."""
+    obs, run_dir = config.obs, run_dir_of(config)
+    straggler = make_straggler_detector(
+        obs.log_straggler,
+        ctx.device,
+        ctx.rank,
+        ctx.world_size,
+        threshold=obs.straggler_threshold,
+        run_dir=run_dir,
+    )
+    estimate = theoretical_memory(
+        config.model,
+        config.training.micro_batch_size,
+        ctx.world_size,
+        bf16=config.training.bf16,
+        workspace_bytes=0 if ctx.device.type == "cpu" else CUDA_WORKSPACE_BYTES,
+    )
+    memory = MemoryMonitor(
+        ctx.device,
+        estimate,
+        run_dir=run_dir,
+        rank=ctx.rank,
+        log_interval=config.log.log_interval,
+        log_memory_interval=obs.log_memory_interval or None,
+        to_tensorboard=obs.log_memory_to_tensorboard,
+        sink=sink,
+        log=logger.info,
+    )
+    energy = make_energy_meter(obs.log_energy, ctx.device, log=logger.info)
+    dump_config = DumpConfig.from_flags(
+        save_activations_interval=obs.save_activations_interval,
+        log_dgrads=obs.log_dgrads,
+        log_tokens_per_expert=obs.log_tokens_per_expert,
+        dump_stats_only=obs.dump_stats_only,
+        log_interval=config.log.log_interval,
+    )
+    dump_dir = obs.dump_dir or run_dir or "."
+    dumper = make_tensor_dumper(model, dump_dir, dump_config, ctx.rank, ctx.rank)
+    return [straggler, memory, energy], StepObserver(straggler, dumper)
+
+
 def _build_observability(
-    config: RunConfig, ctx: DistributedContext, flops: float
-) -> tuple[Timers, MetricSink, TrainingLog]:
+    config: RunConfig, ctx: DistributedContext, flops: float, model: GPT
+) -> tuple[Timers, MetricSink, TrainingLog, StepObserver, Any]:
     obs = config.obs
     timers = Timers(
         obs.timing_log_level,
@@ -175,6 +240,7 @@ def _build_observability(
         wandb_mode=obs.wandb_mode,
         config=config.to_dict(),
     )
+    providers, observer = _build_probes(config, ctx, model, sink)
     log = TrainingLog(
         config.log,
         train_iters=config.training.train_iters,
@@ -183,9 +249,10 @@ def _build_observability(
         rank=ctx.rank,
         world_size=ctx.world_size,
         flops_per_iteration=flops,
-        metrics_file=obs.metrics_file if ctx.rank == 0 else None,
+        metrics_file=metrics_file_of(config) if ctx.rank == 0 else None,
+        extra_providers=providers,
     )
-    return timers, sink, log
+    return timers, sink, log, observer, providers[2]
 
 
 def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
@@ -259,9 +326,10 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     if graphed:
         closers.append(_use_graphs(config, ctx, model, optimizer, rerun, forward_step, step_parts))
     flops = num_floating_point_operations(config.model, gbs)
-    timers, sink, log = _build_observability(config, ctx, flops)
+    timers, sink, log, observer, energy = _build_observability(config, ctx, flops, raw_model)
     step_parts.timers = timers
-    closers.extend([sink.close, log.close])
+    step_parts.observer = observer if observer.enabled else None
+    closers.extend([sink.close, log.close, observer.close, energy.close])
     handler = None
     if config.exit.exit_signal_handler:
         handler = DistributedSignalHandler(config.exit.signal_enum)
@@ -289,6 +357,8 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         faults=faults,
         signal_handler=handler,
         step_parts=step_parts,
+        observer=observer,
+        energy=energy,
         forward_step=forward_step,
         eval_forward_step=GPTForwardStep(ctx.device, forward_step.autocast),
         iterations_to_skip=frozenset(resolve_iterations_to_skip(config.rerun)),

@@ -62,6 +62,7 @@ def forward_backward(
     forward_only: bool = False,
     loss_scaler: NullLossScaler | None = None,
     timers: Timers | None = None,
+    observer: Any = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Run ``num_microbatches`` forward (and backward) passes, accumulating gradients.
 
@@ -81,7 +82,10 @@ def forward_backward(
     for index in range(num_microbatches):
         is_last = index == num_microbatches - 1
         grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with grad_mode, _no_sync(model, is_last or forward_only):
+        if observer is not None:
+            observer.on_microbatch(index, is_last)
+        compute = observer.compute() if observer is not None else contextlib.nullcontext()
+        with grad_mode, _no_sync(model, is_last or forward_only), compute:
             forward_timer.start()
             output = forward_step_func(data_iterator, model)
             forward_timer.stop()
@@ -166,6 +170,7 @@ class StepParts:
     timers: Timers = field(default_factory=lambda: _NULL_TIMERS)
     # Graph mode times only around the captured call (events inside would be frozen at capture).
     time_inside_schedule: bool = True
+    observer: Any = None  # StepObserver (stragglers, dumps) or None when both are off
 
 
 def _zero_grad(model: nn.Module) -> None:
@@ -181,7 +186,9 @@ def train_step(parts: StepParts, data_iterator: Any) -> StepResult:
     """
     reported: list[dict[str, torch.Tensor]] = []
     timers = parts.timers
-    inner_timers = {"timers": timers} if parts.time_inside_schedule else {}
+    inner: dict[str, Any] = {}
+    if parts.time_inside_schedule:
+        inner = {"timers": timers, "observer": parts.observer}
     while parts.rerun.should_run_forward_backward(data_iterator):
         timers(FORWARD_BACKWARD).start()
         (parts.zero_grad or (lambda: _zero_grad(parts.model)))()
@@ -191,7 +198,7 @@ def train_step(parts: StepParts, data_iterator: Any) -> StepResult:
             model=parts.model,
             num_microbatches=parts.num_microbatches,
             loss_scaler=parts.loss_scaler,
-            **inner_timers,
+            **inner,
         )
         if parts.after_backward is not None:
             parts.after_backward()  # records device-side gradient checks for this pass

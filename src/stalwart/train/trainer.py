@@ -18,6 +18,7 @@ from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
 from stalwart.distributed import collectives
 from stalwart.distributed.process_group import DistributedContext
+from stalwart.observability.report import EventKind, append_event
 from stalwart.observability.timers import INTERVAL_TIME
 from stalwart.reliability.exit import (
     ExitDecision,
@@ -30,7 +31,7 @@ from stalwart.reliability.exit import (
 )
 from stalwart.reliability.rerun import capture_rng_state, restore_rng_state
 from stalwart.reliability.sections import Section
-from stalwart.train.components import Components, build_components
+from stalwart.train.components import Components, build_components, run_dir_of
 from stalwart.train.evaluate import evaluate
 from stalwart.train.step import StepResult, params_norm, train_step
 
@@ -78,6 +79,7 @@ class Trainer:
         self.ctx = ctx
         self.print = print_fn if ctx.is_main else (lambda *a, **k: None)
         self.started = time.monotonic()
+        self.run_dir = run_dir_of(config)
         self.c: Components = build_components(config, ctx)
         self.state = TrainState()
         self.loaded_iteration: int | None = None
@@ -111,6 +113,7 @@ class Trainer:
     def save(self, non_persistent: bool = False) -> None:
         """Save the current state (collective) inside the ``checkpointing`` section."""
         c = self.c
+        c.energy.pause()  # a save is not training energy
         with c.sections.section(Section.CHECKPOINTING):
             c.faults.maybe_inject(self.state.iteration, self.ctx.rank, "checkpointing")
             common, per_rank = self._checkpoint_common(), self._checkpoint_per_rank()
@@ -122,7 +125,15 @@ class Trainer:
                 per_rank,
                 non_persistent=non_persistent,
             )
+        c.energy.resume()
         c.sections.maybe_update_timeouts(async_save=self.config.checkpoint.async_save)
+        kind = "non-persistent checkpoint" if non_persistent else "checkpoint"
+        self.event(EventKind.CHECKPOINT, f"saved {kind}")
+
+    def event(self, kind: EventKind, detail: str) -> None:
+        """Append to the run's event timeline (rank 0; nothing without a run directory)."""
+        if self.run_dir and self.ctx.is_main:
+            append_event(self.run_dir, self.state.iteration, kind, detail)
 
     def load(self) -> None:
         """Resume from the newest complete checkpoint, if any (``--load`` defaults to ``--save``)."""
@@ -187,7 +198,10 @@ class Trainer:
             c.faults.maybe_inject(it + 1, self.ctx.rank, "step")
             if it in c.iterations_to_skip:
                 return self._skip_iteration()
-            return train_step(c.step_parts, c.train_iterator)
+            c.observer.begin_iteration(it + 1)
+            result = train_step(c.step_parts, c.train_iterator)
+            c.observer.end_iteration()
+            return result
 
     def _skip_iteration(self) -> StepResult:
         """``--iterations-to-skip``: consume this iteration's data without training on it."""
@@ -197,6 +211,7 @@ class Trainer:
             next(self.c.sampler)
         # 0-based, like --iterations-to-skip and the tracker file; the log line counts from 1.
         self.print(f"skipping iteration {it} (0-based; logged as {it + 1}) (--iterations-to-skip)")
+        self.event(EventKind.SKIPPED, "--iterations-to-skip")
         return StepResult(skipped=True)
 
     def _after_iteration(self, result: StepResult) -> None:
@@ -261,6 +276,7 @@ class Trainer:
         elif result.should_checkpoint:
             logger.warning("rerun needs a checkpoint to resume from but --save is not set")
         detail = f"rerun state machine exit code {result.exit_code}"
+        self.event(EventKind.RERUN, detail)
         self._record_exit(ExitReason.RERUN, detail, result.exit_code)
         # A non-zero exit makes torchrun kill the other ranks: leave together, after rank 0 wrote.
         collectives.barrier()
@@ -277,6 +293,7 @@ class Trainer:
         with c.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
             c.checkpoint.finalize()  # an exit always completes the pending async save first
         c.sections.maybe_update_timeouts(closing=True, async_save=self.config.checkpoint.async_save)
+        self.event(EventKind.EXIT, f"{reason.value}: {detail} (exit code {exit_code})")
         save_dir = self.config.checkpoint.save
         if save_dir and self.ctx.is_main:
             write_exit_reason(save_dir, reason, self.state.iteration, detail, exit_code=exit_code)
