@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -50,6 +51,13 @@ SUITES: dict[str, list[tuple[str, list[str]]]] = {
         ("level 1 events", ["--timing-log-level", "1", "--timing-mode", "events"]),
         ("level 2 events", ["--timing-log-level", "2", "--timing-mode", "events"]),
     ],
+    "dumps": [
+        ("dumps off", []),
+        (
+            "stats-mode dumps every iteration",
+            ["--dump-stats-only", "--save-activations-interval", "1", "--dump-dir", "{tmp}"],
+        ),
+    ],
     "graphs": [
         ("eager", []),
         (
@@ -62,7 +70,8 @@ SUITES: dict[str, list[tuple[str, list[str]]]] = {
 
 def build_variant(base: list[str], extra: list[str]) -> Components:
     naive = "--bench-naive-check" in extra
-    argv = [*base, *[a for a in extra if a != "--bench-naive-check"]]
+    tmp = tempfile.mkdtemp(prefix="stalwart-bench-")
+    argv = [*base, *[a.format(tmp=tmp) for a in extra if a != "--bench-naive-check"]]
     config = build_run_config(parse_train_args(argv), argv)
     device = choose_device(0, config.training.use_cpu)
     c = build_components(config, DistributedContext(device=device))

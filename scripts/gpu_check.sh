@@ -7,7 +7,7 @@
 #   QUICK=1 OUT=/tmp/out bash scripts/gpu_check.sh    # fewer benchmark rounds
 set -uo pipefail
 OUT="${OUT:-runs/gpu_check}"
-WORK="$(mktemp -d)"
+WORK="$(mktemp -d)"; SCRATCH="$(mktemp -d)"  # checkpoints go to SCRATCH (not archived)
 mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 ROUNDS="${ROUNDS:-3}"; ITERS="${ITERS:-10}"
@@ -27,8 +27,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >>
 step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests
 TRAIN=(python3 -m stalwart train --preset tiny --bf16 --train-iters 30 --log-interval 10 --no-progress-bar)
 step train_graphs 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
-  --save "$WORK/ckpt_graphs" --metrics-file "$WORK/graphs_metrics.jsonl"
-step train_eager 120 "${TRAIN[@]}" --save "$WORK/ckpt_eager" --metrics-file "$WORK/eager_metrics.jsonl"
+  --save "$SCRATCH/ckpt_graphs" --metrics-file "$WORK/graphs_metrics.jsonl"
+step train_eager 120 "${TRAIN[@]}" --save "$SCRATCH/ckpt_eager" --metrics-file "$WORK/eager_metrics.jsonl"
 # Every validation call is corrupted once (transient): the in-graph check must catch it, skip the
 # optimizer replay, replay the iteration, find it not reproducible and exit 17.
 step train_graphs_injected 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
@@ -36,17 +36,20 @@ step train_graphs_injected 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --
   --result-rejected-tracker-filename "$WORK/tracker.txt"
 
 BENCH=(python3 bench/step_bench.py --device cuda --bf16 --rounds "$ROUNDS" --iters "$ITERS")
-step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,rerun,timers,graphs --json "$WORK/bench_tiny.json"
+step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,rerun,timers,dumps,graphs --json "$WORK/bench_tiny.json"
 step bench_small 150 "${BENCH[@]}" --preset small --suite baseline,rerun,timers,graphs --json "$WORK/bench_small.json"
-step bench_gpt2 200 "${BENCH[@]}" --preset gpt2-124m --suite baseline,rerun,timers --json "$WORK/bench_gpt2.json"
+step bench_gpt2 200 "${BENCH[@]}" --preset gpt2-124m --suite baseline,rerun,timers,dumps --json "$WORK/bench_gpt2.json"
 [ -f bench/memory_check.py ] && step memory 120 python3 bench/memory_check.py --device cuda --json "$WORK/memory.json"
 [ -f bench/checkpoint_save.py ] && step ckpt_save 150 python3 bench/checkpoint_save.py --preset gpt2-124m --device cuda --json "$WORK/ckpt_save.json"
 
 echo "== total $(( $(date +%s) - start ))s" | tee -a "$WORK/summary.txt"
 tar czf "$OUT/gpu_check.tgz" -C "$WORK" .
 for f in "$WORK"/train_*.log; do echo "== $f"; grep -v DEBUG "$f" | tail -6; done
-for f in "$WORK"/bench_*.log "$WORK"/memory.log "$WORK"/ckpt_save.log; do
-  [ -f "$f" ] && { echo "== $f"; grep -A 40 "^preset=\|^variant\|median" "$f" | grep -v DEBUG | tail -25; }
+for f in "$WORK"/bench_*.log; do
+  [ -f "$f" ] && { echo "== $f"; grep -A 40 "^preset=" "$f" | grep -v "DEBUG\|INFO\|WARN" | tail -25; }
 done
-grep -E "passed|failed|error" "$WORK/gpu_tests.log" | tail -3
+for f in "$WORK"/memory.log "$WORK"/ckpt_save.log; do
+  [ -f "$f" ] && { echo "== $f"; grep -v "DEBUG\|INFO\|WARN\|^\[rank" "$f" | tail -14; }
+done
+grep -E "^FAILED|^ERROR|passed|failed" "$WORK/gpu_tests.log" | tail -8
 cat "$WORK/summary.txt"

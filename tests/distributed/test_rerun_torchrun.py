@@ -145,7 +145,7 @@ def test_persistent_error_restart_same_device_then_other_device(
         make_config(*TRAIN[len(TINY_FLAGS) :], "--save", str(copy)), DistributedContext()
     )
     assert (outcome.exit_code, outcome.iteration) == (0, 4)
-    assert "world size changed" in caplog.text and "rerun" in caplog.text
+    assert "World size changed (2 -> 1): rerun state ignored" in caplog.text
     assert "Second rerun" not in caplog.text
 
 
