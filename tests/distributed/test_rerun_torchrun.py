@@ -55,7 +55,10 @@ def _torchrun(
                 "--nproc-per-node", "2", "--max-restarts", str(restarts)]  # fmt: skip
     program = ["--no-python", sys.executable, "-c", WRAPPER] if wrapper else ["-m", "stalwart"]
     inherited = {k: v for k, v in os.environ.items() if k != "STALWART_DEVICE_ID"}
-    full_env = {**inherited, "OMP_NUM_THREADS": "1", **(env or {})}
+    # Known torchrun issue (pytorch#135712): with the rendezvous TCPStore shared with the workers,
+    # a restarted gloo group may read the previous attempt's peer addresses (connection refused).
+    full_env = {**inherited, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    full_env.update(env or {})
     return subprocess.run(
         [*launcher, *program, "train", *TRAIN, *args],
         capture_output=True, text=True, env=full_env, timeout=240, cwd=REPO,
