@@ -3,8 +3,23 @@
 Each owner keeps their re-exports in their own block below; add new blocks, do not reorder.
 """
 
-# --- timers, sinks, training log, progress (owner: timers/train_log engineer) ---
+# --- public API of every observability component ---
+from stalwart.observability.dumps import (
+    DumpConfig,
+    NullTensorDumper,
+    TensorDumper,
+    make_tensor_dumper,
+)
+from stalwart.observability.energy import EnergyMeter, NullEnergyMeter, make_energy_meter
+from stalwart.observability.memory import (
+    MemoryEstimate,
+    MemoryMonitor,
+    NullMemoryMonitor,
+    measured_memory,
+    theoretical_memory,
+)
 from stalwart.observability.progress import ProgressBar
+from stalwart.observability.report import EventKind, append_event, write_report
 from stalwart.observability.sinks import (
     FanOutSink,
     JsonlSink,
@@ -14,6 +29,12 @@ from stalwart.observability.sinks import (
     WandbSink,
     build_sinks,
     is_null_sink,
+)
+from stalwart.observability.straggler import (
+    NullStragglerDetector,
+    StragglerDetector,
+    StragglerReport,
+    make_straggler_detector,
 )
 from stalwart.observability.timers import (
     INTERVAL_TIME,
@@ -37,12 +58,13 @@ from stalwart.observability.train_log import (
     format_validation_lines,
 )
 
-# --- straggler / memory / energy / dumps / report (owner: other engineer): add imports here ---
-
 __all__ = [
     "INTERVAL_TIME",
     "STANDARD_TIMER_LEVELS",
     "TRAINING_TIMERS",
+    "DumpConfig",
+    "EnergyMeter",
+    "EventKind",
     "FanOutSink",
     "IntervalInfo",
     "IntervalSummary",
@@ -50,20 +72,36 @@ __all__ = [
     "LogConfig",
     "LogField",
     "LogFieldProvider",
+    "MemoryEstimate",
+    "MemoryMonitor",
     "MetricSink",
+    "NullEnergyMeter",
+    "NullMemoryMonitor",
     "NullSink",
+    "NullStragglerDetector",
+    "NullTensorDumper",
     "NullTimer",
     "ProgressBar",
+    "StragglerDetector",
+    "StragglerReport",
     "TensorBoardSink",
+    "TensorDumper",
     "Timer",
     "TimerReport",
     "Timers",
     "TimingMode",
     "TrainingLog",
     "WandbSink",
+    "append_event",
     "build_sinks",
     "format_iteration_line",
     "format_validation_lines",
     "is_null_sink",
+    "make_energy_meter",
+    "make_straggler_detector",
+    "make_tensor_dumper",
+    "measured_memory",
+    "theoretical_memory",
     "validate_timing_flags",
+    "write_report",
 ]
