@@ -1,9 +1,9 @@
-"""Observability: timers, training log, metric sinks (TensorBoard / W&B / JSONL), progress bar.
+"""Observability: timers, training log, metric sinks (TensorBoard / W&B / JSONL), progress bar,
+stragglers, theoretical vs measured memory, energy, tensor dumps and the run report.
 
-Each owner keeps their re-exports in their own block below; add new blocks, do not reorder.
+Every part works on its own in a hand-written loop (see each module's docstring).
 """
 
-# --- public API of every observability component ---
 from stalwart.observability.dumps import (
     DumpConfig,
     NullTensorDumper,
