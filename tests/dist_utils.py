@@ -26,7 +26,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple, queue: Any) -> None:
+def _worker(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple, queue: Any
+) -> None:
     import torch.distributed as dist
 
     os.environ.update(

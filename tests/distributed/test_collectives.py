@@ -1,6 +1,6 @@
-from dist_utils import run_distributed
-
 from stalwart.distributed import collectives
+
+from dist_utils import run_distributed
 
 
 def _body(rank: int, world_size: int) -> tuple[float, list[bool], list[list[float]]]:

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import run_distributed
 from stalwart.distributed import collectives
 from stalwart.reliability.exit import ExitConfig, ExitDecision, decide, gather_exit_inputs
 from stalwart.reliability.sections import FaultToleranceConfig, Section, build_section_monitor
 from stalwart.reliability.signals import DistributedSignalHandler
+
+from dist_utils import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

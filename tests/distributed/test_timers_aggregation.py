@@ -4,8 +4,9 @@ import time
 
 import pytest
 
-from dist_utils import run_distributed
 from stalwart.observability.sinks import NullSink
+
+from dist_utils import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -47,7 +47,9 @@ def all_reduce_any(flags: Sequence[bool], group: ProcessGroup | None = None) -> 
     return [r > 0.5 for r in reduced]
 
 
-def all_gather_floats(values: Sequence[float], group: ProcessGroup | None = None) -> list[list[float]]:
+def all_gather_floats(
+    values: Sequence[float], group: ProcessGroup | None = None
+) -> list[list[float]]:
     """Gather a fixed-length list of floats from every rank: result[rank] is that rank's list."""
     if not is_initialized():
         return [[float(v) for v in values]]

@@ -29,7 +29,7 @@ class DistributedContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    device: torch.device = torch.device("cpu")
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 (immutable value)
     backend: str | None = None
 
     @property
