@@ -171,6 +171,8 @@ def _pct(values: list[float], q: float) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     ctx = DistributedContext(device=device)
     names = [v for v in args.variants.split(",") if v]

@@ -53,16 +53,34 @@ def assert_params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[key], b[key]), f"parameter {key} differs"
 
 
+def cli_command(
+    args: list[str], *, nproc: int = 1, torchrun_args: list[str] | None = None
+) -> list[str]:
+    """The ``stalwart`` command line (under torchrun when ``nproc > 1`` or ``torchrun_args``)."""
+    if nproc > 1 or torchrun_args:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(nproc), *(torchrun_args or []),
+                "-m", "stalwart", *args]  # fmt: skip
+    return [sys.executable, "-m", "stalwart", *args]
+
+
+def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+
+
 def run_cli(
-    args: list[str], *, nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 180.0
+    args: list[str],
+    *,
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+    torchrun_args: list[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``stalwart`` in a subprocess (under torchrun when ``nproc > 1``)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "stalwart", *args]  # fmt: skip
-    else:
-        cmd = [sys.executable, "-m", "stalwart", *args]
+    """Run ``stalwart`` in a subprocess (under torchrun when ``nproc > 1``).
+
+    ``torchrun_args`` go to torchrun before the module, e.g. ``["--max-restarts", "1"]``.
+    """
+    cmd = cli_command(args, nproc=nproc, torchrun_args=torchrun_args)
     return subprocess.run(
-        cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO
+        cmd, capture_output=True, text=True, env=cli_env(env), timeout=timeout, cwd=REPO
     )

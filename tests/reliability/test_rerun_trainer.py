@@ -46,16 +46,25 @@ def _statuses(tracker: Path) -> list[str]:
     return [line.split(" status=")[1].split()[0] for line in lines]
 
 
+def _reference_loss(reference: Path, iteration: int) -> float:
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("split") == "train"]
+    return float(train[iteration]["loss"])  # record i logs 0-based iteration i
+
+
 def _exit_reason(save: Path) -> dict[str, object]:
     return json.loads((save / "exit_reason.json").read_text())  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fault-free run with checkpoints after iterations 3 and 6 (same seed, same data)."""
+    """A fault-free run with checkpoints after iterations 3 and 6 (same seed, same data) and a
+    metrics file with the loss of every iteration."""
     save = tmp_path_factory.mktemp("reference")
+    metrics = ["--log-interval", "1", "--metrics-file", str(save / "metrics.jsonl")]
     run_training(
-        make_config(*ITERS, "--save", str(save), "--save-interval", "3"), DistributedContext()
+        make_config(*ITERS, "--save", str(save), "--save-interval", "3", *metrics),
+        DistributedContext(),
     )
     return save
 
@@ -106,7 +115,11 @@ def test_persistent_error_same_device_16_again_then_other_device_17(
     assert "Possible persistent error!" in caplog.text
     assert "A checkpoint at the last iteration already exists" in caplog.text
     assert _statuses(tracker)[-1] == "second_rerun_not_reproducible"
-    assert "device=gpu-b" in tracker.read_text().splitlines()[-1]
+    last = tracker.read_text().splitlines()[-1]
+    assert "device=gpu-b" in last
+    # The restarted run replayed iteration 3 with the checkpointed data position and RNG: its
+    # clean value is exactly the fault-free loss of that iteration (1 micro-batch, 1 rank).
+    assert float(last.split(" result=")[1].split()[0]) == _reference_loss(reference, BAD)
     assert _exit_reason(save)["exit_code"] == 17
     assert_params_equal(params, load_params(reference, BAD))
 

@@ -236,7 +236,9 @@ class CheckpointManager:
                 for stale in layout.list_tmp_dirs(root):
                     logger.info("removing leftover partial checkpoint %s", stale)
                     layout.remove_checkpoint_dir(stale)
-                token = f"{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}"
+                # Random suffix: after an in-process restart the same process may save the same
+                # iteration within a second while the aborted attempt's writer still runs.
+                token = f"{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
                 created = os.path.join(root, layout.tmp_dir_name(iteration, token))
                 os.makedirs(created)
                 decision = (created, None)

@@ -172,6 +172,9 @@ def _fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inject-fault-hang-seconds", type=float)
     g.add_argument("--inject-fault-rank", type=int, default=0)
     g.add_argument("--inject-fault-phase", default="step")
+    g.add_argument(
+        "--inject-fault-repeat", action="store_true", help="fire at every attempt (repeatable)"
+    )
 
 
 def _inprocess_flags(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import sys
 
@@ -48,8 +49,27 @@ def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
         print(f"Metrics: {config.obs.metrics_file}")
 
 
+def _run_inprocess(config: RunConfig, demo: bool) -> int:
+    """``--inprocess-restart``: the wrapper owns the process group of every attempt."""
+    from stalwart.reliability.inprocess.run import run_training_inprocess
+
+    try:
+        code, outcome = run_training_inprocess(config)
+    except ValueError as exc:
+        sys.stderr.write(f"stalwart train: error: {exc}\n")
+        return 2
+    except CheckpointError as exc:
+        sys.stderr.write(f"stalwart train: checkpoint error: {exc}\n")
+        return 2
+    if demo and outcome is not None and int(os.environ.get("RANK", "0")) == 0:
+        _demo_epilogue(config, outcome)
+    return code
+
+
 def run_from_cli(config: RunConfig, demo: bool = False) -> int:
     """Train under the current launcher (plain process or torchrun); returns the exit code."""
+    if config.inprocess.inprocess_restart:
+        return _run_inprocess(config, demo)
     try:
         ctx = init_distributed(
             use_cpu=config.training.use_cpu,

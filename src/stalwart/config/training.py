@@ -165,8 +165,12 @@ class CheckpointConfig:
             self.non_persistent_save_interval >= 0,
             "--non-persistent-save-interval must be >= 0",
         )
-        if self.non_persistent_save_interval and not self.non_persistent_ckpt_dir:
-            raise ValueError("--non-persistent-save-interval needs --non-persistent-ckpt-dir")
+        if self.non_persistent_save_interval and not self.save:
+            # Saving and resuming are keyed on --save; the directory defaults to <save>/non_persistent.
+            raise ValueError(
+                "--non-persistent-save-interval needs --save "
+                "(--non-persistent-ckpt-dir defaults to <save>/non_persistent)"
+            )
         if self.save_interval and not self.save:
             raise ValueError("--save-interval needs --save (a checkpoint directory)")
         if self.async_save and not self.save:

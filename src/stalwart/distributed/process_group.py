@@ -57,12 +57,16 @@ def init_distributed(
     use_cpu: bool = False,
     timeout_s: float = 600.0,
     backend: str | None = None,
+    store: dist.Store | None = None,
 ) -> DistributedContext:
     """Initialise the default process group from torchrun's environment (or do nothing).
 
     Picks NCCL on CUDA and gloo on CPU unless ``backend`` is given, then runs one barrier-like
     all-reduce at once so that a half-initialised backend is never left behind (a later abort of
     a lazily-initialised NCCL communicator can hang).
+
+    ``store`` (in-process restart): rendezvous through this store (a fresh namespace per attempt)
+    with ``RANK``/``WORLD_SIZE`` from the environment, instead of ``env://``.
 
     Returns:
         The context; with WORLD_SIZE unset or 1 and no group requested, a single-process context.
@@ -76,10 +80,15 @@ def init_distributed(
         return DistributedContext(device=device)
     if not dist.is_initialized():
         chosen = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if store is None:
+            store = torchrun_attempt_store(timeout_s)
         dist.init_process_group(
             backend=chosen,
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
+            store=store,
+            rank=-1 if store is None else int(os.environ["RANK"]),
+            world_size=-1 if store is None else world_size,
         )
     ctx = DistributedContext(
         rank=dist.get_rank(),
@@ -92,6 +101,26 @@ def init_distributed(
     probe = torch.ones(1, device=device)
     dist.all_reduce(probe)
     return ctx
+
+
+def torchrun_attempt_store(timeout_s: float) -> dist.Store | None:
+    """A namespace of torchrun's shared store for this restart attempt; None outside torchrun.
+
+    torchrun (torch >= 2.4) keeps ONE TCPStore across ``--max-restarts`` restarts and workers use
+    it without a per-attempt prefix, so a restarted worker can read the process-group keys of the
+    killed attempt (gloo peer addresses) and hang in ``init_process_group`` connecting to a dead
+    peer. Prefixing every key with ``TORCHELASTIC_RESTART_COUNT`` keeps attempts apart.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return None
+    base = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(f"stalwart/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", base)
 
 
 def destroy_distributed() -> None:

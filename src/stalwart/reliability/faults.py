@@ -1,7 +1,8 @@
 """Deterministic fault injection for testing the reliability machinery (off by default).
 
 ``--inject-fault KIND --inject-fault-iteration N [--inject-fault-rank R]
-[--inject-fault-hang-seconds S] [--inject-fault-phase step|eval|checkpointing]``
+[--inject-fault-hang-seconds S] [--inject-fault-phase step|eval|checkpointing]
+[--inject-fault-repeat]``
 
 Kinds, fired on rank R when the trainer calls ``maybe_inject(N, rank, phase)``:
 
@@ -18,7 +19,9 @@ Once per job: before firing, the injector atomically creates
 ``<marker_dir>/.stalwart_fault_fired_<kind>_<iteration>_<rank>`` (O_CREAT|O_EXCL) and keeps an
 in-memory flag. A process restarted by torchrun, or by in-process restart, that reaches the same
 iteration again finds the marker and does not fire, so the restarted job can make progress. Use
-the checkpoint directory (``--save``) as ``marker_dir``; without one, only the in-memory flag
+the checkpoint directory (``--save``) as ``marker_dir``. ``--inject-fault-repeat`` skips the marker and
+fires at every attempt that reaches the iteration (a repeatable fault, e.g. an OOM, for testing
+that restarts are bounded); without one, only the in-memory flag
 protects against re-firing (a warning says so).
 
 This module imports only the standard library.
@@ -75,6 +78,7 @@ class FaultInjectionConfig:
     inject_fault_rank: int = 0
     inject_fault_hang_seconds: float | None = None
     inject_fault_phase: str = "step"
+    inject_fault_repeat: bool = False  # fire at every run that reaches it (a repeatable fault)
 
     def __post_init__(self) -> None:
         if self.inject_fault is None:
@@ -124,8 +128,10 @@ class FaultInjector:
         *,
         hang_seconds: float | None = None,
         phase: str = "step",
+        repeat: bool = False,
     ) -> None:
         self.kind = parse_fault_kind(kind)
+        self.repeat = repeat
         self.iteration, self.rank, self.phase = iteration, rank, phase
         self.hang_seconds = hang_seconds
         self.marker_dir = Path(marker_dir) if marker_dir is not None else None
@@ -144,6 +150,9 @@ class FaultInjector:
     def maybe_inject(self, iteration: int, rank: int, phase: str = "step") -> None:
         """Fire if this is the target (iteration, rank, phase) and it has not fired in this job."""
         if self.fired or iteration != self.iteration or rank != self.rank or phase != self.phase:
+            return
+        if self.repeat:  # --inject-fault-repeat: no fired-once marker (a repeatable fault)
+            self._fire()
             return
         self.fired = True
         if not self._claim_marker():
@@ -216,4 +225,5 @@ def build_fault_injector(
         marker_dir,
         hang_seconds=config.inject_fault_hang_seconds,
         phase=config.inject_fault_phase,
+        repeat=config.inject_fault_repeat,
     )

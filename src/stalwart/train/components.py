@@ -360,7 +360,12 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         observer=observer,
         energy=energy,
         forward_step=forward_step,
-        eval_forward_step=GPTForwardStep(ctx.device, forward_step.autocast),
+        # Eval losses are still checked (the machine is disabled then: a NaN raises, a spike warns).
+        eval_forward_step=GPTForwardStep(
+            ctx.device,
+            forward_step.autocast,
+            loss_check=lambda loss: check_loss(rerun, loss, config.rerun),
+        ),
         iterations_to_skip=frozenset(resolve_iterations_to_skip(config.rerun)),
         flops_per_iteration=flops,
         closers=closers,

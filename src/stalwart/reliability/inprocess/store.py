@@ -62,7 +62,7 @@ class RestartStore:
 
     def __init__(
         self,
-        address: StoreAddress,
+        address: StoreAddress | None,
         rank: int,
         world_size: int,
         *,
@@ -71,18 +71,30 @@ class RestartStore:
     ) -> None:
         self.address, self.rank, self.world_size = address, rank, world_size
         self.timeout_s = timeout_s
-        self.base: dist.Store = _store or dist.TCPStore(
-            address.host,
-            address.port,
-            world_size,
-            is_master=rank == 0,
-            timeout=_td(timeout_s),
-            wait_for_workers=False,
-        )
+        if _store is not None:
+            self.base: dist.Store = _store
+        elif address is not None:
+            self.base = dist.TCPStore(
+                address.host,
+                address.port,
+                world_size,
+                is_master=rank == 0,
+                timeout=_td(timeout_s),
+                wait_for_workers=False,
+            )
+        else:
+            raise ValueError("RestartStore needs an address or a store")
         self.root = dist.PrefixStore(ROOT, self.base)
+
+    @classmethod
+    def local(cls) -> RestartStore:
+        """A single-process store (``HashStore``: thread-safe, so ``client()`` shares it)."""
+        return cls(None, 0, 1, _store=dist.HashStore())
 
     def client(self) -> RestartStore:
         """A second connection to the same store (for another thread)."""
+        if self.address is None:
+            return self
         store = dist.TCPStore(
             self.address.host,
             self.address.port,
@@ -110,8 +122,7 @@ class RestartStore:
 
     def advance_attempt(self, n: int) -> None:
         """Announce attempt ``n`` (idempotent: every rank may call it)."""
-        self.root.compare_set("attempt", str(n - 1) if n > 1 else "", str(n))
-        self.root.set("attempt", str(max(n, self.current_attempt())))
+        self.root.set("attempt", str(n))
 
     # ------------------------------------------------------------------ failures
     def publish_failure(self, record: FailureRecord) -> FailureRecord:

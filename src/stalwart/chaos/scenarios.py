@@ -1,0 +1,217 @@
+"""One function per fault kind of the rerun state machine and of the processes: how to launch,
+inject, recover and verify. Checkpoint and storage faults are in ``storage.py``.
+
+Every function takes the campaign `Context` and a `FaultPlan`, runs the faulted job (and the
+relaunch the documented recovery path needs), and returns a `FaultResult` whose ``problems``
+list every way the fault did not behave as documented.
+"""
+
+from __future__ import annotations
+
+import json
+
+from stalwart.chaos.result import (
+    Context,
+    FaultResult,
+    count_redone,
+    detect,
+    exit_reason,
+    finish_recoverable,
+    new_result,
+    recovery_seconds,
+    check_chain,
+)
+from stalwart.chaos.runner import LaunchResult
+from stalwart.chaos.schedule import ChaosFault, FaultPlan
+
+HANG_STEP_TIMEOUT_S = 3.0
+FT_FLAGS = ["--enable-ft", "--ft-num-warmup-iters", "2", "--ft-timeouts",
+            f"setup=180,step={HANG_STEP_TIMEOUT_S:g},checkpointing=180,out_of_section=180"]  # fmt: skip
+
+
+def _error_injection(kind: str, plan: FaultPlan) -> list[str]:
+    # The rerun injector counts iterations from 0; the plan (like the log) from 1.
+    return ["--error-injection-rate", "1", "--error-injection-type", kind,
+            "--error-injection-iterations", str(plan.iteration - 1),
+            "--error-injection-ranks", str(plan.rank)]  # fmt: skip
+
+
+def _inject(kind: str, plan: FaultPlan) -> list[str]:
+    return ["--inject-fault", kind, "--inject-fault-iteration", str(plan.iteration),
+            "--inject-fault-rank", str(plan.rank)]  # fmt: skip
+
+
+def transient_nan(ctx: Context, plan: FaultPlan) -> FaultResult:
+    """NaN observed once on one rank: the in-place rerun is clean, exit 17 without a checkpoint;
+    the operator relaunches (without the fault) from the last periodic checkpoint."""
+    res, save = new_result(plan), ctx.save_dir(plan)
+    first = ctx.launch(plan, "1-fault", ctx.spec(save, _error_injection("transient_error", plan)))
+    res.launch_exit_codes.append(first.worker_code())
+    detect(res, plan.kind, "Possible transient error!" in first.text, "no transient diagnosis")
+    res.exit_code = exit_reason(save).get("exit_code", first.worker_code())
+    second = ctx.launch(plan, "2-relaunch", ctx.spec(save, []))
+    res.launch_exit_codes.append(second.code)
+    expected_resume = ctx.last_save_before(plan.iteration - 1)
+    resumes = [it for _, _, it in second.resumes()]
+    res.check(resumes == [expected_resume], f"relaunch resumed at {resumes}, not {expected_resume}")
+    res.seconds_to_recover = recovery_seconds(first.first_time("Unexpected result"), second)
+    res.iterations_redone = count_redone([first, second])
+    finish_recoverable(ctx, res, save, second)
+    return res
+
+
+def persistent_nan(ctx: Context, plan: FaultPlan) -> FaultResult:
+    """NaN reproduced by the in-place rerun: exit 16 with a checkpoint; the relaunch on "another
+    device" (``STALWART_DEVICE_ID``) does not reproduce it: persistent error, exit 17 (the end)."""
+    res, save = new_result(plan), ctx.save_dir(plan)
+    args = _error_injection("persistent_error", plan)
+    first = ctx.launch(
+        plan, "1-device-a", ctx.spec(save, args, env={"STALWART_DEVICE_ID": "chaos-device-a"})
+    )
+    res.launch_exit_codes.append(exit_reason(save).get("exit_code", first.worker_code()))
+    res.check(res.launch_exit_codes[0] == 16, f"first launch exit {res.launch_exit_codes[0]} != 16")
+    res.check("Saving a checkpoint and exiting now" in first.text, "no checkpoint-and-exit message")
+    check_chain(res, save)
+    second = ctx.launch(
+        plan, "2-device-b", ctx.spec(save, args, env={"STALWART_DEVICE_ID": "chaos-device-b"})
+    )
+    res.exit_code = exit_reason(save).get("exit_code", second.worker_code())
+    res.launch_exit_codes.append(res.exit_code)
+    detect(
+        res,
+        plan.kind,
+        "Possible persistent error!" in second.text and res.launch_exit_codes[0] == 16,
+        "no persistent-error diagnosis after the device change",
+    )
+    res.iterations_redone = count_redone([first, second])
+    check_chain(res, save)
+    return res
+
+
+def spiky_loss(ctx: Context, plan: FaultPlan) -> FaultResult:
+    """A reproducible loss spike on one rank (``correct_result`` injection into the spiky-loss
+    check, the only validation call here): non-fatal, the job continues without exiting."""
+    res, save = new_result(plan), ctx.save_dir(plan)
+    args = ["--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss",
+            *_error_injection("correct_result", plan)]  # fmt: skip
+    run = ctx.launch(plan, "1-fault", ctx.spec(save, args))
+    res.launch_exit_codes.append(run.code)
+    res.exit_code = run.code
+    spotted = any("Unexpected result" in line and "Spiky loss" in line for _, line in run.lines)
+    continued = "Continuing normal execution because the failed validation was not fatal"
+    detect(res, plan.kind, spotted and continued in run.text, "no non-fatal spiky-loss event")
+    start, end = run.first_time("Unexpected result"), run.first_time(continued)
+    res.seconds_to_recover = None if start is None or end is None else end - start
+    res.iterations_redone = count_redone([run])
+    finish_recoverable(ctx, res, save, run)
+    return res
+
+
+def hang(ctx: Context, plan: FaultPlan) -> FaultResult:
+    """One rank sleeps inside a step: its hang watchdog dumps the stack and kills it after the
+    ``step`` timeout; torchrun restarts the job, which resumes from the last checkpoint."""
+    res, save = new_result(plan), ctx.save_dir(plan)
+    run = ctx.launch(
+        plan, "1-fault", ctx.spec(save, [*FT_FLAGS, *_inject("hang", plan)], max_restarts=1)
+    )
+    res.launch_exit_codes.append(run.code)
+    res.exit_code = run.code
+    report = save / "ft_logs" / f"ft_hang_rank{plan.rank}.json"
+    section = json.loads(report.read_text())["section"] if report.exists() else None
+    detect(res, plan.kind, section == "step", f"hang report {report}: section {section}")
+    _check_resume(ctx, res, run, plan.iteration - 1)
+    res.seconds_to_recover = recovery_seconds(run.first_time("FAULT INJECTION"), run)
+    res.iterations_redone = count_redone([run])
+    finish_recoverable(ctx, res, save, run)
+    return res
+
+
+def sigkill(ctx: Context, plan: FaultPlan) -> FaultResult:
+    """SIGKILL of one rank inside a step: torchrun sees exit -9, restarts, resume from the last
+    checkpoint."""
+    res, save = new_result(plan), ctx.save_dir(plan)
+    run = ctx.launch(plan, "1-fault", ctx.spec(save, _inject("sigkill", plan), max_restarts=1))
+    res.launch_exit_codes.append(run.code)
+    res.exit_code = run.code
+    detect(res, plan.kind, (-9, plan.rank) in run.worker_exits, f"exits {run.worker_exits}")
+    _check_resume(ctx, res, run, plan.iteration - 1)
+    res.seconds_to_recover = recovery_seconds(run.first_time("FAULT INJECTION"), run)
+    res.iterations_redone = count_redone([run])
+    finish_recoverable(ctx, res, save, run)
+    return res
+
+
+def _check_resume(ctx: Context, res: FaultResult, run: LaunchResult, completed: int) -> None:
+    expected = ctx.last_save_before(completed)
+    resumes = [it for _, _, it in run.resumes()]
+    res.check(resumes == [expected], f"restart resumed at {resumes}, expected [{expected}]")
+
+
+def sigterm_launcher(ctx: Context, plan: FaultPlan) -> FaultResult:
+    """SIGTERM to torchrun (a preemption): it forwards SIGTERM to every worker; the signal
+    handler makes all ranks agree to save and exit 0 at the same iteration; the relaunch resumes
+    there without losing an iteration."""
+    res, save = new_result(plan), ctx.save_dir(plan)
+    args = ["--exit-signal-handler", *_inject("sigterm", plan)]
+    first = ctx.launch(plan, "1-fault", ctx.spec(save, args))
+    record = exit_reason(save)
+    stopped = int(record.get("iteration", -1))
+    res.exit_code = record.get("exit_code", first.worker_code())
+    res.launch_exit_codes.append(res.exit_code if res.exit_code is not None else first.code)
+    detect(res, plan.kind, record.get("reason") == "signal", f"exit reason {record}")
+    res.check(stopped >= plan.iteration - 1, f"stopped at {stopped} before the signal")
+    second = ctx.launch(plan, "2-relaunch", ctx.spec(save, []))
+    res.launch_exit_codes.append(second.code)
+    resumes = [it for _, _, it in second.resumes()]
+    res.check(resumes == [stopped], f"relaunch resumed at {resumes}, not at the stop {stopped}")
+    res.seconds_to_recover = recovery_seconds(first.first_time("FAULT INJECTION"), second)
+    res.iterations_redone = count_redone([first, second])
+    finish_recoverable(ctx, res, save, second)
+    return res
+
+
+def exception(ctx: Context, plan: FaultPlan) -> FaultResult:
+    """An exception inside one rank's step: in-process restart catches it, rebuilds the process
+    group in the same processes and reloads the last checkpoint."""
+    res, save = new_result(plan), ctx.save_dir(plan)
+    run = ctx.launch(
+        plan, "1-fault", ctx.spec(save, ["--inprocess-restart", *_inject("exception", plan)])
+    )
+    res.launch_exit_codes.append(run.code)
+    res.exit_code = run.code
+    needle = f"in-process restart attempt 1: rank {plan.rank} failed at iteration {plan.iteration}"
+    detect(res, plan.kind, needle in run.text, f"no '{needle}'")
+    _check_resume(ctx, res, run, plan.iteration - 1)
+    res.seconds_to_recover = recovery_seconds(run.first_time("FAULT INJECTION"), run)
+    res.iterations_redone = count_redone([run])
+    finish_recoverable(ctx, res, save, run)
+    return res
+
+
+def repeatable_fault(ctx: Context, plan: FaultPlan) -> FaultResult:
+    """The same exception at every attempt: in-process restart gives up after seeing it twice
+    and exits 75 (for the launcher) instead of retrying forever."""
+    res, save = new_result(plan), ctx.save_dir(plan)
+    args = ["--inprocess-restart", "--inprocess-max-iterations", "3", "--inject-fault-repeat",
+            *_inject("exception", plan)]  # fmt: skip
+    run = ctx.launch(plan, "1-fault", ctx.spec(save, args))
+    res.exit_code = run.worker_code()
+    res.launch_exit_codes.append(res.exit_code)
+    gave_up = "giving up: the same fault happened twice" in run.text
+    detect(res, plan.kind, gave_up, "no give-up message")
+    res.check("in-process restart attempt 3" not in run.text, "a third attempt was made")
+    res.iterations_redone = count_redone([run])
+    check_chain(res, save)
+    return res
+
+
+SCENARIOS = {
+    ChaosFault.TRANSIENT_NAN: transient_nan,
+    ChaosFault.PERSISTENT_NAN: persistent_nan,
+    ChaosFault.SPIKY_LOSS: spiky_loss,
+    ChaosFault.HANG: hang,
+    ChaosFault.SIGKILL: sigkill,
+    ChaosFault.SIGTERM_LAUNCHER: sigterm_launcher,
+    ChaosFault.EXCEPTION: exception,
+    ChaosFault.REPEATABLE_FAULT: repeatable_fault,
+}

@@ -1,0 +1,77 @@
+"""``--inprocess-restart`` for the reference trainer: each attempt builds a fresh `Trainer`."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from stalwart.distributed.process_group import DistributedContext, choose_device, init_distributed
+from stalwart.reliability.inprocess.store import RestartStore, StoreAddress
+from stalwart.reliability.inprocess.wrapper import (
+    Attempt,
+    InProcessRestarter,
+    InProcessRestartExhausted,
+    RestartOptions,
+)
+
+if TYPE_CHECKING:
+    from stalwart.config.run import RunConfig
+    from stalwart.train.trainer import TrainOutcome
+
+
+def trainer_attempt(config: RunConfig) -> Callable[[Attempt], TrainOutcome]:
+    """The train function of one attempt: build a Trainer from ``config``, resume, train.
+
+    Nothing survives between attempts: the Trainer (model, optimizer, data position, rerun state
+    machine, timers, async checkpoint writer) is rebuilt and resumes from the newest complete
+    checkpoint. On a fault the wrapper first discards an in-flight async save without collectives
+    (abort), then closes the Trainer (finalize).
+    """
+    from stalwart.train.trainer import Trainer
+
+    def body(attempt: Attempt) -> TrainOutcome:
+        trainer = Trainer(config, attempt.ctx)
+        attempt.on_abort(functools.partial(trainer.c.checkpoint.close, abort=True))
+        attempt.on_finalize(trainer.close)
+        attempt.set_progress(lambda: trainer.state.iteration)
+        outcome = trainer.train()
+        trainer.close()
+        return outcome
+
+    return body
+
+
+def build_restarter(config: RunConfig) -> InProcessRestarter:
+    """The restarter for the current launcher: a TCP store hosted by rank 0, or a local one."""
+    use_cpu, timeout_s = config.training.use_cpu, config.training.distributed_timeout_minutes * 60
+    device = choose_device(int(os.environ.get("LOCAL_RANK", "0")), use_cpu)
+    options = RestartOptions.from_config(config.inprocess, no_retry=(ValueError,))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        rank = int(os.environ.get("RANK", "0"))
+        store = RestartStore(
+            StoreAddress.from_env(), rank, world, timeout_s=options.barrier_timeout
+        )
+    else:
+        store = RestartStore.local()
+
+    def init_group(group_store: dist.Store) -> DistributedContext:
+        return init_distributed(use_cpu=use_cpu, timeout_s=timeout_s, store=group_store)
+
+    return InProcessRestarter(options, init_group, store=store, device=device)
+
+
+def run_training_inprocess(config: RunConfig) -> tuple[int, TrainOutcome | None]:
+    """Train with in-process restart; (exit code, outcome or None when it gave up)."""
+    restarter = build_restarter(config)
+    try:
+        outcome = restarter.run(trainer_attempt(config))
+    except InProcessRestartExhausted as exc:
+        sys.stderr.write(f"stalwart train: {exc}\n")
+        return exc.exit_code, None
+    return outcome.exit_code, outcome

@@ -1,0 +1,89 @@
+"""In-process restart on 2 gloo ranks under torchrun: resume exactness, bounded retries, async save."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from train_utils import TINY_FLAGS, assert_params_equal, load_params, run_cli
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+COMMON = ["train", *TINY_FLAGS, "--train-iters", "12", "--seed", "3", "--global-batch-size", "8",
+          "--save-interval", "4"]  # fmt: skip
+FAULT = ["--inprocess-restart", "--inject-fault", "exception", "--inject-fault-rank", "1"]
+ENV = {"PYTHONUNBUFFERED": "1"}
+
+
+def _out(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, _out(proc)[-4000:]
+
+
+def _per_rank(save: Path, rank: int) -> dict:
+    return torch.load(save / "iter_0000012" / f"rank_{rank:05d}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> Path:
+    """A fault-free run (no in-process restart) to compare against bitwise."""
+    save = tmp_path_factory.mktemp("inprocess") / "baseline"
+    _ok(run_cli([*COMMON, "--save", str(save)], nproc=2, env=ENV))
+    return save
+
+
+def test_exception_in_rank1_restarts_in_process_and_matches_fault_free_run(
+    tmp_path, baseline
+) -> None:
+    save = tmp_path / "faulty"
+    proc = run_cli([*COMMON, "--save", str(save), *FAULT, "--inject-fault-iteration", "6"],
+                   nproc=2, env=ENV)  # fmt: skip
+    _ok(proc)
+    out = _out(proc)
+    # The log names the attempt, the failing rank, the iteration and the cause.
+    assert re.search(
+        r"in-process restart attempt 1: rank 1 failed at iteration 6: InjectedFault: FAULT INJECTION",
+        out,
+    ), out[-4000:]
+    assert "in-process restart attempt 1: process group rebuilt" in out
+    # Resumed from the newest checkpoint (iteration 4), never from iteration 1.
+    assert re.search(r"resumed from \S+iter_0000004 at iteration 4", out), out[-4000:]
+    assert "RSS" in out  # memory after finalize is measured and logged
+    assert_params_equal(load_params(baseline), load_params(save))
+    for rank in (0, 1):  # RNG and rerun state machine were rebuilt from the checkpoint
+        assert _per_rank(save, rank)["rerun"] == _per_rank(baseline, rank)["rerun"]
+
+
+def test_async_save_in_flight_is_completed_or_discarded(tmp_path, baseline) -> None:
+    save = tmp_path / "async"
+    # The fault fires one iteration after the async save of iteration 4 started.
+    args = [*COMMON, "--save", str(save), "--async-save", *FAULT, "--inject-fault-iteration", "5"]
+    proc = run_cli(args, nproc=2, env=ENV)
+    _ok(proc)
+    out = _out(proc)
+    discarded = "discarding in-flight async checkpoint" in out
+    resumed_from_4 = re.search(r"resumed from \S+iter_0000004 at iteration 4", out) is not None
+    assert discarded != resumed_from_4, out[-4000:]  # exactly one of the two, never half-trusted
+    assert not list(save.glob("iter_*.tmp-*"))  # no partial checkpoint left behind at the end
+    assert_params_equal(load_params(baseline), load_params(save))
+    for rank in (0, 1):
+        assert _per_rank(save, rank)["rerun"] == _per_rank(baseline, rank)["rerun"]
+
+
+def test_repeatable_fault_stops_retrying_with_nonzero_exit(tmp_path) -> None:
+    save = tmp_path / "repeat"
+    args = [*COMMON, "--save", str(save), *FAULT, "--inject-fault-iteration", "6",
+            "--inject-fault-repeat", "--inprocess-max-iterations", "3"]  # fmt: skip
+    proc = run_cli(args, nproc=2, env=ENV)
+    out = _out(proc)
+    assert proc.returncode != 0, out[-4000:]
+    assert "exitcode: 75" in out  # EXIT_CODE_INPROCESS_GAVE_UP, for the launcher
+    assert "in-process restart attempt 2: rank 1 failed at iteration 6" in out
+    assert "in-process restart attempt 3" not in out  # the same fault twice: no third attempt
+    assert "giving up: the same fault happened twice" in out
