@@ -136,7 +136,9 @@ def summarize(result: dict[str, Any]) -> list[str]:
         )
     ratio = _stats([s[0] for s in samples["async"]])[0] / sync_blocking
     verdict = "meets" if ratio <= TARGET_RATIO else "MISSES"
-    lines.append(f"async blocking = {ratio:.1%} of sync: {verdict} the <= {TARGET_RATIO:.0%} target")
+    lines.append(
+        f"async blocking = {ratio:.1%} of sync: {verdict} the <= {TARGET_RATIO:.0%} target"
+    )
     return lines
 
 

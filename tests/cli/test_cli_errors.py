@@ -26,6 +26,21 @@ def _train(*args: str) -> list[str]:
         (["--exit-signal", "SIGNOPE"], "--exit-signal"),
         (["--num-attention-heads", "3"], "--num-attention-heads"),
         (["--preset", "huge"], "--preset"),
+        # Hang detection, graceful exit and fault injection (issue 4).
+        (["--ft-timeouts", "stepp=3"], "--ft-timeouts: bad entry"),
+        (["--ft-timeouts", "step=-1"], "--ft-timeouts: step must be"),
+        (["--ft-timeouts", "step=2,step=3"], "--ft-timeouts: step given twice"),
+        (["--ft-timeouts", "step=inf"], "--ft-timeouts"),
+        (["--exit-signal", "SIGKILL"], "--exit-signal"),
+        (["--enable-ft", "--exit-signal", "SIGUSR2"], "--exit-signal: SIGUSR2 is used"),
+        (["--enable-ft", "--calc-ft-timeouts"], "--calc-ft-timeouts: requires --save"),
+        (["--inject-fault", "explode"], "--inject-fault"),
+        (["--inject-fault", "hang"], "--inject-fault-iteration"),
+        (["--inject-fault", "hang", "--inject-fault-iteration", "2"], "needs --save"),
+        (["--exit-duration-in-mins", "-1"], "--exit-duration-in-mins"),
+        (["--exit-interval", "-3"], "--exit-interval"),
+        (["--phase-transition-iterations", "0"], "--phase-transition-iterations"),
+        (["--non-persistent-save-interval", "2"], "--non-persistent-save-interval needs --save"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(capsys, args: list[str], needle: str) -> None:

@@ -87,3 +87,19 @@ def test_repeatable_fault_stops_retrying_with_nonzero_exit(tmp_path) -> None:
     assert "in-process restart attempt 2: rank 1 failed at iteration 6" in out
     assert "in-process restart attempt 3" not in out  # the same fault twice: no third attempt
     assert "giving up: the same fault happened twice" in out
+
+
+def test_hang_is_caught_by_the_soft_timeout_and_recovered_in_process(tmp_path, baseline) -> None:
+    save = tmp_path / "hang"
+    args = [*COMMON, "--save", str(save), "--inprocess-restart", "--inprocess-soft-timeout", "6",
+            "--inprocess-hard-timeout", "60", "--inprocess-heartbeat-interval", "0.5",
+            "--inject-fault", "hang", "--inject-fault-rank", "1", "--inject-fault-iteration", "6"]  # fmt: skip
+    proc = run_cli(args, nproc=2, env=ENV)
+    _ok(proc)
+    out = _out(proc)
+    # Every rank stalls with the hung one (DDP); the first watchdog to fire reports it.
+    assert re.search(
+        r"in-process restart attempt 1: rank \d failed at iteration 6: NoProgress", out
+    )
+    assert re.search(r"resumed from \S+iter_0000004 at iteration 4", out), out[-4000:]
+    assert_params_equal(load_params(baseline), load_params(save))

@@ -5,11 +5,16 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.reliability.inprocess.config import InProcessConfig
-from stalwart.reliability.inprocess.health import HealthCheckFailed, run_health_checks
+from stalwart.reliability.inprocess.health import (
+    HealthCheckFailed,
+    check_device_computes,
+    run_health_checks,
+)
 from stalwart.reliability.inprocess.monitor import AttemptMonitor, MonitorTimes
 from stalwart.reliability.inprocess.policy import (
     EXIT_CODE_INPROCESS_GAVE_UP,
@@ -68,6 +73,7 @@ def _monitor(store: RestartStore, **times: float) -> AttemptMonitor:
         store,
         0,
         MonitorTimes(heartbeat_timeout=base["soft_timeout"], **base),
+        main_thread_id=1,  # no such thread: interrupts go nowhere
         on_hard_timeout=lambda: killed.append(True),
     )
     monitor.killed = killed  # type: ignore[attr-defined]
@@ -136,6 +142,7 @@ def test_peer_failure_interrupts_the_main_thread() -> None:
     def train(attempt: Attempt) -> int:
         if attempt.index == 0:
             restarter.store.publish_failure(_rec(0, message="peer died", iteration=2))
+            restarter.store.attempt(0).set("released_1", "1")  # the failed peer freed its groups
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:  # pure Python: interruptible
                 time.sleep(0.01)
@@ -175,12 +182,7 @@ def test_health_checks_report_failures_and_node_peers() -> None:
     def broken(device: object) -> None:
         raise HealthCheckFailed("wrong matmul")
 
-    assert run_health_checks([], torch_device()) is None
-    assert "wrong matmul" in (run_health_checks([broken], torch_device()) or "")
+    cpu = torch.device("cpu")
+    assert run_health_checks([check_device_computes], cpu) is None
+    assert "wrong matmul" in (run_health_checks([broken], cpu) or "")
     assert unhealthy_peers(["ok a", "bad b", None]) == {1: "b"}
-
-
-def torch_device():  # noqa: ANN201
-    import torch
-
-    return torch.device("cpu")

@@ -157,7 +157,9 @@ def resumed_at(launch: LaunchResult) -> tuple[float, int] | None:
     return (resumes[0][0], resumes[0][2]) if resumes else None
 
 
-def recovery_seconds(fault_time: float | None, launch: LaunchResult, after: float = 0.0) -> float | None:
+def recovery_seconds(
+    fault_time: float | None, launch: LaunchResult, after: float = 0.0
+) -> float | None:
     """From ``fault_time`` to the first training-log line after the first resume at/after ``after``."""
     if fault_time is None:
         return None

@@ -178,7 +178,9 @@ class LaunchResult:
     def resumes(self) -> list[tuple[float, str, int]]:
         """``(time, path, iteration)`` of every "resumed from" line."""
         return [
-            (t, m.group(1), int(m.group(2))) for t, line in self.lines if (m := RESUMED_RE.search(line))
+            (t, m.group(1), int(m.group(2)))
+            for t, line in self.lines
+            if (m := RESUMED_RE.search(line))
         ]
 
     def first_iteration_after(self, since: float, above: int) -> float | None:

@@ -13,13 +13,13 @@ import json
 from stalwart.chaos.result import (
     Context,
     FaultResult,
+    check_chain,
     count_redone,
     detect,
     exit_reason,
     finish_recoverable,
     new_result,
     recovery_seconds,
-    check_chain,
 )
 from stalwart.chaos.runner import LaunchResult
 from stalwart.chaos.schedule import ChaosFault, FaultPlan

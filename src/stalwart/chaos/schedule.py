@@ -162,18 +162,19 @@ def validate_shape(iterations: int, save_interval: int, nproc: int) -> None:
 def build_schedule(
     kinds: list[ChaosFault], seed: int, iterations: int, save_interval: int, nproc: int
 ) -> list[FaultPlan]:
-    """One `FaultPlan` per kind, drawn from ``random.Random(seed)`` (pure, reproducible).
+    """One `FaultPlan` per kind, drawn from ``--seed`` and the kind (pure, reproducible).
 
     Step faults strike strictly after the first checkpoint and before the last iteration, so a
     resume has a checkpoint and work to redo; checkpoint faults hit a save that has an older
     complete checkpoint before it.
     """
     validate_shape(iterations, save_interval, nproc)
-    rng = random.Random(seed)
     step_range = range(save_interval + 1, iterations)
     saves = [i for i in range(2 * save_interval, iterations, save_interval)]
     plans: list[FaultPlan] = []
     for kind in kinds:
+        # One stream per kind: a fault strikes at the same place whatever else is scheduled.
+        rng = random.Random(f"{seed}:{kind.value}")
         iteration, rank = rng.choice(step_range), rng.randrange(nproc)
         save_it = rng.choice(saves)
         if kind in (ChaosFault.SIGKILL_ASYNC_SAVE, ChaosFault.CORRUPT_CHECKPOINT):

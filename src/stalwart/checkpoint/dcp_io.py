@@ -61,6 +61,23 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _dcp_errors_as_runtime_error() -> Iterator[None]:
+    """DCP reports a failed collective save/load as ``CheckpointException``, a BaseException:
+    callers' ``except Exception`` would miss it (a full disk then escaped as a traceback and left
+    the partial directory behind). Re-raise it as a RuntimeError naming each rank's cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        causes = "; ".join(
+            f"rank {rank}: {type(err).__name__}: {err}"
+            for rank, (err, _trace) in sorted(exc.failures.items())
+        )
+        raise RuntimeError(causes or str(exc)) from exc
+
+
 def _dist_kwargs(fn: Callable[..., Any], group: Any) -> dict[str, Any]:
     if _dist_on():
         return {"process_group": group}
@@ -94,7 +111,7 @@ def apply_state(
 
 def save_sync(state: dict[str, Any], path: str, group: Any) -> None:
     """Blocking DCP save of ``state`` into directory ``path`` (collective when a group exists)."""
-    with _quiet_single_process():
+    with _quiet_single_process(), _dcp_errors_as_runtime_error():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path), **_dist_kwargs(dcp.save, group))
 
 
@@ -103,7 +120,7 @@ def load_into(state: dict[str, Any], path: str, group: Any, strict: bool) -> Non
     kwargs = _dist_kwargs(dcp.load, group)
     if not strict and _accepts(dcp.DefaultLoadPlanner, "allow_partial_load"):
         kwargs["planner"] = dcp.DefaultLoadPlanner(allow_partial_load=True)
-    with _quiet_single_process():
+    with _quiet_single_process(), _dcp_errors_as_runtime_error():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), **kwargs)
 
 

@@ -85,6 +85,26 @@ class _PendingSave:
     started: float
 
 
+def _write_failure_hint(root: str) -> str:
+    """After a failed save: probe-write 1 MiB into ``root`` so the error can name the OS cause.
+
+    torch's writers report a full disk (ENOSPC), a quota (EDQUOT) or a file-size limit (EFBIG)
+    only as a short-write assertion; the probe's ``strerror`` says which. Empty when it succeeds.
+    """
+    probe = os.path.join(root, f".write_probe_{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return f" (the checkpoint directory {root} rejects writes: {exc.strerror or exc})"
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return ""
+
+
 def _test_sleep() -> None:
     """Test-only: widen the commit window (see module docstring)."""
     raw = os.environ.get(TEST_SLEEP_ENV)
@@ -208,7 +228,9 @@ class CheckpointManager:
                 dcp_io.save_sync(state, tmp, self._group)
             except Exception as exc:
                 self._discard(pending)
-                raise CheckpointError(f"saving checkpoint into {tmp} failed: {exc}") from exc
+                raise CheckpointError(
+                    f"saving checkpoint into {tmp} failed: {exc}{_write_failure_hint(root)}"
+                ) from exc
             self._commit(pending)
             return
         try:
@@ -317,7 +339,10 @@ class CheckpointManager:
             self._pending = None
             self._discard(pending)
             cause = pending.future.exception() if failed else "failed on another rank"
-            raise CheckpointError(f"async checkpoint save into {pending.tmp_path} failed: {cause}")
+            raise CheckpointError(
+                f"async checkpoint save into {pending.tmp_path} failed: {cause}"
+                + _write_failure_hint(pending.root)
+            )
         self._pending = None
         self._commit(pending)
         return pending.iteration

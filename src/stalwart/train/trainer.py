@@ -87,7 +87,12 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:
+            # A failing rank must not enter a collective its peers never reach (they may wait in a
+            # step collective): drop an in-flight async save instead of finalizing it. The previous
+            # complete checkpoint stays the resume point.
+            self.c.checkpoint.close(abort=True)
         self.close()
 
     def close(self) -> None:

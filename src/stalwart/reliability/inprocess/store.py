@@ -178,6 +178,14 @@ class RestartStore:
     def set_rank_value(self, n: int, key: str, value: str) -> None:
         self.attempt(n).set(f"{key}_{self.rank}", value)
 
+    def wait_rank_value(self, n: int, key: str, rank: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``rank`` to set ``key``; False on timeout."""
+        try:
+            self.attempt(n).wait([f"{key}_{rank}"], _td(timeout_s))
+        except (dist.DistStoreError, RuntimeError):
+            return False
+        return True
+
     def rank_values(self, n: int, key: str) -> list[str | None]:
         store = self.attempt(n)
         keys = [f"{key}_{r}" for r in range(self.world_size)]

@@ -25,13 +25,14 @@ with the GIL held) is killed by its own hard timeout, and the launcher restarts 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -156,6 +157,28 @@ def _is_comm_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(h in text for h in _COMM_ERROR_HINTS)
 
 
+def quiesce_workers(seconds: float = 0.05) -> None:
+    """Release the GIL briefly so gloo worker threads finish destroying completed work items.
+
+    A gloo work item whose tensors have Python objects takes the GIL in its destructor, on the
+    worker thread; destroying the process group joins that thread while the caller holds the GIL.
+    Without a pause between the last collective and the destruction the two can deadlock.
+    """
+    time.sleep(seconds)
+
+
+@contextlib.contextmanager
+def _deadlock_guard(timeout_s: float) -> Iterator[None]:
+    """Exit the process (code 1, after dumping every thread's stack) if the block takes longer
+    than ``timeout_s``: faulthandler's watchdog is a C thread that needs no GIL, so it also ends
+    a deadlock inside a process-group destructor; the launcher then restarts the job."""
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def abort_process_groups() -> None:
     """Abort every process group (NCCL: kills pending kernels; gloo: unregisters them)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -206,7 +229,8 @@ class InProcessRestarter:
             outcome = self._call(fn, attempt)
             if outcome.error is None and self._completed(attempt):
                 attempt.monitor.stop()
-                with contextlib.suppress(Exception):
+                with _deadlock_guard(self.options.hard_timeout), contextlib.suppress(Exception):
+                    quiesce_workers()
                     dist.destroy_process_group()
                 self._leave(n)
                 return outcome.value  # type: ignore[return-value]
@@ -333,13 +357,20 @@ class InProcessRestarter:
             with contextlib.suppress(Exception):
                 callback()
         abort_process_groups()
-        for callback in reversed(attempt.finalize_callbacks):
-            with contextlib.suppress(Exception):
-                callback()
-        attempt.abort_callbacks.clear()
-        attempt.finalize_callbacks.clear()
-        attempt.monitor.probe = lambda: None
-        release_memory(self.device)  # gc.collect() included
+        if record.rank != self.rank:
+            # Our pending collectives wait on the failed rank; they end when its groups are freed.
+            # Freeing ours before that could join a gloo worker still blocked in one of them.
+            self.store.wait_rank_value(n, "released", record.rank, self._release_wait_s())
+        with _deadlock_guard(self.options.hard_timeout):
+            quiesce_workers()
+            for callback in reversed(attempt.finalize_callbacks):
+                with contextlib.suppress(Exception):
+                    callback()
+            attempt.abort_callbacks.clear()
+            attempt.finalize_callbacks.clear()
+            attempt.monitor.probe = lambda: None
+            release_memory(self.device)  # gc.collect(): the attempt's groups are destroyed here
+        self.store.set_rank_value(n, "released", "1")
         sample = sample_memory(self.device)
         self.memory.append(sample)
         msg = f"in-process restart attempt {n + 1}: rank {self.rank} after finalize: {sample.describe()}"
@@ -347,6 +378,9 @@ class InProcessRestarter:
             self.say(msg)
         else:
             logger.info(msg)
+
+    def _release_wait_s(self) -> float:
+        return 2 * self.options.heartbeat_interval + 5.0
 
     def _decide(self, n: int, fatal: BaseException | None) -> None:
         history = self.store.history(n)
