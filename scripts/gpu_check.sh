@@ -5,6 +5,7 @@
 # (the device tool returns at most 8 files) and the tables are printed at the end.
 #   OUT=/tmp/out bash scripts/gpu_check.sh            # full check
 #   QUICK=1 OUT=/tmp/out bash scripts/gpu_check.sh    # fewer benchmark rounds
+#   STEPS="gpu_tests memory" OUT=... bash scripts/gpu_check.sh   # only the named steps
 set -uo pipefail
 OUT="${OUT:-runs/gpu_check}"
 WORK="$(mktemp -d)"; SCRATCH="$(mktemp -d)"  # checkpoints go to SCRATCH (not archived)
@@ -15,6 +16,7 @@ ROUNDS="${ROUNDS:-3}"; ITERS="${ITERS:-10}"
 start=$(date +%s)
 step() {  # step NAME TIMEOUT CMD... ; output in $WORK/NAME.log, rc in summary
   local name=$1 limit=$2; shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
   local t0=$(date +%s)
   timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
   local rc=$?
@@ -24,7 +26,7 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cud
   | tee "$WORK/env.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >>"$WORK/env.log" 2>&1
 
-step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+step gpu_tests 240 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests
 TRAIN=(python3 -m stalwart train --preset tiny --bf16 --train-iters 30 --log-interval 10 --no-progress-bar)
 step train_graphs 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
   --save "$SCRATCH/ckpt_graphs" --metrics-file "$WORK/graphs_metrics.jsonl"
@@ -39,8 +41,9 @@ BENCH=(python3 bench/step_bench.py --device cuda --bf16 --rounds "$ROUNDS" --ite
 step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,rerun,timers,dumps,graphs --json "$WORK/bench_tiny.json"
 step bench_small 150 "${BENCH[@]}" --preset small --suite baseline,rerun,timers,graphs --json "$WORK/bench_small.json"
 step bench_gpt2 200 "${BENCH[@]}" --preset gpt2-124m --suite baseline,rerun,timers,dumps --json "$WORK/bench_gpt2.json"
-[ -f bench/memory_check.py ] && step memory 120 python3 bench/memory_check.py --device cuda --json "$WORK/memory.json"
-[ -f bench/checkpoint_save.py ] && step ckpt_save 150 python3 bench/checkpoint_save.py --preset gpt2-124m --device cuda --json "$WORK/ckpt_save.json"
+step bench_dumps 120 "${BENCH[@]}" --preset gpt2-124m --suite dumps --json "$WORK/bench_dumps.json"
+step memory 120 python3 bench/memory_check.py --device cuda --json "$WORK/memory.json"
+step ckpt_save 150 python3 bench/checkpoint_save.py --preset gpt2-124m --device cuda --json "$WORK/ckpt_save.json"
 
 echo "== total $(( $(date +%s) - start ))s" | tee -a "$WORK/summary.txt"
 tar czf "$OUT/gpu_check.tgz" -C "$WORK" .

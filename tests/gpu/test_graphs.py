@@ -148,8 +148,11 @@ def test_step0_gradients_match_eager(preset: str) -> None:
     if preset == "tiny" and spread == 0.0:
         assert diff == 0.0, f"graphed step-0 grads differ from deterministic eager by {diff}"
     else:
-        # Measured on H200: small differs by ~6e-10 (|grad| ~1e-1) where eager is deterministic.
-        assert diff <= max(2 * spread, 1e-7 * scale)
+        # Measured on H200 at small: graph-vs-eager 5.7e-10 in one run and 8.2e-9 in another
+        # (|grad| ~3e-2, i.e. 2.6e-7 relative), and eager on the capture stream differs from eager
+        # on the default stream by the same order: kernel selection differs per stream, so the
+        # bound is fp32 rounding of the largest gradient, not bitwise.
+        assert diff <= max(2 * spread, 2 * warm_diff, 1e-6 * scale)
     assert all(torch.isfinite(d["lm loss"]) for d in losses)
     ctx.teardown()
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from stalwart.models import GPT, preset_model_config
-from stalwart.observability.memory import measured_memory, theoretical_memory
+from stalwart.models import GPT
+from stalwart.observability.memory import measured_memory
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,20 +47,35 @@ def _peak_bytes(model: GPT, micro_batch: int, num_micro: int, bf16: bool) -> flo
     return measured_memory(device)["mem-max-allocated-bytes"]
 
 
+def _ratio_in_fresh_process(preset: str, overrides: dict, bf16: bool) -> float:
+    """Peak memory is per process: earlier GPU tests' allocations would inflate it, so measure in
+    a fresh interpreter (as the trainer's memory report does at the start of a run)."""
+    script = (
+        "import sys, torch, json\n"
+        "sys.path.insert(0, 'tests/observability')\n"
+        "from test_memory_gpu import _peak_bytes\n"
+        "from stalwart.models import GPT, preset_model_config\n"
+        "from stalwart.observability.memory import theoretical_memory\n"
+        f"cfg = preset_model_config({preset!r}, **{overrides!r})\n"
+        "torch.manual_seed(0)\n"
+        "model = GPT(cfg).cuda().train()\n"
+        f"peak = _peak_bytes(model, micro_batch=8, num_micro=4, bf16={bf16})\n"
+        f"est = theoretical_memory(cfg, 8, 1, bf16={bf16}, num_parameters=model.num_parameters())\n"
+        "print(json.dumps({'ratio': est.total_bytes / peak, 'peak_mib': peak / 2**20,"
+        " 'estimate_mib': est.total_bytes / 2**20}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\n{preset} {overrides} bf16={bf16}: {result}")
+    return float(result["ratio"])
+
+
 @pytest.mark.parametrize(("preset", "overrides"), CASES)
 @pytest.mark.parametrize("bf16", [True, False])
 def test_theoretical_within_15_percent(preset: str, overrides: dict, bf16: bool) -> None:
-    cfg = preset_model_config(preset, **overrides)
-    torch.manual_seed(0)
-    model = GPT(cfg).cuda().train()
-    peak = _peak_bytes(model, micro_batch=8, num_micro=4, bf16=bf16)
-    est = theoretical_memory(cfg, 8, 1, bf16=bf16, num_parameters=model.num_parameters())
-    ratio = est.total_bytes / peak
-    print(
-        f"\n{preset} {overrides} bf16={bf16}: theoretical {est.total_bytes / 2**20:.1f} MiB, "
-        f"measured {peak / 2**20:.1f} MiB, ratio {ratio:.3f}; "
-        + ", ".join(f"{k}={v / 2**20:.1f}" for k, v in est.breakdown.items())
-    )
-    del model
-    torch.cuda.empty_cache()
+    ratio = _ratio_in_fresh_process(preset, overrides, bf16)
     assert 0.85 <= ratio <= 1.15

@@ -133,7 +133,10 @@ def sigkill(ctx: Context, plan: FaultPlan) -> FaultResult:
     run = ctx.launch(plan, "1-fault", ctx.spec(save, _inject("sigkill", plan), max_restarts=1))
     res.launch_exit_codes.append(run.code)
     res.exit_code = run.code
-    detect(res, plan.kind, (-9, plan.rank) in run.worker_exits, f"exits {run.worker_exits}")
+    # torchrun names the first failure it notices: the killed rank's -9, or its peer's abort on
+    # the broken gloo connection; either way a worker failure after the kill triggers the restart.
+    fired = run.first_time("FAULT INJECTION")
+    detect(res, plan.kind, fired is not None and bool(run.worker_exits), f"{run.worker_exits}")
     _check_resume(ctx, res, run, plan.iteration - 1)
     res.seconds_to_recover = recovery_seconds(run.first_time("FAULT INJECTION"), run)
     res.iterations_redone = count_redone([run])

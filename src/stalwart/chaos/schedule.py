@@ -72,7 +72,7 @@ EXPECTED: dict[ChaosFault, Expectation] = {
         True,
     ),
     ChaosFault.SIGKILL: Expectation(
-        "torchrun: worker exit -9",
+        "torchrun: worker failure (SIGKILL), restart",
         "torchrun restart, resume from the last checkpoint",
         EXIT_OK,
         True,
@@ -96,7 +96,7 @@ EXPECTED: dict[ChaosFault, Expectation] = {
         False,
     ),
     ChaosFault.SIGKILL_ASYNC_SAVE: Expectation(
-        "torchrun: worker exit -9 during an uncommitted async save",
+        "torchrun: worker failure (SIGKILL) during an uncommitted async save",
         "torchrun restart, resume from the previous complete checkpoint",
         EXIT_OK,
         True,
