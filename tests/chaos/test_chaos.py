@@ -45,6 +45,7 @@ def test_parse_faults() -> None:
         (["--save-interval", "1"], "--save-interval"),
         (["--nproc-per-node", "1"], "--nproc-per-node"),
         (["--device", "tpu"], "--device"),
+        (["--no-such-flag"], "--no-such-flag"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(argv, flag, capsys, tmp_path) -> None:

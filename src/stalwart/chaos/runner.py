@@ -132,6 +132,9 @@ class Job:
             self.proc.wait()
             code = -9
             self.lines.append((time.time(), f"CHAOS RUNNER: killed after {timeout:.0f} s"))
+        except BaseException:  # Ctrl-C of the harness: leave no training job behind
+            self.kill()
+            raise
         self._reader.join(10)
         return code
 

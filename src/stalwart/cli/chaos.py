@@ -67,7 +67,10 @@ def main_chaos(argv: list[str]) -> int:
     from stalwart.chaos.campaign import CampaignConfig, format_table, run_campaign
     from stalwart.chaos.schedule import parse_faults, validate_shape
 
-    ns = build_parser().parse_args(argv)
+    try:
+        ns = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a bad flag (2, one line already printed)
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     try:
         faults = parse_faults(ns.faults)
         validate_shape(ns.iterations, ns.save_interval, ns.nproc_per_node)
