@@ -35,3 +35,15 @@ def test_two_ranks_resume_exact_and_reshard_to_one(tmp_path) -> None:
     # Same samples per global batch; only the reduction order differs, so close, not bitwise.
     for key in one_rank:
         assert (one_rank[key] - two_rank[key]).abs().max() < 1e-4, key
+
+
+def test_fsdp2_two_ranks_trains_like_ddp(tmp_path) -> None:
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    _ok(run_cli([*COMMON, "--train-iters", "6", "--save", str(ddp)], nproc=2))
+    proc = run_cli(
+        [*COMMON, "--train-iters", "6", "--save", str(fsdp), "--use-torch-fsdp2"], nproc=2
+    )
+    _ok(proc)
+    a, b = load_params(ddp), load_params(fsdp)
+    for key in a:  # same math, different reduction order (reduce-scatter per micro-batch)
+        assert (a[key] - b[key]).abs().max() < 1e-4, key

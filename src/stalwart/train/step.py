@@ -119,7 +119,9 @@ def average_reported(
 def grad_norm_and_clip(parameters: list[nn.Parameter], clip_grad: float) -> torch.Tensor:
     """Global L2 norm of the gradients (device tensor); clip to ``clip_grad`` when > 0."""
     max_norm = clip_grad if clip_grad > 0 else float("inf")
-    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    full_tensor = getattr(norm, "full_tensor", None)  # FSDP2: a replicated DTensor
+    return full_tensor() if callable(full_tensor) else norm
 
 
 def count_zeros(parameters: list[nn.Parameter]) -> torch.Tensor:

@@ -52,9 +52,15 @@ def check_grad_norm(sm: RerunStateMachine, grad_norm: torch.Tensor, config: Reru
         )
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def local_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     """L2 norm of all local gradients, in float64 so squares cannot overflow (device ops only)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    # FSDP2 gradients are DTensors: this rank's shard is what it computed and must check.
+    grads = [_local(p.grad) for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     norms = torch._foreach_norm(grads)
