@@ -86,7 +86,7 @@ def test_mode_alias_and_flag_errors() -> None:
         RerunConfig(iterations_to_skip=[-2])
     with pytest.raises(ValueError, match="--spiky-loss-factor"):
         RerunConfig(spiky_loss_factor=0)
-    with pytest.raises(RuntimeError, match="--result-rejected-tracker-filename"):
+    with pytest.raises(ValueError, match="--result-rejected-tracker-filename"):
         RerunStateMachine(result_rejected_tracker_filename="/nonexistent-dir/x.txt")
 
 
