@@ -49,18 +49,21 @@ def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
         print(f"Metrics: {config.obs.metrics_file}")
 
 
+def _user_error(exc: ValueError | CheckpointError) -> int:
+    """Bad input or an unusable checkpoint: one line on stderr, exit code 2 (no traceback)."""
+    kind = "checkpoint error" if isinstance(exc, CheckpointError) else "error"
+    sys.stderr.write(f"stalwart train: {kind}: {exc}\n")
+    return 2
+
+
 def _run_inprocess(config: RunConfig, demo: bool) -> int:
     """``--inprocess-restart``: the wrapper owns the process group of every attempt."""
     from stalwart.reliability.inprocess.run import run_training_inprocess
 
     try:
         code, outcome = run_training_inprocess(config)
-    except ValueError as exc:
-        sys.stderr.write(f"stalwart train: error: {exc}\n")
-        return 2
-    except CheckpointError as exc:
-        sys.stderr.write(f"stalwart train: checkpoint error: {exc}\n")
-        return 2
+    except (ValueError, CheckpointError) as exc:
+        return _user_error(exc)
     if demo and outcome is not None and int(os.environ.get("RANK", "0")) == 0:
         _demo_epilogue(config, outcome)
     return code
@@ -80,12 +83,8 @@ def run_from_cli(config: RunConfig, demo: bool = False) -> int:
         return 1
     try:
         outcome = run_training(config, ctx)
-    except ValueError as exc:
-        sys.stderr.write(f"stalwart train: error: {exc}\n")
-        return 2
-    except CheckpointError as exc:
-        sys.stderr.write(f"stalwart train: checkpoint error: {exc}\n")
-        return 2
+    except (ValueError, CheckpointError) as exc:
+        return _user_error(exc)
     finally:
         destroy_distributed()
     if demo and ctx.is_main:
