@@ -44,277 +44,55 @@ at start `build_section_monitor` loads it and uses the learned values for the le
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
-import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from collections.abc import Iterator
 from pathlib import Path
 
 from stalwart.reliability import monitor as hb
+from stalwart.reliability.ft_config import (
+    _TIMEOUT_KEYS,
+    FT_LOG_DIRNAME,
+    FT_STATE_FILENAME,
+    FaultToleranceConfig,
+    Section,
+    SectionTimeouts,
+    parse_ft_timeouts,
+)
+from stalwart.reliability.ft_timeouts import (
+    FtState,
+    ft_state_path,
+    learn_timeouts,
+    load_ft_state,
+    resolve_timeouts,
+    save_ft_state,
+    select_sections_to_update,
+)
+
+# Config and timeout learning live in ft_config / ft_timeouts; re-exported as the public API here.
+__all__ = [
+    "FT_LOG_DIRNAME",
+    "FT_STATE_FILENAME",
+    "FaultToleranceConfig",
+    "FtState",
+    "NullSectionMonitor",
+    "Section",
+    "SectionMonitor",
+    "SectionTimeouts",
+    "build_section_monitor",
+    "ft_state_path",
+    "learn_timeouts",
+    "load_ft_state",
+    "parse_ft_timeouts",
+    "resolve_timeouts",
+    "save_ft_state",
+    "select_sections_to_update",
+]
 
 logger = logging.getLogger(__name__)
-
-FT_STATE_FILENAME = "ft_state.json"
-FT_LOG_DIRNAME = "ft_logs"
-FT_STATE_VERSION = 1
-_TIMEOUT_KEYS = ("setup", "step", "checkpointing", "out_of_section")
-_DUMP_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGHUP")
-
-
-class Section(Enum):
-    """Timed sections. ``index`` is the section's id in the heartbeat record."""
-
-    SETUP = "setup"
-    STEP = "step"
-    CHECKPOINTING = "checkpointing"
-
-    @property
-    def index(self) -> int:
-        return hb.SECTION_NAMES.index(self.value)
-
-
-@dataclass(frozen=True)
-class SectionTimeouts:
-    """Timeouts in seconds per section, plus the out-of-section timeout."""
-
-    setup: float = 600.0
-    step: float = 180.0
-    checkpointing: float = 420.0
-    out_of_section: float = 600.0
-
-    def __post_init__(self) -> None:
-        for key in _TIMEOUT_KEYS:
-            value = getattr(self, key)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(
-                    f"--ft-timeouts: {key} must be a finite number of seconds > 0, got {value!r}"
-                )
-
-    def as_tuple(self) -> tuple[float, float, float, float]:
-        return (self.setup, self.step, self.checkpointing, self.out_of_section)
-
-    def as_dict(self) -> dict[str, float]:
-        return dict(zip(_TIMEOUT_KEYS, self.as_tuple()))
-
-
-def parse_ft_timeouts(text: str, base: SectionTimeouts | None = None) -> SectionTimeouts:
-    """Parse ``--ft-timeouts`` (``"setup=600,step=180,checkpointing=420,out_of_section=600"``).
-
-    Keys may be given in any order and subset (missing keys keep ``base``, default the built-in
-    timeouts); ``key:seconds`` (NVRx's spelling) is accepted too. Raises ValueError naming the flag,
-    the allowed keys and the format on anything else.
-    """
-    usage = f"expected comma-separated key=seconds with keys {', '.join(_TIMEOUT_KEYS)}"
-    values: dict[str, float] = {}
-    items = [item.strip() for item in text.split(",")]
-    if not text.strip() or any(not item for item in items):
-        raise ValueError(f"--ft-timeouts: empty entry in {text!r}; {usage}")
-    for item in items:
-        key, sep, raw = item.replace(":", "=", 1).partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in _TIMEOUT_KEYS:
-            raise ValueError(f"--ft-timeouts: bad entry {item!r}; {usage}")
-        if key in values:
-            raise ValueError(f"--ft-timeouts: {key} given twice in {text!r}")
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(
-                f"--ft-timeouts: {key}={raw.strip()!r} is not a number; {usage}"
-            ) from None
-        values[key] = value
-    return replace(base or SectionTimeouts(), **values)
-
-
-@dataclass(frozen=True)
-class FaultToleranceConfig:
-    """Hang-detection settings (Megatron/NVRx flag spelling in error messages).
-
-    Attributes:
-        enable_ft: start a monitor process per rank (``--enable-ft``).
-        timeouts: per-section timeouts (``--ft-timeouts``).
-        calc_ft_timeouts: learn timeouts from observed durations (``--calc-ft-timeouts``).
-        ft_num_warmup_iters: train/eval steps per phase that are not ``step`` sections.
-        safety_factor: learned timeout = factor × observed max (NVRx default 5).
-        blend_alpha: weight of the previous learned value when re-learning (NVRx EMA 0.5).
-        min_learned_timeout_s: floor for learned timeouts (a 0.1 s step must not yield 0.5 s).
-        min_steps_for_step_update: timed steps needed before ``step`` is learned (Megatron: 16).
-        poll_interval_s: monitor polling period; detection latency is timeout + this.
-        stack_dump_signal: signal the monitor sends for a faulthandler stack dump. It must
-            differ from ``--exit-signal`` (see `check_exit_signal`); SIGUSR1 is often SLURM's
-            pre-timeout warning, hence SIGUSR2.
-        kill_grace_s: SIGTERM grace before SIGKILL. 0 kills at once: a hung rank cannot run a
-            SIGTERM handler usefully, and a flag-only handler would just waste the grace.
-        stack_dump_wait_s: how long the monitor waits for the dump to arrive.
-    """
-
-    enable_ft: bool = False
-    timeouts: SectionTimeouts = field(default_factory=SectionTimeouts)
-    calc_ft_timeouts: bool = False
-    ft_num_warmup_iters: int = 5
-    safety_factor: float = 5.0
-    blend_alpha: float = 0.5
-    min_learned_timeout_s: float = 30.0
-    min_steps_for_step_update: int = 16
-    poll_interval_s: float = 1.0
-    stack_dump_signal: str = "SIGUSR2"
-    kill_grace_s: float = 0.0
-    stack_dump_wait_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        checks = (
-            (self.ft_num_warmup_iters >= 0, "--ft-num-warmup-iters", "an integer >= 0"),
-            (self.safety_factor >= 1.0, "--ft-safety-factor", "a number >= 1"),
-            (0.0 <= self.blend_alpha < 1.0, "--ft-blend-alpha", "a number in [0, 1)"),
-            (self.min_learned_timeout_s >= 0, "--ft-min-learned-timeout", "a number >= 0"),
-            (self.min_steps_for_step_update >= 1, "--ft-min-steps-for-update", "an integer >= 1"),
-            (0 < self.poll_interval_s <= 60, "--ft-poll-interval", "a number in (0, 60]"),
-            (self.kill_grace_s >= 0, "--ft-kill-grace", "a number >= 0"),
-            (self.stack_dump_wait_s >= 0, "--ft-stack-dump-wait", "a number >= 0"),
-        )
-        for ok, flag, allowed in checks:
-            if not ok:
-                raise ValueError(f"{flag}: must be {allowed}")
-        if self.stack_dump_signal not in _DUMP_SIGNALS:
-            allowed = ", ".join(_DUMP_SIGNALS)
-            raise ValueError(
-                f"--ft-stack-dump-signal: got {self.stack_dump_signal!r}, allowed: {allowed}"
-            )
-
-    @property
-    def dump_signal(self) -> signal.Signals:
-        return signal.Signals[self.stack_dump_signal]
-
-    def check_exit_signal(self, exit_signal: signal.Signals) -> None:
-        """Raise ValueError if ``--exit-signal`` collides with the stack-dump signal."""
-        if self.enable_ft and exit_signal == self.dump_signal:
-            raise ValueError(
-                f"--exit-signal: {exit_signal.name} is used by hang detection for stack dumps "
-                f"(--ft-stack-dump-signal); choose another exit or dump signal"
-            )
-
-
-# ---------------------------------------------------------------------------------------------
-# Timeout learning: pure functions plus the ft_state.json file.
-
-
-def select_sections_to_update(
-    *,
-    closing: bool,
-    num_timed_steps: int,
-    num_checkpoints: int,
-    persistent_checkpoint_loaded: bool,
-    async_save: bool,
-    min_steps: int = 16,
-) -> frozenset[str]:
-    """Which timeouts have enough evidence to be learned (Megatron's rules, see module doc)."""
-    chosen: set[str] = set()
-    if persistent_checkpoint_loaded:
-        chosen.add("setup")  # in-memory/local loads are too fast to size a persistent load
-    if num_timed_steps >= min_steps:
-        chosen.add("step")
-    if num_checkpoints >= 1 and not async_save:
-        chosen.add("checkpointing")  # async saves only time the staging, not the write
-    if closing and {"setup", "step"} <= chosen and num_checkpoints >= 1:
-        chosen.add("out_of_section")
-    return frozenset(chosen)
-
-
-def learn_timeouts(
-    previous: SectionTimeouts,
-    observed_max: Mapping[str, float],
-    *,
-    previously_calculated: frozenset[str],
-    safety_factor: float,
-    blend_alpha: float = 0.5,
-    floor_s: float = 0.0,
-) -> tuple[SectionTimeouts, frozenset[str]]:
-    """New timeouts from observed maxima (seconds); keys absent or <= 0 keep their previous value.
-
-    ``new = max(floor_s, safety_factor * observed)``; a key learned before is blended as
-    ``blend_alpha * previous + (1 - blend_alpha) * new``. Returns the timeouts and the set of
-    learned keys.
-    """
-    updates: dict[str, float] = {}
-    for key in _TIMEOUT_KEYS:
-        seen = observed_max.get(key, -1.0)
-        if seen <= 0:
-            continue
-        new = max(floor_s, safety_factor * seen)
-        if key in previously_calculated:
-            new = blend_alpha * getattr(previous, key) + (1.0 - blend_alpha) * new
-        updates[key] = max(new, floor_s, 1e-3)
-    return replace(previous, **updates), previously_calculated | frozenset(updates)
-
-
-@dataclass(frozen=True)
-class FtState:
-    """Contents of ``<save>/ft_state.json``."""
-
-    timeouts: SectionTimeouts
-    calculated_sections: frozenset[str]
-    observed_max_s: dict[str, float] = field(default_factory=dict)
-
-
-def ft_state_path(save_dir: str | os.PathLike[str]) -> Path:
-    return Path(save_dir) / FT_STATE_FILENAME
-
-
-def save_ft_state(path: str | os.PathLike[str], state: FtState, safety_factor: float) -> None:
-    """Write the state atomically (temp file, fsync, rename) so a crash never leaves half a file."""
-    payload = {
-        "version": FT_STATE_VERSION,
-        "timeouts": state.timeouts.as_dict(),
-        "calculated_sections": sorted(state.calculated_sections),
-        "observed_max_s": state.observed_max_s,
-        "safety_factor": safety_factor,
-        "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-
-
-def load_ft_state(path: str | os.PathLike[str]) -> FtState | None:
-    """Read ``ft_state.json``; None when absent. A corrupt file is logged and ignored."""
-    target = Path(path)
-    if not target.exists():
-        return None
-    try:
-        data = json.loads(target.read_text(encoding="utf-8"))
-        timeouts = SectionTimeouts(**{k: float(data["timeouts"][k]) for k in _TIMEOUT_KEYS})
-        calculated = frozenset(str(k) for k in data["calculated_sections"]) & frozenset(
-            _TIMEOUT_KEYS
-        )
-        observed = {str(k): float(v) for k, v in data.get("observed_max_s", {}).items()}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("stalwart-ft: ignoring unreadable %s (%s)", target, exc)
-        return None
-    return FtState(timeouts, calculated, observed)
-
-
-def resolve_timeouts(
-    config: FaultToleranceConfig, save_dir: str | os.PathLike[str] | None
-) -> tuple[SectionTimeouts, frozenset[str]]:
-    """Configured timeouts, with the learned sections of ``<save>/ft_state.json`` substituted."""
-    state = load_ft_state(ft_state_path(save_dir)) if save_dir is not None else None
-    if state is None or not state.calculated_sections:
-        return config.timeouts, frozenset()
-    learned = {k: getattr(state.timeouts, k) for k in state.calculated_sections}
-    return replace(config.timeouts, **learned), state.calculated_sections
-
 
 # ---------------------------------------------------------------------------------------------
 # Monitors.

@@ -1,0 +1,152 @@
+"""Hang-detection settings: sections, per-section timeouts, ``--ft-timeouts`` parsing and the config.
+
+Split from :mod:`stalwart.reliability.sections` (which re-exports everything here).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from stalwart.reliability import monitor as hb
+
+FT_STATE_FILENAME = "ft_state.json"
+FT_LOG_DIRNAME = "ft_logs"
+FT_STATE_VERSION = 1
+_TIMEOUT_KEYS = ("setup", "step", "checkpointing", "out_of_section")
+_DUMP_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGHUP")
+
+
+class Section(Enum):
+    """Timed sections. ``index`` is the section's id in the heartbeat record."""
+
+    SETUP = "setup"
+    STEP = "step"
+    CHECKPOINTING = "checkpointing"
+
+    @property
+    def index(self) -> int:
+        return hb.SECTION_NAMES.index(self.value)
+
+
+@dataclass(frozen=True)
+class SectionTimeouts:
+    """Timeouts in seconds per section, plus the out-of-section timeout."""
+
+    setup: float = 600.0
+    step: float = 180.0
+    checkpointing: float = 420.0
+    out_of_section: float = 600.0
+
+    def __post_init__(self) -> None:
+        for key in _TIMEOUT_KEYS:
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"--ft-timeouts: {key} must be a finite number of seconds > 0, got {value!r}"
+                )
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (self.setup, self.step, self.checkpointing, self.out_of_section)
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(zip(_TIMEOUT_KEYS, self.as_tuple()))
+
+
+def parse_ft_timeouts(text: str, base: SectionTimeouts | None = None) -> SectionTimeouts:
+    """Parse ``--ft-timeouts`` (``"setup=600,step=180,checkpointing=420,out_of_section=600"``).
+
+    Keys may be given in any order and subset (missing keys keep ``base``, default the built-in
+    timeouts); ``key:seconds`` (NVRx's spelling) is accepted too. Raises ValueError naming the flag,
+    the allowed keys and the format on anything else.
+    """
+    usage = f"expected comma-separated key=seconds with keys {', '.join(_TIMEOUT_KEYS)}"
+    values: dict[str, float] = {}
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise ValueError(f"--ft-timeouts: empty entry in {text!r}; {usage}")
+    for item in items:
+        key, sep, raw = item.replace(":", "=", 1).partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in _TIMEOUT_KEYS:
+            raise ValueError(f"--ft-timeouts: bad entry {item!r}; {usage}")
+        if key in values:
+            raise ValueError(f"--ft-timeouts: {key} given twice in {text!r}")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(
+                f"--ft-timeouts: {key}={raw.strip()!r} is not a number; {usage}"
+            ) from None
+        values[key] = value
+    return replace(base or SectionTimeouts(), **values)
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """Hang-detection settings (Megatron/NVRx flag spelling in error messages).
+
+    Attributes:
+        enable_ft: start a monitor process per rank (``--enable-ft``).
+        timeouts: per-section timeouts (``--ft-timeouts``).
+        calc_ft_timeouts: learn timeouts from observed durations (``--calc-ft-timeouts``).
+        ft_num_warmup_iters: train/eval steps per phase that are not ``step`` sections.
+        safety_factor: learned timeout = factor × observed max (NVRx default 5).
+        blend_alpha: weight of the previous learned value when re-learning (NVRx EMA 0.5).
+        min_learned_timeout_s: floor for learned timeouts (a 0.1 s step must not yield 0.5 s).
+        min_steps_for_step_update: timed steps needed before ``step`` is learned (Megatron: 16).
+        poll_interval_s: monitor polling period; detection latency is timeout + this.
+        stack_dump_signal: signal the monitor sends for a faulthandler stack dump. It must
+            differ from ``--exit-signal`` (see `check_exit_signal`); SIGUSR1 is often SLURM's
+            pre-timeout warning, hence SIGUSR2.
+        kill_grace_s: SIGTERM grace before SIGKILL. 0 kills at once: a hung rank cannot run a
+            SIGTERM handler usefully, and a flag-only handler would just waste the grace.
+        stack_dump_wait_s: how long the monitor waits for the dump to arrive.
+    """
+
+    enable_ft: bool = False
+    timeouts: SectionTimeouts = field(default_factory=SectionTimeouts)
+    calc_ft_timeouts: bool = False
+    ft_num_warmup_iters: int = 5
+    safety_factor: float = 5.0
+    blend_alpha: float = 0.5
+    min_learned_timeout_s: float = 30.0
+    min_steps_for_step_update: int = 16
+    poll_interval_s: float = 1.0
+    stack_dump_signal: str = "SIGUSR2"
+    kill_grace_s: float = 0.0
+    stack_dump_wait_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = (
+            (self.ft_num_warmup_iters >= 0, "--ft-num-warmup-iters", "an integer >= 0"),
+            (self.safety_factor >= 1.0, "--ft-safety-factor", "a number >= 1"),
+            (0.0 <= self.blend_alpha < 1.0, "--ft-blend-alpha", "a number in [0, 1)"),
+            (self.min_learned_timeout_s >= 0, "--ft-min-learned-timeout", "a number >= 0"),
+            (self.min_steps_for_step_update >= 1, "--ft-min-steps-for-update", "an integer >= 1"),
+            (0 < self.poll_interval_s <= 60, "--ft-poll-interval", "a number in (0, 60]"),
+            (self.kill_grace_s >= 0, "--ft-kill-grace", "a number >= 0"),
+            (self.stack_dump_wait_s >= 0, "--ft-stack-dump-wait", "a number >= 0"),
+        )
+        for ok, flag, allowed in checks:
+            if not ok:
+                raise ValueError(f"{flag}: must be {allowed}")
+        if self.stack_dump_signal not in _DUMP_SIGNALS:
+            allowed = ", ".join(_DUMP_SIGNALS)
+            raise ValueError(
+                f"--ft-stack-dump-signal: got {self.stack_dump_signal!r}, allowed: {allowed}"
+            )
+
+    @property
+    def dump_signal(self) -> signal.Signals:
+        return signal.Signals[self.stack_dump_signal]
+
+    def check_exit_signal(self, exit_signal: signal.Signals) -> None:
+        """Raise ValueError if ``--exit-signal`` collides with the stack-dump signal."""
+        if self.enable_ft and exit_signal == self.dump_signal:
+            raise ValueError(
+                f"--exit-signal: {exit_signal.name} is used by hang detection for stack dumps "
+                f"(--ft-stack-dump-signal); choose another exit or dump signal"
+            )
