@@ -29,6 +29,7 @@ from stalwart.observability.timers import (
     OPTIMIZER_CLIP_MAIN_GRAD,
     OPTIMIZER_COUNT_ZEROS,
     OPTIMIZER_INNER_STEP,
+    NullTimer,
     Timers,
 )
 from stalwart.train.precision import NullLossScaler
@@ -97,8 +98,17 @@ def forward_backward(
     return reported
 
 
-# Level 0: every timer above level 0 is the shared NullTimer (the default when none is passed).
-_NULL_TIMERS = Timers(0, "minmax")
+class _NoTimers:
+    """Stateless stand-in when no ``Timers`` is passed: every name is a no-op timer."""
+
+    _timer = NullTimer()
+
+    def __call__(self, name: str, log_level: int | None = None) -> NullTimer:
+        del name, log_level
+        return self._timer
+
+
+_NULL_TIMERS: Any = _NoTimers()
 
 
 def average_reported(
