@@ -40,9 +40,15 @@ def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
         print(
             f"Checkpoint: {save}/iter_{outcome.iteration:07d} (latest in {save}/latest_checkpointed_iteration.txt)"
         )
+        script = sys.argv[0]
+        command = (
+            os.path.relpath(script)
+            if os.path.basename(script) == "stalwart"
+            else f"{os.path.relpath(sys.executable)} -m stalwart"
+        )
         print(
             "Resume and train 100 more iterations: "
-            f"stalwart train --preset tiny --demo --save {shlex.quote(save)} "
+            f"{command} train --preset tiny --demo --save {shlex.quote(save)} "
             f"--train-iters {outcome.iteration + 100}"
         )
     if config.obs.metrics_file:
