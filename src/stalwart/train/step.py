@@ -46,10 +46,23 @@ class RerunProtocol(Protocol):
 
 
 def _no_sync(model: nn.Module, is_last: bool) -> contextlib.AbstractContextManager[Any]:
-    """Skip DDP's gradient all-reduce on all but the last micro-batch (FSDP2 handled by caller)."""
-    if not is_last and hasattr(model, "no_sync"):
-        return model.no_sync()  # type: ignore[no-any-return, operator]
+    """Reduce gradients only on the last micro-batch: DDP's ``no_sync`` or FSDP2's
+    ``set_requires_gradient_sync`` (which keeps unsharded gradients until the last backward)."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync() if not is_last else contextlib.nullcontext()  # type: ignore[operator]
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if callable(set_sync):
+        return _fsdp2_sync(set_sync, is_last)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp2_sync(set_sync: Callable[[bool], None], is_last: bool) -> Iterator[None]:
+    set_sync(is_last)
+    try:
+        yield
+    finally:
+        set_sync(True)
 
 
 def forward_backward(
