@@ -35,7 +35,7 @@ from stalwart.observability.energy import make_energy_meter
 from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryMonitor, theoretical_memory
 from stalwart.observability.sinks import MetricSink, build_sinks
 from stalwart.observability.straggler import make_straggler_detector
-from stalwart.observability.timers import Timers, TimingMode
+from stalwart.observability.timers import BATCH_GENERATOR, Timers, TimingMode
 from stalwart.observability.train_log import TrainingLog
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector, build_fault_injector
 from stalwart.reliability.rerun import (
@@ -328,6 +328,8 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     flops = num_floating_point_operations(config.model, gbs)
     timers, sink, log, observer, energy = _build_observability(config, ctx, flops, raw_model)
     step_parts.timers = timers
+    if not graphed:  # inside a captured graph host timers would be frozen at capture
+        forward_step.batch_timer = timers(BATCH_GENERATOR)
     step_parts.observer = observer if observer.enabled else None
     closers.extend([sink.close, log.close, observer.close, energy.close])
     handler = None

@@ -31,17 +31,24 @@ class GPTForwardStep:
         device: torch.device,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         loss_check: LossCheck | None = None,
+        batch_timer: Any = None,
     ) -> None:
         self.device = device
         self.autocast = autocast
         self.loss_check = loss_check
+        # The ``batch-generator`` timer (level 2); a NullTimer or None when not timed.
+        self.batch_timer = batch_timer
 
     def __call__(
         self, data_iterator: Iterator[dict[str, torch.Tensor]], model: nn.Module
     ) -> dict[str, torch.Tensor]:
+        if self.batch_timer is not None:
+            self.batch_timer.start()
         batch = next(data_iterator)
         input_ids = batch["input_ids"].to(self.device, non_blocking=True)
         labels = batch["labels"].to(self.device, non_blocking=True)
+        if self.batch_timer is not None:
+            self.batch_timer.stop()
         with self.autocast():
             output: dict[str, torch.Tensor] = model(input_ids, labels)
         if self.loss_check is not None:
