@@ -34,7 +34,7 @@ step train_eager 120 "${TRAIN[@]}" --save "$SCRATCH/ckpt_eager" --metrics-file "
 # Every validation call is corrupted once (transient): the in-graph check must catch it, skip the
 # optimizer replay, replay the iteration, find it not reproducible and exit 17.
 step train_graphs_injected 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
-  --error-injection-rate 1 --error-injection-type transient_error --error-injection-iterations 12 \
+  --error-injection-rate 1 --error-injection-type transient_error --error-injection-iterations 13 \
   --result-rejected-tracker-filename "$WORK/tracker.txt"
 
 BENCH=(python3 bench/step_bench.py --device cuda --bf16 --rounds "$ROUNDS" --iters "$ITERS")

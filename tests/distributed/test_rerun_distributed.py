@@ -117,7 +117,8 @@ def test_rerun_two_ranks(tmp_path: Path) -> None:
         assert (r["transient"]["code"], r["transient"]["passes"]) == (17, 3)
     assert (r0["transient"]["has_event"], r1["transient"]["has_event"]) == (False, True)
     lines = (tmp_path / "transient.txt").read_text().splitlines()
-    assert len(lines) == 2 and all("rank=1 iteration=1 " in line for line in lines)
+    # Loop index 1 is iteration 2 in the tracker (numbered as logged).
+    assert len(lines) == 2 and all("rank=1 iteration=2 " in line for line in lines)
 
     # Fatal NaN on rank 1 beats the non-fatal spike on rank 0 (Megatron let "continue" win).
     for r in (r0, r1):

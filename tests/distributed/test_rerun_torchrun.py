@@ -1,7 +1,7 @@
 """The rerun state machine end to end: 2 gloo ranks under torchrun, the real CLI, real restarts.
 
-Rank 1 is injected at 0-based iteration 2 (``--error-injection-rate 1 --error-injection-iterations
-2 --error-injection-ranks 1``); rank 0 stays clean, so the ranks must agree on every decision.
+Rank 1 is injected at iteration 3 as logged, loop index 2 (``--error-injection-rate 1
+--error-injection-iterations 3 --error-injection-ranks 1``); rank 0 stays clean, so the ranks must agree on every decision.
 
 How "a different GPU" is simulated on one machine (``$STALWART_DEVICE_ID``):
 
@@ -68,7 +68,7 @@ def _torchrun(
 def _injected(kind: str, save: Path, tracker: Path) -> list[str]:
     return ["--save", str(save), "--result-rejected-tracker-filename", str(tracker),
             "--error-injection-rate", "1", "--error-injection-type", kind,
-            "--error-injection-iterations", str(BAD), "--error-injection-ranks", "1"]  # fmt: skip
+            "--error-injection-iterations", str(BAD + 1), "--error-injection-ranks", "1"]  # fmt: skip
 
 
 def _worker_exit_codes(proc: subprocess.CompletedProcess[str]) -> list[int]:
@@ -80,7 +80,7 @@ def _worker_exit_codes(proc: subprocess.CompletedProcess[str]) -> list[int]:
 def _statuses(tracker: Path) -> list[tuple[int, str]]:
     out = []
     for line in tracker.read_text().splitlines():
-        assert f"iteration={BAD} " in line, line
+        assert f"iteration={BAD + 1} " in line, line  # numbered as logged
         out.append((int(line.split(" rank=")[1].split()[0]), line.split(" status=")[1].split()[0]))
     return out
 
@@ -166,8 +166,8 @@ def test_correct_result_attributed_by_automatic_restart_then_skipped(tmp_path: P
         (1, "initial_run"), (1, "first_rerun_reproducible"), (1, "second_rerun_reproducible")
     ]  # fmt: skip
     assert "device=gpu1-restart1" in tracker.read_text().splitlines()[-1]
-    assert f"Will skip these iterations from tracker file: [{BAD}]" in log
-    assert f"Iteration {BAD} is skipped (--iterations-to-skip)" in log
-    assert f"skipping iteration {BAD} (0-based" in log
+    assert f"Will skip these iterations from tracker file: [{BAD + 1}]" in log
+    assert f"Iteration {BAD + 1} is skipped (--iterations-to-skip)" in log
+    assert f"skipping iteration {BAD + 1} (--iterations-to-skip)" in log
     assert "exiting program at iteration 4" in log
     assert json.loads((save / "exit_reason.json").read_text())["reason"] == "finished"

@@ -105,7 +105,7 @@ def train(
     *,
     start: int = 0,
     stop: int = 5,
-    skip: Collection[int] = (),
+    skip: Collection[int] = (),  # numbered from 1 like the tracker file and the log
     loss_check: LossCheck = check_loss,
     grad_check: bool = True,
     counter: SyncCounter | None = None,
@@ -116,7 +116,7 @@ def train(
     fwd = ddp if ddp is not None else model
     passes = 0
     for it in range(start, stop):
-        if it in skip:
+        if it + 1 in skip:
             for _ in range(MICRO):
                 next(data)
             continue

@@ -87,7 +87,7 @@ def test_transient_error_exits_17_without_checkpoint(tmp_path: Path) -> None:
     assert out.passes == FAIL_AT + 2  # the failed iteration ran twice
     rows = _tracker(tracker)
     assert [r["status"] for r in rows] == ["initial_run", "first_rerun_not_reproducible"]
-    assert {r["iteration"] for r in rows} == {str(FAIL_AT)}
+    assert {r["iteration"] for r in rows} == {str(FAIL_AT + 1)}  # numbered as logged
     # The optimizer never stepped on the rejected iteration.
     for a, b in zip(params(out.model), _reference_params(FAIL_AT)):
         assert torch.equal(a, b)
@@ -128,14 +128,14 @@ def test_reproducible_error_checkpoint_restart_and_diagnosis(
         "first_rerun_reproducible",
         expected_second,
     ]
-    assert {r["iteration"] for r in rows} == {str(FAIL_AT)}
+    assert {r["iteration"] for r in rows} == {str(FAIL_AT + 1)}  # numbered as logged
     assert {r["device"] for r in rows} == {"gpu0", "gpu1"}
 
     # Skip list round trip: a real (reproduced) bad result is skipped at the same iteration.
     skip = read_iterations_to_skip(str(tracker))
-    assert skip == ([FAIL_AT] if kind == "correct_result" else [])
+    assert skip == ([FAIL_AT + 1] if kind == "correct_result" else [])
     if skip:
-        assert resolve_iterations_to_skip(config) == [FAIL_AT]
+        assert resolve_iterations_to_skip(config) == [FAIL_AT + 1]
         model, opt = fresh()
         sm = RerunStateMachine(mode="validate_results")
         done = train(sm, model, opt, make_batches(N), config, start=start, stop=N, skip=skip)
@@ -160,7 +160,7 @@ def test_spiky_loss_is_non_fatal_and_training_continues(tmp_path: Path) -> None:
     assert (out.code, out.passes) == (0, N + 1)
     rows = _tracker(tracker)
     assert [r["status"] for r in rows] == ["initial_run", "first_rerun_reproducible"]
-    assert {r["iteration"] for r in rows} == {str(N - 1)}
+    assert {r["iteration"] for r in rows} == {str(N)}  # loop index N - 1
 
 
 def test_non_fatal_injection_continues_and_injection_resumes() -> None:
@@ -200,7 +200,7 @@ def test_stats_mode_still_rejects_nan() -> None:
 
 
 def test_disabled_mode_raises_on_nan_and_warns_on_spike(caplog: Any) -> None:
-    with pytest.raises(RuntimeError, match="iteration 1: Unexpected result nan"):
+    with pytest.raises(RuntimeError, match="iteration 2: Unexpected result nan"):
         _run(RerunConfig(rerun_mode="disabled"), None, batches=make_batches(N, nan_at={1}))
 
 

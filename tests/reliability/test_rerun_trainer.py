@@ -1,7 +1,7 @@
 """The rerun state machine inside the reference trainer, one rank, in process.
 
 Errors are injected deterministically (``--error-injection-rate 1 --error-injection-iterations 3``:
-the first validation call of 0-based iteration 3 is corrupted). Each test checks the diagnosis,
+the first validation call of iteration 4 as logged, loop index 3, is corrupted). Each test checks the diagnosis,
 the exit code, the checkpoint (or its absence), the tracker lines, the log messages, and that the
 parameters equal those of a fault-free run (a rejected iteration never steps the optimizer).
 """
@@ -23,13 +23,14 @@ from stalwart.train.trainer import Trainer, TrainOutcome, run_training
 from train_utils import TINY_FLAGS, assert_params_equal, load_params, make_config
 
 ITERS = ["--train-iters", "6", "--seed", "5"]
-BAD = 3  # the 0-based iteration that is injected
+BAD = 3  # loop index of the injected iteration = iterations completed when it fails
+LOGGED = BAD + 1  # its number in the log, the tracker and the iteration flags
 
 
 def _inject(kind: str, save: Path, tracker: Path, *extra: str) -> list[str]:
     return [*ITERS, "--save", str(save), "--result-rejected-tracker-filename", str(tracker),
             "--error-injection-rate", "1", "--error-injection-type", kind,
-            "--error-injection-iterations", str(BAD), *extra]  # fmt: skip
+            "--error-injection-iterations", str(LOGGED), *extra]  # fmt: skip
 
 
 def _train(args: list[str]) -> tuple[TrainOutcome, dict[str, torch.Tensor]]:
@@ -42,7 +43,7 @@ def _train(args: list[str]) -> tuple[TrainOutcome, dict[str, torch.Tensor]]:
 
 def _statuses(tracker: Path) -> list[str]:
     lines = tracker.read_text().splitlines()
-    assert all(f"iteration={BAD} " in line for line in lines), lines
+    assert all(f"iteration={LOGGED} " in line for line in lines), lines
     return [line.split(" status=")[1].split()[0] for line in lines]
 
 
@@ -140,16 +141,16 @@ def test_correct_result_then_tracker_skips_that_iteration(
         "initial_run", "first_rerun_reproducible", "second_rerun_reproducible"
     ]  # fmt: skip
 
-    # Resume without injection: the tracker lists iteration 3 (two reproducible reports of
+    # Resume without injection: the tracker lists iteration 4 (two reproducible reports of
     # rank 0), the loop skips exactly it, and the pending rerun of it is dropped.
     caplog.clear()
     capsys.readouterr()
     clean = [*ITERS, "--save", str(save), "--result-rejected-tracker-filename", str(tracker)]
     outcome, _ = _train(clean)
     assert (outcome.exit_code, outcome.iteration) == (0, 6)
-    assert f"Will skip these iterations from tracker file: [{BAD}]" in caplog.text
-    assert f"Iteration {BAD} is skipped (--iterations-to-skip)" in caplog.text
-    assert f"skipping iteration {BAD} (0-based" in capsys.readouterr().out
+    assert f"Will skip these iterations from tracker file: [{LOGGED}]" in caplog.text
+    assert f"Iteration {LOGGED} is skipped (--iterations-to-skip)" in caplog.text
+    assert f"skipping iteration {LOGGED} (--iterations-to-skip)" in capsys.readouterr().out
     assert "Second rerun" not in caplog.text
 
 
@@ -209,10 +210,10 @@ def test_evaluation_runs_with_validation_disabled(reference: Path) -> None:
         (["--error-injection-rate", "-1"], "--error-injection-rate"),
         (["--error-injection-rate", "1", "--rerun-mode", "disabled"], "--error-injection-rate"),
         (["--error-injection-iterations", "3"], "--error-injection-iterations"),
-        (["--error-injection-rate", "1", "--error-injection-iterations", "-2"],
+        (["--error-injection-rate", "1", "--error-injection-iterations", "0"],
          "--error-injection-iterations"),
         (["--error-injection-rate", "1", "--error-injection-ranks", "x"], "--error-injection-ranks"),
-        (["--iterations-to-skip", "-1"], "--iterations-to-skip"),
+        (["--iterations-to-skip", "0"], "--iterations-to-skip"),
         (["--rerun-mode", "validate"], "--rerun-mode"),
         (["--result-rejected-tracker-filename", "/proc/nope/tracker.txt"],
          "--result-rejected-tracker-filename"),

@@ -30,9 +30,8 @@ FT_FLAGS = ["--enable-ft", "--ft-num-warmup-iters", "2", "--ft-timeouts",
 
 
 def _error_injection(kind: str, plan: FaultPlan) -> list[str]:
-    # The rerun injector counts iterations from 0; the plan (like the log) from 1.
     return ["--error-injection-rate", "1", "--error-injection-type", kind,
-            "--error-injection-iterations", str(plan.iteration - 1),
+            "--error-injection-iterations", str(plan.iteration),
             "--error-injection-ranks", str(plan.rank)]  # fmt: skip
 
 

@@ -120,8 +120,8 @@ EXPECTED: dict[ChaosFault, Expectation] = {
 class FaultPlan:
     """Where one fault strikes.
 
-    ``iteration`` is 1-based (the number the training log prints) for every kind; for the rerun
-    kinds the injector's 0-based index is ``iteration - 1``. For the checkpoint kinds it is the
+    ``iteration`` is 1-based (the number the training log, ``--error-injection-iterations`` and
+    the tracker file use) for every kind. For the checkpoint kinds it is the
     iteration whose checkpoint is hit (a multiple of the save interval).
     """
 

@@ -149,11 +149,18 @@ def _rerun_flags(p: argparse.ArgumentParser) -> None:
         "--error-injection-iterations",
         type=int,
         nargs="+",
-        help="0-based iterations eligible for injection (with --error-injection-rate 1: exactly)",
+        help="iterations (numbered from 1, as logged) eligible for injection "
+        "(with --error-injection-rate 1: exactly)",
     )
     g.add_argument("--error-injection-ranks", type=int, nargs="+", help="ranks that inject")
     g.add_argument("--result-rejected-tracker-filename")
-    g.add_argument("--iterations-to-skip", type=int, nargs="*", default=[])
+    g.add_argument(
+        "--iterations-to-skip",
+        type=int,
+        nargs="*",
+        default=[],
+        help="iterations (numbered from 1, as logged) to skip without training",
+    )
 
 
 def _fault_tolerance_flags(p: argparse.ArgumentParser) -> None:

@@ -88,7 +88,7 @@ class Components:
     energy: Any
     forward_step: GPTForwardStep
     eval_forward_step: GPTForwardStep
-    iterations_to_skip: frozenset[int] = frozenset()
+    iterations_to_skip: frozenset[int] = frozenset()  # numbered from 1, as logged
     flops_per_iteration: float = 0.0
     closers: list[Any] = field(default_factory=list)
 

@@ -201,7 +201,7 @@ class Trainer:
         c.rerun.set_iteration(it)
         with c.sections.step_section():
             c.faults.maybe_inject(it + 1, self.ctx.rank, "step")
-            if it in c.iterations_to_skip:
+            if it + 1 in c.iterations_to_skip:  # numbered like the log line
                 return self._skip_iteration()
             c.observer.begin_iteration(it + 1)
             result = train_step(c.step_parts, c.train_iterator)
@@ -214,8 +214,7 @@ class Trainer:
         self.c.rerun.skip_iteration(it)  # drops a pending rerun of this iteration
         for _ in range(self.c.num_microbatches):
             next(self.c.sampler)
-        # 0-based, like --iterations-to-skip and the tracker file; the log line counts from 1.
-        self.print(f"skipping iteration {it} (0-based; logged as {it + 1}) (--iterations-to-skip)")
+        self.print(f"skipping iteration {it + 1} (--iterations-to-skip)")
         self.event(EventKind.SKIPPED, "--iterations-to-skip")
         return StepResult(skipped=True)
 

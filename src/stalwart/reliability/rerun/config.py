@@ -29,11 +29,13 @@ class RerunConfig:
         error_injection_type: ``--error-injection-type``: transient_error | persistent_error |
             correct_result.
         error_injection_seed: seed of the injector's private RNG.
-        error_injection_iterations: ``--error-injection-iterations``: only these 0-based
-            iterations may be injected (None: any). With rate 1 this targets an iteration exactly.
+        error_injection_iterations: ``--error-injection-iterations``: only these iterations may
+            be injected (None: any), numbered from 1 as in the training log. With rate 1 this
+            targets an iteration exactly.
         error_injection_ranks: ``--error-injection-ranks``: only these ranks inject (None: any).
         result_rejected_tracker_filename: ``--result-rejected-tracker-filename``.
-        iterations_to_skip: ``--iterations-to-skip``: 0-based iterations the loop skips.
+        iterations_to_skip: ``--iterations-to-skip``: iterations the loop skips, numbered from 1
+            like the training log, the tracker file and Megatron's flag.
         spiky_loss_factor / large_grads_factor: threshold factors over the sampled max (10).
     """
 
@@ -60,18 +62,18 @@ class RerunConfig:
         bad = [
             i
             for i in self.iterations_to_skip
-            if isinstance(i, bool) or not isinstance(i, int) or i < 0
+            if isinstance(i, bool) or not isinstance(i, int) or i < 1
         ]
         if bad:
             raise ValueError(
-                f"--iterations-to-skip must be 0-based iteration indices >= 0; got {bad}"
+                f"--iterations-to-skip must be iteration numbers >= 1 (as logged); got {bad}"
             )
-        for flag, values in (
-            ("--error-injection-iterations", self.error_injection_iterations),
-            ("--error-injection-ranks", self.error_injection_ranks),
+        for flag, values, low in (
+            ("--error-injection-iterations", self.error_injection_iterations, 1),
+            ("--error-injection-ranks", self.error_injection_ranks, 0),
         ):
-            if values is not None and not _all_non_negative_ints(values):
-                raise ValueError(f"{flag} must be integers >= 0; got {list(values)}")
+            if values is not None and not _all_ints_at_least(values, low):
+                raise ValueError(f"{flag} must be integers >= {low}; got {list(values)}")
         for flag, value in (
             ("--spiky-loss-factor", self.spiky_loss_factor),
             ("--large-grads-factor", self.large_grads_factor),
@@ -99,12 +101,13 @@ class RerunConfig:
         return RerunDiagnostic.parse(self.error_injection_type)
 
 
-def _all_non_negative_ints(values: list[int]) -> bool:
-    return all(not isinstance(v, bool) and isinstance(v, int) and v >= 0 for v in values)
+def _all_ints_at_least(values: list[int], low: int) -> bool:
+    return all(not isinstance(v, bool) and isinstance(v, int) and v >= low for v in values)
 
 
 def resolve_iterations_to_skip(config: RerunConfig) -> list[int]:
-    """``--iterations-to-skip`` merged with what the tracker file says (sorted, 0-based)."""
+    """``--iterations-to-skip`` merged with what the tracker file says (sorted, numbered from 1
+    as logged: iteration N is the one whose 0-based loop index is N - 1)."""
     skip = set(config.iterations_to_skip)
     if config.result_rejected_tracker_filename:
         skip.update(read_iterations_to_skip(config.result_rejected_tracker_filename))
@@ -124,7 +127,12 @@ def make_state_machine(
         config.injection_type,
         seed=config.error_injection_seed,
         ranks=config.error_injection_ranks,
-        at_iterations=config.error_injection_iterations,
+        # The flag counts from 1 like the log; the injector sees the loop's 0-based index.
+        at_iterations=(
+            None
+            if config.error_injection_iterations is None
+            else [i - 1 for i in config.error_injection_iterations]
+        ),
     )
     return RerunStateMachine(
         mode=config.mode,

@@ -146,7 +146,8 @@ class RerunStateMachine(EventMixin):
         logger.warning("RerunStateMachine mode set to %s", self.mode.value)
 
     def set_iteration(self, iteration: int) -> None:
-        """The 0-based index of the iteration about to run (used in every message and tracker line).
+        """The 0-based index of the iteration about to run (messages and tracker lines print it
+        + 1, the number the training log shows).
 
         The next ``should_run_forward_backward`` call that starts an iteration uses it as is
         instead of incrementing the counter (a loop may call this, then omit ``iteration=``).
@@ -241,7 +242,7 @@ class RerunStateMachine(EventMixin):
         self.set_iteration(iteration)
         if self.state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
             self._log0(
-                f"Iteration {iteration} is skipped (--iterations-to-skip): "
+                f"Iteration {iteration + 1} is skipped (--iterations-to-skip): "
                 "dropping its pending rerun from checkpoint"
             )
             self._finish_event()
@@ -344,7 +345,9 @@ class RerunStateMachine(EventMixin):
         if not any_rejected:
             self.state = RerunState.NOT_RUNNING_YET
             return False
-        self._log0(f"Need to rerun iteration {self.iteration} to check the result is reproducible")
+        self._log0(
+            f"Need to rerun iteration {self.iteration + 1} to check the result is reproducible"
+        )
         self._begin_rerun(iterators)
         return True
 

@@ -4,8 +4,9 @@ One line per event, Megatron's format::
 
     ts=<datetime> node=<host> device=<id> jobID=<id> rank=<r> iteration=<i> status=<s> result=<v> message='<m>'
 
-``iteration`` is the 0-based index of the iteration, the same number in every run of it and the
-same number the training loop compares against ``--iterations-to-skip``.
+``iteration`` counts from 1 as in Megatron and in the training log line (the machine's 0-based
+loop index + 1): the same number in every run of it and the number ``--iterations-to-skip``
+takes.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ class TrackerFile:
         result: float,
         message: str,
     ) -> None:
-        """Append one line; an I/O error is logged, never raised (the run matters more)."""
+        """Append one line for the 0-based loop index ``iteration`` (written as ``iteration + 1``);
+        an I/O error is logged, never raised (the run matters more)."""
         line = (
             f"ts={datetime.datetime.now()} node={identity[0]} device={identity[1]} "
-            f"jobID={job_id()} rank={rank} iteration={iteration} status={status.value} "
+            f"jobID={job_id()} rank={rank} iteration={iteration + 1} status={status.value} "
             f"result={result!r} message={message!r}\n"
         )
         try:
@@ -79,7 +81,7 @@ def _parse_status(text: str) -> RerunValidationStatus | None:
 
 
 def read_iterations_to_skip(tracker_path: str) -> list[int]:
-    """0-based iterations to skip, derived from a tracker file.
+    """Iterations to skip (numbered from 1, as written), derived from a tracker file.
 
     An iteration is skipped when the same (rank, iteration) was reported twice with a status
     meaning "the bad result is real" (``rerun_disabled``, ``first_rerun_reproducible``,

@@ -87,7 +87,7 @@ class EventMixin:
             self._track(RerunValidationStatus.INITIAL_RUN, v, spec.message)
             logger.error(
                 "Unexpected result %s on rank %d at iteration %d invocation #%d (message='%s')",
-                v, self.rank, self.iteration, rec.key[2], spec.message,
+                v, self.rank, self.iteration + 1, rec.key[2], spec.message,
             )  # fmt: skip
             return True
         self.injector.clear()
@@ -179,7 +179,8 @@ class EventMixin:
     def _describe(self, message: str) -> str:
         node, device = device_identity()
         return (
-            f"Rank {self.rank}, node {node}, device {device}, iteration {self.iteration}: {message}"
+            f"Rank {self.rank}, node {node}, device {device}, "
+            f"iteration {self.iteration + 1}: {message}"
         )
 
     def _log_failure(self, message: str, fatal: bool) -> None:
