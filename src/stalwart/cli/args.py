@@ -47,6 +47,13 @@ def _data_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--valid-fraction", type=float, default=0.02)
     g.add_argument("--no-shuffle", dest="shuffle", action="store_false")
+    g.add_argument(
+        "--num-workers",
+        type=int,
+        default=0,
+        help="DataLoader worker processes reading micro-batches ahead (0: read in the loop); "
+        "they ignore the exit signal so a job-wide SIGTERM still ends in a save",
+    )
 
 
 def _training_flags(p: argparse.ArgumentParser) -> None:

@@ -123,8 +123,15 @@ class DataConfig:
     data_dtype: str = "uint16"
     valid_fraction: float = 0.02
     shuffle: bool = True
+    num_workers: int = 0  # --num-workers: DataLoader processes reading ahead (0: in the loop)
 
     def __post_init__(self) -> None:
+        _require(
+            not isinstance(self.num_workers, bool)
+            and isinstance(self.num_workers, int)
+            and self.num_workers >= 0,
+            f"--num-workers must be an integer >= 0 (got {self.num_workers!r})",
+        )
         _require(
             self.data_dtype in ("uint16", "uint32"),
             f"--data-dtype: got {self.data_dtype!r}, allowed: uint16, uint32",

@@ -11,6 +11,7 @@ from stalwart.data.corpus import (
     load_corpus,
 )
 from stalwart.data.datasets import TokenDataset, build_datasets, check_vocab, load_tokens
+from stalwart.data.loader import WorkerMicroBatchIterator
 from stalwart.data.sampler import (
     MicroBatchIterator,
     calculate_num_microbatches,
@@ -23,6 +24,7 @@ __all__ = [
     "Corpus",
     "MicroBatchIterator",
     "TokenDataset",
+    "WorkerMicroBatchIterator",
     "build_corpus",
     "build_datasets",
     "calculate_num_microbatches",

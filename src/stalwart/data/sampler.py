@@ -106,21 +106,36 @@ class MicroBatchIterator:
         n = len(self.dataset)
         return int(self._epoch_order(g // n)[g % n])
 
+    @property
+    def samples_per_micro_batch_step(self) -> int:
+        """Global samples one micro-batch step consumes (all DP ranks together)."""
+        return self.micro_batch_size * self.dp_size
+
+    def indices_at(self, consumed: int) -> list[int]:
+        """Dataset indices of this rank's micro-batch of the step that starts at ``consumed``."""
+        start = consumed + self.dp_rank * self.micro_batch_size
+        return [self.global_sample_index(start + j) for j in range(self.micro_batch_size)]
+
     def next_indices(self) -> list[int]:
         """Dataset indices of this rank's next micro-batch (does not advance the state)."""
-        start = self._consumed + self.dp_rank * self.micro_batch_size
-        return [self.global_sample_index(start + j) for j in range(self.micro_batch_size)]
+        return self.indices_at(self._consumed)
+
+    def batch_at(self, consumed: int) -> dict[str, torch.Tensor]:
+        """This rank's micro-batch of the step starting at ``consumed`` (pure: no state change,
+        so data-loader workers can produce any position ahead of time)."""
+        windows = np.stack([self.dataset.window(i) for i in self.indices_at(consumed)])
+        batch = torch.from_numpy(windows)
+        out = {"input_ids": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
+        if self.pin_memory:
+            out = {k: v.pin_memory() for k, v in out.items()}
+        return out
 
     def __iter__(self) -> MicroBatchIterator:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        windows = np.stack([self.dataset.window(i) for i in self.next_indices()])
-        batch = torch.from_numpy(windows)
-        out = {"input_ids": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
-        if self.pin_memory:
-            out = {k: v.pin_memory() for k, v in out.items()}
-        self._consumed += self.micro_batch_size * self.dp_size
+        out = self.batch_at(self._consumed)
+        self._consumed += self.samples_per_micro_batch_step
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from stalwart.config.run import RunConfig
 from stalwart.data import (
     MicroBatchIterator,
     TokenDataset,
+    WorkerMicroBatchIterator,
     build_datasets,
     calculate_num_microbatches,
 )
@@ -48,7 +49,7 @@ from stalwart.reliability.rerun import (
     resolve_iterations_to_skip,
 )
 from stalwart.reliability.sections import NullSectionMonitor, SectionMonitor, build_section_monitor
-from stalwart.reliability.signals import DistributedSignalHandler
+from stalwart.reliability.signals import DataLoaderWorkerSignalGuard, DistributedSignalHandler
 from stalwart.train.forward_step import GPTForwardStep
 from stalwart.train.graphed import check_graph_flags
 from stalwart.train.observe import StepObserver
@@ -70,7 +71,7 @@ class Components:
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler
     loss_scaler: NullLossScaler
-    sampler: MicroBatchIterator
+    sampler: MicroBatchIterator | WorkerMicroBatchIterator
     train_iterator: RerunDataIterator[Any]
     valid_dataset: TokenDataset
     num_microbatches: int
@@ -255,6 +256,28 @@ def _build_observability(
     return timers, sink, log, observer, providers[2]
 
 
+def _build_sampler(
+    config: RunConfig, ctx: DistributedContext, train_ds: TokenDataset
+) -> MicroBatchIterator | WorkerMicroBatchIterator:
+    pin = ctx.device.type == "cuda"
+    workers = config.data.num_workers
+    source = MicroBatchIterator(
+        train_ds,
+        config.training.micro_batch_size,
+        ctx.rank,
+        ctx.world_size,
+        seed=config.training.seed,
+        shuffle=config.data.shuffle,
+        pin_memory=pin and workers == 0,  # with workers, the DataLoader pins in this process
+    )
+    if workers == 0:
+        return source
+    # Workers ignore the exit signal: a job-wide SIGTERM (scancel) must not end them while this
+    # process finishes the step and saves; they stop with close() or with this process.
+    guard = DataLoaderWorkerSignalGuard([config.exit.signal_enum])
+    return WorkerMicroBatchIterator(source, workers, pin_memory=pin, worker_init_fn=guard)
+
+
 def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     """Construct the model, optimizer, data, checkpointing and reliability/observability shell."""
     closers: list[Any] = []
@@ -296,15 +319,9 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         state_save_func=loss_scaler.state_dict,
         state_restore_func=loss_scaler.load_state_dict,
     )
-    sampler = MicroBatchIterator(
-        train_ds,
-        config.training.micro_batch_size,
-        ctx.rank,
-        ctx.world_size,
-        seed=config.training.seed,
-        shuffle=config.data.shuffle,
-        pin_memory=ctx.device.type == "cuda",
-    )
+    sampler = _build_sampler(config, ctx, train_ds)
+    if isinstance(sampler, WorkerMicroBatchIterator):
+        closers.append(sampler.close)
     train_iterator: RerunDataIterator[Any] = RerunDataIterator(sampler)
     forward_step = GPTForwardStep(
         ctx.device,
