@@ -137,6 +137,20 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-tokens-per-expert", action="store_true")
     g.add_argument("--dump-stats-only", action="store_true", help="summary statistics, not tensors")
     g.add_argument("--run-dir", help="where run artefacts (events, memory, report) go")
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the iterations logged as --profile-step-start + 1 .. --profile-step-end",
+    )
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument(
+        "--use-pytorch-profiler",
+        action="store_true",
+        help="torch.profiler Chrome traces (else a cudaProfilerStart/Stop range for nsys)",
+    )
+    g.add_argument("--profile-dir", help="where traces go (default: <run dir>/profile)")
     g.add_argument("--no-progress-bar", dest="progress_bar", action="store_false")
 
 

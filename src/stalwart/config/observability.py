@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from stalwart.observability.profiler import validate_profile_window
 
 
 @dataclass(kw_only=True)
@@ -29,8 +31,18 @@ class ObservabilityConfig:
     log_dgrads: bool = False
     log_tokens_per_expert: bool = False
     dump_stats_only: bool = False
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    use_pytorch_profiler: bool = False
+    profile_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.profile:
+            validate_profile_window(
+                self.profile_step_start, self.profile_step_end, self.profile_ranks
+            )
         if self.timing_mode not in ("sync", "events"):
             raise ValueError(f"--timing-mode: got {self.timing_mode!r}, allowed: sync, events")
         if self.straggler_threshold <= 1.0:

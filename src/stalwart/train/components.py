@@ -34,6 +34,7 @@ from stalwart.models import GPT, num_floating_point_operations
 from stalwart.observability.dumps import DumpConfig, make_tensor_dumper
 from stalwart.observability.energy import make_energy_meter
 from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryMonitor, theoretical_memory
+from stalwart.observability.profiler import NullProfilerWindow, ProfilerWindow, make_profiler_window
 from stalwart.observability.sinks import MetricSink, build_sinks
 from stalwart.observability.straggler import make_straggler_detector
 from stalwart.observability.timers import BATCH_GENERATOR, Timers, TimingMode
@@ -87,6 +88,7 @@ class Components:
     step_parts: StepParts
     observer: StepObserver
     energy: Any
+    profiler: ProfilerWindow
     forward_step: GPTForwardStep
     eval_forward_step: GPTForwardStep
     iterations_to_skip: frozenset[int] = frozenset()  # numbered from 1, as logged
@@ -222,6 +224,24 @@ def _build_probes(
     return [straggler, memory, energy], StepObserver(straggler, dumper)
 
 
+def _build_profiler(config: RunConfig, ctx: DistributedContext) -> ProfilerWindow:
+    obs = config.obs
+    if not obs.profile:
+        return NullProfilerWindow()
+    run_dir = run_dir_of(config)
+    out_dir = obs.profile_dir or os.path.join(run_dir or ".", "profile")
+    return make_profiler_window(
+        True,
+        obs.profile_step_start,
+        obs.profile_step_end,
+        out_dir=out_dir,
+        rank=ctx.rank,
+        device=ctx.device,
+        use_pytorch_profiler=obs.use_pytorch_profiler,
+        ranks=obs.profile_ranks,
+    )
+
+
 def _build_observability(
     config: RunConfig, ctx: DistributedContext, flops: float, model: GPT
 ) -> tuple[Timers, MetricSink, TrainingLog, StepObserver, Any]:
@@ -348,7 +368,8 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     if not graphed:  # inside a captured graph host timers would be frozen at capture
         forward_step.batch_timer = timers(BATCH_GENERATOR)
     step_parts.observer = observer if observer.enabled else None
-    closers.extend([sink.close, log.close, observer.close, energy.close])
+    profiler = _build_profiler(config, ctx)
+    closers.extend([sink.close, log.close, observer.close, energy.close, profiler.close])
     handler = None
     if config.exit.exit_signal_handler:
         handler = DistributedSignalHandler(config.exit.signal_enum)
@@ -378,6 +399,7 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         step_parts=step_parts,
         observer=observer,
         energy=energy,
+        profiler=profiler,
         forward_step=forward_step,
         # Eval losses are still checked (the machine is disabled then: a NaN raises, a spike warns).
         eval_forward_step=GPTForwardStep(

@@ -199,6 +199,7 @@ class Trainer:
         c, it = self.c, self.state.iteration
         c.scheduler.set_iteration(it)
         c.rerun.set_iteration(it)
+        c.profiler.on_iteration_start(it)
         with c.sections.step_section():
             c.faults.maybe_inject(it + 1, self.ctx.rank, "step")
             if it + 1 in c.iterations_to_skip:  # numbered like the log line
@@ -222,6 +223,7 @@ class Trainer:
         c, cfg = self.c, self.config
         self.state.iteration += 1
         self.state.consumed_samples += c.global_batch_size
+        c.profiler.on_iteration_end(self.state.iteration)
         it = self.state.iteration
         is_log = it % cfg.log.log_interval == 0 or it == 1
         norm = (
