@@ -64,6 +64,18 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument(
+        "--manual-gc",
+        action="store_true",
+        help="disable Python's automatic GC; collect at the same iterations on every rank",
+    )
+    g.add_argument(
+        "--manual-gc-interval",
+        type=int,
+        default=0,
+        help="with --manual-gc: collect every N iterations (0: only around evaluation)",
+    )
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**16)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000)

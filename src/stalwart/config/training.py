@@ -91,6 +91,9 @@ class TrainingConfig:
     use_torch_fsdp2: bool = False
     compile: bool = False
     distributed_timeout_minutes: float = 10.0
+    manual_gc: bool = False  # --manual-gc: Python's GC only at fixed iterations, on every rank
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
 
     def __post_init__(self) -> None:
         _require(
@@ -113,6 +116,10 @@ class TrainingConfig:
             self.eval_interval >= 0, f"--eval-interval must be >= 0 (got {self.eval_interval})"
         )
         _require(self.eval_iters >= 0, f"--eval-iters must be >= 0 (got {self.eval_iters})")
+        _require(
+            self.manual_gc_interval >= 0,
+            f"--manual-gc-interval must be >= 0 (got {self.manual_gc_interval})",
+        )
 
 
 @dataclass(kw_only=True)

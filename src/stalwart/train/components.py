@@ -53,6 +53,7 @@ from stalwart.reliability.sections import NullSectionMonitor, SectionMonitor, bu
 from stalwart.reliability.signals import DataLoaderWorkerSignalGuard, DistributedSignalHandler
 from stalwart.train.forward_step import GPTForwardStep
 from stalwart.train.graphed import check_graph_flags
+from stalwart.train.manual_gc import ManualGC, NullManualGC, make_manual_gc
 from stalwart.train.observe import StepObserver
 from stalwart.train.precision import NullLossScaler, autocast_context, build_loss_scaler
 from stalwart.train.schedule import LRScheduler
@@ -89,6 +90,7 @@ class Components:
     observer: StepObserver
     energy: Any
     profiler: ProfilerWindow
+    manual_gc: ManualGC | NullManualGC
     forward_step: GPTForwardStep
     eval_forward_step: GPTForwardStep
     iterations_to_skip: frozenset[int] = frozenset()  # numbered from 1, as logged
@@ -369,6 +371,9 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         forward_step.batch_timer = timers(BATCH_GENERATOR)
     step_parts.observer = observer if observer.enabled else None
     profiler = _build_profiler(config, ctx)
+    t = config.training
+    manual_gc = make_manual_gc(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval)
+    closers.append(manual_gc.close)
     closers.extend([sink.close, log.close, observer.close, energy.close, profiler.close])
     handler = None
     if config.exit.exit_signal_handler:
@@ -400,6 +405,7 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         observer=observer,
         energy=energy,
         profiler=profiler,
+        manual_gc=manual_gc,
         forward_step=forward_step,
         # Eval losses are still checked (the machine is disabled then: a NaN raises, a spike warns).
         eval_forward_step=GPTForwardStep(

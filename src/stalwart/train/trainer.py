@@ -224,6 +224,7 @@ class Trainer:
         self.state.iteration += 1
         self.state.consumed_samples += c.global_batch_size
         c.profiler.on_iteration_end(self.state.iteration)
+        c.manual_gc.on_iteration_end(self.state.iteration)
         it = self.state.iteration
         is_log = it % cfg.log.log_interval == 0 or it == 1
         norm = (
@@ -247,6 +248,7 @@ class Trainer:
     def run_evaluation(self) -> dict[str, float]:
         """Evaluate on the held-out split with validation checks disabled."""
         c, cfg = self.c, self.config
+        c.manual_gc.on_evaluation()
         c.sections.start_evaluation()
         data = make_eval_iterator(
             c.valid_dataset, cfg.training.micro_batch_size, self.ctx.rank, self.ctx.world_size
@@ -261,6 +263,7 @@ class Trainer:
             step_section=lambda: c.sections.step_section(is_eval=True),
         )
         c.log.on_eval(self.state.iteration, losses, consumed_samples=self.state.consumed_samples)
+        c.manual_gc.on_evaluation()
         return losses
 
     def _decide(self) -> ExitDecision:
