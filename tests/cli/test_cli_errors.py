@@ -26,6 +26,17 @@ def _train(*args: str) -> list[str]:
         (["--exit-signal", "SIGNOPE"], "--exit-signal"),
         (["--num-attention-heads", "3"], "--num-attention-heads"),
         (["--preset", "huge"], "--preset"),
+        (["--num-workers", "-1"], "--num-workers"),
+        (["--manual-gc", "--manual-gc-interval", "-3"], "--manual-gc-interval"),
+        (
+            ["--check-weight-hash-across-dp-replicas-interval", "-1"],
+            "--check-weight-hash-across-dp-replicas-interval",
+        ),
+        (
+            ["--check-weight-hash-across-dp-replicas-interval", "2", "--use-torch-fsdp2"],
+            "--use-torch-fsdp2",
+        ),
+        (["--inject-fault", "bitflip"], "--inject-fault-iteration"),
         # Hang detection, graceful exit and fault injection (issue 4).
         (["--ft-timeouts", "stepp=3"], "--ft-timeouts: bad entry"),
         (["--ft-timeouts", "step=-1"], "--ft-timeouts: step must be"),

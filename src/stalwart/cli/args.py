@@ -188,6 +188,13 @@ def _rerun_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--error-injection-ranks", type=int, nargs="+", help="ranks that inject")
     g.add_argument("--result-rejected-tracker-filename")
     g.add_argument(
+        "--check-weight-hash-across-dp-replicas-interval",
+        type=int,
+        default=0,
+        help="every N iterations and before every save, compare weight fingerprints across "
+        "data-parallel replicas (silent data corruption); a mismatch exits 17 without saving",
+    )
+    g.add_argument(
         "--iterations-to-skip",
         type=int,
         nargs="*",
@@ -207,7 +214,7 @@ def _fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=float)
     g.add_argument("--exit-interval", type=int)
     g.add_argument("--phase-transition-iterations", type=int, nargs="*", default=[])
-    g.add_argument("--inject-fault", choices=("hang", "exception", "sigkill", "sigterm"))
+    g.add_argument("--inject-fault", choices=("hang", "exception", "sigkill", "sigterm", "bitflip"))
     g.add_argument("--inject-fault-iteration", type=int)
     g.add_argument("--inject-fault-hang-seconds", type=float)
     g.add_argument("--inject-fault-rank", type=int, default=0)

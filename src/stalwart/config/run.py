@@ -188,3 +188,11 @@ def check_combinations(config: RunConfig) -> None:
         raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
     if config.faults.inject_fault and not config.checkpoint.save:
         raise ValueError("--inject-fault needs --save (the fired-once marker lives there)")
+    if (
+        config.rerun.check_weight_hash_across_dp_replicas_interval
+        and config.training.use_torch_fsdp2
+    ):
+        raise ValueError(
+            "--check-weight-hash-across-dp-replicas-interval compares replicated weights; with "
+            "--use-torch-fsdp2 every rank holds a different shard (use it with DDP)"
+        )

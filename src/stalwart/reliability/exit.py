@@ -61,6 +61,7 @@ class ExitReason(Enum):
     PHASE = "phase"
     FINISHED = "finished"
     RERUN = "rerun"
+    REPLICA_MISMATCH = "replica_mismatch"
     FAILED = "failed"
 
 

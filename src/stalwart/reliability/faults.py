@@ -14,6 +14,9 @@ Kinds, fired on rank R when the trainer calls ``maybe_inject(N, rank, phase)``:
   parent, the torchrun agent, which forwards SIGTERM to *every* local worker as a scheduler
   would; otherwise to this process itself. With ``--exit-signal-handler`` this exercises the
   graceful save-and-exit path; training continues until the next exit decision.
+* ``bitflip``: silent data corruption: flips one bit of one weight on that rank only (through the
+  ``corrupt_weights`` callback the trainer provides), so its replica drifts from the others
+  without any error; ``--check-weight-hash-across-dp-replicas-interval`` must catch it.
 
 Once per job: before firing, the injector atomically creates
 ``<marker_dir>/.stalwart_fault_fired_<kind>_<iteration>_<rank>`` (O_CREAT|O_EXCL) and keeps an
@@ -35,6 +38,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -52,6 +56,7 @@ class FaultKind(Enum):
     EXCEPTION = "exception"
     SIGKILL = "sigkill"
     SIGTERM = "sigterm"
+    BITFLIP = "bitflip"
 
 
 class InjectedFault(RuntimeError):
@@ -136,6 +141,9 @@ class FaultInjector:
         self.hang_seconds = hang_seconds
         self.marker_dir = Path(marker_dir) if marker_dir is not None else None
         self.fired = False
+        # The bitflip fault needs the model; the owner of the weights sets this (keeps this
+        # module free of torch).
+        self.corrupt_weights: Callable[[], str] | None = None
         if self.marker_dir is None:
             logger.warning(
                 "fault injection without a marker directory: a restarted job fires again"
@@ -200,6 +208,10 @@ class FaultInjector:
             os.kill(os.getppid() if under_torchrun else os.getpid(), signal.SIGTERM)
         elif self.kind is FaultKind.HANG:
             self._hang()
+        elif self.kind is FaultKind.BITFLIP:
+            if self.corrupt_weights is None:
+                raise RuntimeError("--inject-fault bitflip: no corrupt_weights callback was set")
+            logger.error("FAULT INJECTION: %s", self.corrupt_weights())
 
     def _hang(self) -> None:
         deadline = None if self.hang_seconds is None else time.monotonic() + self.hang_seconds

@@ -7,6 +7,7 @@ trainer owns and that in-process restart can throw away and build again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -40,6 +41,7 @@ from stalwart.observability.straggler import make_straggler_detector
 from stalwart.observability.timers import BATCH_GENERATOR, Timers, TimingMode
 from stalwart.observability.train_log import TrainingLog
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector, build_fault_injector
+from stalwart.reliability.replica_check import ReplicaConsistencyChecker, flip_parameter_bit
 from stalwart.reliability.rerun import (
     RerunDataIterator,
     RerunStateMachine,
@@ -85,6 +87,7 @@ class Components:
     log: TrainingLog
     sections: SectionMonitor | NullSectionMonitor
     faults: FaultInjector | NullFaultInjector
+    replica_checker: ReplicaConsistencyChecker
     signal_handler: DistributedSignalHandler | None
     step_parts: StepParts
     observer: StepObserver
@@ -325,6 +328,8 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     train_ds, valid_ds, num_microbatches, gbs = _build_data(config, ctx)
     seed_everything(config.training.seed)  # identical initial weights on every rank
     raw_model = GPT(config.model).to(ctx.device)
+    if isinstance(faults, FaultInjector):  # --inject-fault bitflip corrupts this rank's weights
+        faults.corrupt_weights = functools.partial(flip_parameter_bit, raw_model)
     if config.training.compile:
         # In place (nn.Module.compile): parameter names and checkpoints stay unchanged. Under a
         # full-iteration graph Inductor's own CUDA graphs are off (they cannot nest).
@@ -400,6 +405,9 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         log=log,
         sections=sections,
         faults=faults,
+        replica_checker=ReplicaConsistencyChecker(
+            config.rerun.check_weight_hash_across_dp_replicas_interval
+        ),
         signal_handler=handler,
         step_parts=step_parts,
         observer=observer,

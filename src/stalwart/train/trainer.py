@@ -29,7 +29,11 @@ from stalwart.reliability.exit import (
     gather_exit_inputs,
     write_exit_reason,
 )
-from stalwart.reliability.rerun import capture_rng_state, restore_rng_state
+from stalwart.reliability.rerun import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    capture_rng_state,
+    restore_rng_state,
+)
 from stalwart.reliability.sections import Section
 from stalwart.train.components import Components, build_components, run_dir_of
 from stalwart.train.evaluate import evaluate
@@ -189,6 +193,9 @@ class Trainer:
                 break
             self._after_iteration(result)
             decision = self._decide()
+            outcome = self._maybe_check_replicas(before_save=decision.save is not SaveKind.NONE)
+            if outcome is not None:
+                break
             if decision.save is not SaveKind.NONE:
                 self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
             if decision.exit:
@@ -290,6 +297,28 @@ class Trainer:
         # A non-zero exit makes torchrun kill the other ranks: leave together, after rank 0 wrote.
         collectives.barrier()
         return TrainOutcome(result.exit_code, ExitReason.RERUN, self.state.iteration, detail)
+
+    def _maybe_check_replicas(self, before_save: bool) -> TrainOutcome | None:
+        """``--check-weight-hash-across-dp-replicas-interval``: compare the replicas' weights at
+        its iterations and before every save (never write a checkpoint from diverged replicas).
+        Every rank reaches the same answer; a mismatch exits 17 without saving, so the launcher
+        resumes from the last checkpoint, which passed this check when it was written."""
+        checker, it = self.c.replica_checker, self.state.iteration
+        if not (checker.should_check(it) or (before_save and checker.enabled)):
+            return None
+        result = checker.check(self.c.raw_model)
+        if result.consistent:
+            return None
+        detail = f"iteration {it}: {result.describe()}"
+        logger.error("%s; exiting without a checkpoint", detail)
+        self.event(EventKind.EXIT, detail)
+        self._record_exit(
+            ExitReason.REPLICA_MISMATCH, detail, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+        )
+        collectives.barrier()  # leave together, after rank 0 wrote the exit reason
+        return TrainOutcome(
+            EXIT_CODE_FAILED_ON_RESULT_VALIDATION, ExitReason.REPLICA_MISMATCH, it, detail
+        )
 
     def _finish(self, decision: ExitDecision) -> TrainOutcome:
         reason = decision.reason or ExitReason.FINISHED

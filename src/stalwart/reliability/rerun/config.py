@@ -37,6 +37,9 @@ class RerunConfig:
         iterations_to_skip: ``--iterations-to-skip``: iterations the loop skips, numbered from 1
             like the training log, the tracker file and Megatron's flag.
         spiky_loss_factor / large_grads_factor: threshold factors over the sampled max (10).
+        check_weight_hash_across_dp_replicas_interval: every N iterations (0: never, also
+            before every save when on) compare fingerprints of the weights across
+            data-parallel replicas; a mismatch exits 17 without saving.
     """
 
     rerun_mode: RerunMode | str = RerunMode.VALIDATE_RESULTS
@@ -52,6 +55,7 @@ class RerunConfig:
     iterations_to_skip: list[int] = field(default_factory=list)
     spiky_loss_factor: float = 10.0
     large_grads_factor: float = 10.0
+    check_weight_hash_across_dp_replicas_interval: int = 0
 
     def __post_init__(self) -> None:
         self.rerun_mode = RerunMode.parse(self.rerun_mode)
@@ -74,6 +78,11 @@ class RerunConfig:
         ):
             if values is not None and not _all_ints_at_least(values, low):
                 raise ValueError(f"{flag} must be integers >= {low}; got {list(values)}")
+        if self.check_weight_hash_across_dp_replicas_interval < 0:
+            raise ValueError(
+                "--check-weight-hash-across-dp-replicas-interval must be >= 0 (0: off); got "
+                f"{self.check_weight_hash_across_dp_replicas_interval}"
+            )
         for flag, value in (
             ("--spiky-loss-factor", self.spiky_loss_factor),
             ("--large-grads-factor", self.large_grads_factor),
