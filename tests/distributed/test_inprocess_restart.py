@@ -60,6 +60,17 @@ def test_exception_in_rank1_restarts_in_process_and_matches_fault_free_run(
         assert _per_rank(save, rank)["rerun"] == _per_rank(baseline, rank)["rerun"]
 
 
+def test_restart_rebuilds_dataloader_workers_and_stays_exact(tmp_path, baseline) -> None:
+    """With ``--num-workers 2`` the restart closes the old workers (their read-ahead belongs to the
+    failed attempt) and starts new ones at the checkpoint's position: still bitwise equal."""
+    save = tmp_path / "workers"
+    proc = run_cli([*COMMON, "--save", str(save), *FAULT, "--inject-fault-iteration", "6",
+                    "--num-workers", "2"], nproc=2, env=ENV)  # fmt: skip
+    _ok(proc)
+    assert "in-process restart attempt 1: process group rebuilt" in _out(proc)
+    assert_params_equal(load_params(baseline), load_params(save))
+
+
 def test_async_save_in_flight_is_completed_or_discarded(tmp_path, baseline) -> None:
     save = tmp_path / "async"
     # The fault fires one iteration after the async save of iteration 4 started.

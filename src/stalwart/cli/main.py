@@ -1,4 +1,4 @@
-"""``stalwart`` console script: ``stalwart train | report | chaos``.
+"""``stalwart`` console script: ``stalwart train | report | chaos | checkpoints | export``.
 
 Bad flags or values exit with code 2 and one line naming the flag; never a traceback.
 """
@@ -10,7 +10,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-USAGE = "usage: stalwart {train,report,chaos} [flags]  (stalwart <command> --help)"
+USAGE = (
+    "usage: stalwart {train,report,chaos,checkpoints,export} [flags]  (stalwart <command> --help)"
+)
 
 
 def _setup_logging() -> None:
@@ -56,8 +58,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from stalwart.cli.chaos import main_chaos
 
         return main_chaos(rest)
+    if command == "checkpoints":
+        from stalwart.cli.checkpoints import main_checkpoints
+
+        return main_checkpoints(rest)
+    if command == "export":
+        from stalwart.cli.checkpoints import main_export
+
+        return main_export(rest)
     sys.stderr.write(
-        f"stalwart: error: unknown command {command!r}; allowed: train, report, chaos\n"
+        f"stalwart: error: unknown command {command!r}; "
+        "allowed: train, report, chaos, checkpoints, export\n"
     )
     return 2
 

@@ -1,0 +1,154 @@
+"""``stalwart checkpoints <dir>`` (inspect, verify) and ``stalwart export`` (one weights file).
+
+``stalwart checkpoints DIR [--verify]`` lists every checkpoint under a ``--save`` directory (and its
+``non_persistent/`` tier): iteration, complete or not, saved world size, size on disk, which one
+the tracker names, and leftover ``*.tmp-*`` directories of crashed saves. ``--verify`` also runs
+the integrity check a resume runs (marker, metadata, every shard as long as its metadata says);
+the exit code is 1 when the checkpoint a resume would load is not loadable, so an operator or a
+pre-launch hook can test a directory before spending a job on it.
+
+``stalwart export --load DIR [--iteration N] --out FILE [--dtype bf16]`` writes the model weights
+of one checkpoint as a single ``torch.save`` file, ``{"model": state_dict, "model_config": {...},
+"iteration": N, "source": path}``: whatever the number of ranks that saved it (DCP reshards),
+no optimizer state, loadable with ``torch.load(FILE, weights_only=True)`` into
+``stalwart.models.GPT(GPTConfig(**model_config))``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+EXIT_OK = 0
+EXIT_NOT_LOADABLE = 1
+EXIT_USAGE = 2
+NON_PERSISTENT_SUBDIR = "non_persistent"
+_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(path)
+        for name in names
+    )
+
+
+def _describe_tier(root: str, verify: bool) -> tuple[list[str], str | None]:
+    """Lines describing one checkpoint root, and the problem of the newest complete checkpoint
+    (what a resume would load) when ``verify`` (None: loadable or nothing to load)."""
+    from stalwart.checkpoint import CheckpointError, layout
+
+    try:
+        tracker = layout.read_tracker(root)
+        lines = [f"{root}: tracker names {tracker if tracker is not None else 'nothing'}"]
+    except CheckpointError as exc:
+        tracker, lines = None, [f"{root}: BROKEN tracker: {exc}"]
+    names = sorted(n for n in os.listdir(root) if layout.parse_iteration_dir_name(n) is not None)
+    newest_problem: str | None = None
+    for name in names:
+        path = os.path.join(root, name)
+        iteration = layout.parse_iteration_dir_name(name)
+        facts = _metadata(path)
+        state = "complete" if layout.is_complete(path) else "INCOMPLETE"
+        problem = layout.check_files(path) if verify else None
+        if verify:
+            state += ", verified" if problem is None else f", BROKEN: {problem}"
+        mark = " <- tracker" if iteration == tracker else ""
+        world = facts.get("world_size", "?")
+        mib = _dir_bytes(path) / 2**20
+        lines.append(f"  {name}  {state}  saved by {world} rank(s)  {mib:.1f} MiB{mark}")
+        if iteration == tracker:
+            newest_problem = problem
+    lines += [f"  leftover partial save: {p}" for p in sorted(layout.list_tmp_dirs(root))]
+    return lines, newest_problem
+
+
+def _metadata(path: str) -> dict[str, Any]:
+    from stalwart.checkpoint import layout
+
+    try:
+        with open(os.path.join(path, layout.METADATA_FILENAME), encoding="utf-8") as f:
+            data = json.load(f)
+            return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def main_checkpoints(argv: list[str] | None = None) -> int:
+    """``stalwart checkpoints``: 0 listed (and the tracked checkpoint verified), 1 the tracked
+    checkpoint is broken, 2 no such directory or bad usage."""
+    p = argparse.ArgumentParser(prog="stalwart checkpoints", description=__doc__.splitlines()[0])
+    p.add_argument("save_dir", help="a --save directory")
+    p.add_argument("--verify", action="store_true", help="check markers, metadata and shards")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    if not os.path.isdir(args.save_dir):
+        print(f"stalwart checkpoints: error: {args.save_dir} is not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    roots = [args.save_dir]
+    tier = os.path.join(args.save_dir, NON_PERSISTENT_SUBDIR)
+    if os.path.isdir(tier):
+        roots.append(tier)
+    broken = False
+    for root in roots:
+        lines, problem = _describe_tier(root, args.verify)
+        print("\n".join(lines))
+        broken = broken or problem is not None
+    return EXIT_NOT_LOADABLE if broken else EXIT_OK
+
+
+def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
+    import torch
+
+    from stalwart.checkpoint import CheckpointManager, layout
+    from stalwart.models import GPT, GPTConfig
+
+    if iteration is None:
+        iteration = layout.read_tracker(load)
+        if iteration is None:
+            raise ValueError(f"--load {load}: no {layout.TRACKER_FILENAME}; pass --iteration")
+    path = os.path.join(load, layout.iteration_dir_name(iteration))
+    problem = layout.check_files(path)
+    if problem is not None:
+        raise ValueError(f"--load {load}: checkpoint {path} is not loadable: {problem}")
+    common = torch.load(os.path.join(path, layout.COMMON_FILENAME), weights_only=False)
+    model_config = dict(common["config"]["model"])
+    model = GPT(GPTConfig(**model_config))
+    CheckpointManager(None, load).load(model, None, load_optim=False, iteration=iteration)
+    cast = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    state = {k: v.detach().to(cast) for k, v in model.state_dict().items()}
+    payload = {"model": state, "model_config": model_config, "iteration": iteration,
+               "source": os.path.abspath(path)}  # fmt: skip
+    tmp = f"{out}.tmp-{os.getpid()}"
+    torch.save(payload, tmp)
+    os.replace(tmp, out)  # never leave a half-written file under the final name
+    num = sum(v.numel() for v in state.values())
+    return f"exported iteration {iteration} ({num:,} values, {dtype}) from {path} to {out}"
+
+
+def main_export(argv: list[str] | None = None) -> int:
+    """``stalwart export``: 0 written; 2 bad usage or a checkpoint that cannot be loaded."""
+    p = argparse.ArgumentParser(prog="stalwart export", description="Write one checkpoint's "
+                                "model weights as a single torch.save file.")  # fmt: skip
+    p.add_argument("--load", required=True, help="a --save directory")
+    p.add_argument("--iteration", type=int, help="default: the one the tracker names")
+    p.add_argument("--out", required=True, help="output file (written atomically)")
+    p.add_argument("--dtype", default="fp32", choices=_DTYPES)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    from stalwart.checkpoint import CheckpointError
+
+    try:
+        print(_export(args.load, args.iteration, args.out, args.dtype))
+    except (ValueError, OSError, CheckpointError) as exc:
+        print(f"stalwart export: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
