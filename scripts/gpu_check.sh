@@ -36,6 +36,14 @@ step train_eager 120 "${TRAIN[@]}" --save "$SCRATCH/ckpt_eager" --metrics-file "
 step train_graphs_injected 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
   --error-injection-rate 1 --error-injection-type transient_error --error-injection-iterations 13 \
   --result-rejected-tracker-filename "$WORK/tracker.txt"
+# New since the last GPU run: DataLoader workers with pinned memory, a CUDA profiler window,
+# the replica check's cost (nothing to compare on one GPU: fingerprints + host read vs a step).
+step train_workers_profile 120 "${TRAIN[@]}" --num-workers 2 --profile --use-pytorch-profiler \
+  --profile-step-start 10 --profile-step-end 12 --profile-dir "$SCRATCH/profile" \
+  --check-weight-hash-across-dp-replicas-interval 10 --manual-gc --manual-gc-interval 10
+cp "$SCRATCH"/profile/ops_*.txt "$WORK"/ 2>/dev/null  # the trace itself is large: table only
+step replica_check 120 python3 bench/replica_check.py --preset gpt2-124m --device cuda --bf16 \
+  --json "$WORK/replica_check.json"
 
 BENCH=(python3 bench/step_bench.py --device cuda --bf16 --rounds "$ROUNDS" --iters "$ITERS")
 step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,rerun,timers,dumps,graphs --json "$WORK/bench_tiny.json"
@@ -51,7 +59,7 @@ for f in "$WORK"/train_*.log; do echo "== $f"; grep -v DEBUG "$f" | tail -6; don
 for f in "$WORK"/bench_*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -A 40 "^preset=" "$f" | grep -v "DEBUG\|INFO\|WARN" | tail -25; }
 done
-for f in "$WORK"/memory.log "$WORK"/ckpt_save.log; do
+for f in "$WORK"/memory.log "$WORK"/ckpt_save.log "$WORK"/replica_check.log; do
   [ -f "$f" ] && { echo "== $f"; grep -v "DEBUG\|INFO\|WARN\|^\[rank" "$f" | tail -14; }
 done
 grep -E "^FAILED|^ERROR|passed|failed" "$WORK/gpu_tests.log" | tail -8

@@ -106,6 +106,38 @@ def spiky_loss(ctx: Context, plan: FaultPlan) -> FaultResult:
     return res
 
 
+def silent_corruption(ctx: Context, plan: FaultPlan) -> FaultResult:
+    """One bit of one weight flips on one rank (``--inject-fault bitflip``): nothing errors, but
+    the replica check before the next save finds the diverged weights, exits 17 without saving;
+    the relaunch resumes from the last checkpoint, which was checked when it was written."""
+    res, save = new_result(plan), ctx.save_dir(plan)
+    check = ["--check-weight-hash-across-dp-replicas-interval", str(ctx.save_interval)]
+    first = ctx.launch(plan, "1-fault", ctx.spec(save, [*check, *_inject("bitflip", plan)]))
+    record = exit_reason(save)
+    res.exit_code = record.get("exit_code", first.worker_code())
+    res.launch_exit_codes.append(res.exit_code if res.exit_code is not None else first.code)
+    caught_at = int(record.get("iteration", -1))
+    detect(
+        res,
+        plan.kind,
+        record.get("reason") == "replica_mismatch" and plan.iteration <= caught_at,
+        f"exit reason {record}",
+    )
+    res.check(
+        caught_at <= plan.iteration - 1 + ctx.save_interval,
+        f"caught at {caught_at}, after the first save following the flip at {plan.iteration}",
+    )
+    second = ctx.launch(plan, "2-relaunch", ctx.spec(save, check))
+    res.launch_exit_codes.append(second.code)
+    expected_resume = ctx.last_save_before(plan.iteration - 1)
+    resumes = [it for _, _, it in second.resumes()]
+    res.check(resumes == [expected_resume], f"relaunch resumed at {resumes}, not {expected_resume}")
+    res.seconds_to_recover = recovery_seconds(first.first_time("FAULT INJECTION"), second)
+    res.iterations_redone = count_redone([first, second])
+    finish_recoverable(ctx, res, save, second)
+    return res
+
+
 def hang(ctx: Context, plan: FaultPlan) -> FaultResult:
     """One rank sleeps inside a step: its hang watchdog dumps the stack and kills it after the
     ``step`` timeout; torchrun restarts the job, which resumes from the last checkpoint."""
@@ -214,6 +246,7 @@ SCENARIOS = {
     ChaosFault.TRANSIENT_NAN: transient_nan,
     ChaosFault.PERSISTENT_NAN: persistent_nan,
     ChaosFault.SPIKY_LOSS: spiky_loss,
+    ChaosFault.SILENT_CORRUPTION: silent_corruption,
     ChaosFault.HANG: hang,
     ChaosFault.SIGKILL: sigkill,
     ChaosFault.SIGTERM_LAUNCHER: sigterm_launcher,

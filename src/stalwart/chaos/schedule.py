@@ -18,6 +18,7 @@ class ChaosFault(enum.Enum):
     TRANSIENT_NAN = "transient_nan"
     PERSISTENT_NAN = "persistent_nan"
     SPIKY_LOSS = "spiky_loss"
+    SILENT_CORRUPTION = "silent_corruption"
     HANG = "hang"
     SIGKILL = "sigkill"
     SIGTERM_LAUNCHER = "sigterm_launcher"
@@ -63,6 +64,12 @@ EXPECTED: dict[ChaosFault, Expectation] = {
         "rerun state machine: spiky-loss check (non-fatal), in-place rerun",
         "continue (no exit)",
         EXIT_OK,
+        True,
+    ),
+    ChaosFault.SILENT_CORRUPTION: Expectation(
+        "replica check: weight fingerprints differ across DP replicas (before the next save)",
+        "exit 17 without saving, relaunch from the last (checked) checkpoint",
+        EXIT_VALIDATION_FAILED,
         True,
     ),
     ChaosFault.HANG: Expectation(

@@ -1,0 +1,121 @@
+"""Benchmark: cost of the replica weight check (``--check-weight-hash-across-dp-replicas-interval``)
+relative to a training iteration, side by side in one process.
+
+Per round, one reference trainer iteration and one replica fingerprint (device kernels plus the
+one host read the check makes after its all-gather) are timed back to back on the same model, the
+device synchronised before and after each. The all-gather itself (one int64 per parameter, e.g.
+150 values for gpt2-124m) is not timed here: with one process there is nothing to gather, and its
+size is negligible next to the gradient all-reduce of every iteration.
+
+Reported: median (p10-p90) ms of each, and the overhead of checking every N iterations,
+``check / (N x step)``, for N = 1 (worst case) and N = 100.
+
+    PYTHONPATH=src python3 bench/replica_check.py --preset small --device cpu --iters 10
+    PYTHONPATH=src python3 bench/replica_check.py --preset gpt2-124m --device cuda --bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from stalwart.cli.args import parse_train_args
+from stalwart.config.run import build_run_config
+from stalwart.distributed.process_group import DistributedContext
+from stalwart.models import PRESET_MICRO_BATCH_SIZE
+from stalwart.reliability.replica_check import parameter_fingerprints
+from stalwart.train.components import build_components
+from stalwart.train.step import train_step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _timed(fn, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    ctx = DistributedContext(device=device)
+    mbs = args.micro_batch_size or PRESET_MICRO_BATCH_SIZE[args.preset]
+    flags = ["--preset", args.preset, "--micro-batch-size", str(mbs),
+             "--global-batch-size", str(mbs * args.num_microbatches),
+             "--train-iters", str(10**6), "--no-progress-bar"]  # fmt: skip
+    flags += ["--use-cpu"] if device.type == "cpu" else []
+    flags += ["--bf16"] if args.bf16 else []
+    c = build_components(build_run_config(parse_train_args(flags), flags), ctx)
+    iteration = [0]
+
+    def step() -> None:
+        c.scheduler.set_iteration(iteration[0])
+        c.rerun.set_iteration(iteration[0])
+        train_step(c.step_parts, c.train_iterator)
+        iteration[0] += 1
+
+    def check() -> None:
+        parameter_fingerprints(c.raw_model).tolist()  # the check's one host read
+
+    for _ in range(args.warmup):
+        step()
+        check()
+    steps, checks = [], []
+    for r in range(args.iters):  # alternate the order so drift hits both alike
+        pair = [(steps, step), (checks, check)]
+        for times, fn in pair if r % 2 == 0 else reversed(pair):
+            times.append(_timed(fn, device))
+    c.close()
+    step_ms, check_ms = statistics.median(steps), statistics.median(checks)
+    return {
+        "preset": args.preset,
+        "device": str(device),
+        "num_parameters": sum(p.numel() for p in c.raw_model.parameters()),
+        "num_tensors": len(list(c.raw_model.parameters())),
+        "step_ms": [step_ms, _pct(steps, 0.1), _pct(steps, 0.9)],
+        "check_ms": [check_ms, _pct(checks, 0.1), _pct(checks, 0.9)],
+        "overhead_every_1": check_ms / step_ms,
+        "overhead_every_100": check_ms / (100 * step_ms),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", choices=("tiny", "small", "gpt2-124m"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--num-microbatches", type=int, default=4)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json")
+    args = p.parse_args()
+    out = run(args)
+    s, k = out["step_ms"], out["check_ms"]
+    print(f"{out['preset']} on {out['device']}: {out['num_parameters']:,} parameters in "
+          f"{out['num_tensors']} tensors")  # fmt: skip
+    print(f"  step  {s[0]:9.2f} ms ({s[1]:.2f}-{s[2]:.2f})")
+    print(f"  check {k[0]:9.2f} ms ({k[1]:.2f}-{k[2]:.2f})")
+    print(f"  overhead checking every iteration: {100 * out['overhead_every_1']:.2f}%, "
+          f"every 100: {100 * out['overhead_every_100']:.4f}%")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
