@@ -127,3 +127,26 @@ def test_wandb_offline_gets_the_same_keys(tmp_path: Path, monkeypatch: pytest.Mo
     _drive(FanOutSink([tb, wb]))
     tb_keys = set(_tensorboard_scalars(str(tmp_path / "tb")))
     assert _wandb_history_keys(str(tmp_path)) == tb_keys == EXPECTED_KEYS
+
+
+def test_wandb_run_continues_across_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's id file keeps one W&B run across restarts; without it each start is new."""
+    try:
+        import wandb  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        pytest.skip(f"wandb cannot be imported: {exc}")
+    from stalwart.observability.sinks import WandbSink
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    id_file = tmp_path / "run" / "wandb_run_id.txt"
+    ids = []
+    for _ in range(2):  # a first start and a restart
+        sink = WandbSink("p", save_dir=str(tmp_path), mode="offline", resume_file=str(id_file))
+        ids.append(sink._run.id)
+        sink.close()
+    assert ids[0] == ids[1] == id_file.read_text().strip()
+    other = WandbSink("p", save_dir=str(tmp_path), mode="offline")
+    assert other._run.id != ids[0]
+    other.close()

@@ -99,6 +99,11 @@ class WandbSink:
     ``WANDB_MODE`` from the environment. W&B needs a monotonic step, so the sink does not pass
     ``step=`` to W&B: it logs each call as one row with an explicit x-axis column, ``iteration`` for
     ordinary keys and ``samples`` for ``"... vs samples"`` keys (declared with ``define_metric``).
+
+    ``resume_file`` (the trainer passes ``<run dir>/wandb_run_id.txt``) keeps one W&B run across
+    restarts: the first start writes its run id there, every later start (torchrun restart,
+    in-process restart, relaunch after exit 16/17) continues that run (``resume="allow"``)
+    instead of scattering the job over several runs.
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class WandbSink:
         save_dir: str | None = None,
         config: Mapping[str, Any] | None = None,
         mode: str | None = None,
+        resume_file: str | None = None,
     ) -> None:
         if mode is not None and mode not in WANDB_MODES:
             raise ValueError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}, got {mode!r}")
@@ -121,13 +127,18 @@ class WandbSink:
             ) from exc
         if save_dir:
             os.makedirs(save_dir, exist_ok=True)
+        run_id = _read_run_id(resume_file)
         self._run = wandb.init(
             project=project,
             name=exp_name,
             dir=save_dir,
             config=dict(config or {}),
             mode=cast(Any, mode),  # validated above; wandb's stub wants a Literal
+            id=run_id,
+            resume="allow" if run_id else None,
         )
+        if resume_file and not run_id:
+            _write_run_id(resume_file, str(self._run.id))
         self._run.define_metric("iteration")
         self._run.define_metric("samples")
         self._defined: set[str] = set()
@@ -162,6 +173,24 @@ class WandbSink:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def _read_run_id(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _write_run_id(path: str, run_id: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(run_id + "\n")
+    os.replace(tmp, path)  # a crash never leaves a half-written id behind
 
 
 def _json_number(value: Any) -> Any:
@@ -258,6 +287,7 @@ def build_sinks(
     wandb_exp_name: str | None = None,
     wandb_save_dir: str | None = None,
     wandb_mode: str | None = None,
+    wandb_resume_file: str | None = None,
     config: Mapping[str, Any] | None = None,
 ) -> MetricSink:
     """The sink for this rank from config values: NullSink unless rank 0 configured a back-end.
@@ -278,7 +308,11 @@ def build_sinks(
         save_dir = wandb_save_dir or (
             os.path.join(tensorboard_dir, "wandb") if tensorboard_dir else None
         )
-        children.append(WandbSink(wandb_project, wandb_exp_name, save_dir, config, wandb_mode))
+        children.append(
+            WandbSink(
+                wandb_project, wandb_exp_name, save_dir, config, wandb_mode, wandb_resume_file
+            )
+        )
     if not children:
         return NullSink()
     return children[0] if len(children) == 1 else FanOutSink(children)

@@ -250,7 +250,7 @@ def _build_profiler(config: RunConfig, ctx: DistributedContext) -> ProfilerWindo
 def _build_observability(
     config: RunConfig, ctx: DistributedContext, flops: float, model: GPT
 ) -> tuple[Timers, MetricSink, TrainingLog, StepObserver, Any]:
-    obs = config.obs
+    obs, run_dir = config.obs, run_dir_of(config)
     timers = Timers(
         obs.timing_log_level,
         obs.timing_log_option,
@@ -264,6 +264,8 @@ def _build_observability(
         wandb_exp_name=obs.wandb_exp_name,
         wandb_save_dir=obs.wandb_save_dir,
         wandb_mode=obs.wandb_mode,
+        # Restarts and relaunches continue the same W&B run (the id lives with the run).
+        wandb_resume_file=os.path.join(run_dir, "wandb_run_id.txt") if run_dir else None,
         config=config.to_dict(),
     )
     providers, observer = _build_probes(config, ctx, model, sink)
