@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -428,11 +429,15 @@ class CheckpointManager:
         load_optim: bool = True,
         iteration: int | None = None,
         strict: bool = True,
+        check_common: Callable[[dict[str, Any]], None] | None = None,
     ) -> LoadedCheckpoint | None:
         """Load the newest checkpoint (or ``iteration``) into ``model``/``optimizer`` in place.
 
         Rank 0 chooses the checkpoint and broadcasts it, so all ranks load the same iteration.
         ``load_optim=False`` (``--no-load-optim``/``--finetune``) restores only the model.
+        ``check_common(common)`` runs on the checkpoint's small ``common`` dict before any tensor
+        is read; a ``ValueError`` from it (e.g. the model was saved with other shapes) propagates
+        as is: the checkpoint is fine, the run does not match it, so no fallback applies.
 
         Returns:
             None when there is nothing to load (no tracker anywhere), else the restored metadata.
@@ -450,7 +455,7 @@ class CheckpointManager:
                 return None
             started = time.monotonic()
             problem, loaded = self._try_load(
-                choice, model, optimizer if load_optim else None, strict
+                choice, model, optimizer if load_optim else None, strict, check_common
             )
             if problem is None and loaded is not None:
                 if self._rank == 0:
@@ -484,7 +489,12 @@ class CheckpointManager:
         return choice
 
     def _try_load(
-        self, choice: Choice, model: nn.Module, optimizer: Optimizer | None, strict: bool
+        self,
+        choice: Choice,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        strict: bool,
+        check_common: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[str | None, LoadedCheckpoint | None]:
         """Two agreed phases: small files, then DCP tensors; returns (problem, result)."""
         problem = None
@@ -495,6 +505,8 @@ class CheckpointManager:
             problem = f"checkpoint {choice.path} is unreadable on rank {self._rank}: {exc}"
         if collectives.all_reduce_any([problem is not None], self._group)[0] or small is None:
             return problem or f"checkpoint {choice.path} is unreadable on another rank", None
+        if check_common is not None:
+            check_common(small[0])  # same file on every rank: every rank raises alike
         try:
             state = dcp_io.gather_state(model, optimizer)
             dcp_io.load_into(state, choice.path, self._group, strict)

@@ -37,6 +37,7 @@ from stalwart.reliability.rerun import (
 from stalwart.reliability.sections import Section
 from stalwart.train.components import Components, build_components, run_dir_of
 from stalwart.train.evaluate import evaluate
+from stalwart.train.resume_checks import check_model_matches
 from stalwart.train.step import StepResult, params_norm, train_step
 
 logger = logging.getLogger("stalwart.train")
@@ -150,7 +151,13 @@ class Trainer:
         if cfg.load_dir is None:
             return
         load_optim = not (cfg.no_load_optim or cfg.finetune)
-        loaded = c.checkpoint.load(c.model, c.optimizer, load_optim=load_optim)
+        current = self.config.to_dict()["model"]
+        loaded = c.checkpoint.load(
+            c.model,
+            c.optimizer,
+            load_optim=load_optim,
+            check_common=lambda common: check_model_matches(common, current, logger.warning),
+        )
         if loaded is None:
             return
         c.sections.on_checkpoint_loaded(persistent=not loaded.non_persistent)
