@@ -27,6 +27,7 @@ def _train(*args: str) -> list[str]:
         (["--num-attention-heads", "3"], "--num-attention-heads"),
         (["--preset", "huge"], "--preset"),
         (["--num-workers", "-1"], "--num-workers"),
+        (["--data-path", "0.3", "a.bin", "0.7"], "--data-path"),
         (["--manual-gc", "--manual-gc-interval", "-3"], "--manual-gc-interval"),
         (
             ["--check-weight-hash-across-dp-replicas-interval", "-1"],

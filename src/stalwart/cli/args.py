@@ -40,7 +40,10 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 def _data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument(
-        "--data-path", help="file.txt (bytes) or file.bin (token ids); default: embedded corpus"
+        "--data-path",
+        nargs="+",
+        help="file.txt (bytes) or file.bin (token ids); several (equal weights) or "
+        "'w1 p1 w2 p2 ...' blend them; default: the embedded corpus",
     )
     g.add_argument(
         "--data-dtype", default="uint16", help="token dtype of a .bin file: uint16|uint32"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from stalwart.data.blend import parse_data_blend
+
 
 class LRDecayStyle(enum.StrEnum):
     """``--lr-decay-style`` values."""
@@ -126,7 +128,7 @@ class TrainingConfig:
 class DataConfig:
     """Where training tokens come from (``--data-path``; none = the embedded stdlib corpus)."""
 
-    data_path: str | None = None
+    data_path: str | list[str] | None = None  # one path, paths, or weight-path pairs
     data_dtype: str = "uint16"
     valid_fraction: float = 0.02
     shuffle: bool = True
@@ -139,6 +141,11 @@ class DataConfig:
             and self.num_workers >= 0,
             f"--num-workers must be an integer >= 0 (got {self.num_workers!r})",
         )
+        if isinstance(self.data_path, list | tuple):
+            # One path stays a string (as before); a blend is checked for its syntax now.
+            paths = [str(p) for p in self.data_path]
+            self.data_path = paths[0] if len(paths) == 1 else paths
+        parse_data_blend(self.data_path)
         _require(
             self.data_dtype in ("uint16", "uint32"),
             f"--data-dtype: got {self.data_dtype!r}, allowed: uint16, uint32",

@@ -1,5 +1,6 @@
 """Datasets (embedded stdlib corpus, text, ``.bin`` token files) and resumable DP samplers."""
 
+from stalwart.data.blend import BlendedDataset, SampleSource, parse_data_blend
 from stalwart.data.corpus import (
     DEFAULT_CORPUS_MAX_BYTES,
     EXPECTED_CORPUS_SHA256,
@@ -21,8 +22,10 @@ from stalwart.data.sampler import (
 __all__ = [
     "DEFAULT_CORPUS_MAX_BYTES",
     "EXPECTED_CORPUS_SHA256",
+    "BlendedDataset",
     "Corpus",
     "MicroBatchIterator",
+    "SampleSource",
     "TokenDataset",
     "WorkerMicroBatchIterator",
     "build_corpus",
@@ -35,4 +38,5 @@ __all__ = [
     "load_corpus",
     "load_tokens",
     "make_eval_iterator",
+    "parse_data_blend",
 ]

@@ -2,16 +2,19 @@
 
 Data sources (``--data-path``): none -> the embedded stdlib corpus (bytes); ``*.bin`` -> a raw
 little-endian array of ``--data-dtype`` (uint16 or uint32), memory-mapped; anything else -> a
-text/binary file read as bytes (uint8, vocabulary 256).
+text/binary file read as bytes (uint8, vocabulary 256). Several sources, optionally weighted,
+are blended (`stalwart.data.blend`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from stalwart.data.blend import BlendedDataset, SampleSource, parse_data_blend
 from stalwart.data.corpus import load_corpus
 
 _BIN_DTYPES = ("uint16", "uint32")
@@ -106,33 +109,49 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, source: str) -> None:
             )
 
 
+def _split_source(
+    data_path: str, seq_length: int, vocab_size: int, data_dtype: str, valid_fraction: float
+) -> tuple[TokenDataset, TokenDataset]:
+    tokens = load_tokens(data_path, data_dtype)
+    check_vocab(tokens, vocab_size, f"--data-path {data_path!r}")
+    split = int((1.0 - valid_fraction) * tokens.shape[0])
+    return TokenDataset(tokens[:split], seq_length), TokenDataset(tokens[split:], seq_length)
+
+
 def build_datasets(
-    data_path: str | None,
+    data_path: str | Sequence[str] | None,
     seq_length: int,
     vocab_size: int,
     data_dtype: str = "uint16",
     valid_fraction: float = 0.02,
-) -> tuple[TokenDataset, TokenDataset]:
+) -> tuple[SampleSource, SampleSource]:
     """Return ``(train, valid)`` datasets over disjoint token ranges.
 
     The embedded corpus (``data_path=None``) is split at a file boundary so the validation set is
     roughly the last ``valid_fraction`` of bytes as whole files; other sources split at token
-    ``floor((1 - valid_fraction) * n)``. Raises ``ValueError`` naming ``--vocab-size`` for
-    out-of-range tokens, ``--seq-length`` when a split is too short for one sample, and
-    ``--valid-fraction`` unless ``0 < valid_fraction < 1``.
+    ``floor((1 - valid_fraction) * n)``. Several sources (``--data-path 0.3 a 0.7 b``, see
+    `stalwart.data.blend`) are split one by one, then blended by weight. Raises ``ValueError``
+    naming ``--vocab-size`` for out-of-range tokens, ``--seq-length`` when a split is too short
+    for one sample, ``--valid-fraction`` unless ``0 < valid_fraction < 1`` and ``--data-path``
+    for a malformed blend.
     """
     if not 0.0 < valid_fraction < 1.0:
         raise ValueError(f"--valid-fraction must be in (0, 1), got {valid_fraction!r}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"--vocab-size must be an integer >= 1, got {vocab_size!r}")
-    if data_path is None:
+    blend = parse_data_blend(data_path)
+    if blend is None:
         corpus = load_corpus()
-        tokens = corpus.tokens
+        check_vocab(corpus.tokens, vocab_size, "the embedded corpus")
         split = corpus.split_at_file_boundary(valid_fraction)
-        source = "the embedded corpus"
-    else:
-        tokens = load_tokens(data_path, data_dtype)
-        split = int((1.0 - valid_fraction) * tokens.shape[0])
-        source = f"--data-path {data_path!r}"
-    check_vocab(tokens, vocab_size, source)
-    return TokenDataset(tokens[:split], seq_length), TokenDataset(tokens[split:], seq_length)
+        tokens = corpus.tokens
+        return TokenDataset(tokens[:split], seq_length), TokenDataset(tokens[split:], seq_length)
+    splits = [
+        _split_source(path, seq_length, vocab_size, data_dtype, valid_fraction) for _, path in blend
+    ]
+    if len(splits) == 1:
+        return splits[0]
+    weights = [w for w, _ in blend]
+    train = BlendedDataset([t for t, _ in splits], weights)
+    valid = BlendedDataset([v for _, v in splits], weights)
+    return train, valid

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stalwart.data.datasets import TokenDataset
+from stalwart.data.blend import SampleSource
 
 
 def calculate_num_microbatches(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
@@ -50,7 +50,7 @@ class MicroBatchIterator:
 
     def __init__(
         self,
-        dataset: TokenDataset,
+        dataset: SampleSource,
         micro_batch_size: int,
         dp_rank: int,
         dp_size: int,
@@ -171,7 +171,7 @@ class MicroBatchIterator:
 
 
 def make_eval_iterator(
-    valid: TokenDataset,
+    valid: SampleSource,
     micro_batch_size: int,
     dp_rank: int,
     dp_size: int,

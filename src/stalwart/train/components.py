@@ -24,7 +24,7 @@ from stalwart.checkpoint import CheckpointManager
 from stalwart.config.run import RunConfig
 from stalwart.data import (
     MicroBatchIterator,
-    TokenDataset,
+    SampleSource,
     WorkerMicroBatchIterator,
     build_datasets,
     calculate_num_microbatches,
@@ -77,7 +77,7 @@ class Components:
     loss_scaler: NullLossScaler
     sampler: MicroBatchIterator | WorkerMicroBatchIterator
     train_iterator: RerunDataIterator[Any]
-    valid_dataset: TokenDataset
+    valid_dataset: SampleSource
     num_microbatches: int
     global_batch_size: int
     checkpoint: CheckpointManager
@@ -158,7 +158,7 @@ def wrap_model(model: GPT, config: RunConfig, ctx: DistributedContext) -> nn.Mod
 
 def _build_data(
     config: RunConfig, ctx: DistributedContext
-) -> tuple[TokenDataset, TokenDataset, int, int]:
+) -> tuple[SampleSource, SampleSource, int, int]:
     train, valid = build_datasets(
         config.data.data_path,
         config.model.seq_length,
@@ -284,7 +284,7 @@ def _build_observability(
 
 
 def _build_sampler(
-    config: RunConfig, ctx: DistributedContext, train_ds: TokenDataset
+    config: RunConfig, ctx: DistributedContext, train_ds: SampleSource
 ) -> MicroBatchIterator | WorkerMicroBatchIterator:
     pin = ctx.device.type == "cuda"
     workers = config.data.num_workers
