@@ -6,7 +6,10 @@ blended: `BlendedDataset` interleaves its sources so that every prefix of the bl
 source in proportion to its weight (within one sample), smaller sources repeating (upsampled)
 and larger ones truncated to their share of the blend's length. The index is a pure function of
 the sources' lengths and weights, so the blend, like a single source, is resumable: the sampler
-only stores how many samples were consumed.
+only stores how many samples were consumed. In a hand-written loop::
+
+    a, b = TokenDataset(load_tokens("a.bin"), 1024), TokenDataset(load_tokens("b.bin"), 1024)
+    sampler = MicroBatchIterator(BlendedDataset([a, b], [0.3, 0.7]), mbs, dp_rank, dp_size, seed=1)
 """
 
 from __future__ import annotations

@@ -19,6 +19,17 @@ overflow, so the value is independent of reduction order, chunking, device and p
 every weight is non-zero modulo ``P`` and a flipped bit changes a word by ``±2**k`` (``k < 32``,
 never a multiple of ``P``), any single bit flip changes the fingerprint; because weights are
 distinct for the first ``P - 1`` positions, swapping two different words changes it as well.
+
+In a hand-written DDP loop (collective: every rank calls it at the same iterations)::
+
+    checker = ReplicaConsistencyChecker(interval=100)
+    for it in range(1, train_iters + 1):
+        train_step(...)
+        if checker.should_check(it) or it % save_interval == 0:
+            result = checker.check(model)  # the module DDP wraps
+            if not result.consistent:
+                log.error(result.describe())
+                raise SystemExit(17)  # do not save diverged weights; resume from the last save
 """
 
 from __future__ import annotations

@@ -7,7 +7,13 @@ one that collected: at scale the job runs at the speed of a random straggler. Wi
 the automatic collector is off and ``gc.collect()`` runs every ``--manual-gc-interval`` iterations
 (0: never between steps) and around evaluation (unless ``--no-manual-gc-eval``), at the same
 iteration on every rank. `close` restores the collector as it was, so a restart or a library user
-gets their process back unchanged.
+gets their process back unchanged. In a hand-written loop::
+
+    gc_policy = ManualGC(interval=100)       # automatic GC off from here
+    for it in range(1, train_iters + 1):
+        train_step(...)
+        gc_policy.on_iteration_end(it)       # collects at 100, 200, ... on every rank
+    gc_policy.close()                        # automatic GC back on
 """
 
 from __future__ import annotations
