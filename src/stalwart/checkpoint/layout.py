@@ -216,3 +216,23 @@ def torch_save_fsynced(obj: Any, path: str) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_failure_hint(root: str) -> str:
+    """After a failed save: probe-write 1 MiB into ``root`` so the error can name the OS cause.
+
+    torch's writers report a full disk (ENOSPC), a quota (EDQUOT) or a file-size limit (EFBIG)
+    only as a short-write assertion; the probe's ``strerror`` says which. Empty when it succeeds.
+    """
+    probe = os.path.join(root, f".write_probe_{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return f" (the checkpoint directory {root} rejects writes: {exc.strerror or exc})"
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return ""

@@ -1,17 +1,24 @@
-"""Which checkpoint to load: pure filesystem decisions, run on rank 0 and then broadcast."""
+"""Which checkpoint to load (pure filesystem decisions, run on rank 0 and then broadcast) and
+the two-phase load of the chosen one that every rank agrees on."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.optim import Optimizer
 
-from stalwart.checkpoint import layout
+from stalwart.checkpoint import dcp_io, layout
 from stalwart.checkpoint.errors import CheckpointError
+from stalwart.distributed import collectives
+
+logger = logging.getLogger("stalwart.checkpoint")
 
 
 @dataclass(frozen=True)
@@ -164,3 +171,67 @@ def read_small_files(
             return common, None, saved_world
     per_rank = torch.load(rank_file, map_location="cpu", weights_only=False)
     return common, per_rank, saved_world
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What :meth:`CheckpointManager.load` restored besides model/optimizer tensors.
+
+    Attributes:
+        iteration: the checkpoint's iteration (all ranks agree).
+        path: the checkpoint directory.
+        common: the ``common`` dict given to ``save`` (identical on all ranks).
+        per_rank: this rank's ``per_rank`` dict; None when the world size changed and no file
+            exists for this rank (the caller decides how to re-derive RNG/data state).
+        saved_world_size: the world size at save time.
+        non_persistent: True when it came from the non-persistent directory.
+    """
+
+    iteration: int
+    path: str
+    common: dict[str, Any]
+    per_rank: dict[str, Any] | None
+    saved_world_size: int
+    non_persistent: bool = False
+
+
+def try_load(
+    choice: Choice,
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    *,
+    strict: bool,
+    check_common: Callable[[dict[str, Any]], None] | None,
+    rank: int,
+    world_size: int,
+    group: Any,
+) -> tuple[str | None, LoadedCheckpoint | None]:
+    """Load ``choice`` in two phases every rank agrees on (small files, then DCP tensors).
+
+    Collective over ``group``. Returns ``(problem, None)`` when any rank failed (the caller may
+    fall back to an older checkpoint), else ``(None, loaded)``. ``check_common`` runs between the
+    phases; its ``ValueError`` propagates (see `CheckpointManager.load`).
+    """
+    problem = None
+    small: tuple[dict[str, Any], dict[str, Any] | None, int] | None = None
+    try:
+        small = read_small_files(choice.path, rank, world_size, logger)
+    except Exception as exc:
+        problem = f"checkpoint {choice.path} is unreadable on rank {rank}: {exc}"
+    if collectives.all_reduce_any([problem is not None], group)[0] or small is None:
+        return problem or f"checkpoint {choice.path} is unreadable on another rank", None
+    if check_common is not None:
+        check_common(small[0])  # same file on every rank: every rank raises alike
+    try:
+        state = dcp_io.gather_state(model, optimizer)
+        dcp_io.load_into(state, choice.path, group, strict)
+        dcp_io.apply_state(model, optimizer, state, strict)
+    except Exception as exc:
+        problem = f"checkpoint {choice.path}: loading model/optimizer failed: {exc}"
+    if collectives.all_reduce_any([problem is not None], group)[0]:
+        return problem or f"checkpoint {choice.path} failed to load on another rank", None
+    common, per_rank, saved_world = small
+    loaded = LoadedCheckpoint(
+        choice.iteration, choice.path, common, per_rank, saved_world, choice.non_persistent
+    )
+    return None, loaded

@@ -45,35 +45,13 @@ from torch.optim import Optimizer
 
 from stalwart.checkpoint import dcp_io, layout
 from stalwart.checkpoint.errors import CheckpointError
-from stalwart.checkpoint.loading import CheckpointLocator, Choice, read_small_files
+from stalwart.checkpoint.loading import CheckpointLocator, Choice, LoadedCheckpoint, try_load
 from stalwart.distributed import collectives
 
 logger = logging.getLogger("stalwart.checkpoint")
 
 TEST_SLEEP_ENV = "STALWART_TEST_CKPT_SLEEP_S"
 FORMAT_VERSION = "stalwart-dcp-v1"
-
-
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    """What :meth:`CheckpointManager.load` restored besides model/optimizer tensors.
-
-    Attributes:
-        iteration: the checkpoint's iteration (all ranks agree).
-        path: the checkpoint directory.
-        common: the ``common`` dict given to ``save`` (identical on all ranks).
-        per_rank: this rank's ``per_rank`` dict; None when the world size changed and no file
-            exists for this rank (the caller decides how to re-derive RNG/data state).
-        saved_world_size: the world size at save time.
-        non_persistent: True when it came from the non-persistent directory.
-    """
-
-    iteration: int
-    path: str
-    common: dict[str, Any]
-    per_rank: dict[str, Any] | None
-    saved_world_size: int
-    non_persistent: bool = False
 
 
 @dataclass
@@ -84,26 +62,6 @@ class _PendingSave:
     non_persistent: bool
     future: concurrent.futures.Future | None
     started: float
-
-
-def _write_failure_hint(root: str) -> str:
-    """After a failed save: probe-write 1 MiB into ``root`` so the error can name the OS cause.
-
-    torch's writers report a full disk (ENOSPC), a quota (EDQUOT) or a file-size limit (EFBIG)
-    only as a short-write assertion; the probe's ``strerror`` says which. Empty when it succeeds.
-    """
-    probe = os.path.join(root, f".write_probe_{os.getpid()}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(bytes(1 << 20))
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        return f" (the checkpoint directory {root} rejects writes: {exc.strerror or exc})"
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
-    return ""
 
 
 def _test_sleep() -> None:
@@ -230,7 +188,7 @@ class CheckpointManager:
             except Exception as exc:
                 self._discard(pending)
                 raise CheckpointError(
-                    f"saving checkpoint into {tmp} failed: {exc}{_write_failure_hint(root)}"
+                    f"saving checkpoint into {tmp} failed: {exc}{layout.write_failure_hint(root)}"
                 ) from exc
             self._commit(pending)
             return
@@ -342,7 +300,7 @@ class CheckpointManager:
             cause = pending.future.exception() if failed else "failed on another rank"
             raise CheckpointError(
                 f"async checkpoint save into {pending.tmp_path} failed: {cause}"
-                + _write_failure_hint(pending.root)
+                + layout.write_failure_hint(pending.root)
             )
         self._pending = None
         self._commit(pending)
@@ -454,8 +412,15 @@ class CheckpointManager:
             if choice is None:
                 return None
             started = time.monotonic()
-            problem, loaded = self._try_load(
-                choice, model, optimizer if load_optim else None, strict, check_common
+            problem, loaded = try_load(
+                choice,
+                model,
+                optimizer if load_optim else None,
+                strict=strict,
+                check_common=check_common,
+                rank=self._rank,
+                world_size=self._world_size,
+                group=self._group,
             )
             if problem is None and loaded is not None:
                 if self._rank == 0:
@@ -487,39 +452,6 @@ class CheckpointManager:
         if error is not None:
             raise CheckpointError(error)
         return choice
-
-    def _try_load(
-        self,
-        choice: Choice,
-        model: nn.Module,
-        optimizer: Optimizer | None,
-        strict: bool,
-        check_common: Callable[[dict[str, Any]], None] | None = None,
-    ) -> tuple[str | None, LoadedCheckpoint | None]:
-        """Two agreed phases: small files, then DCP tensors; returns (problem, result)."""
-        problem = None
-        small: tuple[dict[str, Any], dict[str, Any] | None, int] | None = None
-        try:
-            small = read_small_files(choice.path, self._rank, self._world_size, logger)
-        except Exception as exc:
-            problem = f"checkpoint {choice.path} is unreadable on rank {self._rank}: {exc}"
-        if collectives.all_reduce_any([problem is not None], self._group)[0] or small is None:
-            return problem or f"checkpoint {choice.path} is unreadable on another rank", None
-        if check_common is not None:
-            check_common(small[0])  # same file on every rank: every rank raises alike
-        try:
-            state = dcp_io.gather_state(model, optimizer)
-            dcp_io.load_into(state, choice.path, self._group, strict)
-            dcp_io.apply_state(model, optimizer, state, strict)
-        except Exception as exc:
-            problem = f"checkpoint {choice.path}: loading model/optimizer failed: {exc}"
-        if collectives.all_reduce_any([problem is not None], self._group)[0]:
-            return problem or f"checkpoint {choice.path} failed to load on another rank", None
-        common, per_rank, saved_world = small
-        loaded = LoadedCheckpoint(
-            choice.iteration, choice.path, common, per_rank, saved_world, choice.non_persistent
-        )
-        return None, loaded
 
     # ------------------------------------------------------------------- close
     def close(self, *, abort: bool = False) -> None:
