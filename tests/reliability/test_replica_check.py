@@ -246,7 +246,7 @@ def test_flip_parameter_bit_is_a_large_finite_change_undone_by_a_second_flip(dty
     before = parameter_fingerprints(model)
     what = flip_parameter_bit(model)
     assert what.endswith("of weight[0]")
-    value = float(model.weight.view(-1)[0])
+    value = float(model.weight.detach().view(-1)[0])
     # A high mantissa bit: big enough that a later optimizer step cannot round it away.
     assert torch.isfinite(model.weight).all() and 0.0625 <= abs(value - 0.75) / 0.75 <= 0.125
     assert torch.equal(model.weight.view(-1)[1:], torch.full((5,), 0.75, dtype=dtype))
