@@ -63,6 +63,13 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--global-batch-size", type=int)
+    g.add_argument(
+        "--rampup-batch-size",
+        type=int,
+        nargs=3,
+        metavar=("START", "INCREMENT", "RAMP_SAMPLES"),
+        help="grow the global batch from START by INCREMENT over RAMP_SAMPLES samples",
+    )
     g.add_argument("--train-iters", type=int, default=100)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")

@@ -196,3 +196,8 @@ def check_combinations(config: RunConfig) -> None:
             "--check-weight-hash-across-dp-replicas-interval compares replicated weights; with "
             "--use-torch-fsdp2 every rank holds a different shard (use it with DDP)"
         )
+    if config.training.rampup_batch_size and config.graphs.cuda_graph_impl == "full_iteration":
+        raise ValueError(
+            "--rampup-batch-size with --cuda-graph-impl full_iteration is not supported: every "
+            "batch-size step changes the micro-batch count and would re-capture the graph"
+        )

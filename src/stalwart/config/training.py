@@ -79,6 +79,7 @@ class TrainingConfig:
 
     micro_batch_size: int = 8
     global_batch_size: int | None = None
+    rampup_batch_size: list[int] | None = None  # START INCREMENT RAMP_SAMPLES (Megatron)
     train_iters: int = 100
     seed: int = 1234
     bf16: bool = False

@@ -29,6 +29,7 @@ from stalwart.data import (
     build_datasets,
     calculate_num_microbatches,
 )
+from stalwart.data.batch_schedule import BatchSchedule
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import make_capturable_adamw
 from stalwart.models import GPT, num_floating_point_operations
@@ -78,8 +79,9 @@ class Components:
     sampler: MicroBatchIterator | WorkerMicroBatchIterator
     train_iterator: RerunDataIterator[Any]
     valid_dataset: SampleSource
-    num_microbatches: int
-    global_batch_size: int
+    num_microbatches: int  # at the final global batch size (evaluation uses it)
+    global_batch_size: int  # the final one; batch_schedule gives each iteration's
+    batch_schedule: BatchSchedule
     checkpoint: CheckpointManager
     rerun: RerunStateMachine
     timers: Timers
@@ -97,7 +99,7 @@ class Components:
     forward_step: GPTForwardStep
     eval_forward_step: GPTForwardStep
     iterations_to_skip: frozenset[int] = frozenset()  # numbered from 1, as logged
-    flops_per_iteration: float = 0.0
+    flops_per_iteration: float = 0.0  # at the final global batch size
     closers: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
@@ -328,6 +330,9 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     if graphed:
         check_graph_flags(config, ctx.device)  # before any expensive set-up
     train_ds, valid_ds, num_microbatches, gbs = _build_data(config, ctx)
+    batch_schedule = BatchSchedule.from_flags(
+        gbs, config.training.micro_batch_size, ctx.world_size, config.training.rampup_batch_size
+    )
     seed_everything(config.training.seed)  # identical initial weights on every rank
     raw_model = GPT(config.model).to(ctx.device)
     if isinstance(faults, FaultInjector):  # --inject-fault bitflip corrupts this rank's weights
@@ -400,6 +405,7 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         valid_dataset=valid_ds,
         num_microbatches=num_microbatches,
         global_batch_size=gbs,
+        batch_schedule=batch_schedule,
         checkpoint=checkpoint,
         rerun=rerun,
         timers=timers,

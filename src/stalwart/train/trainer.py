@@ -88,6 +88,9 @@ class Trainer:
         self.c: Components = build_components(config, ctx)
         self.state = TrainState()
         self.loaded_iteration: int | None = None
+        self.batch_size = self.c.global_batch_size  # this iteration's (see _start_batch)
+        self._num_microbatches: int | None = None
+        self._saved_at: int | None = None
 
     def __enter__(self) -> Trainer:
         return self
@@ -123,6 +126,7 @@ class Trainer:
     def save(self, non_persistent: bool = False) -> None:
         """Save the current state (collective) inside the ``checkpointing`` section."""
         c = self.c
+        self._saved_at = self.state.iteration
         c.energy.pause()  # a save is not training energy
         with c.sections.section(Section.CHECKPOINTING):
             c.faults.maybe_inject(self.state.iteration, self.ctx.rank, "checkpointing")
@@ -194,6 +198,7 @@ class Trainer:
                 break
             with c.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
                 c.checkpoint.maybe_finalize()
+            self._start_batch()
             result = self._run_iteration()
             if result.should_exit:
                 outcome = self._rerun_exit(result)
@@ -208,6 +213,22 @@ class Trainer:
             if decision.exit:
                 break
         return outcome or self._finish(decision)
+
+    def _start_batch(self) -> None:
+        """This iteration's global batch size (``--rampup-batch-size``: a function of the consumed
+        samples). As Megatron, a checkpoint is saved when the micro-batch count steps up."""
+        c, schedule = self.c, self.c.batch_schedule
+        self.batch_size = schedule.global_batch_size_at(self.state.consumed_samples)
+        num_microbatches = schedule.num_microbatches_at(self.state.consumed_samples)
+        changed = self._num_microbatches not in (None, num_microbatches)
+        if changed and self.config.checkpoint.save and self._saved_at != self.state.iteration:
+            self.print(
+                f"batch size ramp: {self.batch_size} from iteration {self.state.iteration + 1}"
+            )
+            self.save()
+        self._num_microbatches = c.step_parts.num_microbatches = num_microbatches
+        # Throughput counts this iteration's samples (the estimate is linear in the batch size).
+        c.log.flops_per_iteration = c.flops_per_iteration * self.batch_size / c.global_batch_size
 
     def _run_iteration(self) -> StepResult:
         c, it = self.c, self.state.iteration
@@ -227,7 +248,7 @@ class Trainer:
         """``--iterations-to-skip``: consume this iteration's data without training on it."""
         it = self.state.iteration
         self.c.rerun.skip_iteration(it)  # drops a pending rerun of this iteration
-        for _ in range(self.c.num_microbatches):
+        for _ in range(self.c.step_parts.num_microbatches):
             next(self.c.sampler)
         self.print(f"skipping iteration {it + 1} (--iterations-to-skip)")
         self.event(EventKind.SKIPPED, "--iterations-to-skip")
@@ -236,7 +257,7 @@ class Trainer:
     def _after_iteration(self, result: StepResult) -> None:
         c, cfg = self.c, self.config
         self.state.iteration += 1
-        self.state.consumed_samples += c.global_batch_size
+        self.state.consumed_samples += self.batch_size
         c.profiler.on_iteration_end(self.state.iteration)
         c.manual_gc.on_iteration_end(self.state.iteration)
         it = self.state.iteration
@@ -248,7 +269,7 @@ class Trainer:
             it,
             losses=result.losses or {"lm loss": torch.tensor(float("nan"))},
             learning_rate=c.scheduler.last_lr,
-            global_batch_size=c.global_batch_size,
+            global_batch_size=self.batch_size,
             consumed_samples=self.state.consumed_samples,
             grad_norm=result.grad_norm,
             skipped=result.skipped,
