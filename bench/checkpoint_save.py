@@ -34,6 +34,8 @@ import torch
 from stalwart.checkpoint import CheckpointManager
 from stalwart.models import GPT, preset_model_config
 
+from bench_utils import sync
+
 MODES = ("sync", "async")
 TARGET_RATIO = 0.10  # issue 4: async blocking time <= 10% of the synchronous save
 
@@ -57,11 +59,6 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     return total
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_save(
     manager: CheckpointManager,
     iteration: int,
@@ -72,12 +69,12 @@ def timed_save(
     """(blocking seconds, total seconds to committed) of one save."""
     common = {"iteration": iteration}
     per_rank = {"rng": torch.get_rng_state()}
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     manager.save(iteration, model, optimizer, common, per_rank)
     blocking = time.perf_counter() - start
     manager.finalize()  # no-op for sync; waits for the background write and commits for async
-    _sync(device)
+    sync(device)
     return blocking, time.perf_counter() - start
 
 

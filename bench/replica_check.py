@@ -31,22 +31,14 @@ from stalwart.reliability.replica_check import parameter_fingerprints
 from stalwart.train.components import build_components
 from stalwart.train.step import train_step
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+from bench_utils import percentile, sync
 
 
 def _timed(fn, device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - start) * 1e3
 
 
@@ -86,8 +78,8 @@ def run(args: argparse.Namespace) -> dict:
         "device": str(device),
         "num_parameters": sum(p.numel() for p in c.raw_model.parameters()),
         "num_tensors": len(list(c.raw_model.parameters())),
-        "step_ms": [step_ms, _pct(steps, 0.1), _pct(steps, 0.9)],
-        "check_ms": [check_ms, _pct(checks, 0.1), _pct(checks, 0.9)],
+        "step_ms": [step_ms, percentile(steps, 0.1), percentile(steps, 0.9)],
+        "check_ms": [check_ms, percentile(checks, 0.1), percentile(checks, 0.9)],
         "overhead_every_1": check_ms / step_ms,
         "overhead_every_100": check_ms / (100 * step_ms),
     }

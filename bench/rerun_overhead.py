@@ -46,6 +46,8 @@ from stalwart.reliability.rerun import local_grad_norm
 from stalwart.train.components import Components, build_components
 from stalwart.train.step import train_step
 
+from bench_utils import percentile, sync
+
 VARIANTS = ("no_checks", "disabled", "validate_results", "naive_item")
 _READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 
@@ -158,16 +160,6 @@ def count_syncs(variant: Variant, device: torch.device, iters: int) -> dict[str,
     return {"host_reads_per_iter": reads[0] / iters, "cuda_syncs_per_iter": cuda_syncs}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -183,16 +175,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for v in variants:  # warm-up (allocator, autotuning, the large-value windows)
         for _ in range(args.warmup):
             v.step()
-    _sync(device)
+    sync(device)
     syncs = {v.name: count_syncs(v, device, args.sync_iters) for v in variants}
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     for r in range(args.iters):
         order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             v.step()
-            _sync(device)
+            sync(device)
             times[v.name].append((time.perf_counter() - start) * 1e3)
     base = times["disabled"]
     rows = []
@@ -203,8 +195,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             {
                 "variant": v.name,
                 "median_ms": statistics.median(t),
-                "p10_ms": _pct(t, 0.1),
-                "p90_ms": _pct(t, 0.9),
+                "p10_ms": percentile(t, 0.1),
+                "p90_ms": percentile(t, 0.9),
                 "vs_disabled": statistics.median(t) / statistics.median(base),
                 "paired_ratio_median": statistics.median(paired),
                 **syncs[v.name],

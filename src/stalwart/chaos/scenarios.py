@@ -48,12 +48,26 @@ def transient_nan(ctx: Context, plan: FaultPlan) -> FaultResult:
     res.launch_exit_codes.append(first.worker_code())
     detect(res, plan.kind, "Possible transient error!" in first.text, "no transient diagnosis")
     res.exit_code = exit_reason(save).get("exit_code", first.worker_code())
-    second = ctx.launch(plan, "2-relaunch", ctx.spec(save, []))
+    return _relaunch_from_last_save(ctx, res, plan, first, [], "Unexpected result")
+
+
+def _relaunch_from_last_save(
+    ctx: Context,
+    res: FaultResult,
+    plan: FaultPlan,
+    first: LaunchResult,
+    args: list[str],
+    fault_marker: str,
+) -> FaultResult:
+    """The operator's relaunch (with ``args``) after a launch that exited on the fault: it must
+    resume from the last periodic checkpoint before the fault and end equal to the reference."""
+    save = ctx.save_dir(plan)
+    second = ctx.launch(plan, "2-relaunch", ctx.spec(save, args))
     res.launch_exit_codes.append(second.code)
     expected_resume = ctx.last_save_before(plan.iteration - 1)
     resumes = [it for _, _, it in second.resumes()]
     res.check(resumes == [expected_resume], f"relaunch resumed at {resumes}, not {expected_resume}")
-    res.seconds_to_recover = recovery_seconds(first.first_time("Unexpected result"), second)
+    res.seconds_to_recover = recovery_seconds(first.first_time(fault_marker), second)
     res.iterations_redone = count_redone([first, second])
     finish_recoverable(ctx, res, save, second)
     return res
@@ -127,15 +141,7 @@ def silent_corruption(ctx: Context, plan: FaultPlan) -> FaultResult:
         caught_at <= plan.iteration - 1 + ctx.save_interval,
         f"caught at {caught_at}, after the first save following the flip at {plan.iteration}",
     )
-    second = ctx.launch(plan, "2-relaunch", ctx.spec(save, check))
-    res.launch_exit_codes.append(second.code)
-    expected_resume = ctx.last_save_before(plan.iteration - 1)
-    resumes = [it for _, _, it in second.resumes()]
-    res.check(resumes == [expected_resume], f"relaunch resumed at {resumes}, not {expected_resume}")
-    res.seconds_to_recover = recovery_seconds(first.first_time("FAULT INJECTION"), second)
-    res.iterations_redone = count_redone([first, second])
-    finish_recoverable(ctx, res, save, second)
-    return res
+    return _relaunch_from_last_save(ctx, res, plan, first, check, "FAULT INJECTION")
 
 
 def hang(ctx: Context, plan: FaultPlan) -> FaultResult:
