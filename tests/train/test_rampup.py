@@ -68,3 +68,66 @@ def test_ramp_with_full_iteration_graphs_is_refused() -> None:
     with pytest.raises(ValueError, match="--rampup-batch-size with --cuda-graph-impl"):
         make_config("--rampup-batch-size", "4", "4", "32", "--global-batch-size", "12",
                     "--cuda-graph-impl", "full_iteration")  # fmt: skip
+
+
+def test_iterations_for_samples_follow_the_ramp() -> None:
+    ramp = BatchSchedule.from_flags(12, 4, 1, [4, 4, 32])  # 4,4,4,4,8,8 (32 samples), then 12s
+    assert ramp.iterations_for_samples(32) == 6
+    assert ramp.iterations_for_samples(33) == 7
+    assert ramp.iterations_for_samples(56) == 8
+    assert ramp.iterations_for_samples(1) == 1
+    assert BatchSchedule.from_flags(12, 4, 1, None).iterations_for_samples(100) == 9
+
+
+def test_train_samples_with_a_sample_based_warmup(tmp_path) -> None:
+    """56 samples over the ramp are 8 iterations; a 16-sample warm-up reaches --lr after the 4th
+    iteration (16 samples), whatever the batch sizes."""
+    args = [
+        "--train-samples",
+        "56",
+        "--seed",
+        "5",
+        "--log-interval",
+        "1",
+        "--lr",
+        "1e-3",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "12",
+        "--rampup-batch-size",
+        "4",
+        "4",
+        "32",
+        "--lr-warmup-samples",
+        "16",
+        "--lr-decay-style",
+        "constant",
+        "--metrics-file",
+        str(tmp_path / "m.jsonl"),
+        "--lr-warmup-iters",
+        "0",
+    ]  # fmt: skip  (TINY_FLAGS warm up in iterations)
+    outcome = run_training(make_config(*args), DistributedContext())
+    assert outcome.iteration == 8
+    records = _records(tmp_path / "m.jsonl")
+    assert [round(r["lr"] / 1e-3, 6) for r in records] == [0.25, 0.5, 0.75, 1, 1, 1, 1, 1]
+    assert records[-1]["consumed_samples"] == 56
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--train-samples", "64", "--train-iters", "5"], "mutually exclusive"),
+        (["--train-samples", "64", "--lr-decay-iters", "5"], "--lr-warmup-samples"),
+        (["--lr-warmup-samples", "8"], "need --train-samples"),
+        (["--train-samples", "0"], "--train-samples must be > 0"),
+    ],
+)
+def test_sample_flag_errors(args, needle) -> None:
+    from stalwart.cli.args import parse_train_args
+    from stalwart.config.run import build_run_config
+
+    argv = ["--preset", "tiny", *args]
+    with pytest.raises(ValueError, match=needle):
+        build_run_config(parse_train_args(argv), argv)

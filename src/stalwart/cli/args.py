@@ -71,6 +71,12 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
         help="grow the global batch from START by INCREMENT over RAMP_SAMPLES samples",
     )
     g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument(
+        "--train-samples",
+        type=int,
+        help="train until this many samples are consumed (instead of --train-iters); the LR "
+        "schedule then counts samples (--lr-warmup-samples, --lr-decay-samples)",
+    )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
@@ -110,6 +116,8 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-decay-samples", type=int)
     g.add_argument("--lr-decay-style", default="cosine", help="constant|linear|cosine")
 
 

@@ -125,6 +125,21 @@ def _apply_demo_defaults(ns: argparse.Namespace, argv_flags: set[str]) -> None:
             setattr(ns, key, value)
 
 
+def _check_sample_flags(ns: argparse.Namespace, explicit: set[str]) -> None:
+    """``--train-samples`` and its sample-based LR flags exclude the iteration-based ones."""
+    if ns.train_samples is None:
+        if ns.lr_warmup_samples or ns.lr_decay_samples is not None:
+            raise ValueError("--lr-warmup-samples/--lr-decay-samples need --train-samples")
+        return
+    if "train_iters" in explicit:
+        raise ValueError("--train-iters and --train-samples are mutually exclusive: pick one")
+    if ns.lr_warmup_iters or ns.lr_decay_iters is not None:
+        raise ValueError(
+            "with --train-samples the LR schedule counts samples: use --lr-warmup-samples and "
+            "--lr-decay-samples instead of --lr-warmup-iters/--lr-decay-iters"
+        )
+
+
 def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> RunConfig:
     """Typed, validated config from parsed flags (``argv`` tells which flags were explicit)."""
     explicit = {
@@ -138,6 +153,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     model = preset_model_config(ns.preset, **overrides)
     if ns.micro_batch_size is None:
         ns.micro_batch_size = PRESET_MICRO_BATCH_SIZE[ns.preset]
+    _check_sample_flags(ns, explicit)
     training = _pick(ns, TrainingConfig)
     checkpoint = _pick(ns, CheckpointConfig)
     ft_kwargs: dict[str, Any] = {

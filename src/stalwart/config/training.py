@@ -39,6 +39,8 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None
+    lr_warmup_samples: int = 0  # with --train-samples: the schedule counts samples
+    lr_decay_samples: int | None = None
     lr_decay_style: LRDecayStyle = LRDecayStyle.COSINE
 
     def __post_init__(self) -> None:
@@ -71,6 +73,14 @@ class OptimizerConfig:
             self.lr_decay_iters is None or self.lr_decay_iters > 0,
             f"--lr-decay-iters must be > 0 (got {self.lr_decay_iters})",
         )
+        _require(
+            self.lr_warmup_samples >= 0,
+            f"--lr-warmup-samples must be >= 0 (got {self.lr_warmup_samples})",
+        )
+        _require(
+            self.lr_decay_samples is None or self.lr_decay_samples > 0,
+            f"--lr-decay-samples must be > 0 (got {self.lr_decay_samples})",
+        )
 
 
 @dataclass(kw_only=True)
@@ -81,6 +91,7 @@ class TrainingConfig:
     global_batch_size: int | None = None
     rampup_batch_size: list[int] | None = None  # START INCREMENT RAMP_SAMPLES (Megatron)
     train_iters: int = 100
+    train_samples: int | None = None  # --train-samples: train_iters is derived from it
     seed: int = 1234
     bf16: bool = False
     fp16: bool = False
@@ -108,6 +119,10 @@ class TrainingConfig:
             f"--global-batch-size must be > 0 (got {self.global_batch_size})",
         )
         _require(self.train_iters > 0, f"--train-iters must be > 0 (got {self.train_iters})")
+        _require(
+            self.train_samples is None or self.train_samples > 0,
+            f"--train-samples must be > 0 (got {self.train_samples})",
+        )
         _require(
             not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive: pick one"
         )

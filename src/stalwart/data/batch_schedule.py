@@ -78,6 +78,16 @@ class BatchSchedule:
         size = start + increment * int(consumed_samples / samples_per_step)
         return min(size, self.global_batch_size)
 
+    def iterations_for_samples(self, train_samples: int) -> int:
+        """Iterations until at least ``train_samples`` samples are consumed (``--train-samples``)."""
+        consumed = iterations = 0
+        ramp_end = 0 if self.rampup is None else self.rampup[2]
+        while consumed < train_samples and consumed < ramp_end:  # inside the ramp: step by step
+            consumed += self.global_batch_size_at(consumed)
+            iterations += 1
+        remaining = max(0, train_samples - consumed)
+        return iterations + -(-remaining // self.global_batch_size)  # ceil
+
     def num_microbatches_at(self, consumed_samples: int) -> int:
         """Micro-batches per rank of that iteration."""
         per_step = self.micro_batch_size * self.data_parallel_size

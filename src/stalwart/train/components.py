@@ -7,6 +7,7 @@ trainer owns and that in-process restart can throw away and build again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -333,6 +334,11 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     batch_schedule = BatchSchedule.from_flags(
         gbs, config.training.micro_batch_size, ctx.world_size, config.training.rampup_batch_size
     )
+    if config.training.train_samples is not None:  # resolve --train-samples to iterations
+        iters = batch_schedule.iterations_for_samples(config.training.train_samples)
+        config = dataclasses.replace(
+            config, training=dataclasses.replace(config.training, train_iters=iters)
+        )
     seed_everything(config.training.seed)  # identical initial weights on every rank
     raw_model = GPT(config.model).to(ctx.device)
     if isinstance(faults, FaultInjector):  # --inject-fault bitflip corrupts this rank's weights
@@ -345,7 +351,9 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     model = wrap_model(raw_model, config, ctx)
     seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
     optimizer = build_optimizer(model, config)
-    scheduler = LRScheduler(optimizer, config.optim, config.training.train_iters)
+    scheduler = LRScheduler(
+        optimizer, config.optim, config.training.train_iters, config.training.train_samples
+    )
     loss_scaler = build_loss_scaler(config.training)
 
     rerun = make_state_machine(

@@ -10,6 +10,22 @@ from torch.optim import Optimizer
 from stalwart.config.training import LRDecayStyle, OptimizerConfig
 
 
+def _rate(step: float, warmup: float, decay_end: float, config: OptimizerConfig) -> float:
+    """The schedule in any unit (iterations or samples): ``step`` units done after this one."""
+    if warmup > 0 and step <= warmup:
+        return config.lr * step / warmup
+    if config.lr_decay_style is LRDecayStyle.CONSTANT:
+        return config.lr
+    if step >= decay_end:
+        return config.min_lr
+    span = max(decay_end - warmup, 1)
+    ratio = min(max((step - warmup) / span, 0.0), 1.0)
+    delta = config.lr - config.min_lr
+    if config.lr_decay_style is LRDecayStyle.LINEAR:
+        return config.lr - delta * ratio
+    return config.min_lr + 0.5 * delta * (1.0 + math.cos(math.pi * ratio))
+
+
 def learning_rate_at(iteration: int, config: OptimizerConfig, train_iters: int) -> float:
     """Learning rate for the 0-based ``iteration`` (pure function).
 
@@ -18,21 +34,19 @@ def learning_rate_at(iteration: int, config: OptimizerConfig, train_iters: int) 
     from ``lr`` to ``min_lr`` until ``lr_decay_iters`` (default: ``train_iters``) and stays at
     ``min_lr`` afterwards.
     """
-    step = iteration + 1
-    warmup = config.lr_warmup_iters
-    if warmup > 0 and step <= warmup:
-        return config.lr * step / warmup
-    if config.lr_decay_style is LRDecayStyle.CONSTANT:
-        return config.lr
-    decay_iters = config.lr_decay_iters or train_iters
-    if step >= decay_iters:
-        return config.min_lr
-    span = max(decay_iters - warmup, 1)
-    ratio = min(max((step - warmup) / span, 0.0), 1.0)
-    delta = config.lr - config.min_lr
-    if config.lr_decay_style is LRDecayStyle.LINEAR:
-        return config.lr - delta * ratio
-    return config.min_lr + 0.5 * delta * (1.0 + math.cos(math.pi * ratio))
+    decay_end = config.lr_decay_iters or train_iters
+    return _rate(iteration + 1, config.lr_warmup_iters, decay_end, config)
+
+
+def learning_rate_at_samples(
+    samples_after: int, config: OptimizerConfig, train_samples: int
+) -> float:
+    """Learning rate of the iteration after which ``samples_after`` samples are consumed
+    (``--train-samples``): the same shape in samples, over ``lr_warmup_samples`` and until
+    ``lr_decay_samples`` (default ``train_samples``). A batch-size ramp thus warms up over the
+    same samples as without it."""
+    decay_end = config.lr_decay_samples or train_samples
+    return _rate(samples_after, config.lr_warmup_samples, decay_end, config)
 
 
 class LRScheduler:
@@ -42,15 +56,31 @@ class LRScheduler:
     of the settings it was saved with (used to warn when a resumed run changed them).
     """
 
-    def __init__(self, optimizer: Optimizer, config: OptimizerConfig, train_iters: int) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        config: OptimizerConfig,
+        train_iters: int,
+        train_samples: int | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.config = config
         self.train_iters = train_iters
+        self.train_samples = train_samples  # set: the schedule counts samples
         self.last_lr = learning_rate_at(0, config, train_iters)
 
-    def set_iteration(self, iteration: int) -> float:
-        """Apply the learning rate of the 0-based ``iteration`` to every parameter group."""
-        lr = learning_rate_at(iteration, self.config, self.train_iters)
+    def set_iteration(self, iteration: int, samples_after: int | None = None) -> float:
+        """Apply the learning rate of the 0-based ``iteration`` to every parameter group.
+
+        With ``train_samples`` the rate is a function of ``samples_after`` (the consumed samples
+        once this iteration is done), which the caller must then pass.
+        """
+        if self.train_samples is not None:
+            if samples_after is None:
+                raise ValueError("a sample-based schedule (--train-samples) needs samples_after")
+            lr = learning_rate_at_samples(samples_after, self.config, self.train_samples)
+        else:
+            lr = learning_rate_at(iteration, self.config, self.train_iters)
         for group in self.optimizer.param_groups:
             current = group["lr"]
             if hasattr(current, "fill_"):
@@ -68,6 +98,9 @@ class LRScheduler:
             "lr_decay_iters": self.config.lr_decay_iters,
             "lr_decay_style": self.config.lr_decay_style.value,
             "train_iters": self.train_iters,
+            "train_samples": self.train_samples,
+            "lr_warmup_samples": self.config.lr_warmup_samples,
+            "lr_decay_samples": self.config.lr_decay_samples,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -86,6 +86,7 @@ class Trainer:
         self.started = time.monotonic()
         self.run_dir = run_dir_of(config)
         self.c: Components = build_components(config, ctx)
+        self.config = self.c.config  # resolved (e.g. --train-samples -> iterations)
         self.state = TrainState()
         self.loaded_iteration: int | None = None
         self.batch_size = self.c.global_batch_size  # this iteration's (see _start_batch)
@@ -232,7 +233,7 @@ class Trainer:
 
     def _run_iteration(self) -> StepResult:
         c, it = self.c, self.state.iteration
-        c.scheduler.set_iteration(it)
+        c.scheduler.set_iteration(it, samples_after=self.state.consumed_samples + self.batch_size)
         c.rerun.set_iteration(it)
         c.profiler.on_iteration_start(it)
         with c.sections.step_section():
