@@ -221,12 +221,12 @@ class Trainer:
         c, schedule = self.c, self.c.batch_schedule
         self.batch_size = schedule.global_batch_size_at(self.state.consumed_samples)
         num_microbatches = schedule.num_microbatches_at(self.state.consumed_samples)
-        changed = self._num_microbatches not in (None, num_microbatches)
-        if changed and self.config.checkpoint.save and self._saved_at != self.state.iteration:
+        if self._num_microbatches not in (None, num_microbatches):
             self.print(
                 f"batch size ramp: {self.batch_size} from iteration {self.state.iteration + 1}"
             )
-            self.save()
+            if self.config.checkpoint.save and self._saved_at != self.state.iteration:
+                self.save()
         self._num_microbatches = c.step_parts.num_microbatches = num_microbatches
         # Throughput counts this iteration's samples (the estimate is linear in the batch size).
         c.log.flops_per_iteration = c.flops_per_iteration * self.batch_size / c.global_batch_size
