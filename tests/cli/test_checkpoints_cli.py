@@ -30,6 +30,7 @@ def test_list_and_verify(save, capsys) -> None:
     assert "iter_0000003  complete, verified  saved by 1 rank(s)" in out
     assert "iter_0000006  complete, verified  saved by 1 rank(s)" in out
     assert out.count("<- tracker") == 1 and out.index("<- tracker") > out.index("iter_0000006")
+    assert "last exit: finished at iteration 6 (exit code 0): reached --train-iters" in out
 
 
 def test_a_truncated_shard_of_the_tracked_checkpoint_exits_1(save, tmp_path, capsys) -> None:

@@ -80,6 +80,7 @@ def test_only_the_chosen_ranks_profile() -> None:
          "--profile-step-start"),
         (["--profile", "--profile-ranks", "-2", "--use-pytorch-profiler"], "--profile-ranks"),
         (["--profile"], "--use-pytorch-profiler"),  # no CUDA here: nsys range impossible
+        (["--profile", "--profile-ranks", "3", "--use-pytorch-profiler"], "no such rank"),
     ],
 )  # fmt: skip
 def test_bad_profile_flags_exit_2_with_one_line(args, needle, capsys) -> None:

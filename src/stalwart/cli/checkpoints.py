@@ -100,7 +100,21 @@ def main_checkpoints(argv: list[str] | None = None) -> int:
         lines, problem = _describe_tier(root, args.verify)
         print("\n".join(lines))
         broken = broken or problem is not None
+    print(_last_exit(args.save_dir))
     return EXIT_NOT_LOADABLE if broken else EXIT_OK
+
+
+def _last_exit(save_dir: str) -> str:
+    """Why the last run stopped, from ``exit_reason.json`` (written by rank 0 at every exit)."""
+    try:
+        with open(os.path.join(save_dir, "exit_reason.json"), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return "last exit: unknown (no readable exit_reason.json)"
+    return (
+        f"last exit: {record.get('reason')} at iteration {record.get('iteration')} "
+        f"(exit code {record.get('exit_code')}): {record.get('detail')}"
+    )
 
 
 def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:

@@ -236,6 +236,10 @@ def _build_profiler(config: RunConfig, ctx: DistributedContext) -> ProfilerWindo
     obs = config.obs
     if not obs.profile:
         return NullProfilerWindow()
+    if not any(r < ctx.world_size for r in obs.profile_ranks):
+        raise ValueError(
+            f"--profile-ranks {obs.profile_ranks}: no such rank in a job of {ctx.world_size}"
+        )
     run_dir = run_dir_of(config)
     out_dir = obs.profile_dir or os.path.join(run_dir or ".", "profile")
     return make_profiler_window(
