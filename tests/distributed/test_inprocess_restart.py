@@ -114,3 +114,20 @@ def test_hang_is_caught_by_the_soft_timeout_and_recovered_in_process(tmp_path, b
     )
     assert re.search(r"resumed from \S+iter_0000004 at iteration 4", out), out[-4000:]
     assert_params_equal(load_params(baseline), load_params(save))
+
+
+def test_a_dead_rank_falls_back_to_a_torchrun_restart(tmp_path, baseline) -> None:
+    """In-process restart cannot bring back a killed process: torchrun restarts the whole job,
+    whose new processes build a fresh in-process store, resume from the last checkpoint and end
+    bitwise equal to the fault-free run."""
+    save = tmp_path / "killed"
+    args = [*COMMON, "--save", str(save), "--inprocess-restart", "--inject-fault", "sigkill",
+            "--inject-fault-rank", "1", "--inject-fault-iteration", "6"]  # fmt: skip
+    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = run_cli(args, nproc=2, env=env, timeout=240,
+                   torchrun_args=["--max-restarts", "1", "--monitor-interval", "0.2"])  # fmt: skip
+    _ok(proc)
+    out = _out(proc)
+    assert "FAULT INJECTION: rank 1 fires 'sigkill' at iteration 6" in out
+    assert re.search(r"resumed from \S+iter_0000004 at iteration 4", out), out[-4000:]
+    assert_params_equal(load_params(baseline), load_params(save))
