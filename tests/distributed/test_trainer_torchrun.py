@@ -46,3 +46,25 @@ def test_fsdp2_two_ranks_trains_like_ddp(tmp_path) -> None:
     a, b = load_params(ddp), load_params(fsdp)
     for key in a:  # same math, different reduction order
         assert (a[key] - b[key]).abs().max() < 1e-4, key
+
+
+def test_ramp_blend_and_workers_on_two_ranks_resume_exact(tmp_path) -> None:
+    """The data features together on 2 ranks: a 2-source blend read by a DataLoader worker per
+    rank under a batch-size ramp (4 -> 8 -> 12 samples, 1 -> 3 micro-batches per rank); a stop
+    inside the ramp and a resume (without workers) end bitwise equal to the straight run."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    b.write_text("0123456789 " * 1500)
+    args = ["train", *TINY_FLAGS, "--seed", "4", "--micro-batch-size",
+            "2", "--global-batch-size", "12", "--rampup-batch-size", "4", "4", "24",
+            "--train-samples", "60", "--lr-warmup-iters", "0", "--lr-warmup-samples", "8",
+            "--data-path", "0.7", str(a), "0.3", str(b)]  # fmt: skip
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _ok(run_cli([*args, "--save", str(straight), "--num-workers", "1"], nproc=2))
+    _ok(run_cli([*args, "--save", str(split), "--num-workers", "1", "--exit-interval", "4"],
+                nproc=2))  # fmt: skip
+    assert (split / "latest_checkpointed_iteration.txt").read_text() == "4\n"
+    proc = run_cli([*args, "--save", str(split)], nproc=2)
+    _ok(proc)
+    assert "at iteration 4" in proc.stdout
+    assert_params_equal(load_params(straight), load_params(split))
