@@ -26,11 +26,15 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cud
   | tee "$WORK/env.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >>"$WORK/env.log" 2>&1
 
-step gpu_tests 240 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests
+# -s: the tests print their measured differences; two-GPU tests skip on a one-GPU machine.
+step gpu_tests 420 python3 -m pytest -q -s -rfs -m gpu -p no:cacheprovider tests
 TRAIN=(python3 -m stalwart train --preset tiny --bf16 --train-iters 30 --log-interval 10 --no-progress-bar)
+# Evaluation every 10 iterations: under graphs the evaluation stage warms up, captures, replays.
 step train_graphs 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
+  --eval-interval 10 --eval-iters 6 \
   --save "$SCRATCH/ckpt_graphs" --metrics-file "$WORK/graphs_metrics.jsonl"
-step train_eager 120 "${TRAIN[@]}" --save "$SCRATCH/ckpt_eager" --metrics-file "$WORK/eager_metrics.jsonl"
+step train_eager 120 "${TRAIN[@]}" --eval-interval 10 --eval-iters 6 \
+  --save "$SCRATCH/ckpt_eager" --metrics-file "$WORK/eager_metrics.jsonl"
 # Every validation call is corrupted once (transient): the in-graph check must catch it, skip the
 # optimizer replay, replay the iteration, find it not reproducible and exit 17.
 step train_graphs_injected 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
@@ -45,6 +49,14 @@ cp "$SCRATCH"/profile/ops_*.txt "$WORK"/ 2>/dev/null  # the trace itself is larg
 step replica_check 120 python3 bench/replica_check.py --preset gpt2-124m --device cuda --bf16 \
   --json "$WORK/replica_check.json"
 
+# Library-level graph benchmark (bench/graphs.py): every variant but the torch.compile ones
+# (those take minutes to compile: STEPS=bench_graphs_compiled).
+step bench_graphs 300 python3 bench/graphs.py --variants \
+  eager,graph,graph_fused_adamw,graph_validation,graph_validation_sync,graph_validation_noread \
+  --json "$WORK/bench_graphs.json"
+step bench_graphs_compiled 540 python3 bench/graphs.py --variants \
+  graph,graph_compiled,graph_compiled_fused_adamw,compile_reduce_overhead,compile_reduce_overhead_fused_adamw \
+  --json "$WORK/bench_graphs_compiled.json"
 BENCH=(python3 bench/step_bench.py --device cuda --bf16 --rounds "$ROUNDS" --iters "$ITERS")
 step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,rerun,timers,dumps,graphs --json "$WORK/bench_tiny.json"
 step bench_small 150 "${BENCH[@]}" --preset small --suite baseline,rerun,timers,graphs --json "$WORK/bench_small.json"
@@ -55,12 +67,17 @@ step ckpt_save 150 python3 bench/checkpoint_save.py --preset gpt2-124m --device 
 
 echo "== total $(( $(date +%s) - start ))s" | tee -a "$WORK/summary.txt"
 tar czf "$OUT/gpu_check.tgz" -C "$WORK" .
-for f in "$WORK"/train_*.log; do echo "== $f"; grep -v DEBUG "$f" | tail -6; done
+for f in "$WORK"/train_*.log; do
+  echo "== $f"; grep -i "validation loss" "$f" | tail -3; grep -v DEBUG "$f" | tail -6
+done
 for f in "$WORK"/bench_*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -A 40 "^preset=" "$f" | grep -v "DEBUG\|INFO\|WARN" | tail -25; }
 done
 for f in "$WORK"/memory.log "$WORK"/ckpt_save.log "$WORK"/replica_check.log; do
   [ -f "$f" ] && { echo "== $f"; grep -v "DEBUG\|INFO\|WARN\|^\[rank" "$f" | tail -14; }
 done
-grep -E "^FAILED|^ERROR|passed|failed" "$WORK/gpu_tests.log" | tail -8
+for f in "$WORK"/bench_graphs*.log; do
+  [ -f "$f" ] && { echo "== $f"; grep -E "^\||^- " "$f"; }
+done
+[ -f "$WORK/gpu_tests.log" ] && grep -E "^FAILED|^ERROR|passed|failed|SKIPPED|eager|graph" "$WORK/gpu_tests.log" | tail -16
 cat "$WORK/summary.txt"

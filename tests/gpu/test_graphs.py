@@ -282,3 +282,57 @@ def test_recapture_on_shape_change() -> None:
     for g, e in zip(graphed, eager_loss):
         torch.testing.assert_close(g["lm loss"], e)
     ctx.teardown()
+
+
+def _gated_run(overlapped: bool, poison_at: int, steps: int = 7) -> tuple[list, list, Any]:
+    """Fused AdamW behind a device skip gate: overlapped gated replays vs host-decided steps."""
+    model = _model("tiny")
+    params = list(model.parameters())
+    device = torch.device("cuda")
+    opt = make_capturable_adamw(params, lr=1e-3, device=device, fused=True)
+    flags, poison = DeviceFlags(["loss"], device), Poison()
+    gate = torch.zeros((), dtype=torch.float32, device=device)
+    ctx = GraphContext(device)
+
+    def gated_fb(**kwargs: Any) -> Any:
+        out = forward_backward(**kwargs)
+        flags.update_skip_gate_(gate)  # inside the graph: the device decides
+        return out
+
+    fb = FullIterationGraph(
+        gated_fb, context=ctx, warmup_steps=1, grad_params=params, validation_buffer=flags
+    )
+    opt_graph = OptimizerGraph(opt, context=ctx, clip_grad=1.0, skip_gate=gate)
+    step = make_forward_step(flags, poison)
+    data = _batches("tiny", steps * NUM_MICROBATCHES, seed=5)
+    skipped, snapshots = [], []
+    for i in range(steps):
+        poison.value.fill_(float("nan") if i == poison_at else 0.0)
+        _call(fb, model, data[i * NUM_MICROBATCHES : (i + 1) * NUM_MICROBATCHES], step)
+        if overlapped:
+            opt_graph.step(lr=1e-3, gated=True, overlap=True)
+            ok = flags.read().ok  # overlaps the optimizer replay on the second stream
+            opt_graph.join()
+        else:
+            ok = flags.read().ok
+            if ok:
+                opt_graph.step(lr=1e-3)
+        if not ok:
+            skipped.append(i)
+        snapshots.append([p.detach().clone() for p in params])
+    assert fb.phase() is StagePhase.CAPTURED and opt_graph.phase is StagePhase.CAPTURED
+    counters = [s["step"].item() for s in opt.state.values()]
+    ctx.teardown()
+    return skipped, snapshots, counters
+
+
+def test_gated_overlapped_optimizer_skips_on_device_and_matches_host_decided() -> None:
+    poison_at = 5  # after warm-up (2 eager) and capture: the rejected step is a replay
+    skipped, overlapped, counters = _gated_run(True, poison_at)
+    ref_skipped, host, ref_counters = _gated_run(False, poison_at)
+    assert skipped == ref_skipped == [poison_at]
+    for a, b in zip(overlapped[poison_at - 1], overlapped[poison_at]):
+        assert torch.equal(a, b)  # the rejected replay left the parameters untouched
+    for step_a, step_b in zip(overlapped, host):
+        assert all(torch.equal(a, b) for a, b in zip(step_a, step_b))
+    assert counters == ref_counters and set(counters) == {6.0}

@@ -28,6 +28,8 @@ class FakeGraphContext(GraphContext):
         self.num_captures = 0
         self.num_replays = 0
         self.num_side_stream = 0
+        self.num_overlapped = 0
+        self.num_joins = 0
         self.capturing = False
         self.fail_capture = fail_capture
         self.graphs: list[FakeGraph] = []
@@ -56,6 +58,15 @@ class FakeGraphContext(GraphContext):
         self._require_open()
         self.num_side_stream += 1
         yield
+
+    @contextlib.contextmanager
+    def overlapped(self) -> Iterator[None]:
+        self._require_open()
+        self.num_overlapped += 1
+        yield
+
+    def join_overlapped(self) -> None:
+        self.num_joins += 1
 
     @contextlib.contextmanager
     def capture(self, graph: Any, generators: Sequence[torch.Generator] = ()) -> Iterator[None]:

@@ -108,3 +108,80 @@ def test_device_flags_nonfinite_is_one_accumulate_and_kinds_do_not_mix() -> None
     assert flags.read().counts == {"loss": 1}
     with pytest.raises(ValueError, match="both"):
         flags.record("loss", torch.tensor(True))
+
+
+def _fused_adamw(params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
+    from stalwart.graphs import make_capturable_adamw
+
+    return make_capturable_adamw(params, lr=0.1, device=torch.device("cpu"), fused=True)
+
+
+def test_skip_gate_skips_the_step_on_the_device_and_rolls_back_the_counter() -> None:
+    params = _params_with_grads()
+    before = [p.detach().clone() for p in params]
+    gate = torch.ones((), dtype=torch.float32)
+    opt = _fused_adamw(params)
+    graph = OptimizerGraph(opt, context=FakeGraphContext(), clip_grad=1.0, skip_gate=gate)
+    graph.step(gated=True)  # eager warm-up step: the fused kernel reads the gate
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+        assert opt.state[p]["step"].item() == 0.0 and not opt.state[p]["exp_avg"].any()
+    gate.zero_()
+    graph.step(gated=True)
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert all(opt.state[p]["step"].item() == 1.0 for p in params)
+
+
+def test_host_decided_step_clears_the_gate() -> None:
+    gated, plain = _params_with_grads(), _params_with_grads()
+    gate = torch.ones((), dtype=torch.float32)
+    graph = OptimizerGraph(_fused_adamw(gated), context=FakeGraphContext(), skip_gate=gate)
+    reference = OptimizerGraph(_fused_adamw(plain), context=FakeGraphContext())
+    graph.step()  # gated=False: the host decided to step, a stale gate must not block it
+    reference.step()
+    assert gate.item() == 0.0
+    for a, b in zip(gated, plain):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_skip_gate_needs_fused_adamw_and_gated_needs_a_gate() -> None:
+    ctx = FakeGraphContext()
+    gate = torch.zeros((), dtype=torch.float32)
+    foreach = torch.optim.AdamW(
+        _params_with_grads(), lr=torch.tensor(0.1), capturable=True, foreach=True
+    )
+    with pytest.raises(ValueError, match="fused AdamW"):
+        OptimizerGraph(foreach, context=ctx, skip_gate=gate)
+    with pytest.raises(ValueError, match="float32"):
+        OptimizerGraph(_fused_adamw(_params_with_grads()), context=ctx, skip_gate=gate.double())
+    plain = OptimizerGraph(_fused_adamw(_params_with_grads()), context=ctx)
+    with pytest.raises(ValueError, match="skip_gate"):
+        plain.step(gated=True)
+
+
+def test_overlapped_replay_runs_on_the_second_stream_and_joins() -> None:
+    ctx = FakeGraphContext()
+    gate = torch.zeros((), dtype=torch.float32)
+    graph = OptimizerGraph(_fused_adamw(_params_with_grads()), context=ctx, skip_gate=gate)
+    for _ in range(3):  # two warm-up steps and the capture never overlap
+        graph.step(gated=True, overlap=True)
+    assert graph.phase is StagePhase.CAPTURED and ctx.num_overlapped == 0
+    graph.step(gated=True, overlap=True)
+    graph.join()
+    assert ctx.num_overlapped == 1 and ctx.num_joins == 1 and ctx.num_replays == 2
+
+
+def test_device_flags_skip_gate() -> None:
+    flags = DeviceFlags(["loss", "spike"], torch.device("cpu"))
+    gate = torch.full((), 7.0)
+    flags.record_nonfinite("loss", torch.tensor(2.0))
+    flags.record("spike", torch.tensor([False, False]))
+    flags.update_skip_gate_(gate)
+    assert gate.item() == 0.0
+    flags.record("spike", torch.tensor([False, True]))
+    flags.update_skip_gate_(gate)
+    assert gate.item() == 1.0
+    flags.reset_()
+    flags.record_nonfinite("loss", torch.tensor(float("inf")))
+    flags.update_skip_gate_(gate)
+    assert gate.item() == 1.0 and not flags.read().ok

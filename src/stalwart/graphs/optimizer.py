@@ -14,6 +14,14 @@ optimizer steps on the capture stream. They create the lazily-allocated Adam sta
 ``exp_avg_sq``, ``step``) at fixed addresses; the capture call then captures and replays, so every
 call is exactly one real step and no snapshot/restore of parameters is needed.
 
+Skipping without a host sync: with ``skip_gate`` (a float32 device scalar, 1.0 = skip) and fused
+AdamW, the skip decision is made on the device. Fused AdamW honours the ``found_inf`` tensor that
+AMP's GradScaler uses: when it is 1.0 the kernel leaves parameters and moments untouched and the
+step counters are rolled back. The forward-backward graph writes the gate from its in-graph
+checks, so :meth:`OptimizerGraph.step` with ``gated=True`` can be replayed *before* the host has
+read those checks, on a second stream (``overlap=True``): the host's one validation read then
+overlaps the optimizer instead of stalling the GPU between the two graphs.
+
 Gradients are not zeroed here: with :class:`FullIterationGraph` ``grad_params`` the zeroing is
 part of the forward-backward graph, which keeps ``.grad`` addresses fixed for this graph.
 """
@@ -95,6 +103,20 @@ def clip_grads_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor
     return total
 
 
+def check_skip_gate(optimizer: torch.optim.Optimizer, gate: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``gate`` can act as the optimizer's device-side skip flag."""
+    if gate.dtype != torch.float32 or gate.numel() != 1:
+        raise ValueError(
+            f"skip_gate must be a one-element float32 tensor, got {gate.dtype} {tuple(gate.shape)}"
+        )
+    for index, group in enumerate(optimizer.param_groups):
+        if not group.get("fused", False):
+            raise ValueError(
+                f"a device-side skip gate needs fused AdamW (it reads found_inf): param group "
+                f"{index} has fused={group.get('fused')!r} (use make_capturable_adamw(fused=True))"
+            )
+
+
 def check_optimizer_graphable(optimizer: torch.optim.Optimizer) -> None:
     """Raise ``ValueError`` unless every param group can be captured and scheduled under replay."""
     for index, group in enumerate(optimizer.param_groups):
@@ -116,7 +138,8 @@ class OptimizerGraph:
     ``step(lr)`` sets the LR (device ``fill_``), then runs eagerly (first ``warmup_steps`` calls),
     or captures + replays, or replays. It returns the pre-clip gradient norm as a static device
     tensor (overwritten by the next call) when ``clip_grad > 0``, else None.
-    Skipping an iteration (rejected by validation) means simply not calling ``step``.
+    Skipping an iteration (rejected by validation) means simply not calling ``step``, or, with
+    ``skip_gate``, letting the device skip it (``step(gated=True)``; see the module docstring).
     """
 
     def __init__(
@@ -127,6 +150,7 @@ class OptimizerGraph:
         clip_grad: float = 0.0,
         warmup_steps: int = 2,
         on_capture_failure: CaptureFailurePolicy = CaptureFailurePolicy.FAIL,
+        skip_gate: torch.Tensor | None = None,
     ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
             raise ValueError(
@@ -136,6 +160,11 @@ class OptimizerGraph:
         if clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {clip_grad!r}")
         check_optimizer_graphable(optimizer)
+        if skip_gate is not None:
+            check_skip_gate(optimizer, skip_gate)
+            # torch's Adam/AdamW.step passes this attribute to the fused kernel (GradScaler API).
+            optimizer.found_inf = skip_gate  # type: ignore[attr-defined]
+        self.skip_gate = skip_gate
         self.optimizer = optimizer
         self.clip_grad = float(clip_grad)
         self.warmup_steps = warmup_steps
@@ -149,13 +178,30 @@ class OptimizerGraph:
         self.capture_seconds = 0.0
         context.register(self)
 
-    def step(self, lr: float | None = None) -> torch.Tensor | None:
-        """One optimizer step (see class docstring)."""
+    def step(
+        self, lr: float | None = None, *, gated: bool = False, overlap: bool = False
+    ) -> torch.Tensor | None:
+        """One optimizer step (see class docstring).
+
+        ``gated=False``: the host has decided to step; the skip gate (if any) is cleared first.
+        ``gated=True``: the device decides from the gate the forward-backward wrote (needs
+        ``skip_gate``). ``overlap=True``: replay on the context's second stream; call
+        :meth:`join` before anything reads the parameters, gradients or the returned norm.
+        Warm-up and capture calls never overlap.
+        """
+        if gated and self.skip_gate is None:
+            raise ValueError("step(gated=True) needs the OptimizerGraph built with skip_gate")
         if lr is not None:
             set_learning_rate(self.optimizer, lr)
+        if self.skip_gate is not None and not gated:
+            self.skip_gate.zero_()
         if self.phase is StagePhase.CAPTURED:
             assert self._graph is not None
-            self._graph.replay()  # type: ignore[attr-defined]
+            if overlap:
+                with self._context.overlapped():
+                    self._graph.replay()  # type: ignore[attr-defined]
+            else:
+                self._graph.replay()  # type: ignore[attr-defined]
             return self._norm
         if self.phase is StagePhase.EAGER_FALLBACK or self.num_eager < self.warmup_steps:
             self.num_eager += 1
@@ -187,6 +233,10 @@ class OptimizerGraph:
         logger.info("captured the optimizer CUDA graph in %.3f s", self.capture_seconds)
         graph.replay()  # capture does not execute: replay so this call is a real step
         return norm
+
+    def join(self) -> None:
+        """Order the current stream after an overlapped step (device-side wait, no host sync)."""
+        self._context.join_overlapped()
 
     def reset(self) -> None:
         """Drop the graph; the next ``step`` warms up (``warmup_steps`` eager steps) again."""

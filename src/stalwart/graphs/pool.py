@@ -82,6 +82,7 @@ class GraphContext:
         self._owners: list[Resettable] = []
         self._closed = False
         self._stream: Any = self._new_stream()
+        self._overlap_stream: Any = None  # created on first use (overlapped optimizer replay)
         self._pool: Any = self._new_pool()
 
     # ----------------------------------------------------------------- backend seams
@@ -122,6 +123,26 @@ class GraphContext:
         with torch.cuda.stream(self._stream):
             yield
         current.wait_stream(self._stream)
+
+    @contextlib.contextmanager
+    def overlapped(self) -> Iterator[None]:
+        """Run the body on a second stream after the current stream's work, without joining back.
+
+        Work enqueued on the current stream afterwards (e.g. the validation read) does not wait
+        for the body; :meth:`join_overlapped` must run before anything touches what the body
+        writes. Used to replay the optimizer graph while the host reads the iteration's checks.
+        """
+        self._require_open()
+        if self._overlap_stream is None:
+            self._overlap_stream = self._new_stream()
+        self._overlap_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._overlap_stream):
+            yield
+
+    def join_overlapped(self) -> None:
+        """Make the current stream wait (on the device, no host sync) for :meth:`overlapped` work."""
+        if self._overlap_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._overlap_stream)
 
     @contextlib.contextmanager
     def capture(self, graph: Any, generators: Sequence[torch.Generator] = ()) -> Iterator[None]:
@@ -190,8 +211,10 @@ class GraphContext:
         for owner in self._owners:
             owner.reset()
         self._owners.clear()
+        self.join_overlapped()
         self._pool = None
         self._stream = None
+        self._overlap_stream = None
         self._closed = True
 
     def _require_open(self) -> None:

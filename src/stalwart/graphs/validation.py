@@ -7,6 +7,11 @@ graph's ``reset_()`` clears the counters at the start of every replay, and the t
 all counters with one host sync after the iteration (``flags.read()``), then decides whether to
 run the optimizer (skip it for a rejected iteration) or start a rerun.
 
+To keep that read off the critical path, ``flags.update_skip_gate_(gate)`` (at the end of the
+captured forward-backward) turns the counters into a device-side skip flag for a gated
+:class:`~stalwart.graphs.OptimizerGraph`: the optimizer replay is then enqueued before the read and
+skips itself on the device when a check failed.
+
 Any object with a device-only ``reset_()`` (e.g. the rerun state machine's buffers) can be passed
 to :class:`~stalwart.graphs.FullIterationGraph` as ``validation_buffer`` instead.
 """
@@ -19,6 +24,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +66,20 @@ class DeviceFlags:
         self._index = {name: i for i, name in enumerate(self.names)}
         self._kinds: dict[str, CheckKind] = {}
         self.values = torch.zeros(len(self.names), dtype=torch.float32, device=device)
+        # True where a check counts (failed when > 0) rather than sums (failed when non-finite).
+        self._count_mask = torch.zeros(len(self.names), dtype=torch.bool, device=device)
 
     def reset_(self) -> None:
         """Clear all accumulators (device work only)."""
         self.values.zero_()
 
     def _slot(self, name: str, kind: CheckKind) -> torch.Tensor:
+        known = name in self._kinds
         if self._kinds.setdefault(name, kind) is not kind:
             raise ValueError(f"check {name!r} is used as both {self._kinds[name]} and {kind}")
+        if not known and kind is CheckKind.COUNT:
+            # First use happens in an eager warm-up call, before capture (a device write).
+            self._count_mask[self._index[name]] = True
         return self.values[self._index[name]]
 
     def record(self, name: str, failed: torch.Tensor) -> None:
@@ -90,6 +102,17 @@ class DeviceFlags:
     ) -> None:
         """Count ``tensor`` as failed when any element exceeds ``threshold`` (device or float)."""
         self.record(name, tensor.detach() > threshold)
+
+    def update_skip_gate_(self, gate: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+        """Write 1.0 into ``gate`` if any check failed so far, else 0.0 (device work only).
+
+        With ``group`` of more than one rank the gate is max-reduced across it (one tiny
+        collective, capturable on NCCL), so every replica skips or steps together.
+        """
+        failed = torch.where(self._count_mask, self.values > 0, ~torch.isfinite(self.values))
+        gate.copy_(failed.any())
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(gate, op=dist.ReduceOp.MAX, group=group)
 
     def read(self) -> FlagReport:
         """Copy the accumulators to the host and report failures per check."""

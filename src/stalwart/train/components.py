@@ -13,11 +13,13 @@ import logging
 import os
 import random
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -61,7 +63,7 @@ from stalwart.train.manual_gc import ManualGC, NullManualGC, make_manual_gc
 from stalwart.train.observe import StepObserver
 from stalwart.train.precision import NullLossScaler, autocast_context, build_loss_scaler
 from stalwart.train.schedule import LRScheduler
-from stalwart.train.step import StepParts
+from stalwart.train.step import StepParts, forward_backward
 
 logger = logging.getLogger("stalwart.train")
 
@@ -99,6 +101,9 @@ class Components:
     manual_gc: ManualGC | NullManualGC
     forward_step: GPTForwardStep
     eval_forward_step: GPTForwardStep
+    # Graph mode: the full-iteration graph's evaluation stage, losses checked on the host.
+    eval_forward_backward_func: Callable[..., Any] = forward_backward
+    eval_checks_losses_on_host: bool = False
     iterations_to_skip: frozenset[int] = frozenset()  # numbered from 1, as logged
     flops_per_iteration: float = 0.0  # at the final global batch size
     closers: list[Any] = field(default_factory=list)
@@ -129,9 +134,15 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
     ]
     if config.graphs.optimizer_cuda_graph:
         device = next(model.parameters()).device
-        # Capturable AdamW with the LR as a device tensor, so a schedule works under replay.
+        # Capturable AdamW with the LR as a device tensor, so a schedule works under replay;
+        # fused, so in-graph validation can skip the step on the device (found_inf).
         return make_capturable_adamw(
-            groups, lr=o.lr, device=device, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps
+            groups,
+            lr=o.lr,
+            device=device,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            fused=device.type == "cuda",
         )
     return torch.optim.AdamW(
         groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, foreach=True
@@ -152,7 +163,13 @@ def wrap_model(model: GPT, config: RunConfig, ctx: DistributedContext) -> nn.Mod
         fully_shard(model)
         return model
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    with warnings.catch_warnings():
+    stream: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if ctx.device.type == "cuda" and config.graphs.cuda_graph_impl == "full_iteration":
+        # DDP keeps the AccumulateGrad nodes it creates here; created on the legacy default
+        # stream, capturing a backward through them is an illegal implicit sync (torch docs,
+        # "CUDA graphs: usage with DistributedDataParallel"): construct on a side stream.
+        stream = torch.cuda.stream(torch.cuda.Stream(ctx.device))
+    with warnings.catch_warnings(), stream:
         # Router counters are rank-local buffers: they must not be broadcast (newer torch
         # deprecates the flag in favour of one that still syncs at init).
         warnings.simplefilter("ignore", FutureWarning)
@@ -439,8 +456,10 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         eval_forward_step=GPTForwardStep(
             ctx.device,
             forward_step.autocast,
-            loss_check=lambda loss: check_loss(rerun, loss, config.rerun),
+            loss_check=None if graphed else lambda loss: check_loss(rerun, loss, config.rerun),
         ),
+        eval_forward_backward_func=step_parts.forward_backward_func,
+        eval_checks_losses_on_host=graphed,
         iterations_to_skip=frozenset(resolve_iterations_to_skip(config.rerun)),
         flops_per_iteration=flops,
         closers=closers,
@@ -474,8 +493,9 @@ def _use_graphs(
     """Switch the step to the full-iteration graph (+ optimizer graph); returns the teardown."""
     from stalwart.train.graphed import build_graph_parts
 
+    group = dist.group.WORLD if ctx.is_distributed else None
     parts = build_graph_parts(
-        config, ctx.device, model, optimizer, rerun, step_parts.num_microbatches
+        config, ctx.device, model, optimizer, rerun, step_parts.num_microbatches, group
     )
     forward_step.loss_check = parts.validation.record_loss  # in-graph validation
     step_parts.forward_backward_func = parts.forward_backward
@@ -486,4 +506,8 @@ def _use_graphs(
     if opt_graph is not None:
         # The LR scheduler fills the device-tensor LR in place; clip + step replay as one graph.
         step_parts.clip_and_step = lambda params, clip_grad: opt_graph.step()
+        if opt_graph.skip_gate is not None:
+            # Replayed before the validation read, on a second stream; skips itself if rejected.
+            step_parts.gated_step = lambda: opt_graph.step(gated=True, overlap=True)
+            step_parts.join_gated_step = opt_graph.join
     return parts.teardown

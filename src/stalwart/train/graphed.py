@@ -4,18 +4,27 @@ The forward-backward of all micro-batches is one captured graph; with ``--optimi
 the clip + AdamW step is another (shared pool and capture stream). Validation goes beyond
 Megatron, which turns its NaN checks off under full-iteration graphs: the rerun state machine's
 loss and gradient checks are recorded into a static :class:`ValidationBuffer` *inside* the graph,
-and the machine reads it in its one per-iteration sync after the replay. A rejected iteration
-never replays the optimizer graph, and a rerun replays the forward-backward graph on the same
-micro-batches (the rerun data iterator hands them to the graph's static buffers again).
+and the machine reads it in its one per-iteration sync after the replay. A rerun replays the
+forward-backward graph on the same micro-batches (the rerun data iterator hands them to the
+graph's static buffers again).
+
+With ``--optimizer-cuda-graph`` the rejection itself is also decided on the device: the graph ends
+by writing a skip gate (any recorded check non-finite, max-reduced across data-parallel ranks) that
+fused AdamW reads as ``found_inf``. The step can then replay the optimizer graph on a second
+stream *before* the machine's host read, which overlaps it instead of stalling the GPU between the
+two graphs; a rejected iteration's optimizer replay leaves parameters and moments untouched.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.config.run import RunConfig
 from stalwart.graphs import (
@@ -33,11 +42,15 @@ from stalwart.reliability.rerun import (
     INF_LOSS_MESSAGE,
     NAN_GRAD_MESSAGE,
     NAN_LOSS_MESSAGE,
+    RerunConfig,
     RerunStateMachine,
     ValidationBuffer,
+    check_loss,
     local_grad_norm,
 )
 from stalwart.train.step import forward_backward
+
+logger = logging.getLogger(__name__)
 
 
 def check_graph_flags(config: RunConfig, device: torch.device) -> None:
@@ -70,11 +83,20 @@ class GraphValidation:
     counter only runs during warm-up and capture, the recorded device writes replay.
     """
 
-    def __init__(self, device: torch.device, num_microbatches: int, enabled: bool) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        num_microbatches: int,
+        enabled: bool,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.buffer = ValidationBuffer(
             device, name="full_iteration", capacity=4 * num_microbatches + 4
         )
         self.enabled = enabled
+        # 1.0 when any check of the pass failed on any rank (fused AdamW's found_inf).
+        self.skip_gate = torch.zeros((), dtype=torch.float32, device=device)
+        self._group = group
         self._loss_slots: list[tuple[int, int]] = []
         self._grad_slots: tuple[int, int] | None = None
         if enabled:
@@ -105,6 +127,50 @@ class GraphValidation:
         self.buffer.record(self._grad_slots[0], norm)
         self.buffer.record(self._grad_slots[1], norm)
 
+    def update_skip_gate(self) -> None:
+        """Device-side rejection: every in-graph check rejects exactly non-finite values, so the
+        gate is set iff the machine's host read will reject (on some rank; hence the max)."""
+        if not self.enabled:
+            return
+        values = self.buffer.values[: len(self.buffer.specs)]
+        self.skip_gate.copy_((~torch.isfinite(values)).any())
+        if self._group is not None and dist.get_world_size(self._group) > 1:
+            dist.all_reduce(self.skip_gate, op=dist.ReduceOp.MAX, group=self._group)
+
+
+DDP_MIN_WARMUP_STEPS = 11  # torch docs: DDP needs 11 eager iterations before capture
+
+
+def graph_warmup_steps(model: nn.Module, requested: int) -> int:
+    """``--cuda-graph-warmup-steps``, raised to 11 for DDP.
+
+    DDP's reducer still changes its host-side state (bucket rebuild, sampled runtime stats with
+    event reads) in its first iterations; capturing before the 11th records a sync or a stale
+    bucket layout (torch docs, "CUDA graphs: usage with DistributedDataParallel").
+    """
+    if isinstance(model, DistributedDataParallel) and requested < DDP_MIN_WARMUP_STEPS:
+        logger.info(
+            "--cuda-graph-warmup-steps %d raised to %d for DistributedDataParallel",
+            requested,
+            DDP_MIN_WARMUP_STEPS,
+        )
+        return DDP_MIN_WARMUP_STEPS
+    return requested
+
+
+def check_eval_losses(
+    rerun: RerunStateMachine, losses: dict[str, float], config: RerunConfig
+) -> None:
+    """NaN/Inf checks of the evaluation means, with the machine's disabled-mode semantics.
+
+    Under the evaluation graph a per-micro-batch host check would run at capture only; a NaN/Inf
+    in any micro-batch propagates into the mean, which evaluation reads anyway, so the same
+    fatal check (RuntimeError) runs on it at no extra sync.
+    """
+    with rerun.disabled():
+        for value in losses.values():
+            check_loss(rerun, torch.tensor(value, dtype=torch.float64), config)
+
 
 @dataclass
 class GraphParts:
@@ -127,28 +193,38 @@ def build_graph_parts(
     optimizer: torch.optim.Optimizer,
     rerun: RerunStateMachine,
     num_microbatches: int,
+    dp_group: dist.ProcessGroup | None = None,
 ) -> GraphParts:
     """Graph context, the full-iteration graph (+ optimizer graph) and in-graph validation."""
     params = [p for p in model.parameters() if p.requires_grad]
     context = GraphContext(device)
     validation = GraphValidation(
-        device, num_microbatches, config.rerun.check_for_nan_in_loss_and_grad
+        device, num_microbatches, config.rerun.check_for_nan_in_loss_and_grad, dp_group
     )
     rerun.attach_buffer(validation.buffer)
 
     def graphed_forward_backward(**kwargs: Any) -> list[dict[str, torch.Tensor]]:
+        if kwargs.get("forward_only", False):  # the evaluation graph: checked on the host
+            return forward_backward(**kwargs)
         validation.begin_pass()
         reported = forward_backward(**kwargs)
         validation.record_grads(params)
+        validation.update_skip_gate()
         return reported
 
     fb = FullIterationGraph(
         graphed_forward_backward,
         context=context,
-        warmup_steps=config.graphs.cuda_graph_warmup_steps,
+        warmup_steps=graph_warmup_steps(model, config.graphs.cuda_graph_warmup_steps),
         grad_params=params,
     )
     opt_graph = None
     if config.graphs.optimizer_cuda_graph:
-        opt_graph = OptimizerGraph(optimizer, context=context, clip_grad=config.optim.clip_grad)
+        gated = validation.enabled and all(g.get("fused") for g in optimizer.param_groups)
+        opt_graph = OptimizerGraph(
+            optimizer,
+            context=context,
+            clip_grad=config.optim.clip_grad,
+            skip_gate=validation.skip_gate if gated else None,
+        )
     return GraphParts(context, fb, validation, opt_graph)

@@ -44,6 +44,8 @@ class RerunProtocol(Protocol):
 
     def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]: ...
 
+    def allows_step_before_validation(self) -> bool: ...
+
 
 def _no_sync(model: nn.Module, is_last: bool) -> contextlib.AbstractContextManager[Any]:
     """Reduce gradients only on the last micro-batch: DDP's ``no_sync`` or FSDP2's
@@ -196,6 +198,11 @@ class StepParts:
     # Graph mode times only around the captured call (events inside would be frozen at capture).
     time_inside_schedule: bool = True
     observer: Any = None  # StepObserver (stragglers, dumps) or None when both are off
+    # Device-gated step (graph mode, fused AdamW): enqueued right after forward-backward, before
+    # the rerun machine's host read, on a second stream; it skips itself on the device when the
+    # pass's checks failed. ``join_gated_step`` orders later work after it (no host sync).
+    gated_step: Callable[[], torch.Tensor | None] | None = None
+    join_gated_step: Callable[[], None] | None = None
 
 
 def _zero_grad(model: nn.Module) -> None:
@@ -214,7 +221,9 @@ def train_step(parts: StepParts, data_iterator: Any) -> StepResult:
     inner: dict[str, Any] = {}
     if parts.time_inside_schedule:
         inner = {"timers": timers, "observer": parts.observer}
+    gated = _GatedStep(parts)
     while parts.rerun.should_run_forward_backward(data_iterator):
+        gated.join()  # a rerun pass must not race the overlapped optimizer replay
         timers(FORWARD_BACKWARD).start()
         (parts.zero_grad or (lambda: _zero_grad(parts.model)))()
         reported = parts.forward_backward_func(
@@ -228,10 +237,14 @@ def train_step(parts: StepParts, data_iterator: Any) -> StepResult:
         if parts.after_backward is not None:
             parts.after_backward()  # records device-side gradient checks for this pass
         timers(FORWARD_BACKWARD).stop()
+        gated.maybe_launch()  # before the loop condition's host read, which it overlaps
+    gated.join()
     should_checkpoint, should_exit, exit_code = parts.rerun.should_checkpoint_and_exit()
     losses = average_reported(reported, parts.dp_group) if reported else {}
     if should_exit:
         return StepResult(losses, None, None, True, should_checkpoint, True, exit_code)
+    if gated.stepped:
+        return StepResult(losses, gated.grad_norm, None, False)
     params = [p for p in parts.model.parameters() if p.requires_grad]
     timers(OPTIMIZER).start()
     try:
@@ -240,6 +253,39 @@ def train_step(parts: StepParts, data_iterator: Any) -> StepResult:
         return _clip_and_step(parts, params, losses)
     finally:
         timers(OPTIMIZER).stop()
+
+
+class _GatedStep:
+    """Tracks the device-gated optimizer step of one iteration (see ``StepParts.gated_step``).
+
+    Launched only in an iteration's initial pass (``allows_step_before_validation``). The machine
+    accepts that pass exactly when the gate let the step through (both reject non-finite checks;
+    the gate is max-reduced across ranks), so after an accepted single pass the step is done. A
+    rerun pass clears it: the final decision then goes through the normal, host-decided step.
+    """
+
+    def __init__(self, parts: StepParts) -> None:
+        self._parts = parts
+        self._pending_join = False
+        self.stepped = False
+        self.grad_norm: torch.Tensor | None = None
+
+    def maybe_launch(self) -> None:
+        """After each pass: launch the gated step if the machine allows it; ``stepped`` then
+        says whether the final pass launched it."""
+        parts = self._parts
+        if parts.gated_step is None or not parts.rerun.allows_step_before_validation():
+            self.stepped = False
+            return
+        parts.timers(OPTIMIZER).start()
+        self.grad_norm = parts.gated_step()
+        parts.timers(OPTIMIZER).stop()
+        self._pending_join = self.stepped = True
+
+    def join(self) -> None:
+        if self._pending_join and self._parts.join_gated_step is not None:
+            self._parts.join_gated_step()
+        self._pending_join = False
 
 
 def _clip_and_step(

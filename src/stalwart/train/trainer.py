@@ -37,6 +37,7 @@ from stalwart.reliability.rerun import (
 from stalwart.reliability.sections import Section
 from stalwart.train.components import Components, build_components, run_dir_of
 from stalwart.train.evaluate import evaluate
+from stalwart.train.graphed import check_eval_losses
 from stalwart.train.resume_checks import check_model_matches
 from stalwart.train.step import StepResult, params_norm, train_step
 
@@ -297,7 +298,10 @@ class Trainer:
             eval_iters=cfg.training.eval_iters,
             disable_validation=c.rerun.disabled,
             step_section=lambda: c.sections.step_section(is_eval=True),
+            forward_backward_func=c.eval_forward_backward_func,
         )
+        if c.eval_checks_losses_on_host:
+            check_eval_losses(c.rerun, losses, cfg.rerun)
         c.log.on_eval(self.state.iteration, losses, consumed_samples=self.state.consumed_samples)
         c.manual_gc.on_evaluation()
         return losses

@@ -286,6 +286,17 @@ class RerunStateMachine(EventMixin):
             return self._after_rerun_from_checkpoint()
         raise RuntimeError(f"should_run_forward_backward called in state {state.name}")
 
+    def allows_step_before_validation(self) -> bool:
+        """True in an iteration's initial pass unless every pass is rerun (determinism stats).
+
+        A device-gated optimizer step may then be enqueued before this pass is read: the pass is
+        either accepted (the step stands) or rerun, and a rerun decides afresh.
+        """
+        return (
+            self.state is RerunState.INITIAL_RUN
+            and self.mode is not RerunMode.REPORT_DETERMINISM_STATS
+        )
+
     def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
         """``(should_checkpoint, should_exit, exit_code)``; on exit the optimizer must not step."""
         if self.mode is not RerunMode.VALIDATE_RESULTS:
