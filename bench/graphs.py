@@ -42,6 +42,7 @@ VARIANTS = (
     "graph_validation",
     "graph_validation_sync",
     "graph_validation_noread",
+    "graph_validation_lagged",
     "graph_compiled",
     "graph_compiled_fused_adamw",
     "compile_reduce_overhead",
@@ -163,6 +164,7 @@ def build_variant(
         skip_gate=gate,
     )
     step = make_forward_step(flags)
+    pending: list[Any] = []
 
     def graph_step(batches: list[dict]) -> None:
         fb(**_kwargs(runner, batches, step, seq))
@@ -172,6 +174,14 @@ def build_variant(
             # Host decides: the read stalls the GPU between the two graphs.
             if flags.read().ok:
                 opt_graph.step(lr=LR)
+        elif variant == "graph_validation_lagged":
+            # Skip-and-count policy: the device skipped a failed step already; the host learns
+            # of it one iteration later (no sync now, no rerun possible).
+            opt_graph.step(lr=LR, gated=True, overlap=True)
+            opt_graph.join()
+            if pending and not pending.pop().result().ok:
+                raise RuntimeError("benchmark data tripped a check")
+            pending.append(flags.read_async())
         else:
             # Device decides (gate): the optimizer replays on a second stream while the host
             # reads the flags ("_noread" skips the read to isolate the in-graph kernels).
@@ -217,6 +227,22 @@ def kernel_time_ms(
     return total_us / iters / 1000.0, count / iters
 
 
+def host_profile(
+    step: Callable[[list[dict]], None], data: list[list[dict]], iters: int, trace: str | None
+) -> str:
+    """Host-side view of ``iters`` iterations: CUDA runtime calls and ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            step(data[i % len(data)])
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+
+
 def time_variant(
     step: Callable[[list[dict]], None], data: list[list[dict]], warmup: int, iters: int
 ) -> list[float]:
@@ -258,6 +284,10 @@ def run_one(
         "tflops": flops / (median / 1000.0) / 1e12,
         "iters": len(times),
     }
+    if args.host_profile and variant in args.host_profile.split(","):
+        trace = f"{args.trace_dir}/trace_{preset}_{variant}.json" if args.trace_dir else None
+        print(f"host profile {preset} {variant} ({args.profile_iters} iterations):")
+        print(host_profile(step, data, args.profile_iters, trace), flush=True)
     if variant in PROFILED and args.profile_iters > 0:
         row["kernel_floor_ms"], row["kernels_per_iter"] = kernel_time_ms(
             step, data, args.profile_iters
@@ -307,6 +337,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
                 f"- {preset}: validation with the host read between the graphs "
                 f"{sync['median_ms'] / graph['median_ms'] - 1:+.2%}"
             )
+        lagged = by.get((preset, "graph_validation_lagged"))
+        if graph and lagged:
+            lines.append(
+                f"- {preset}: validation read one iteration late (skip-and-count) "
+                f"{lagged['median_ms'] / graph['median_ms'] - 1:+.2%}"
+            )
         if graph and noread:
             lines.append(
                 f"- {preset}: in-graph checks alone (no host read) "
@@ -347,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s", type=float, default=1e9, help="skip remaining variants after this"
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--host-profile", default="", help="variants whose host-side profile table is printed"
+    )
+    parser.add_argument("--trace-dir", default=None, help="Chrome traces of --host-profile")
     args = parser.parse_args(argv)
     if args.iters < 20:
         raise ValueError(f"--iters must be >= 20, got {args.iters}")

@@ -52,7 +52,7 @@ step replica_check 120 python3 bench/replica_check.py --preset gpt2-124m --devic
 # Library-level graph benchmark (bench/graphs.py): every variant but the torch.compile ones
 # (those take minutes to compile: STEPS=bench_graphs_compiled).
 step bench_graphs 300 python3 bench/graphs.py --variants \
-  eager,graph,graph_fused_adamw,graph_validation,graph_validation_sync,graph_validation_noread \
+  eager,graph,graph_fused_adamw,graph_validation,graph_validation_sync,graph_validation_noread,graph_validation_lagged \
   --json "$WORK/bench_graphs.json"
 step bench_graphs_compiled 540 python3 bench/graphs.py --variants \
   graph,graph_compiled,graph_compiled_fused_adamw,compile_reduce_overhead,compile_reduce_overhead_fused_adamw \

@@ -59,6 +59,9 @@ def test_two_rank_graphs_follow_eager_and_a_one_rank_fault_stops_both(tmp_path: 
     )  # fmt: skip
     assert injected.returncode != 0
     codes = {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", injected.stderr)}
-    assert codes == {EXIT_CODE_FAILED_ON_RESULT_VALIDATION}, injected.stderr[-3000:]
+    # The first rank to exit 17 makes torchrun SIGTERM the other (-15) if it is still running.
+    assert EXIT_CODE_FAILED_ON_RESULT_VALIDATION in codes, injected.stderr[-3000:]
+    assert codes <= {EXIT_CODE_FAILED_ON_RESULT_VALIDATION, -15}, injected.stderr[-3000:]
+    assert "Need to rerun iteration 15" in injected.stderr  # rank 0 reran too: the gate is global
     assert "Possible transient error" in injected.stderr + injected.stdout
     assert "iteration=15" in tracker.read_text()

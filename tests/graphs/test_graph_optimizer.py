@@ -185,3 +185,14 @@ def test_device_flags_skip_gate() -> None:
     flags.record_nonfinite("loss", torch.tensor(float("inf")))
     flags.update_skip_gate_(gate)
     assert gate.item() == 1.0 and not flags.read().ok
+
+
+def test_async_flag_read_reports_the_snapshot_not_later_writes() -> None:
+    flags = DeviceFlags(["loss", "spike"], torch.device("cpu"))
+    flags.record_nonfinite("loss", torch.tensor(float("nan")))
+    pending = flags.read_async()
+    flags.reset_()  # the next iteration starts before the report is consumed
+    flags.record("spike", torch.tensor([True]))
+    assert pending.done()
+    assert pending.result().failed == ["loss"]
+    assert flags.read().failed == ["spike"]

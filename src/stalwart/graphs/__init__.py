@@ -40,7 +40,7 @@ from stalwart.graphs.pool import (
     supports_generator_registration,
 )
 from stalwart.graphs.static_inputs import InputSignature, StaticInputs, signature_of
-from stalwart.graphs.validation import CheckKind, DeviceFlags, FlagReport
+from stalwart.graphs.validation import CheckKind, DeviceFlags, FlagReport, PendingFlags
 
 __all__ = [
     "GRAPHABLE_COMPILE_MODES",
@@ -57,6 +57,7 @@ __all__ = [
     "GraphSignatureError",
     "InputSignature",
     "OptimizerGraph",
+    "PendingFlags",
     "RecomputeGranularity",
     "SignatureChangePolicy",
     "StagePhase",

@@ -210,11 +210,12 @@ class FullIterationGraph:
         stage = self._stages[mode]
         num_microbatches = int(kwargs["num_microbatches"])
         batches = _read_microbatches(kwargs["data_iterator"], num_microbatches)
-        signature = InputSignature(num_microbatches, signature_of(batches), _static_kwargs(kwargs))
+        batch_signature = signature_of(batches)
+        signature = InputSignature(num_microbatches, batch_signature, _static_kwargs(kwargs))
         self._check_signature(stage, mode, signature)
         stage = self._stages[mode]  # a workload change replaces the stage
         stage.chunked = isinstance(kwargs["data_iterator"], list)
-        static = stage.inputs.load(batches)
+        static = stage.inputs.load(batches, batch_signature)
         stage.kwargs = dict(kwargs)
         return self._execute(stage, mode, static)
 

@@ -124,9 +124,12 @@ class StaticInputs:
         """The static structure last returned by :meth:`load` (None before the first load)."""
         return self._buffers
 
-    def load(self, batches: Any) -> Any:
-        """Copy ``batches`` into the static buffers (allocating them on first use); return them."""
-        signature = signature_of(batches)
+    def load(self, batches: Any, signature: Hashable | None = None) -> Any:
+        """Copy ``batches`` into the static buffers (allocating them on first use); return them.
+
+        ``signature``: ``signature_of(batches)`` when the caller has it already (saves the walk).
+        """
+        signature = signature_of(batches) if signature is None else signature
         if self._signature is None:
             self._buffers = _allocate_like(batches, self.device)
             self._signature = signature

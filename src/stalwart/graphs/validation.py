@@ -114,10 +114,19 @@ class DeviceFlags:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(gate, op=dist.ReduceOp.MAX, group=group)
 
-    def read(self) -> FlagReport:
-        """Copy the accumulators to the host and report failures per check."""
-        # Deliberate sync: the one per-iteration validation read, after the replay.
-        values = self.values.tolist()
+    def read_async(self) -> PendingFlags:
+        """Start copying the accumulators to the host without waiting (no sync now).
+
+        For loops that let the device decide (a gated optimizer skips a failed iteration) and
+        only need to *learn* about failures later, e.g. to count skipped iterations: call
+        ``result()`` on the returned handle an iteration later, when the copy is long done. A
+        rerun of the failed iteration is then no longer possible (its inputs are overwritten),
+        so the rerun state machine uses :meth:`read` instead.
+        """
+        return PendingFlags(self, self.values.detach().clone())
+
+    def report(self, values: list[float]) -> FlagReport:
+        """Interpret host values of the accumulators (from :meth:`read` or a pending read)."""
         counts = {}
         for name, value in zip(self.names, values):
             if self._kinds.get(name) is CheckKind.NONFINITE:
@@ -125,3 +134,36 @@ class DeviceFlags:
             else:
                 counts[name] = int(value)
         return FlagReport(counts)
+
+    def read(self) -> FlagReport:
+        """Copy the accumulators to the host and report failures per check."""
+        # Deliberate sync: the one per-iteration validation read, after the replay.
+        return self.report(self.values.tolist())
+
+
+class PendingFlags:
+    """A device-to-host copy of one iteration's flags in flight (see ``DeviceFlags.read_async``).
+
+    The snapshot is taken on the device (stream-ordered after the iteration), then copied to
+    pinned host memory with an event; ``result()`` waits only for that copy.
+    """
+
+    def __init__(self, flags: DeviceFlags, snapshot: torch.Tensor) -> None:
+        self._flags = flags
+        if snapshot.is_cuda:
+            self._host = torch.empty(snapshot.shape, dtype=snapshot.dtype, pin_memory=True)
+            self._host.copy_(snapshot, non_blocking=True)
+            self._event: torch.cuda.Event | None = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = snapshot, None
+
+    def done(self) -> bool:
+        """True when ``result()`` would not wait."""
+        return self._event is None or self._event.query()
+
+    def result(self) -> FlagReport:
+        """The iteration's report; waits for the copy if it is still in flight."""
+        if self._event is not None:
+            self._event.synchronize()  # deliberate, usually free: the copy finished long ago
+        return self._flags.report(self._host.tolist())

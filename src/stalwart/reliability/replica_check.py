@@ -12,13 +12,16 @@ Scope: only meaningful for *replicated* parameters (DDP). FSDP-sharded parameter
 :func:`parameter_fingerprints` refuses them with a ``ValueError``.
 
 Fingerprint: each parameter's bytes are reinterpreted as unsigned integers (16-bit words for
-fp16/bf16, 32-bit words for fp32, two 32-bit words per element for fp64), multiplied by a weight
-that depends on the word's position, reduced modulo the prime ``P = 2**31 - 1`` and summed, with
-the running sum kept modulo the prime ``M = 2**61 - 1``. All arithmetic is exact int64 without
-overflow, so the value is independent of reduction order, chunking, device and process. Because
-every weight is non-zero modulo ``P`` and a flipped bit changes a word by ``±2**k`` (``k < 32``,
-never a multiple of ``P``), any single bit flip changes the fingerprint; because weights are
-distinct for the first ``P - 1`` positions, swapping two different words changes it as well.
+fp16/bf16, 32-bit words for fp32, two 32-bit words per element for fp64); word ``i`` is multiplied
+by the odd weight ``2 i + 1`` and the products are summed in int64, wrapping modulo ``2**64``
+(two's complement). Addition modulo ``2**64`` is associative, so the value is independent of
+reduction order, chunking, device and process. A flipped bit changes one product by
+``±2**k (2 i + 1)`` (``k < 32``): non-zero and smaller than ``2**63`` in magnitude, so never a
+multiple of ``2**64``; any single bit flip changes the fingerprint, and so does any pair of
+single-bit flips in different words (``2**k (2 i + 1) = 2**m (2 j + 1)`` forces ``i = j``) and any
+swap of two different words. These guarantees hold for parameters of up to ``2**30`` words; only
+integer multiplies, adds and one sum per chunk run on the device (no 64-bit division, which GPUs
+emulate slowly).
 
 In a hand-written DDP loop (collective: every rank calls it at the same iterations)::
 
@@ -48,15 +51,9 @@ from torch.distributed import ProcessGroup
 CHECK_INTERVAL_FLAG: Final = "--check-weight-hash-across-dp-replicas-interval"
 FSDP2_FLAG: Final = "--use-torch-fsdp2"
 
-# Per-word modulus: a prime below 2**31 keeps ``word * weight`` (word < 2**32) below 2**63.
-_WORD_PRIME: Final = 2**31 - 1
-# Accumulator modulus: a prime above _WORD_PRIME, so a per-word change never vanishes modulo it.
-_SUM_PRIME: Final = 2**61 - 1
-# Multiplier coprime with _WORD_PRIME - 1, so weights are distinct over P - 1 positions.
-_WEIGHT_MULTIPLIER: Final = 506_952_115
 # 4M words per chunk: a handful of int64 temporaries of 32 MiB each, whatever the parameter size.
 DEFAULT_CHUNK_WORDS: Final = 1 << 22
-# A chunk's sum must stay below 2**63: chunk * (_WORD_PRIME - 1) < 2**63.
+# Upper bound of chunk_words (memory only: sums wrap modulo 2**64 whatever the chunk).
 _MAX_CHUNK_WORDS: Final = 1 << 31
 _DESCRIBE_MAX_PARAMETERS: Final = 5
 
@@ -116,12 +113,10 @@ def _fingerprint_one(param: torch.Tensor, chunk_words: int) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), chunk_words):
         chunk = words[start : start + chunk_words].to(torch.int64).bitwise_and_(mask)
-        pos = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=words.device)
-        # Weights in [1, P - 1]: never 0 mod P, so no word's change can be multiplied away.
-        weight = pos.remainder_(_WORD_PRIME - 1).mul_(_WEIGHT_MULTIPLIER)
-        weight = weight.remainder_(_WORD_PRIME - 1).add_(1)
-        terms = chunk.mul_(weight).remainder_(_WORD_PRIME)
-        total = (total + terms.sum()).remainder_(_SUM_PRIME)
+        end = start + chunk.numel()
+        # Odd, distinct weights 2i+1: no change of a word can vanish modulo 2**64.
+        weight = torch.arange(2 * start + 1, 2 * end + 1, 2, dtype=torch.int64, device=words.device)
+        total += chunk.mul_(weight).sum()  # int64 wraps modulo 2**64: order-independent
     return total
 
 
@@ -131,8 +126,8 @@ def parameter_fingerprints(
     """Fingerprint every parameter of ``module`` on its device, without a host sync.
 
     Returns a 1-D int64 tensor with one entry per parameter, in ``module.named_parameters()``
-    order, on the parameters' device (CPU for a module without parameters). Each entry lies in
-    ``[0, 2**61 - 1)``. The values are a pure function of the parameters' bytes and positions:
+    order, on the parameters' device (CPU for a module without parameters); entries are int64
+    sums wrapped modulo ``2**64``. The values are a pure function of the parameters' bytes and positions:
     identical on every process and device, independent of ``chunk_words``. Any single bit flip
     in a parameter changes that parameter's entry and no other.
 
