@@ -84,6 +84,23 @@ def test_every_single_bit_flip_is_detected(dtype: torch.dtype) -> None:
     assert parameter_fingerprints(holder).tolist() == original
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_pair_of_bit_flips_in_different_elements_is_detected(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    holder = nn.Module()
+    holder.p = nn.Parameter(torch.randn(3).to(dtype))
+    original = parameter_fingerprints(holder).tolist()
+    width = 8 * holder.p.element_size()
+    for first, second in [(0, 1), (0, 2), (1, 2)]:
+        for bit_a in range(width):
+            for bit_b in range(width):
+                _flip_bit(holder.p, first, bit_a)
+                _flip_bit(holder.p, second, bit_b)
+                assert parameter_fingerprints(holder).tolist() != original, (bit_a, bit_b)
+                _flip_bit(holder.p, second, bit_b)
+                _flip_bit(holder.p, first, bit_a)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_permutation_changes_fingerprint(dtype: torch.dtype) -> None:
     holder = nn.Module()

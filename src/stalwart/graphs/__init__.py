@@ -1,7 +1,37 @@
 """Full-iteration and optimizer CUDA graphs, static inputs, shared pool, config checks.
 
-Composable into any training loop; see ``docs/benchmarks-graphs.md`` and the class docstrings
-for the integration recipe.
+Composable into any training loop (measurements: ``docs/benchmarks-graphs.md``). A hand-written
+loop with validation inside the graph and the optimizer skip decided on the device::
+
+    ctx = GraphContext(device)
+    flags = DeviceFlags(["loss"], device)
+    gate = torch.zeros((), device=device)            # 1.0 = skip this optimizer step
+
+    def fwd_bwd(*, data_iterator, num_microbatches, model, forward_only=False, **_):
+        losses = []
+        for _ in range(num_microbatches):
+            loss = model(**next(data_iterator))      # device work only, no .item()
+            flags.record_nonfinite("loss", loss)     # captured with the rest
+            (loss / num_microbatches).backward()
+            losses.append(loss.detach())
+        flags.update_skip_gate_(gate)                # any check failed -> gate = 1
+        return losses
+
+    graph = FullIterationGraph(fwd_bwd, context=ctx, grad_params=model.parameters(),
+                               validation_buffer=flags)
+    opt = OptimizerGraph(make_capturable_adamw(model.parameters(), lr=lr, device=device,
+                                               fused=True),
+                         context=ctx, clip_grad=1.0, skip_gate=gate)
+    for it in range(iters):
+        losses = graph(data_iterator=batches, num_microbatches=4, model=model)
+        opt.step(lr=schedule(it), gated=True, overlap=True)  # skips itself on a failure
+        report = flags.read()        # the one sync; overlaps the optimizer replay
+        opt.join()
+        if not report.ok:
+            graph.rerun_last()       # same static inputs: transient or persistent?
+
+A skip-and-count loop that never reruns can read one iteration late instead
+(``pending = flags.read_async()`` ... ``pending.result()``): no sync on the critical path.
 """
 
 from __future__ import annotations
