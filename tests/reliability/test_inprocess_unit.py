@@ -186,3 +186,18 @@ def test_health_checks_report_failures_and_node_peers() -> None:
     assert run_health_checks([check_device_computes], cpu) is None
     assert "wrong matmul" in (run_health_checks([broken], cpu) or "")
     assert unhealthy_peers(["ok a", "bad b", None]) == {1: "b"}
+
+
+def test_pre_abort_callbacks_run_newest_first_before_the_abort(monkeypatch) -> None:
+    from stalwart.reliability.inprocess import wrapper
+
+    order: list[str] = []
+    monkeypatch.setattr(wrapper, "abort_process_groups", lambda: order.append("abort"))
+
+    def failing() -> None:
+        order.append("failing")
+        raise RuntimeError("a callback error must not stop the abort")
+
+    callbacks = [lambda: order.append("graphs"), failing]
+    wrapper.release_then_abort(callbacks)
+    assert order == ["failing", "graphs", "abort"]

@@ -104,6 +104,8 @@ class Components:
     # Graph mode: the full-iteration graph's evaluation stage, losses checked on the host.
     eval_forward_backward_func: Callable[..., Any] = forward_backward
     eval_checks_losses_on_host: bool = False
+    # Graph mode: drop the CUDA graphs (idempotent); an NCCL abort waits for captured work.
+    release_graphs: Callable[[], None] | None = None
     iterations_to_skip: frozenset[int] = frozenset()  # numbered from 1, as logged
     flops_per_iteration: float = 0.0  # at the final global batch size
     closers: list[Any] = field(default_factory=list)
@@ -403,8 +405,10 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         log_num_zeros=config.log.log_num_zeros_in_grad,
         after_backward=after_backward,
     )
+    release_graphs = None
     if graphed:
-        closers.append(_use_graphs(config, ctx, model, optimizer, rerun, forward_step, step_parts))
+        release_graphs = _use_graphs(config, ctx, model, optimizer, rerun, forward_step, step_parts)
+        closers.append(release_graphs)
     flops = num_floating_point_operations(config.model, gbs)
     timers, sink, log, observer, energy = _build_observability(config, ctx, flops, raw_model)
     step_parts.timers = timers
@@ -460,6 +464,7 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         ),
         eval_forward_backward_func=step_parts.forward_backward_func,
         eval_checks_losses_on_host=graphed,
+        release_graphs=release_graphs,
         iterations_to_skip=frozenset(resolve_iterations_to_skip(config.rerun)),
         flops_per_iteration=flops,
         closers=closers,
@@ -489,7 +494,7 @@ def _use_graphs(
     rerun: RerunStateMachine,
     forward_step: GPTForwardStep,
     step_parts: StepParts,
-) -> Any:
+) -> Callable[[], None]:
     """Switch the step to the full-iteration graph (+ optimizer graph); returns the teardown."""
     from stalwart.train.graphed import build_graph_parts
 

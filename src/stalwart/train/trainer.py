@@ -108,6 +108,16 @@ class Trainer:
     def close(self) -> None:
         self.c.close()
 
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs now (idempotent; safe from the restart monitor's thread).
+
+        Graphs that captured NCCL collectives keep the communicator referenced, so an in-process
+        restart calls this before aborting the process groups; the main thread's next graph call
+        then fails on the torn-down context, which ends the attempt.
+        """
+        if self.c.release_graphs is not None:
+            self.c.release_graphs()
+
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_common(self) -> dict[str, Any]:
         c = self.c

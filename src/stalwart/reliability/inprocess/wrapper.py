@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import logging
 import os
 import socket
@@ -133,9 +134,19 @@ class Attempt:
     monitor: AttemptMonitor
     abort_callbacks: list[Callable[[], object]] = field(default_factory=list)
     finalize_callbacks: list[Callable[[], object]] = field(default_factory=list)
+    # Run right before any process-group abort, by whichever thread aborts (main or monitor).
+    pre_abort_callbacks: list[Callable[[], object]] = field(default_factory=list)
 
     def on_abort(self, fn: Callable[[], object]) -> None:
         self.abort_callbacks.append(fn)
+
+    def before_process_group_abort(self, fn: Callable[[], object]) -> None:
+        """Release what keeps a communicator alive (idempotent, thread-safe, no collectives).
+
+        CUDA graphs that captured NCCL collectives hold references on the communicator, and
+        aborting it waits for them: drop such graphs here or the abort never returns.
+        """
+        self.pre_abort_callbacks.append(fn)
 
     def on_finalize(self, fn: Callable[[], object]) -> None:
         self.finalize_callbacks.append(fn)
@@ -177,6 +188,14 @@ def _deadlock_guard(timeout_s: float) -> Iterator[None]:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def release_then_abort(pre_abort: list[Callable[[], object]]) -> None:
+    """Run the pre-abort callbacks (newest first, errors ignored), then abort every group."""
+    for callback in reversed(list(pre_abort)):
+        with contextlib.suppress(Exception):
+            callback()
+    abort_process_groups()
 
 
 def abort_process_groups() -> None:
@@ -250,15 +269,25 @@ class InProcessRestarter:
         self.store.advance_attempt(n)
         self.store.barrier(n, "rendezvous", self.options.barrier_timeout)
         ctx = self.init_group(self.store.group_store(n))
+        pre_abort: list[Callable[[], object]] = []  # filled by the train function
         monitor = AttemptMonitor(
-            self.store.client(), n, self.options.monitor_times(), on_failure=abort_process_groups
+            self.store.client(),
+            n,
+            self.options.monitor_times(),
+            on_failure=functools.partial(release_then_abort, pre_abort),
         )
         monitor.start()
         if n and self.rank == 0:
             self.say(
                 f"in-process restart attempt {n}: process group rebuilt, training resumes ({self._timing()})"
             )
-        return Attempt(index=n, ctx=ctx, store=self.store.attempt(n), monitor=monitor)
+        return Attempt(
+            index=n,
+            ctx=ctx,
+            store=self.store.attempt(n),
+            monitor=monitor,
+            pre_abort_callbacks=pre_abort,
+        )
 
     def _timing(self) -> str:
         p, now = self._phases, time.monotonic()
@@ -356,7 +385,7 @@ class InProcessRestarter:
         for callback in reversed(attempt.abort_callbacks):
             with contextlib.suppress(Exception):
                 callback()
-        abort_process_groups()
+        release_then_abort(attempt.pre_abort_callbacks)
         if record.rank != self.rank:
             # Our pending collectives wait on the failed rank; they end when its groups are freed.
             # Freeing ours before that could join a gloo worker still blocked in one of them.
@@ -368,6 +397,7 @@ class InProcessRestarter:
                     callback()
             attempt.abort_callbacks.clear()
             attempt.finalize_callbacks.clear()
+            attempt.pre_abort_callbacks.clear()
             attempt.monitor.probe = lambda: None
             release_memory(self.device)  # gc.collect(): the attempt's groups are destroyed here
         self.store.set_rank_value(n, "released", "1")
