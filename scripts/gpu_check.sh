@@ -27,7 +27,7 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cud
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >>"$WORK/env.log" 2>&1
 
 # -s: the tests print their measured differences; two-GPU tests skip on a one-GPU machine.
-step gpu_tests 420 python3 -m pytest -q -s -rfs -m gpu -p no:cacheprovider tests
+step gpu_tests 540 python3 -m pytest -q -s -rfs -m gpu -p no:cacheprovider tests
 TRAIN=(python3 -m stalwart train --preset tiny --bf16 --train-iters 30 --log-interval 10 --no-progress-bar)
 # Evaluation every 10 iterations: under graphs the evaluation stage warms up, captures, replays.
 step train_graphs 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \

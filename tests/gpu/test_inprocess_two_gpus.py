@@ -1,8 +1,9 @@
-"""In-process restart on two GPUs (torchrun, NCCL): eager and with full-iteration graphs.
+"""In-process restart on two GPUs (torchrun, NCCL).
 
 Rank 1 raises at an iteration after a checkpoint; the peer is blocked in an NCCL collective, so the
-restart must abort the communicators, rebuild the process group, tear the CUDA graphs down and
-capture them again. Needs two CUDA devices (run by ``scripts/gpu_check.sh``).
+restart must abort the communicators and rebuild the process group. With full-iteration graphs the
+abort did not return (measured on two H200s, also with the graphs released first), so that
+combination is refused up front. Needs two CUDA devices (run by ``scripts/gpu_check.sh``).
 """
 
 from __future__ import annotations
@@ -36,12 +37,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize(
     ("name", "extra", "iters", "save_interval", "fault_at", "resumed_at"),
-    [
-        ("eager", [], 12, 4, 6, 4),
-        # DDP raises the graph warm-up to 11: capture at 12, fault at 18, resume from 16, the
-        # rebuilt trainer warms up again and re-captures at 28.
-        ("graphs", GRAPHS, 30, 8, 18, 16),
-    ],
+    [("eager", [], 12, 4, 6, 4)],
 )
 def test_nccl_inprocess_restart_matches_fault_free_run(
     tmp_path: Path,
@@ -74,3 +70,12 @@ def test_nccl_inprocess_restart_matches_fault_free_run(
     # Same kernels on the same GPUs: expected bitwise; a re-captured graph may pick other
     # algorithms than the eager iterations it replaces, hence the fp32 rounding bound.
     assert diff <= (0.0 if not extra else 1e-5)
+
+
+def test_inprocess_restart_of_a_graphed_two_gpu_job_is_refused(tmp_path: Path) -> None:
+    proc = run_cli(
+        ["train", *MODEL, *GRAPHS, *FAULT, "--train-iters", "4", "--save", str(tmp_path)],
+        nproc=2, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "--inprocess-restart with --cuda-graph-impl full_iteration" in proc.stderr

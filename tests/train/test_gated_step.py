@@ -183,3 +183,18 @@ def test_eval_losses_are_checked_on_the_host_in_graph_mode() -> None:
         check_eval_losses(machine, {"lm loss": float("nan")}, RerunConfig())
     with pytest.raises(RuntimeError):
         check_eval_losses(machine, {"lm loss": float("inf")}, RerunConfig())
+
+
+def test_inprocess_restart_of_a_graphed_nccl_job_is_refused() -> None:
+    from stalwart.train.graphed import check_inprocess_with_graphs
+
+    from train_utils import make_config
+
+    both = make_config(
+        "--inprocess-restart", "--save", "/tmp/x", "--cuda-graph-impl", "full_iteration"
+    )
+    with pytest.raises(ValueError, match="--inprocess-restart with --cuda-graph-impl"):
+        check_inprocess_with_graphs(both, "cuda", 2)
+    check_inprocess_with_graphs(both, "cuda", 1)  # one rank: no communicator to abort
+    check_inprocess_with_graphs(both, "cpu", 2)
+    check_inprocess_with_graphs(make_config("--inprocess-restart", "--save", "/tmp/x"), "cuda", 2)

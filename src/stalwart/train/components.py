@@ -352,7 +352,7 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
 
     graphed = config.graphs.cuda_graph_impl == "full_iteration"
     if graphed:
-        check_graph_flags(config, ctx.device)  # before any expensive set-up
+        check_graph_flags(config, ctx.device, ctx.world_size)  # before any expensive set-up
     train_ds, valid_ds, num_microbatches, gbs = _build_data(config, ctx)
     batch_schedule = BatchSchedule.from_flags(
         gbs, config.training.micro_batch_size, ctx.world_size, config.training.rampup_batch_size

@@ -53,8 +53,28 @@ from stalwart.train.step import forward_backward
 logger = logging.getLogger(__name__)
 
 
-def check_graph_flags(config: RunConfig, device: torch.device) -> None:
+INPROCESS_NCCL_GRAPHS_MESSAGE = (
+    "--inprocess-restart with --cuda-graph-impl full_iteration on {world_size} GPUs is not "
+    "supported: the CUDA graphs hold the NCCL collectives they captured, and aborting the "
+    "communicator did not return on two H200s even with the graphs released first. Recover "
+    "graphed multi-GPU jobs with torchrun restarts (--max-restarts), or drop one of the flags"
+)
+
+
+def check_inprocess_with_graphs(config: RunConfig, device_type: str, world_size: int) -> None:
+    """Refuse in-process restart of a graphed NCCL job (ValueError); one rank or CPU is fine."""
+    if (
+        config.inprocess.inprocess_restart
+        and config.graphs.cuda_graph_impl == "full_iteration"
+        and device_type == "cuda"
+        and world_size > 1
+    ):
+        raise ValueError(INPROCESS_NCCL_GRAPHS_MESSAGE.format(world_size=world_size))
+
+
+def check_graph_flags(config: RunConfig, device: torch.device, world_size: int = 1) -> None:
     """Reject invalid graph/recompute/validation combinations before training (ValueError)."""
+    check_inprocess_with_graphs(config, device.type, world_size)
     g = config.graphs
     check_graph_config(
         GraphSettings(
