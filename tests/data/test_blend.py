@@ -73,3 +73,24 @@ def test_trainer_on_a_blend_of_two_files(tmp_path) -> None:
     assert run_training(config, DistributedContext()).exit_code == 0
     single = make_config("--data-path", a)
     assert single.data.data_path == a
+
+
+def test_resuming_under_another_blend_of_the_same_length_is_refused() -> None:
+    from stalwart.data.sampler import MicroBatchIterator
+
+    def sampler(weights: list[float]) -> MicroBatchIterator:
+        blend = BlendedDataset([_source(10, 0), _source(30, 10_000)], weights)
+        return MicroBatchIterator(blend, 2, 0, 1, seed=5)
+
+    saved = sampler([3.0, 1.0])
+    next(saved)
+    state = saved.state_dict()
+    resumed = sampler([3.0, 1.0])
+    resumed.load_state_dict(state)
+    assert resumed.consumed_samples == 2
+    other = sampler([1.0, 1.0])  # same total length (40), other weights
+    with pytest.raises(ValueError, match="--data-path") as err:
+        other.load_state_dict(state)
+    assert "0.75 x 10 samples" in str(err.value) and "0.5 x 10 samples" in str(err.value)
+    legacy = {k: v for k, v in state.items() if k != "dataset_identity"}
+    other.load_state_dict(legacy)  # checkpoints written before the check still load

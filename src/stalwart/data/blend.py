@@ -110,6 +110,15 @@ class BlendedDataset:
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def identity(self) -> list[list[float]]:
+        """``[[weight, source length], ...]``: what fixes the sample order besides the seed.
+
+        The sampler stores it in checkpoints and refuses to resume under another blend (other
+        weights or sources of other lengths), which the total length alone would not reveal.
+        """
+        return [[round(w, 12), float(len(s))] for w, s in zip(self.weights, self.sources)]
+
     def source_of(self, index: int) -> int:
         """Which source sample ``index`` comes from."""
         return int(self._source_ids[index])

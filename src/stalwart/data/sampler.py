@@ -147,6 +147,8 @@ class MicroBatchIterator:
             "micro_batch_size": self.micro_batch_size,
             "dp_size": self.dp_size,
             "shuffle": self.shuffle,
+            # Blends: weights and source lengths (None for a single source).
+            "dataset_identity": getattr(self.dataset, "identity", None),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -162,12 +164,26 @@ class MicroBatchIterator:
                     f"data iterator checkpoint has {key}={state.get(key)!r} but this run has "
                     f"{mine!r}; resuming would change the sample order (check {flag})"
                 )
+        mine_identity = getattr(self.dataset, "identity", None)
+        if "dataset_identity" in state and state["dataset_identity"] != mine_identity:
+            raise ValueError(
+                "data iterator checkpoint was written for the data blend "
+                f"{_describe_blend(state['dataset_identity'])} but this run reads "
+                f"{_describe_blend(mine_identity)}; resuming would change the sample order "
+                "(check the weights and paths of --data-path)"
+            )
         if "shuffle" in state and state["shuffle"] != self.shuffle:
             raise ValueError(
                 f"data iterator checkpoint has shuffle={state['shuffle']!r} but this run has "
                 f"{self.shuffle!r}"
             )
         self.consumed_samples = state["consumed_samples"]
+
+
+def _describe_blend(identity: Any) -> str:
+    if not identity:
+        return "of one source"
+    return ", ".join(f"{w:g} x {int(n)} samples" for w, n in identity)
 
 
 def make_eval_iterator(
