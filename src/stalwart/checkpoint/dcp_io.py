@@ -29,6 +29,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from stalwart.checkpoint.optimizer_state import (
+    canonical_learning_rates,
+    keep_optimizer_implementation,
+)
+
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
 
@@ -89,7 +94,7 @@ def gather_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any
     if optimizer is None:
         return {MODEL_KEY: get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+    return {MODEL_KEY: model_sd, OPTIM_KEY: canonical_learning_rates(optim_sd)}
 
 
 def apply_state(
@@ -100,13 +105,14 @@ def apply_state(
     if optimizer is None:
         set_model_state_dict(model, state[MODEL_KEY], options=options)
         return
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state[MODEL_KEY],
-        optim_state_dict=state[OPTIM_KEY],
-        options=options,
-    )
+    with keep_optimizer_implementation(optimizer):
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state[MODEL_KEY],
+            optim_state_dict=state[OPTIM_KEY],
+            options=options,
+        )
 
 
 def save_sync(state: dict[str, Any], path: str, group: Any) -> None:
