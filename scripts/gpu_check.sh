@@ -7,6 +7,8 @@
 #   QUICK=1 OUT=/tmp/out bash scripts/gpu_check.sh    # fewer benchmark rounds
 #   STEPS="gpu_tests memory" OUT=... bash scripts/gpu_check.sh   # only the named steps
 #   STEPS=bench_graphs_compiled OUT=... bash scripts/gpu_check.sh  # opt-in: torch.compile variants
+# On a two-GPU machine the two-GPU tests add about 3 minutes: split long runs with STEPS to stay
+# within one 10-minute device call.
 set -uo pipefail
 OUT="${OUT:-runs/gpu_check}"
 WORK="$(mktemp -d)"; SCRATCH="$(mktemp -d)"  # checkpoints go to SCRATCH (not archived)
