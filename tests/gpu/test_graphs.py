@@ -13,6 +13,7 @@ from stalwart.graphs import (
     FullIterationGraph,
     GraphContext,
     OptimizerGraph,
+    PipelinedGraphLoop,
     StagePhase,
     make_capturable_adamw,
     set_learning_rate,
@@ -336,3 +337,68 @@ def test_gated_overlapped_optimizer_skips_on_device_and_matches_host_decided() -
     for step_a, step_b in zip(overlapped, host):
         assert all(torch.equal(a, b) for a, b in zip(step_a, step_b))
     assert counters == ref_counters and set(counters) == {6.0}
+
+
+def test_pipelined_loop_reruns_a_rejected_replay_and_matches_host_decided() -> None:
+    """PipelinedGraphLoop: iteration i's flags are read while i + 1 runs. A transient NaN at
+    replay 5 is caught one call late, 5 is replayed on its own inputs (clean now), the discarded
+    iteration 6 runs again, and the run ends bitwise equal to the host-decided run skipping 5."""
+    poison_at, steps = 5, 7
+    model = _model("tiny")
+    params = list(model.parameters())
+    device = torch.device("cuda")
+    opt = make_capturable_adamw(params, lr=1e-3, device=device, fused=True)
+    flags, poison = DeviceFlags(["loss"], device), Poison()
+    gate = torch.zeros((), dtype=torch.float32, device=device)
+    ctx = GraphContext(device)
+
+    def gated_fb(**kwargs: Any) -> Any:
+        out = forward_backward(**kwargs)
+        flags.update_skip_gate_(gate)
+        return out
+
+    fb = FullIterationGraph(
+        gated_fb, context=ctx, warmup_steps=1, grad_params=params, validation_buffer=flags
+    )
+    loop = PipelinedGraphLoop(
+        fb, OptimizerGraph(opt, context=ctx, clip_grad=1.0, skip_gate=gate), flags
+    )
+    step = make_forward_step(flags, poison)
+    data = _batches("tiny", steps * NUM_MICROBATCHES, seed=5)
+    cfg = model.config
+    kwargs = {
+        "forward_step_func": step,
+        "model": model,
+        "seq_length": cfg.seq_length,
+        "micro_batch_size": PRESET_MICRO_BATCH_SIZE["tiny"],
+    }
+    resolutions, before = [], None
+    i = 0
+    while i < steps:
+        batches = data[i * NUM_MICROBATCHES : (i + 1) * NUM_MICROBATCHES]
+        poison.value.fill_(float("nan") if i == poison_at and before is None else 0.0)
+        resolution = loop.step(batches, lr=1e-3, **kwargs)
+        if i == poison_at and before is None:
+            poison.value.fill_(0.0)  # transient: gone by the rerun
+            torch.cuda.synchronize()
+            before = [p.detach().clone() for p in params]  # after 4 stepped and 5 gated
+        if resolution is not None:
+            resolutions.append(resolution)
+            if not resolution.accepted:
+                # The rejected iteration's optimizer replay left the parameters untouched.
+                assert before is not None
+                assert all(torch.equal(a, b.detach()) for a, b in zip(before, params))
+                continue  # run the discarded iteration again
+        i += 1
+    last = loop.flush()
+    assert last is not None and last.accepted
+    rejected = [r for r in resolutions if not r.accepted]
+    assert [r.iteration for r in rejected] == [poison_at]
+    rerun_report = rejected[0].rerun_report
+    assert rejected[0].reproducible is False and rerun_report is not None and rerun_report.ok
+    assert fb.phase() is StagePhase.CAPTURED
+    counters = [s["step"].item() for s in opt.state.values()]
+    ctx.teardown()
+    _, host, host_counters = _gated_run(False, poison_at, steps=steps)
+    assert all(torch.equal(a, b) for a, b in zip((p.detach() for p in params), host[-1]))
+    assert counters == host_counters and set(counters) == {float(steps - 1)}

@@ -32,6 +32,9 @@ loop with validation inside the graph and the optimizer skip decided on the devi
 
 A skip-and-count loop that never reruns can read one iteration late instead
 (``pending = flags.read_async()`` ... ``pending.result()``): no sync on the critical path.
+:class:`PipelinedGraphLoop` keeps the rerun and still takes the read off the critical path: it
+launches the next iteration's forward-backward before reading the previous one's flags, and on a
+rejection discards it and replays the rejected iteration on its own inputs and RNG state.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from stalwart.graphs.optimizer import (
     make_capturable_adamw,
     set_learning_rate,
 )
+from stalwart.graphs.pipelined import PipelinedGraphLoop, Resolution
 from stalwart.graphs.pool import (
     CaptureErrorMode,
     GraphContext,
@@ -88,7 +92,9 @@ __all__ = [
     "InputSignature",
     "OptimizerGraph",
     "PendingFlags",
+    "PipelinedGraphLoop",
     "RecomputeGranularity",
+    "Resolution",
     "SignatureChangePolicy",
     "StagePhase",
     "StaticInputs",

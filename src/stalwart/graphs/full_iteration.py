@@ -235,6 +235,11 @@ class FullIterationGraph:
             return self._result(stage.outputs)
         return self._run_eager(stage, mode, stage.inputs.buffers)
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the graph's context."""
+        return self._context.device
+
     def phase(self, mode: GraphMode = GraphMode.TRAINING) -> StagePhase:
         """Life-cycle phase of one mode."""
         return self._stages[mode].phase
