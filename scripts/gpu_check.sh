@@ -38,6 +38,12 @@ step train_graphs 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer
   --save "$SCRATCH/ckpt_graphs" --metrics-file "$WORK/graphs_metrics.jsonl"
 step train_eager 120 "${TRAIN[@]}" --eval-interval 10 --eval-iters 6 \
   --save "$SCRATCH/ckpt_eager" --metrics-file "$WORK/eager_metrics.jsonl"
+# Resume across modes on the device: the eager checkpoint (iteration 30) continues under graphs and
+# the graphed one eagerly, 10 more iterations each (optimizer state keeps the running implementation).
+step train_resume_eager_to_graphs 120 "${TRAIN[@]}" --train-iters 40 --load "$SCRATCH/ckpt_eager" \
+  --cuda-graph-impl full_iteration --optimizer-cuda-graph --metrics-file "$WORK/resume_e2g_metrics.jsonl"
+step train_resume_graphs_to_eager 120 "${TRAIN[@]}" --train-iters 40 --load "$SCRATCH/ckpt_graphs" \
+  --metrics-file "$WORK/resume_g2e_metrics.jsonl"
 # Every validation call is corrupted once (transient): the in-graph check must catch it, skip the
 # optimizer replay, replay the iteration, find it not reproducible and exit 17.
 step train_graphs_injected 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
@@ -55,7 +61,7 @@ step replica_check 120 python3 bench/replica_check.py --preset gpt2-124m --devic
 # Library-level graph benchmark (bench/graphs.py): every variant but the torch.compile ones
 # (those take minutes to compile: STEPS=bench_graphs_compiled).
 step bench_graphs 300 python3 bench/graphs.py --variants \
-  eager,graph,graph_fused_adamw,graph_validation,graph_validation_sync,graph_validation_noread,graph_validation_lagged \
+  eager,graph,graph_fused_adamw,graph_validation,graph_validation_sync,graph_validation_noread,graph_validation_lagged,graph_validation_pipelined \
   --json "$WORK/bench_graphs.json"
 # Opt-in (minutes of Inductor compiles; would push the default run past one 10-minute call).
 [[ " ${STEPS:-} " == *" bench_graphs_compiled "* ]] && step bench_graphs_compiled 540 python3 bench/graphs.py --variants \

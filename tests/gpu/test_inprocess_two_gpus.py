@@ -74,7 +74,8 @@ def test_nccl_inprocess_restart_matches_fault_free_run(
 
 def test_inprocess_restart_of_a_graphed_two_gpu_job_is_refused(tmp_path: Path) -> None:
     proc = run_cli(
-        ["train", *MODEL, *GRAPHS, *FAULT, "--train-iters", "4", "--save", str(tmp_path)],
+        ["train", *MODEL, *GRAPHS, *FAULT, "--inject-fault-iteration", "2",
+         "--train-iters", "4", "--save", str(tmp_path)],
         nproc=2, env=ENV, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0
