@@ -44,6 +44,14 @@ step train_resume_eager_to_graphs 120 "${TRAIN[@]}" --train-iters 40 --load "$SC
   --cuda-graph-impl full_iteration --optimizer-cuda-graph --metrics-file "$WORK/resume_e2g_metrics.jsonl"
 step train_resume_graphs_to_eager 120 "${TRAIN[@]}" --train-iters 40 --load "$SCRATCH/ckpt_graphs" \
   --metrics-file "$WORK/resume_g2e_metrics.jsonl"
+# A real divergence (huge LR, bf16): the machine finds Inf/NaN, reruns, finds it reproducible,
+# saves and exits 16. With the speculative launch (default) the next iteration was already
+# launched when the fault is read; without it (--no-...) the run must end the same way.
+DIVERGE=(--cuda-graph-impl full_iteration --optimizer-cuda-graph --cuda-graph-warmup-steps 1
+  --lr 1e4 --lr-warmup-iters 200 --train-iters 60 --log-interval 1)
+step train_diverge_speculative 120 "${TRAIN[@]}" "${DIVERGE[@]}" --save "$SCRATCH/div_spec"
+step train_diverge_plain 120 "${TRAIN[@]}" "${DIVERGE[@]}" --no-cuda-graph-speculative-launch \
+  --save "$SCRATCH/div_plain"
 # Every validation call is corrupted once (transient): the in-graph check must catch it, skip the
 # optimizer replay, replay the iteration, find it not reproducible and exit 17.
 step train_graphs_injected 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
@@ -67,6 +75,8 @@ step bench_graphs 300 python3 bench/graphs.py --variants \
 [[ " ${STEPS:-} " == *" bench_graphs_compiled "* ]] && step bench_graphs_compiled 540 python3 bench/graphs.py --variants \
   graph,graph_compiled,graph_compiled_fused_adamw,compile_reduce_overhead,compile_reduce_overhead_fused_adamw \
   --json "$WORK/bench_graphs_compiled.json"
+# The trainer with and without the speculative launch (subprocesses, alternating).
+step bench_speculative 240 bash -c "python3 bench/speculative_launch.py --preset tiny --json $WORK/spec_tiny.json && python3 bench/speculative_launch.py --preset small --iters 200 --log-interval 25 --json $WORK/spec_small.json"
 BENCH=(python3 bench/step_bench.py --device cuda --bf16 --rounds "$ROUNDS" --iters "$ITERS")
 step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,rerun,timers,dumps,graphs --json "$WORK/bench_tiny.json"
 step bench_small 150 "${BENCH[@]}" --preset small --suite baseline,rerun,timers,graphs --json "$WORK/bench_small.json"
@@ -86,6 +96,10 @@ done
 for f in "$WORK"/memory.log "$WORK"/ckpt_save.log "$WORK"/replica_check.log; do
   [ -f "$f" ] && { echo "== $f"; grep -v "DEBUG\|INFO\|WARN\|^\[rank" "$f" | tail -14; }
 done
+for f in "$WORK"/train_diverge_*.log; do
+  [ -f "$f" ] && { echo "== $f"; grep -E "Unexpected result|reproducible|exit reason" "$f" | cut -c1-220 | tail -4; }
+done
+[ -f "$WORK/bench_speculative.log" ] && { echo "== bench_speculative"; grep -E "^\||^- |^round" "$WORK/bench_speculative.log"; }
 for f in "$WORK"/bench_graphs*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "^\||^- " "$f"; }
 done

@@ -257,6 +257,12 @@ def _graph_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-impl", default="none", help="none|full_iteration")
     g.add_argument("--optimizer-cuda-graph", action="store_true")
     g.add_argument("--cuda-graph-warmup-steps", type=int, default=3)
+    g.add_argument(
+        "--cuda-graph-speculative-launch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="launch the next iteration's graph before this one's validation read (default on)",
+    )
     g.add_argument("--recompute-granularity", help="full|selective (activation recompute)")
 
 

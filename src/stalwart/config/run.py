@@ -60,6 +60,9 @@ class GraphConfig:
     optimizer_cuda_graph: bool = False
     cuda_graph_warmup_steps: int = 3
     recompute_granularity: str | None = None
+    # Launch the next iteration's forward-backward replay before this one's validation read
+    # (gated optimizer graph only; stalwart.train.speculative). Not a Megatron flag.
+    cuda_graph_speculative_launch: bool = True
 
     def __post_init__(self) -> None:
         if self.cuda_graph_impl not in ("none", "full_iteration"):

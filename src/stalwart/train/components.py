@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -58,11 +57,12 @@ from stalwart.reliability.rerun import (
 from stalwart.reliability.sections import NullSectionMonitor, SectionMonitor, build_section_monitor
 from stalwart.reliability.signals import DataLoaderWorkerSignalGuard, DistributedSignalHandler
 from stalwart.train.forward_step import GPTForwardStep
-from stalwart.train.graphed import check_graph_flags
+from stalwart.train.graphed import check_graph_flags, use_graphs
 from stalwart.train.manual_gc import ManualGC, NullManualGC, make_manual_gc
 from stalwart.train.observe import StepObserver
 from stalwart.train.precision import NullLossScaler, autocast_context, build_loss_scaler
 from stalwart.train.schedule import LRScheduler
+from stalwart.train.speculative import SpeculativeForwardBackward
 from stalwart.train.step import StepParts, forward_backward
 
 logger = logging.getLogger("stalwart.train")
@@ -106,6 +106,8 @@ class Components:
     eval_checks_losses_on_host: bool = False
     # Graph mode: drop the CUDA graphs (idempotent); an NCCL abort waits for captured work.
     release_graphs: Callable[[], None] | None = None
+    # Graph mode: launches the next forward-backward ahead of the validation read, or None.
+    speculation: SpeculativeForwardBackward | None = None
     iterations_to_skip: frozenset[int] = frozenset()  # numbered from 1, as logged
     flops_per_iteration: float = 0.0  # at the final global batch size
     closers: list[Any] = field(default_factory=list)
@@ -405,9 +407,11 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         log_num_zeros=config.log.log_num_zeros_in_grad,
         after_backward=after_backward,
     )
-    release_graphs = None
+    release_graphs, speculation = None, None
     if graphed:
-        release_graphs = _use_graphs(config, ctx, model, optimizer, rerun, forward_step, step_parts)
+        release_graphs, speculation = use_graphs(
+            config, ctx, model, optimizer, rerun, forward_step, step_parts, train_iterator
+        )
         closers.append(release_graphs)
     flops = num_floating_point_operations(config.model, gbs)
     timers, sink, log, observer, energy = _build_observability(config, ctx, flops, raw_model)
@@ -465,6 +469,7 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         eval_forward_backward_func=step_parts.forward_backward_func,
         eval_checks_losses_on_host=graphed,
         release_graphs=release_graphs,
+        speculation=speculation,
         iterations_to_skip=frozenset(resolve_iterations_to_skip(config.rerun)),
         flops_per_iteration=flops,
         closers=closers,
@@ -484,35 +489,3 @@ def _grad_checks(
         return None
     params = [p for p in model.parameters() if p.requires_grad]
     return lambda: check_grads(rerun, params, config.rerun)
-
-
-def _use_graphs(
-    config: RunConfig,
-    ctx: DistributedContext,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    rerun: RerunStateMachine,
-    forward_step: GPTForwardStep,
-    step_parts: StepParts,
-) -> Callable[[], None]:
-    """Switch the step to the full-iteration graph (+ optimizer graph); returns the teardown."""
-    from stalwart.train.graphed import build_graph_parts
-
-    group = dist.group.WORLD if ctx.is_distributed else None
-    parts = build_graph_parts(
-        config, ctx.device, model, optimizer, rerun, step_parts.num_microbatches, group
-    )
-    forward_step.loss_check = parts.validation.record_loss  # in-graph validation
-    step_parts.forward_backward_func = parts.forward_backward
-    step_parts.after_backward = None  # gradient checks are recorded inside the graph
-    step_parts.zero_grad = lambda: None  # the graph zeroes grads in place (fixed addresses)
-    step_parts.time_inside_schedule = False
-    opt_graph = parts.optimizer_graph
-    if opt_graph is not None:
-        # The LR scheduler fills the device-tensor LR in place; clip + step replay as one graph.
-        step_parts.clip_and_step = lambda params, clip_grad: opt_graph.step()
-        if opt_graph.skip_gate is not None:
-            # Replayed before the validation read, on a second stream; skips itself if rejected.
-            step_parts.gated_step = lambda: opt_graph.step(gated=True, overlap=True)
-            step_parts.join_gated_step = opt_graph.join
-    return parts.teardown

@@ -18,6 +18,7 @@ two graphs; a rejected iteration's optimizer replay leaves parameters and moment
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.config.run import RunConfig
+from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import (
     CudaGraphImpl,
     FullIterationGraph,
@@ -43,12 +45,15 @@ from stalwart.reliability.rerun import (
     NAN_GRAD_MESSAGE,
     NAN_LOSS_MESSAGE,
     RerunConfig,
+    RerunDataIterator,
     RerunStateMachine,
     ValidationBuffer,
     check_loss,
     local_grad_norm,
 )
-from stalwart.train.step import forward_backward
+from stalwart.train.forward_step import GPTForwardStep
+from stalwart.train.speculative import SpeculativeForwardBackward
+from stalwart.train.step import StepParts, forward_backward
 
 logger = logging.getLogger(__name__)
 
@@ -252,3 +257,41 @@ def build_graph_parts(
             skip_gate=validation.skip_gate if gated else None,
         )
     return GraphParts(context, fb, validation, opt_graph)
+
+
+def use_graphs(
+    config: RunConfig,
+    ctx: DistributedContext,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rerun: RerunStateMachine,
+    forward_step: GPTForwardStep,
+    step_parts: StepParts,
+    train_iterator: RerunDataIterator[Any],
+) -> tuple[Callable[[], None], SpeculativeForwardBackward | None]:
+    """Switch the step to the full-iteration graph (+ optimizer graph); returns the teardown
+    and the speculative launcher (gated optimizer graph and the flag on), else None."""
+    group = dist.group.WORLD if ctx.is_distributed else None
+    parts = build_graph_parts(
+        config, ctx.device, model, optimizer, rerun, step_parts.num_microbatches, group
+    )
+    forward_step.loss_check = parts.validation.record_loss  # in-graph validation
+    step_parts.forward_backward_func = parts.forward_backward
+    step_parts.after_backward = None  # gradient checks are recorded inside the graph
+    step_parts.zero_grad = lambda: None  # the graph zeroes grads in place (fixed addresses)
+    step_parts.time_inside_schedule = False
+    opt_graph = parts.optimizer_graph
+    if opt_graph is not None:
+        # The LR scheduler fills the device-tensor LR in place; clip + step replay as one graph.
+        step_parts.clip_and_step = lambda params, clip_grad: opt_graph.step()
+        if opt_graph.skip_gate is not None:
+            # Replayed before the validation read, on a second stream; skips itself if rejected.
+            step_parts.gated_step = lambda: opt_graph.step(gated=True, overlap=True)
+            step_parts.join_gated_step = opt_graph.join
+    speculation = None
+    if step_parts.gated_step is not None and config.graphs.cuda_graph_speculative_launch:
+        speculation = SpeculativeForwardBackward(
+            parts.forward_backward, train_iterator, [parts.validation.buffer], rerun.rng
+        )
+        step_parts.forward_backward_func = speculation  # evaluation calls discard a launch
+    return parts.teardown, speculation

@@ -203,6 +203,10 @@ class StepParts:
     # pass's checks failed. ``join_gated_step`` orders later work after it (no host sync).
     gated_step: Callable[[], torch.Tensor | None] | None = None
     join_gated_step: Callable[[], None] | None = None
+    # Graph mode: set per iteration by the trainer when the next iteration may be launched
+    # ahead of this one's validation read (``stalwart.train.speculative``); called with this
+    # iteration's forward-backward keyword arguments (without ``data_iterator``).
+    speculate: Callable[[dict[str, Any]], None] | None = None
 
 
 def _zero_grad(model: nn.Module) -> None:
@@ -222,25 +226,35 @@ def train_step(parts: StepParts, data_iterator: Any) -> StepResult:
     if parts.time_inside_schedule:
         inner = {"timers": timers, "observer": parts.observer}
     gated = _GatedStep(parts)
+    call_kwargs = {
+        "forward_step_func": parts.forward_step_func,
+        "model": parts.model,
+        "num_microbatches": parts.num_microbatches,
+        "loss_scaler": parts.loss_scaler,
+        **inner,
+    }
+    num_passes = 0
+    losses: dict[str, torch.Tensor] = {}
     while parts.rerun.should_run_forward_backward(data_iterator):
         gated.join()  # a rerun pass must not race the overlapped optimizer replay
         timers(FORWARD_BACKWARD).start()
         (parts.zero_grad or (lambda: _zero_grad(parts.model)))()
-        reported = parts.forward_backward_func(
-            forward_step_func=parts.forward_step_func,
-            data_iterator=data_iterator,
-            model=parts.model,
-            num_microbatches=parts.num_microbatches,
-            loss_scaler=parts.loss_scaler,
-            **inner,
-        )
+        reported = parts.forward_backward_func(data_iterator=data_iterator, **call_kwargs)
         if parts.after_backward is not None:
             parts.after_backward()  # records device-side gradient checks for this pass
         timers(FORWARD_BACKWARD).stop()
         gated.maybe_launch()  # before the loop condition's host read, which it overlaps
+        num_passes += 1
+        if num_passes == 1 and gated.stepped and parts.speculate is not None:
+            # The next replay overwrites the graph's outputs and gradients: average first,
+            # order it after the optimizer step, then launch it ahead of the host read.
+            losses = average_reported(reported, parts.dp_group)
+            gated.join()
+            parts.speculate(call_kwargs)
     gated.join()
     should_checkpoint, should_exit, exit_code = parts.rerun.should_checkpoint_and_exit()
-    losses = average_reported(reported, parts.dp_group) if reported else {}
+    if reported and (num_passes > 1 or not losses):
+        losses = average_reported(reported, parts.dp_group)
     if should_exit:
         return StepResult(losses, None, None, True, should_checkpoint, True, exit_code)
     if gated.stepped:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,9 +253,33 @@ class Trainer:
             if it + 1 in c.iterations_to_skip:  # numbered like the log line
                 return self._skip_iteration()
             c.observer.begin_iteration(it + 1)
+            c.step_parts.speculate = self._speculation_for_next()
             result = train_step(c.step_parts, c.train_iterator)
             c.observer.end_iteration()
             return result
+
+    def _speculation_for_next(self) -> Callable[[dict[str, Any]], None] | None:
+        """Graph mode: launch the next iteration ahead of this one's validation read when it is a
+        plain training iteration (not past the end, not skipped, same micro-batch count) and no
+        error is injected (the injection mask is set per pass, when the machine begins it)."""
+        c, cfg = self.c, self.config
+        speculation, upcoming = c.speculation, self.state.iteration + 1
+        if (
+            speculation is None
+            or c.rerun.injector.enabled
+            or upcoming >= cfg.training.train_iters
+            or upcoming + 1 in c.iterations_to_skip  # numbered like the log line
+        ):
+            return None
+        consumed = self.state.consumed_samples + self.batch_size
+        num_microbatches = c.batch_schedule.num_microbatches_at(consumed)
+        if num_microbatches != c.step_parts.num_microbatches:
+            return None
+
+        def launch(call_kwargs: dict[str, Any]) -> None:
+            speculation.launch_next(call_kwargs, num_microbatches)
+
+        return launch
 
     def _skip_iteration(self) -> StepResult:
         """``--iterations-to-skip``: consume this iteration's data without training on it."""

@@ -115,6 +115,9 @@ class ValidationBuffer:
         self.specs: list[CheckSpec] = []
         self.keys: list[CallKey] = []
         self.inject_host: list[bool] = []
+        # Speculative launch support: values read ahead, and a pass already begun.
+        self._snapshot: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._begun_ahead = False
 
     def add_check(
         self,
@@ -147,11 +150,53 @@ class ValidationBuffer:
         self.written[slot].fill_(1.0)
 
     def begin(self, inject_mask: list[bool]) -> None:
-        """Machine hook before a run: clear the written flags; upload the mask only on change."""
+        """Machine hook before a run: clear the written flags; upload the mask only on change.
+
+        After :meth:`begin_ahead` with the same mask the pass has begun already (its writes may
+        have landed): nothing is cleared then.
+        """
+        if self._begun_ahead and inject_mask == self.inject_host:
+            self._begun_ahead = False
+            return
+        self._begun_ahead = False
         self.written.zero_()
         if inject_mask != self.inject_host:
             self.inject[: len(inject_mask)].copy_(torch.tensor(inject_mask, dtype=torch.bool))
             self.inject_host = list(inject_mask)
+
+    def snapshot(self) -> None:
+        """Freeze this pass's values for the machine's next read, without waiting.
+
+        For a speculative launch of the next forward-backward before this pass is read: the
+        values are copied (stream-ordered, to pinned memory on CUDA) and the next read uses the
+        copy, so the next pass may overwrite the buffer meanwhile.
+        """
+        n = len(self.specs)
+        flat = torch.cat([self.values[:n], self.written[:n]])
+        if flat.is_cuda:
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._snapshot = (host, event)
+        else:
+            self._snapshot = (flat.clone(), None)
+
+    def begin_ahead(self) -> None:
+        """Begin the next pass now (clear written flags, device work only), for a launch that
+        precedes the machine's own :meth:`begin`; the injection mask stays as it is."""
+        self.written.zero_()
+        self._begun_ahead = True
+
+    def take_snapshot(self) -> list[float] | None:
+        """Host values then written flags of the last :meth:`snapshot` (consumed), or None."""
+        if self._snapshot is None:
+            return None
+        host, event = self._snapshot
+        self._snapshot = None
+        if event is not None:
+            event.synchronize()  # deliberate: waits only for the copy, not for later work
+        return host.tolist()
 
 
 def read_values(
@@ -163,9 +208,11 @@ def read_values(
     """
     parts: list[torch.Tensor] = [r.value for r in records if isinstance(r.value, torch.Tensor)]
     used = [b for b in buffers if b.specs]
+    snapshots = {id(b): b.take_snapshot() for b in used}
     for b in used:
         n = len(b.specs)
-        parts += [b.values[:n], b.written[:n]]
+        if snapshots[id(b)] is None:
+            parts += [b.values[:n], b.written[:n]]
     host: list[float] = []
     if parts:
         device = parts[0].device
@@ -182,8 +229,12 @@ def read_values(
             items.append((r, r.value))
     for b in used:
         n = len(b.specs)
-        vals, written = host[pos : pos + n], host[pos + n : pos + 2 * n]
-        pos += 2 * n
+        snapshot = snapshots[id(b)]
+        if snapshot is not None:
+            vals, written = snapshot[:n], snapshot[n:]
+        else:
+            vals, written = host[pos : pos + n], host[pos + n : pos + 2 * n]
+            pos += 2 * n
         for i in range(n):
             if written[i] > 0.5:
                 rec = ValidationRecord(b.keys[i], b.specs[i], vals[i], b.inject_host[i])

@@ -16,6 +16,10 @@ class RerunDataIterator(Generic[T]):
     :meth:`rewind` before a rerun (replays the buffer from the start). Each buffered item is a
     shallow copy, so a consumer that mutates a batch dict does not corrupt the replay.
 
+    :meth:`peek` reads the *next* iteration's items ahead (for a speculative launch of its
+    forward-backward): after the next :meth:`advance` the same objects are served first, and
+    recorded as usual; a rerun of the current iteration does not see them.
+
     Args:
         iterable: any iterable (``iter()`` is applied) or iterator.
         record: when False, nothing is buffered (for a machine in ``disabled`` mode).
@@ -27,6 +31,8 @@ class RerunDataIterator(Generic[T]):
         self.saved_microbatches: list[T] = []
         self.replaying = False
         self.replay_pos = 0
+        self._ahead: list[T] = []  # read by peek(), for the next iteration
+        self._prefetched: list[T] = []  # this iteration's items read ahead by peek()
 
     def __iter__(self) -> RerunDataIterator[T]:
         return self
@@ -41,7 +47,7 @@ class RerunDataIterator(Generic[T]):
             item = self.saved_microbatches[self.replay_pos]
             self.replay_pos += 1
             return item
-        item = next(self.iterable)
+        item = self._prefetched.pop(0) if self._prefetched else next(self.iterable)
         if self.record:
             self.saved_microbatches.append(copy.copy(item))
         return item
@@ -52,10 +58,19 @@ class RerunDataIterator(Generic[T]):
         self.replay_pos = 0
 
     def advance(self) -> None:
-        """Start a new iteration: stop replaying and drop the buffer."""
+        """Start a new iteration: stop replaying and drop the buffer; peeked items come next."""
         self.replaying = False
         self.replay_pos = 0
         self.saved_microbatches = []
+        self._prefetched, self._ahead = self._prefetched + self._ahead, []
+
+    def peek(self, count: int) -> list[T]:
+        """The next iteration's first ``count`` items, read ahead: after :meth:`advance` the
+        same objects are served first. Call once the current iteration has read its items."""
+        self._ahead, self._prefetched = self._prefetched + self._ahead, []
+        while len(self._ahead) < count:
+            self._ahead.append(next(self.iterable))
+        return self._ahead[:count]
 
     def state_dict(self) -> dict[str, Any]:
         """The replay buffer and position (not the underlying iterator's position)."""
