@@ -66,8 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {medians[name]:.3f} | {low:.3f}–{high:.3f} | {losses[name]} |")
     ratio = medians["no_speculative"] / medians["speculative"]
     print(f"- {args.preset}: speculative launch {ratio:.3f}x the trainer's iteration rate")
-    if len({tuple(v) for v in losses.values()}) != 1:
-        print("- WARNING: final losses differ between the variants")
+    # The launch is exact, so the variants may differ only as much as repeated runs of one
+    # variant do (cuBLAS/cuDNN run-to-run variation at larger presets).
+    finals = {name: [float(v) for v in values] for name, values in losses.items()}
+    within = max(max(v) - min(v) for v in finals.values())
+    between = abs(
+        statistics.median(finals["speculative"]) - statistics.median(finals["no_speculative"])
+    )
+    print(f"- final loss: spread within a variant {within:.2e}, between medians {between:.2e}")
     if args.json:
         payload: dict[str, Any] = {"preset": args.preset, "results": results, "losses": losses}
         with open(args.json, "w") as fh:

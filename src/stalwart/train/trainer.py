@@ -396,6 +396,12 @@ class Trainer:
 
     def _record_exit(self, reason: ExitReason, detail: str, exit_code: int) -> None:
         c = self.c
+        if c.speculation is not None:
+            logger.info(
+                "speculative graph launches: %d used of %d",
+                c.speculation.num_used,
+                c.speculation.num_launched,
+            )
         with c.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
             c.checkpoint.finalize()  # an exit always completes the pending async save first
         c.sections.maybe_update_timeouts(closing=True, async_save=self.config.checkpoint.async_save)
