@@ -76,7 +76,7 @@ step bench_graphs 300 python3 bench/graphs.py --variants \
   graph,graph_compiled,graph_compiled_fused_adamw,compile_reduce_overhead,compile_reduce_overhead_fused_adamw \
   --json "$WORK/bench_graphs_compiled.json"
 # The trainer with and without the speculative launch (subprocesses, alternating).
-step bench_speculative 240 bash -c "python3 bench/speculative_launch.py --preset tiny --json $WORK/spec_tiny.json && python3 bench/speculative_launch.py --preset small --iters 200 --log-interval 25 --json $WORK/spec_small.json"
+step bench_speculative 300 bash -c "python3 bench/speculative_launch.py --preset tiny --json $WORK/spec_tiny.json && python3 bench/speculative_launch.py --preset tiny --extra '--global-batch-size 32' --json $WORK/spec_tiny4.json && python3 bench/speculative_launch.py --preset small --iters 200 --log-interval 25 --json $WORK/spec_small.json"
 BENCH=(python3 bench/step_bench.py --device cuda --bf16 --rounds "$ROUNDS" --iters "$ITERS")
 step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,rerun,timers,dumps,graphs --json "$WORK/bench_tiny.json"
 step bench_small 150 "${BENCH[@]}" --preset small --suite baseline,rerun,timers,graphs --json "$WORK/bench_small.json"
