@@ -10,9 +10,11 @@ faulty one on its own batches and exits exactly as without speculation.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -49,7 +51,8 @@ class _SpeculativeRun(_Run):
     def _forward_step(self, data_iterator: Any, model: nn.Module) -> dict[str, torch.Tensor]:
         batch = next(data_iterator)
         self.seen.append(batch["x"])
-        loss = nn.functional.mse_loss(model(batch["x"]), batch["y"]) + self.poison
+        noise = 0.01 * torch.randn(batch["y"].shape)  # RNG: launches must not shift draws
+        loss = nn.functional.mse_loss(model(batch["x"]) + noise, batch["y"]) + self.poison
         self.validation.record_loss(loss)
         return {"loss": loss, "lm loss": loss.detach()}
 
@@ -62,6 +65,7 @@ class _SpeculativeRun(_Run):
         return self._forward_backward(**kwargs)
 
     def train(self, num_iters: int = NUM_ITERS) -> list[Any]:
+        torch.manual_seed(123)  # the noise draws start from the same state in every run
         results = []
         for iteration in range(num_iters):
             self.machine.set_iteration(iteration)
@@ -98,14 +102,27 @@ def test_speculation_gives_the_same_run_bitwise_with_each_pass_launched_once() -
     assert all(torch.equal(a, b) for a, b in zip(ahead.seen, plain.seen, strict=True))
 
 
-def test_fault_read_after_the_next_launch_reruns_the_faulty_iteration(tmp_path: Path) -> None:
+def _rerun_values(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The rerun's result as the machine's verdict logs it ("nan != <rerun value>")."""
+    found = re.findall(r"\(nan != ([^)]+)\)", caplog.text)
+    caplog.clear()
+    return found
+
+
+def test_fault_read_after_the_next_launch_reruns_the_faulty_iteration(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     def config(name: str) -> RerunConfig:
         return RerunConfig(result_rejected_tracker_filename=str(tmp_path / name))
 
     # fb call 2 is iteration 3's pass in both runs (launched during iteration 2 when ahead).
     ahead = _SpeculativeRun(config("ahead.txt"), speculate=True, poison_call=2)
     plain = _SpeculativeRun(config("plain.txt"), speculate=False, poison_call=2)
-    ahead_results, plain_results = ahead.train(), plain.train()
+    ahead_results = ahead.train()
+    ahead_rerun = _rerun_values(caplog)
+    plain_results = plain.train()
+    # The rerun restored iteration 3's RNG state: the same noise, the same rerun loss.
+    assert ahead_rerun == _rerun_values(caplog) and len(ahead_rerun) == 1
     for results in (ahead_results, plain_results):
         assert len(results) == 3 and results[-1].should_exit
         assert results[-1].exit_code == EXIT_CODE_FAILED_ON_RESULT_VALIDATION

@@ -14,7 +14,9 @@ What keeps this exact (same results as without it):
   served to it after ``advance``; a rerun of this iteration replays its own recorded batches.
 - RNG: the state is captured before and after the speculative replay and put back to "before",
   so a rerun and the next iteration's saved state are unaffected; using the result restores
-  "after", as if the replay had just run.
+  "after", as if the replay had just run. A replay runs no Python, so only the device's default
+  generator and the machine's extra generators can move: only those are captured (cheap: this
+  runs every iteration on the host).
 - A rejected pass skipped its optimizer step on the device, so the speculative replay ran on
   unstepped weights: it is discarded, never used. Anything else that calls the wrapper first
   (a rerun with this iteration's batches) discards it too: the result is used only when the
@@ -33,16 +35,18 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from stalwart.graphs import FullIterationGraph, GraphMode, StagePhase
 from stalwart.reliability.rerun import RerunDataIterator, ValidationBuffer
-from stalwart.reliability.rerun.rng import RngStateTracker, capture_rng_state, restore_rng_state
+from stalwart.reliability.rerun.rng import RngStateTracker
 
 
 @dataclasses.dataclass
 class _Speculated:
     batches: list[Any]
     outputs: Any
-    rng_after: dict[str, Any]
+    rng_after: tuple[torch.Tensor, dict[str, Any]]
 
 
 class SpeculativeForwardBackward:
@@ -53,7 +57,9 @@ class SpeculativeForwardBackward:
             signature and device-only effects).
         data_iterator: the training ``RerunDataIterator`` (peeked for the next iteration).
         buffers: the machine's validation buffers the graph writes.
-        rng: the machine's extra generators (captured with the built-in ones), or None.
+        rng: the machine's extra generators (captured with the device's default one), or None.
+        device: whose default generator the replay advances; default: ``graph``'s device, CPU
+            for a plain function.
         ready: whether a launch may happen now; default: ``graph``'s training stage is
             captured (a replay runs no Python), True for a plain function.
 
@@ -67,7 +73,11 @@ class SpeculativeForwardBackward:
         buffers: Sequence[ValidationBuffer],
         rng: RngStateTracker | None = None,
         ready: Callable[[], bool] | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        if device is None:
+            device = graph.device if isinstance(graph, FullIterationGraph) else torch.device("cpu")
+        self._device = device
         if ready is None and isinstance(graph, FullIterationGraph):
             captured = graph
 
@@ -93,7 +103,7 @@ class SpeculativeForwardBackward:
         if len(batches) == len(pending.batches) and all(
             a is b for a, b in zip(batches, pending.batches)
         ):
-            restore_rng_state(pending.rng_after, self._rng)
+            self._set_rng_state(pending.rng_after)
             self.num_used += 1
             return pending.outputs
         return self._graph(**dict(kwargs, data_iterator=iter(batches)))
@@ -108,15 +118,30 @@ class SpeculativeForwardBackward:
         for buffer in self._buffers:
             buffer.snapshot()  # this pass's values, for the machine's read
             buffer.begin_ahead()  # the next pass's writes start clean
-        rng_before = capture_rng_state(self._rng)
+        rng_before = self._rng_state()
         outputs = self._graph(
             **dict(call_kwargs, data_iterator=iter(batches), num_microbatches=num_microbatches)
         )
-        rng_after = capture_rng_state(self._rng)
-        restore_rng_state(rng_before, self._rng)
+        rng_after = self._rng_state()
+        self._set_rng_state(rng_before)
         self._pending = _Speculated(list(batches), outputs, rng_after)
         self.num_launched += 1
         return True
+
+    def _rng_state(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        extra = self._rng.capture() if self._rng is not None else {}
+        if self._device.type == "cuda":
+            return torch.cuda.get_rng_state(self._device), extra
+        return torch.get_rng_state(), extra
+
+    def _set_rng_state(self, state: tuple[torch.Tensor, dict[str, Any]]) -> None:
+        device_state, extra = state
+        if self._device.type == "cuda":
+            torch.cuda.set_rng_state(device_state, self._device)
+        else:
+            torch.set_rng_state(device_state)
+        if self._rng is not None and extra:
+            self._rng.restore(extra)
 
     def discard(self) -> None:
         """Forget a pending speculative result (e.g. before evaluation); the next call runs."""

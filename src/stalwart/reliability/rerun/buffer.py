@@ -118,6 +118,8 @@ class ValidationBuffer:
         # Speculative launch support: values read ahead, and a pass already begun.
         self._snapshot: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._begun_ahead = False
+        self._pinned: torch.Tensor | None = None
+        self._pinned_event: torch.cuda.Event | None = None
 
     def add_check(
         self,
@@ -173,14 +175,17 @@ class ValidationBuffer:
         """
         n = len(self.specs)
         flat = torch.cat([self.values[:n], self.written[:n]])
-        if flat.is_cuda:
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._snapshot = (host, event)
-        else:
+        if not flat.is_cuda:
             self._snapshot = (flat.clone(), None)
+            return
+        # One pinned buffer and event, reused: the previous snapshot was read before this one.
+        if self._pinned is None or self._pinned.shape != flat.shape:
+            self._pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._pinned_event = torch.cuda.Event()
+        self._pinned.copy_(flat, non_blocking=True)
+        assert self._pinned_event is not None
+        self._pinned_event.record()
+        self._snapshot = (self._pinned, self._pinned_event)
 
     def begin_ahead(self) -> None:
         """Begin the next pass now (clear written flags, device work only), for a launch that
