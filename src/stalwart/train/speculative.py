@@ -27,6 +27,11 @@ launched result skips the call, so nothing may reset gradients in between.
 
 Only launched when the training graph is captured (no Python runs in a replay) and error
 injection is off (its per-pass device mask is set by the machine when a pass begins).
+
+Limitation: with NCCL the machine's rank agreement is a device all-reduce, stream-ordered after
+the launched replay, so on several GPUs the read waits for it and the overlap is mostly lost (the
+results stay exact). An agreement over a gloo group, or reading the gate the graph already
+max-reduces across ranks, would keep it; neither is done.
 """
 
 from __future__ import annotations
