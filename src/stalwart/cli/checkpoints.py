@@ -16,11 +16,12 @@ no optimizer state, loadable with ``torch.load(FILE, weights_only=True)`` into
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from typing import Any
+
+from stalwart.cli.args import OneLineErrorParser
 
 EXIT_OK = 0
 EXIT_NOT_LOADABLE = 1
@@ -81,7 +82,7 @@ def _metadata(path: str) -> dict[str, Any]:
 def main_checkpoints(argv: list[str] | None = None) -> int:
     """``stalwart checkpoints``: 0 listed (and the tracked checkpoint verified), 1 the tracked
     checkpoint is broken, 2 no such directory or bad usage."""
-    p = argparse.ArgumentParser(prog="stalwart checkpoints", description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="stalwart checkpoints", description=__doc__.splitlines()[0])
     p.add_argument("save_dir", help="a --save directory")
     p.add_argument("--verify", action="store_true", help="check markers, metadata and shards")
     try:
@@ -148,7 +149,7 @@ def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
 
 def main_export(argv: list[str] | None = None) -> int:
     """``stalwart export``: 0 written; 2 bad usage or a checkpoint that cannot be loaded."""
-    p = argparse.ArgumentParser(prog="stalwart export", description="Write one checkpoint's "
+    p = OneLineErrorParser(prog="stalwart export", description="Write one checkpoint's "
                                 "model weights as a single torch.save file.")  # fmt: skip
     p.add_argument("--load", required=True, help="a --save directory")
     p.add_argument("--iteration", type=int, help="default: the one the tracker names")
