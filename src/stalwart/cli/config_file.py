@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import tomllib
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ _BOOLEAN_ACTIONS = (
     argparse.BooleanOptionalAction,
 )
 _SCALARS = (str, int, float)
+_MAX_BYTES = 16 << 20  # a config file is a few hundred bytes; anything huge is a wrong path
 
 
 class _KeyError(Exception):
@@ -37,7 +39,11 @@ class _KeyError(Exception):
 
 def read_toml(path: str) -> dict[str, Any]:
     """The parsed file; ValueError naming ``--config`` and the file when it cannot be read."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"--config: {path} is not a regular file")  # a FIFO would block
     try:
+        if os.path.getsize(path) > _MAX_BYTES:
+            raise ValueError(f"--config: {path} is larger than {_MAX_BYTES >> 20} MiB")
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:

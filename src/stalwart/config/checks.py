@@ -16,7 +16,7 @@ Example::
         def __post_init__(self) -> None:
             check_fields(self)
 
-    MyConfig(lr=float("inf"))  # ValueError: --lr must be a finite number > 0 (got inf)
+    MyConfig(lr=float("inf"))  # ValueError: --lr must be a finite number (got inf)
 """
 
 from __future__ import annotations
