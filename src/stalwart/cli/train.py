@@ -11,6 +11,7 @@ import sys
 from stalwart.checkpoint import CheckpointError
 from stalwart.config.run import RunConfig
 from stalwart.distributed.process_group import destroy_distributed, init_distributed
+from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
 from stalwart.train.trainer import TrainOutcome, run_training
 
 logger = logging.getLogger("stalwart.cli")
@@ -56,7 +57,11 @@ def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
 
 
 def _user_error(exc: ValueError | CheckpointError) -> int:
-    """Bad input or an unusable checkpoint: one line on stderr, exit code 2 (no traceback)."""
+    """Bad input or an unusable checkpoint: one line on stderr, exit code 2 (no traceback);
+    a device that a rerun verdict names as faulty: exit code 16 (resume elsewhere)."""
+    if isinstance(exc, SuspectDeviceError):
+        sys.stderr.write(f"stalwart train: {exc}\n")
+        return exc.exit_code
     kind = "checkpoint error" if isinstance(exc, CheckpointError) else "error"
     sys.stderr.write(f"stalwart train: {kind}: {exc}\n")
     return 2
