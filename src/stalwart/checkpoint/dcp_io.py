@@ -93,9 +93,14 @@ def describe_failure(exc: BaseException) -> str:
 
     if isinstance(exc, CheckpointException):
         failures = getattr(exc, "failures", {}) or {}
+        by_cause: dict[str, list[int]] = {}
+        for rank, err in sorted(failures.items()):
+            by_cause.setdefault(_first_line(err[0] if isinstance(err, tuple) else err), []).append(
+                rank
+            )
         causes = "; ".join(
-            f"rank {rank}: {_first_line(err[0] if isinstance(err, tuple) else err)}"
-            for rank, err in sorted(failures.items())
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {cause}"
+            for cause, ranks in by_cause.items()
         )
         return causes or _first_line(exc)
     if isinstance(exc, RuntimeError) and isinstance(exc.__cause__, CheckpointException):

@@ -309,12 +309,20 @@ def write_state_fsynced(obj: Any, path: str) -> None:
     write_text_atomic(path, dumps_state(obj, os.path.basename(path)))
 
 
-def write_failure_hint(root: str) -> str:
-    """After a failed save: probe-write 1 MiB into ``root`` so the error can name the OS cause.
+def save_failure_message(what: str, root: str, details: str) -> str:
+    """One line for a failed save: ``"<what> failed: <OS cause> (<details>)"``.
 
     torch's writers report a full disk (ENOSPC), a quota (EDQUOT) or a file-size limit (EFBIG)
-    only as a short-write assertion; the probe's ``strerror`` says which. Empty when it succeeds.
+    only as a short-write assertion ("unexpected pos N vs M"); a probe write of 1 MiB into
+    ``root`` names the OS cause, which leads the line. Without one, the details are the cause.
     """
+    cause = _probe_write(root)
+    if cause is None:
+        return f"{what} failed: {details}"
+    return f"{what} failed: the checkpoint directory {root} rejects writes: {cause} ({details})"
+
+
+def _probe_write(root: str) -> str | None:
     probe = os.path.join(root, f".write_probe_{os.getpid()}")
     try:
         with open(probe, "wb") as f:
@@ -322,8 +330,8 @@ def write_failure_hint(root: str) -> str:
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
-        return f" (the checkpoint directory {root} rejects writes: {exc.strerror or exc})"
+        return str(exc.strerror or exc)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(probe)
-    return ""
+    return None

@@ -240,8 +240,9 @@ class CheckpointManager:
             except Exception as exc:
                 self._discard(pending)
                 raise CheckpointError(
-                    f"saving checkpoint into {tmp} failed: {dcp_io.describe_failure(exc)}"
-                    + layout.write_failure_hint(root)
+                    layout.save_failure_message(
+                        f"saving checkpoint into {tmp}", root, dcp_io.describe_failure(exc)
+                    )
                 ) from exc
             self._commit(pending)
             return
@@ -363,8 +364,9 @@ class CheckpointManager:
                 dcp_io.describe_failure(cause) if cause is not None else "failed on another rank"
             )
             raise CheckpointError(
-                f"async checkpoint save into {pending.tmp_path} failed: {summary}"
-                + layout.write_failure_hint(pending.root)
+                layout.save_failure_message(
+                    f"async checkpoint save into {pending.tmp_path}", pending.root, summary
+                )
             ) from cause
         self._pending = None
         self._commit(pending)

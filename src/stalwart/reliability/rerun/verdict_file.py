@@ -91,9 +91,7 @@ def record_verdict(machine: Any, checkpoint_path: str, *, write: bool) -> RerunV
     if not diagnoses:
         return None
     diagnosis = min(diagnoses, key=_DIAGNOSES.index)  # a persistent error on any rank wins
-    suspects = [
-        (str(s[0]), str(s[1])) for d, s, _ in gathered if d == diagnosis and s is not None
-    ]
+    suspects = [(str(s[0]), str(s[1])) for d, s, _ in gathered if d == diagnosis and s is not None]
     verdict = RerunVerdict(
         checkpoint=os.path.basename(os.path.normpath(checkpoint_path)),
         iteration=int(machine.iteration),
