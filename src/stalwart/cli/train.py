@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from stalwart.checkpoint import CheckpointError
 from stalwart.config.run import RunConfig
@@ -19,13 +19,11 @@ logger = logging.getLogger("stalwart.cli")
 
 def _loss_summary(metrics_file: str) -> str | None:
     """'first -> last interval loss' from the metrics file, or None when it has no train records."""
-    try:
-        with open(metrics_file) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError):
-        return None
-    losses = [r["loss"] for r in records if r.get("split") == "train" and r.get("loss") is not None]
-    if len(losses) < 2:
+    from stalwart.observability.report_clean import is_number, read_jsonl
+
+    records = read_jsonl(Path(metrics_file), [])  # a torn or garbage line is skipped
+    losses = [r["loss"] for r in records if r.get("split") == "train" and is_number(r.get("loss"))]
+    if len(losses) < 2 or losses[0] == 0:
         return None
     ratio = losses[-1] / losses[0]
     return f"loss fell from {losses[0]:.3f} (first log) to {losses[-1]:.3f} (last interval): {ratio:.0%} of the first"
