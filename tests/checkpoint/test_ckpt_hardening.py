@@ -241,3 +241,13 @@ def test_legacy_checkpoints_convert_with_the_trusted_command(tmp_path: Path, cap
     assert not list(tmp_path.glob("iter_*/*.pt"))
     assert main(["checkpoints", "convert", "--trust-pickle", str(tmp_path)]) == 0
     assert "nothing to convert" in capsys.readouterr().out
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    from stalwart.checkpoint import lock, safe_state
+
+    for module in (safe_state, lock):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -142,7 +142,7 @@ def test_a_lock_lost_to_another_job_stops_writes(tmp_path: Path) -> None:
     train_steps(model, opt, 1)
     manager = CheckpointManager(str(tmp_path / "m"))
     manager.check_writable()
-    manager._locks[0]._lost = "host other-node, pid 4242"  # what the heartbeat found
+    manager._locks.locks[0]._lost = "host other-node, pid 4242"  # what the heartbeat found
     with pytest.raises(Exception, match="lost its lock"):
         manager.save(1, model, opt, {}, {})
     assert not list((tmp_path / "m").glob("iter_*"))

@@ -129,6 +129,19 @@ def write_text_atomic(path: str, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def probe_writable(directory: str, flag: str, rank: int) -> str | None:
+    """Create ``directory`` and write/delete a probe file; the problem naming ``flag``, or None."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write_probe_rank{rank}_{os.getpid()}")
+        with open(probe, "w", encoding="utf-8") as f:
+            f.write("ok")
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{flag} {directory!r} is not writable: {exc.strerror or exc}"
+    return None
+
+
 def check_roots_disjoint(save_dir: str | None, non_persistent_dir: str | None) -> None:
     """``ValueError`` naming both flags when ``--non-persistent-ckpt-dir`` is ``--save``, inside
     it (other than the default ``<save>/non_persistent``) or holds it: the two retentions and
@@ -295,6 +308,27 @@ def select_for_deletion(complete: list[int], keep_last: int, protected: int | No
         raise ValueError(f"--ckpt-keep-last must be >= 1, got {keep_last}")
     older = sorted(complete)[:-keep_last]
     return [it for it in older if it != protected]
+
+
+def apply_retention(root: str, keep: int, non_persistent: bool, log: Any) -> list[int]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root`` that this kind of
+    save wrote (their marker says so; never the tracked one); returns the deleted iterations.
+    Failures only warn via ``log`` (the new checkpoint is already committed)."""
+    try:
+        ours = [
+            it
+            for it in list_complete_checkpoints(root)
+            if written_as(os.path.join(root, iteration_dir_name(it)), non_persistent)
+        ]
+        doomed = select_for_deletion(ours, keep, read_tracker(root))
+        for old in doomed:
+            remove_checkpoint_dir(os.path.join(root, iteration_dir_name(old)))
+    except (OSError, CheckpointError) as exc:
+        log.warning("checkpoint retention in %s failed: %s", root, exc)
+        return []
+    if doomed:
+        log.info("retention removed checkpoints %s from %s", doomed, root)
+    return doomed
 
 
 def write_state_fsynced(obj: Any, path: str) -> None:

@@ -240,3 +240,37 @@ class SaveDirLock:
         if record is not None and record.get("token") == self._token:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+
+class SaveDirLocks:
+    """The locks of one job's save roots (``--save``, an explicit ``--non-persistent-ckpt-dir``),
+    taken and released together on rank 0."""
+
+    def __init__(self, roots: list[tuple[str | None, str]], job_id: str | None = None) -> None:
+        self._roots = [(root, flag) for root, flag in roots if root is not None]
+        self._job_id = job_id
+        self.locks: list[SaveDirLock] = []
+
+    def acquire(self) -> str | None:
+        """Hold every root's lock (idempotent); the one-line refusal, else None."""
+        held = {lock.directory for lock in self.locks}
+        for root, flag in self._roots:
+            if root in held:
+                continue
+            lock = SaveDirLock(root, flag=flag, job_id=self._job_id)
+            try:
+                lock.acquire()
+            except (ValueError, OSError) as exc:
+                return str(exc)
+            self.locks.append(lock)
+        return None
+
+    def check_held(self) -> None:
+        """``CheckpointError`` when another job took one of them over."""
+        for lock in self.locks:
+            lock.check_held()
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()
+        self.locks = []

@@ -61,7 +61,7 @@ from stalwart.checkpoint.loading import (
     nothing_to_load,
     try_load,
 )
-from stalwart.checkpoint.lock import SaveDirLock
+from stalwart.checkpoint.lock import SaveDirLocks
 from stalwart.distributed import collectives
 
 logger = logging.getLogger("stalwart.checkpoint")
@@ -132,8 +132,7 @@ class CheckpointManager:
             os.path.join(save_dir, layout.NON_PERSISTENT_SUBDIR) if save_dir else None
         )
         self._before_commit = before_commit
-        self._locks: list[SaveDirLock] = []
-        self._job_id = job_id
+        self._locks = SaveDirLocks(self._roots(), job_id)
         self._keep_last = keep_last
         self._fallback = fallback
         self._group = process_group
@@ -155,51 +154,25 @@ class CheckpointManager:
             ValueError: naming ``--save`` (or ``--non-persistent-ckpt-dir``) on every rank when any
                 rank cannot write there, or when another job holds its lock.
         """
-        dirs = [(self._save_dir, "--save")]
-        if self._np_dir_explicit:
-            dirs.append((self._np_dir, "--non-persistent-ckpt-dir"))
         problem = None
-        for directory, flag in dirs:
-            if directory is None or problem is not None:
-                continue
-            try:
-                os.makedirs(directory, exist_ok=True)
-                probe = os.path.join(directory, f".write_probe_rank{self._rank}_{os.getpid()}")
-                with open(probe, "w", encoding="utf-8") as f:
-                    f.write("ok")
-                os.unlink(probe)
-            except OSError as exc:
-                problem = f"{flag} {directory!r} is not writable: {exc.strerror or exc}"
+        for directory, flag in self._roots():
+            if directory is not None and problem is None:
+                problem = layout.probe_writable(directory, flag, self._rank)
         failed = collectives.all_reduce_any([problem is not None], self._group)[0]
         if failed:
             raise ValueError(
                 problem or "a checkpoint directory (--save) is not writable on another rank"
             )
-        refused = self._lock_roots() if self._rank == 0 else None
+        refused = self._locks.acquire() if self._rank == 0 else None
         outcome = collectives.broadcast_object(refused, self._src, self._group)
         if outcome is not None:
             raise ValueError(str(outcome))
 
-    def _lock_roots(self) -> str | None:
-        """Rank 0: hold the lock of every save root (idempotent); the refusal, else None."""
+    def _roots(self) -> list[tuple[str | None, str]]:
         roots = [(self._save_dir, "--save")]
         if self._np_dir_explicit:
             roots.append((self._np_dir, "--non-persistent-ckpt-dir"))
-        held = {lock.directory for lock in self._locks}
-        for root, flag in roots:
-            if root is None or root in held:
-                continue
-            lock = SaveDirLock(root, flag=flag, job_id=self._job_id)
-            try:
-                lock.acquire()
-            except (ValueError, OSError) as exc:
-                return str(exc)
-            self._locks.append(lock)
-        return None
-
-    def _check_locks(self) -> None:
-        for lock in self._locks:
-            lock.check_held()
+        return roots
 
     # -------------------------------------------------------------------- save
     def save(
@@ -267,10 +240,10 @@ class CheckpointManager:
         decision: tuple[str | None, str | None] = (None, None)
         if self._rank == 0:
             try:
-                refused = self._lock_roots()
+                refused = self._locks.acquire()
                 if refused is not None:
                     raise CheckpointError(refused)
-                self._check_locks()  # leftovers are deleted only while this job holds the lock
+                self._locks.check_held()  # leftovers are deleted only while this job holds it
                 os.makedirs(root, exist_ok=True)
                 for stale in layout.list_tmp_dirs(root):
                     logger.info("removing leftover partial checkpoint %s", stale)
@@ -401,7 +374,7 @@ class CheckpointManager:
         """Marker → rename → tracker → retention. Only rank 0 runs this, under the lock."""
         if self._before_commit is not None:
             self._before_commit(pending.iteration)
-        self._check_locks()
+        self._locks.check_held()
         root, iteration = pending.root, pending.iteration
         layout.write_marker(pending.tmp_path, self._facts(iteration, pending.non_persistent))
         final = os.path.join(root, layout.iteration_dir_name(iteration))
@@ -416,27 +389,7 @@ class CheckpointManager:
             layout.remove_checkpoint_dir(replaced)
         keep = 1 if pending.non_persistent else self._keep_last
         if keep is not None:
-            self._apply_retention(root, keep, pending.non_persistent)
-
-    def _apply_retention(self, root: str, keep: int, non_persistent: bool) -> None:
-        """Delete old complete checkpoints that this kind of save wrote (their marker says so);
-        failures only warn (the new one is already committed)."""
-        try:
-            ours = [
-                it
-                for it in layout.list_complete_checkpoints(root)
-                if layout.written_as(
-                    os.path.join(root, layout.iteration_dir_name(it)), non_persistent
-                )
-            ]
-            doomed = layout.select_for_deletion(ours, keep, layout.read_tracker(root))
-            for old in doomed:
-                layout.remove_checkpoint_dir(os.path.join(root, layout.iteration_dir_name(old)))
-        except (OSError, CheckpointError) as exc:
-            logger.warning("checkpoint retention in %s failed: %s", root, exc)
-            return
-        if doomed:
-            logger.info("retention removed checkpoints %s from %s", doomed, root)
+            layout.apply_retention(root, keep, pending.non_persistent, logger)
 
     def _discard(self, pending: _PendingSave) -> None:
         if self._rank == 0:
@@ -545,9 +498,7 @@ class CheckpointManager:
         try:
             self._close_writes(abort)
         finally:
-            for lock in self._locks:  # every exit path: the next job may use the directory
-                lock.release()
-            self._locks = []
+            self._locks.release()  # every exit path: the next job may use the directory
 
     def _close_writes(self, abort: bool) -> None:
         try:
