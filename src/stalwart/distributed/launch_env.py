@@ -20,7 +20,14 @@ from collections.abc import Mapping
 _TOKEN = re.compile(r"[\x21-\x7e]{1,256}")
 _MAX_RANKS = 1 << 24  # far beyond any job, small enough that a typo is caught
 _PORT_VARS = ("MASTER_PORT", "STALWART_INPROCESS_PORT")
-_TOKEN_VARS = ("MASTER_ADDR", "STALWART_DEVICE_ID", "SLURM_JOB_ID", "SLURM_JOBID")
+_TOKEN_VARS = (
+    "MASTER_ADDR",
+    "STALWART_DEVICE_ID",
+    "STALWART_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_JOB_ID",
+    "SLURM_JOBID",
+)
 
 
 def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
