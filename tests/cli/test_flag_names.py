@@ -56,7 +56,11 @@ def _declared(path: Path) -> set[str]:
 
 def _subcommand_options(path: Path) -> set[str]:
     rel = path.relative_to(SRC).as_posix()
-    owner = {"chaos/": "cli/chaos.py", "observability/report": "cli/report.py"}
+    owner = {
+        "chaos/": "cli/chaos.py",
+        "observability/report": "cli/report.py",
+        "checkpoint/": "cli/checkpoints.py",  # "run: stalwart checkpoints convert --trust-pickle"
+    }
     for prefix, cli_file in owner.items():
         if rel.startswith(prefix):
             return _declared(SRC / cli_file)
