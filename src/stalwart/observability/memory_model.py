@@ -46,9 +46,9 @@ Activation recompute (``stalwart.models.recompute``):
         and the projection's input)
     full: a recomputed unit (Megatron's uniform group, or one block-method layer) keeps 4*t*h (its
         fp32 input) instead of its layers' activations. Two moments can be the peak: the loss
-        backward (as without recompute) and the backward of the largest recomputed unit, which holds
-        that unit's recomputed activations and its weight copies, while the head's
-        activations are already freed; during that backward the hidden-state gradient 4*t*h and
+        backward (as without recompute) and the backward of a recomputed unit, which holds that
+        unit's recomputed activations and weight copies and what the units before it keep, while
+        the head and the later layers are done; during that backward the hidden-state gradient 4*t*h and
         the widest gradient, fc1's output e*t*f1 (M rows for MoE), are alive too.
 
     activation_bytes = max(L_kept*(attention + MLP) + stored unit inputs + embedding + head
@@ -269,23 +269,33 @@ def activation_breakdown(
 
 
 def _recompute_backward_bytes(
-    cfg: GPTShape, micro_batch_size: int, bf16: bool, fused_rms_norm: bool, terms: dict[str, float]
+    cfg: GPTShape, micro_batch_size: int, bf16: bool, fused_rms_norm: bool, embedding: float
 ) -> float:
-    """The backward moment of the largest recomputed unit (0 without full recompute)."""
+    """The largest backward moment of a recomputed unit (0 without full recompute).
+
+    While unit ``u`` is recomputed and backwarded, the units before it still hold what they kept
+    (their input, or their activations), the later ones are done.
+    """
     units: tuple[LayerUnit, ...] = layer_units(cfg)  # type: ignore[arg-type]
-    largest = max((u.stop - u.start for u in units if u.recompute), default=0)
-    if not largest:
+    if not any(u.recompute for u in units):
         return 0.0
     e = 2.0 if bf16 else 4.0
     attn, mlp = _layer_bytes(cfg, micro_batch_size, e, fused_rms_norm)
-    copies = 2.0 * largest * layer_parameters(cfg) if bf16 else 0.0
     t = micro_batch_size * cfg.seq_length
+    stored_input = 4.0 * t * cfg.hidden_size
     f = cfg.ffn_hidden_size or 4 * cfg.hidden_size
     rows = _expert_slots(cfg, t) if cfg.num_experts > 0 else t
     # The hidden-state gradient (fp32) and the widest one in the layer (fc1's output gradient).
     grads = 4.0 * t * cfg.hidden_size + e * rows * (2 * f if cfg.swiglu else f)
-    kept = terms["layers.attention"] + terms["layers.mlp"] + terms["layers.recompute_inputs"]
-    return kept + terms["embedding"] + largest * (attn + mlp) + copies + grads
+    before, worst = 0.0, 0.0
+    for u in units:
+        size = u.stop - u.start
+        if u.recompute:
+            copies = 2.0 * size * layer_parameters(cfg) if bf16 else 0.0
+            moment = before + stored_input + size * (attn + mlp) + copies + grads
+            worst = max(worst, moment)
+        before += stored_input if u.recompute else size * (attn + mlp)
+    return embedding + worst
 
 
 def theoretical_memory(
@@ -332,7 +342,9 @@ def theoretical_memory(
         **{f"activation.{k}": val for k, val in acts.items()},
     }
     weights = bpp * n - copies_dropped
-    backward_unit = _recompute_backward_bytes(config, micro_batch_size, bf16, fused_rms_norm, acts)
+    backward_unit = _recompute_backward_bytes(
+        config, micro_batch_size, bf16, fused_rms_norm, acts["embedding"]
+    )
     if backward_unit:
         breakdown["activation_recompute_backward_moment"] = backward_unit
     activation = max(sum(acts.values()), backward_unit)
