@@ -40,6 +40,7 @@ from stalwart.train.components import build_components
 from stalwart.train.step import train_step
 
 PRESETS = "tiny,small,gpt2-124m,llama-tiny,llama-150m"
+CPU_PRESETS = "tiny,llama-tiny"
 VARIANTS = "none,selective,full-uniform-1"
 # --device cpu: every preset shrunk to these shapes (the architecture switches stay).
 CPU_SHAPES = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -134,7 +135,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--presets", default=PRESETS)
+    p.add_argument(
+        "--presets",
+        help=f"default: {PRESETS} (cuda); tiny,llama-tiny (cpu: CPU_SHAPES make the GPT-2 "
+        "presets identical)",
+    )
     p.add_argument("--variants", default=VARIANTS)
     p.add_argument("--dtypes", default=None, help="bf16,fp32 (default: both on cuda, fp32 on cpu)")
     p.add_argument("--iters", type=int, default=2)
@@ -143,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = (args.dtypes or ("bf16,fp32" if args.device == "cuda" else "fp32")).split(",")
     rows = [
         measure(preset, variant, dtype == "bf16", args.device, args.iters)
-        for preset in args.presets.split(",")
+        for preset in (args.presets or (PRESETS if args.device == "cuda" else CPU_PRESETS)).split(
+            ","
+        )
         for dtype in dtypes
         for variant in args.variants.split(",")
     ]
