@@ -307,6 +307,7 @@ def _build_observability(
         flops_per_iteration=flops,
         metrics_file=metrics_file_of(config) if ctx.rank == 0 else None,
         extra_providers=providers,
+        seq_length=config.model.seq_length,  # tokens/s on the progress bar
     )
     return timers, sink, log, observer, providers[2]
 
