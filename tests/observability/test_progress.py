@@ -106,7 +106,7 @@ def _run_on_pty(backend: str) -> tuple[list[str], str]:
 def test_bar_on_a_terminal_keeps_log_lines_above(backend: str) -> None:
     if backend == "tqdm":
         pytest.importorskip("tqdm")
-    screen, raw = _run_on_pty(backend)
+    screen, _raw = _run_on_pty(backend)
     lines = [row for row in screen if row.strip()]
     bar_rows = [i for i, row in enumerate(lines) if "40/40" in row]
     assert bar_rows == [len(lines) - 1], lines  # the bar is the last row, drawn once at the end

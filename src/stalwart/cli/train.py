@@ -11,6 +11,7 @@ import sys
 from stalwart.checkpoint import CheckpointError
 from stalwart.config.run import RunConfig
 from stalwart.distributed.process_group import destroy_distributed, init_distributed
+from stalwart.reliability.exit import EXIT_CODE_INTERRUPTED as EXIT_INTERRUPTED
 from stalwart.train.trainer import TrainOutcome, run_training
 
 logger = logging.getLogger("stalwart.cli")
@@ -91,6 +92,10 @@ def run_from_cli(config: RunConfig, demo: bool = False) -> int:
         outcome = run_training(config, ctx)
     except (ValueError, CheckpointError) as exc:
         return _user_error(exc)
+    except KeyboardInterrupt:
+        # Ctrl-C before the handler was installed (start-up), or pressed again to stop at once.
+        sys.stderr.write("stalwart train: interrupted; no checkpoint saved for this iteration\n")
+        return EXIT_INTERRUPTED
     finally:
         destroy_distributed()
     if demo and ctx.is_main:

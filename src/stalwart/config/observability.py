@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stalwart.observability.memory_release import validate_empty_unused_memory_level
 from stalwart.observability.profiler import validate_profile_window
 
 
@@ -31,6 +32,10 @@ class ObservabilityConfig:
     log_dgrads: bool = False
     log_tokens_per_expert: bool = False
     dump_stats_only: bool = False
+    # Megatron parity (cli/args.py `_megatron_parity_flags`).
+    save_wgrads_interval: int = 0
+    save_params_interval: int = 0
+    empty_unused_memory_level: int = 0
     profile: bool = False
     profile_step_start: int = 10
     profile_step_end: int = 12
@@ -53,3 +58,16 @@ class ObservabilityConfig:
             raise ValueError(f"--log-memory-interval must be >= 0 (got {self.log_memory_interval})")
         if self.save_activations_interval < 0:
             raise ValueError("--save-activations-interval must be >= 0")
+        _check_megatron_parity_fields(self)
+
+
+def _check_megatron_parity_fields(config: ObservabilityConfig) -> None:
+    """``--save-wgrads-interval``, ``--save-params-interval``: integers >= 0 (0: off);
+    ``--empty-unused-memory-level``: 0, 1 or 2."""
+    validate_empty_unused_memory_level(config.empty_unused_memory_level)
+    for flag, value in (
+        ("--save-wgrads-interval", config.save_wgrads_interval),
+        ("--save-params-interval", config.save_params_interval),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{flag} must be an integer >= 0 (0: off), got {value!r}")
