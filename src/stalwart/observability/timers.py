@@ -86,6 +86,22 @@ STANDARD_TIMER_LEVELS: Mapping[str, int] = types.MappingProxyType(
     }
 )
 
+# Which standard timer runs inside which (``--timing-log-level 2`` times both): a breakdown must
+# stack a parent's own time, not the parent on top of its children.
+TIMER_PARENTS: Mapping[str, str] = types.MappingProxyType(
+    {
+        BATCH_GENERATOR: FORWARD_BACKWARD,
+        FORWARD_COMPUTE: FORWARD_BACKWARD,
+        BACKWARD_COMPUTE: FORWARD_BACKWARD,
+        OPTIMIZER_COPY_TO_MAIN_GRAD: OPTIMIZER,
+        OPTIMIZER_UNSCALE_AND_CHECK_INF: OPTIMIZER,
+        OPTIMIZER_CLIP_MAIN_GRAD: OPTIMIZER,
+        OPTIMIZER_COUNT_ZEROS: OPTIMIZER,
+        OPTIMIZER_INNER_STEP: OPTIMIZER,
+        OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS: OPTIMIZER,
+    }
+)
+
 # The per-iteration timers the training log reports, in Megatron's order (level filtered at use).
 TRAINING_TIMERS: tuple[str, ...] = (
     FORWARD_BACKWARD,
