@@ -43,8 +43,19 @@ def _section(sid: str, title: str, body: str) -> str:
     return f'<section id="{sid}"><h2>{_e(title)}</h2>{body}</section>'
 
 
-def _skipped(what: str) -> str:
-    return f'<p class="note">{_e(what)}: not available in this run directory.</p>'
+# How to get a missing section next time (the flags that write its data).
+HINTS = {
+    "loss": "the metrics file: --save or --metrics-file",
+    "learning-rate": "the metrics file: --save or --metrics-file",
+    "throughput": "train with --log-throughput",
+    "timers": "train with --timing-log-level 1 or 2",
+    "stragglers": "train with --log-straggler",
+}
+
+
+def _skipped(what: str, hint: str = "") -> str:
+    tail = f" ({hint})" if hint else ""
+    return f'<p class="note">{_e(what)}: not available in this run directory{_e(tail)}.</p>'
 
 
 def _mib(v: object) -> str:
@@ -104,7 +115,9 @@ def _metric_sections(art: RunArtefacts, charts: Charts) -> list[str]:
     )
     for sid, title, data, ylabel in panels:
         has = any(data.values())
-        body = charts.line(data, "iteration", ylabel) if has else _skipped(title)
+        body = (
+            charts.line(data, "iteration", ylabel) if has else _skipped(title, HINTS.get(sid, ""))
+        )
         if sid == "throughput" and series(m, "elapsed_ms"):
             body += charts.line({"elapsed ms/iter": series(m, "elapsed_ms")}, "iteration", "ms")
         out.append(_section(sid, title, body))
@@ -118,7 +131,7 @@ def _metric_sections(art: RunArtefacts, charts: Charts) -> list[str]:
             [str(r["iteration"]) for r in rows], stacks, "ms per iteration", "iteration"
         )
     else:
-        body = _skipped("Timers (<name>-time-ms or timer/<name> keys)")
+        body = _skipped("Timers (<name>-time-ms or timer/<name> keys)", HINTS["timers"])
     out.append(_section("timers", "Timer breakdown per iteration", body))
     return out
 
@@ -170,7 +183,9 @@ def _memory_section(art: RunArtefacts, charts: Charts) -> str:
 def _straggler_section(art: RunArtefacts, charts: Charts) -> str:
     recs = [r for r in art.straggler if isinstance(r.get("compute_ms"), list) and r["compute_ms"]]
     if not recs:
-        return _section("stragglers", "Stragglers", _skipped("straggler.jsonl"))
+        return _section(
+            "stragglers", "Stragglers", _skipped("straggler.jsonl", HINTS["stragglers"])
+        )
     flagged: dict[int, int] = {}
     for r in recs:
         for rank in r.get("stragglers") or []:

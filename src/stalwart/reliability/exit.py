@@ -262,6 +262,11 @@ def gather_exit_inputs(
 
     from stalwart.distributed.collectives import all_reduce_floats
 
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        # One process: nothing to agree on, and no device round trip per iteration (an
+        # interactive single-GPU run handles Ctrl-C by default).
+        return ExitInputs(received is not None, elapsed_minutes, int(received or 0))
+
     # Deliberate sync: the one per-iteration exit agreement (signal MAX, time budget MAX).
     number, elapsed = all_reduce_floats(
         [float(int(received or 0)), elapsed_minutes], dist.ReduceOp.MAX, group
