@@ -1,4 +1,4 @@
-"""``stalwart`` console script: ``stalwart train | report | chaos | checkpoints | export``.
+"""``stalwart`` console script: ``stalwart train | report | goodput | chaos | checkpoints | export``.
 
 Bad flags or values exit with code 2 and one line naming the flag; never a traceback.
 """
@@ -10,9 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-USAGE = (
-    "usage: stalwart {train,report,chaos,checkpoints,export} [flags]  (stalwart <command> --help)"
-)
+USAGE = "usage: stalwart {train,report,goodput,chaos,checkpoints,export} [flags]  (stalwart <command> --help)"
 
 
 def _setup_logging() -> None:
@@ -54,6 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from stalwart.cli.report import main_report
 
         return main_report(rest)
+    if command == "goodput":
+        from stalwart.cli.goodput import main_goodput
+
+        return main_goodput(rest)
     if command == "chaos":
         from stalwart.cli.chaos import main_chaos
 
@@ -68,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return main_export(rest)
     sys.stderr.write(
         f"stalwart: error: unknown command {command!r}; "
-        "allowed: train, report, chaos, checkpoints, export\n"
+        "allowed: train, report, goodput, chaos, checkpoints, export\n"
     )
     return 2
 

@@ -188,7 +188,7 @@ class GoodputLedger:
         self._print = print_fn
         self._clock = clock or _anchored_clock()
         self._lock = threading.RLock()
-        self._session = f"{socket.gethostname()}-{os.getpid()}-{attempt}-{int(time.time() * 1e3)}"
+        self._session = f"{socket.gethostname()}-{os.getpid()}-{attempt}-{os.urandom(4).hex()}"
         self._stack: list[Bucket] = []
         self._closed = False
         self._last_iteration: int | None = None

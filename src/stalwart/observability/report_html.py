@@ -444,7 +444,9 @@ td,th{border:1px solid #ccc;padding:3px 8px;text-align:left} th{background:#f3f3
 
 def render_html(art: RunArtefacts, png_names: Sequence[str] = ()) -> str:
     """The complete, self-contained report page."""
-    sections = _metric_sections(art)
+    from stalwart.observability.report_goodput import goodput_section
+
+    sections = [goodput_section(art.run_dir), *_metric_sections(art)]
     sections += [_memory_section(art), _straggler_section(art), _timeline_section(art)]
     if art.chaos is not None:
         sections.append(_chaos_section(art))
