@@ -112,9 +112,10 @@ def process_start_time(pid: int | None = None) -> float | None:
 
 
 def launcher_start_time() -> float | None:
-    """When the job's launcher started: torchrun's process (this worker's parent) under
-    torchelastic, else this process."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    """When this session started: torchrun's process (this worker's parent) for torchrun's
+    first round of workers, else this process (a restarted worker: the time before it is the
+    previous session's downtime)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and torchrun_restart_count() == 0:
         parent = process_start_time(os.getppid())
         if parent is not None:
             return parent
