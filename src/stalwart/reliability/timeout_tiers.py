@@ -64,11 +64,10 @@ def check_timeout_hierarchy(
                     f"watchdog dumps anything; lower --ft-timeouts {name} or raise "
                     "--distributed-timeout-minutes"
                 )
-    if inprocess_soft_timeout_s is not None and step_s is not None:
-        if inprocess_soft_timeout_s >= step_s:
-            raise ValueError(
-                f"--inprocess-soft-timeout {inprocess_soft_timeout_s:g} is not below "
-                f"--ft-timeouts step={step_s:g}: the hang watchdog would kill a hung rank before "
-                "in-process restart could recover it in place; lower --inprocess-soft-timeout "
-                "or raise --ft-timeouts step"
-            )
+    soft = inprocess_soft_timeout_s
+    if soft is not None and step_s is not None and soft >= step_s:
+        raise ValueError(
+            f"--inprocess-soft-timeout {soft:g} is not below --ft-timeouts step={step_s:g}: the "
+            "hang watchdog would kill a hung rank before in-process restart could recover it in "
+            "place; lower --inprocess-soft-timeout or raise --ft-timeouts step"
+        )
