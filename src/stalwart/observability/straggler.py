@@ -270,7 +270,8 @@ class StragglerDetector:
 
     @contextlib.contextmanager
     def iteration_region(self) -> Iterator[None]:
-        """The whole forward-backward incl. its collectives (outside any captured graph)."""
+        """One whole forward-backward call incl. its collectives (outside any captured graph);
+        comm per iteration = the mean region minus compute."""
         if self._timing.capturing():
             yield
             return
@@ -297,7 +298,9 @@ class StragglerDetector:
         n = max(num_iterations, 1)
         eager = timing.elapsed_ms(interval.compute) or 0.0
         graph = timing.elapsed_ms(self._graph_compute) if interval.replays else None
-        steps = timing.elapsed_ms(interval.steps) if interval.steps else None
+        # Per forward-backward call (a look-ahead launch or a rerun pass is one more call).
+        steps_total = timing.elapsed_ms(interval.steps) if interval.steps else None
+        steps = None if steps_total is None else steps_total / len(interval.steps)
         timing.release(interval.compute + interval.steps)
         self._interval = _Interval()
         source = "events" if self.device.type == "cuda" else "wall"
@@ -309,10 +312,10 @@ class StragglerDetector:
         elif interval.compute:
             compute = eager / (interval.eager_iterations or n)
         elif steps is not None:  # nothing timed inside: the whole (replayed) iteration
-            return _Local(steps / n, -1.0, "iteration")
+            return _Local(steps, -1.0, "iteration")
         else:
             compute = 0.0
-        comm = max(steps / n - compute, 0.0) if steps is not None else -1.0
+        comm = max(steps - compute, 0.0) if steps is not None else -1.0
         return _Local(compute, comm, source)
 
     def report(self, iteration: int, num_iterations: int | None = None) -> StragglerReport:
