@@ -379,3 +379,45 @@ def test_sigkilled_writer_leaves_a_readable_ledger(tmp_path) -> None:
     assert after.seconds[Bucket.LOST_WORK] > 0  # iteration 1 was done before the kill
     assert after.wall_s == pytest.approx(after.last - after.first, abs=1e-3)
     assert [s.end_reason for s in after.sessions] == [None, "finished"]
+
+
+def test_hang_reported_after_the_failed_step_is_a_hang(tmp_path) -> None:
+    """In-process restart: the watchdog's interrupt ends the step first, the abort path reports
+    the hang afterwards; the failed step still becomes hang, the teardown restart."""
+    clock = FakeClock()
+    ledger = _ledger(tmp_path, clock)
+    _train(ledger, clock, 1)
+    with pytest.raises(KeyboardInterrupt), ledger.step(2):
+        clock.advance(20.0)
+        raise KeyboardInterrupt  # stands in for RestartRequested (a BaseException)
+    clock.advance(0.5)
+    ledger.fault("hang", "no progress for 20s")
+    clock.advance(1.0)
+    s = ledger.close("fault").seconds
+    assert s[Bucket.HANG] == pytest.approx(20.0) and s[Bucket.RESTART] == pytest.approx(1.5)
+    assert s[Bucket.LOST_WORK] == 0.0 and s[Bucket.PRODUCTIVE] == pytest.approx(1.0)
+
+
+def test_abandoned_step_is_not_done(tmp_path) -> None:
+    clock = FakeClock()
+    first = _ledger(tmp_path, clock)
+    _train(first, clock, 2)
+    with first.step(3) as step:  # the rerun state machine rejects iteration 3: exit 16
+        clock.advance(2.0)
+        step.abandon(Bucket.RERUN)
+    first.close("rerun")
+    second = _ledger(tmp_path, clock)
+    _train(second, clock, 1, start=3)  # iteration 3 again: never completed, so not lost work
+    s = second.close().seconds
+    assert s[Bucket.RERUN] == pytest.approx(2.0) and s[Bucket.LOST_WORK] == 0.0
+
+
+def test_log_step_writes_the_open_interval(tmp_path) -> None:
+    clock = FakeClock()
+    ledger = _ledger(tmp_path, clock)  # flush interval 5 s: steps alone would not write
+    _train(ledger, clock, 2)
+    ledger.log_fields(None)  # type: ignore[arg-type]
+    spans = [r for r in read_ledger(tmp_path / GOODPUT_FILE).records if hasattr(r, "bucket")]
+    assert spans[-1].bucket is Bucket.PRODUCTIVE and spans[-1].iteration == 2
+    assert spans[-1].t1 == pytest.approx(clock.t)
+    ledger.close()

@@ -144,16 +144,21 @@ def straggler_idle_seconds(compute_ms: Sequence[float], num_iterations: int) -> 
 
 
 class StepSpan:
-    """Handle of one :meth:`GoodputLedger.step`; ``reclassify`` moves the step's time to another
-    bucket (e.g. the iteration turned out to capture a CUDA graph)."""
+    """Handle of one :meth:`GoodputLedger.step`. ``reclassify`` moves the step's time to another
+    bucket (the iteration captured a CUDA graph); ``abandon`` too, and the iteration does not
+    count as done (the rerun state machine rejected it)."""
 
-    __slots__ = ("bucket", "iteration", "started")
+    __slots__ = ("bucket", "completed", "iteration", "started")
 
     def __init__(self, iteration: int, bucket: Bucket, started: float) -> None:
         self.iteration, self.bucket, self.started = iteration, bucket, started
+        self.completed = True
 
     def reclassify(self, bucket: Bucket) -> None:
         self.bucket = bucket
+
+    def abandon(self, bucket: Bucket) -> None:
+        self.bucket, self.completed = bucket, False
 
 
 class GoodputLedger:
@@ -195,6 +200,8 @@ class GoodputLedger:
         self._last_iteration: int | None = None
         self._idle_pending = 0.0
         self._hang_reported_at: float | None = None
+        self._failed: tuple[float, float, Bucket] | None = None
+        self._summary: GoodputSummary | None = None
         prior = read_ledger(self.path)
         self._fd = self._open_append()
         self._totals = dict(summarize(prior).seconds) if prior.records else empty_seconds()
@@ -250,13 +257,13 @@ class GoodputLedger:
         line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
         try:
             os.write(self._fd, line.encode("utf-8"))
-        except (
-            OSError
-        ) as exc:  # a full disk must not stop training; the reader says what is missing
+        except OSError as exc:
+            # A full disk must not stop training; the reader says what is missing.
             logger.warning("goodput: cannot append to %s: %s", self.path, exc)
 
     def _close_interval(self, now: float, bucket: Bucket | None = None) -> None:
         """Write ``[t0, now]`` of the open interval (as ``bucket`` if given) and reopen at now."""
+        self._write_failed()  # a failed step's interval comes first (it ended at t0)
         if now > self._t0:
             b = bucket or self._bucket
             idle = 0.0
@@ -291,22 +298,33 @@ class GoodputLedger:
         try:
             yield handle
         except BaseException:
-            # The iteration never completed: its time is lost (hang until detected when a hang
-            # was reported meanwhile), and what follows until the next first step is restart.
             with self._lock:
-                hung = self._hang_reported_at is not None and self._hang_reported_at >= now
-                self._end_step(handle, Bucket.HANG if hung else Bucket.LOST_WORK, failed=True)
-                self._bucket = Bucket.RESTART
+                self._step_failed(handle)
             raise
         with self._lock:
-            self._end_step(handle, handle.bucket)
-            self._last_iteration = iteration
+            if handle.bucket is not self._bucket:  # reclassified inside the block
+                self._close_interval(max(handle.started, self._t0))
+                self._close_interval(self._clock(), handle.bucket)
+            if handle.completed:
+                self._last_iteration = iteration
             self._switch(self._bucket)
 
-    def _end_step(self, handle: StepSpan, bucket: Bucket, failed: bool = False) -> None:
-        if failed or bucket is not self._bucket:  # the step failed, or was reclassified
-            self._close_interval(max(handle.started, self._t0))
-            self._close_interval(self._clock(), bucket)
+    def _step_failed(self, handle: StepSpan) -> None:
+        """The iteration never completed: its time is lost work, or hang until detected when a
+        hang is reported (before, or right after: an in-process watchdog reports it from its
+        abort path). What follows, until the next first step, is restart downtime."""
+        now = self._clock()
+        start = max(handle.started, self._t0)
+        self._close_interval(start)
+        hung = self._hang_reported_at is not None and self._hang_reported_at >= handle.started
+        self._failed = (start, now, Bucket.HANG if hung else Bucket.LOST_WORK)
+        self._bucket, self._t0 = Bucket.RESTART, now
+
+    def _write_failed(self) -> None:
+        if self._failed is not None:
+            start, end, bucket = self._failed
+            self._failed = None
+            self._write(Span(bucket, start, end, self._session, self._last_iteration))
 
     @contextlib.contextmanager
     def span(self, bucket: Bucket) -> Iterator[None]:
@@ -342,12 +360,16 @@ class GoodputLedger:
             now = self._clock()
             if cause == "hang":
                 self._hang_reported_at = now
+                if self._failed is not None:  # reported after the step failed: a hang it was
+                    self._failed = (self._failed[0], self._failed[1], Bucket.HANG)
             self._write(Marker(RecordKind.FAULT, now, self._session, fields))
 
     def summary(self) -> GoodputSummary:
         """The live totals: previous sessions, this one's written intervals and the open one."""
         with self._lock:
             seconds = dict(self._totals)
+            if self._failed is not None:
+                add_span(seconds, Span(self._failed[2], self._failed[0], self._failed[1], ""))
             add_span(seconds, Span(self._bucket, self._t0, max(self._clock(), self._t0), ""))
         return GoodputSummary(seconds, [], [], [])
 
@@ -361,11 +383,14 @@ class GoodputLedger:
         from stalwart.observability.train_log import LogField
 
         del info
+        with self._lock:  # a log step writes the open interval: a kill loses one interval at most
+            if not self._closed:
+                self._close_interval(self._clock())
         return [LogField("goodput", 100.0 * self.goodput, "{:.1f}%", "goodput")]
 
     def close(self, reason: str = FINISHED, detail: str = "") -> GoodputSummary:
         """End the session: write the open interval and an ``end`` record, print the goodput
-        line; returns the summary of the whole file. Idempotent (later calls only summarize)."""
+        line; returns the summary of the whole file. Idempotent (later calls return it again)."""
         with self._lock:
             if not self._closed:
                 self._closed = True
@@ -377,10 +402,10 @@ class GoodputLedger:
                 with contextlib.suppress(OSError):
                     os.fsync(self._fd)
                 os.close(self._fd)
-                summary = summarize(read_ledger(self.path))
-                self._print(goodput_line(summary))
-                return summary
-        return summarize(read_ledger(self.path))
+                self._summary = summarize(read_ledger(self.path))
+                self._print(goodput_line(self._summary))
+        assert self._summary is not None
+        return self._summary
 
     def __enter__(self) -> GoodputLedger:
         return self
