@@ -270,8 +270,9 @@ class StragglerDetector:
 
     @contextlib.contextmanager
     def iteration_region(self) -> Iterator[None]:
-        """One whole forward-backward call incl. its collectives (outside any captured graph);
-        comm per iteration = the mean region minus compute."""
+        """A forward-backward call incl. its collectives (outside any captured graph): wrap
+        every call (look-ahead launches, rerun passes); comm per iteration = regions / iterations
+        minus compute."""
         if self._timing.capturing():
             yield
             return
@@ -298,9 +299,10 @@ class StragglerDetector:
         n = max(num_iterations, 1)
         eager = timing.elapsed_ms(interval.compute) or 0.0
         graph = timing.elapsed_ms(self._graph_compute) if interval.replays else None
-        # Per forward-backward call (a look-ahead launch or a rerun pass is one more call).
+        # Per iteration: a look-ahead launch runs (part of) the next iteration's forward-backward
+        # inside this one's step, so the calls of an interval add up to its iterations' work.
         steps_total = timing.elapsed_ms(interval.steps) if interval.steps else None
-        steps = None if steps_total is None else steps_total / len(interval.steps)
+        steps = None if steps_total is None else steps_total / n
         timing.release(interval.compute + interval.steps)
         self._interval = _Interval()
         source = "events" if self.device.type == "cuda" else "wall"
