@@ -27,6 +27,14 @@ RESTART = ["--max-restarts", "1", "--monitor-interval", "0.2"]
 TORCHRUN_SIGKILL = "closing signal SIGKILL"  # torchrun's line when a worker overran the 30 s window
 
 
+def _slow_commit(iteration: int, seconds: float) -> list[str]:
+    """Rank 0 sleeps inside the commit window of checkpoint ``iteration`` (the manager's
+    ``before_commit`` hook, reached through ``--inject-fault-phase commit``)."""
+    return ["--inject-fault", "hang", "--inject-fault-phase", "commit",
+            "--inject-fault-iteration", str(iteration), "--inject-fault-rank", "0",
+            "--inject-fault-hang-seconds", str(seconds)]  # fmt: skip
+
+
 def _ok(proc) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -81,8 +89,8 @@ def test_sigterm_to_torchrun_saves_exits_signal_and_resume_is_exact(tmp_path, re
     the next iteration (zero lost) and ends bitwise equal to the uninterrupted run."""
     save = tmp_path / "ckpt"
     args = [*COMMON, "--save", str(save), "--exit-signal-handler", "--async-save",
-            "--save-interval", "1"]  # fmt: skip
-    job = LiveRun(args, env={"STALWART_TEST_CKPT_SLEEP_S": "0.2"})  # ~0.2 s per iteration
+            "--save-interval", "1", *_slow_commit(4, 3.0)]  # fmt: skip
+    job = LiveRun(args)
     try:
         job.wait_for_iteration(3)
         sent = job.signal_launcher(signal.SIGTERM)
@@ -112,8 +120,9 @@ def test_sigkill_during_async_save_resumes_from_previous_complete(tmp_path, refe
     being committed: the tracker still names 4, and the resume from 4 ends equal to the
     reference (the partial iteration-8 directory is never loaded)."""
     save = tmp_path / "ckpt"
-    args = [*COMMON, "--save", str(save), "--async-save", "--save-interval", "4"]
-    job = LiveRun(args, env={"STALWART_TEST_CKPT_SLEEP_S": "3"})  # widen each commit window
+    args = [*COMMON, "--save", str(save), "--async-save", "--save-interval", "4",
+            *_slow_commit(8, 3.0)]  # fmt: skip
+    job = LiveRun(args)
 
     def in_commit_of_8() -> bool:
         tracker = save / "latest_checkpointed_iteration.txt"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections import Counter
@@ -15,6 +14,7 @@ from stalwart.chaos.runner import LaunchResult, LaunchSpec, run
 from stalwart.chaos.schedule import EXPECTED, ChaosFault, FaultPlan
 from stalwart.checkpoint import layout
 from stalwart.observability.goodput_records import GOODPUT_FILE, Bucket, read_ledger, summarize
+from stalwart.reliability.exit import read_exit_reason
 
 
 @dataclass
@@ -142,11 +142,8 @@ def detect(res: FaultResult, kind: ChaosFault, ok: bool, what: str) -> None:
 
 
 def exit_reason(save: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((save / "exit_reason.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    record, _ = read_exit_reason(save)
+    return record or {}
 
 
 def count_redone(launches: list[LaunchResult], seeded: int = 0) -> int:

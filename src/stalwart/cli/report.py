@@ -33,7 +33,7 @@ def main_report(argv: list[str] | None = None) -> int:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     try:
         path = write_report(args.run_dir, args.output, not args.no_png, args.metrics_file)
-    except FileNotFoundError as exc:
+    except OSError as exc:  # no such run directory, or the report cannot be written
         print(f"stalwart report: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(f"report written to {path}")

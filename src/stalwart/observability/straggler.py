@@ -60,6 +60,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from stalwart.distributed import collectives
+from stalwart.observability.sinks import append_line
 from stalwart.observability.straggler_timing import Region, RegionTiming, make_timing
 from stalwart.observability.train_log import IntervalInfo, LogField
 
@@ -342,8 +343,7 @@ class StragglerDetector:
         self._last = report
         if self.rank == 0 and self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.run_dir / STRAGGLER_FILE, "a", encoding="utf-8") as f:
-                f.write(json.dumps(report.to_record()) + "\n")
+            append_line(self.run_dir / STRAGGLER_FILE, json.dumps(report.to_record()))
         return report
 
     @property

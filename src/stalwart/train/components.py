@@ -337,6 +337,7 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     """Construct the model, optimizer, data, checkpointing and reliability/observability shell."""
     closers: list[Any] = []
     ckpt_cfg = config.checkpoint
+    faults = build_fault_injector(config.faults, ckpt_cfg.save, ctx.world_size)
     checkpoint = CheckpointManager(
         ckpt_cfg.save,
         ckpt_cfg.load_dir,
@@ -344,13 +345,13 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         async_save=ckpt_cfg.async_save,
         fallback=ckpt_cfg.ckpt_fallback,
         non_persistent_dir=ckpt_cfg.non_persistent_ckpt_dir,
+        before_commit=lambda iteration: faults.maybe_inject(iteration, ctx.rank, "commit"),
     )
+    closers.append(checkpoint.close)  # releases the --save lock (atexit does if building fails)
     if ckpt_cfg.save:
-        checkpoint.check_writable()  # fail before any training work
-    closers.append(checkpoint.close)
+        checkpoint.check_writable()  # fail before any training work; takes the --save lock
     sections = build_section_monitor(config.ft, ctx.rank, ckpt_cfg.save)
     closers.append(sections.close)
-    faults = build_fault_injector(config.faults, ckpt_cfg.save, ctx.world_size)
 
     graphed = config.graphs.cuda_graph_impl == "full_iteration"
     if graphed:

@@ -35,6 +35,7 @@ from stalwart.reliability.rerun import (
     capture_rng_state,
     restore_rng_state,
 )
+from stalwart.reliability.rerun.verdict_file import apply_verdict, record_verdict
 from stalwart.reliability.sections import Section
 from stalwart.train.components import Components, build_components, run_dir_of
 from stalwart.train.evaluate import evaluate
@@ -91,6 +92,7 @@ class Trainer:
         self.config = self.c.config  # resolved (e.g. --train-samples -> iterations)
         self.state = TrainState()
         self.loaded_iteration: int | None = None
+        self.loaded_path: str | None = None
         self.batch_size = self.c.global_batch_size  # this iteration's (see _start_batch)
         self._num_microbatches: int | None = None
         self._saved_at: int | None = None
@@ -183,7 +185,7 @@ class Trainer:
             return
         common = loaded.common
         self.state = TrainState(common["iteration"], common["consumed_samples"])
-        self.loaded_iteration = loaded.iteration
+        self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
         c.sampler.load_state_dict(common["data"])
         c.loss_scaler.load_state_dict(common.get("loss_scaler", {}))
         per_rank = loaded.per_rank
@@ -193,6 +195,7 @@ class Trainer:
             if not cfg.no_load_rng:
                 restore_rng_state(per_rank["rng"])
             c.rerun.load_state_dict(per_rank["rerun"])
+        apply_verdict(c.rerun, loaded.path)  # a settled rerun: train on, or refuse the bad device
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
 
     # ------------------------------------------------------------------ the loop
@@ -359,6 +362,8 @@ class Trainer:
             self.save()
         elif result.should_checkpoint:
             logger.warning("rerun needs a checkpoint to resume from but --save is not set")
+        if self.loaded_path is not None:  # the diagnosis of a rerun from that checkpoint
+            record_verdict(self.c.rerun, self.loaded_path, write=self.ctx.is_main)
         detail = f"rerun state machine exit code {result.exit_code}"
         self.event(EventKind.RERUN, detail)
         self._record_exit(ExitReason.RERUN, detail, result.exit_code)
