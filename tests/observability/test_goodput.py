@@ -421,3 +421,19 @@ def test_log_step_writes_the_open_interval(tmp_path) -> None:
     assert spans[-1].bucket is Bucket.PRODUCTIVE and spans[-1].iteration == 2
     assert spans[-1].t1 == pytest.approx(clock.t)
     ledger.close()
+
+
+def test_a_watchdogs_hang_record_makes_the_failed_step_a_hang(tmp_path) -> None:
+    """The peer of a hung rank: its collective fails when the watchdog aborts the process
+    group, after the watchdog (another process) appended its ``fault`` record."""
+    clock = FakeClock()
+    ledger = _ledger(tmp_path, clock)
+    _train(ledger, clock, 1)
+    with pytest.raises(RuntimeError), ledger.step(2):
+        clock.advance(10.0)
+        with open(tmp_path / GOODPUT_FILE, "a") as f:
+            f.write(json.dumps({"k": "fault", "t": clock.t, "cause": "hang", "s": "m"}) + "\n")
+        clock.advance(1.0)
+        raise RuntimeError("Connection closed by peer")
+    s = ledger.close("fault").seconds
+    assert s[Bucket.HANG] == pytest.approx(11.0) and s[Bucket.LOST_WORK] == 0.0

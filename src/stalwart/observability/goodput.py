@@ -317,8 +317,20 @@ class GoodputLedger:
         start = max(handle.started, self._t0)
         self._close_interval(start)
         hung = self._hang_reported_at is not None and self._hang_reported_at >= handle.started
+        hung = hung or self._hang_in_file(since=handle.started)
         self._failed = (start, now, Bucket.HANG if hung else Bucket.LOST_WORK)
         self._bucket, self._t0 = Bucket.RESTART, now
+
+    def _hang_in_file(self, since: float) -> bool:
+        """Whether a hang watchdog (another process) recorded a hang since ``since``: a peer of
+        the hung rank fails when the watchdog aborts its process group (failure path only)."""
+        return any(
+            isinstance(r, Marker)
+            and r.kind is RecordKind.FAULT
+            and r.get("cause") == "hang"
+            and r.t >= since
+            for r in read_ledger(self.path).records
+        )
 
     def _write_failed(self) -> None:
         if self._failed is not None:
