@@ -168,8 +168,8 @@ def test_interval_phase_and_duration_exits_agree_and_lose_nothing(tmp_path, refe
 
 def test_learned_timeouts_are_written_reloaded_and_used(tmp_path, reference) -> None:
     """``--calc-ft-timeouts`` writes ft_state.json; the next job loads it and enforces the
-    learned values (a learned ``step`` of 1.5 s catches a hang that the configured 100 s would
-    not), and learns ``setup`` after its persistent load."""
+    learned values (a learned ``step`` of 30 s, the floor of learned timeouts, catches a hang
+    that the configured 100 s would not), and learns ``setup`` after its persistent load."""
     save = tmp_path / "ckpt"
     ft = ["--enable-ft", "--calc-ft-timeouts", "--ft-num-warmup-iters", "1",
           "--ft-timeouts", "setup=60,step=100,checkpointing=90,out_of_section=60"]  # fmt: skip
@@ -181,8 +181,8 @@ def test_learned_timeouts_are_written_reloaded_and_used(tmp_path, reference) -> 
     assert state["timeouts"]["checkpointing"] == 30.0  # max(floor 30 s, 5 x observed) != 90
     assert state["timeouts"]["step"] == 100.0  # too few timed steps to learn it
 
-    # Pretend an earlier, longer job learned a 1.5 s step timeout.
-    state["timeouts"]["step"] = 1.5
+    # Pretend an earlier, longer job learned a 30 s step timeout (a smaller one is rejected).
+    state["timeouts"]["step"] = 30.0
     state["calculated_sections"] = sorted({*state["calculated_sections"], "step"})
     state_path.write_text(json.dumps(state))
     args = [*COMMON, "--save", str(save), *ft, "--save-interval", "4",
@@ -190,8 +190,9 @@ def test_learned_timeouts_are_written_reloaded_and_used(tmp_path, reference) -> 
     proc = run_cli(args, nproc=2, torchrun_args=RESTART, timeout=150)
     _ok(proc)
     assert "using learned timeouts for checkpointing, step" in proc.stdout + proc.stderr
+    assert "rejected learned timeouts" not in proc.stdout + proc.stderr
     _, report = _first_hang_report(save)
-    assert report["timeout_s"] == 1.5 and report["section"] == "step"
+    assert report["timeout_s"] == 30.0 and report["section"] == "step"
     assert "setup" in json.loads(state_path.read_text())["calculated_sections"]
     assert_params_equal(load_params(save), load_params(reference, 12))
 

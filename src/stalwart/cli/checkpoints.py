@@ -24,12 +24,13 @@ no optimizer state, loadable with ``torch.load(FILE, weights_only=True)`` into
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import sys
 from typing import Any
+
+from stalwart.cli.args import OneLineErrorParser
 
 EXIT_OK = 0
 EXIT_NOT_LOADABLE = 1
@@ -98,7 +99,7 @@ def main_checkpoints(argv: list[str] | None = None) -> int:
     checkpoint is broken, 2 no such directory or bad usage."""
     if argv and argv[0] == "convert":
         return _main_convert(argv[1:])
-    p = argparse.ArgumentParser(prog="stalwart checkpoints", description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="stalwart checkpoints", description=__doc__.splitlines()[0])
     p.add_argument("save_dir", help="a --save directory")
     p.add_argument("--verify", action="store_true", help="check markers, metadata and shards")
     try:
@@ -123,7 +124,7 @@ def main_checkpoints(argv: list[str] | None = None) -> int:
 
 def _main_convert(argv: list[str]) -> int:
     """``stalwart checkpoints convert --trust-pickle PATH``: 0 converted (or nothing to do)."""
-    p = argparse.ArgumentParser(prog="stalwart checkpoints convert", allow_abbrev=False,
+    p = OneLineErrorParser(prog="stalwart checkpoints convert",
                                 description="Rewrite pickle checkpoints of an older stalwart as JSON state.")  # fmt: skip
     p.add_argument("path", help="a --save directory or one iter_* checkpoint")
     p.add_argument("--trust-pickle", action="store_true",
@@ -196,7 +197,7 @@ def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
 
 def main_export(argv: list[str] | None = None) -> int:
     """``stalwart export``: 0 written; 2 bad usage or a checkpoint that cannot be loaded."""
-    p = argparse.ArgumentParser(prog="stalwart export", description="Write one checkpoint's "
+    p = OneLineErrorParser(prog="stalwart export", description="Write one checkpoint's "
                                 "model weights as a single torch.save file.")  # fmt: skip
     p.add_argument("--load", required=True, help="a --save directory")
     p.add_argument("--iteration", type=int, help="default: the one the tracker names")

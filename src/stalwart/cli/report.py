@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stalwart.cli.args import OneLineErrorParser
 from stalwart.observability.report import write_report
 
 EXIT_OK = 0
@@ -12,7 +13,7 @@ EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineErrorParser(
         prog="stalwart report",
         description="Render <run-dir>/report.html (inline SVG charts) and PNGs from a run's artefacts.",
     )

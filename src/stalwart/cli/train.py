@@ -10,6 +10,7 @@ from pathlib import Path
 
 from stalwart.checkpoint import CheckpointError
 from stalwart.config.run import RunConfig
+from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import destroy_distributed, init_distributed
 from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
 from stalwart.train.trainer import TrainOutcome, run_training
@@ -73,7 +74,7 @@ def _run_inprocess(config: RunConfig, demo: bool) -> int:
         code, outcome = run_training_inprocess(config)
     except (ValueError, CheckpointError) as exc:
         return _user_error(exc)
-    if demo and outcome is not None and int(os.environ.get("RANK", "0")) == 0:
+    if demo and outcome is not None and env_int("RANK", 0) == 0:
         _demo_epilogue(config, outcome)
     return code
 

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalwart.config.checks import bounds, check_fields
 from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
@@ -49,6 +50,8 @@ _MODEL_FLAGS = {
     "moe_router_topk": "moe_router_topk",
     "moe_aux_loss_coeff": "moe_aux_loss_coeff",
     "moe_capacity_factor": "moe_capacity_factor",
+    "init_method_std": "init_std",
+    "norm_epsilon": "layernorm_epsilon",
 }
 
 
@@ -58,19 +61,18 @@ class GraphConfig:
 
     cuda_graph_impl: str = "none"
     optimizer_cuda_graph: bool = False
-    cuda_graph_warmup_steps: int = 3
+    cuda_graph_warmup_steps: int = field(default=3, metadata=bounds(ge=1))
     recompute_granularity: str | None = None
     # Launch the next iteration's forward-backward replay before this one's validation read
     # (gated optimizer graph only; stalwart.train.speculative). Not a Megatron flag.
     cuda_graph_speculative_launch: bool = True
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.cuda_graph_impl not in ("none", "full_iteration"):
             raise ValueError(
                 f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"
             )
-        if self.cuda_graph_warmup_steps < 1:
-            raise ValueError("--cuda-graph-warmup-steps must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -147,7 +149,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     """Typed, validated config from parsed flags (``argv`` tells which flags were explicit)."""
     explicit = {
         a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or []) if a[:2] == "--"
-    }
+    } | set(getattr(ns, "config_file_keys", ()))  # values from --config count as given
     if getattr(ns, "demo", False):
         _apply_demo_defaults(ns, explicit)
     overrides = {
