@@ -11,18 +11,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stalwart.reliability.abort_listener import ABORT, AbortListener
+from stalwart.reliability.abort_listener import ABORT, ABORTED, NOTHING_TO_ABORT, AbortListener
 
 from dist_utils import run_distributed
 
 
 def test_listener_runs_abort_once_on_request_and_not_on_close() -> None:
     calls: list[int] = []
-    listener = AbortListener(lambda: calls.append(1))
+    listener = AbortListener(lambda: calls.append(1) is None)
     os.write(listener.write_fd, ABORT)
     assert listener.aborted.wait(5.0)
+    assert os.read(listener.reply_fd, 1) == ABORTED  # the monitor's answer: aborted
     listener.close()
-    quiet = AbortListener(lambda: calls.append(2))
+    nothing = AbortListener(lambda: False)  # no process group: the monitor kills at once
+    os.write(nothing.write_fd, ABORT)
+    assert os.read(nothing.reply_fd, 1) == NOTHING_TO_ABORT
+    nothing.close()
+    quiet = AbortListener(lambda: calls.append(2) is None)
     quiet.close()
     quiet.close()  # idempotent
     assert calls == [1] and not quiet.aborted.is_set()
