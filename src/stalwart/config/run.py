@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.config.checks import bounds, check_fields
+from stalwart.config.model import architecture_overrides
 from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
@@ -52,7 +53,6 @@ _MODEL_FLAGS = {
     "moe_aux_loss_coeff": "moe_aux_loss_coeff",
     "moe_capacity_factor": "moe_capacity_factor",
     "init_method_std": "init_std",
-    "norm_epsilon": "layernorm_epsilon",
 }
 
 
@@ -63,7 +63,6 @@ class GraphConfig:
     cuda_graph_impl: str = "none"
     optimizer_cuda_graph: bool = False
     cuda_graph_warmup_steps: int = field(default=3, metadata=bounds(ge=1))
-    recompute_granularity: str | None = None
     # Launch the next iteration's forward-backward replay before this one's validation read
     # (gated optimizer graph only; stalwart.train.speculative). Not a Megatron flag.
     cuda_graph_speculative_launch: bool = True
@@ -156,6 +155,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     overrides = {
         dst: getattr(ns, src) for src, dst in _MODEL_FLAGS.items() if getattr(ns, src) is not None
     }
+    overrides.update(architecture_overrides(ns))  # Llama switches and activation recompute
     model = preset_model_config(ns.preset, **overrides)
     if ns.micro_batch_size is None:
         ns.micro_batch_size = PRESET_MICRO_BATCH_SIZE[ns.preset]

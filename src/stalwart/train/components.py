@@ -228,6 +228,7 @@ def _build_probes(
         ctx.world_size,
         bf16=config.training.bf16,
         workspace_bytes=0 if ctx.device.type == "cpu" else CUDA_WORKSPACE_BYTES,
+        fused_rms_norm=ctx.device.type == "cuda",  # torch's fused RMSNorm kernel is CUDA-only
     )
     memory = MemoryMonitor(
         ctx.device,

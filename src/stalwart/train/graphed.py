@@ -38,6 +38,7 @@ from stalwart.graphs import (
     RecomputeGranularity,
     check_graph_config,
 )
+from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
 from stalwart.reliability.rerun import (
     GRAD_TOLERANCE,
     INF_GRAD_MESSAGE,
@@ -91,7 +92,12 @@ def check_graph_flags(config: RunConfig, device: torch.device, world_size: int =
             cuda_graph_impl=CudaGraphImpl(g.cuda_graph_impl),
             cuda_graph_warmup_steps=g.cuda_graph_warmup_steps,
             optimizer_cuda_graph=g.optimizer_cuda_graph,
-            recompute_granularity=RecomputeGranularity(g.recompute_granularity or "none"),
+            recompute_granularity=config.model.recompute_granularity,
+            recompute_modules=(
+                SELECTIVE_RECOMPUTE_MODULES
+                if config.model.recompute_granularity is RecomputeGranularity.SELECTIVE
+                else ()
+            ),
             hidden_dropout=config.model.dropout,
             attention_dropout=config.model.dropout,
             check_for_nan_in_loss_and_grad=config.rerun.check_for_nan_in_loss_and_grad,
