@@ -157,3 +157,23 @@ def test_unreachable_tier_is_refused_at_start_up(tmp_path, capsys, flags, named)
     code = main(["train", "--use-cpu", "--save", str(tmp_path / "ckpt"), "--enable-ft", *flags])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and all(n in err for n in named), err
+
+
+def test_flight_recorder_env_is_set_before_the_process_group_and_users_win(
+    tmp_path, monkeypatch
+) -> None:
+    from stalwart.reliability.monitor_client import enable_flight_recorder, flight_recorder_paths
+
+    for name in ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                 "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    assert flight_recorder_paths(2) == {}
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's choice
+    enable_flight_recorder(str(tmp_path / "ft_logs"))
+    prefix = str(tmp_path / "ft_logs" / "nccl_trace_rank")
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == prefix
+    assert flight_recorder_paths(2) == {
+        "--nccl-pipe": f"{prefix}2.pipe",
+        "--nccl-dump": f"{prefix}2",
+    }
