@@ -355,6 +355,47 @@ def _graph_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _megatron_parity_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron flags a migrating user meets (dumps, allocator cache, Ctrl-C)."""
+    g = p.add_argument_group("Megatron parity")
+    g.add_argument(
+        "--save-wgrads-interval",
+        type=_non_negative_int,
+        default=0,
+        help="every N iterations save each parameter's gradient (before clipping) to "
+        "<dump dir>/wgrads/iter_N/rank<R>.pt (default 0: off)",
+    )
+    g.add_argument(
+        "--save-params-interval",
+        type=_non_negative_int,
+        default=0,
+        help="every N iterations save the parameters after the optimizer step to "
+        "<dump dir>/params/iter_N/rank<R>.pt (default 0: off)",
+    )
+    g.add_argument(
+        "--empty-unused-memory-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="empty the CUDA allocator cache: 1 after forward-backward and each eval step, "
+        "2 also after the optimizer step (default 0: never)",
+    )
+    g.add_argument(
+        "--exit-on-interrupt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Ctrl-C (SIGINT) saves (with --save), prints one line and exits 130 (default: on "
+        "when a single-process run is attached to a terminal)",
+    )
+
+
 def build_train_parser(
     prog: str = "stalwart train", *, raise_errors: bool = False
 ) -> argparse.ArgumentParser:
@@ -377,6 +418,7 @@ def build_train_parser(
         _fault_tolerance_flags,
         _inprocess_flags,
         _graph_flags,
+        _megatron_parity_flags,
     ):
         add(p)
     return p

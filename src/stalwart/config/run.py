@@ -11,6 +11,8 @@ import argparse
 import dataclasses
 import enum
 import json
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ from stalwart.reliability.faults import FaultInjectionConfig
 from stalwart.reliability.inprocess.config import InProcessConfig
 from stalwart.reliability.rerun import RerunConfig
 from stalwart.reliability.sections import FaultToleranceConfig, parse_ft_timeouts
+from stalwart.reliability.signals import interrupt_handling_default
 from stalwart.reliability.timeout_tiers import check_timeout_hierarchy
 
 # `--demo`: the interactive CPU job of `make demo` (tiny preset, short sequences, ~1.5 min).
@@ -177,6 +180,10 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         phase_transition_iterations=tuple(ns.phase_transition_iterations or ()),
         save_interval=ns.save_interval or None,
         non_persistent_save_interval=ns.non_persistent_save_interval or None,
+        # Ctrl-C saves and exits 130: default on for one process on a terminal (same on all ranks).
+        exit_on_interrupt=ns.exit_on_interrupt
+        if getattr(ns, "exit_on_interrupt", None) is not None
+        else interrupt_handling_default(os.environ, sys.stdin, sys.stdout),
     )
     config = RunConfig(
         preset=ns.preset,

@@ -15,7 +15,8 @@ and `decide` is a pure function of them and of values every rank shares, ranks n
 whether to save or exit, and so never deadlock in a save that only some ranks entered.
 
 Priority (Megatron's ``checkpoint_and_decide_exit``):
-1. exit signal (``--exit-signal-handler``, any rank): save, exit.
+1. exit signal (``--exit-signal-handler``, any rank): save, exit. Ctrl-C (SIGINT, with
+   ``exit_on_interrupt``): save, exit **130** (the shell's code for an interrupted command).
 2. ``--save-interval`` (persistent) or else ``--non-persistent-save-interval``: save, continue.
 3. ``--exit-duration-in-mins`` (elapsed minutes MAX-reduced over ranks): save unless saved, exit.
 4. ``--exit-interval`` or ``--phase-transition-iterations``: save unless saved, exit.
@@ -25,8 +26,9 @@ Deliberate deviation: when exiting, a non-persistent save of the same iteration 
 "saved" (Megatron counts it). A local/in-memory checkpoint does not survive the job ending, so the
 exit save is upgraded to persistent.
 
-Every graceful exit uses exit code 0 (what launchers and Megatron expect); ``exit_reason.json``
-tells the reasons apart. On a signal, the save must finish inside torchrun's 30 s
+Every graceful exit uses exit code 0 (what launchers and Megatron expect), except Ctrl-C: a user
+who interrupts a command expects 130, and a script must not mistake it for a finished run.
+``exit_reason.json`` tells the reasons apart; `ExitDecision.exit_code` carries the code. On a signal, the save must finish inside torchrun's 30 s
 SIGTERM-to-SIGKILL window (see `stalwart.reliability.signals`).
 """
 
@@ -51,12 +53,14 @@ logger = logging.getLogger(__name__)
 
 EXIT_REASON_FILENAME = "exit_reason.json"
 EXIT_CODE_GRACEFUL = 0  # signal, duration, interval, phase and finished all exit 0
+EXIT_CODE_INTERRUPTED = 128 + signal.SIGINT  # 130: Ctrl-C, as a shell reports it
 
 
 class ExitReason(Enum):
     """Why training stopped (the ``reason`` field of ``exit_reason.json``)."""
 
     SIGNAL = "signal"
+    INTERRUPT = "interrupt"
     DURATION = "duration"
     INTERVAL = "interval"
     PHASE = "phase"
@@ -91,6 +95,8 @@ class ExitConfig:
         phase_transition_iterations: exit (after saving) at these iterations.
         save_interval: persistent save cadence (``--save-interval``).
         non_persistent_save_interval: non-persistent save cadence.
+        exit_on_interrupt: SIGINT (Ctrl-C) saves and exits 130 (``--exit-on-interrupt``; the
+            CLI turns it on for a single-process run on a terminal). Every rank must share it.
     """
 
     exit_signal_handler: bool = False
@@ -100,6 +106,7 @@ class ExitConfig:
     phase_transition_iterations: tuple[int, ...] = field(default_factory=tuple)
     save_interval: int | None = None
     non_persistent_save_interval: int | None = None
+    exit_on_interrupt: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exit_signal", parse_exit_signal(self.exit_signal))
@@ -128,15 +135,31 @@ class ExitConfig:
     @property
     def needs_agreement(self) -> bool:
         """Whether any input must be agreed across ranks (else no collective is needed)."""
-        return self.exit_signal_handler or bool(self.exit_duration_in_mins)
+        return (
+            self.exit_signal_handler or self.exit_on_interrupt or bool(self.exit_duration_in_mins)
+        )
+
+    @property
+    def handles_signals(self) -> bool:
+        """Whether a `DistributedSignalHandler` must be installed."""
+        return self.exit_signal_handler or self.exit_on_interrupt
+
+    def make_signal_handler(self) -> DistributedSignalHandler:
+        """The handler for these settings (not installed yet: enter it in the main thread)."""
+        return DistributedSignalHandler(self.signal_enum, interrupt=self.exit_on_interrupt)
 
 
 @dataclass(frozen=True)
 class ExitInputs:
-    """The per-iteration inputs, already agreed across ranks."""
+    """The per-iteration inputs, already agreed across ranks.
+
+    ``signal_number``: the highest signal number any rank received (0: none), so a scheduler's
+    SIGTERM (15) wins over a Ctrl-C (2) that reached some ranks.
+    """
 
     signal_received: bool = False
     elapsed_minutes_max: float = 0.0
+    signal_number: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +170,7 @@ class ExitDecision:
     exit: bool = False
     reason: ExitReason | None = None
     detail: str = ""
+    exit_code: int = EXIT_CODE_GRACEFUL
 
 
 def _every(interval: int | None, iteration: int) -> bool:
@@ -175,10 +199,9 @@ def decide(
     # Exits always save persistently: a non-persistent save of the same iteration would not
     # survive the end of the job (deliberate deviation from Megatron, see the module docstring).
     exit_save = SaveKind.PERSISTENT if can_save and not already_saved else SaveKind.NONE
-    if config.exit_signal_handler and inputs.signal_received:
-        return ExitDecision(
-            exit_save, True, ExitReason.SIGNAL, f"received {config.signal_enum.name}"
-        )
+    signal_decision = _signal_decision(inputs, config, exit_save)
+    if signal_decision is not None:
+        return signal_decision
     regular = SaveKind.NONE
     if can_save and not already_saved:
         if _every(config.save_interval, iteration):
@@ -202,6 +225,25 @@ def decide(
     return ExitDecision(regular, False, None, "")
 
 
+def _signal_decision(
+    inputs: ExitInputs, config: ExitConfig, exit_save: SaveKind
+) -> ExitDecision | None:
+    """Priority 1: the exit signal (exit 0), or Ctrl-C with ``exit_on_interrupt`` (exit 130)."""
+    if not inputs.signal_received:
+        return None
+    number = inputs.signal_number or int(config.signal_enum)  # older callers: the exit signal
+    interrupt = number == signal.SIGINT and config.signal_enum is not signal.SIGINT
+    if interrupt and config.exit_on_interrupt:
+        return ExitDecision(
+            exit_save, True, ExitReason.INTERRUPT, "received SIGINT", EXIT_CODE_INTERRUPTED
+        )
+    if config.exit_signal_handler and not interrupt:
+        return ExitDecision(
+            exit_save, True, ExitReason.SIGNAL, f"received {config.signal_enum.name}"
+        )
+    return None
+
+
 def gather_exit_inputs(
     config: ExitConfig,
     signal_handler: DistributedSignalHandler | None,
@@ -211,28 +253,33 @@ def gather_exit_inputs(
     """Agree on the signal flag and the elapsed time in ONE all-reduce MAX (or none at all).
 
     Every rank must call it at the same point of every iteration. Without
-    ``--exit-signal-handler`` and ``--exit-duration-in-mins`` nothing needs agreeing and no
-    collective runs (all ranks share the config, so all skip it together).
+    ``--exit-signal-handler``, ``exit_on_interrupt`` and ``--exit-duration-in-mins`` nothing needs
+    agreeing and no collective runs (all ranks share the config, so all skip it together).
     """
     if not config.needs_agreement:
         return ExitInputs(False, elapsed_minutes)
-    local_flag = bool(
-        config.exit_signal_handler and signal_handler is not None and signal_handler.received
-    )
+    received = signal_handler.received_signal if signal_handler is not None else None
     import torch.distributed as dist
 
     from stalwart.distributed.collectives import all_reduce_floats
 
-    # Deliberate sync: the one per-iteration exit agreement (signal OR, time budget MAX).
-    flag, elapsed = all_reduce_floats(
-        [1.0 if local_flag else 0.0, elapsed_minutes], dist.ReduceOp.MAX, group
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        # One process: nothing to agree on, and no device round trip per iteration (an
+        # interactive single-GPU run handles Ctrl-C by default).
+        return ExitInputs(received is not None, elapsed_minutes, int(received or 0))
+
+    # Deliberate sync: the one per-iteration exit agreement (signal MAX, time budget MAX).
+    number, elapsed = all_reduce_floats(
+        [float(int(received or 0)), elapsed_minutes], dist.ReduceOp.MAX, group
     )
-    return ExitInputs(flag > 0.5, elapsed)
+    return ExitInputs(number > 0.5, elapsed, int(number))
 
 
 def exit_message(decision: ExitDecision, iteration: int) -> str:
     """One line saying why the program exits (Megatron's wording where it exists)."""
     reason = decision.reason
+    if reason is ExitReason.INTERRUPT:
+        return f"interrupted (Ctrl-C): exiting program at iteration {iteration} with code {decision.exit_code}"
     if reason is ExitReason.SIGNAL:
         return f"exiting program after {decision.detail.removeprefix('received ')} at iteration {iteration}"
     if reason is ExitReason.DURATION:

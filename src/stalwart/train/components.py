@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import random
+import signal
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,11 @@ from stalwart.models import GPT, num_floating_point_operations
 from stalwart.observability.dumps import DumpConfig, make_tensor_dumper
 from stalwart.observability.energy import make_energy_meter
 from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryMonitor, theoretical_memory
+from stalwart.observability.memory_release import (
+    NullMemoryRelease,
+    UnusedMemoryRelease,
+    make_memory_release,
+)
 from stalwart.observability.profiler import NullProfilerWindow, ProfilerWindow, make_profiler_window
 from stalwart.observability.sinks import MetricSink, build_sinks
 from stalwart.observability.straggler import make_straggler_detector
@@ -110,6 +116,10 @@ class Components:
     speculation: SpeculativeForwardBackward | None = None
     iterations_to_skip: frozenset[int] = frozenset()  # numbered from 1, as logged
     flops_per_iteration: float = 0.0  # at the final global batch size
+    # --empty-unused-memory-level (after forward-backward: chained into step_parts.after_backward).
+    memory_release: UnusedMemoryRelease | NullMemoryRelease = field(
+        default_factory=NullMemoryRelease
+    )
     closers: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
@@ -248,6 +258,8 @@ def _build_probes(
         log_tokens_per_expert=obs.log_tokens_per_expert,
         dump_stats_only=obs.dump_stats_only,
         log_interval=config.log.log_interval,
+        save_wgrads_interval=obs.save_wgrads_interval,
+        save_params_interval=obs.save_params_interval,
     )
     dump_dir = obs.dump_dir or run_dir or "."
     dumper = make_tensor_dumper(model, dump_dir, dump_config, ctx.rank, ctx.rank)
@@ -308,6 +320,7 @@ def _build_observability(
         flops_per_iteration=flops,
         metrics_file=metrics_file_of(config) if ctx.rank == 0 else None,
         extra_providers=providers,
+        seq_length=config.model.seq_length,  # tokens/s on the progress bar
     )
     return timers, sink, log, observer, providers[2]
 
@@ -330,7 +343,10 @@ def _build_sampler(
         return source
     # Workers ignore the exit signal: a job-wide SIGTERM (scancel) must not end them while this
     # process finishes the step and saves; they stop with close() or with this process.
-    guard = DataLoaderWorkerSignalGuard([config.exit.signal_enum])
+    worker_signals = [config.exit.signal_enum]
+    if config.exit.exit_on_interrupt:  # Ctrl-C reaches the workers too (one process group)
+        worker_signals.append(signal.SIGINT)
+    guard = DataLoaderWorkerSignalGuard(dict.fromkeys(worker_signals))
     return WorkerMicroBatchIterator(source, workers, pin_memory=pin, worker_init_fn=guard)
 
 
@@ -397,7 +413,10 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         autocast=lambda: autocast_context(config.training, ctx.device),
         loss_check=lambda loss: check_loss(rerun, loss, config.rerun),
     )
+    memory_release = make_memory_release(config.obs.empty_unused_memory_level, ctx.device)
     after_backward = _grad_checks(model, rerun, config, ctx)
+    if not isinstance(memory_release, NullMemoryRelease):
+        after_backward = _then(after_backward, memory_release.after_forward_backward)
     step_parts = StepParts(
         model=model,
         optimizer=optimizer,
@@ -427,8 +446,8 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
     closers.append(manual_gc.close)
     closers.extend([sink.close, log.close, observer.close, energy.close, profiler.close])
     handler = None
-    if config.exit.exit_signal_handler:
-        handler = DistributedSignalHandler(config.exit.signal_enum)
+    if config.exit.handles_signals:  # the exit signal and/or Ctrl-C (exit_on_interrupt)
+        handler = config.exit.make_signal_handler()
         handler.__enter__()
         closers.append(handler.release)
     return Components(
@@ -456,6 +475,7 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
             config.rerun.check_weight_hash_across_dp_replicas_interval
         ),
         signal_handler=handler,
+        memory_release=memory_release,
         step_parts=step_parts,
         observer=observer,
         energy=energy,
@@ -476,6 +496,18 @@ def build_components(config: RunConfig, ctx: DistributedContext) -> Components:
         flops_per_iteration=flops,
         closers=closers,
     )
+
+
+def _then(first: Callable[[], None] | None, second: Callable[[], None]) -> Any:
+    """``first`` (if any), then ``second``."""
+    if first is None:
+        return second
+
+    def both() -> None:
+        first()
+        second()
+
+    return both
 
 
 def _grad_checks(

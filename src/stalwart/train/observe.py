@@ -8,6 +8,7 @@ trainer passes no observer at all, so the schedule pays nothing.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from stalwart.observability.dumps import NullTensorDumper, TensorDumper
@@ -36,12 +37,21 @@ class StepObserver:
         self.dumper.begin_iteration(iteration)
 
     def on_microbatch(self, index: int, is_last: bool) -> None:
-        del index
-        self.dumper.set_last_microbatch(is_last)
+        self.dumper.begin_microbatch(index, is_last)
 
     def compute(self) -> contextlib.AbstractContextManager[Any]:
-        """Region counted as this rank's compute (excludes collectives and the optimizer)."""
-        return self.straggler.compute()
+        """Region counted as this rank's compute (excludes collectives and the optimizer); a
+        micro-batch's forward and backward. On exit the dumper records the micro-batch (tokens per
+        expert; after the last one, the gradients before clipping)."""
+        if isinstance(self.dumper, NullTensorDumper):
+            return self.straggler.compute()
+        return self._compute_and_record()
+
+    @contextlib.contextmanager
+    def _compute_and_record(self) -> Iterator[None]:
+        with self.straggler.compute():
+            yield
+        self.dumper.end_microbatch()
 
     def end_iteration(self) -> None:
         self.straggler.step()

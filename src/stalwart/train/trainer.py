@@ -6,10 +6,11 @@ inside the hang watchdog's ``step`` section, log, evaluate, then one agreed save
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,6 +259,7 @@ class Trainer:
             c.observer.begin_iteration(it + 1)
             c.step_parts.speculate = self._speculation_for_next()
             result = train_step(c.step_parts, c.train_iterator)
+            c.memory_release.after_optimizer_step()
             c.observer.end_iteration()
             return result
 
@@ -335,7 +337,9 @@ class Trainer:
             num_microbatches=c.num_microbatches,
             eval_iters=cfg.training.eval_iters,
             disable_validation=c.rerun.disabled,
-            step_section=lambda: c.sections.step_section(is_eval=True),
+            step_section=lambda: _then_release(
+                c.sections.step_section(is_eval=True), c.memory_release.after_eval_step
+            ),
             forward_backward_func=c.eval_forward_backward_func,
         )
         if c.eval_checks_losses_on_host:
@@ -395,9 +399,9 @@ class Trainer:
 
     def _finish(self, decision: ExitDecision) -> TrainOutcome:
         reason = decision.reason or ExitReason.FINISHED
-        self._record_exit(reason, decision.detail, 0)
+        self._record_exit(reason, decision.detail, decision.exit_code)
         self.print(exit_message(decision, self.state.iteration))
-        return TrainOutcome(0, reason, self.state.iteration, decision.detail)
+        return TrainOutcome(decision.exit_code, reason, self.state.iteration, decision.detail)
 
     def _record_exit(self, reason: ExitReason, detail: str, exit_code: int) -> None:
         c = self.c
@@ -414,6 +418,14 @@ class Trainer:
         save_dir = self.config.checkpoint.save
         if save_dir and self.ctx.is_main:
             write_exit_reason(save_dir, reason, self.state.iteration, detail, exit_code=exit_code)
+
+
+@contextlib.contextmanager
+def _then_release(section: Any, release: Callable[[], None]) -> Iterator[None]:
+    """An eval step's watchdog section, then ``--empty-unused-memory-level``'s release."""
+    with section:
+        yield
+    release()
 
 
 def run_training(config: RunConfig, ctx: DistributedContext) -> TrainOutcome:
