@@ -128,6 +128,12 @@ def _table(header: list[str], rows: Sequence[Sequence[object]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _lanes(summary: GoodputSummary, spans: list[Span]) -> list[str]:
+    """One lane per session, in order; spans of a session without its record get one too."""
+    lanes = [s.session for s in summary.sessions]
+    return lanes + [sid for sid in dict.fromkeys(sp.session for sp in spans) if sid not in lanes]
+
+
 def goodput_section(run_dir: str | os.PathLike[str]) -> str:
     """The ``<section id="goodput">`` of the report (a note when the run has no ledger)."""
     file = read_ledger(Path(run_dir) / GOODPUT_FILE)
@@ -151,7 +157,7 @@ def goodput_section(run_dir: str | os.PathLike[str]) -> str:
     body = (
         f"<p><b>{_e(goodput_line(summary))}</b></p>"
         + share_bar_svg(summary)
-        + timeline_svg(spans, [s.session for s in summary.sessions])
+        + timeline_svg(spans, _lanes(summary, spans))
         + _table(["bucket", "seconds", "share"], rows)
         + _table(
             [
