@@ -128,6 +128,14 @@ def _table(header: list[str], rows: Sequence[Sequence[object]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _sessions_table(rows: list[list[object]]) -> str:
+    if not rows:
+        return ""
+    header = ["session", "torchrun restart", "attempt", "resumed", "last iteration",
+              "downtime before", "startup", "end"]  # fmt: skip
+    return _table(header, rows)
+
+
 def _lanes(summary: GoodputSummary, spans: list[Span]) -> list[str]:
     """One lane per session, in order; spans of a session without its record get one too."""
     lanes = [s.session for s in summary.sessions]
@@ -159,19 +167,7 @@ def goodput_section(run_dir: str | os.PathLike[str]) -> str:
         + share_bar_svg(summary)
         + timeline_svg(spans, _lanes(summary, spans))
         + _table(["bucket", "seconds", "share"], rows)
-        + _table(
-            [
-                "session",
-                "torchrun restart",
-                "attempt",
-                "resumed",
-                "last iteration",
-                "downtime before",
-                "startup",
-                "end",
-            ],
-            sessions,
-        )
+        + _sessions_table(sessions)
         + "".join(f'<p class="note">{_e(n)}</p>' for n in summary.notes)
     )
     return f'<section id="goodput"><h2>Goodput: where the wall-clock time went</h2>{body}</section>'
