@@ -51,7 +51,7 @@ def _restarts(rank: int, world_size: int, save: str, port: int) -> dict[str, Any
         leaked.append(sum(ref() is not None for ref in trainers))  # earlier attempts are gone
         trainer = Trainer(_config(save, attempt.index), attempt.ctx, print_fn=printed.append)
         trainers.append(weakref.ref(trainer))
-        attempt.on_abort(functools.partial(trainer.c.checkpoint.close, abort=True))
+        attempt.on_abort(functools.partial(trainer.checkpointer.close, abort=True))
         attempt.on_finalize(trainer.close)
         attempt.set_progress(lambda: trainer.state.iteration)
         outcome = trainer.train()

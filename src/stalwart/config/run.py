@@ -16,6 +16,7 @@ from typing import Any
 
 from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
+from stalwart.graphs.checks import CudaGraphImpl, RecomputeGranularity
 from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.exit import ExitConfig
@@ -54,23 +55,49 @@ _MODEL_FLAGS = {
 
 @dataclass(kw_only=True)
 class GraphConfig:
-    """CUDA-graph flags (validated against the rest by ``stalwart.graphs.check_graph_config``)."""
+    """CUDA-graph flags (validated against the rest by ``stalwart.graphs.check_graph_config``).
 
-    cuda_graph_impl: str = "none"
+    Modes are enums (strings from the CLI are converted once, here).
+    """
+
+    cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
     optimizer_cuda_graph: bool = False
     cuda_graph_warmup_steps: int = 3
-    recompute_granularity: str | None = None
+    recompute_granularity: RecomputeGranularity | None = None
     # Launch the next iteration's forward-backward replay before this one's validation read
-    # (gated optimizer graph only; stalwart.train.speculative). Not a Megatron flag.
+    # (gated optimizer graph only; stalwart.loop.lookahead). Not a Megatron flag.
     cuda_graph_speculative_launch: bool = True
 
     def __post_init__(self) -> None:
-        if self.cuda_graph_impl not in ("none", "full_iteration"):
+        allowed = (CudaGraphImpl.NONE, CudaGraphImpl.FULL_ITERATION)
+        try:
+            self.cuda_graph_impl = CudaGraphImpl(self.cuda_graph_impl)
+        except ValueError:
+            self.cuda_graph_impl = None  # type: ignore[assignment]
+        if self.cuda_graph_impl not in allowed:
             raise ValueError(
                 f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"
             )
+        if self.recompute_granularity is not None:
+            try:
+                self.recompute_granularity = RecomputeGranularity(self.recompute_granularity)
+            except ValueError:
+                choices = ", ".join(g.value for g in RecomputeGranularity)
+                raise ValueError(
+                    f"--recompute-granularity: got {self.recompute_granularity!r}, "
+                    f"allowed: {choices}"
+                ) from None
         if self.cuda_graph_warmup_steps < 1:
             raise ValueError("--cuda-graph-warmup-steps must be >= 1")
+
+    @property
+    def full_iteration(self) -> bool:
+        return self.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
+
+    @property
+    def any(self) -> bool:
+        """Whether any CUDA graph is on (the graph config checks then apply)."""
+        return self.full_iteration or self.optimizer_cuda_graph
 
 
 @dataclass(kw_only=True)
@@ -215,7 +242,7 @@ def check_combinations(config: RunConfig) -> None:
             "--check-weight-hash-across-dp-replicas-interval compares replicated weights; with "
             "--use-torch-fsdp2 every rank holds a different shard (use it with DDP)"
         )
-    if config.training.rampup_batch_size and config.graphs.cuda_graph_impl == "full_iteration":
+    if config.training.rampup_batch_size and config.graphs.full_iteration:
         raise ValueError(
             "--rampup-batch-size with --cuda-graph-impl full_iteration is not supported: every "
             "batch-size step changes the micro-batch count and would re-capture the graph"

@@ -2,19 +2,27 @@
 
 Per-iteration recipe (after the step and its logging, every rank, same place)::
 
-    inputs = gather_exit_inputs(config, signal_handler, elapsed_minutes)   # <= 1 collective
-    decision = decide(iteration, inputs, config, can_save=save_dir is not None,
-                      already_saved=saved_by_rerun_or_rampup, finished=iteration == train_iters)
-    if decision.save is SaveKind.PERSISTENT: save(...)
-    elif decision.save is SaveKind.NON_PERSISTENT: save(..., non_persistent=True)
-    if decision.exit:
-        log(exit_message(decision, iteration)); rank 0: write_exit_reason(save_dir, ...); break
+    agreement = IterationAgreement(ExitProbe(config, signal_handler, started))
+    machine = RerunConfig(...).build(device, agreement=agreement)  # rides on its collective
+    ...
+    result = step.run(it)                      # the step's one collective carries the inputs
+    inputs = exit_inputs(result.agreed, rerun=result.verdict, finished=...)
+    decision = decide(iteration, inputs, config, can_save=save_dir is not None)
+    if checker.due(iteration, decision):       # the replica check, also before every save
+        decision = decide(iteration, replace(inputs, replica=checker.check(model)), config, ...)
+    if decision.save is not SaveKind.NONE: save(..., non_persistent=decision.save is NON_PERSISTENT)
+    if decision.exit: return leave(decision, iteration, save_dir=...)   # records, barriers
 
-Because the inputs are agreed first (a single all-reduce MAX over ``[signal, elapsed_minutes]``)
-and `decide` is a pure function of them and of values every rank shares, ranks never disagree on
-whether to save or exit, and so never deadlock in a save that only some ranks entered.
+Because the inputs are agreed first (a single all-reduce MAX over ``[rerun flags, signal,
+elapsed_minutes]``, see :class:`IterationAgreement`) and `decide` is a pure function of them and
+of values every rank shares, ranks never disagree on whether to save or exit, and so never
+deadlock in a save that only some ranks entered. :func:`leave` is the one place that writes
+``exit_reason.json`` and waits for the other ranks.
 
-Priority (Megatron's ``checkpoint_and_decide_exit``):
+Priority (Megatron's ``checkpoint_and_decide_exit``, with the validation exits first):
+0. replica mismatch (``--check-weight-hash-across-dp-replicas-interval``): exit 17, no save (never
+   write a checkpoint from diverged replicas). Then the rerun machine's verdict: exit 16 (after
+   saving the completed iterations, so the failed one is rerun elsewhere) or 17.
 1. exit signal (``--exit-signal-handler``, any rank): save, exit.
 2. ``--save-interval`` (persistent) or else ``--non-persistent-save-interval``: save, continue.
 3. ``--exit-duration-in-mins`` (elapsed minutes MAX-reduced over ranks): save unless saved, exit.
@@ -44,6 +52,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from stalwart.distributed import collectives
+from stalwart.reliability.replica_check import ReplicaCheckResult
+from stalwart.reliability.rerun.types import EXIT_CODE_FAILED_ON_RESULT_VALIDATION, RerunVerdict
 from stalwart.reliability.signals import DistributedSignalHandler, parse_exit_signal
 
 logger = logging.getLogger(__name__)
@@ -132,20 +143,30 @@ class ExitConfig:
 
 @dataclass(frozen=True)
 class ExitInputs:
-    """The per-iteration inputs, already agreed across ranks."""
+    """Every input of the exit decision, already agreed across ranks.
+
+    ``signal_received`` / ``elapsed_minutes_max``: from :class:`IterationAgreement`; ``rerun``:
+    the rerun machine's verdict on the iteration; ``replica``: the replica check's result when
+    it ran; ``finished``: the last training iteration is done.
+    """
 
     signal_received: bool = False
     elapsed_minutes_max: float = 0.0
+    rerun: RerunVerdict = field(default_factory=RerunVerdict)
+    replica: ReplicaCheckResult | None = None
+    finished: bool = False
 
 
 @dataclass(frozen=True)
 class ExitDecision:
-    """What to do now: ``save`` a checkpoint (or not), then ``exit`` (or not), and why."""
+    """What to do now: ``save`` a checkpoint (or not), then ``exit`` (or not) with
+    ``exit_code``, and why."""
 
     save: SaveKind = SaveKind.NONE
     exit: bool = False
     reason: ExitReason | None = None
     detail: str = ""
+    exit_code: int = EXIT_CODE_GRACEFUL
 
 
 def _every(interval: int | None, iteration: int) -> bool:
@@ -171,6 +192,10 @@ def decide(
             rerun machine); no second save is requested.
         finished: this was the last training iteration.
     """
+    validation = _validation_exit(iteration, inputs, can_save)
+    if validation is not None:
+        return validation
+    finished = finished or inputs.finished
     # Exits always save persistently: a non-persistent save of the same iteration would not
     # survive the end of the job (deliberate deviation from Megatron, see the module docstring).
     exit_save = SaveKind.PERSISTENT if can_save and not already_saved else SaveKind.NONE
@@ -199,6 +224,28 @@ def decide(
     if finished:
         return ExitDecision(exit_save, True, ExitReason.FINISHED, "reached --train-iters")
     return ExitDecision(regular, False, None, "")
+
+
+def _validation_exit(iteration: int, inputs: ExitInputs, can_save: bool) -> ExitDecision | None:
+    """Replica mismatch (exit 17, never saved), then the rerun machine's verdict (16/17)."""
+    replica = inputs.replica
+    if replica is not None and not replica.consistent:
+        detail = f"iteration {iteration}: {replica.describe()}"
+        return ExitDecision(
+            SaveKind.NONE, True, ExitReason.REPLICA_MISMATCH, detail,
+            EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+        )  # fmt: skip
+    verdict = inputs.rerun
+    if not verdict.exit:
+        return None
+    detail = f"rerun state machine exit code {verdict.exit_code}"
+    save = SaveKind.NONE
+    if verdict.checkpoint:
+        if can_save:
+            save = SaveKind.PERSISTENT
+        else:
+            detail += " (it needs a checkpoint to resume from but --save is not set)"
+    return ExitDecision(save, True, ExitReason.RERUN, detail, verdict.exit_code)
 
 
 def gather_exit_inputs(
@@ -274,3 +321,137 @@ def write_exit_reason(
         f" ({detail})" if detail else "",
     )
     return target
+
+
+class ExitProbe:
+    """This rank's exit inputs (signal flag, minutes elapsed since ``started``), read locally.
+
+    ``needs_agreement`` is False when neither ``--exit-signal-handler`` nor
+    ``--exit-duration-in-mins`` is on: nothing needs agreeing then.
+    """
+
+    def __init__(
+        self,
+        config: ExitConfig,
+        signal_handler: DistributedSignalHandler | None = None,
+        started: float | None = None,
+    ) -> None:
+        self.config = config
+        self.signal_handler = signal_handler
+        self.started = time.monotonic() if started is None else started
+
+    @property
+    def needs_agreement(self) -> bool:
+        return self.config.needs_agreement
+
+    def local(self) -> tuple[bool, float]:
+        received = bool(
+            self.config.exit_signal_handler
+            and self.signal_handler is not None
+            and self.signal_handler.received
+        )
+        return received, (time.monotonic() - self.started) / 60.0
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The exit inputs every rank agreed on in the iteration's collective."""
+
+    signal_received: bool = False
+    elapsed_minutes_max: float = 0.0
+
+
+class IterationAgreement:
+    """The ONE per-iteration collective: the rerun machine's verdict flags and the exit inputs.
+
+    Give it to the rerun machine as its ``agreement``: the machine's first agreement of an
+    iteration (after the initial pass) MAX-reduces ``[flags..., signal, elapsed_minutes]`` in one
+    all-reduce; later ones (reruns, rare) reduce only their flags. :meth:`finish` returns the
+    agreed exit inputs, running the collective itself only when the machine did not (disabled
+    mode) and something needs agreeing. Without a process group nothing is communicated.
+    """
+
+    def __init__(self, probe: ExitProbe | None = None, group: Any = None) -> None:
+        self.probe = probe
+        self.group = group
+        self._agreed: Agreed | None = None
+        self.num_collectives = 0
+
+    def begin(self) -> None:
+        """A new iteration: its first agreement carries the exit inputs."""
+        self._agreed = None
+
+    def _local(self) -> tuple[bool, float]:
+        return self.probe.local() if self.probe is not None else (False, 0.0)
+
+    def __call__(self, flags: list[bool]) -> list[bool]:
+        """Element-wise OR of ``flags`` across ranks (the machine's agreement)."""
+        values = [1.0 if f else 0.0 for f in flags]
+        carry = self._agreed is None
+        if carry:
+            received, elapsed = self._local()
+            values += [1.0 if received else 0.0, elapsed]
+        reduced = self._reduce(values)
+        if carry:
+            self._agreed = Agreed(reduced[-2] > 0.5, reduced[-1])
+            reduced = reduced[:-2]
+        return [r > 0.5 for r in reduced]
+
+    def finish(self) -> Agreed:
+        """The iteration's agreed exit inputs (one collective here only if none ran yet)."""
+        if self._agreed is None:
+            received, elapsed = self._local()
+            if self.probe is not None and self.probe.needs_agreement:
+                # Deliberate sync: the exit agreement when the machine had nothing to agree on.
+                flag, elapsed = self._reduce([1.0 if received else 0.0, elapsed])
+                received = flag > 0.5
+            self._agreed = Agreed(received, elapsed)
+        return self._agreed
+
+    def _reduce(self, values: list[float]) -> list[float]:
+        import torch.distributed as dist
+
+        if not collectives.is_initialized():
+            return values
+        self.num_collectives += 1
+        # Deliberate sync: the one per-iteration agreement (rerun verdict, signal, time budget).
+        return collectives.all_reduce_floats(values, dist.ReduceOp.MAX, self.group)
+
+
+def exit_inputs(
+    agreed: Agreed,
+    *,
+    rerun: RerunVerdict | None = None,
+    replica: ReplicaCheckResult | None = None,
+    finished: bool = False,
+) -> ExitInputs:
+    """:class:`ExitInputs` from an iteration's agreement and the other exit inputs."""
+    return ExitInputs(
+        agreed.signal_received,
+        agreed.elapsed_minutes_max,
+        rerun or RerunVerdict(),
+        replica,
+        finished,
+    )
+
+
+def leave(
+    decision: ExitDecision,
+    iteration: int,
+    *,
+    save_dir: str | os.PathLike[str] | None,
+    rank: int = 0,
+    log: Any = logger.info,
+) -> int:
+    """Act on an exit decision: the one place that records and waits. Returns the exit code.
+
+    Logs :func:`exit_message`, writes ``exit_reason.json`` on rank 0 (when ``save_dir`` is set)
+    and waits at a barrier, so that no rank leaves (and a launcher kills the others on a
+    non-zero code) before rank 0 has written why. Finalize a pending async save before.
+    """
+    reason = decision.reason or ExitReason.FINISHED
+    log(exit_message(decision, iteration))
+    if save_dir and rank == 0:
+        write_exit_reason(save_dir, reason, iteration, decision.detail, decision.exit_code)
+    collectives.barrier()
+    return decision.exit_code

@@ -296,6 +296,11 @@ class ReplicaConsistencyChecker:
         """True when enabled and ``iteration`` (>= 1) is a multiple of the interval."""
         return self._interval > 0 and iteration >= 1 and iteration % self._interval == 0
 
+    def due(self, iteration: int, *, saving: bool = False) -> bool:
+        """Whether to compare now: at the interval, and before every save when enabled (never
+        write a checkpoint from diverged replicas)."""
+        return self.should_check(iteration) or (saving and self.enabled)
+
     def check(self, module: nn.Module, group: ProcessGroup | None = None) -> ReplicaCheckResult:
         """Collective: compare ``module`` across ``group``; see :func:`check_replica_consistency`."""
         return check_replica_consistency(module, group)

@@ -36,7 +36,7 @@ def trainer_attempt(config: RunConfig) -> Callable[[Attempt], TrainOutcome]:
 
     def body(attempt: Attempt) -> TrainOutcome:
         trainer = Trainer(config, attempt.ctx)
-        attempt.on_abort(functools.partial(trainer.c.checkpoint.close, abort=True))
+        attempt.on_abort(functools.partial(trainer.checkpointer.close, abort=True))
         attempt.before_process_group_abort(trainer.release_graphs)
         attempt.on_finalize(trainer.close)
         attempt.set_progress(lambda: trainer.state.iteration)
