@@ -36,9 +36,9 @@ def _config(save: str, attempt: int) -> Any:
 
 
 def _restarts(rank: int, world_size: int, save: str, port: int) -> dict[str, Any]:
-    from stalwart.reliability.inprocess.run import build_restarter
     from stalwart.reliability.inprocess.store import PORT_ENV
     from stalwart.reliability.inprocess.wrapper import Attempt
+    from stalwart.train.inprocess import build_restarter
     from stalwart.train.trainer import Trainer
 
     dist.destroy_process_group()  # the restarter owns the process group of every attempt

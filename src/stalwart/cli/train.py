@@ -64,7 +64,7 @@ def _user_error(exc: ValueError | CheckpointError) -> int:
 
 def _run_inprocess(config: RunConfig, demo: bool) -> int:
     """``--inprocess-restart``: the wrapper owns the process group of every attempt."""
-    from stalwart.reliability.inprocess.run import run_training_inprocess
+    from stalwart.train.inprocess import run_training_inprocess
 
     try:
         code, outcome = run_training_inprocess(config)

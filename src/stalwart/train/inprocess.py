@@ -6,10 +6,10 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from stalwart.config.run import RunConfig
 from stalwart.distributed.process_group import DistributedContext, choose_device, init_distributed
 from stalwart.reliability.inprocess.store import RestartStore, StoreAddress
 from stalwart.reliability.inprocess.wrapper import (
@@ -18,10 +18,7 @@ from stalwart.reliability.inprocess.wrapper import (
     InProcessRestartExhausted,
     RestartOptions,
 )
-
-if TYPE_CHECKING:
-    from stalwart.config.run import RunConfig
-    from stalwart.train.trainer import TrainOutcome
+from stalwart.train.trainer import Trainer, TrainOutcome
 
 
 def trainer_attempt(config: RunConfig) -> Callable[[Attempt], TrainOutcome]:
@@ -32,7 +29,6 @@ def trainer_attempt(config: RunConfig) -> Callable[[Attempt], TrainOutcome]:
     checkpoint. On a fault the wrapper first discards an in-flight async save without collectives
     (abort), then closes the Trainer (finalize).
     """
-    from stalwart.train.trainer import Trainer
 
     def body(attempt: Attempt) -> TrainOutcome:
         trainer = Trainer(config, attempt.ctx)
