@@ -76,7 +76,8 @@ class RerunStateMachine(EventMixin):
         checks: what :meth:`check_loss` and :meth:`check_grad_norm` record.
         agreement: the cross-rank OR of the verdict flags (default: one all-reduce over
             ``process_group``); a loop may pass one that carries its exit inputs along.
-        device: where :attr:`buffer` lives (default: the device of the first device check).
+        device: where :attr:`buffer` lives, once a device check needs it (default: the device
+            of the first device check). No check, no buffer: nothing is computed or read.
     """
 
     REPORTING_INTERVAL_ITERATIONS = 2
@@ -122,8 +123,7 @@ class RerunStateMachine(EventMixin):
         self._buffer: ValidationBuffer | None = None
         self._buffers: list[ValidationBuffer] = []
         self._windows_to_load: dict[str, Any] = {}
-        if device is not None:
-            self.check_buffer(torch.device(device))
+        self.device = torch.device(device) if device is not None else None
         self._saved: Saved | None = None
         self._saved_results: dict[CallKey, float] = {}
         self._large: dict[str, LargeValueTracker] = {}
