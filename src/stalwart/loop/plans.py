@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.graphs import FullIterationGraph, GraphContext, GraphMode, OptimizerGraph, StagePhase
-from stalwart.loop.microbatches import MicroBatches, Reported
+from stalwart.loop.microbatches import NO_TIMERS, MicroBatches, Reported
 from stalwart.loop.optimizer import EagerOptimizer, GraphedOptimizer, OptimizerRunner
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,17 @@ class GraphPlan:
         evaluate: Callable[..., Reported] = parts.micro_batches
         graph: FullIterationGraph | None = None
         if self.full_iteration:
+            # Inside the capture no host timer, straggler region or dump hook may run: they
+            # would sync (capture error) or be frozen at capture. The step times the call.
+            captured = replace(
+                parts.micro_batches,
+                zero_grad="none",
+                check_eval_losses=False,
+                timers=NO_TIMERS,
+                observer=None,
+            )
             graph = FullIterationGraph(
-                replace(parts.micro_batches, zero_grad="none", check_eval_losses=False),
+                captured,
                 context=context,
                 warmup_steps=graph_warmup_steps(parts.model, self.warmup_steps),
                 grad_params=parts.params,

@@ -10,7 +10,7 @@ the data-parallel reduction, as Megatron's ``check_grads`` does.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,20 @@ def grad_message(kind: str, bucket: int | None) -> str:
     return f"found {kind} in local grad norm {where}"
 
 
-def record_loss_checks(sm: RerunStateMachine, loss: torch.Tensor, checks: CheckConfig) -> None:
+class DeviceChecker(Protocol):
+    """What the check helpers record into (the rerun state machine)."""
+
+    def check_on_device(
+        self,
+        value: torch.Tensor,
+        rule: DeviceRule,
+        message: str,
+        tolerance: float = 0.0,
+        fatal: bool = True,
+    ) -> None: ...
+
+
+def record_loss_checks(sm: DeviceChecker, loss: torch.Tensor, checks: CheckConfig) -> None:
     """NaN/Inf (fatal, tolerance 0) and spiky-loss (non-fatal) checks of a local loss."""
     value = loss.detach()
     if checks.nan_and_inf:
@@ -56,7 +69,7 @@ def record_loss_checks(sm: RerunStateMachine, loss: torch.Tensor, checks: CheckC
 
 
 def record_grad_checks(
-    sm: RerunStateMachine, norm: torch.Tensor, checks: CheckConfig, bucket: int | None = None
+    sm: DeviceChecker, norm: torch.Tensor, checks: CheckConfig, bucket: int | None = None
 ) -> None:
     """NaN/Inf (fatal) and large-grads (non-fatal) checks of a *local* (pre-reduction) norm."""
     if checks.nan_and_inf:

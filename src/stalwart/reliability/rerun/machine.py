@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,23 +26,20 @@ import torch
 import torch.distributed as dist
 
 from stalwart.distributed import collectives
+from stalwart.reliability.rerun.ahead import AheadMixin
 from stalwart.reliability.rerun.buffer import (
     INF_RULE,
     NAN_RULE,
-    CheckSpec,
-    DeviceRule,
-    RuleKind,
     ValidationBuffer,
     ValidationRecord,
-    as_scalar,
-    host_predicate,
     read_values,
 )
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.passes import Ahead, Records, Saved
-from stalwart.reliability.rerun.rng import RngStateTracker, capture_rng_state, restore_rng_state
-from stalwart.reliability.rerun.stats import LargeValueTracker, compare_floats, host_float
+from stalwart.reliability.rerun.recording import RecordingMixin
+from stalwart.reliability.rerun.rng import RngStateTracker, restore_rng_state
+from stalwart.reliability.rerun.stats import LargeValueTracker
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
@@ -62,7 +58,7 @@ Agreement = Callable[[list[bool]], list[bool]]
 """Element-wise OR of per-rank flags across ranks (one collective)."""
 
 
-class RerunStateMachine(EventMixin):
+class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
     """Instance-scoped rerun state machine (no singleton); see the module docstring for the loop.
 
     Args:
@@ -208,115 +204,6 @@ class RerunStateMachine(EventMixin):
         finally:
             self.mode, self._records, self._reading, self._host_checks = saved
 
-    # --------------------------------------------------------------------------- validation
-    def validate_result(
-        self,
-        result: torch.Tensor | float,
-        rejection_func: Callable[..., Any] | None,
-        message: str,
-        comparison_func: Callable[..., Any] | None = None,
-        tolerance: float = 0.0,
-        fatal: bool = True,
-    ) -> None:
-        """Record a check of a scalar ``result``, evaluated on the host at the next read.
-
-        ``rejection_func(value) -> bool`` says the result is unexpected; ``comparison_func(a, b)``
-        (default :func:`compare_floats`) measures how far a rerun's value is from the initial one;
-        the result is reproducible when that is ``<= tolerance``. Non-fatal checks never stop the
-        job. Must be called between ``should_run_forward_backward`` calls unless disabled. Prefer
-        :meth:`check_on_device` (or :meth:`check_loss`) for NaN/Inf/large checks: their verdict
-        is taken on the device, which lets a loop gate the optimizer step there.
-        """
-        self._require_pass()
-        spec = CheckSpec(
-            message, rejection_func, comparison_func or compare_floats, tolerance, fatal
-        )
-        key = self._records.next_key("", message)
-        value = as_scalar(result)
-        injected = self._inject_decision(key)
-        if injected:
-            value = (
-                torch.full_like(value, math.nan) if isinstance(value, torch.Tensor) else math.nan
-            )
-        self._records.pending.append(ValidationRecord(key, spec, value, injected))
-
-    def check_on_device(
-        self,
-        value: torch.Tensor,
-        rule: DeviceRule,
-        message: str,
-        tolerance: float = 0.0,
-        fatal: bool = True,
-    ) -> None:
-        """Record a check whose verdict the device computes (:class:`DeviceRule`), into the
-        machine's buffer: device ops only, graph-capturable, never a sync."""
-        if self._host_checks:  # evaluation: resolved on the host, the buffer stays untouched
-            self.validate_result(value, self._host_rule(rule), message, None, tolerance, fatal)
-            return
-        self._require_pass()
-        key = self._records.next_key("", message)
-        spec = CheckSpec(message, self._host_rule(rule), compare_floats, tolerance, fatal)
-        buffer = self.check_buffer(value.device)
-        known = len(buffer.specs)
-        slot = buffer.slot_for(key, spec, rule)
-        if slot >= known and self._inject_decision(key):  # a new slot: decide its injection now
-            buffer.inject[slot] = True
-            buffer.inject_host[slot] = True
-        buffer.record(slot, value)
-
-    def _host_rule(self, rule: DeviceRule) -> Callable[..., Any]:
-        if rule.kind is RuleKind.NAN:
-            return torch.isnan
-        if rule.kind is RuleKind.INF:
-            return torch.isinf
-        return functools.partial(
-            self.is_unexpectedly_large,
-            threshold=rule.threshold,
-            context=rule.context,
-            num_samples=rule.num_samples,
-        )
-
-    def check_loss(self, loss: torch.Tensor) -> None:
-        """Megatron's loss checks of one micro-batch's local loss, as :attr:`checks` says."""
-        from stalwart.reliability.rerun.checks import record_loss_checks
-
-        record_loss_checks(self, loss, self.checks)
-
-    def check_grad_norm(self, norm: torch.Tensor, bucket: int | None = None) -> None:
-        """Megatron's gradient checks of a local (pre-reduction) grad norm, of DDP bucket
-        ``bucket`` when given, as :attr:`checks` says."""
-        from stalwart.reliability.rerun.checks import record_grad_checks
-
-        record_grad_checks(self, norm, self.checks, bucket)
-
-    def _require_pass(self) -> None:
-        if self.mode is not RerunMode.DISABLED and self.state is RerunState.NOT_RUNNING_YET:
-            raise RuntimeError(
-                "validate_result called outside the forward-backward pass; "
-                "wrap evaluation in `with rerun_state_machine.disabled():`"
-            )
-
-    @host_predicate
-    def is_unexpectedly_large(
-        self,
-        result: torch.Tensor | float,
-        threshold: float,
-        context: str,
-        num_samples: int = 100,
-        resample: bool = False,
-    ) -> bool:
-        """True when ``|result| >= threshold * max`` of the first ``num_samples`` values of ``context``.
-
-        Meant as a rejection function (``functools.partial(sm.is_unexpectedly_large, threshold=10,
-        context="loss")``): the machine then calls it with host floats at its sync point. Called
-        directly with a device tensor it reads it (a sync). NaN/Inf return False. ``resample``
-        restarts the sampling window.
-        """
-        tracker = self._large.setdefault(context, LargeValueTracker())
-        if resample:
-            tracker.count, tracker.max_value = 0, 0.0
-        return tracker.check(host_float(result), threshold, context, num_samples)
-
     def skip_iteration(self, iteration: int) -> None:
         """The loop skips ``iteration`` (``--iterations-to-skip``) without running it.
 
@@ -341,65 +228,6 @@ class RerunStateMachine(EventMixin):
         items = read_values(self._reading.pending, [])
         self._records = self._reading = Records()
         self._apply_without_rerun(items)
-
-    # ------------------------------------------------------------------------------ ahead
-    def can_gate_step(self) -> bool:
-        """Whether the optimizer step may be enqueued before this pass is read, gated on the
-        device: an initial pass (not determinism stats) whose every check has a device verdict
-        (the gate then rejects exactly when the read will)."""
-        return (
-            self.allows_step_before_validation()
-            and not self._reading.host_evaluated
-            and all(b.device_evaluable for b in self._buffers)
-        )
-
-    def can_begin_ahead(self) -> bool:
-        """Whether the next iteration may begin before this pass is read: a gateable pass, none
-        begun ahead yet, no error injection (it decides per pass as a pass begins)."""
-        return self.can_gate_step() and self._ahead is None and not self.injector.enabled
-
-    def begin_ahead(self, iteration: int) -> None:
-        """Begin ``iteration``'s initial pass now, before this pass is read (look-ahead launch).
-
-        Saves the state to restore for it (captured now, before any of its work), freezes this
-        pass's buffer values for the coming read (stream-ordered copy) and clears the buffers for
-        the next pass; records go to that pass from now on. The read then evaluates this pass;
-        a rejection drops the pass begun ahead, an acceptance lets the next iteration adopt it.
-        """
-        if not self.can_begin_ahead():
-            raise RuntimeError("begin_ahead() needs an initial pass with device verdicts only")
-        saved = self._capture_saved()
-        for buffer in self._buffers:
-            buffer.snapshot()
-            buffer.begin_ahead()
-        self._ahead = Ahead(int(iteration), saved)
-        self._records = self._ahead.records
-
-    @property
-    def ahead_iteration(self) -> int | None:
-        """The iteration begun ahead, if any."""
-        return None if self._ahead is None else self._ahead.iteration
-
-    def discard_ahead(self, restore_rng: bool = True) -> bool:
-        """Drop the pass begun ahead (its work ran on stale state or must rerun): its records and
-        large-value updates are undone, and, with ``restore_rng``, every RNG is put back to what
-        it was when it began. Returns whether there was one."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return False
-        self._records = self._reading
-        for buffer in self._buffers:
-            buffer.drop_ahead()
-        if self._buffer is not None:
-            self._buffer.restore_trackers(ahead.saved.trackers)
-        if restore_rng:
-            restore_rng_state(ahead.saved.rng, self.rng)
-        return True
-
-    def _capture_saved(self) -> Saved:
-        extra = self.state_save_func() if self.state_save_func is not None else None
-        trackers = self._buffer.save_trackers() if self._buffer is not None else {}
-        return Saved(capture_rng_state(self.rng), extra, trackers)
 
     # ------------------------------------------------------------------------ state machine
     def should_run_forward_backward(
