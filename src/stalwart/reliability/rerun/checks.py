@@ -228,6 +228,9 @@ def register_grad_check_hook(
     """
     del config
     params = list(ddp_model.module.parameters())
-    state, hook = grad_check_comm_hook(sm, params, process_group)
+    # The same bucket size as DDP's, so the fixed layout is its initial one.
+    size = int(getattr(ddp_model, "bucket_bytes_cap", DEFAULT_BUCKET_BYTES))
+    state = GradCheckState(sm, params, process_group, bucket_bytes=size)
+    hook = _grad_check_allreduce_hook
     ddp_model.register_comm_hook(state, hook)  # type: ignore[arg-type]
     return state
