@@ -33,6 +33,8 @@ from stalwart.reliability.rerun.types import (
 )
 
 logger = logging.getLogger(__name__)
+# Disabled-mode results and determinism statistics keep the machine's logger name (log parsers).
+machine_logger = logging.getLogger("stalwart.reliability.rerun.machine")
 
 STATE_DICT_VERSION = 1
 
@@ -292,7 +294,7 @@ class EventMixin:
             if rec.spec.fatal:
                 errors.append(text)
             else:
-                logger.warning(text)
+                machine_logger.warning(text)
         if errors:
             raise RuntimeError("; ".join(errors))
 
@@ -316,7 +318,7 @@ class EventMixin:
             for message, qs in other.items():  # type: ignore[attr-defined]
                 self.stats.setdefault(message, QuickStats()).combine([qs])
         self.last_report = self.determinism_report()
-        logger.warning(self.last_report)
+        machine_logger.warning(self.last_report)
 
     def determinism_report(self) -> str:
         """Percentiles of the relative difference between the two runs, per validation call."""
