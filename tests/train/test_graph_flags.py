@@ -6,7 +6,7 @@ import pytest
 
 from stalwart.cli.main import main
 from stalwart.loop import EagerPlan, GraphPlan
-from stalwart.train.build import build_plan, check_inprocess_with_graphs
+from stalwart.train.build import check_inprocess_with_graphs
 
 from train_utils import TINY_FLAGS, make_config
 
@@ -27,8 +27,8 @@ def test_graph_flags_on_cpu_exit_2_with_one_line(
 
 
 def test_optimizer_graph_alone_is_an_optimizer_graph_over_an_eager_forward_backward() -> None:
-    assert build_plan(make_config()) == EagerPlan()
-    plan = build_plan(make_config("--optimizer-cuda-graph"))
+    assert make_config().graphs.build() == EagerPlan()
+    plan = make_config("--optimizer-cuda-graph").graphs.build()
     assert plan == GraphPlan(full_iteration=False, optimizer_graph=True, warmup_steps=3)
 
 

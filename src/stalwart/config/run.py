@@ -17,6 +17,7 @@ from typing import Any
 from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.graphs.checks import CudaGraphImpl, RecomputeGranularity
+from stalwart.loop.plans import EagerPlan, GraphPlan
 from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.exit import ExitConfig
@@ -98,6 +99,17 @@ class GraphConfig:
     def any(self) -> bool:
         """Whether any CUDA graph is on (the graph config checks then apply)."""
         return self.full_iteration or self.optimizer_cuda_graph
+
+    def build(self) -> EagerPlan | GraphPlan:
+        """The guarded step's plan: graphs for what the flags ask (checked before), else eager.
+        ``--optimizer-cuda-graph`` alone is an optimizer graph over an eager forward-backward."""
+        if not self.any:
+            return EagerPlan()
+        return GraphPlan(
+            full_iteration=self.full_iteration,
+            optimizer_graph=self.optimizer_cuda_graph,
+            warmup_steps=self.cuda_graph_warmup_steps,
+        )
 
 
 @dataclass(kw_only=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from stalwart.checkpoint import CheckpointManager
 from stalwart.data.blend import parse_data_blend
 
 
@@ -217,3 +218,17 @@ class CheckpointConfig:
     def load_dir(self) -> str | None:
         """``--load`` defaults to ``--save`` (auto-resume)."""
         return self.load if self.load is not None else self.save
+
+    def build(self) -> CheckpointManager:
+        """The checkpoint manager; ``--save`` is probed for writing first (before any work)."""
+        manager = CheckpointManager(
+            self.save,
+            self.load_dir,
+            keep_last=self.ckpt_keep_last,
+            async_save=self.async_save,
+            fallback=self.ckpt_fallback,
+            non_persistent_dir=self.non_persistent_ckpt_dir,
+        )
+        if self.save:
+            manager.check_writable()
+        return manager

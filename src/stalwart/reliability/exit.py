@@ -140,6 +140,12 @@ class ExitConfig:
         """Whether any input must be agreed across ranks (else no collective is needed)."""
         return self.exit_signal_handler or bool(self.exit_duration_in_mins)
 
+    def build(
+        self, signal_handler: DistributedSignalHandler | None = None, started: float | None = None
+    ) -> IterationAgreement:
+        """The iteration's agreement over this config's inputs (give it to the rerun machine)."""
+        return IterationAgreement(ExitProbe(self, signal_handler, started))
+
 
 @dataclass(frozen=True)
 class ExitInputs:

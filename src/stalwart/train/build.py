@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from stalwart.checkpoint import CheckpointManager
 from stalwart.config.run import RunConfig
 from stalwart.data import (
     MicroBatchIterator,
@@ -38,9 +37,9 @@ from stalwart.graphs import (
     check_graph_config,
     make_capturable_adamw,
 )
-from stalwart.loop import DynamicLossScaler, EagerPlan, GraphPlan, NullLossScaler
+from stalwart.loop import DynamicLossScaler, NullLossScaler
 from stalwart.models import GPT
-from stalwart.reliability.exit import ExitProbe, IterationAgreement
+from stalwart.reliability.exit import IterationAgreement
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
 from stalwart.reliability.replica_check import flip_parameter_bit
 from stalwart.reliability.rerun import RerunStateMachine
@@ -199,19 +198,6 @@ def check_graph_flags(config: RunConfig, device: torch.device, world_size: int =
     )
 
 
-def build_plan(config: RunConfig) -> EagerPlan | GraphPlan:
-    """The step's plan: graphs for what ``--cuda-graph-impl full_iteration`` and
-    ``--optimizer-cuda-graph`` ask (checked by :func:`check_graph_flags`), else eager."""
-    g = config.graphs
-    if not g.any:
-        return EagerPlan()
-    return GraphPlan(
-        full_iteration=g.full_iteration,
-        optimizer_graph=g.optimizer_cuda_graph,
-        warmup_steps=g.cuda_graph_warmup_steps,
-    )
-
-
 def build_loss_scaler(config: RunConfig) -> NullLossScaler:
     """``--fp16``: dynamic loss scaling with Megatron's hysteresis; otherwise none."""
     t = config.training
@@ -277,21 +263,6 @@ def build_model(
     return raw_model, model
 
 
-def build_checkpoint_manager(config: RunConfig) -> CheckpointManager:
-    c = config.checkpoint
-    manager = CheckpointManager(
-        c.save,
-        c.load_dir,
-        keep_last=c.ckpt_keep_last,
-        async_save=c.async_save,
-        fallback=c.ckpt_fallback,
-        non_persistent_dir=c.non_persistent_ckpt_dir,
-    )
-    if c.save:
-        manager.check_writable()  # fail before any training work
-    return manager
-
-
 def build_machine(
     config: RunConfig,
     ctx: DistributedContext,
@@ -304,13 +275,6 @@ def build_machine(
         state_restore_func=loss_scaler.load_state_dict,
         agreement=agreement,
     )
-
-
-def build_agreement(
-    config: RunConfig, handler: DistributedSignalHandler | None, started: float
-) -> IterationAgreement:
-    """The iteration's one collective (rerun verdict + signal + time budget)."""
-    return IterationAgreement(ExitProbe(config.exit, handler, started))
 
 
 def build_signal_handler(config: RunConfig) -> DistributedSignalHandler | None:

@@ -37,7 +37,6 @@ from stalwart.reliability.exit import (
     exit_inputs,
     leave,
 )
-from stalwart.reliability.faults import build_fault_injector
 from stalwart.reliability.replica_check import ReplicaConsistencyChecker
 from stalwart.reliability.rerun import RerunDataIterator, resolve_iterations_to_skip
 from stalwart.reliability.sections import Section, build_section_monitor
@@ -102,11 +101,11 @@ class Trainer:
         """One line per part: each is built from its config, nothing is changed afterwards."""
         on_close = self._exit.callback
         build.check_graph_flags(config, ctx.device, ctx.world_size)  # before any set-up
-        manager = build.build_checkpoint_manager(config)
+        manager = config.checkpoint.build()  # --save probed before any work
         on_close(manager.close)
         self.sections = build_section_monitor(config.ft, ctx.rank, config.checkpoint.save)
         on_close(self.sections.close)
-        self.faults = build_fault_injector(config.faults, config.checkpoint.save, ctx.world_size)
+        self.faults = config.faults.build(config.checkpoint.save, ctx.world_size)
         self.config, self.data = build.resolve_config(config, ctx)
         config = self.config
         self.raw_model, self.model = build.build_model(config, ctx, self.faults)
@@ -117,7 +116,7 @@ class Trainer:
         handler = build.build_signal_handler(config)
         if handler is not None:
             on_close(handler.release)
-        self.agreement = build.build_agreement(config, handler, self.started)
+        self.agreement = config.exit.build(handler, self.started)
         self.machine = build.build_machine(config, ctx, self.loss_scaler, self.agreement)
         self.sampler = build._build_sampler(config, ctx, self.data.train)
         on_close(getattr(self.sampler, "close", lambda: None))
@@ -157,7 +156,7 @@ class Trainer:
             machine=self.machine,
             data=self.train_data,
             num_microbatches=self.data.num_microbatches,
-            plan=build.build_plan(config),
+            plan=config.graphs.build(),
             clip_grad=config.optim.clip_grad,
             loss_scaler=self.loss_scaler,
             autocast=lambda: autocast_context(ctx.device, dtype),
