@@ -20,8 +20,7 @@ from stalwart.cli.args import parse_train_args
 from stalwart.config.run import build_run_config
 from stalwart.distributed.process_group import DistributedContext, choose_device
 from stalwart.observability.memory import theoretical_memory
-from stalwart.train.components import build_components
-from stalwart.train.step import train_step
+from stalwart.train.trainer import Trainer
 
 
 def measure(preset: str, bf16: bool, device_kind: str, iters: int) -> dict[str, float | str]:
@@ -33,13 +32,12 @@ def measure(preset: str, bf16: bool, device_kind: str, iters: int) -> dict[str, 
         argv.append("--use-cpu")
     config = build_run_config(parse_train_args(argv), argv)
     device = choose_device(0, config.training.use_cpu)
-    c = build_components(config, DistributedContext(device=device))
+    c = Trainer(config, DistributedContext(device=device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for it in range(iters):
         c.scheduler.set_iteration(it)
-        c.rerun.set_iteration(it)
-        train_step(c.step_parts, c.train_iterator)
+        c.step.run(it)
     measured = (
         float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else float("nan")
     )

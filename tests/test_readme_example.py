@@ -54,7 +54,7 @@ def _job(save: Path, tracker: Path) -> int:
     namespace = {
         "my_model": model,
         "my_optimizer": build.build_optimizer(model, config),
-        "my_batches": build._build_sampler(config, ctx, data.train),
+        "my_batches": build.build_sampler(config, ctx, data.train),
         "my_forward_step": gpt_forward_step,
         "my_rerun_flags": _rerun_flags(tracker),
         "device": torch.device("cpu"),

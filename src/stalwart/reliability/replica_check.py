@@ -27,7 +27,7 @@ In a hand-written DDP loop (collective: every rank calls it at the same iteratio
 
     checker = ReplicaConsistencyChecker(interval=100)
     for it in range(1, train_iters + 1):
-        train_step(...)
+        step.run(it)
         if checker.should_check(it) or it % save_interval == 0:
             result = checker.check(model)  # the module DDP wraps
             if not result.consistent:

@@ -126,7 +126,7 @@ def _build_data(
     return train, valid, num_microbatches, gbs
 
 
-def _build_sampler(
+def build_sampler(
     config: RunConfig, ctx: DistributedContext, train_ds: SampleSource
 ) -> MicroBatchIterator | WorkerMicroBatchIterator:
     pin = ctx.device.type == "cuda"
