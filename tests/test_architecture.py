@@ -77,3 +77,10 @@ def test_the_checks_can_fail() -> None:
 def test_exceptions_are_real() -> None:
     for module in IMPORT_EXCEPTIONS:
         assert (PACKAGE / module).exists(), f"{module}: stale exception"
+
+
+def test_the_report_reader_and_renderer_do_not_import_each_other() -> None:
+    """``report`` loads, ``report_html`` renders; both use ``run_dir``'s vocabulary."""
+    html = _imported(ast.parse((PACKAGE / "observability" / "report_html.py").read_text()))
+    assert "stalwart.observability.report" not in html
+    assert "stalwart.observability.run_dir" in html

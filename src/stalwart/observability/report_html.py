@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from stalwart.observability.report import (
+from stalwart.observability.run_dir import (
     LOSS_KEYS,
     LR_KEYS,
     THROUGHPUT_KEYS,

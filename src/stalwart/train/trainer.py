@@ -27,7 +27,7 @@ from stalwart.loop import (
     autocast_context,
 )
 from stalwart.models import num_floating_point_operations
-from stalwart.observability.report import EventKind, append_event
+from stalwart.observability.run_dir import EventKind, append_event
 from stalwart.observability.timers import INTERVAL_TIME
 from stalwart.reliability.exit import (
     ExitDecision,
