@@ -22,9 +22,9 @@ from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_con
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.exit import ExitConfig
 from stalwart.reliability.faults import FaultInjectionConfig
+from stalwart.reliability.hang.sections import FaultToleranceConfig, parse_ft_timeouts
 from stalwart.reliability.inprocess.config import InProcessConfig
 from stalwart.reliability.rerun import RerunConfig
-from stalwart.reliability.sections import FaultToleranceConfig, parse_ft_timeouts
 
 # `--demo`: the interactive CPU job of `make demo` (tiny preset, short sequences, ~1.5 min).
 DEMO_DEFAULTS: dict[str, Any] = {

@@ -37,9 +37,9 @@ from stalwart.reliability.exit import (
     exit_inputs,
     leave,
 )
+from stalwart.reliability.hang.sections import Section, build_section_monitor
 from stalwart.reliability.replica_check import ReplicaConsistencyChecker
 from stalwart.reliability.rerun import RerunDataIterator, resolve_iterations_to_skip
-from stalwart.reliability.sections import Section, build_section_monitor
 from stalwart.train import build
 from stalwart.train.forward_step import gpt_forward_step
 from stalwart.train.manual_gc import make_manual_gc

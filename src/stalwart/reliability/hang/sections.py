@@ -52,8 +52,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from stalwart.reliability import monitor as hb
-from stalwart.reliability.ft_config import (
+from stalwart.reliability.hang import monitor as hb
+from stalwart.reliability.hang.config import (
     _TIMEOUT_KEYS,
     FT_LOG_DIRNAME,
     FT_STATE_FILENAME,
@@ -62,7 +62,7 @@ from stalwart.reliability.ft_config import (
     SectionTimeouts,
     parse_ft_timeouts,
 )
-from stalwart.reliability.ft_timeouts import (
+from stalwart.reliability.hang.timeouts import (
     FtState,
     ft_state_path,
     learn_timeouts,

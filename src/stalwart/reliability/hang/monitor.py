@@ -7,7 +7,7 @@ worker's GIL, a stuck CUDA call or a hung collective, because it is a separate p
 
 Protocol
 --------
-The worker (``stalwart.reliability.sections.SectionMonitor``) owns a small memory-mapped file (the
+The worker (``stalwart.reliability.hang.sections.SectionMonitor``) owns a small memory-mapped file (the
 heartbeat record, layout ``_RECORD``). It writes the open section, when it opened, when the last
 section closed, and the live timeouts, under a sequence lock (odd sequence = write in progress).
 The monitor polls the record every ``--poll`` seconds and:
