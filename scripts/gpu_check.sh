@@ -36,6 +36,9 @@ TRAIN=(python3 -m stalwart train --preset tiny --bf16 --train-iters 30 --log-int
 step train_graphs 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
   --eval-interval 10 --eval-iters 6 \
   --save "$SCRATCH/ckpt_graphs" --metrics-file "$WORK/graphs_metrics.jsonl"
+# --optimizer-cuda-graph on its own: the optimizer graph over an eager forward-backward (Megatron).
+step train_optimizer_graph 120 "${TRAIN[@]}" --optimizer-cuda-graph --eval-interval 10 --eval-iters 6 \
+  --metrics-file "$WORK/optimizer_graph_metrics.jsonl"
 step train_eager 120 "${TRAIN[@]}" --eval-interval 10 --eval-iters 6 \
   --save "$SCRATCH/ckpt_eager" --metrics-file "$WORK/eager_metrics.jsonl"
 # Resume across modes on the device: the eager checkpoint (iteration 30) continues under graphs and
