@@ -21,9 +21,12 @@ def test_schedule_is_seeded_and_respects_the_job_shape() -> None:
     assert plans != others
     for plan in plans:
         assert 0 <= plan.rank < 2
-        if plan.kind in (ChaosFault.SIGKILL_ASYNC_SAVE, ChaosFault.CORRUPT_CHECKPOINT):
+        at_a_save = (ChaosFault.SIGKILL_ASYNC_SAVE, ChaosFault.CORRUPT_CHECKPOINT,
+                     ChaosFault.CONCURRENT_JOB, ChaosFault.CORRUPT_METADATA)  # fmt: skip
+        if plan.kind in at_a_save:
             assert plan.iteration % 3 == 0 and 6 <= plan.iteration < 12
-        elif plan.kind is ChaosFault.DISK_FULL:
+            assert plan.rank == 0
+        elif plan.kind in (ChaosFault.DISK_FULL, ChaosFault.TORN_METRICS):
             assert plan.iteration % 3 == 0 and 3 <= plan.iteration < 9
         else:
             assert 4 <= plan.iteration < 12  # after the first checkpoint, before the end

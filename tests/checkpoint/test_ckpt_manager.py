@@ -44,7 +44,7 @@ def test_roundtrip_single_process(tmp_path) -> None:
     ckpt_dir = tmp_path / "iter_0000005"
     meta = json.loads((ckpt_dir / "metadata.json").read_text())
     assert meta["iteration"] == 5 and meta["world_size"] == 1 and meta["torch_version"]
-    assert (ckpt_dir / "common.pt").is_file() and (ckpt_dir / "rank_00000.pt").is_file()
+    assert (ckpt_dir / "common.json").is_file() and (ckpt_dir / "rank_00000.json").is_file()
     assert mgr.latest_iteration() == 5
 
     model2, opt2 = _fresh()
@@ -125,12 +125,15 @@ def test_retention_keeps_last_n_and_removes_stale_tmp(tmp_path) -> None:
     assert layout.list_complete_checkpoints(str(tmp_path)) == [3, 4]
     assert not stale.exists()
     assert sorted(os.listdir(tmp_path)) == [
+        ".stalwart.lock",  # held by this manager until close()
         "iter_0000003",
         "iter_0000004",
         "latest_checkpointed_iteration.txt",
     ]
     _save(mgr, 4, model, opt)  # re-saving an iteration replaces it
     assert layout.list_complete_checkpoints(str(tmp_path)) == [3, 4]
+    mgr.close()
+    assert not (tmp_path / ".stalwart.lock").exists()
     with pytest.raises(ValueError, match="--ckpt-keep-last"):
         CheckpointManager(str(tmp_path), keep_last=0)
 

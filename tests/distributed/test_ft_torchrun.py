@@ -27,6 +27,14 @@ RESTART = ["--max-restarts", "1", "--monitor-interval", "0.2"]
 TORCHRUN_SIGKILL = "closing signal SIGKILL"  # torchrun's line when a worker overran the 30 s window
 
 
+def _slow_commit(iteration: int, seconds: float) -> list[str]:
+    """Rank 0 sleeps inside the commit window of checkpoint ``iteration`` (the manager's
+    ``before_commit`` hook, reached through ``--inject-fault-phase commit``)."""
+    return ["--inject-fault", "hang", "--inject-fault-phase", "commit",
+            "--inject-fault-iteration", str(iteration), "--inject-fault-rank", "0",
+            "--inject-fault-hang-seconds", str(seconds)]  # fmt: skip
+
+
 def _ok(proc) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -81,8 +89,8 @@ def test_sigterm_to_torchrun_saves_exits_signal_and_resume_is_exact(tmp_path, re
     the next iteration (zero lost) and ends bitwise equal to the uninterrupted run."""
     save = tmp_path / "ckpt"
     args = [*COMMON, "--save", str(save), "--exit-signal-handler", "--async-save",
-            "--save-interval", "1"]  # fmt: skip
-    job = LiveRun(args, env={"STALWART_TEST_CKPT_SLEEP_S": "0.2"})  # ~0.2 s per iteration
+            "--save-interval", "1", *_slow_commit(4, 3.0)]  # fmt: skip
+    job = LiveRun(args)
     try:
         job.wait_for_iteration(3)
         sent = job.signal_launcher(signal.SIGTERM)
@@ -112,8 +120,9 @@ def test_sigkill_during_async_save_resumes_from_previous_complete(tmp_path, refe
     being committed: the tracker still names 4, and the resume from 4 ends equal to the
     reference (the partial iteration-8 directory is never loaded)."""
     save = tmp_path / "ckpt"
-    args = [*COMMON, "--save", str(save), "--async-save", "--save-interval", "4"]
-    job = LiveRun(args, env={"STALWART_TEST_CKPT_SLEEP_S": "3"})  # widen each commit window
+    args = [*COMMON, "--save", str(save), "--async-save", "--save-interval", "4",
+            *_slow_commit(8, 3.0)]  # fmt: skip
+    job = LiveRun(args)
 
     def in_commit_of_8() -> bool:
         tracker = save / "latest_checkpointed_iteration.txt"
@@ -159,8 +168,8 @@ def test_interval_phase_and_duration_exits_agree_and_lose_nothing(tmp_path, refe
 
 def test_learned_timeouts_are_written_reloaded_and_used(tmp_path, reference) -> None:
     """``--calc-ft-timeouts`` writes ft_state.json; the next job loads it and enforces the
-    learned values (a learned ``step`` of 1.5 s catches a hang that the configured 100 s would
-    not), and learns ``setup`` after its persistent load."""
+    learned values (a learned ``step`` of 30 s, the floor of learned timeouts, catches a hang
+    that the configured 100 s would not), and learns ``setup`` after its persistent load."""
     save = tmp_path / "ckpt"
     ft = ["--enable-ft", "--calc-ft-timeouts", "--ft-num-warmup-iters", "1",
           "--ft-timeouts", "setup=60,step=100,checkpointing=90,out_of_section=60"]  # fmt: skip
@@ -172,8 +181,8 @@ def test_learned_timeouts_are_written_reloaded_and_used(tmp_path, reference) -> 
     assert state["timeouts"]["checkpointing"] == 30.0  # max(floor 30 s, 5 x observed) != 90
     assert state["timeouts"]["step"] == 100.0  # too few timed steps to learn it
 
-    # Pretend an earlier, longer job learned a 1.5 s step timeout.
-    state["timeouts"]["step"] = 1.5
+    # Pretend an earlier, longer job learned a 30 s step timeout (a smaller one is rejected).
+    state["timeouts"]["step"] = 30.0
     state["calculated_sections"] = sorted({*state["calculated_sections"], "step"})
     state_path.write_text(json.dumps(state))
     args = [*COMMON, "--save", str(save), *ft, "--save-interval", "4",
@@ -181,8 +190,9 @@ def test_learned_timeouts_are_written_reloaded_and_used(tmp_path, reference) -> 
     proc = run_cli(args, nproc=2, torchrun_args=RESTART, timeout=150)
     _ok(proc)
     assert "using learned timeouts for checkpointing, step" in proc.stdout + proc.stderr
+    assert "rejected learned timeouts" not in proc.stdout + proc.stderr
     _, report = _first_hang_report(save)
-    assert report["timeout_s"] == 1.5 and report["section"] == "step"
+    assert report["timeout_s"] == 30.0 and report["section"] == "step"
     assert "setup" in json.loads(state_path.read_text())["calculated_sections"]
     assert_params_equal(load_params(save), load_params(reference, 12))
 

@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
+
+from stalwart.checkpoint.safe_state import read_state_file
 
 from train_utils import TINY_FLAGS, assert_params_equal, load_params, run_cli
 
@@ -27,7 +28,7 @@ def _ok(proc) -> None:
 
 
 def _per_rank(save: Path, rank: int) -> dict:
-    return torch.load(save / "iter_0000012" / f"rank_{rank:05d}.pt", weights_only=False)
+    return read_state_file(str(save / "iter_0000012" / f"rank_{rank:05d}.json"))
 
 
 @pytest.fixture(scope="module")

@@ -141,6 +141,19 @@ def test_persistent_error_restart_same_device_then_other_device(
     assert "A checkpoint at the last iteration already exists" in log
     assert _statuses(tracker)[-1] == (1, "second_rerun_not_reproducible")
     assert _exit_code(save) == 17
+    verdict = json.loads((save / "rerun_verdict.json").read_text())
+    assert verdict["diagnosis"] == "persistent_error" and verdict["iteration"] == BAD
+    assert [d for _, d in verdict["suspects"]] == ["cpu:1"]  # rank 1's device of the first launch
+
+    proc = _torchrun(args)  # back on the suspect devices: refused before training, exit 16
+    assert _worker_exit_codes(proc) == [16], proc.stderr[-3000:]
+    assert f"cpu:1 produced the persistent error at iteration {BAD + 1}" in _log(proc)
+    assert "iteration        3/" not in _log(proc)
+
+    proc = _torchrun(["--save", str(save)], env={"STALWART_DEVICE_ID": "gpu-c"})  # good hardware
+    assert proc.returncode == 0, _log(proc)[-4000:]
+    assert "training on from" in _log(proc) and _exit_code(save) == 0
+    assert_params_equal(load_params(save, 4), load_params(reference[0], 4))
 
     # Resuming that 2-rank checkpoint on 1 rank ignores the rerun state (world size changed).
     caplog.set_level(logging.WARNING)
@@ -167,7 +180,7 @@ def test_correct_result_attributed_by_automatic_restart_then_skipped(tmp_path: P
     ]  # fmt: skip
     assert "device=gpu1-restart1" in tracker.read_text().splitlines()[-1]
     assert f"Will skip these iterations from tracker file: [{BAD + 1}]" in log
-    assert f"Iteration {BAD + 1} is skipped (--iterations-to-skip)" in log
+    assert f"rerun verdict correct_result for iteration {BAD + 1}" in log  # drops the rerun mark
     assert f"skipping iteration {BAD + 1} (--iterations-to-skip)" in log
     assert "exiting program at iteration 4" in log
     assert json.loads((save / "exit_reason.json").read_text())["reason"] == "finished"

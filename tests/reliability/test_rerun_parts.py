@@ -84,7 +84,7 @@ def test_mode_alias_and_flag_errors() -> None:
         RerunConfig(rerun_mode="disabled", error_injection_rate=3)
     with pytest.raises(ValueError, match="--iterations-to-skip"):
         RerunConfig(iterations_to_skip=[-2])
-    with pytest.raises(ValueError, match="--spiky-loss-factor"):
+    with pytest.raises(ValueError, match=r"RerunConfig\.spiky_loss_factor"):
         RerunConfig(spiky_loss_factor=0)
     with pytest.raises(ValueError, match="--result-rejected-tracker-filename"):
         RerunStateMachine(result_rejected_tracker_filename="/nonexistent-dir/x.txt")

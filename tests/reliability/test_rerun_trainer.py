@@ -142,14 +142,15 @@ def test_correct_result_then_tracker_skips_that_iteration(
     ]  # fmt: skip
 
     # Resume without injection: the tracker lists iteration 4 (two reproducible reports of
-    # rank 0), the loop skips exactly it, and the pending rerun of it is dropped.
+    # rank 0), the loop skips exactly it; the rerun verdict (correct_result) has already
+    # dropped the pending rerun of it.
     caplog.clear()
     capsys.readouterr()
     clean = [*ITERS, "--save", str(save), "--result-rejected-tracker-filename", str(tracker)]
     outcome, _ = _train(clean)
     assert (outcome.exit_code, outcome.iteration) == (0, 6)
     assert f"Will skip these iterations from tracker file: [{LOGGED}]" in caplog.text
-    assert f"Iteration {LOGGED} is skipped (--iterations-to-skip)" in caplog.text
+    assert f"rerun verdict correct_result for iteration {LOGGED}" in caplog.text
     assert f"skipping iteration {LOGGED} (--iterations-to-skip)" in capsys.readouterr().out
     assert "Second rerun" not in caplog.text
 

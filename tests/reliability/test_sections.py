@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import signal
 import time
 from pathlib import Path
@@ -55,10 +56,10 @@ def test_parse_ft_timeouts_rejects_bad_input_naming_the_flag(text: str) -> None:
     ("kwargs", "flag"),
     [
         ({"ft_num_warmup_iters": -1}, "--ft-num-warmup-iters"),
-        ({"safety_factor": 0.5}, "--ft-safety-factor"),
-        ({"blend_alpha": 1.0}, "--ft-blend-alpha"),
-        ({"poll_interval_s": 0.0}, "--ft-poll-interval"),
-        ({"stack_dump_signal": "SIGKILL"}, "--ft-stack-dump-signal"),
+        ({"safety_factor": 0.5}, r"FaultToleranceConfig\.safety_factor"),
+        ({"blend_alpha": 1.0}, r"FaultToleranceConfig\.blend_alpha"),
+        ({"poll_interval_s": 0.0}, r"FaultToleranceConfig\.poll_interval_s"),
+        ({"stack_dump_signal": "SIGKILL"}, r"FaultToleranceConfig\.stack_dump_signal"),
     ],
 )
 def test_config_validation_names_flags(kwargs: dict, flag: str) -> None:
@@ -84,6 +85,45 @@ def test_find_overrun_is_pure() -> None:
     armed = hb.Snapshot(hb.NO_SECTION, hb.FLAG_OUT_OF_SECTION_ARMED, 0.0, 100.0, 100.0, timeouts)
     over = hb.find_overrun(armed, 102.5)
     assert over is not None and over.section == "out_of_section"
+
+
+def _record(seq: int, section: int, start: float) -> bytes:
+    return hb.pack_record(seq, section, 0, start, start - 1.0, start, (10.0, 1.0, 5.0, 2.0))
+
+
+def test_a_write_stopped_half_way_leaves_the_previous_record() -> None:
+    buf = mmap.mmap(-1, hb.RECORD_SIZE)
+    hb.write_record(buf, 1, _record(1, 0, 50.0))  # setup opened
+    hb.write_record(buf, 2, _record(2, 1, 100.0))  # step opened
+    snap = hb.read_snapshot(buf)
+    assert snap is not None and snap.section == 1 and snap.section_start == 100.0
+    # The worker stops after writing half of record 3 (its slot is the one record 1 used).
+    torn = _record(3, 2, 200.0)
+    slot = (3 % 2) * hb.SLOT_SIZE
+    buf[slot : slot + hb.SLOT_SIZE // 2] = torn[: hb.SLOT_SIZE // 2]
+    snap = hb.read_snapshot(buf)
+    assert snap is not None and snap.section == 1 and snap.section_start == 100.0
+    buf[:] = bytes(hb.RECORD_SIZE)  # nothing valid at all
+    assert hb.read_snapshot(buf) is None
+
+
+def test_unreadable_record_counts_as_no_progress() -> None:
+    timeouts = (10.0, 1.0, 5.0, 2.0)
+    step_open = hb.Snapshot(1, 0, 100.0, 99.0, 100.0, timeouts)
+    # The last valid record keeps ageing: its step overruns as if the record were still there.
+    assert hb.judge(step_open, 100.2, 100.5, 600.0) is None
+    over = hb.judge(step_open, 100.2, 101.5, 600.0)
+    assert over is not None and over.section == "step"
+    # Nothing could overrun in the last record (not armed): the time unreadable is judged
+    # against its longest timeout; with no valid record ever, against the fallback.
+    idle = hb.Snapshot(hb.NO_SECTION, 0, 0.0, 100.0, 100.0, timeouts)
+    assert hb.judge(idle, 100.0, 109.0, 600.0) is None
+    over = hb.judge(idle, 100.0, 111.0, 600.0)
+    assert over is not None and over.section == hb.UNREADABLE and over.timeout_s == 10.0
+    assert hb.judge(None, 100.0, 650.0, 600.0) is None
+    over = hb.judge(None, 100.0, 701.0, 600.0)
+    assert over is not None and over.timeout_s == 600.0
+    assert hb.judge(idle, None, 1e9, 600.0) is None  # readable and idle: never a hang
 
 
 def test_select_sections_follows_megatron_rules() -> None:
@@ -126,11 +166,66 @@ def test_ft_state_roundtrip_and_resolve(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "ft_state.json").read_text())
     assert data["timeouts"]["step"] == 12.0 and data["calculated_sections"] == ["step"]
     assert load_ft_state(ft_state_path(tmp_path)) == state
-    cfg = FaultToleranceConfig(enable_ft=True, timeouts=SectionTimeouts(step=180, checkpointing=7))
+    cfg = FaultToleranceConfig(
+        enable_ft=True,
+        timeouts=SectionTimeouts(step=180, checkpointing=7),
+        min_learned_timeout_s=10.0,
+    )
     timeouts, calculated = resolve_timeouts(cfg, tmp_path)
     # Only learned sections are taken from the file; the rest follow the current flags.
     assert timeouts.step == 12.0 and timeouts.checkpointing == 7 and calculated == {"step"}
     assert resolve_timeouts(cfg, tmp_path / "missing") == (cfg.timeouts, frozenset())
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (0.001, "below the 30 s floor"),
+        (-5, "not a finite number > 0"),
+        (1e30, "above the 86400 s ceiling"),
+        ("fast", "not a number"),
+        (True, "not a number"),
+        (None, "not a number"),
+    ],
+)
+def test_absurd_learned_timeouts_are_rejected_in_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, value: object, reason: str
+) -> None:
+    payload = {
+        "version": 1,
+        "timeouts": {"setup": value, "step": value, "checkpointing": 99.0, "out_of_section": 1e-3},
+        "calculated_sections": ["setup", "step", "checkpointing", "out_of_section"],
+    }
+    (tmp_path / "ft_state.json").write_text(json.dumps(payload))
+    cfg = FaultToleranceConfig(enable_ft=True, timeouts=SectionTimeouts(setup=600, step=180))
+    with caplog.at_level(logging.WARNING):
+        timeouts, calculated = resolve_timeouts(cfg, tmp_path)
+    # Rejected values fall back to the configured ones; the sane value is still used.
+    assert timeouts == SectionTimeouts(setup=600, step=180, checkpointing=99.0)
+    assert calculated == {"checkpointing"}
+    lines = [
+        r.getMessage() for r in caplog.records if "rejected learned timeouts" in r.getMessage()
+    ]
+    assert len(lines) == 1, caplog.text
+    assert reason in lines[0] and "setup" in lines[0] and "using 180 s" in lines[0]
+    assert "out_of_section (0.001 s is below" in lines[0]
+    # A parseable file with absurd values never breaks load_ft_state either.
+    state = load_ft_state(ft_state_path(tmp_path))
+    assert state is not None and "out_of_section" in state.calculated_sections
+
+
+def test_learned_timeouts_stay_within_floor_and_ceiling() -> None:
+    huge, _ = learn_timeouts(
+        SectionTimeouts(), {"step": 1e12}, previously_calculated=frozenset(), safety_factor=5.0
+    )
+    assert huge.step == 24 * 3600.0
+    nan, calc = learn_timeouts(
+        SectionTimeouts(),
+        {"step": float("nan")},
+        previously_calculated=frozenset(),
+        safety_factor=5.0,
+    )
+    assert nan.step == 180.0 and calc == frozenset()
 
 
 def test_corrupt_ft_state_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -36,6 +36,14 @@ WORKER = textwrap.dedent(
     mon = build_section_monitor(cfg, rank=3, save_dir=save_dir)
     print(mon.monitor_pid, flush=True)
 
+    def tear_the_record():
+        # What a worker frozen half-way through a write, or anything scribbling on /dev/shm,
+        # leaves behind: no byte of the record can be trusted. The monitor (polling every
+        # 50 ms) has seen the current record first.
+        time.sleep(0.2)
+        with open(mon.heartbeat_path, "r+b") as f:
+            f.write(bytes([255]) * os.path.getsize(mon.heartbeat_path))
+
     def stuck_in_the_step():
         time.sleep(30)
 
@@ -45,8 +53,14 @@ WORKER = textwrap.dedent(
         with mon.step_section():
             if scenario == "step_hang" and i == 2:
                 stuck_in_the_step()
+            if scenario == "torn_step_hang" and i == 2:
+                tear_the_record()
+                stuck_in_the_step()
             time.sleep(0.02)
         if scenario == "oos_hang" and i == 2:
+            time.sleep(30)
+        if scenario == "torn_oos_hang" and i == 2:
+            tear_the_record()
             time.sleep(30)
         with mon.section(Section.CHECKPOINTING):
             time.sleep(0.01)
@@ -92,7 +106,14 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
 
 @pytest.mark.parametrize(
     ("scenario", "section"),
-    [("step_hang", "step"), ("oos_hang", "out_of_section"), ("setup_hang", "setup")],
+    [
+        ("step_hang", "step"),
+        ("oos_hang", "out_of_section"),
+        ("setup_hang", "setup"),
+        # An unreadable record counts as no progress: the last valid one keeps ageing.
+        ("torn_step_hang", "step"),
+        ("torn_oos_hang", "out_of_section"),
+    ],
 )
 def test_hung_worker_is_killed_with_report_and_stack(
     tmp_path: Path, scenario: str, section: str
@@ -118,6 +139,9 @@ def test_hung_worker_is_killed_with_report_and_stack(
     assert report["rank"] == 3 and report["section"] == section
     assert report["elapsed_s"] >= report["timeout_s"] == 1.0
     assert "HANG" in (proc.stderr.read() if proc.stderr else "")
+    if scenario.startswith("torn"):
+        assert "unreadable; counting it as no progress" in log
+        assert "monitor stops" not in log
 
 
 def test_healthy_worker_is_not_killed_and_monitor_stops(tmp_path: Path) -> None:
@@ -135,3 +159,24 @@ def test_monitor_exits_when_worker_dies(tmp_path: Path) -> None:
     assert proc.returncode == 7
     assert _wait_gone(monitor_pid, 2.0)
     assert not (tmp_path / "save" / "ft_logs" / "ft_hang_rank3.json").exists()
+
+
+def test_absurd_ft_state_is_rejected_in_one_line_and_the_job_runs(tmp_path: Path) -> None:
+    """A parseable ft_state.json with 1 ms learned timeouts must not make the watchdog kill the
+    job it guards (on main the monitor killed every attempt during setup)."""
+    from train_utils import TINY_FLAGS, run_cli
+
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    absurd = {"setup": 0.001, "step": 0.001, "checkpointing": 0.001, "out_of_section": 0.001}
+    (save / "ft_state.json").write_text(
+        json.dumps({"version": 1, "timeouts": absurd, "calculated_sections": sorted(absurd)})
+    )
+    args = ["train", *TINY_FLAGS, "--train-iters", "3", "--save", str(save), "--enable-ft"]
+    proc = run_cli([*args, "--ft-num-warmup-iters", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "rejected learned timeouts" in line]
+    assert len(lines) == 1, proc.stderr
+    for key in absurd:
+        assert f"{key} (0.001 s is below the 30 s floor" in lines[0]
+    assert not (save / "ft_logs" / "ft_hang_rank0.json").exists()

@@ -64,5 +64,7 @@ def test_trainer_collects_at_fixed_iterations_and_evaluations(tmp_path, collecti
 
 
 def test_bad_interval() -> None:
+    from stalwart.config.training import TrainingConfig
+
     with pytest.raises(ValueError, match="--manual-gc-interval"):
-        make_config("--manual-gc", "--manual-gc-interval", "-1")
+        TrainingConfig(manual_gc=True, manual_gc_interval=-1)

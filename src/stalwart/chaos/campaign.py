@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.chaos.files import FILE_SCENARIOS
 from stalwart.chaos.result import Context, FaultResult, exit_reason, new_result
 from stalwart.chaos.runner import LaunchSpec, run
 from stalwart.chaos.scenarios import SCENARIOS
@@ -27,7 +28,7 @@ MODEL_FLAGS = ["--preset", "tiny", "--num-layers", "1", "--hidden-size", "64",
                "--micro-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
                "--log-interval", "1", "--no-progress-bar"]  # fmt: skip
 Scenario = Callable[[Context, FaultPlan], FaultResult]
-ALL_SCENARIOS: dict[ChaosFault, Scenario] = {**SCENARIOS, **STORAGE_SCENARIOS}
+ALL_SCENARIOS: dict[ChaosFault, Scenario] = {**SCENARIOS, **STORAGE_SCENARIOS, **FILE_SCENARIOS}
 
 
 @dataclass

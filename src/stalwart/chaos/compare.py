@@ -2,7 +2,9 @@
 
 Both read a checkpoint directory without building the model: every tensor of the DCP state
 (model and optimizer) is loaded into CPU memory in this process (no process group), plus the
-``common.pt`` and every ``rank_*.pt`` file. A checkpoint is "readable" when all of that loads.
+``common.json`` and every ``rank_*.json`` file. A checkpoint is "readable" when all of that loads.
+Everything is read the way a resume reads it (`stalwart.checkpoint.dcp_safe`,
+`stalwart.checkpoint.safe_state`): a planted pickle cannot run here either.
 """
 
 from __future__ import annotations
@@ -15,19 +17,19 @@ import torch
 
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.dcp_io import MODEL_KEY
+from stalwart.checkpoint.dcp_safe import SafeEmptyStateDictLoadPlanner, SafeFileSystemReader
+from stalwart.checkpoint.safe_state import read_state_file
 
 
 def load_dcp_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Every tensor of a DCP checkpoint directory, nested as saved (``{"model": ..., "optim": ...}``)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
     _load_state_dict(
         state,
-        storage_reader=FileSystemReader(str(path)),
-        planner=_EmptyStateDictLoadPlanner(),
+        storage_reader=SafeFileSystemReader(str(path)),
+        planner=SafeEmptyStateDictLoadPlanner(),
         no_dist=True,
     )
     return state
@@ -41,9 +43,12 @@ def check_readable(path: str | os.PathLike[str]) -> str | None:
         return f"{path}: {problem}"
     try:
         load_dcp_state(path)
-        torch.load(path / layout.COMMON_FILENAME, map_location="cpu", weights_only=False)
-        for rank_file in sorted(path.glob("rank_*.pt")):
-            torch.load(rank_file, map_location="cpu", weights_only=False)
+        read_state_file(str(path / layout.COMMON_FILENAME))
+        rank_files = sorted(path.glob("rank_*.json"))
+        if not rank_files:
+            return f"{path}: no rank_*.json file"
+        for rank_file in rank_files:
+            read_state_file(str(rank_file))
     except Exception as exc:  # any failure to read is the finding
         return f"{path}: unreadable: {type(exc).__name__}: {exc}"
     return None

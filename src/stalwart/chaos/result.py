@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections import Counter
@@ -14,6 +13,7 @@ from stalwart.chaos.compare import chain_problems, params_equal
 from stalwart.chaos.runner import LaunchResult, LaunchSpec, run
 from stalwart.chaos.schedule import EXPECTED, ChaosFault, FaultPlan
 from stalwart.checkpoint import layout
+from stalwart.reliability.exit import read_exit_reason
 
 
 @dataclass
@@ -100,11 +100,8 @@ def detect(res: FaultResult, kind: ChaosFault, ok: bool, what: str) -> None:
 
 
 def exit_reason(save: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((save / "exit_reason.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    record, _ = read_exit_reason(save)
+    return record or {}
 
 
 def count_redone(launches: list[LaunchResult], seeded: int = 0) -> int:

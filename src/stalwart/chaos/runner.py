@@ -24,7 +24,7 @@ ITERATION_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 RESUMED_RE = re.compile(r"resumed from (\S+) at iteration (\d+)")
 WORKER_EXIT_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 # Inherited variables that would change what a launch does; each scenario sets its own.
-SCRUBBED_ENV = ("STALWART_DEVICE_ID", "STALWART_TEST_CKPT_SLEEP_S")
+SCRUBBED_ENV = ("STALWART_DEVICE_ID", "STALWART_JOB_ID")
 
 
 @dataclass

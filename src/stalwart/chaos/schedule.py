@@ -27,6 +27,9 @@ class ChaosFault(enum.Enum):
     SIGKILL_ASYNC_SAVE = "sigkill_async_save"
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"
     DISK_FULL = "disk_full"
+    CONCURRENT_JOB = "concurrent_job"
+    CORRUPT_METADATA = "corrupt_metadata"
+    TORN_METRICS = "torn_metrics"
 
 
 # Exit codes the faulted launch is documented to end with (worker exit code; 0 = graceful).
@@ -120,7 +123,33 @@ EXPECTED: dict[ChaosFault, Expectation] = {
         EXIT_BAD_INPUT,
         True,
     ),
+    ChaosFault.CONCURRENT_JOB: Expectation(
+        "save-directory lock: the second job is refused, naming the holder",
+        "the second job exits 2 touching nothing; the first commits and finishes",
+        EXIT_BAD_INPUT,
+        True,
+    ),
+    ChaosFault.CORRUPT_METADATA: Expectation(
+        "restricted unpickler: the planted .metadata is refused (its payload never runs)",
+        "exit 2 without --ckpt-fallback; relaunch with --ckpt-fallback from the previous one",
+        EXIT_BAD_INPUT,
+        True,
+    ),
+    ChaosFault.TORN_METRICS: Expectation(
+        "metrics sink: the torn last record is dropped on open (one warning)",
+        "resume; every metrics line parses, no record lost",
+        EXIT_OK,
+        True,
+    ),
 }
+
+
+_AT_A_SAVE = (
+    ChaosFault.SIGKILL_ASYNC_SAVE,
+    ChaosFault.CORRUPT_CHECKPOINT,
+    ChaosFault.CONCURRENT_JOB,
+    ChaosFault.CORRUPT_METADATA,
+)
 
 
 @dataclass(frozen=True)
@@ -184,10 +213,10 @@ def build_schedule(
         rng = random.Random(f"{seed}:{kind.value}")
         iteration, rank = rng.choice(step_range), rng.randrange(nproc)
         save_it = rng.choice(saves)
-        if kind in (ChaosFault.SIGKILL_ASYNC_SAVE, ChaosFault.CORRUPT_CHECKPOINT):
-            # The async save is killed on rank 0, the rank that commits it (see scenarios).
+        if kind in _AT_A_SAVE:
+            # Rank 0 commits saves (and holds the lock): the kinds that hit a save hit rank 0.
             plans.append(FaultPlan(kind, save_it, 0))
-        elif kind is ChaosFault.DISK_FULL:
+        elif kind in (ChaosFault.DISK_FULL, ChaosFault.TORN_METRICS):
             plans.append(FaultPlan(kind, save_it - save_interval, 0))  # the last good save
         else:
             plans.append(FaultPlan(kind, iteration, rank))

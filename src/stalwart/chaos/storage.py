@@ -25,9 +25,8 @@ from stalwart.chaos.result import (
 from stalwart.chaos.runner import Job, finish
 from stalwart.chaos.schedule import ChaosFault, FaultPlan
 from stalwart.checkpoint import layout
-from stalwart.checkpoint.manager import TEST_SLEEP_ENV
 
-COMMIT_SLEEP_S = "1.5"  # widens the async commit window (test hook of CheckpointManager)
+COMMIT_SLEEP_S = "1.5"  # widens the async commit window (--inject-fault-phase commit)
 FSIZE_LIMIT = 256 * 1024  # bytes: metadata and small files fit, a model/optimizer shard does not
 
 
@@ -37,7 +36,9 @@ def sigkill_async_save(ctx: Context, plan: FaultPlan) -> FaultResult:
     and the partial directory is never loaded (and removed by the next save)."""
     res, save = new_result(plan), ctx.save_dir(plan)
     k, prev = plan.iteration, plan.iteration - ctx.save_interval
-    spec = ctx.spec(save, ["--async-save"], max_restarts=1, env={TEST_SLEEP_ENV: COMMIT_SLEEP_S})
+    widen = ["--inject-fault", "hang", "--inject-fault-phase", "commit", "--inject-fault-iteration",
+             str(k), "--inject-fault-rank", "0", "--inject-fault-hang-seconds", COMMIT_SLEEP_S]  # fmt: skip
+    spec = ctx.spec(save, ["--async-save", *widen], max_restarts=1)
     job = Job(spec, ctx.work / plan.kind.value / "1-fault.log")
     tracker = save / layout.TRACKER_FILENAME
 

@@ -1,5 +1,6 @@
 """Crash-safe checkpoints in Megatron's layout: DCP model/optimizer shards, async save,
-non-persistent checkpoints, retention and an atomically advanced ``latest`` tracker.
+non-persistent checkpoints, retention and an atomically advanced ``latest`` tracker. Nothing read
+from a checkpoint runs code (`safe_state`, `dcp_safe`); one job per save directory (`lock`).
 
 See :mod:`stalwart.checkpoint.manager` for the save/finalize/load protocol.
 """
@@ -12,15 +13,21 @@ from stalwart.checkpoint.layout import (
     read_tracker,
     write_tracker_atomic,
 )
+from stalwart.checkpoint.lock import SaveDirLock
 from stalwart.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+from stalwart.checkpoint.safe_state import StateFormatError, dumps_state, loads_state
 
 __all__ = [
     "TRACKER_FILENAME",
     "CheckpointError",
     "CheckpointManager",
     "LoadedCheckpoint",
+    "SaveDirLock",
+    "StateFormatError",
+    "dumps_state",
     "iteration_dir_name",
     "list_complete_checkpoints",
+    "loads_state",
     "read_tracker",
     "write_tracker_atomic",
 ]

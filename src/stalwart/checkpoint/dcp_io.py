@@ -2,7 +2,8 @@
 
 Newer keyword arguments (``no_dist``, ``async_stager``, ``allow_partial_load``) and the
 ``DefaultStager``/``StagingOptions`` staging API are feature-detected, so the same code runs on
-torch 2.4 through 2.13, with or without an initialised process group.
+torch 2.4 through 2.13, with or without an initialised process group. Loads read through
+`stalwart.checkpoint.dcp_safe` (no pickle from the checkpoint runs code).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from stalwart.checkpoint.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
 from stalwart.checkpoint.optimizer_state import (
     canonical_learning_rates,
     keep_optimizer_implementation,
@@ -76,11 +78,34 @@ def _dcp_errors_as_runtime_error() -> Iterator[None]:
     try:
         yield
     except CheckpointException as exc:
+        raise RuntimeError(describe_failure(exc)) from exc
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0].strip() if lines else ''}".rstrip(": ")
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for a failed DCP save/load: each failing rank's exception type and first message
+    line (DCP's ``CheckpointException`` text holds every rank's whole traceback)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        failures = getattr(exc, "failures", {}) or {}
+        by_cause: dict[str, list[int]] = {}
+        for rank, err in sorted(failures.items()):
+            by_cause.setdefault(_first_line(err[0] if isinstance(err, tuple) else err), []).append(
+                rank
+            )
         causes = "; ".join(
-            f"rank {rank}: {type(err).__name__}: {err}"
-            for rank, (err, _trace) in sorted(exc.failures.items())
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {cause}"
+            for cause, ranks in by_cause.items()
         )
-        raise RuntimeError(causes or str(exc)) from exc
+        return causes or _first_line(exc)
+    if isinstance(exc, RuntimeError) and isinstance(exc.__cause__, CheckpointException):
+        return str(exc)  # already described by _dcp_errors_as_runtime_error
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _dist_kwargs(fn: Callable[..., Any], group: Any) -> dict[str, Any]:
@@ -89,11 +114,25 @@ def _dist_kwargs(fn: Callable[..., Any], group: Any) -> dict[str, Any]:
     return {"no_dist": True} if _accepts(fn, "no_dist") else {}
 
 
-def gather_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
-    """Model (and optimizer) state keyed by clean FQNs (no DDP ``module.`` prefix), DCP-ready."""
+def gather_state(
+    model: nn.Module, optimizer: Optimizer | None, *, for_save: bool = False
+) -> dict[str, Any]:
+    """Model (and optimizer) state keyed by clean FQNs (no DDP ``module.`` prefix), DCP-ready.
+
+    torch's ``get_state_dict`` initialises an optimizer without state by running one step with
+    zero gradients (it needs the state's structure); that step counts (``step`` becomes 1). A
+    load wants that structure to read into. A save before the first optimizer step must not
+    keep it: ``for_save=True`` saves no per-parameter state and puts the live optimizer back the
+    way it was, so the run goes on exactly as without the save (and the resume, finding no state,
+    leaves the optimizer fresh, see :func:`load_into`).
+    """
     if optimizer is None:
         return {MODEL_KEY: get_model_state_dict(model)}
+    had_state = bool(optimizer.state)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if for_save and not had_state:
+        optimizer.state.clear()  # undo the initialising step (its grads are already None again)
+        optim_sd = {**optim_sd, "state": {}}
     return {MODEL_KEY: model_sd, OPTIM_KEY: canonical_learning_rates(optim_sd)}
 
 
@@ -122,12 +161,39 @@ def save_sync(state: dict[str, Any], path: str, group: Any) -> None:
 
 
 def load_into(state: dict[str, Any], path: str, group: Any, strict: bool) -> None:
-    """Fill the tensors of ``state`` in place from the DCP checkpoint in ``path``."""
+    """Fill the tensors of ``state`` in place from the DCP checkpoint in ``path``.
+
+    Optimizer state of parameters that the checkpoint has none for (saved before their first
+    optimizer step: torch initialises it for the load) is dropped from ``state`` first, so the
+    load leaves those parameters as the saving job had them: without state.
+    """
+    reader = SafeFileSystemReader(path)
+    prune_unsaved_optimizer_state(state, reader.read_metadata().state_dict_metadata)
     kwargs = _dist_kwargs(dcp.load, group)
     if not strict and _accepts(dcp.DefaultLoadPlanner, "allow_partial_load"):
-        kwargs["planner"] = dcp.DefaultLoadPlanner(allow_partial_load=True)
+        kwargs["planner"] = SafeLoadPlanner(allow_partial_load=True)
+    else:
+        kwargs["planner"] = SafeLoadPlanner()
     with _quiet_single_process(), _dcp_errors_as_runtime_error():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), **kwargs)
+        dcp.load(state, storage_reader=reader, **kwargs)
+
+
+def prune_unsaved_optimizer_state(state: dict[str, Any], saved_keys: Any) -> list[str]:
+    """Drop ``state["optim"]["state"][fqn]`` for every parameter without a saved
+    ``optim.state.<fqn>.*`` key; returns the dropped names."""
+    per_param = state.get(OPTIM_KEY, {}).get("state")
+    if not isinstance(per_param, dict):
+        return []
+    prefix = f"{OPTIM_KEY}.state."
+    saved = {key[len(prefix) :] for key in saved_keys if key.startswith(prefix)}
+    dropped = [
+        fqn
+        for fqn, entries in per_param.items()
+        if not any(f"{fqn}.{name}" in saved for name in entries)
+    ]
+    for fqn in dropped:
+        del per_param[fqn]
+    return dropped
 
 
 def new_checkpoint_group(group: Any) -> Any:

@@ -5,14 +5,21 @@ Layout of one checkpoint root (``--save`` or ``--non-persistent-ckpt-dir``)::
     <root>/latest_checkpointed_iteration.txt   the iteration integer + newline (Megatron format)
     <root>/iter_0000010/                        one complete checkpoint (7-digit zero pad)
         .metadata, __<r>_<i>.distcp             torch.distributed.checkpoint (model + optimizer)
-        common.pt                               rank 0's ``common`` dict (torch.save)
-        rank_00000.pt ...                       every rank's ``per_rank`` dict (torch.save)
+        common.json                             rank 0's ``common`` dict (`safe_state` JSON)
+        rank_00000.json ...                     every rank's ``per_rank`` dict (`safe_state` JSON)
         metadata.json                           human-readable facts (iteration, world size, ...)
-        COMPLETE                                completeness marker, written last, before the rename
+        COMPLETE                                completeness marker (the same facts, incl. which
+                                                kind of save wrote it), written last, before the rename
     <root>/iter_0000020.tmp-<token>/            a save in progress (or a crashed one): never loaded
 
 A directory counts as a checkpoint only when its name is exactly ``iter_<digits>`` and it holds
-the ``COMPLETE`` marker; both are created only after every rank finished writing.
+the ``COMPLETE`` marker; both are created only after every rank finished writing. Checkpoints of
+stalwart before the JSON state files hold ``common.pt``/``rank_*.pt`` pickles instead: they are
+refused (reading a pickle can run code) until ``stalwart checkpoints convert --trust-pickle``
+rewrites them.
+
+Files are created with the process umask, like DCP's own files (a teammate's evaluation job
+must be able to read them).
 """
 
 from __future__ import annotations
@@ -22,18 +29,20 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from typing import Any
 
 from stalwart.checkpoint.errors import CheckpointError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "COMPLETE"
-COMMON_FILENAME = "common.pt"
+COMMON_FILENAME = "common.json"
+LEGACY_COMMON_FILENAME = "common.pt"
 METADATA_FILENAME = "metadata.json"
 DCP_METADATA_FILENAME = ".metadata"
 TMP_INFIX = ".tmp-"
+NON_PERSISTENT_SUBDIR = "non_persistent"  # the default --non-persistent-ckpt-dir under --save
 
+_TRACKER_MAX_BYTES = 64
 _ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -51,7 +60,20 @@ def parse_iteration_dir_name(name: str) -> int | None:
 
 
 def rank_filename(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+def legacy_rank_filename(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
+
+
+def convert_hint(path: str) -> str:
+    """The one-line refusal of a checkpoint in the pickle format of stalwart before JSON state."""
+    return (
+        f"checkpoint {path} holds {LEGACY_COMMON_FILENAME}/rank_*.pt pickles (an older stalwart), "
+        "which can run code when read; if you trust whoever wrote it, convert it once with: "
+        f"stalwart checkpoints convert --trust-pickle {path}"
+    )
 
 
 def tmp_dir_name(iteration: int, token: str) -> str:
@@ -72,13 +94,26 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via tmp file + fsync + os.replace: readers see old or new, never half."""
+def _create_exclusive(directory: str, prefix: str) -> tuple[int, str]:
+    """A new file under ``directory`` created with mode 0666 minus the umask (``mkstemp`` would
+    make it 0600 whatever the umask), and its path."""
+    for _ in range(100):
+        tmp = os.path.join(directory, f"{prefix}{os.urandom(6).hex()}")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temporary file in {directory}")
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` via tmp file + fsync + os.replace: readers see old or new, never
+    half. The file gets the umask's permissions."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    fd, tmp = _create_exclusive(directory, f".{os.path.basename(path)}.")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -87,6 +122,48 @@ def write_text_atomic(path: str, text: str) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(directory)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """:func:`write_bytes_atomic` of UTF-8 ``text``."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def probe_writable(directory: str, flag: str, rank: int) -> str | None:
+    """Create ``directory`` and write/delete a probe file; the problem naming ``flag``, or None."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write_probe_rank{rank}_{os.getpid()}")
+        with open(probe, "w", encoding="utf-8") as f:
+            f.write("ok")
+        os.unlink(probe)
+    except OSError as exc:
+        return f"{flag} {directory!r} is not writable: {exc.strerror or exc}"
+    return None
+
+
+def check_roots_disjoint(save_dir: str | None, non_persistent_dir: str | None) -> None:
+    """``ValueError`` naming both flags when ``--non-persistent-ckpt-dir`` is ``--save``, inside
+    it (other than the default ``<save>/non_persistent``) or holds it: the two retentions and
+    leftover clean-ups would then work on each other's checkpoints."""
+    if save_dir is None or non_persistent_dir is None:
+        return
+    save, np_dir = os.path.realpath(save_dir), os.path.realpath(non_persistent_dir)
+    if np_dir == os.path.join(save, NON_PERSISTENT_SUBDIR):
+        return
+    if np_dir == save:
+        relation = "is the same directory as"
+    elif np_dir.startswith(save + os.sep):
+        relation = "is inside"
+    elif save.startswith(np_dir + os.sep):
+        relation = "contains"
+    else:
+        return
+    raise ValueError(
+        f"--non-persistent-ckpt-dir {non_persistent_dir} {relation} --save {save_dir}: "
+        "non-persistent retention would delete persistent checkpoints; use a separate "
+        f"directory (or leave it unset for {os.path.join(save_dir, NON_PERSISTENT_SUBDIR)})"
+    )
 
 
 def read_tracker(root: str) -> int | None:
@@ -98,16 +175,20 @@ def read_tracker(root: str) -> int | None:
     """
     path = os.path.join(root, TRACKER_FILENAME)
     try:
-        with open(path, encoding="utf-8") as f:
-            content = f.read()
+        with open(path, "rb") as f:
+            content = f.read(_TRACKER_MAX_BYTES + 1)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint tracker {path}: {exc}") from exc
-    text = content.strip()
-    if not text.isdigit():
         raise CheckpointError(
-            f"checkpoint tracker {path} must hold a non-negative iteration integer, got {content!r}"
+            f"cannot read checkpoint tracker {path}: {exc.strerror or exc}"
+        ) from exc
+    # ASCII digits only: str.isdigit() accepts '²' and other digits that int() then rejects.
+    text = content.strip()
+    if len(content) > _TRACKER_MAX_BYTES or not (text.isascii() and text.isdigit()):
+        shown = content[:40].decode("utf-8", "backslashreplace")
+        raise CheckpointError(
+            f"checkpoint tracker {path} must hold a non-negative iteration integer, got {shown!r}"
         )
     return int(text)
 
@@ -151,6 +232,17 @@ def write_marker(path: str, facts: dict[str, Any]) -> None:
     write_text_atomic(os.path.join(path, COMPLETE_MARKER), json.dumps(facts, sort_keys=True) + "\n")
 
 
+def written_as(path: str, non_persistent: bool) -> bool:
+    """Whether the ``COMPLETE`` marker of ``path`` says a save of this kind (persistent or
+    non-persistent) wrote it: retention deletes only those (an unreadable marker: never)."""
+    try:
+        with open(os.path.join(path, COMPLETE_MARKER), "rb") as f:
+            facts = json.loads(f.read(1 << 16))
+    except (OSError, ValueError):
+        return False
+    return isinstance(facts, dict) and facts.get("non_persistent") is non_persistent
+
+
 def remove_checkpoint_dir(path: str) -> None:
     """Delete a checkpoint directory, marker first so that a half-deleted one is never 'complete'."""
     with contextlib.suppress(FileNotFoundError):
@@ -169,20 +261,30 @@ def check_files(path: str, world_size: int | None = None) -> str | None:
         return "directory is missing"
     if not is_complete(path):
         return f"completeness marker {COMPLETE_MARKER} is missing (save did not finish)"
+    if is_legacy(path):
+        return convert_hint(path)
     for name in (DCP_METADATA_FILENAME, COMMON_FILENAME):
         if not os.path.isfile(os.path.join(path, name)):
             return f"file {name} is missing"
     return _check_shard_sizes(path)
 
 
+def is_legacy(path: str) -> bool:
+    """A checkpoint of stalwart before JSON state files (``common.pt`` pickle, no ``common.json``)."""
+    return os.path.isfile(os.path.join(path, LEGACY_COMMON_FILENAME)) and not os.path.exists(
+        os.path.join(path, COMMON_FILENAME)
+    )
+
+
 def _check_shard_sizes(path: str) -> str | None:
-    """Compare each DCP shard's size with the byte ranges recorded in ``.metadata``."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """Compare each DCP shard's size with the byte ranges recorded in ``.metadata`` (read with
+    the restricted unpickler: nothing in it can run)."""
+    from stalwart.checkpoint.dcp_safe import read_dcp_metadata
 
     try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as exc:  # any parse failure means the metadata file is corrupt
-        return f"DCP metadata unreadable: {type(exc).__name__}: {exc}"
+        metadata = read_dcp_metadata(path)
+    except CheckpointError as exc:
+        return str(exc)
     needed: dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         rel = getattr(info, "relative_path", None)
@@ -208,22 +310,53 @@ def select_for_deletion(complete: list[int], keep_last: int, protected: int | No
     return [it for it in older if it != protected]
 
 
-def torch_save_fsynced(obj: Any, path: str) -> None:
-    """torch.save + fsync, so the file is durable before the completeness marker is written."""
-    import torch
+def apply_retention(root: str, keep: int, non_persistent: bool, log: Any) -> list[int]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root`` that this kind of
+    save wrote (their marker says so; never the tracked one); returns the deleted iterations.
+    Failures only warn via ``log`` (the new checkpoint is already committed)."""
+    try:
+        ours = [
+            it
+            for it in list_complete_checkpoints(root)
+            if written_as(os.path.join(root, iteration_dir_name(it)), non_persistent)
+        ]
+        doomed = select_for_deletion(ours, keep, read_tracker(root))
+        for old in doomed:
+            remove_checkpoint_dir(os.path.join(root, iteration_dir_name(old)))
+    except (OSError, CheckpointError) as exc:
+        log.warning("checkpoint retention in %s failed: %s", root, exc)
+        return []
+    if doomed:
+        log.info("retention removed checkpoints %s from %s", doomed, root)
+    return doomed
 
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+
+def write_state_fsynced(obj: Any, path: str) -> None:
+    """``obj`` as `safe_state` JSON, fsynced, so the file is durable before the completeness
+    marker is written (atomic: a reader never sees half of it).
+
+    Raises:
+        StateFormatError: naming the value that cannot be stored.
+    """
+    from stalwart.checkpoint.safe_state import dumps_state
+
+    write_text_atomic(path, dumps_state(obj, os.path.basename(path)))
 
 
-def write_failure_hint(root: str) -> str:
-    """After a failed save: probe-write 1 MiB into ``root`` so the error can name the OS cause.
+def save_failure_message(what: str, root: str, details: str) -> str:
+    """One line for a failed save: ``"<what> failed: <OS cause> (<details>)"``.
 
     torch's writers report a full disk (ENOSPC), a quota (EDQUOT) or a file-size limit (EFBIG)
-    only as a short-write assertion; the probe's ``strerror`` says which. Empty when it succeeds.
+    only as a short-write assertion ("unexpected pos N vs M"); a probe write of 1 MiB into
+    ``root`` names the OS cause, which leads the line. Without one, the details are the cause.
     """
+    cause = _probe_write(root)
+    if cause is None:
+        return f"{what} failed: {details}"
+    return f"{what} failed: the checkpoint directory {root} rejects writes: {cause} ({details})"
+
+
+def _probe_write(root: str) -> str | None:
     probe = os.path.join(root, f".write_probe_{os.getpid()}")
     try:
         with open(probe, "wb") as f:
@@ -231,8 +364,8 @@ def write_failure_hint(root: str) -> str:
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
-        return f" (the checkpoint directory {root} rejects writes: {exc.strerror or exc})"
+        return str(exc.strerror or exc)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(probe)
-    return ""
+    return None

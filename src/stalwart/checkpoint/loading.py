@@ -3,19 +3,18 @@ the two-phase load of the chosen one that every rank agrees on."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from stalwart.checkpoint import dcp_io, layout
 from stalwart.checkpoint.errors import CheckpointError
+from stalwart.checkpoint.safe_state import StateFormatError, read_state_file
 from stalwart.distributed import collectives
 
 logger = logging.getLogger("stalwart.checkpoint")
@@ -144,20 +143,69 @@ class CheckpointLocator:
         )
 
 
+def nothing_to_load(load_dir: str | None, explicit: bool, log: logging.Logger) -> None:
+    """No tracker anywhere: fine for ``--load`` = ``--save`` (a fresh run, logged), refused for a
+    ``--load`` elsewhere (a typo or the wrong directory must not train from scratch).
+
+    Raises:
+        CheckpointError: naming ``--load`` and what is there instead.
+    """
+    if not explicit:
+        log.info("no checkpoint in %s, starting from scratch", load_dir)
+        return
+    if load_dir is None or not os.path.exists(load_dir):
+        raise CheckpointError(f"--load {load_dir}: no such directory")
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: not a directory")
+    found = layout.list_complete_checkpoints(load_dir)
+    if found:
+        raise CheckpointError(
+            f"--load {load_dir}: complete checkpoints {found} but no {layout.TRACKER_FILENAME}; "
+            "write the iteration to resume into that file"
+        )
+    if layout.parse_iteration_dir_name(os.path.basename(os.path.normpath(load_dir))) is not None:
+        raise CheckpointError(
+            f"--load {load_dir} is one checkpoint: pass the directory that holds it and its "
+            f"{layout.TRACKER_FILENAME} ({os.path.dirname(os.path.normpath(load_dir))})"
+        )
+    raise CheckpointError(
+        f"--load {load_dir}: no checkpoint there (no {layout.TRACKER_FILENAME}, no iter_* "
+        "directory); to start from scratch leave --load unset"
+    )
+
+
+def _saved_world_size(path: str) -> int:
+    facts = read_state_file(os.path.join(path, layout.METADATA_FILENAME))
+    world = facts.get("world_size") if isinstance(facts, dict) else None
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise StateFormatError(f"{layout.METADATA_FILENAME}: world_size must be an integer >= 1")
+    return world
+
+
+def _state_dict_file(path: str) -> dict[str, Any]:
+    state = read_state_file(path)
+    if not isinstance(state, dict):
+        raise StateFormatError(f"{path}: holds a {type(state).__name__}, not a dict")
+    return state
+
+
 def read_small_files(
     path: str, rank: int, world_size: int, log: logging.Logger
 ) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
     """(common, this rank's per-rank dict or None, saved world size) of a checkpoint directory.
 
-    When the world size changed, rank r gets the file of saved rank r if it exists, else None,
-    with a warning: the caller decides how to rebuild RNG/data-iterator state.
+    All JSON (`safe_state`): nothing read here can run code. When the world size changed, rank
+    r gets the file of saved rank r if it exists, else None, with a warning: the caller decides
+    how to rebuild RNG/data-iterator state.
+
+    Raises:
+        CheckpointError: the checkpoint is in the pickle format of an older stalwart.
+        StateFormatError, OSError: a file is missing or malformed.
     """
-    with open(os.path.join(path, layout.METADATA_FILENAME), encoding="utf-8") as f:
-        saved_world = int(json.load(f)["world_size"])
-    # weights_only=False: these are our own files, holding arbitrary picklable user state.
-    common = torch.load(
-        os.path.join(path, layout.COMMON_FILENAME), map_location="cpu", weights_only=False
-    )
+    if layout.is_legacy(path):
+        raise CheckpointError(layout.convert_hint(path))
+    saved_world = _saved_world_size(path)
+    common = _state_dict_file(os.path.join(path, layout.COMMON_FILENAME))
     rank_file = os.path.join(path, layout.rank_filename(rank))
     if saved_world != world_size:
         log.warning(
@@ -169,8 +217,7 @@ def read_small_files(
         )
         if not os.path.exists(rank_file):
             return common, None, saved_world
-    per_rank = torch.load(rank_file, map_location="cpu", weights_only=False)
-    return common, per_rank, saved_world
+    return common, _state_dict_file(rank_file), saved_world
 
 
 @dataclass(frozen=True)
@@ -216,6 +263,8 @@ def try_load(
     small: tuple[dict[str, Any], dict[str, Any] | None, int] | None = None
     try:
         small = read_small_files(choice.path, rank, world_size, logger)
+    except CheckpointError as exc:
+        problem = str(exc)
     except Exception as exc:
         problem = f"checkpoint {choice.path} is unreadable on rank {rank}: {exc}"
     if collectives.all_reduce_any([problem is not None], group)[0] or small is None:
@@ -224,7 +273,7 @@ def try_load(
         check_common(small[0])  # same file on every rank: every rank raises alike
     try:
         state = dcp_io.gather_state(model, optimizer)
-        dcp_io.load_into(state, choice.path, group, strict)
+        dcp_io.load_into(state, choice.path, group, strict)  # prunes optimizer state never saved
         dcp_io.apply_state(model, optimizer, state, strict)
     except Exception as exc:
         problem = f"checkpoint {choice.path}: loading model/optimizer failed: {exc}"

@@ -15,15 +15,24 @@ Typical loop (every rank calls every method; each is collective when a process g
     ckpt.finalize()                                         # before exit: blocking commit
     ckpt.close()
 
-Save protocol: every rank writes into ``<root>/iter_N.tmp-<token>/`` (DCP shards, ``common.pt`` from
-rank 0, ``rank_XXXXX.pt`` from each rank); once all ranks agree that their part is written, rank 0
-writes the ``COMPLETE`` marker, renames the directory to ``iter_N`` and only then atomically
-advances ``latest_checkpointed_iteration.txt``. A crash at any point leaves the tracker on the
-previous complete checkpoint; leftover tmp directories are removed by the next save.
+Save protocol: every rank writes into ``<root>/iter_N.tmp-<token>/`` (DCP shards, ``common.json``
+from rank 0, ``rank_XXXXX.json`` from each rank); once all ranks agree that their part is written,
+rank 0 writes the ``COMPLETE`` marker, renames the directory to ``iter_N`` and only then
+atomically advances ``latest_checkpointed_iteration.txt``. A crash at any point leaves the tracker
+on the previous complete checkpoint; leftover tmp directories are removed by the next save.
 
-Test-only hook: when the environment variable ``STALWART_TEST_CKPT_SLEEP_S`` is set, rank 0 sleeps
-that many seconds after all shards are written and before the marker/rename/tracker update, so
-tests can SIGKILL a process inside the commit window. Never set it in production.
+One job per directory: rank 0 holds a `SaveDirLock` on ``--save`` (and on an explicit
+``--non-persistent-ckpt-dir``) from ``check_writable`` (or the first save) to ``close``; leftover
+partial saves are removed only under it. Retention deletes only complete checkpoints whose
+marker says this kind of save (persistent / non-persistent) wrote them.
+
+Nothing read from a checkpoint directory can run code: the small state is JSON
+(`stalwart.checkpoint.safe_state`), DCP's pickled metadata and non-tensor entries go through an
+allow-list unpickler (`stalwart.checkpoint.dcp_safe`).
+
+``before_commit(iteration)`` (a constructor argument) runs on rank 0 after every rank's shards
+are written and before the marker/rename/tracker update: the trainer's fault injector uses it
+(``--inject-fault-phase commit``) to widen or kill the commit window in tests.
 """
 
 from __future__ import annotations
@@ -45,13 +54,19 @@ from torch.optim import Optimizer
 
 from stalwart.checkpoint import dcp_io, layout
 from stalwart.checkpoint.errors import CheckpointError
-from stalwart.checkpoint.loading import CheckpointLocator, Choice, LoadedCheckpoint, try_load
+from stalwart.checkpoint.loading import (
+    CheckpointLocator,
+    Choice,
+    LoadedCheckpoint,
+    nothing_to_load,
+    try_load,
+)
+from stalwart.checkpoint.lock import SaveDirLocks
 from stalwart.distributed import collectives
 
 logger = logging.getLogger("stalwart.checkpoint")
 
-TEST_SLEEP_ENV = "STALWART_TEST_CKPT_SLEEP_S"
-FORMAT_VERSION = "stalwart-dcp-v1"
+FORMAT_VERSION = "stalwart-dcp-v2"  # v1: common.pt/rank_*.pt pickles (convert --trust-pickle)
 
 
 @dataclass
@@ -62,13 +77,6 @@ class _PendingSave:
     non_persistent: bool
     future: concurrent.futures.Future | None
     started: float
-
-
-def _test_sleep() -> None:
-    """Test-only: widen the commit window (see module docstring)."""
-    raw = os.environ.get(TEST_SLEEP_ENV)
-    if raw:
-        time.sleep(float(raw))
 
 
 class CheckpointManager:
@@ -83,8 +91,16 @@ class CheckpointManager:
         fallback: ``--ckpt-fallback``: on an unusable newest checkpoint, warn and load the newest
             older complete one instead of raising.
         non_persistent_dir: ``--non-persistent-ckpt-dir``; defaults to ``<save>/non_persistent``.
+            It must not be ``--save`` or inside it (other than that default), nor hold it.
         process_group: group the checkpoint spans (default: the world). With ``async_save`` and a
             process group, the constructor is collective (it creates a gloo group for DCP).
+        before_commit: called with the iteration on rank 0 inside every commit window (after all
+            shards are written, before the marker); tests use it to act inside that window.
+        job_id: this job's identity for the save-directory lock (default: from the launcher's
+            environment, see `stalwart.checkpoint.lock`).
+
+    Raises:
+        ValueError: naming the flags, for ``keep_last < 1`` or overlapping directories.
     """
 
     def __init__(
@@ -97,17 +113,26 @@ class CheckpointManager:
         fallback: bool = False,
         non_persistent_dir: str | None = None,
         process_group: Any = None,
+        before_commit: Callable[[int], None] | None = None,
+        job_id: str | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(
                 f"--ckpt-keep-last must be an integer >= 1 (or unset), got {keep_last}"
             )
+        layout.check_roots_disjoint(save_dir, non_persistent_dir)
         self._save_dir = save_dir
         self._load_dir = load_dir if load_dir is not None else save_dir
+        # --load naming somewhere else must hold a checkpoint; --load = --save may be empty.
+        self._load_explicit = load_dir is not None and (
+            save_dir is None or os.path.realpath(load_dir) != os.path.realpath(save_dir)
+        )
         self._np_dir_explicit = non_persistent_dir is not None
         self._np_dir = non_persistent_dir or (
-            os.path.join(save_dir, "non_persistent") if save_dir else None
+            os.path.join(save_dir, layout.NON_PERSISTENT_SUBDIR) if save_dir else None
         )
+        self._before_commit = before_commit
+        self._locks = SaveDirLocks(self._roots(), job_id)
         self._keep_last = keep_last
         self._fallback = fallback
         self._group = process_group
@@ -122,32 +147,32 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ checks
     def check_writable(self) -> None:
-        """Create the save directories and probe-write a file on every rank.
+        """Create the save directories, probe-write a file on every rank, then take the lock of
+        each save directory on rank 0 (collective).
 
         Raises:
             ValueError: naming ``--save`` (or ``--non-persistent-ckpt-dir``) on every rank when any
-                rank cannot write there.
+                rank cannot write there, or when another job holds its lock.
         """
-        dirs = [(self._save_dir, "--save")]
-        if self._np_dir_explicit:
-            dirs.append((self._np_dir, "--non-persistent-ckpt-dir"))
         problem = None
-        for directory, flag in dirs:
-            if directory is None or problem is not None:
-                continue
-            try:
-                os.makedirs(directory, exist_ok=True)
-                probe = os.path.join(directory, f".write_probe_rank{self._rank}_{os.getpid()}")
-                with open(probe, "w", encoding="utf-8") as f:
-                    f.write("ok")
-                os.unlink(probe)
-            except OSError as exc:
-                problem = f"{flag} {directory!r} is not writable: {exc.strerror or exc}"
+        for directory, flag in self._roots():
+            if directory is not None and problem is None:
+                problem = layout.probe_writable(directory, flag, self._rank)
         failed = collectives.all_reduce_any([problem is not None], self._group)[0]
         if failed:
             raise ValueError(
                 problem or "a checkpoint directory (--save) is not writable on another rank"
             )
+        refused = self._locks.acquire() if self._rank == 0 else None
+        outcome = collectives.broadcast_object(refused, self._src, self._group)
+        if outcome is not None:
+            raise ValueError(str(outcome))
+
+    def _roots(self) -> list[tuple[str | None, str]]:
+        roots = [(self._save_dir, "--save")]
+        if self._np_dir_explicit:
+            roots.append((self._np_dir, "--non-persistent-ckpt-dir"))
+        return roots
 
     # -------------------------------------------------------------------- save
     def save(
@@ -180,7 +205,7 @@ class CheckpointManager:
         started = time.monotonic()
         tmp = self._begin(root, iteration)
         self._write_small_files(tmp, iteration, common, per_rank, non_persistent)
-        state = dcp_io.gather_state(model, optimizer)
+        state = dcp_io.gather_state(model, optimizer, for_save=True)
         pending = _PendingSave(iteration, root, tmp, non_persistent, None, started)
         if self._async is None:
             try:
@@ -188,7 +213,9 @@ class CheckpointManager:
             except Exception as exc:
                 self._discard(pending)
                 raise CheckpointError(
-                    f"saving checkpoint into {tmp} failed: {exc}{layout.write_failure_hint(root)}"
+                    layout.save_failure_message(
+                        f"saving checkpoint into {tmp}", root, dcp_io.describe_failure(exc)
+                    )
                 ) from exc
             self._commit(pending)
             return
@@ -197,7 +224,7 @@ class CheckpointManager:
         except Exception as exc:
             self._discard(pending)
             raise CheckpointError(
-                f"starting async checkpoint save into {tmp} failed: {exc}"
+                f"starting async checkpoint save into {tmp} failed: {dcp_io.describe_failure(exc)}"
             ) from exc
         self._pending = pending
         if self._rank == 0:
@@ -213,6 +240,10 @@ class CheckpointManager:
         decision: tuple[str | None, str | None] = (None, None)
         if self._rank == 0:
             try:
+                refused = self._locks.acquire()
+                if refused is not None:
+                    raise CheckpointError(refused)
+                self._locks.check_held()  # leftovers are deleted only while this job holds it
                 os.makedirs(root, exist_ok=True)
                 for stale in layout.list_tmp_dirs(root):
                     logger.info("removing leftover partial checkpoint %s", stale)
@@ -223,6 +254,8 @@ class CheckpointManager:
                 created = os.path.join(root, layout.tmp_dir_name(iteration, token))
                 os.makedirs(created)
                 decision = (created, None)
+            except CheckpointError as exc:
+                decision = (None, str(exc))
             except OSError as exc:
                 decision = (None, f"cannot create checkpoint directory under {root}: {exc}")
         path, error = cast(
@@ -241,18 +274,20 @@ class CheckpointManager:
         per_rank: dict[str, Any],
         non_persistent: bool,
     ) -> None:
-        """Write common.pt + metadata.json (rank 0) and this rank's file; agree on success."""
+        """Write common.json + metadata.json (rank 0) and this rank's file; agree on success."""
         problem = None
         try:
             os.makedirs(tmp, exist_ok=True)
             if self._rank == 0:
-                layout.torch_save_fsynced(common, os.path.join(tmp, layout.COMMON_FILENAME))
+                layout.write_state_fsynced(common, os.path.join(tmp, layout.COMMON_FILENAME))
                 facts = self._facts(iteration, non_persistent)
                 layout.write_text_atomic(
                     os.path.join(tmp, layout.METADATA_FILENAME), json.dumps(facts, indent=2) + "\n"
                 )
-            layout.torch_save_fsynced(per_rank, os.path.join(tmp, layout.rank_filename(self._rank)))
-        except Exception as exc:  # report any failure (pickling included) to every rank
+            layout.write_state_fsynced(
+                per_rank, os.path.join(tmp, layout.rank_filename(self._rank))
+            )
+        except Exception as exc:  # report any failure (an unstorable value included) to every rank
             problem = f"rank {self._rank} could not write into {tmp}: {exc}"
         if collectives.all_reduce_any([problem is not None], self._group)[0]:
             self._discard(_PendingSave(iteration, "", tmp, non_persistent, None, 0.0))
@@ -297,11 +332,15 @@ class CheckpointManager:
                 concurrent.futures.wait([pending.future])
             self._pending = None
             self._discard(pending)
-            cause = pending.future.exception() if failed else "failed on another rank"
-            raise CheckpointError(
-                f"async checkpoint save into {pending.tmp_path} failed: {cause}"
-                + layout.write_failure_hint(pending.root)
+            cause = pending.future.exception() if failed else None
+            summary = (
+                dcp_io.describe_failure(cause) if cause is not None else "failed on another rank"
             )
+            raise CheckpointError(
+                layout.save_failure_message(
+                    f"async checkpoint save into {pending.tmp_path}", pending.root, summary
+                )
+            ) from cause
         self._pending = None
         self._commit(pending)
         return pending.iteration
@@ -332,8 +371,10 @@ class CheckpointManager:
             )
 
     def _publish(self, pending: _PendingSave) -> None:
-        """Marker → rename → tracker → retention. Only rank 0 runs this."""
-        _test_sleep()
+        """Marker → rename → tracker → retention. Only rank 0 runs this, under the lock."""
+        if self._before_commit is not None:
+            self._before_commit(pending.iteration)
+        self._locks.check_held()
         root, iteration = pending.root, pending.iteration
         layout.write_marker(pending.tmp_path, self._facts(iteration, pending.non_persistent))
         final = os.path.join(root, layout.iteration_dir_name(iteration))
@@ -348,21 +389,7 @@ class CheckpointManager:
             layout.remove_checkpoint_dir(replaced)
         keep = 1 if pending.non_persistent else self._keep_last
         if keep is not None:
-            self._apply_retention(root, keep)
-
-    def _apply_retention(self, root: str, keep: int) -> None:
-        """Delete old complete checkpoints; failures only warn (the new one is already committed)."""
-        try:
-            doomed = layout.select_for_deletion(
-                layout.list_complete_checkpoints(root), keep, layout.read_tracker(root)
-            )
-            for old in doomed:
-                layout.remove_checkpoint_dir(os.path.join(root, layout.iteration_dir_name(old)))
-        except (OSError, CheckpointError) as exc:
-            logger.warning("checkpoint retention in %s failed: %s", root, exc)
-            return
-        if doomed:
-            logger.info("retention removed checkpoints %s from %s", doomed, root)
+            layout.apply_retention(root, keep, pending.non_persistent, logger)
 
     def _discard(self, pending: _PendingSave) -> None:
         if self._rank == 0:
@@ -398,12 +425,14 @@ class CheckpointManager:
         as is: the checkpoint is fine, the run does not match it, so no fallback applies.
 
         Returns:
-            None when there is nothing to load (no tracker anywhere), else the restored metadata.
+            None when there is nothing to load (no tracker anywhere; logged as "no checkpoint in
+            DIR, starting from scratch"), else the restored metadata.
 
         Raises:
             CheckpointError: naming the path and the problem, when the chosen checkpoint is
                 missing/incomplete/corrupt (with ``fallback``, only when no older one works either;
-                an explicit ``iteration`` never falls back).
+                an explicit ``iteration`` never falls back), and when a ``load_dir`` other than
+                ``save_dir`` holds no checkpoint (a typo must not train from scratch).
         """
         self.finalize()
         rejected: set[str] = set()
@@ -442,7 +471,10 @@ class CheckpointManager:
         decision: tuple[Choice | None, str | None] = (None, None)
         if self._rank == 0:
             try:
-                decision = (self._locator().choose(iteration, rejected, logger), None)
+                choice = self._locator().choose(iteration, rejected, logger)
+                if choice is None and not rejected:
+                    nothing_to_load(self._load_dir, self._load_explicit, logger)
+                decision = (choice, None)
             except CheckpointError as exc:
                 decision = (None, str(exc))
         choice, error = cast(
@@ -463,6 +495,12 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._close_writes(abort)
+        finally:
+            self._locks.release()  # every exit path: the next job may use the directory
+
+    def _close_writes(self, abort: bool) -> None:
         try:
             if abort:
                 if self._pending is not None:

@@ -8,15 +8,33 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
+
+from stalwart.cli.arg_types import Float, Int, register_checked_types
+from stalwart.cli.config_file import toml_defaults
+from stalwart.config.checks import SEED_MAX
 
 PRESET_NAMES = ("tiny", "small", "gpt2-124m")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (``stalwart train: error: ...``), exit 2."""
+    """argparse that reports a bad flag as one line (``stalwart train: error: ...``), exit 2.
+
+    Flags must be spelled out (``allow_abbrev=False``, as in Megatron: ``--train-iter`` is not
+    ``--train-iters``), and ``type=int`` / ``type=float`` are the checked types of
+    ``stalwart.cli.arg_types``. ``raise_errors=True`` raises ``ValueError(message)`` instead of
+    exiting (used to parse ``--config`` values key by key).
+    """
+
+    def __init__(self, *args: Any, raise_errors: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self.raise_errors = raise_errors
+        register_checked_types(self)
 
     def error(self, message: str) -> NoReturn:
+        if self.raise_errors:
+            raise ValueError(message)
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
         raise SystemExit(2)
 
@@ -34,7 +52,15 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-experts", type=int, help="MoE experts per layer (0: dense MLP)")
     g.add_argument("--moe-router-topk", type=int)
     g.add_argument("--moe-aux-loss-coeff", type=float)
-    g.add_argument("--moe-capacity-factor", type=float)
+    g.add_argument(
+        "--moe-expert-capacity-factor",
+        "--moe-capacity-factor",
+        dest="moe_capacity_factor",
+        type=Float(gt=0),
+        help="per-expert capacity factor (tokens beyond capacity are dropped)",
+    )
+    g.add_argument("--init-method-std", type=Float(gt=0), help="std of the weight init")
+    g.add_argument("--norm-epsilon", type=Float(gt=0), help="LayerNorm epsilon")
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:
@@ -77,7 +103,7 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
         help="train until this many samples are consumed (instead of --train-iters); the LR "
         "schedule then counts samples (--lr-warmup-samples, --lr-decay-samples)",
     )
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=Int(0, SEED_MAX), default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument(
@@ -266,9 +292,13 @@ def _graph_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", help="full|selective (activation recompute)")
 
 
-def build_train_parser(prog: str = "stalwart train") -> argparse.ArgumentParser:
+def build_train_parser(
+    prog: str = "stalwart train", *, raise_errors: bool = False
+) -> argparse.ArgumentParser:
     """The ``stalwart train`` parser (flags only; defaults that depend on the preset are None)."""
-    p = OneLineErrorParser(prog=prog, description="Train the reference GPT with stalwart.")
+    p = OneLineErrorParser(
+        prog=prog, description="Train the reference GPT with stalwart.", raise_errors=raise_errors
+    )
     p.add_argument("--config", help="TOML file of flag values (flag names, - or _); CLI wins")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     for add in (
@@ -288,40 +318,20 @@ def build_train_parser(prog: str = "stalwart train") -> argparse.ArgumentParser:
 
 
 def parse_train_args(argv: list[str]) -> argparse.Namespace:
-    """Parse ``stalwart train`` flags, applying ``--config run.toml`` values as defaults."""
+    """Parse ``stalwart train`` flags, applying ``--config run.toml`` values as defaults.
+
+    The namespace's ``config_file_keys`` holds the destinations the file set (they count as
+    given explicitly, e.g. ``--demo`` does not override them).
+    """
     parser = build_train_parser()
     pre, _ = parser.parse_known_args(argv)
+    defaults: dict[str, Any] = {}
     if pre.config:
-        parser.set_defaults(**_load_toml_defaults(parser, pre.config))
-    return parser.parse_args(argv)
-
-
-def _load_toml_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, object]:
-    import tomllib
-
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        parser.error(f"--config: file not found: {path}")
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        parser.error(f"--config: cannot read {path}: {exc}")
-    known = {a.dest for a in parser._actions}
-    defaults: dict[str, object] = {}
-    for key, value in _flatten(data).items():
-        dest = key.replace("-", "_")
-        if dest not in known or dest in ("config", "help"):
-            parser.error(f"--config: unknown key {key!r} in {path}")
-        defaults[dest] = value
-    return defaults
-
-
-def _flatten(data: dict[str, object]) -> dict[str, object]:
-    """Tables group flags for readability only: ``[training] lr = 1e-3`` means ``--lr``."""
-    flat: dict[str, object] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value))
-        else:
-            flat[key] = value
-    return flat
+        try:
+            defaults = toml_defaults(pre.config, lambda: build_train_parser(raise_errors=True))
+        except ValueError as exc:
+            parser.error(str(exc))
+        parser.set_defaults(**defaults)
+    ns = parser.parse_args(argv)
+    ns.config_file_keys = frozenset(defaults)
+    return ns

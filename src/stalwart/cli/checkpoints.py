@@ -7,6 +7,14 @@ the integrity check a resume runs (marker, metadata, every shard as long as its 
 the exit code is 1 when the checkpoint a resume would load is not loadable, so an operator or a
 pre-launch hook can test a directory before spending a job on it.
 
+``stalwart checkpoints convert --trust-pickle PATH`` rewrites checkpoints of an older stalwart
+(``common.pt``/``rank_*.pt`` pickles, refused by a resume because reading a pickle can run code)
+into the JSON state files, for checkpoints whose writer you trust.
+
+Nothing here runs code from the directory it reads: state files are JSON and DCP metadata goes
+through the restricted unpickler; unreadable side files (``metadata.json``,
+``exit_reason.json``) are reported as such, never a traceback.
+
 ``stalwart export --load DIR [--iteration N] --out FILE [--dtype bf16]`` writes the model weights
 of one checkpoint as a single ``torch.save`` file, ``{"model": state_dict, "model_config": {...},
 "iteration": N, "source": path}``: whatever the number of ranks that saved it (DCP reshards),
@@ -16,11 +24,13 @@ no optimizer state, loadable with ``torch.load(FILE, weights_only=True)`` into
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import os
 import sys
 from typing import Any
+
+from stalwart.cli.args import OneLineErrorParser
 
 EXIT_OK = 0
 EXIT_NOT_LOADABLE = 1
@@ -30,11 +40,12 @@ _DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _dir_bytes(path: str) -> int:
-    return sum(
-        os.path.getsize(os.path.join(root, name))
-        for root, _, names in os.walk(path)
-        for name in names
-    )
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):  # a file removed meanwhile, a dangling link
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
 
 
 def _describe_tier(root: str, verify: bool) -> tuple[list[str], str | None]:
@@ -47,7 +58,11 @@ def _describe_tier(root: str, verify: bool) -> tuple[list[str], str | None]:
         lines = [f"{root}: tracker names {tracker if tracker is not None else 'nothing'}"]
     except CheckpointError as exc:
         tracker, lines = None, [f"{root}: BROKEN tracker: {exc}"]
-    names = sorted(n for n in os.listdir(root) if layout.parse_iteration_dir_name(n) is not None)
+    try:
+        entries = os.listdir(root)
+    except OSError as exc:
+        return [f"{root}: unreadable directory: {exc.strerror or exc}"], None
+    names = sorted(n for n in entries if layout.parse_iteration_dir_name(n) is not None)
     newest_problem: str | None = None
     for name in names:
         path = os.path.join(root, name)
@@ -58,7 +73,8 @@ def _describe_tier(root: str, verify: bool) -> tuple[list[str], str | None]:
         if verify:
             state += ", verified" if problem is None else f", BROKEN: {problem}"
         mark = " <- tracker" if iteration == tracker else ""
-        world = facts.get("world_size", "?")
+        world = facts.get("world_size")
+        world = world if isinstance(world, int) and not isinstance(world, bool) else "?"
         mib = _dir_bytes(path) / 2**20
         lines.append(f"  {name}  {state}  saved by {world} rank(s)  {mib:.1f} MiB{mark}")
         if iteration == tracker:
@@ -71,17 +87,19 @@ def _metadata(path: str) -> dict[str, Any]:
     from stalwart.checkpoint import layout
 
     try:
-        with open(os.path.join(path, layout.METADATA_FILENAME), encoding="utf-8") as f:
-            data = json.load(f)
+        with open(os.path.join(path, layout.METADATA_FILENAME), "rb") as f:
+            data = json.loads(f.read(1 << 20))
             return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
 
 
 def main_checkpoints(argv: list[str] | None = None) -> int:
     """``stalwart checkpoints``: 0 listed (and the tracked checkpoint verified), 1 the tracked
     checkpoint is broken, 2 no such directory or bad usage."""
-    p = argparse.ArgumentParser(prog="stalwart checkpoints", description=__doc__.splitlines()[0])
+    if argv and argv[0] == "convert":
+        return _main_convert(argv[1:])
+    p = OneLineErrorParser(prog="stalwart checkpoints", description=__doc__.splitlines()[0])
     p.add_argument("save_dir", help="a --save directory")
     p.add_argument("--verify", action="store_true", help="check markers, metadata and shards")
     try:
@@ -104,13 +122,36 @@ def main_checkpoints(argv: list[str] | None = None) -> int:
     return EXIT_NOT_LOADABLE if broken else EXIT_OK
 
 
+def _main_convert(argv: list[str]) -> int:
+    """``stalwart checkpoints convert --trust-pickle PATH``: 0 converted (or nothing to do)."""
+    p = OneLineErrorParser(prog="stalwart checkpoints convert",
+                                description="Rewrite pickle checkpoints of an older stalwart as JSON state.")  # fmt: skip
+    p.add_argument("path", help="a --save directory or one iter_* checkpoint")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="required: the pickles are read unrestricted (they can run code)")  # fmt: skip
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    from stalwart.checkpoint import CheckpointError
+    from stalwart.checkpoint.convert import convert_path
+
+    try:
+        done = convert_path(args.path, trust_pickle=args.trust_pickle)
+    except (ValueError, OSError, CheckpointError) as exc:
+        print(f"stalwart checkpoints convert: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print("\n".join(f"converted {d}" for d in done) or f"nothing to convert in {args.path}")
+    return EXIT_OK
+
+
 def _last_exit(save_dir: str) -> str:
     """Why the last run stopped, from ``exit_reason.json`` (written by rank 0 at every exit)."""
-    try:
-        with open(os.path.join(save_dir, "exit_reason.json"), encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return "last exit: unknown (no readable exit_reason.json)"
+    from stalwart.reliability.exit import read_exit_reason
+
+    record, problem = read_exit_reason(save_dir)
+    if record is None:
+        return f"last exit: unknown ({problem})"
     return (
         f"last exit: {record.get('reason')} at iteration {record.get('iteration')} "
         f"(exit code {record.get('exit_code')}): {record.get('detail')}"
@@ -131,9 +172,17 @@ def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
     problem = layout.check_files(path)
     if problem is not None:
         raise ValueError(f"--load {load}: checkpoint {path} is not loadable: {problem}")
-    common = torch.load(os.path.join(path, layout.COMMON_FILENAME), weights_only=False)
-    model_config = dict(common["config"]["model"])
-    model = GPT(GPTConfig(**model_config))
+    from stalwart.checkpoint.safe_state import read_state_file
+
+    common = read_state_file(os.path.join(path, layout.COMMON_FILENAME))
+    config = common.get("config") if isinstance(common, dict) else None
+    model_config = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model_config, dict):
+        raise ValueError(f"--load {load}: {path}/{layout.COMMON_FILENAME} has no model config")
+    try:
+        model = GPT(GPTConfig(**model_config))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--load {load}: the model config of {path} is unusable: {exc}") from None
     CheckpointManager(None, load).load(model, None, load_optim=False, iteration=iteration)
     cast = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     state = {k: v.detach().to(cast) for k, v in model.state_dict().items()}
@@ -148,7 +197,7 @@ def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
 
 def main_export(argv: list[str] | None = None) -> int:
     """``stalwart export``: 0 written; 2 bad usage or a checkpoint that cannot be loaded."""
-    p = argparse.ArgumentParser(prog="stalwart export", description="Write one checkpoint's "
+    p = OneLineErrorParser(prog="stalwart export", description="Write one checkpoint's "
                                 "model weights as a single torch.save file.")  # fmt: skip
     p.add_argument("--load", required=True, help="a --save directory")
     p.add_argument("--iteration", type=int, help="default: the one the tracker names")
@@ -160,6 +209,12 @@ def main_export(argv: list[str] | None = None) -> int:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     from stalwart.checkpoint import CheckpointError
 
+    if args.iteration is not None and args.iteration < 0:
+        print(
+            f"stalwart export: error: --iteration must be >= 0, got {args.iteration}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     try:
         print(_export(args.load, args.iteration, args.out, args.dtype))
     except (ValueError, OSError, CheckpointError) as exc:

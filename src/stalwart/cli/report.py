@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stalwart.cli.args import OneLineErrorParser
 from stalwart.observability.report import write_report
 
 EXIT_OK = 0
@@ -12,7 +13,7 @@ EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineErrorParser(
         prog="stalwart report",
         description="Render <run-dir>/report.html (inline SVG charts) and PNGs from a run's artefacts.",
     )
@@ -33,7 +34,7 @@ def main_report(argv: list[str] | None = None) -> int:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     try:
         path = write_report(args.run_dir, args.output, not args.no_png, args.metrics_file)
-    except FileNotFoundError as exc:
+    except OSError as exc:  # no such run directory, or the report cannot be written
         print(f"stalwart report: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     print(f"report written to {path}")

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from stalwart.checkpoint import CheckpointError
 from stalwart.config.run import RunConfig
+from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import destroy_distributed, init_distributed
+from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
 from stalwart.train.trainer import TrainOutcome, run_training
 
 logger = logging.getLogger("stalwart.cli")
@@ -18,13 +20,11 @@ logger = logging.getLogger("stalwart.cli")
 
 def _loss_summary(metrics_file: str) -> str | None:
     """'first -> last interval loss' from the metrics file, or None when it has no train records."""
-    try:
-        with open(metrics_file) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError):
-        return None
-    losses = [r["loss"] for r in records if r.get("split") == "train" and r.get("loss") is not None]
-    if len(losses) < 2:
+    from stalwart.observability.report_clean import is_number, read_jsonl
+
+    records = read_jsonl(Path(metrics_file), [])  # a torn or garbage line is skipped
+    losses = [r["loss"] for r in records if r.get("split") == "train" and is_number(r.get("loss"))]
+    if len(losses) < 2 or losses[0] == 0:
         return None
     ratio = losses[-1] / losses[0]
     return f"loss fell from {losses[0]:.3f} (first log) to {losses[-1]:.3f} (last interval): {ratio:.0%} of the first"
@@ -56,7 +56,11 @@ def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
 
 
 def _user_error(exc: ValueError | CheckpointError) -> int:
-    """Bad input or an unusable checkpoint: one line on stderr, exit code 2 (no traceback)."""
+    """Bad input or an unusable checkpoint: one line on stderr, exit code 2 (no traceback);
+    a device that a rerun verdict names as faulty: exit code 16 (resume elsewhere)."""
+    if isinstance(exc, SuspectDeviceError):
+        sys.stderr.write(f"stalwart train: {exc}\n")
+        return exc.exit_code
     kind = "checkpoint error" if isinstance(exc, CheckpointError) else "error"
     sys.stderr.write(f"stalwart train: {kind}: {exc}\n")
     return 2
@@ -70,7 +74,7 @@ def _run_inprocess(config: RunConfig, demo: bool) -> int:
         code, outcome = run_training_inprocess(config)
     except (ValueError, CheckpointError) as exc:
         return _user_error(exc)
-    if demo and outcome is not None and int(os.environ.get("RANK", "0")) == 0:
+    if demo and outcome is not None and env_int("RANK", 0) == 0:
         _demo_epilogue(config, outcome)
     return code
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stalwart.config.checks import bounds, check_fields
 from stalwart.observability.profiler import validate_profile_window
+from stalwart.observability.timers import validate_timing_flags
+
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclass(kw_only=True)
@@ -22,34 +26,31 @@ class ObservabilityConfig:
     timing_log_option: str = "minmax"
     timing_mode: str = "sync"
     log_straggler: bool = False
-    straggler_threshold: float = 1.2
-    log_memory_interval: int = 0
+    straggler_threshold: float = field(default=1.2, metadata=bounds(gt=1.0))
+    log_memory_interval: int = field(default=0, metadata=bounds(ge=0))
     log_memory_to_tensorboard: bool = False
     log_energy: bool = False
     dump_dir: str | None = None
-    save_activations_interval: int = 0
+    save_activations_interval: int = field(default=0, metadata=bounds(ge=0))
     log_dgrads: bool = False
     log_tokens_per_expert: bool = False
     dump_stats_only: bool = False
     profile: bool = False
-    profile_step_start: int = 10
-    profile_step_end: int = 12
-    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    profile_step_start: int = field(default=10, metadata=bounds(ge=0))
+    profile_step_end: int = field(default=12, metadata=bounds(ge=0))
+    profile_ranks: list[int] = field(default_factory=lambda: [0], metadata=bounds(ge=0))
     use_pytorch_profiler: bool = False
     profile_dir: str | None = None
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        validate_timing_flags(self.timing_log_level, self.timing_log_option)
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            allowed = ", ".join(WANDB_MODES)
+            raise ValueError(f"--wandb-mode: got {self.wandb_mode!r}, allowed: {allowed}")
         if self.profile:
             validate_profile_window(
                 self.profile_step_start, self.profile_step_end, self.profile_ranks
             )
         if self.timing_mode not in ("sync", "events"):
             raise ValueError(f"--timing-mode: got {self.timing_mode!r}, allowed: sync, events")
-        if self.straggler_threshold <= 1.0:
-            raise ValueError(
-                f"--straggler-threshold must be > 1.0 (got {self.straggler_threshold})"
-            )
-        if self.log_memory_interval < 0:
-            raise ValueError(f"--log-memory-interval must be >= 0 (got {self.log_memory_interval})")
-        if self.save_activations_interval < 0:
-            raise ValueError("--save-activations-interval must be >= 0")

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalwart.config.checks import bounds, check_fields
 from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.graphs.checks import CudaGraphImpl, RecomputeGranularity
@@ -51,6 +52,8 @@ _MODEL_FLAGS = {
     "moe_router_topk": "moe_router_topk",
     "moe_aux_loss_coeff": "moe_aux_loss_coeff",
     "moe_capacity_factor": "moe_capacity_factor",
+    "init_method_std": "init_std",
+    "norm_epsilon": "layernorm_epsilon",
 }
 
 
@@ -63,7 +66,7 @@ class GraphConfig:
 
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
     optimizer_cuda_graph: bool = False
-    cuda_graph_warmup_steps: int = 3
+    cuda_graph_warmup_steps: int = field(default=3, metadata=bounds(ge=1))
     recompute_granularity: RecomputeGranularity | None = None
     # Launch the next iteration's forward-backward replay before this one's validation read
     # (gated optimizer graph only; stalwart.loop.lookahead). Not a Megatron flag.
@@ -88,8 +91,7 @@ class GraphConfig:
                     f"--recompute-granularity: got {self.recompute_granularity!r}, "
                     f"allowed: {choices}"
                 ) from None
-        if self.cuda_graph_warmup_steps < 1:
-            raise ValueError("--cuda-graph-warmup-steps must be >= 1")
+        check_fields(self)  # after the conversion: the fields hold enums from here on
 
     @property
     def full_iteration(self) -> bool:
@@ -186,7 +188,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     """Typed, validated config from parsed flags (``argv`` tells which flags were explicit)."""
     explicit = {
         a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or []) if a[:2] == "--"
-    }
+    } | set(getattr(ns, "config_file_keys", ()))  # values from --config count as given
     if getattr(ns, "demo", False):
         _apply_demo_defaults(ns, explicit)
     overrides = {

@@ -14,6 +14,7 @@ only stores how many samples were consumed. In a hand-written loop::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -39,7 +40,8 @@ def parse_data_blend(value: str | Sequence[str] | None) -> list[tuple[float, str
     """``--data-path`` -> ``[(weight, path), ...]`` with weights summing to 1; None: the corpus.
 
     Accepts one path, several paths (equal weights) or ``w1 p1 w2 p2 ...``. ``ValueError`` naming
-    ``--data-path`` for a mix of the two forms, a missing path, or a weight that is not > 0.
+    ``--data-path`` for a mix of the two forms, a missing path, or a weight that is not a finite
+    number > 0.
     """
     if value is None:
         return None
@@ -58,9 +60,13 @@ def parse_data_blend(value: str | Sequence[str] | None) -> list[tuple[float, str
     for weight, path in pairs:
         if _as_weight(path) is not None:
             raise ValueError(f"--data-path: expected a path, got the number {path!r} ({items})")
-        if not weight > 0:
-            raise ValueError(f"--data-path: weights must be > 0, got {weight} for {path!r}")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(
+                f"--data-path: weights must be finite numbers > 0, got {weight} for {path!r}"
+            )
     total = sum(w for w, _ in pairs)
+    if not math.isfinite(total):
+        raise ValueError(f"--data-path: the weights' sum overflows ({items}); scale them down")
     return [(w / total, p) for w, p in pairs]
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from stalwart.distributed.launch_env import env_int
+
 
 @dataclass(frozen=True)
 class DistributedContext:
@@ -43,7 +45,7 @@ class DistributedContext:
 
 def env_world_size() -> int:
     """World size announced by the launcher (torchrun sets WORLD_SIZE), 1 without one."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_int("WORLD_SIZE", 1, minimum=1)
 
 
 def choose_device(local_rank: int, use_cpu: bool = False) -> torch.device:
@@ -72,7 +74,7 @@ def init_distributed(
         The context; with WORLD_SIZE unset or 1 and no group requested, a single-process context.
     """
     world_size = env_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = env_int("LOCAL_RANK", 0)
     device = choose_device(local_rank, use_cpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -87,7 +89,7 @@ def init_distributed(
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
             store=store,
-            rank=-1 if store is None else int(os.environ["RANK"]),
+            rank=-1 if store is None else env_int("RANK", 0, maximum=world_size - 1),
             world_size=-1 if store is None else world_size,
         )
     ctx = DistributedContext(
@@ -114,13 +116,14 @@ def torchrun_attempt_store(timeout_s: float) -> dist.Store | None:
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
         return None
+    restart = env_int("TORCHELASTIC_RESTART_COUNT", 0, maximum=1 << 31)
     base = dist.TCPStore(
-        env["MASTER_ADDR"],
-        int(env["MASTER_PORT"]),
+        env.get("MASTER_ADDR", "127.0.0.1"),
+        env_int("MASTER_PORT", 29500, minimum=1, maximum=65535),
         is_master=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return dist.PrefixStore(f"stalwart/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", base)
+    return dist.PrefixStore(f"stalwart/attempt_{restart}", base)
 
 
 def destroy_distributed() -> None:

@@ -59,11 +59,13 @@ class DumpConfig:
     module_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
 
     def __post_init__(self) -> None:
+        # Only the first is a flag; the others follow it (--log-dgrads, --log-tokens-per-expert,
+        # --dump-stats-only), or are set by a hand-written loop.
         for flag, value in (
             ("--save-activations-interval", self.save_activations_interval),
-            ("--save-dgrads-interval", self.save_dgrads_interval),
-            ("--save-tokens-per-expert-interval", self.save_tokens_per_expert_interval),
-            ("--log-tensor-stats-interval", self.tensor_stats_interval),
+            ("DumpConfig.save_dgrads_interval", self.save_dgrads_interval),
+            ("DumpConfig.save_tokens_per_expert_interval", self.save_tokens_per_expert_interval),
+            ("DumpConfig.tensor_stats_interval", self.tensor_stats_interval),
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be a positive integer or unset, got {value}")

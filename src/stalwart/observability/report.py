@@ -21,11 +21,10 @@ The HTML is self-contained: charts are inline SVG, nothing is fetched from the n
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
 
+from stalwart.observability import report_clean as clean
 from stalwart.observability.run_dir import (
     EVENTS_FILE,
     LOSS_KEYS,
@@ -60,35 +59,6 @@ __all__ = [
 ]
 
 
-def _read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    bad = 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1  # a torn last line after a crash is normal
-                continue
-            if isinstance(obj, dict):
-                rows.append(obj)
-    if bad:
-        notes.append(f"{path.name}: skipped {bad} unreadable line(s)")
-    return rows
-
-
-def _read_json(path: Path, notes: list[str]) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        notes.append(f"{path.name}: unreadable ({exc})")
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
 def _find_metrics(run_dir: Path) -> Path | None:
     direct = run_dir / "metrics.jsonl"
     if direct.exists():
@@ -100,7 +70,8 @@ def _find_metrics(run_dir: Path) -> Path | None:
 def load_run(
     run_dir: str | os.PathLike[str], metrics_file: str | os.PathLike[str] | None = None
 ) -> RunArtefacts:
-    """Read every known artefact; missing ones are recorded in ``notes``, never raised.
+    """Read every known artefact; missing or unreadable ones (and records of the wrong shape,
+    see `report_clean`) are recorded in ``notes``, never raised.
 
     ``metrics_file`` overrides the search for ``metrics.jsonl`` / ``*metrics*.jsonl`` in the run dir.
 
@@ -119,18 +90,18 @@ def load_run(
         )
     else:
         # Training rows only: validation rows ("split": "validation...") share the file.
+        rows = clean.clean_metrics(clean.read_jsonl(metrics, notes), metrics.name, notes)
         art.metrics = sorted(
-            (
-                r
-                for r in _read_jsonl(metrics, notes)
-                if "iteration" in r and r.get("split", "train") == "train"
-            ),
+            (r for r in rows if r.get("split", "train") == "train"),
             key=lambda r: float(r["iteration"]),
         )
-    for name, attr in (("straggler.jsonl", "straggler"), (EVENTS_FILE, "events")):
+    for name, cleaner, attr in (
+        ("straggler.jsonl", clean.clean_straggler, "straggler"),
+        (EVENTS_FILE, clean.clean_events, "events"),
+    ):
         path = root / name
         if path.exists():
-            setattr(art, attr, _read_jsonl(path, notes))
+            setattr(art, attr, cleaner(clean.read_jsonl(path, notes), name, notes))
         else:
             notes.append(f"{name} not found: section skipped")
     for name, attr in (
@@ -140,9 +111,11 @@ def load_run(
     ):
         path = root / name
         if path.exists():
-            setattr(art, attr, _read_json(path, notes))
+            setattr(art, attr, clean.read_json(path, notes))
         elif name != "chaos.json":  # chaos runs are the exception, not worth a note
             notes.append(f"{name} not found: section skipped")
+    art.memory = clean.clean_memory(art.memory, "memory.json", notes)
+    art.chaos = clean.clean_chaos(art.chaos)
     return art
 
 

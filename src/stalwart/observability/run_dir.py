@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.observability.sinks import append_line
+
 EVENTS_FILE = "events.jsonl"
 REPORT_FILE = "report.html"
 PNG_DIR = "report"
@@ -58,8 +60,7 @@ def append_event(
     }
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
-    with open(path / EVENTS_FILE, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    append_line(path / EVENTS_FILE, json.dumps(record))
     return record
 
 

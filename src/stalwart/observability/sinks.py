@@ -13,10 +13,14 @@ Optional dependencies (``tensorboard``, ``wandb``) are imported when a sink is c
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
+
+logger = logging.getLogger(__name__)
+_TAIL_CHUNK = 1 << 20
 
 WANDB_MODES = ("online", "offline", "disabled")
 # Keys with this suffix use consumed samples as their x-axis (Megatron's "vs samples" variants).
@@ -200,6 +204,48 @@ def _json_number(value: Any) -> Any:
     return value
 
 
+def heal_torn_tail(path: str | os.PathLike[str]) -> int:
+    """Before appending to a JSON-lines file: drop a torn last record (a crash mid-write left
+    bytes after the last newline), so the next record starts on its own line instead of being
+    glued to the garbage and lost with it. Returns the number of bytes dropped (0 if none or the
+    file is absent); logs one warning when it drops something.
+    """
+    try:
+        with open(path, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return 0
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return 0
+            start = max(0, size - _TAIL_CHUNK)
+            f.seek(start)
+            newline = f.read(size - start).rfind(b"\n")
+            if newline < 0 and start > 0:  # a torn record longer than the chunk: terminate it
+                f.seek(size)
+                f.write(b"\n")
+                keep = size
+            else:
+                keep = start + newline + 1
+                f.truncate(keep)
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        logger.warning("cannot check the tail of %s: %s", path, exc.strerror or exc)
+        return 0
+    dropped = size - keep
+    if dropped:
+        logger.warning("%s: dropped a torn last record (%d bytes, left by a crash)", path, dropped)
+    return dropped
+
+
+def append_line(path: str | os.PathLike[str], line: str) -> None:
+    """Append one line (``line`` without its newline) after healing a torn tail."""
+    heal_torn_tail(path)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
 class JsonlSink:
     """JSON lines file (``--metrics-file``): one object per step, ``{"step": s, key: value, ...}``.
 
@@ -211,6 +257,7 @@ class JsonlSink:
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         self.path = path
+        heal_torn_tail(path)  # a crash mid-line must not swallow this run's first record
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 -- closed by close()
         self._pending_step: int | None = None
         self._pending: dict[str, Any] = {}

@@ -49,6 +49,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from stalwart.distributed import collectives
+from stalwart.observability.sinks import append_line
 from stalwart.observability.train_log import IntervalInfo, LogField
 
 STRAGGLER_FILE = "straggler.jsonl"
@@ -59,7 +60,9 @@ def validate_straggler_args(threshold: float, minmax_count: int) -> None:
     if not (math.isfinite(threshold) and threshold > 1.0):
         raise ValueError(f"--straggler-threshold must be a finite number > 1.0, got {threshold}")
     if minmax_count < 1:
-        raise ValueError(f"--straggler-minmax-count must be an integer >= 1, got {minmax_count}")
+        raise ValueError(
+            f"StragglerDetector minmax_count must be an integer >= 1, got {minmax_count}"
+        )
 
 
 @dataclass(frozen=True)
@@ -246,8 +249,7 @@ class StragglerDetector:
         self._last = report
         if self.rank == 0 and self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.run_dir / STRAGGLER_FILE, "a", encoding="utf-8") as f:
-                f.write(json.dumps(report.to_record()) + "\n")
+            append_line(self.run_dir / STRAGGLER_FILE, json.dumps(report.to_record()))
         return report
 
     @property

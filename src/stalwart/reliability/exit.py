@@ -40,6 +40,7 @@ SIGTERM-to-SIGKILL window (see `stalwart.reliability.signals`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -298,10 +299,12 @@ def write_exit_reason(
     iteration: int,
     detail: str = "",
     exit_code: int = EXIT_CODE_GRACEFUL,
-) -> Path:
+) -> Path | None:
     """Write ``<save>/exit_reason.json`` atomically (call on rank 0 only) and log one line.
 
-    Fields: reason, iteration, detail, exit_code, time (UTC ISO 8601), hostname, pid.
+    Fields: reason, iteration, detail, exit_code, time (UTC ISO 8601), hostname, pid. A file that
+    cannot be written (e.g. ``exit_reason.json`` is a directory) is logged as one error line and
+    None returned: the checkpoint is already saved, the exit must go on.
     """
     payload = {
         "reason": reason.value,
@@ -313,13 +316,19 @@ def write_exit_reason(
         "pid": os.getpid(),
     }
     target = Path(save_dir) / EXIT_REASON_FILENAME
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        logger.error("stalwart: cannot write %s: %s", target, exc.strerror or exc)
+        return None
     logger.info(
         "stalwart: exit reason %s at iteration %d%s",
         reason.value,
@@ -461,3 +470,24 @@ def leave(
         write_exit_reason(save_dir, reason, iteration, decision.detail, decision.exit_code)
     collectives.barrier()
     return decision.exit_code
+
+
+def read_exit_reason(save_dir: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, str]:
+    """``(record, "")`` from ``<save>/exit_reason.json``, or ``(None, why)`` when it is missing,
+    not UTF-8 JSON, not an object, or its ``iteration``/``exit_code`` are not integers. Plain
+    JSON: reading it runs nothing."""
+    path = Path(save_dir) / EXIT_REASON_FILENAME
+    try:
+        with open(path, "rb") as f:
+            record = json.loads(f.read(1 << 20))
+    except FileNotFoundError:
+        return None, f"no {EXIT_REASON_FILENAME}"
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"{path} unreadable: {type(exc).__name__}"
+    if not isinstance(record, dict):
+        return None, f"{path} holds a JSON {type(record).__name__}, not an object"
+    for key in ("iteration", "exit_code"):
+        value = record.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return None, f"{path}: {key} is not an integer"
+    return record, ""

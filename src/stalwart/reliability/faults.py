@@ -1,7 +1,7 @@
 """Deterministic fault injection for testing the reliability machinery (off by default).
 
 ``--inject-fault KIND --inject-fault-iteration N [--inject-fault-rank R]
-[--inject-fault-hang-seconds S] [--inject-fault-phase step|eval|checkpointing]
+[--inject-fault-hang-seconds S] [--inject-fault-phase step|eval|checkpointing|commit]
 [--inject-fault-repeat]``
 
 Kinds, fired on rank R when the trainer calls ``maybe_inject(N, rank, phase)``:
@@ -46,7 +46,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MARKER_PREFIX = ".stalwart_fault_fired_"
-FAULT_PHASES: tuple[str, ...] = ("step", "eval", "checkpointing")
+# ``commit``: on rank 0 inside the checkpoint commit window (every rank's shards written, before
+# the marker, rename and tracker update; N is the checkpoint's iteration). ``hang`` with
+# ``--inject-fault-hang-seconds`` there widens the window so that a test can kill the job in it.
+FAULT_PHASES: tuple[str, ...] = ("step", "eval", "checkpointing", "commit")
 
 
 class FaultKind(Enum):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 from stalwart.config.run import RunConfig
+from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import DistributedContext, choose_device, init_distributed
 from stalwart.reliability.inprocess.store import RestartStore, StoreAddress
 from stalwart.reliability.inprocess.wrapper import (
@@ -46,11 +46,11 @@ def trainer_attempt(config: RunConfig) -> Callable[[Attempt], TrainOutcome]:
 def build_restarter(config: RunConfig) -> InProcessRestarter:
     """The restarter for the current launcher: a TCP store hosted by rank 0, or a local one."""
     use_cpu, timeout_s = config.training.use_cpu, config.training.distributed_timeout_minutes * 60
-    device = choose_device(int(os.environ.get("LOCAL_RANK", "0")), use_cpu)
+    device = choose_device(env_int("LOCAL_RANK", 0), use_cpu)
     options = RestartOptions.from_config(config.inprocess, no_retry=(ValueError,))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_int("WORLD_SIZE", 1, minimum=1)
     if world > 1:
-        rank = int(os.environ.get("RANK", "0"))
+        rank = env_int("RANK", 0, maximum=world - 1)
         store = RestartStore(
             StoreAddress.from_env(), rank, world, timeout_s=options.barrier_timeout
         )

@@ -40,6 +40,7 @@ from stalwart.reliability.exit import (
 from stalwart.reliability.hang.sections import Section, build_section_monitor
 from stalwart.reliability.replica_check import ReplicaConsistencyChecker
 from stalwart.reliability.rerun import RerunDataIterator, resolve_iterations_to_skip
+from stalwart.reliability.rerun.verdict_file import apply_verdict, record_verdict
 from stalwart.train import build
 from stalwart.train.forward_step import gpt_forward_step
 from stalwart.train.manual_gc import make_manual_gc
@@ -101,11 +102,13 @@ class Trainer:
         """One line per part: each is built from its config, nothing is changed afterwards."""
         on_close = self._exit.callback
         build.check_graph_flags(config, ctx.device, ctx.world_size)  # before any set-up
-        manager = config.checkpoint.build()  # --save probed before any work
+        self.faults = config.faults.build(config.checkpoint.save, ctx.world_size)
+        manager = config.checkpoint.build(
+            before_commit=lambda iteration: self.faults.maybe_inject(iteration, ctx.rank, "commit")
+        )  # --save probed and locked before any work (atexit releases it if building fails)
         on_close(manager.close)
         self.sections = build_section_monitor(config.ft, ctx.rank, config.checkpoint.save)
         on_close(self.sections.close)
-        self.faults = config.faults.build(config.checkpoint.save, ctx.world_size)
         self.config, self.data = build.resolve_config(config, ctx)
         config = self.config
         self.raw_model, self.model = build.build_model(config, ctx, self.faults)
@@ -142,6 +145,7 @@ class Trainer:
         self.iterations_to_skip = frozenset(resolve_iterations_to_skip(config.rerun))
         self.run_dir = run_dir_of(config)
         self.loaded_iteration: int | None = None
+        self.loaded_path: str | None = None
         self.batch_size = self.data.global_batch_size  # this iteration's (see _start_batch)
         self._num_microbatches: int | None = None
         self._saved_at: int | None = None
@@ -349,6 +353,8 @@ class Trainer:
             closing=True, async_save=self.config.checkpoint.async_save
         )
         if reason is ExitReason.RERUN:
+            if self.loaded_path is not None:  # the diagnosis of a rerun from that checkpoint
+                record_verdict(self.machine, self.loaded_path, write=self.ctx.is_main)
             self.event(EventKind.RERUN, decision.detail)
         self.event(
             EventKind.EXIT, f"{reason.value}: {decision.detail} (exit code {decision.exit_code})"
@@ -393,7 +399,8 @@ class Trainer:
         if cfg.finetune:
             self.print(f"finetuning from {loaded.path}: weights loaded, starting at iteration 0")
             return
-        self.loaded_iteration = loaded.iteration
+        self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
+        apply_verdict(self.machine, loaded.path)  # a settled rerun: train on, or refuse the device
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
 
 

@@ -84,6 +84,19 @@ def parse_ft_timeouts(text: str, base: SectionTimeouts | None = None) -> Section
     return replace(base or SectionTimeouts(), **values)
 
 
+def _finite(value: object, minimum: float) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= minimum
+    )
+
+
+def _int_at_least(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 @dataclass(frozen=True)
 class FaultToleranceConfig:
     """Hang-detection settings (Megatron/NVRx flag spelling in error messages).
@@ -120,23 +133,54 @@ class FaultToleranceConfig:
     stack_dump_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
+        # Only --ft-num-warmup-iters is a flag; the rest are FaultToleranceConfig fields that a
+        # hand-written loop sets (NVRx's settings, not Megatron flags).
         checks = (
-            (self.ft_num_warmup_iters >= 0, "--ft-num-warmup-iters", "an integer >= 0"),
-            (self.safety_factor >= 1.0, "--ft-safety-factor", "a number >= 1"),
-            (0.0 <= self.blend_alpha < 1.0, "--ft-blend-alpha", "a number in [0, 1)"),
-            (self.min_learned_timeout_s >= 0, "--ft-min-learned-timeout", "a number >= 0"),
-            (self.min_steps_for_step_update >= 1, "--ft-min-steps-for-update", "an integer >= 1"),
-            (0 < self.poll_interval_s <= 60, "--ft-poll-interval", "a number in (0, 60]"),
-            (self.kill_grace_s >= 0, "--ft-kill-grace", "a number >= 0"),
-            (self.stack_dump_wait_s >= 0, "--ft-stack-dump-wait", "a number >= 0"),
+            (
+                _int_at_least(self.ft_num_warmup_iters, 0),
+                "--ft-num-warmup-iters",
+                "an integer >= 0",
+            ),
+            (
+                _finite(self.safety_factor, 1.0),
+                "FaultToleranceConfig.safety_factor",
+                "a number >= 1",
+            ),
+            (
+                _finite(self.blend_alpha, 0.0) and self.blend_alpha < 1.0,
+                "FaultToleranceConfig.blend_alpha",
+                "a number in [0, 1)",
+            ),
+            (
+                _finite(self.min_learned_timeout_s, 0.0),
+                "FaultToleranceConfig.min_learned_timeout_s",
+                "a number >= 0",
+            ),
+            (
+                _int_at_least(self.min_steps_for_step_update, 1),
+                "FaultToleranceConfig.min_steps_for_step_update",
+                "an integer >= 1",
+            ),
+            (
+                _finite(self.poll_interval_s, 0.0) and 0 < self.poll_interval_s <= 60,
+                "FaultToleranceConfig.poll_interval_s",
+                "a number in (0, 60]",
+            ),
+            (_finite(self.kill_grace_s, 0.0), "FaultToleranceConfig.kill_grace_s", "a number >= 0"),
+            (
+                _finite(self.stack_dump_wait_s, 0.0),
+                "FaultToleranceConfig.stack_dump_wait_s",
+                "a number >= 0",
+            ),
         )
-        for ok, flag, allowed in checks:
+        for ok, name, allowed in checks:
             if not ok:
-                raise ValueError(f"{flag}: must be {allowed}")
+                raise ValueError(f"{name}: must be {allowed}")
         if self.stack_dump_signal not in _DUMP_SIGNALS:
             allowed = ", ".join(_DUMP_SIGNALS)
             raise ValueError(
-                f"--ft-stack-dump-signal: got {self.stack_dump_signal!r}, allowed: {allowed}"
+                f"FaultToleranceConfig.stack_dump_signal: got {self.stack_dump_signal!r}, "
+                f"allowed: {allowed}"
             )
 
     @property
@@ -148,5 +192,5 @@ class FaultToleranceConfig:
         if self.enable_ft and exit_signal == self.dump_signal:
             raise ValueError(
                 f"--exit-signal: {exit_signal.name} is used by hang detection for stack dumps "
-                f"(--ft-stack-dump-signal); choose another exit or dump signal"
+                f"(FaultToleranceConfig.stack_dump_signal); choose another exit signal"
             )

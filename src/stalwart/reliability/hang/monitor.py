@@ -8,9 +8,12 @@ worker's GIL, a stuck CUDA call or a hung collective, because it is a separate p
 Protocol
 --------
 The worker (``stalwart.reliability.hang.sections.SectionMonitor``) owns a small memory-mapped file (the
-heartbeat record, layout ``_RECORD``). It writes the open section, when it opened, when the last
-section closed, and the live timeouts, under a sequence lock (odd sequence = write in progress).
-The monitor polls the record every ``--poll`` seconds and:
+heartbeat record): two slots of layout ``_SLOT``, each the open section, when it opened, when the
+last section closed, the live timeouts, a sequence number and a CRC-32 of all that. A write goes
+to the slot the last write did not use, in one copy, so a complete record is always in the file
+even if the worker stops in the middle of a write; the reader takes the valid slot with the
+highest sequence number (a torn slot fails its CRC). The monitor polls the record every
+``--poll`` seconds and:
 
 * exits quietly (``MonitorExit.WORKER_CLOSED``) when the worker set the *closed* flag;
 * exits (``MonitorExit.WORKER_GONE``) when the worker died (it was re-parented, or the pid is gone);
@@ -20,6 +23,10 @@ The monitor polls the record every ``--poll`` seconds and:
   the log), runs ``py-spy dump`` if it is installed, kills the worker with SIGKILL (after an
   optional SIGTERM grace) so that the launcher (torchrun) sees a failed worker and restarts the
   job, writes ``ft_hang_rank<R>.json`` next to the log, and exits (``MonitorExit.KILLED_WORKER``).
+* when no slot is valid (the file was overwritten or truncated): counts it as *no progress*. The
+  last valid record keeps being judged (its open section keeps ageing); when there was none, or
+  it had nothing open, the time since the record became unreadable is judged against the longest
+  timeout (``--fallback-timeout`` before any valid record). Hang detection never switches off.
 
 The monitor ignores SIGINT and SIGTERM: during a graceful exit it keeps watching the final save,
 and it always ends on its own once the worker is gone.
@@ -43,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import IO
 
@@ -55,12 +63,14 @@ FLAG_CLOSED = 1
 FLAG_OUT_OF_SECTION_ARMED = 2
 
 # magic, seq, section id, flags, section_start, last_close, last_update,
-# timeouts (setup, step, checkpointing, out_of_section). Times are time.monotonic() seconds,
-# which is one system-wide clock on Linux, so both processes read the same time base.
-_RECORD = struct.Struct("<8sqiiddddddd")
-RECORD_SIZE = _RECORD.size
-_SEQ = struct.Struct("<q")
-_SEQ_OFFSET = 8
+# timeouts (setup, step, checkpointing, out_of_section), then a CRC-32 of the bytes before it.
+# Times are time.monotonic() seconds, which is one system-wide clock on Linux, so both processes
+# read the same time base.
+_FIELDS = struct.Struct("<8sqiiddddddd")
+_CRC = struct.Struct("<I4x")
+SLOT_SIZE = _FIELDS.size + _CRC.size
+RECORD_SIZE = 2 * SLOT_SIZE  # two slots: a write never touches the last complete record
+UNREADABLE = "unreadable heartbeat record"
 
 
 class MonitorExit(enum.IntEnum):
@@ -69,7 +79,6 @@ class MonitorExit(enum.IntEnum):
     WORKER_CLOSED = 0
     WORKER_GONE = 1
     KILLED_WORKER = 3
-    BAD_RECORD = 4
 
 
 @dataclass(frozen=True)
@@ -106,38 +115,46 @@ def pack_record(
     last_update: float,
     timeouts: tuple[float, float, float, float],
 ) -> bytes:
-    return _RECORD.pack(
+    """One slot: the fields and their CRC-32."""
+    fields = _FIELDS.pack(
         MAGIC, seq, section, flags, section_start, last_close, last_update, *timeouts
+    )
+    return fields + _CRC.pack(zlib.crc32(fields))
+
+
+def write_record(buf: mmap.mmap, seq: int, slot: bytes) -> None:
+    """Write ``slot`` (from `pack_record` with ``seq``) into the slot the previous write left alone.
+
+    One copy into a slot that no reader is relying on: the other slot still holds the previous
+    complete record, so a worker stopped mid-write never leaves the file without one.
+    """
+    offset = (seq % 2) * SLOT_SIZE
+    buf[offset : offset + SLOT_SIZE] = slot
+
+
+def _unpack_slot(raw: bytes) -> tuple[int, Snapshot] | None:
+    fields, (crc,) = raw[: _FIELDS.size], _CRC.unpack(raw[_FIELDS.size :])
+    if zlib.crc32(fields) != crc:
+        return None
+    magic, seq, section, flags, start, close, update, *timeouts = _FIELDS.unpack(fields)
+    if magic != MAGIC:
+        return None
+    t = (float(timeouts[0]), float(timeouts[1]), float(timeouts[2]), float(timeouts[3]))
+    return int(seq), Snapshot(
+        int(section), int(flags), float(start), float(close), float(update), t
     )
 
 
-def write_record(buf: mmap.mmap, seq: int, fields: bytes) -> None:
-    """Write ``fields`` (from `pack_record`) under the seqlock; ``seq`` must be even.
-
-    The sequence number is written alone, odd first and ``seq`` last, so that a reader never
-    sees the final (even) number next to half-written fields.
-    """
-    _SEQ.pack_into(buf, _SEQ_OFFSET, seq - 1)  # odd: a reader that sees this retries
-    buf[:_SEQ_OFFSET] = fields[:_SEQ_OFFSET]
-    buf[_SEQ_OFFSET + _SEQ.size : RECORD_SIZE] = fields[_SEQ_OFFSET + _SEQ.size :]
-    _SEQ.pack_into(buf, _SEQ_OFFSET, seq)
-
-
-def read_snapshot(buf: mmap.mmap, retries: int = 100) -> Snapshot | None:
-    """Read the record consistently (seqlock); None if the magic is wrong or the writer never settles."""
-    for _ in range(retries):
-        (seq_before,) = _SEQ.unpack_from(buf, _SEQ_OFFSET)
-        if seq_before % 2:
-            time.sleep(0.0005)
-            continue
-        magic, seq, section, flags, start, close, update, *timeouts = _RECORD.unpack_from(buf, 0)
-        (seq_after,) = _SEQ.unpack_from(buf, _SEQ_OFFSET)
-        if seq != seq_before or seq_after != seq_before:
-            continue
-        if magic != MAGIC:
-            return None
-        t = (float(timeouts[0]), float(timeouts[1]), float(timeouts[2]), float(timeouts[3]))
-        return Snapshot(int(section), int(flags), float(start), float(close), float(update), t)
+def read_snapshot(buf: mmap.mmap, retries: int = 3) -> Snapshot | None:
+    """The newest valid slot; None when neither slot is valid (after a few quick retries)."""
+    for attempt in range(retries):
+        raw = bytes(buf[:RECORD_SIZE])
+        slots = [_unpack_slot(raw[i * SLOT_SIZE : (i + 1) * SLOT_SIZE]) for i in (0, 1)]
+        valid = [slot for slot in slots if slot is not None]
+        if valid:
+            return max(valid, key=lambda slot: slot[0])[1]
+        if attempt + 1 < retries:
+            time.sleep(0.001)  # both slots mid-write is a race of microseconds: look again
     return None
 
 
@@ -155,6 +172,30 @@ def find_overrun(snap: Snapshot, now: float) -> Overrun | None:
         if elapsed > timeout:
             return Overrun(OUT_OF_SECTION, elapsed, timeout)
     return None
+
+
+def judge(
+    last_good: Snapshot | None,
+    unreadable_since: float | None,
+    now: float,
+    fallback_timeout_s: float,
+) -> Overrun | None:
+    """Pure: the overrun, if any, counting an unreadable record as no progress.
+
+    ``last_good`` is the newest valid record seen, ``unreadable_since`` when the record stopped
+    being valid (None while it is valid). The last valid record keeps being judged; if it cannot
+    overrun (nothing open, not armed) or there never was one, the time unreadable is judged
+    against its longest timeout (``fallback_timeout_s`` without a record).
+    """
+    if last_good is not None:
+        over = find_overrun(last_good, now)
+        if over is not None or unreadable_since is None:
+            return over
+    if unreadable_since is None:
+        return None
+    timeout = max(last_good.timeouts) if last_good is not None else fallback_timeout_s
+    elapsed = now - unreadable_since
+    return Overrun(UNREADABLE, elapsed, timeout) if elapsed > timeout else None
 
 
 class _Log:
@@ -297,18 +338,28 @@ def run_monitor(args: argparse.Namespace) -> int:
     log = _Log(args.log_file, args.rank)
     with open(args.heartbeat, "rb") as f:
         buf = mmap.mmap(f.fileno(), RECORD_SIZE, access=mmap.ACCESS_READ)
+    last_good: Snapshot | None = None
+    unreadable_since: float | None = None
     try:
         while True:
             if not _worker_alive(args.pid, args.parent_pid):
                 _unlink(args.heartbeat)  # the worker cannot clean up after a crash
                 return MonitorExit.WORKER_GONE
             snap = read_snapshot(buf)
-            if snap is None:
-                log.line(f"heartbeat record {args.heartbeat} is unreadable; monitor stops")
-                return MonitorExit.BAD_RECORD
-            if snap.closed:
-                return MonitorExit.WORKER_CLOSED
-            overrun = find_overrun(snap, time.monotonic())
+            now = time.monotonic()
+            if snap is None and unreadable_since is None:
+                unreadable_since = now
+                log.line(
+                    f"heartbeat record {args.heartbeat} is unreadable; counting it as no "
+                    "progress (hang detection stays on)"
+                )
+            elif snap is not None:
+                if unreadable_since is not None:
+                    log.line(f"heartbeat record {args.heartbeat} is readable again")
+                last_good, unreadable_since = snap, None
+                if snap.closed:
+                    return MonitorExit.WORKER_CLOSED
+            overrun = judge(last_good, unreadable_since, now, args.fallback_timeout)
             if overrun is not None:
                 handle_overrun(args, log, overrun)
                 _unlink(args.heartbeat)
@@ -335,6 +386,7 @@ class MonitorClient:
         log_dir: receives ``monitor_rank<R>.log``, ``stacks_rank<R>.txt`` and, after a hang,
             ``ft_hang_rank<R>.json``.
         poll_s, dump_wait_s, term_grace_s: forwarded to the monitor process.
+        fallback_timeout_s: how long the monitor waits on a record that was never readable.
         dump_signal: registered with ``faulthandler`` in this process; the monitor sends it.
     """
 
@@ -347,9 +399,15 @@ class MonitorClient:
         dump_signal: int,
         dump_wait_s: float,
         term_grace_s: float,
+        fallback_timeout_s: float = 600.0,
     ) -> None:
         self.rank, self.log_dir = rank, log_dir
-        self._opts = {"--poll": poll_s, "--dump-wait": dump_wait_s, "--term-grace": term_grace_s}
+        self._opts = {
+            "--poll": poll_s,
+            "--dump-wait": dump_wait_s,
+            "--term-grace": term_grace_s,
+            "--fallback-timeout": fallback_timeout_s,
+        }
         self._dump_signal = dump_signal
         self._lock = threading.Lock()
         self._seq = 0
@@ -379,12 +437,10 @@ class MonitorClient:
         with self._lock:
             if self._buf.closed:
                 return
-            self._seq += 2
+            self._seq += 1
             now = time.monotonic()
-            fields = pack_record(
-                self._seq, section, flags, section_start, last_close, now, timeouts
-            )
-            write_record(self._buf, self._seq, fields)
+            slot = pack_record(self._seq, section, flags, section_start, last_close, now, timeouts)
+            write_record(self._buf, self._seq, slot)
 
     def start(self) -> None:
         """Register the stack-dump handler and start the monitor process (once).
@@ -446,9 +502,10 @@ def _positive(text: str) -> float:
     return value
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The monitor process's command line (the worker's `MonitorClient.start` writes it)."""
     p = argparse.ArgumentParser(
-        description="stalwart per-rank hang monitor (started by the worker)"
+        description="stalwart per-rank hang monitor (started by the worker)", allow_abbrev=False
     )
     p.add_argument("--heartbeat", required=True, help="memory-mapped heartbeat record")
     p.add_argument("--pid", type=int, required=True, help="worker pid to watch and kill")
@@ -460,10 +517,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dump-wait", type=_positive, default=1.0, help="max seconds to wait for a dump"
     )
     p.add_argument("--term-grace", type=_positive, default=0.0, help="SIGTERM grace before SIGKILL")
+    p.add_argument(
+        "--fallback-timeout",
+        type=_positive,
+        default=600.0,
+        help="seconds a record that was never readable is tolerated",
+    )
     p.add_argument("--stack-file", default=None)
     p.add_argument("--log-file", default=None)
     p.add_argument("--report-file", default=None)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,11 +3,13 @@
 A rank is *hung* when a section stays open longer than its timeout, or when, after warm-up, the
 time spent outside any section exceeds the out-of-section timeout. The timeouts are enforced by
 ``stalwart/reliability/monitor.py``, a standard-library-only process started per rank; the worker
-only writes a 80-byte heartbeat record into shared memory (a lock, ``time.monotonic()`` and a
-``struct.pack`` per call: microseconds, no syscalls, no host-device sync). On a hang the monitor logs
-rank, section and duration, dumps every thread's stack, kills the worker with SIGKILL so that
-torchrun (``--max-restarts``) restarts the job, and exits. Disabled FT returns `NullSectionMonitor`,
-whose methods do nothing.
+only writes an 88-byte slot of a two-slot heartbeat record into shared memory (a lock,
+``time.monotonic()``, a ``struct.pack`` and a CRC-32 per call: microseconds, no syscalls, no
+host-device sync; a write stopped half-way leaves the other, complete slot, and a record that
+cannot be read at all counts as no progress, so detection never switches off). On a hang the
+monitor logs rank, section and duration, dumps every thread's stack, kills the worker with
+SIGKILL so that torchrun (``--max-restarts``) restarts the job, and exits. Disabled FT returns
+`NullSectionMonitor`, whose methods do nothing.
 
 Section rules the trainer follows
 ---------------------------------
@@ -165,6 +167,7 @@ class SectionMonitor:
             dump_signal=int(config.dump_signal),
             dump_wait_s=config.stack_dump_wait_s,
             term_grace_s=config.kill_grace_s,
+            fallback_timeout_s=max(timeouts.as_tuple()),
         )
         self._publish()
 
@@ -175,6 +178,11 @@ class SectionMonitor:
     @property
     def monitor_pid(self) -> int | None:
         return self._client.pid
+
+    @property
+    def heartbeat_path(self) -> str:
+        """The memory-mapped heartbeat record the monitor process reads."""
+        return self._client.heartbeat_path
 
     def start(self) -> None:
         """Start the monitor process (once)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from stalwart.distributed.launch_env import env_int, env_token
 from stalwart.reliability.inprocess.policy import FailureRecord
 
 PORT_ENV = "STALWART_INPROCESS_PORT"
@@ -44,13 +45,13 @@ class StoreAddress:
     @classmethod
     def from_env(cls) -> StoreAddress:
         """``MASTER_ADDR`` and ``STALWART_INPROCESS_PORT`` (default ``MASTER_PORT + 2``)."""
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        raw = os.environ.get(PORT_ENV)
-        if raw is not None:
-            return cls(host, int(raw))
-        if "MASTER_PORT" not in os.environ:
+        host = env_token("MASTER_ADDR", "127.0.0.1")
+        if os.environ.get(PORT_ENV):
+            return cls(host, env_int(PORT_ENV, 0, minimum=1, maximum=65535))
+        if not os.environ.get("MASTER_PORT"):
             raise ValueError(f"--inprocess-restart: set MASTER_PORT or {PORT_ENV} (use torchrun)")
-        return cls(host, int(os.environ["MASTER_PORT"]) + PORT_OFFSET)
+        port = env_int("MASTER_PORT", 0, minimum=1, maximum=65535 - PORT_OFFSET)
+        return cls(host, port + PORT_OFFSET)
 
 
 def _td(seconds: float) -> datetime.timedelta:

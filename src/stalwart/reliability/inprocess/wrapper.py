@@ -28,7 +28,6 @@ import contextlib
 import faulthandler
 import functools
 import logging
-import os
 import socket
 import sys
 import time
@@ -40,6 +39,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.reliability.inprocess.config import InProcessConfig, RestartGranularity
 from stalwart.reliability.inprocess.health import (
@@ -229,7 +229,7 @@ class InProcessRestarter:
     ) -> None:
         self.options = options
         self.init_group = init_group
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1, minimum=1)
         self.store = store or RestartStore(
             StoreAddress.from_env(), rank, world, timeout_s=options.barrier_timeout
         )

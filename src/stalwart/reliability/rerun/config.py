@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,12 +85,12 @@ class RerunConfig:
                 "--check-weight-hash-across-dp-replicas-interval must be >= 0 (0: off); got "
                 f"{self.check_weight_hash_across_dp_replicas_interval}"
             )
-        for flag, value in (
-            ("--spiky-loss-factor", self.spiky_loss_factor),
-            ("--large-grads-factor", self.large_grads_factor),
+        for name, value in (  # not flags: fields a hand-written loop sets
+            ("RerunConfig.spiky_loss_factor", self.spiky_loss_factor),
+            ("RerunConfig.large_grads_factor", self.large_grads_factor),
         ):
-            if not value > 0:
-                raise ValueError(f"{flag} must be > 0; got {value!r}")
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
         targeted = (self.error_injection_iterations, self.error_injection_ranks)
         if self.error_injection_rate == 0 and any(v is not None for v in targeted):
             raise ValueError(

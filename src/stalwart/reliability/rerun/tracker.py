@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import re
 from collections import defaultdict
 
@@ -21,8 +22,9 @@ from stalwart.reliability.rerun.types import Identity, RerunValidationStatus, jo
 logger = logging.getLogger(__name__)
 
 _LINE = re.compile(
-    r"ts=.+? node=\S+ device=\S+ jobID=(?P<job>\S+) rank=(?P<rank>-?\d+) "
-    r"iteration=(?P<it>-?\d+) status=(?P<status>\S+) result=.+ message=.*"
+    r"ts=.+? node=\S+ device=\S+ jobID=(?P<job>\S+) rank=(?P<rank>-?\d{1,18}) "
+    r"iteration=(?P<it>-?\d{1,18}) status=(?P<status>\S+) result=.+ message=.*",
+    re.ASCII,
 )
 _SKIP_STATUSES = frozenset(
     {
@@ -39,6 +41,10 @@ class TrackerFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise ValueError(
+                f"--result-rejected-tracker-filename {path!r} exists and is not a regular file"
+            )
         try:
             with open(path, "a", encoding="utf-8"):
                 pass
@@ -80,6 +86,39 @@ def _parse_status(text: str) -> RerunValidationStatus | None:
         return None
 
 
+def _read_events(
+    tracker_path: str,
+) -> tuple[list[tuple[str, int, int, RerunValidationStatus | None]], int]:
+    """``(job, rank, iteration, status)`` of every readable line, and how many were not readable.
+
+    Lines are decoded one by one: a line torn by a crash or holding foreign bytes is skipped, the
+    rest of the file still counts. A missing or unreadable file yields no events.
+    """
+    if os.path.exists(tracker_path) and not os.path.isfile(tracker_path):
+        logger.warning("Tracker file %s is not a regular file; not read", tracker_path)
+        return [], 0  # a FIFO or device would block or never end
+    try:
+        with open(tracker_path, "rb") as f:
+            raw_lines = f.read().splitlines()
+    except OSError as exc:
+        logger.warning("Cannot read tracker file %s: %s", tracker_path, exc)
+        return [], 0
+    events: list[tuple[str, int, int, RerunValidationStatus | None]] = []
+    unreadable = 0
+    for raw in raw_lines:
+        if not raw.strip():
+            continue
+        try:
+            m = _LINE.match(raw.decode("utf-8").strip())
+        except UnicodeDecodeError:
+            m = None
+        if m is None:
+            unreadable += 1
+            continue
+        events.append((m["job"], int(m["rank"]), int(m["it"]), _parse_status(m["status"])))
+    return events, unreadable
+
+
 def read_iterations_to_skip(tracker_path: str) -> list[int]:
     """Iterations to skip (numbered from 1, as written), derived from a tracker file.
 
@@ -87,26 +126,24 @@ def read_iterations_to_skip(tracker_path: str) -> list[int]:
     meaning "the bad result is real" (``rerun_disabled``, ``first_rerun_reproducible``,
     ``second_rerun_reproducible``), in any jobs; it is *not* skipped when several ranks reported it
     within one job (a systemic or application problem, not bad data). A missing or unreadable
-    file yields ``[]``.
+    file yields ``[]``; unreadable lines (not UTF-8, not in the format) are skipped, and their
+    number is logged once.
     """
     hits: dict[tuple[int, int], int] = defaultdict(int)
     ranks_per_job: dict[tuple[str, int], set[int]] = defaultdict(set)
-    try:
-        with open(tracker_path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except OSError as exc:
-        logger.warning("Cannot read tracker file %s: %s", tracker_path, exc)
-        return []
-    for line in lines:
-        m = _LINE.match(line.strip())
-        if m is None:
-            continue
-        status = _parse_status(m["status"])
+    events, unreadable = _read_events(tracker_path)
+    if unreadable:
+        logger.warning(
+            "Skipped %d unreadable line(s) of tracker file %s (not UTF-8 or not in the "
+            "tracker format)",
+            unreadable,
+            tracker_path,
+        )
+    for job, rank, it, status in events:
         if status not in _SKIP_STATUSES:
             continue
-        rank, it = int(m["rank"]), int(m["it"])
         hits[(rank, it)] += 1
-        ranks_per_job[(m["job"], it)].add(rank)
+        ranks_per_job[(job, it)].add(rank)
     candidates = {it for (_, it), n in hits.items() if n >= 2}
     systemic = {it for (_, it), ranks in ranks_per_job.items() if len(ranks) > 1}
     skip = sorted(candidates - systemic)

@@ -7,11 +7,12 @@ working; behaviour is re-implemented from a behavioural spec, not copied.
 from __future__ import annotations
 
 import enum
-import os
 import socket
 from dataclasses import dataclass
 
 import torch
+
+from stalwart.distributed.launch_env import env_int, env_token
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
 """The launcher should restart the job from the checkpoint just saved (or the same one)."""
@@ -115,17 +116,17 @@ def device_identity() -> Identity:
     initialised; else ``cpu:<LOCAL_RANK>``. Reading it never initialises CUDA.
     """
     node = socket.gethostname()
-    override = os.environ.get(DEVICE_ID_ENV)
+    override = env_token(DEVICE_ID_ENV, "")
     if override:
         return node, override
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return node, str(torch.cuda.current_device())
-    return node, f"cpu:{os.environ.get('LOCAL_RANK', '0')}"
+    return node, f"cpu:{env_int('LOCAL_RANK', 0)}"
 
 
 def job_id() -> str:
     """Scheduler job id for the tracker file (``N/A`` outside SLURM)."""
-    return os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID") or "N/A"
+    return env_token("SLURM_JOB_ID", "") or env_token("SLURM_JOBID", "") or "N/A"
 
 
 @dataclass(frozen=True)

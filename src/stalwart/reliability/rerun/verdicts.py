@@ -183,6 +183,13 @@ class EventMixin:
         self.event = None
         self.injector.clear()
 
+    def forget_rerun_from_checkpoint(self) -> None:
+        """Drop a loaded "rerun this iteration from the checkpoint" mark: a rerun verdict has
+        settled it (`stalwart.reliability.rerun.verdict_file`); training goes on normally."""
+        self._finish_event()
+        self.state = RerunState.NOT_RUNNING_YET
+        self._awaiting_exit = False
+
     # ------------------------------------------------------------------------------ logging
     def _describe(self, message: str) -> str:
         node, device = device_identity()

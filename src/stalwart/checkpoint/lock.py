@@ -1,0 +1,276 @@
+"""One job per checkpoint directory: a lock file held by rank 0 for the job's life.
+
+``<dir>/.stalwart.lock`` is a small JSON record ``{"host", "pid", "job", "token", "since",
+"heartbeat"}``. It is created atomically (written under a temporary name, then ``os.link``: the
+link fails when the file exists, also on NFS) and refreshed every ``heartbeat_s`` seconds by a
+daemon thread. A lock that is present belongs to someone else unless one of these says
+otherwise:
+
+* the same process (same host and pid): an in-process restart rebuilds its components;
+* the same job: ``$STALWART_JOB_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID`` (the same for
+  every restart of one ``torchrun`` invocation; its default ``none`` does not count), else
+  ``$SLURM_JOB_ID``: a restarted rank 0 takes over its own previous attempt's lock;
+* the holder is dead: its host is this host and its pid does not exist, or its heartbeat is
+  older than ``stale_s`` (a job SIGKILLed on another host; clocks are assumed NTP-synchronised).
+
+Otherwise :meth:`SaveDirLock.acquire` raises ``ValueError`` in one line naming the holder (host,
+pid, since) and the lock file. A lock taken over from a dead holder is first renamed aside and
+checked to be the record judged stale, so two jobs racing for one stale lock cannot both win.
+The heartbeat thread checks that the file is still its own before each refresh; a lock lost to
+another job (this one froze past ``stale_s``) is reported by :meth:`check_held`, which the
+checkpoint manager calls before it deletes or writes anything.
+
+Example::
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> lock = SaveDirLock(d, flag="--save")
+    >>> lock.acquire()
+    >>> lock.check_held()
+    >>> lock.release()
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from stalwart.checkpoint.errors import CheckpointError
+
+logger = logging.getLogger("stalwart.checkpoint")
+
+LOCK_FILENAME = ".stalwart.lock"
+JOB_ID_ENV = "STALWART_JOB_ID"
+DEFAULT_HEARTBEAT_S = 10.0
+DEFAULT_STALE_S = 60.0
+
+
+def current_job_id() -> str | None:
+    """This job's identity across restarts, or None when the launcher gives none."""
+    for name in (JOB_ID_ENV, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(name, "").strip()
+        if value and value != "none":  # torchrun's default --rdzv-id is the literal "none"
+            return f"{name}={value}"
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def describe_holder(record: dict[str, Any]) -> str:
+    since = record.get("since")
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
+        if isinstance(since, (int, float))
+        else "?"
+    )
+    job = f", {record['job']}" if record.get("job") else ""
+    return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}{job}, since {when}"
+
+
+class SaveDirLock:
+    """The lock of one checkpoint directory (see module docstring). Use on one rank only."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        flag: str,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        stale_s: float = DEFAULT_STALE_S,
+        job_id: str | None = None,
+    ) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_FILENAME)
+        self._flag = flag
+        self._heartbeat_s = heartbeat_s
+        self._stale_s = stale_s
+        self._job = job_id if job_id is not None else current_job_id()
+        self._host = socket.gethostname()
+        self._token = f"{self._host}-{os.getpid()}-{os.urandom(6).hex()}"
+        self._since = time.time()
+        self._held = False
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ records
+    def _record(self) -> dict[str, Any]:
+        return {"host": self._host, "pid": os.getpid(), "job": self._job, "token": self._token,
+                "since": self._since, "heartbeat": time.time()}  # fmt: skip
+
+    def _read(self, path: str | None = None) -> dict[str, Any] | None:
+        """The record at ``path`` (default: the lock); None when absent; {} when unreadable."""
+        try:
+            with open(path or self.path, "rb") as f:
+                record = json.loads(f.read(1 << 16))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def _write_tmp(self) -> str:
+        tmp = f"{self.path}.{self._token}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self._record(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    def _is_mine(self, record: dict[str, Any]) -> bool:
+        same_process = record.get("host") == self._host and record.get("pid") == os.getpid()
+        same_job = self._job is not None and record.get("job") == self._job
+        return same_process or same_job
+
+    def _is_stale(self, record: dict[str, Any]) -> bool:
+        pid, beat = record.get("pid"), record.get("heartbeat")
+        if record.get("host") == self._host and isinstance(pid, int) and not _pid_alive(pid):
+            return True
+        if not isinstance(beat, (int, float)):
+            return True  # unreadable or torn record: nobody can be refreshing it
+        return time.time() - beat > self._stale_s
+
+    # ------------------------------------------------------------------ acquire / release
+    def acquire(self) -> None:
+        """Take the lock (creating the directory) and start the heartbeat.
+
+        Raises:
+            ValueError: another live job holds it (one line naming the holder and the file).
+            OSError: the directory cannot be written.
+        """
+        if self._held:
+            return
+        os.makedirs(self.directory, exist_ok=True)
+        for _ in range(5):
+            if self._try_create():
+                break
+            holder = self._read()
+            if holder is None:
+                continue  # released between our attempt and the read
+            if not (self._is_mine(holder) or self._is_stale(holder)):
+                raise ValueError(
+                    f"{self._flag} {self.directory} is in use by another job ({describe_holder(holder)}; "
+                    f"lock file {self.path}); use another directory, or wait for that job to end "
+                    f"(a killed job's lock expires {self._stale_s:.0f} s after its last heartbeat)"
+                )
+            if holder and not self._is_mine(holder):
+                logger.warning(
+                    "taking over the stale lock of %s (%s)", self.directory, describe_holder(holder)
+                )
+            self._break(holder)
+        else:
+            raise ValueError(f"{self._flag} {self.directory}: could not take the lock {self.path}")
+        self._held = True
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="stalwart-save-lock", daemon=True)
+        self._thread.start()
+        atexit.register(self.release)  # a normal interpreter exit after an exception releases it
+
+    def _try_create(self) -> bool:
+        tmp = self._write_tmp()
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def _break(self, judged: dict[str, Any]) -> None:
+        """Remove a lock judged stale or ours; put it back if it changed meanwhile."""
+        aside = f"{self.path}.{self._token}.broken"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        if self._read(aside) != judged:  # someone else took it over meanwhile: restore theirs
+            with contextlib.suppress(OSError):
+                os.link(aside, self.path)
+        with contextlib.suppress(OSError):
+            os.unlink(aside)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            record = self._read()
+            if record is None or record.get("token") != self._token:
+                self._lost = describe_holder(record) if record else "the lock file was removed"
+                logger.error("lost the lock of %s: %s", self.directory, self._lost)
+                return
+            try:
+                os.replace(self._write_tmp(), self.path)
+            except OSError as exc:  # a full disk must not kill the job; the next beat retries
+                logger.warning("could not refresh the lock %s: %s", self.path, exc)
+
+    def check_held(self) -> None:
+        """Raise ``CheckpointError`` when this job lost the lock to another one."""
+        if self._lost is not None:
+            raise CheckpointError(
+                f"{self._flag} {self.directory}: this job lost its lock ({self._lost}); "
+                "not writing or deleting checkpoints there"
+            )
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lock file if it is still ours (idempotent)."""
+        if not self._held:
+            return
+        self._held = False
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.release)
+        record = self._read()
+        if record is not None and record.get("token") == self._token:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+class SaveDirLocks:
+    """The locks of one job's save roots (``--save``, an explicit ``--non-persistent-ckpt-dir``),
+    taken and released together on rank 0."""
+
+    def __init__(self, roots: list[tuple[str | None, str]], job_id: str | None = None) -> None:
+        self._roots = [(root, flag) for root, flag in roots if root is not None]
+        self._job_id = job_id
+        self.locks: list[SaveDirLock] = []
+
+    def acquire(self) -> str | None:
+        """Hold every root's lock (idempotent); the one-line refusal, else None."""
+        held = {lock.directory for lock in self.locks}
+        for root, flag in self._roots:
+            if root in held:
+                continue
+            lock = SaveDirLock(root, flag=flag, job_id=self._job_id)
+            try:
+                lock.acquire()
+            except (ValueError, OSError) as exc:
+                return str(exc)
+            self.locks.append(lock)
+        return None
+
+    def check_held(self) -> None:
+        """``CheckpointError`` when another job took one of them over."""
+        for lock in self.locks:
+            lock.check_held()
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()
+        self.locks = []

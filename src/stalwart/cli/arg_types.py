@@ -1,0 +1,99 @@
+"""Checked argparse value types: every number a flag takes is finite and inside a sane range.
+
+`OneLineErrorParser` registers `Int` and `Float` as the meaning of ``type=int`` and ``type=float``,
+so every numeric flag (also flags added later, and values that come from a ``--config`` TOML file,
+which are parsed by the same parser) gets these checks without naming them:
+
+* ``type=float``: a finite number (``nan``, ``inf``, ``1e999`` are refused);
+* ``type=int``: a base-10 integer in ``[0, 2**53]`` (``1e9``, ``1.5``, ``-1`` and 20-digit numbers
+  are refused; every integer flag of ``stalwart train`` is a count, a size, an interval, an
+  iteration or a rank, and 2**53 is the largest integer a float holds exactly).
+
+Flags with a tighter range pass their own instance, e.g. ``type=Float(gt=0)``. A refused value
+reads ``argument --lr: must be a finite number > 0, got 'inf'``: argparse adds the flag name.
+Semantic ranges that depend on other flags stay in the configs' ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from stalwart.config.checks import INT_MAX
+
+
+def _describe(lower: str | None, upper: str | None) -> str:
+    parts = [p for p in (lower, upper) if p]
+    return " and ".join(parts)
+
+
+class Int:
+    """``type=`` for integer flags: base-10 digits only, ``minimum <= value <= maximum``."""
+
+    __name__ = "int"  # argparse's "invalid <type> value" fallback reads it
+
+    def __init__(self, minimum: int = 0, maximum: int = INT_MAX) -> None:
+        self.minimum, self.maximum = minimum, maximum
+
+    def __call__(self, text: str) -> int:
+        allowed = (
+            f"an integer >= {self.minimum}"
+            if self.maximum == INT_MAX
+            else f"an integer in [{self.minimum}, {self.maximum}]"
+        )
+        try:
+            value = int(text.strip(), 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+        if not self.minimum <= value <= self.maximum:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    def __repr__(self) -> str:
+        return f"Int({self.minimum}, {self.maximum})"
+
+
+class Float:
+    """``type=`` for float flags: finite, and inside the given open/closed bounds."""
+
+    __name__ = "float"
+
+    def __init__(
+        self,
+        *,
+        gt: float | None = None,
+        ge: float | None = None,
+        lt: float | None = None,
+        le: float | None = None,
+    ) -> None:
+        self.gt, self.ge, self.lt, self.le = gt, ge, lt, le
+
+    @property
+    def allowed(self) -> str:
+        lower = f"> {self.gt:g}" if self.gt is not None else None
+        lower = f">= {self.ge:g}" if self.ge is not None else lower
+        upper = f"< {self.lt:g}" if self.lt is not None else None
+        upper = f"<= {self.le:g}" if self.le is not None else upper
+        bounds = _describe(lower, upper)
+        return f"a finite number {bounds}" if bounds else "a finite number"
+
+    def __call__(self, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {self.allowed}, got {text!r}") from None
+        ok = math.isfinite(value)
+        ok = ok and (self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
+        ok = ok and (self.lt is None or value < self.lt) and (self.le is None or value <= self.le)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be {self.allowed}, got {text!r}")
+        return value
+
+    def __repr__(self) -> str:
+        return f"Float({self.allowed})"
+
+
+def register_checked_types(parser: argparse.ArgumentParser) -> None:
+    """Make ``type=int`` / ``type=float`` of ``parser`` (and its groups) mean `Int()` / `Float()`."""
+    parser.register("type", int, Int())
+    parser.register("type", float, Float())

@@ -1,0 +1,88 @@
+"""Environment variables stalwart reads, checked: a bad value is one ``ValueError`` naming it.
+
+Launchers (torchrun, SLURM) set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` ...; a user may set them
+by hand, and a typo (``LOCAL_RANK=-1``, ``nan``, a 30-digit number, bytes pasted from a binary)
+must not end in a traceback from deep inside ``int()`` or ``torch.distributed``. Every read site
+uses `env_int` / `env_token`, and the CLI calls `check_launch_env` before it touches anything, so
+the message comes first and names the variable::
+
+    rank = env_int("RANK", 0)                 # 0 when unset
+    check_launch_env()                        # all of them, and RANK < WORLD_SIZE etc.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+# Values that land in file names, log prefixes and tracker lines: printable, no whitespace.
+_TOKEN = re.compile(r"[\x21-\x7e]{1,256}")
+_MAX_RANKS = 1 << 24  # far beyond any job, small enough that a typo is caught
+_PORT_VARS = ("MASTER_PORT", "STALWART_INPROCESS_PORT")
+_TOKEN_VARS = (
+    "MASTER_ADDR",
+    "STALWART_DEVICE_ID",
+    "STALWART_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_JOB_ID",
+    "SLURM_JOBID",
+)
+
+
+def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def env_int(
+    name: str,
+    default: int,
+    *,
+    minimum: int = 0,
+    maximum: int = _MAX_RANKS,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """``int($name)`` in ``[minimum, maximum]``; ``default`` when unset or empty."""
+    raw = _environ(environ).get(name)
+    if raw is None or raw == "":
+        return default
+    text = raw.strip()
+    if not re.fullmatch(r"[+-]?[0-9]{1,19}", text, flags=re.ASCII):
+        value = None
+    else:
+        value = int(text)
+    if value is None or not minimum <= value <= maximum:
+        raise ValueError(
+            f"environment variable {name}={raw[:40]!r}: must be an integer in "
+            f"[{minimum}, {maximum}] (set by the launcher, e.g. torchrun)"
+        )
+    return value
+
+
+def env_token(name: str, default: str, *, environ: Mapping[str, str] | None = None) -> str:
+    """``$name`` as printable ASCII without spaces (<= 256 characters); ``default`` when unset."""
+    raw = _environ(environ).get(name)
+    if raw is None or raw == "":
+        return default
+    if not _TOKEN.fullmatch(raw):
+        raise ValueError(
+            f"environment variable {name}={raw[:40]!r}: must be 1-256 printable ASCII characters "
+            "without spaces"
+        )
+    return raw
+
+
+def check_launch_env(environ: Mapping[str, str] | None = None) -> None:
+    """Check every launcher/stalwart variable that is set; ValueError naming the first bad one."""
+    env = _environ(environ)
+    # A rank must be below its world size when the launcher announced one (a plain process
+    # with LOCAL_RANK=3 picking GPU 3 stays allowed).
+    world = env_int("WORLD_SIZE", 0, minimum=1, environ=env)
+    env_int("RANK", 0, maximum=world - 1 if world else _MAX_RANKS, environ=env)
+    local_world = env_int("LOCAL_WORLD_SIZE", 0, minimum=1, environ=env)
+    env_int("LOCAL_RANK", 0, maximum=local_world - 1 if local_world else _MAX_RANKS, environ=env)
+    env_int("TORCHELASTIC_RESTART_COUNT", 0, maximum=1 << 31, environ=env)
+    for name in _PORT_VARS:
+        env_int(name, 1, minimum=1, maximum=65535, environ=env)
+    for name in _TOKEN_VARS:
+        env_token(name, "", environ=env)
