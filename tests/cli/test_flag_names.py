@@ -64,7 +64,7 @@ def _subcommand_options(path: Path) -> set[str]:
     for prefix, cli_file in owner.items():
         if rel.startswith(prefix):
             return _declared(SRC / cli_file)
-    if rel.startswith("cli/") or rel == "reliability/monitor.py":  # monitor: its own process
+    if rel.startswith("cli/") or rel == "reliability/hang/monitor.py":  # monitor: its own process
         return _declared(path)
     if rel == "graphs/checks.py":
         return MEGATRON_GRAPH_RULES

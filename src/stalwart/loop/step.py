@@ -246,7 +246,10 @@ class GuardedStep:
         for _ in range(num_microbatches or self.num_microbatches):
             next(self.data)
         self.data.commit()
-        return StepResult(skipped=True)
+        if self.agreement is None:
+            return StepResult(skipped=True)
+        self.agreement.begin()  # the exit inputs are agreed on every iteration, skipped too
+        return StepResult(skipped=True, agreed=self.agreement.finish())
 
     def evaluate(
         self,
