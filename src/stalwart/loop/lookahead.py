@@ -24,6 +24,12 @@ What keeps this exact (same losses, grad norms and parameters as without it):
 
 Not launched under error injection (its per-pass decisions are made as a pass begins), for the
 last iteration, or when the loop says the next iteration is not a plain one.
+
+Limitations: on several GPUs with NCCL the iteration's agreement collective is a device
+all-reduce, stream-ordered after the launched work, so the read waits for it and most of the
+overlap is lost (the results stay exact). Between ``run`` calls nothing may draw from the RNG,
+read the data iterator or change parameters without ``GuardedStep.settle()`` first; a data loader
+that draws from the global Python/NumPy RNG sees its draws for a discarded launch happen earlier.
 """
 
 from __future__ import annotations
