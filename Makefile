@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stalwart-installed
 
-.PHONY: demo test lint typecheck unit chaos gpu-check clean
+.PHONY: demo docs test lint typecheck unit chaos gpu-check clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -12,8 +12,18 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(BIN)/pip install -q -c constraints-dev.txt -e '.[dev]'
 	touch $(STAMP)
 
+# One run directory holds everything: checkpoints, metrics.jsonl, events, memory, straggler, report.
 demo: $(STAMP)
-	$(BIN)/stalwart train --preset tiny --demo --save runs/demo/checkpoints --metrics-file runs/demo/metrics.jsonl
+	$(BIN)/stalwart train --preset tiny --demo --save runs/demo --log-straggler --log-throughput \
+		--timing-log-level 1
+	$(BIN)/stalwart report runs/demo
+	@echo "Open the report: xdg-open runs/demo/report.html   (macOS: open runs/demo/report.html)"
+
+# API reference from the docstrings (pdoc, installed on demand) into build/docs/index.html.
+docs: $(STAMP)
+	$(BIN)/python -c "import pdoc" 2>/dev/null || $(BIN)/pip install -q -c constraints-dev.txt pdoc
+	$(BIN)/pdoc --docformat google --no-show-source -o build/docs stalwart
+	@echo "API docs: build/docs/index.html"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

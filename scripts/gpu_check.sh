@@ -47,6 +47,10 @@ step train_resume_eager_to_graphs 120 "${TRAIN[@]}" --train-iters 40 --load "$SC
   --cuda-graph-impl full_iteration --optimizer-cuda-graph --metrics-file "$WORK/resume_e2g_metrics.jsonl"
 step train_resume_graphs_to_eager 120 "${TRAIN[@]}" --train-iters 40 --load "$SCRATCH/ckpt_graphs" \
   --metrics-file "$WORK/resume_g2e_metrics.jsonl"
+# A Llama model (RoPE, RMSNorm, SwiGLU, GQA, untied) with full recompute inside the graphs.
+step train_llama_graphs 150 "${TRAIN[@]}" --preset llama-tiny --cuda-graph-impl full_iteration \
+  --optimizer-cuda-graph --recompute-granularity full --recompute-method uniform \
+  --recompute-num-layers 1 --metrics-file "$WORK/llama_graphs_metrics.jsonl"
 # A real divergence (huge LR, bf16): the machine finds Inf/NaN, reruns, finds it reproducible,
 # saves and exits 16. With the speculative launch (default) the next iteration was already
 # launched when the fault is read; without it (--no-...) the run must end the same way.
@@ -88,7 +92,8 @@ step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,timers,dumps,gr
 step bench_small 150 "${BENCH[@]}" --preset small --suite baseline,timers,graphs --json "$WORK/bench_small.json"
 step bench_gpt2 200 "${BENCH[@]}" --preset gpt2-124m --suite baseline,timers,dumps --json "$WORK/bench_gpt2.json"
 step bench_dumps 120 "${BENCH[@]}" --preset gpt2-124m --suite dumps --json "$WORK/bench_dumps.json"
-step memory 120 python3 bench/memory_check.py --device cuda --json "$WORK/memory.json"
+# Every preset (llama-* included) x recompute none/selective/full x bf16/fp32: 30 measurements.
+step memory 420 python3 bench/memory_check.py --device cuda --json "$WORK/memory.json"
 step ckpt_save 150 python3 bench/checkpoint_save.py --preset gpt2-124m --device cuda --json "$WORK/ckpt_save.json"
 
 echo "== total $(( $(date +%s) - start ))s" | tee -a "$WORK/summary.txt"

@@ -159,3 +159,33 @@ def test_all_problems_are_reported_together() -> None:
 def test_compile_for_graph_rejects_graphing_modes() -> None:
     with pytest.raises(ValueError, match="reduce-overhead"):
         compile_for_graph(torch.nn.Linear(2, 2), mode="reduce-overhead")
+
+
+def test_recompute_rules_use_the_models_settings() -> None:
+    """The graph rules read the model's real recompute settings (stalwart.models.recompute):
+    selective recompute runs the attention core again, full recompute whole layers."""
+    from stalwart.models import GPTConfig
+    from stalwart.models import RecomputeGranularity as ModelGranularity
+    from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
+
+    assert RecomputeGranularity is ModelGranularity
+    cfg = GPTConfig(
+        num_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        seq_length=4,
+        vocab_size=16,
+        dropout=0.1,
+        recompute_granularity="selective",
+    )
+    settings = dataclasses.replace(
+        FULL,
+        recompute_granularity=cfg.recompute_granularity,
+        recompute_modules=SELECTIVE_RECOMPUTE_MODULES,
+        attention_dropout=cfg.dropout,
+        hidden_dropout=cfg.dropout,
+    )
+    assert graph_config_problems(settings) == [
+        "--attention-dropout=0.1 is not allowed with recomputed 'core_attn' inside a "
+        "full_iteration CUDA graph: recompute's RNG save/restore cannot be captured"
+    ]

@@ -44,7 +44,7 @@ def test_flops_rejects_bad_batch() -> None:
 
 
 def test_presets_and_overrides() -> None:
-    assert set(PRESETS) == {"tiny", "small", "gpt2-124m"}
+    assert set(PRESETS) == {"tiny", "small", "gpt2-124m", "llama-tiny", "llama-150m"}
     assert all(PRESET_MICRO_BATCH_SIZE[n] == 8 for n in PRESETS)
     tiny = preset_model_config("tiny", dropout=0.1)
     assert (tiny.num_layers, tiny.hidden_size, tiny.num_attention_heads) == (2, 256, 4)
@@ -65,7 +65,13 @@ def test_preset_errors() -> None:
 
 @pytest.mark.parametrize(
     ("name", "params"),
-    [("tiny", 3_742_720), ("small", 35_954_688), ("gpt2-124m", 124_475_904)],
+    [
+        ("tiny", 3_742_720),
+        ("small", 35_954_688),
+        ("gpt2-124m", 124_475_904),
+        ("llama-tiny", 5_670_144),
+        ("llama-150m", 152_783_616),
+    ],
 )
 def test_preset_parameter_counts(name: str, params: int) -> None:
     # gpt2-124m: 124,475,904 parameters incl. tied word (50304 x 768) + position embeddings.

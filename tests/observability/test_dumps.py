@@ -71,8 +71,9 @@ def test_dumps_written_last_microbatch_only(tmp_path: Path) -> None:
     assert dgrads["layers.1.attn.proj/grad_output0"].shape == (2, 8, 16)  # last micro-batch (b=2)
     assert dgrads["word_embeddings/grad_output0"].shape == (2, 8, 16)
     tpe = [json.loads(x) for x in (tmp_path / "tokens_per_expert" / "rank3.jsonl").open()]
-    assert [(r["iteration"], r["layer"]) for r in tpe] == [(2, 0), (2, 1)]
-    assert all(sum(r["tokens_per_expert"]) == 2 * 2 * 8 for r in tpe)  # topk * tokens
+    # A loop without per-micro-batch calls: the router's last counts, as one micro-batch.
+    assert [(r["iter"], r["layer"], len(r["tpe"])) for r in tpe] == [(2, 0, 1), (2, 1, 1)]
+    assert all(sum(r["tpe"][0]) == 2 * 2 * 8 for r in tpe)  # topk * tokens
     stats = [json.loads(x) for x in (tmp_path / "tensor_stats" / "rank3.jsonl").open()]
     assert [s["iteration"] for s in stats] == [1, 2]
     qkv = stats[1]["modules"]["layers.0.attn.qkv"]
@@ -157,3 +158,113 @@ def test_from_trainer_flags() -> None:
     )
     assert stats.tensor_stats_interval == 5
     assert stats.save_activations_interval is None and stats.save_dgrads_interval is None
+
+
+WEIGHTS = DumpConfig(
+    save_wgrads_interval=2, save_params_interval=3, save_tokens_per_expert_interval=2
+)
+
+
+def _full_iteration(
+    model: GPT, dumper: TensorDumper | NullTensorDumper, opt: torch.optim.Optimizer, it: int
+) -> dict[str, torch.Tensor]:
+    """Micro-batches of 3 and 2 sequences with the per-micro-batch calls, clip, optimizer step.
+
+    Returns the gradients as they were after the backward passes (before clipping)."""
+    dumper.begin_iteration(it)
+    opt.zero_grad(set_to_none=True)
+    for i, b in enumerate((3, 2)):
+        dumper.begin_microbatch(i, i == 1)
+        ids = torch.randint(0, CFG.vocab_size, (b, CFG.seq_length))
+        out = model(ids, ids)
+        assert isinstance(out, dict)
+        (out["loss"] / 2).backward()
+        dumper.end_microbatch()
+    before_clip = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # in place: must not leak into dumps
+    opt.step()
+    dumper.end_iteration()
+    return before_clip
+
+
+def test_wgrads_params_and_tokens_per_expert_at_their_intervals(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dumper = make_tensor_dumper(model, tmp_path, WEIGHTS, rank=2, dp_rank=0)
+    grads = {it: _full_iteration(model, dumper, opt, it) for it in range(1, 7)}
+    dumper.close()
+    wdirs = sorted(p.name for p in (tmp_path / "wgrads").iterdir())
+    assert wdirs == ["iter_0000002", "iter_0000004", "iter_0000006"]
+    assert sorted(p.name for p in (tmp_path / "params").iterdir()) == [
+        "iter_0000003",
+        "iter_0000006",
+    ]
+    wgrads = torch.load(tmp_path / "wgrads" / "iter_0000004" / "rank2.pt", weights_only=True)
+    assert set(wgrads) == {n for n, p in model.named_parameters() if p.requires_grad}
+    for name, grad in wgrads.items():
+        assert torch.equal(grad, grads[4][name]), name  # accumulated, before clipping
+    params = torch.load(tmp_path / "params" / "iter_0000006" / "rank2.pt", weights_only=True)
+    for name, p in model.named_parameters():
+        assert torch.equal(params[name], p.detach()), name  # after the last optimizer step
+    records = [json.loads(x) for x in (tmp_path / "tokens_per_expert" / "rank2.jsonl").open()]
+    assert [(r["iter"], r["layer"]) for r in records] == [
+        (it, layer) for it in (2, 4, 6) for layer in (0, 1)
+    ]
+    for r in records:
+        assert set(r) == {"iter", "block", "layer", "tpe"} and r["block"] == "decoder"
+        assert len(r["tpe"]) == 2 and all(len(mb) == CFG.num_experts for mb in r["tpe"])
+        # topk * tokens of each micro-batch: 3 then 2 sequences of 8 tokens.
+        assert [sum(mb) for mb in r["tpe"]] == [2 * 3 * 8, 2 * 2 * 8]
+
+
+def test_rerun_pass_replaces_the_first_pass_records(tmp_path: Path) -> None:
+    model = GPT(CFG)
+    dumper = TensorDumper(model, tmp_path, WEIGHTS)
+    dumper.begin_iteration(2)
+    for _ in range(2):  # the rerun state machine replays the iteration's micro-batches
+        for i in range(2):
+            dumper.begin_microbatch(i, i == 1)
+            ids = torch.randint(0, CFG.vocab_size, (2, CFG.seq_length))
+            out = model(ids, ids)
+            assert isinstance(out, dict)
+            out["loss"].backward()
+            dumper.end_microbatch()
+    dumper.end_iteration()
+    (r0, r1) = [json.loads(x) for x in (tmp_path / "tokens_per_expert" / "rank0.jsonl").open()]
+    assert len(r0["tpe"]) == len(r1["tpe"]) == 2
+
+
+def test_weights_only_on_replica_zero_and_flag_validation(tmp_path: Path) -> None:
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dumper = TensorDumper(model, tmp_path, WEIGHTS, rank=1, dp_rank=1)
+    for it in (1, 2, 3):
+        _full_iteration(model, dumper, opt, it)
+    assert not (tmp_path / "wgrads").exists() and not (tmp_path / "params").exists()
+    assert (tmp_path / "tokens_per_expert" / "rank1.jsonl").exists()  # per rank, as Megatron
+    cfg = DumpConfig.from_flags(
+        save_activations_interval=0,
+        log_dgrads=False,
+        log_tokens_per_expert=False,
+        dump_stats_only=False,
+        log_interval=10,
+        save_wgrads_interval=7,
+        save_params_interval=0,
+    )
+    assert (cfg.save_wgrads_interval, cfg.save_params_interval) == (7, None) and cfg.any_enabled
+    for flag, kwargs in (
+        ("--save-wgrads-interval", {"save_wgrads_interval": -1}),
+        ("--save-params-interval", {"save_params_interval": True}),
+    ):
+        with pytest.raises(ValueError, match=flag):
+            DumpConfig.from_flags(
+                save_activations_interval=0,
+                log_dgrads=False,
+                log_tokens_per_expert=False,
+                dump_stats_only=False,
+                log_interval=10,
+                **kwargs,
+            )
+    with pytest.raises(ValueError, match="--save-params-interval"):
+        DumpConfig(save_params_interval=0)

@@ -144,3 +144,45 @@ def test_monitor_reports_once_then_interval(tmp_path: Path) -> None:
     assert [step for _, step in sink.calls] == [1, 3]
     assert len(lines) == 2  # the report lines are printed once
     assert NullMemoryMonitor().log_fields(_info(1)) == []
+
+
+def test_megatron_activation_formula_matches_its_verified_numbers() -> None:
+    """The reference's numbers for Megatron's tiny dense config (h=16, 8 heads, 4 groups, L=2,
+    ffn=64, V=128, s=8, b=2): 27008 bytes with SP + selective, 23520 without SP."""
+    from stalwart.observability.memory import megatron_activation_bytes
+
+    cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=8, num_query_groups=4,
+                    ffn_hidden_size=64, vocab_size=128, seq_length=8)  # fmt: skip
+    assert megatron_activation_bytes(cfg, 2) == pytest.approx(23520.0)
+    selective = GPTConfig(**{**cfg.__dict__, "recompute_granularity": "selective"})
+    assert megatron_activation_bytes(selective, 2, sequence_parallel=True) == 27008.0
+    assert megatron_activation_bytes(selective, 2) == pytest.approx(23520.0)  # Megatron: no SP
+
+
+def test_full_recompute_keeps_one_input_per_unit_and_drops_weight_copies() -> None:
+    full = GPTConfig(**{**DENSE.__dict__, "recompute_granularity": "full",
+                        "recompute_method": "uniform", "recompute_num_layers": 1})  # fmt: skip
+    acts = activation_breakdown(full, micro_batch_size=2, bf16=True)
+    assert acts["layers.attention"] == acts["layers.mlp"] == 0  # nothing kept per layer
+    assert acts["layers.recompute_inputs"] == 2 * 4 * 8 * 8  # 2 units x fp32 [t=8, h=8]
+    plain = theoretical_memory(DENSE, 2, 1, workspace_bytes=0)
+    est = theoretical_memory(full, 2, 1, workspace_bytes=0)
+    layer_params = (1920 - 128 - 32 - 16) // 2
+    assert est.weights_optimizer_bytes == plain.weights_optimizer_bytes - 2 * 2 * layer_params
+    fp32 = theoretical_memory(full, 2, 1, bf16=False, workspace_bytes=0)
+    assert fp32.weights_optimizer_bytes == 16 * 1920  # no autocast copies to drop
+
+
+def test_llama_counts_and_selective_recompute() -> None:
+    from stalwart.models import preset_model_config
+
+    cfg = preset_model_config("llama-150m")
+    assert count_parameters(cfg) == 152_783_616
+    with torch.device("meta"):
+        assert GPT(cfg).num_parameters() == count_parameters(cfg)
+    selective = preset_model_config("llama-150m", recompute_granularity="selective")
+    plain = activation_breakdown(cfg, 8, bf16=True)["layers.attention"]
+    saved = activation_breakdown(selective, 8, bf16=True)["layers.attention"]
+    t, h, kv, heads = 8 * 1024, 768, 4 * 64, 12
+    # RoPE outputs (bf16 q and k) and the fp32 logsumexp are recomputed, per layer.
+    assert plain - saved == 12 * (2 * t * (h + kv) + 4 * 8 * heads * 1024)

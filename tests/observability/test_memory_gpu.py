@@ -24,6 +24,13 @@ CASES = [
     ("gpt2-124m", {}),
     ("small", {"dropout": 0.1}),
     ("small", {"num_experts": 4, "moe_router_topk": 2}),
+    ("llama-tiny", {}),
+    ("llama-150m", {}),
+    (
+        "llama-150m",
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    ),
+    ("gpt2-124m", {"recompute_granularity": "selective"}),
 ]
 
 

@@ -1,16 +1,27 @@
 from __future__ import annotations
 
+import html
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stalwart.cli.report import main_report
-from stalwart.observability.report import EventKind, append_event, load_run, write_report
+from stalwart.observability.report import (
+    EventKind,
+    append_event,
+    load_run,
+    timer_names,
+    write_report,
+)
+from stalwart.observability.report_html import timer_stacks
+from stalwart.observability.run_dir import RunPaths
 
 SECTIONS = (
     'id="loss"',
@@ -39,7 +50,9 @@ def make_run(run_dir: Path, iters: int = 60) -> None:
                 "grad_norm": 1.0,
                 "elapsed_ms": 100.0 + (it % 7),
                 "throughput_tflops_per_gpu": 150.0 + (it % 5),
-                "forward-backward-time-ms": 70.0,
+                "forward-backward-time-ms": 70.0,  # --timing-log-level 2: parent and children
+                "forward-compute-time-ms": 30.0,
+                "backward-compute-time-ms": 30.0,
                 "optimizer-time-ms": 20.0,
                 "batch-generator-time-ms": 5.0,
                 "mem-max-allocated-bytes": 3.0e9 + it * 1e6,
@@ -122,17 +135,67 @@ def test_report_contains_every_section(tmp_path: Path) -> None:
     make_run(run)
     art = load_run(run)
     assert len(art.metrics) == 60  # validation row and torn line dropped
+    assert [r["iteration"] for r in art.validation] == [50]
     assert any("unreadable" in n for n in art.notes)
-    assert main_report([str(run)]) == 0
+    assert main_report([str(run), "--static"]) == 0
     page = (run / "report.html").read_text()
     for section in SECTIONS:
         assert section in page
     assert "rank 5 (4)" in page  # flagged straggler, 4 reports
-    assert "PASSED" in page and "<svg" in page
+    assert "PASSED" in page and "<svg" in page and "<script" not in page
+    assert "lm loss validation" in page  # the validation loss is on the loss chart
     assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "https://" not in page
     pngs = {p.name for p in (run / "report").glob("*.png")}
     assert {"loss.png", "learning_rate.png", "throughput.png", "timers.png"} <= pngs
+
+
+def test_interactive_report_inlines_plotly_from_the_package(tmp_path: Path) -> None:
+    pytest.importorskip("plotly")
+    from plotly.offline import get_plotlyjs
+
+    run = tmp_path / "run"
+    make_run(run)
+    page = write_report(run, pngs=False).read_text()
+    for section in SECTIONS:
+        assert section in page
+    assert "charts: interactive (plotly)" in page
+    assert get_plotlyjs()[:2000] in page  # the installed plotly.js, inline
+    assert page.count("Plotly.newPlot") >= 7  # loss, lr, throughput x2, timers, memory x2, ...
+    # Nothing is loaded from anywhere: no external script, stylesheet, image or frame.
+    assert not re.search(r"<(script|link|img|iframe)[^>]+(src|href)=", page)
+    assert "lm loss validation" in page
+
+
+def test_timer_breakdown_stacks_own_time_not_parents_on_children() -> None:
+    rows = [
+        {
+            "iteration": 10,
+            "forward-backward-time-ms": 70.0,
+            "forward-compute-time-ms": 30.0,
+            "backward-compute-time-ms": 30.0,
+            "batch-generator-time-ms": 5.0,
+            "optimizer-time-ms": 20.0,
+            "optimizer-inner-step-time-ms": 15.0,
+        }
+    ]
+    names = timer_names(rows)
+    stacks = timer_stacks(rows, names)
+    assert stacks["forward-backward (other)"] == [5.0]
+    assert stacks["optimizer (other)"] == [5.0]
+    assert stacks["forward-compute"] == [30.0] and stacks["optimizer-inner-step"] == [15.0]
+    assert sum(v[0] for v in stacks.values()) == 90.0  # = the two top-level timers, not 175
+    # Level 1 (no children logged): the parent is shown whole, under its own name.
+    assert timer_stacks([{"forward-backward-time-ms": 70.0}], ["forward-backward-time-ms"]) == {
+        "forward-backward": [70.0]
+    }
+
+
+def test_one_rank_heat_map_is_visible() -> None:
+    from stalwart.observability.report_svg import heat_colour
+
+    assert heat_colour(1.0, 1.2) not in ("rgb(255,255,255)", "#fff", "#ffffff")
+    assert heat_colour(1.5, 1.2) == "rgb(214,39,40)" and heat_colour(0.5, 1.2) == "rgb(49,130,189)"
 
 
 def test_missing_artefacts_are_notes(tmp_path: Path) -> None:
@@ -140,6 +203,21 @@ def test_missing_artefacts_are_notes(tmp_path: Path) -> None:
     page = path.read_text()
     assert "metrics JSONL not found" in page and "straggler.jsonl not found" in page
     assert 'id="chaos"' not in page
+
+
+def test_metrics_file_outside_the_run_dir_found_through_the_manifest(tmp_path: Path) -> None:
+    run = tmp_path / "save"
+    make_run(run)
+    elsewhere = tmp_path / "logs" / "train.jsonl"
+    elsewhere.parent.mkdir()
+    (run / "metrics.jsonl").rename(elsewhere)
+    assert "metrics JSONL not found" in write_report(run, pngs=False).read_text()
+    RunPaths.for_run(run, metrics_file=elsewhere).write_manifest()  # what the trainer records
+    page = write_report(run, pngs=False, interactive=False).read_text()
+    assert "60 metric rows" in page and "metrics JSONL not found" not in page
+    assert 'id="loss"' in page and "Loss: not available" not in page
+    (run / "run.json").write_text("\x00garbage{")  # an unreadable manifest is ignored
+    assert RunPaths.discover(run).metrics == run / "metrics.jsonl"
 
 
 def test_metrics_file_elsewhere(tmp_path: Path) -> None:
@@ -165,17 +243,27 @@ def _chromium() -> str | None:
     return None
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    _chromium() is None and not os.environ.get("STALWART_REQUIRE_CHROMIUM"),
-    reason="chromium not installed (CI installs it and sets STALWART_REQUIRE_CHROMIUM)",
-)
-def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    make_run(run)
-    report = write_report(run, pngs=False)
-    shot = tmp_path / "shot.png"
-    cmd = [
+# Injected into a copy of the report: after load (and plotly's drawing), record each section's
+# box and chart count, the page height and every resource the page requested.
+LAYOUT_PROBE = """<script>
+window.addEventListener("load", () => setTimeout(() => {
+  const out = {sections: {}, height: document.documentElement.scrollHeight,
+               resources: performance.getEntriesByType("resource").map(e => e.name),
+               plotly: typeof Plotly};
+  for (const s of document.querySelectorAll("section")) {
+    const r = s.getBoundingClientRect();
+    out.sections[s.id] = {x: r.left + scrollX, y: r.top + scrollY, w: r.width, h: r.height,
+                          charts: s.querySelectorAll("svg.main-svg, svg").length};
+  }
+  const pre = document.createElement("pre");
+  pre.id = "layout"; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+}, 300));
+</script>"""
+
+
+def _chromium_cmd(tmp_path: Path, *extra: str) -> list[str]:
+    return [
         str(_chromium()),
         "--headless",
         "--no-sandbox",
@@ -185,20 +273,105 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
         "--disable-background-networking",
         "--disable-component-update",
         "--disable-sync",
+        "--disable-extensions",
+        "--force-device-scale-factor=1",
+        "--hide-scrollbars",
+        # Any host lookup fails: a page that needs the network renders broken, and the netlog
+        # below shows the attempt.
+        "--host-resolver-rules=MAP * ~NOTFOUND",
+        "--virtual-time-budget=15000",
         f"--user-data-dir={tmp_path / 'profile'}",
-        f"--screenshot={shot}",
-        "--window-size=1280,2000",
-        report.resolve().as_uri(),
+        *extra,
     ]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    assert shot.exists() and shot.stat().st_size > 20_000
-    try:
-        from PIL import Image
-    except ImportError:  # pillow comes with matplotlib; the size check above still ran
-        return
-    with Image.open(shot) as img:
-        colours = img.convert("RGB").getcolors(maxcolors=1 << 16)
-    assert colours is None or len(colours) > 50  # not blank
+
+
+def _layout(tmp_path: Path, page: Path) -> dict[str, Any]:
+    netlog = tmp_path / "netlog.json"
+    cmd = _chromium_cmd(tmp_path, f"--log-net-log={netlog}", "--dump-dom", page.as_uri())
+    dom = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=180).stdout
+    match = re.search(r'<pre id="layout">(.*?)</pre>', dom, re.S)
+    assert match, dom[-2000:]
+    layout: dict[str, Any] = json.loads(html.unescape(match.group(1)))
+    layout["netlog_urls"] = _page_requests(netlog)
+    return layout
+
+
+def _page_requests(netlog: Path) -> list[str]:
+    """URLs the page asked the network stack for (the browser's own update/time requests carry
+    the initiator "not an origin"; a file:// page's requests carry "null")."""
+    events = json.loads(netlog.read_text(errors="replace")).get("events", [])
+    return sorted(
+        {
+            str(params["url"])
+            for params in (e.get("params") or {} for e in events)
+            if "url" in params and params.get("initiator", "not an origin") != "not an origin"
+        }
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    _chromium() is None and not os.environ.get("STALWART_REQUIRE_CHROMIUM"),
+    reason="chromium not installed (CI installs it and sets STALWART_REQUIRE_CHROMIUM)",
+)
+def test_network_check_sees_a_page_that_fetches(tmp_path: Path) -> None:
+    page = tmp_path / "fetches.html"
+    page.write_text(
+        '<html><body><script src="https://cdn.example.com/x.js"></script>'
+        + LAYOUT_PROBE.replace('document.querySelectorAll("section")', "[]")
+        + "</body></html>"
+    )
+    layout = _layout(tmp_path, page)
+    assert "https://cdn.example.com/x.js" in layout["netlog_urls"]
+
+
+def _distinct_colours(img: Any) -> int:
+    colours = img.convert("RGB").getcolors(maxcolors=1 << 18)
+    return len(colours) if colours is not None else 1 << 18
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    _chromium() is None and not os.environ.get("STALWART_REQUIRE_CHROMIUM"),
+    reason="chromium not installed (CI installs it and sets STALWART_REQUIRE_CHROMIUM)",
+)
+@pytest.mark.parametrize("interactive", [True, False], ids=["plotly", "svg"])
+def test_report_sections_render_in_headless_chromium(tmp_path: Path, interactive: bool) -> None:
+    """Every section is laid out with a non-zero size and its screenshot crop is not blank; the
+    page requests nothing but itself (no network)."""
+    if interactive:
+        pytest.importorskip("plotly")
+    pil = pytest.importorskip("PIL.Image")
+    run = tmp_path / "run"
+    make_run(run)
+    report = write_report(run, pngs=False, interactive=interactive)
+    probe = tmp_path / "probe.html"
+    probe.write_text(report.read_text().replace("</body>", LAYOUT_PROBE + "</body>"))
+    layout = _layout(tmp_path, probe.resolve())
+    external = [
+        u
+        for u in layout["resources"] + layout["netlog_urls"]
+        if not u.startswith(("file:", "data:", "blob:", "about:", "chrome:"))
+    ]
+    assert external == [], external
+    assert layout["plotly"] == ("object" if interactive else "undefined")
+    sections = layout["sections"]
+    assert set(sections) == {sid.split('"')[1] for sid in SECTIONS}
+    height = min(int(layout["height"]) + 50, 16000)
+    shot = tmp_path / "shot.png"
+    cmd = _chromium_cmd(tmp_path, f"--screenshot={shot}", f"--window-size=1280,{height}")
+    subprocess.run([*cmd, report.resolve().as_uri()], check=True, capture_output=True, timeout=180)
+    with pil.open(shot) as img:
+        assert _distinct_colours(img) > 50  # not blank
+        for sid, box in sections.items():
+            assert box["w"] > 100 and box["h"] > 40, (sid, box)
+            if sid != "chaos":  # chaos is a verdict and a table; the others draw a chart
+                assert box["charts"] >= 1, (sid, box)
+            crop = img.crop(
+                (int(box["x"]), int(box["y"]), int(box["x"] + box["w"]), int(box["y"] + box["h"]))
+            )
+            assert crop.size[0] > 0 and crop.size[1] > 0
+            assert _distinct_colours(crop) > 8, sid  # something is drawn in it
 
 
 def test_timeline_falls_back_to_metric_counters(tmp_path: Path) -> None:

@@ -108,6 +108,7 @@ def test_report_formats_exact() -> None:
         "\n  opt:\n     rank  1: 2.00"
     )
     assert rep.scalars() == {"fb-time-ms": 30.5, "opt-time-ms": 2.0}
+    assert rep.megatron_scalars() == {"fb-time": 0.0305, "opt-time": 0.002}
     assert TimerReport(("a",), ((0.0,),)).format("minmax") is None
 
 
@@ -120,8 +121,8 @@ def test_log_and_write_single_process_in_ms() -> None:
     sink = RecSink()
     timers.write(["step"], sink, iteration=7, normalizer=2.0, reset=False)
     ((key, value, step),) = sink.calls
-    assert key == "step-time-ms" and step == 7
-    assert 18.0 <= value < 250.0  # 40 ms / 2, in milliseconds
+    assert key == "step-time" and step == 7
+    assert 0.018 <= value < 0.25  # 40 ms / 2, in seconds (Megatron's dashboard unit)
     text = timers.log(["step"], normalizer=2.0)
     assert text is not None and text.startswith("max time across ranks (ms):\n    step ...")
     assert timers.log([]) is None

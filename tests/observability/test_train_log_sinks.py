@@ -15,18 +15,21 @@ from stalwart.observability.sinks import FanOutSink, MetricSink, TensorBoardSink
 from stalwart.observability.timers import FORWARD_BACKWARD, INTERVAL_TIME, Timers
 from stalwart.observability.train_log import LogConfig, TrainingLog
 
+# Megatron's key names and units, grouped by a "<group>/" prefix (one TensorBoard section each).
 EXPECTED_KEYS = {
-    "learning-rate",
-    "batch-size",
-    "lm loss",
-    "loss-scale",
-    "grad-norm",
-    "params-norm",
-    "lm loss validation",
-    "lm loss validation ppl",
+    "optimizer/learning-rate",
+    "batch/batch-size",
+    "batch/world-size",
+    "loss/lm loss",
+    "optimizer/loss-scale",
+    "optimizer/grad-norm",
+    "optimizer/params-norm",
+    "loss/lm loss validation",
+    "loss/lm loss validation ppl",
 }
 EXPECTED_KEYS |= {f"{k} vs samples" for k in EXPECTED_KEYS}
-EXPECTED_KEYS |= {"iteration-time-ms", "forward-backward-time-ms"}
+EXPECTED_KEYS |= {"throughput/iteration-time", "timers/forward-backward-time"}
+EXPECTED_GROUPS = {"optimizer", "batch", "loss", "throughput", "timers"}
 
 
 def _drive(sink: MetricSink) -> None:
@@ -106,10 +109,24 @@ def test_tensorboard_event_files_have_megatron_keys(tmp_path: Path) -> None:
     _drive(TensorBoardSink(str(tmp_path / "tb")))
     scalars = _tensorboard_scalars(str(tmp_path / "tb"))
     assert set(scalars) == EXPECTED_KEYS
-    assert scalars["lm loss"] == {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0}
-    assert scalars["lm loss vs samples"] == {4: 9.0, 8: 8.0, 12: 7.0, 16: 6.0}
-    assert set(scalars["iteration-time-ms"]) == {2, 4}  # not on the first (start-up) log line
-    assert scalars["lm loss validation"] == {4: 5.0}
+    assert {tag.split("/")[0] for tag in scalars} == EXPECTED_GROUPS
+    assert scalars["loss/lm loss"] == {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0}
+    assert scalars["loss/lm loss vs samples"] == {4: 9.0, 8: 8.0, 12: 7.0, 16: 6.0}
+    # Megatron's unit is seconds: not on the first (start-up) log line.
+    assert set(scalars["throughput/iteration-time"]) == {2, 4}
+    assert all(0.0 < v < 5.0 for v in scalars["throughput/iteration-time"].values())
+    # 2 ms of sleep per iteration, written in seconds (a millisecond value would be >= 2).
+    fb = scalars["timers/forward-backward-time"]
+    assert set(fb) == {1, 2, 4} and all(0.0015 < v < 1.0 for v in fb.values())
+    assert scalars["batch/world-size"][1] == 1.0
+    assert scalars["loss/lm loss validation"] == {4: 5.0}
+
+
+def test_flat_megatron_tags_on_request(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    _drive(TensorBoardSink(str(tmp_path / "tb"), grouped=False))
+    tags = set(_tensorboard_scalars(str(tmp_path / "tb")))
+    assert tags == {key.split("/", 1)[1] for key in EXPECTED_KEYS}
 
 
 def test_wandb_offline_gets_the_same_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

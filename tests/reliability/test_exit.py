@@ -103,9 +103,9 @@ def test_config_normalises_signal_and_phases() -> None:
 
 def test_gather_without_group_and_without_need() -> None:
     with DistributedSignalHandler(signal.SIGUSR1) as handler:
-        handler._received = True
+        handler._received = signal.SIGUSR1
         cfg = ExitConfig(exit_signal_handler=True, exit_signal="SIGUSR1")
-        assert gather_exit_inputs(cfg, handler, 3.0) == ExitInputs(True, 3.0)
+        assert gather_exit_inputs(cfg, handler, 3.0) == ExitInputs(True, 3.0, signal.SIGUSR1)
         assert gather_exit_inputs(ExitConfig(), handler, 3.0) == ExitInputs(False, 3.0)
 
 

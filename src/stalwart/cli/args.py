@@ -14,7 +14,7 @@ from stalwart.cli.arg_types import Float, Int, register_checked_types
 from stalwart.cli.config_file import toml_defaults
 from stalwart.config.checks import SEED_MAX
 
-PRESET_NAMES = ("tiny", "small", "gpt2-124m")
+PRESET_NAMES = ("tiny", "small", "gpt2-124m", "llama-tiny", "llama-150m")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -60,7 +60,71 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         help="per-expert capacity factor (tokens beyond capacity are dropped)",
     )
     g.add_argument("--init-method-std", type=Float(gt=0), help="std of the weight init")
-    g.add_argument("--norm-epsilon", type=Float(gt=0), help="LayerNorm epsilon")
+
+
+def _architecture_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's Llama switches; unset flags keep the preset's value (llama-* presets set them)."""
+    g = p.add_argument_group("model architecture (GPT-2 by default; the llama-* presets set these)")
+    g.add_argument(
+        "--position-embedding-type",
+        choices=("learned_absolute", "rope"),
+        help="learned absolute positions (GPT-2) or rotary embeddings (Llama)",
+    )
+    g.add_argument("--rotary-base", type=int, help="RoPE base (default 10000; rope only)")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), help="default LayerNorm")
+    g.add_argument("--norm-epsilon", type=Float(gt=0), help="epsilon of every norm (default 1e-5)")
+    g.add_argument(
+        "--swiglu",
+        action="store_true",
+        default=None,
+        help="SwiGLU MLP (3 matrices) instead of GELU",
+    )
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        default=None,
+        help="a separate output layer instead of reusing the word embeddings",
+    )
+    g.add_argument(
+        "--disable-bias-linear",
+        action="store_true",
+        default=None,
+        help="no biases in the attention and MLP linear layers",
+    )
+    g.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        default=None,
+        help="grouped-query attention with --num-query-groups key/value heads",
+    )
+    g.add_argument(
+        "--num-query-groups",
+        type=int,
+        help="key/value heads with --group-query-attention (must divide the attention heads; "
+        "default 1)",
+    )
+
+
+def _recompute_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("activation recompute")
+    g.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        help="selective: recompute the attention core in backward; full: recompute whole layers "
+        "(needs --recompute-method and --recompute-num-layers); default off",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        help="full recompute only. uniform: groups of --recompute-num-layers layers each keep "
+        "only their input; block: recompute the first --recompute-num-layers layers",
+    )
+    g.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        help="full recompute only: layers per group (uniform; must divide --num-layers) or "
+        "layers recomputed (block), 1 to --num-layers",
+    )
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:
@@ -289,7 +353,47 @@ def _graph_flags(p: argparse.ArgumentParser) -> None:
         default=True,
         help="launch the next iteration's graph before this one's validation read (default on)",
     )
-    g.add_argument("--recompute-granularity", help="full|selective (activation recompute)")
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _megatron_parity_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron flags a migrating user meets (dumps, allocator cache, Ctrl-C)."""
+    g = p.add_argument_group("Megatron parity")
+    g.add_argument(
+        "--save-wgrads-interval",
+        type=_non_negative_int,
+        default=0,
+        help="every N iterations save each parameter's gradient (before clipping) to "
+        "<dump dir>/wgrads/iter_N/rank<R>.pt (default 0: off)",
+    )
+    g.add_argument(
+        "--save-params-interval",
+        type=_non_negative_int,
+        default=0,
+        help="every N iterations save the parameters after the optimizer step to "
+        "<dump dir>/params/iter_N/rank<R>.pt (default 0: off)",
+    )
+    g.add_argument(
+        "--empty-unused-memory-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="empty the CUDA allocator cache: 1 after forward-backward and each eval step, "
+        "2 also after the optimizer step (default 0: never)",
+    )
+    g.add_argument(
+        "--exit-on-interrupt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Ctrl-C (SIGINT) saves (with --save), prints one line and exits 130 (default: on "
+        "when a single-process run is attached to a terminal)",
+    )
 
 
 def build_train_parser(
@@ -303,6 +407,8 @@ def build_train_parser(
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     for add in (
         _model_flags,
+        _architecture_flags,
+        _recompute_flags,
         _data_flags,
         _training_flags,
         _optimizer_flags,
@@ -312,6 +418,7 @@ def build_train_parser(
         _fault_tolerance_flags,
         _inprocess_flags,
         _graph_flags,
+        _megatron_parity_flags,
     ):
         add(p)
     return p

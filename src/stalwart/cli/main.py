@@ -72,7 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
-    command, rest = args[0], args[1:]
+    try:
+        return _dispatch(args[0], args[1:])
+    except KeyboardInterrupt:  # Ctrl-C outside the trainer's handler: one line, the shell's 130
+        sys.stderr.write("stalwart: interrupted\n")
+        return 130
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
     if command == "train":
         return main_train(rest)
     if command == "report":

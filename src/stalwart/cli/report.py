@@ -15,11 +15,17 @@ EXIT_USAGE = 2
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(
         prog="stalwart report",
-        description="Render <run-dir>/report.html (inline SVG charts) and PNGs from a run's artefacts.",
+        description="Render <run-dir>/report.html (interactive plotly charts when plotly is "
+        "installed, else inline SVG; one file that opens offline) and PNGs from a run's artefacts.",
     )
     p.add_argument("run_dir", help="the run directory (metrics.jsonl, straggler.jsonl, ...)")
     p.add_argument("--output", "-o", default=None, help="HTML path (default <run-dir>/report.html)")
     p.add_argument("--no-png", action="store_true", help="skip the matplotlib PNGs")
+    p.add_argument(
+        "--static",
+        action="store_true",
+        help="inline-SVG charts even when plotly is installed (smaller file, no JavaScript)",
+    )
     p.add_argument(
         "--metrics-file", default=None, help="metrics JSONL (default: <run-dir>/metrics.jsonl)"
     )
@@ -33,7 +39,13 @@ def main_report(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on bad usage; keep it a return code
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        path = write_report(args.run_dir, args.output, not args.no_png, args.metrics_file)
+        path = write_report(
+            args.run_dir,
+            args.output,
+            not args.no_png,
+            args.metrics_file,
+            interactive=False if args.static else None,
+        )
     except OSError as exc:  # no such run directory, or the report cannot be written
         print(f"stalwart report: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -12,6 +12,8 @@ from stalwart.checkpoint import CheckpointError
 from stalwart.config.run import RunConfig
 from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import destroy_distributed, init_distributed
+from stalwart.observability.run_dir import RunPaths, run_dir_for
+from stalwart.reliability.exit import EXIT_CODE_INTERRUPTED as EXIT_INTERRUPTED
 from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
 from stalwart.train.trainer import TrainOutcome, run_training
 
@@ -32,27 +34,34 @@ def _loss_summary(metrics_file: str) -> str | None:
 
 def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
     save = config.checkpoint.save
+    run_dir = run_dir_for(save, config.obs.run_dir)
+    metrics = config.obs.metrics_file or (
+        str(RunPaths.for_run(run_dir).metrics) if run_dir else None
+    )
     print(f"\nDemo finished at iteration {outcome.iteration} ({outcome.reason.value}).")
-    summary = _loss_summary(config.obs.metrics_file) if config.obs.metrics_file else None
+    summary = _loss_summary(metrics) if metrics else None
     if summary:
         print(summary)
     if save:
         print(
             f"Checkpoint: {save}/iter_{outcome.iteration:07d} (latest in {save}/latest_checkpointed_iteration.txt)"
         )
-        script = sys.argv[0]
-        command = (
-            os.path.relpath(script)
-            if os.path.basename(script) == "stalwart"
-            else f"{os.path.relpath(sys.executable)} -m stalwart"
-        )
         print(
             "Resume and train 100 more iterations: "
-            f"{command} train --preset tiny --demo --save {shlex.quote(save)} "
+            f"{_command()} train --preset tiny --demo --save {shlex.quote(save)} "
             f"--train-iters {outcome.iteration + 100}"
         )
-    if config.obs.metrics_file:
-        print(f"Metrics: {config.obs.metrics_file}")
+    if metrics:
+        print(f"Metrics: {metrics}")
+    if run_dir:
+        print(f"Report: {_command()} report {shlex.quote(run_dir)}  (writes {run_dir}/report.html)")
+
+
+def _command() -> str:
+    script = sys.argv[0]
+    if os.path.basename(script) == "stalwart":
+        return os.path.relpath(script)
+    return f"{os.path.relpath(sys.executable)} -m stalwart"
 
 
 def _user_error(exc: ValueError | CheckpointError) -> int:
@@ -95,6 +104,10 @@ def run_from_cli(config: RunConfig, demo: bool = False) -> int:
         outcome = run_training(config, ctx)
     except (ValueError, CheckpointError) as exc:
         return _user_error(exc)
+    except KeyboardInterrupt:
+        # Ctrl-C before the handler was installed (start-up), or pressed again to stop at once.
+        sys.stderr.write("stalwart train: interrupted; no checkpoint saved for this iteration\n")
+        return EXIT_INTERRUPTED
     finally:
         destroy_distributed()
     if demo and ctx.is_main:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stalwart.config.checks import bounds, check_fields
+from stalwart.observability.memory_release import validate_empty_unused_memory_level
 from stalwart.observability.profiler import validate_profile_window
 from stalwart.observability.timers import validate_timing_flags
 
@@ -35,6 +36,10 @@ class ObservabilityConfig:
     log_dgrads: bool = False
     log_tokens_per_expert: bool = False
     dump_stats_only: bool = False
+    # Megatron parity (cli/args.py `_megatron_parity_flags`).
+    save_wgrads_interval: int = field(default=0, metadata=bounds(ge=0))
+    save_params_interval: int = field(default=0, metadata=bounds(ge=0))
+    empty_unused_memory_level: int = field(default=0, metadata=bounds(ge=0, le=2))
     profile: bool = False
     profile_step_start: int = field(default=10, metadata=bounds(ge=0))
     profile_step_end: int = field(default=12, metadata=bounds(ge=0))
@@ -54,3 +59,4 @@ class ObservabilityConfig:
             )
         if self.timing_mode not in ("sync", "events"):
             raise ValueError(f"--timing-mode: got {self.timing_mode!r}, allowed: sync, events")
+        validate_empty_unused_memory_level(self.empty_unused_memory_level)

@@ -11,13 +11,16 @@ import argparse
 import dataclasses
 import enum
 import json
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.config.checks import bounds, check_fields
+from stalwart.config.model import architecture_overrides
 from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
-from stalwart.graphs.checks import CudaGraphImpl, RecomputeGranularity
+from stalwart.graphs.checks import CudaGraphImpl
 from stalwart.loop.plans import EagerPlan, GraphPlan
 from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
 from stalwart.observability.train_log import LogConfig
@@ -26,6 +29,7 @@ from stalwart.reliability.faults import FaultInjectionConfig
 from stalwart.reliability.hang.sections import FaultToleranceConfig, parse_ft_timeouts
 from stalwart.reliability.inprocess.config import InProcessConfig
 from stalwart.reliability.rerun import RerunConfig
+from stalwart.reliability.signals import interrupt_handling_default
 
 # `--demo`: the interactive CPU job of `make demo` (tiny preset, short sequences, ~1.5 min).
 DEMO_DEFAULTS: dict[str, Any] = {
@@ -53,7 +57,6 @@ _MODEL_FLAGS = {
     "moe_aux_loss_coeff": "moe_aux_loss_coeff",
     "moe_capacity_factor": "moe_capacity_factor",
     "init_method_std": "init_std",
-    "norm_epsilon": "layernorm_epsilon",
 }
 
 
@@ -67,7 +70,6 @@ class GraphConfig:
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
     optimizer_cuda_graph: bool = False
     cuda_graph_warmup_steps: int = field(default=3, metadata=bounds(ge=1))
-    recompute_granularity: RecomputeGranularity | None = None
     # Launch the next iteration's forward-backward replay before this one's validation read
     # (gated optimizer graph only; stalwart.loop.lookahead). Not a Megatron flag.
     cuda_graph_speculative_launch: bool = True
@@ -82,15 +84,6 @@ class GraphConfig:
             raise ValueError(
                 f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"
             )
-        if self.recompute_granularity is not None:
-            try:
-                self.recompute_granularity = RecomputeGranularity(self.recompute_granularity)
-            except ValueError:
-                choices = ", ".join(g.value for g in RecomputeGranularity)
-                raise ValueError(
-                    f"--recompute-granularity: got {self.recompute_granularity!r}, "
-                    f"allowed: {choices}"
-                ) from None
         check_fields(self)  # after the conversion: the fields hold enums from here on
 
     @property
@@ -194,6 +187,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     overrides = {
         dst: getattr(ns, src) for src, dst in _MODEL_FLAGS.items() if getattr(ns, src) is not None
     }
+    overrides.update(architecture_overrides(ns))  # Llama switches and activation recompute
     model = preset_model_config(ns.preset, **overrides)
     if ns.micro_batch_size is None:
         ns.micro_batch_size = PRESET_MICRO_BATCH_SIZE[ns.preset]
@@ -215,6 +209,10 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         phase_transition_iterations=tuple(ns.phase_transition_iterations or ()),
         save_interval=ns.save_interval or None,
         non_persistent_save_interval=ns.non_persistent_save_interval or None,
+        # Ctrl-C saves and exits 130: default on for one process on a terminal (same on all ranks).
+        exit_on_interrupt=ns.exit_on_interrupt
+        if getattr(ns, "exit_on_interrupt", None) is not None
+        else interrupt_handling_default(os.environ, sys.stdin, sys.stdout),
     )
     config = RunConfig(
         preset=ns.preset,

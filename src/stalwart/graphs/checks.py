@@ -16,6 +16,8 @@ import enum
 
 import torch
 
+from stalwart.models.config import RecomputeGranularity
+
 
 class CudaGraphImpl(enum.Enum):
     """``--cuda-graph-impl``: stalwart implements ``none`` and ``full_iteration``."""
@@ -26,17 +28,10 @@ class CudaGraphImpl(enum.Enum):
     FULL_ITERATION = "full_iteration"
 
 
-class RecomputeGranularity(enum.Enum):
-    """``--recompute-granularity``."""
-
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
-
-
 GRAPHABLE_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 _GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")
-# recompute module -> the dropout-like settings whose randomness it would replay inside the graph
+# recompute module -> the dropout-like settings whose randomness it would replay inside the graph.
+# ``stalwart.models`` recomputes 'core_attn' (selective) or whole layers (full: all three).
 _RANDOM_RECOMPUTE = {
     "core_attn": ("attention_dropout", "--attention-dropout"),
     "mlp": ("hidden_dropout", "--hidden-dropout"),

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
+from stalwart.distributed import collectives
+
 logger = logging.getLogger(__name__)
 
 CPU_DEVICE_MESSAGE = (
@@ -76,8 +78,9 @@ class GraphContext:
         self.device = torch.device(device)
         self._check_device()
         self.capture_error_mode = capture_error_mode
-        # Optional collective barrier (all ranks capture together, as NCCL kernels in the graph
-        # need every peer to be capturing/replaying the same sequence).
+        # A barrier before and after every capture, as Megatron: all ranks capture together
+        # (NCCL kernels in the graph need every peer capturing the same sequence) and none
+        # replays before all have finished. None: the world barrier, a no-op without a group.
         self._barrier = barrier
         self._owners: list[Resettable] = []
         self._closed = False
@@ -186,9 +189,11 @@ class GraphContext:
 
     # ----------------------------------------------------------------- lifecycle
     def maybe_barrier(self) -> None:
-        """Run the collective barrier given at construction, if any."""
+        """The barrier given at construction, else the world barrier (no-op without a group)."""
         if self._barrier is not None:
             self._barrier()
+        else:
+            collectives.barrier()
 
     def register(self, owner: Resettable) -> None:
         """Track a graph owner so :meth:`teardown` can drop its graphs."""

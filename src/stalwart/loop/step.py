@@ -124,6 +124,7 @@ class GuardedStep:
         self.dp_group = dp_group
         self.agreement = agreement
         self.timers = timers or NO_TIMERS
+        self.observer = observer
         self.params = [p for p in model.parameters() if p.requires_grad]
         device = self.params[0].device if self.params else torch.device("cpu")
         buffer = machine.check_buffer(device) if machine.checks.any else machine.buffer
@@ -220,6 +221,9 @@ class GuardedStep:
         else:
             rest = fb(data_iterator=self.data, num_microbatches=n, first=len(launched.batches))
             reported = launched.reported + rest
+        after = getattr(self.observer, "after_forward_backward", None)
+        if after is not None:
+            after()  # e.g. release cached memory (outside any graph)
         timer.stop()
         return reported
 

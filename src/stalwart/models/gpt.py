@@ -1,165 +1,25 @@
-"""Reference decoder-only GPT (pre-LayerNorm, learned positions, tied embeddings, optional MoE).
+"""Reference decoder-only GPT: GPT-2 by default, the Llama family through Megatron's switches.
 
 The forward pass has no host syncs and no data-dependent shapes, so a full training iteration
-can be captured in a CUDA graph or compiled with ``torch.compile``.
+can be captured in a CUDA graph or compiled with ``torch.compile``. Blocks live in
+``stalwart.models.blocks``, the config in ``stalwart.models.config``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stalwart.models.moe import MoEMLP, MoERouter
+from stalwart.models.blocks import TransformerBlock, make_norm
+from stalwart.models.config import GPTConfig
+from stalwart.models.functional import rotary_tables
+from stalwart.models.moe import MoERouter
+from stalwart.models.recompute import layer_units, recomputed
 
-
-def _require_int(value: object, flag: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Model hyper-parameters; validated on construction (``ValueError`` naming the flag).
-
-    ``ffn_hidden_size=None`` resolves to ``4 * hidden_size``. ``num_experts=0`` means a dense MLP;
-    otherwise every layer's MLP is a top-``moe_router_topk`` mixture of ``num_experts`` experts with
-    per-expert capacity ``ceil(moe_capacity_factor * topk * tokens / num_experts)``
-    (``moe_capacity_factor=None``: no dropping). One ``dropout`` is used for embeddings,
-    attention probabilities and residual branches (flag ``--hidden-dropout``).
-    """
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    vocab_size: int
-    ffn_hidden_size: int | None = None
-    dropout: float = 0.0
-    num_experts: int = 0
-    moe_router_topk: int = 2
-    moe_aux_loss_coeff: float = 1e-2
-    moe_capacity_factor: float | None = 1.25
-    init_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
-
-    def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
-            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the Megatron flag of the first invalid field."""
-        _require_int(self.num_layers, "--num-layers", 1)
-        _require_int(self.hidden_size, "--hidden-size", 1)
-        _require_int(self.num_attention_heads, "--num-attention-heads", 1)
-        if self.hidden_size % self.num_attention_heads != 0:
-            raise ValueError(
-                f"--num-attention-heads ({self.num_attention_heads}) must divide "
-                f"--hidden-size ({self.hidden_size})"
-            )
-        _require_int(self.seq_length, "--seq-length", 1)
-        _require_int(self.vocab_size, "--vocab-size", 1)
-        _require_int(self.ffn_hidden_size, "--ffn-hidden-size", 1)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"--hidden-dropout must be in [0, 1), got {self.dropout!r}")
-        _require_int(self.num_experts, "--num-experts", 0)
-        if self.num_experts > 0:
-            if isinstance(self.moe_router_topk, bool) or not isinstance(self.moe_router_topk, int):
-                raise ValueError(
-                    f"--moe-router-topk must be an integer, got {self.moe_router_topk!r}"
-                )
-            if not 1 <= self.moe_router_topk <= self.num_experts:
-                raise ValueError(
-                    f"--moe-router-topk must be in [1, --num-experts={self.num_experts}], "
-                    f"got {self.moe_router_topk}"
-                )
-        if not self.moe_aux_loss_coeff >= 0.0:
-            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff!r}")
-        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0.0:
-            raise ValueError(
-                "--moe-expert-capacity-factor must be > 0 or None (no dropping), "
-                f"got {self.moe_capacity_factor!r}"
-            )
-        if not self.init_std > 0.0:
-            raise ValueError(f"--init-method-std must be > 0, got {self.init_std!r}")
-        if not self.layernorm_epsilon > 0.0:
-            raise ValueError(f"--norm-epsilon must be > 0, got {self.layernorm_epsilon!r}")
-
-    @property
-    def ffn_size(self) -> int:
-        """The resolved MLP hidden size (``ffn_hidden_size`` or ``4 * hidden_size``)."""
-        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.dropout = config.dropout
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, h // self.num_heads).unbind(dim=2)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-        )
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, s, h)))
-
-
-class DenseMLP(nn.Module):
-    """Two-layer GELU MLP; returns ``(output, None)`` to share the MoE interface."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.ffn_size)
-        self.fc2 = nn.Linear(config.ffn_size, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return self.fc2(F.gelu(self.fc1(x))), None
-
-
-class TransformerBlock(nn.Module):
-    """Pre-LayerNorm block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.attn = CausalSelfAttention(config)
-        self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.mlp: DenseMLP | MoEMLP
-        if config.is_moe:
-            self.mlp = MoEMLP(
-                config.hidden_size,
-                config.ffn_size,
-                config.num_experts,
-                config.moe_router_topk,
-                config.moe_capacity_factor,
-            )
-        else:
-            self.mlp = DenseMLP(config)
-        self.mlp_dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.attn(self.ln1(x))
-        mlp_out, aux_loss = self.mlp(self.ln2(x))
-        return x + self.mlp_dropout(mlp_out), aux_loss
+__all__ = ["GPT", "GPTConfig"]
 
 
 class GPT(nn.Module):
@@ -176,17 +36,45 @@ class GPT(nn.Module):
       (``num_experts * sum_i f_i * P_i``; 1.0 for perfectly balanced routing).
 
     Initialization is deterministic given torch's global seed: every weight ~ N(0, init_std),
-    residual output projections ~ N(0, init_std / sqrt(2 * num_layers)), biases 0, LayerNorm 1/0.
+    residual output projections ~ N(0, init_std / sqrt(2 * num_layers)), biases 0, norms 1/0.
+    Learned positions are ``position_embeddings``; RoPE tables are non-persistent buffers (not in
+    the state dict). The untied output layer is ``output_layer.weight`` (Megatron's name).
+
+    Example (a tiny Llama-style model with full recompute)::
+
+        >>> cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
+        ...                 vocab_size=64, position_embedding_type="rope", normalization="RMSNorm",
+        ...                 swiglu=True, untie_embeddings_and_output_weights=True,
+        ...                 add_bias_linear=False, num_query_groups=2,
+        ...                 recompute_granularity="full", recompute_method="uniform",
+        ...                 recompute_num_layers=1)
+        >>> ids = torch.zeros(2, 8, dtype=torch.long)
+        >>> GPT(cfg)(ids, ids)["loss"].backward()
     """
+
+    rope_cos: torch.Tensor | None
+    rope_sin: torch.Tensor | None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.seq_length, config.hidden_size)
+        h = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, h)
+        self.position_embeddings: nn.Embedding | None = None
+        if config.uses_rope:
+            cos, sin = rotary_tables(config.kv_channels, config.seq_length, config.rotary_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.position_embeddings = nn.Embedding(config.seq_length, h)
+            self.rope_cos = self.rope_sin = None
         self.embedding_dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.final_layernorm = make_norm(config)
+        self.output_layer: nn.Linear | None = None
+        if config.untie_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(h, config.vocab_size, bias=False)
+        self._units = layer_units(config)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -212,16 +100,14 @@ class GPT(nn.Module):
                 f"input_ids must be [batch, s] with s <= --seq-length={self.config.seq_length}, "
                 f"got shape {tuple(input_ids.shape)}"
             )
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        x = self.embedding_dropout(x)
-        aux_losses: list[torch.Tensor] = []
-        for layer in self.layers:
-            x, aux = layer(x)
-            if aux is not None:
-                aux_losses.append(aux)
+        x = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.position_embeddings(positions)
+        x, aux_losses = self._run_layers(self.embedding_dropout(x))
         x = self.final_layernorm(x)
-        logits = F.linear(x, self.word_embeddings.weight)  # tied output embedding
+        head = self.output_layer if self.output_layer is not None else self.word_embeddings
+        logits = F.linear(x, head.weight)
         if labels is None:
             return logits
         lm_loss = F.cross_entropy(
@@ -236,11 +122,40 @@ class GPT(nn.Module):
             out["loss"] = lm_loss
         return out
 
+    def _run_layers(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layers, unit by unit; a recomputed unit keeps only its input for backward."""
+        aux_losses: list[torch.Tensor] = []
+        preserve_rng = self.config.dropout > 0.0
+        for unit in self._units:
+            if unit.recompute:
+                outputs = recomputed(
+                    self._run_unit, x, unit.start, unit.stop, preserve_rng_state=preserve_rng
+                )
+            else:
+                outputs = self._run_unit(x, unit.start, unit.stop)
+            x = outputs[0]
+            aux_losses.extend(outputs[1:])
+        return x, aux_losses
+
+    def _run_unit(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """Layers ``[start, stop)``: ``(hidden states, *MoE aux losses)``."""
+        rope = None
+        if self.rope_cos is not None and self.rope_sin is not None:
+            rope = (self.rope_cos, self.rope_sin)
+        aux_losses: list[torch.Tensor] = []
+        for index in range(start, stop):
+            x, aux = self.layers[index](x, rope)
+            if aux is not None:
+                aux_losses.append(aux)
+        return (x, *aux_losses)
+
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Unique parameter count (tied weights once); optionally without word+position embeddings."""
+        """Unique parameter count (tied weights once); optionally without the embeddings
+        (word, learned position, untied output layer)."""
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
-            total -= self.word_embeddings.weight.numel() + self.position_embeddings.weight.numel()
+            embeddings = [self.word_embeddings, self.position_embeddings, self.output_layer]
+            total -= sum(m.weight.numel() for m in embeddings if m is not None)
         return total
 
     def moe_routers(self) -> list[tuple[str, MoERouter]]:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stalwart.models.functional import mlp_activation
+
 
 class RoutingPlan(NamedTuple):
     """Where each (token, choice) assignment goes, in slot-major order (all first choices first).
@@ -118,11 +120,16 @@ class MoERouter(nn.Module):
 
 
 class MoEMLP(nn.Module):
-    """``num_experts`` GELU MLPs behind a :class:`MoERouter`; returns ``(output, aux_loss)``.
+    """``num_experts`` MLPs (GELU, or SwiGLU with ``swiglu``) behind a :class:`MoERouter`.
 
-    Tokens dropped for capacity get a zero MLP output, so the residual stream passes them
-    through unchanged. Output has the shape and dtype of the input.
+    Returns ``(output, aux_loss)``. Tokens dropped for capacity get a zero MLP output, so the
+    residual stream passes them through unchanged. Output has the shape and dtype of the input.
+    With ``swiglu`` each expert's first layer produces ``[gate | up]`` (``2 * ffn_hidden_size``).
+    ``bias=False`` (``--disable-bias-linear``) leaves out the expert biases.
     """
+
+    fc1_bias: nn.Parameter | None
+    fc2_bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -131,14 +138,22 @@ class MoEMLP(nn.Module):
         num_experts: int,
         topk: int,
         capacity_factor: float | None,
+        swiglu: bool = False,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.swiglu = swiglu
+        fc1_out = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
         self.router = MoERouter(hidden_size, num_experts, topk, capacity_factor)
-        self.fc1_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
-        self.fc1_bias = nn.Parameter(torch.zeros(num_experts, 1, ffn_hidden_size))
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, hidden_size, fc1_out))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
-        self.fc2_bias = nn.Parameter(torch.zeros(num_experts, 1, hidden_size))
+        if bias:
+            self.fc1_bias = nn.Parameter(torch.zeros(num_experts, 1, fc1_out))
+            self.fc2_bias = nn.Parameter(torch.zeros(num_experts, 1, hidden_size))
+        else:
+            self.register_parameter("fc1_bias", None)
+            self.register_parameter("fc2_bias", None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply the experts to ``x`` [..., hidden]; returns (output like x, fp32 aux loss)."""
@@ -148,10 +163,19 @@ class MoEMLP(nn.Module):
         plan = self.router(tokens)
         padded = torch.cat([tokens, tokens.new_zeros(1, hidden)])
         expert_in = padded.index_select(0, plan.slot_token).view(self.num_experts, -1, hidden)
-        h = F.gelu(torch.baddbmm(self.fc1_bias, expert_in, self.fc1_weight))
-        expert_out = torch.baddbmm(self.fc2_bias, h, self.fc2_weight).reshape(-1, hidden)
+        h = mlp_activation(_batched_linear(expert_in, self.fc1_weight, self.fc1_bias), self.swiglu)
+        expert_out = _batched_linear(h, self.fc2_weight, self.fc2_bias).reshape(-1, hidden)
         expert_out = torch.cat([expert_out, expert_out.new_zeros(1, hidden)])
         gathered = expert_out.index_select(0, plan.combine_slot).view(-1, num_tokens, hidden)
         gates = plan.weights.view(-1, num_tokens, 1).to(gathered.dtype)
         out = (gathered * gates).sum(dim=0)
         return out.reshape(shape), plan.aux_loss
+
+
+def _batched_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Per-expert ``x[e] @ weight[e] (+ bias[e])``."""
+    if bias is None:
+        return torch.bmm(x, weight)
+    return torch.baddbmm(bias, x, weight)

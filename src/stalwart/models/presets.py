@@ -8,7 +8,16 @@ from types import MappingProxyType
 
 from stalwart.models.gpt import GPTConfig
 
-PRESETS: Mapping[str, Mapping[str, int]] = MappingProxyType(
+# The Llama architecture switches shared by the llama-* presets (Megatron's Llama recipes).
+_LLAMA: dict[str, object] = {
+    "position_embedding_type": "rope",
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "untie_embeddings_and_output_weights": True,
+    "add_bias_linear": False,
+}
+
+PRESETS: Mapping[str, Mapping[str, object]] = MappingProxyType(
     {
         "tiny": MappingProxyType(
             {
@@ -35,6 +44,33 @@ PRESETS: Mapping[str, Mapping[str, int]] = MappingProxyType(
                 "num_attention_heads": 12,
                 "seq_length": 1024,
                 "vocab_size": 50304,
+            }
+        ),
+        # SwiGLU width ~ 8/3 h rounded up to a multiple of 64 (704 = 2.75 h), GQA 4 heads : 2 groups.
+        "llama-tiny": MappingProxyType(
+            {
+                "num_layers": 2,
+                "hidden_size": 256,
+                "num_attention_heads": 4,
+                "num_query_groups": 2,
+                "ffn_hidden_size": 704,
+                "seq_length": 256,
+                "vocab_size": 8192,
+                **_LLAMA,
+            }
+        ),
+        # 152.8M parameters (77.3M of them the untied input and output embeddings); ffn = 8/3 h
+        # exactly (2048, a multiple of 256), GQA 12 heads : 4 groups.
+        "llama-150m": MappingProxyType(
+            {
+                "num_layers": 12,
+                "hidden_size": 768,
+                "num_attention_heads": 12,
+                "num_query_groups": 4,
+                "ffn_hidden_size": 2048,
+                "seq_length": 1024,
+                "vocab_size": 50304,
+                **_LLAMA,
             }
         ),
     }

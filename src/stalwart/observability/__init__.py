@@ -18,8 +18,15 @@ from stalwart.observability.memory import (
     measured_memory,
     theoretical_memory,
 )
+from stalwart.observability.memory_release import (
+    NullMemoryRelease,
+    UnusedMemoryRelease,
+    make_memory_release,
+)
+from stalwart.observability.metric_names import grouped_name
 from stalwart.observability.progress import ProgressBar
 from stalwart.observability.report import EventKind, append_event, write_report
+from stalwart.observability.run_dir import RunPaths
 from stalwart.observability.sinks import (
     FanOutSink,
     JsonlSink,
@@ -77,11 +84,13 @@ __all__ = [
     "MetricSink",
     "NullEnergyMeter",
     "NullMemoryMonitor",
+    "NullMemoryRelease",
     "NullSink",
     "NullStragglerDetector",
     "NullTensorDumper",
     "NullTimer",
     "ProgressBar",
+    "RunPaths",
     "StragglerDetector",
     "StragglerReport",
     "TensorBoardSink",
@@ -91,13 +100,16 @@ __all__ = [
     "Timers",
     "TimingMode",
     "TrainingLog",
+    "UnusedMemoryRelease",
     "WandbSink",
     "append_event",
     "build_sinks",
     "format_iteration_line",
     "format_validation_lines",
+    "grouped_name",
     "is_null_sink",
     "make_energy_meter",
+    "make_memory_release",
     "make_straggler_detector",
     "make_tensor_dumper",
     "measured_memory",

@@ -1,27 +1,39 @@
-"""Tensor dumps: activations, dgrads, tokens per expert and cheap per-module statistics.
+"""Tensor dumps: activations, dgrads, wgrads, params, tokens per expert and per-module statistics.
 
 Usage in a hand-written loop::
 
     cfg = DumpConfig(save_activations_interval=100, save_dgrads_interval=100,
+                     save_wgrads_interval=100, save_params_interval=100,
                      save_tokens_per_expert_interval=10, tensor_stats_interval=10)
     dumper = make_tensor_dumper(model, run_dir, cfg, rank=rank, dp_rank=dp_rank)
     for it in range(1, iters + 1):
         dumper.begin_iteration(it)                  # registers hooks only if `it` dumps anything
         for i, mb in enumerate(micro_batches):
-            dumper.set_last_microbatch(i == len(micro_batches) - 1)
+            dumper.begin_microbatch(i, i == len(micro_batches) - 1)
             model(mb).loss.backward()
-        dumper.end_iteration()                      # writes files, removes the hooks
+            dumper.end_microbatch()                 # tokens per expert; wgrads after the last
+        clip_grads(); optimizer.step()
+        dumper.end_iteration()                      # writes files (params after the step)
     dumper.close()
 
-Files (iteration numbers are the caller's, zero-padded to 7 digits):
+Files (iteration numbers are the caller's, zero-padded to 7 digits; ``.pt`` files hold a flat
+``{key: cpu tensor}`` dict, the same format for every tensor dump):
 
 * ``<dir>/activations/iter_0000010/rank{R}.pt``: ``{"<module>/input<i>"|"<module>/output<i>": cpu
   tensor}`` for every ``nn.Linear``, ``nn.Embedding`` and MoE router, last micro-batch only.
 * ``<dir>/dgrads/iter_0000010/rank{R}.pt``: ``{"<module>/grad_input<i>"|"<module>/grad_output<i>"}``
   from full backward hooks, last micro-batch only, data-parallel replica 0 only.
-* ``<dir>/tokens_per_expert/rank{R}.jsonl``: one line per router per dump iteration
-  ``{"iteration", "layer", "name", "tokens_per_expert": [...]}`` read from the router's
-  ``last_tokens_per_expert`` (the last micro-batch's counts).
+* ``<dir>/wgrads/iter_0000010/rank{R}.pt``: ``{"<param name>": grad}`` (``--save-wgrads-interval``):
+  each parameter's gradient after the last micro-batch's backward (accumulated over the
+  micro-batches and averaged across data-parallel ranks, before clipping and the optimizer step,
+  as Megatron's ``main_grad`` dump), data-parallel replica 0 only.
+* ``<dir>/params/iter_0000010/rank{R}.pt``: ``{"<param name>": value}`` (``--save-params-interval``)
+  after the optimizer step, data-parallel replica 0 only.
+* ``<dir>/tokens_per_expert/rank{R}.jsonl``: Megatron's record schema, one line per MoE layer per
+  dump iteration, sorted by layer: ``{"iter": 10, "block": "decoder", "layer": 3, "tpe": [[...],
+  ...]}`` with one list of per-expert token counts **per micro-batch** (``tpe[m][e]``), read from
+  each router's ``last_tokens_per_expert`` after every micro-batch (copied on the device, read
+  once at the end of the iteration).
 * ``<dir>/tensor_stats/rank{R}.jsonl``: one line per stats iteration ``{"iteration", "modules":
   {name: {"mean", "std", "absmax", "nonfinite"}}}`` over each module's outputs in the last
   micro-batch. Computed on device into one preallocated ``[modules, 4]`` buffer; read once.
@@ -54,21 +66,30 @@ class DumpConfig:
 
     save_activations_interval: int | None = None
     save_dgrads_interval: int | None = None
+    save_wgrads_interval: int | None = None
+    save_params_interval: int | None = None
     save_tokens_per_expert_interval: int | None = None
     tensor_stats_interval: int | None = None
     module_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
 
     def __post_init__(self) -> None:
-        # Only the first is a flag; the others follow it (--log-dgrads, --log-tokens-per-expert,
-        # --dump-stats-only), or are set by a hand-written loop.
-        for flag, value in (
+        # Flags where one exists; the others follow a flag (--log-dgrads, --log-tokens-per-expert,
+        # --dump-stats-only) or are set by a hand-written loop.
+        for flag, value in self._intervals():
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{flag} must be a positive integer or unset, got {value!r}")
+
+    def _intervals(self) -> tuple[tuple[str, int | None], ...]:
+        return (
             ("--save-activations-interval", self.save_activations_interval),
             ("DumpConfig.save_dgrads_interval", self.save_dgrads_interval),
+            ("--save-wgrads-interval", self.save_wgrads_interval),
+            ("--save-params-interval", self.save_params_interval),
             ("DumpConfig.save_tokens_per_expert_interval", self.save_tokens_per_expert_interval),
             ("DumpConfig.tensor_stats_interval", self.tensor_stats_interval),
-        ):
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} must be a positive integer or unset, got {value}")
+        )
 
     @classmethod
     def from_flags(
@@ -79,10 +100,20 @@ class DumpConfig:
         log_tokens_per_expert: bool,
         dump_stats_only: bool,
         log_interval: int,
+        save_wgrads_interval: int = 0,
+        save_params_interval: int = 0,
     ) -> DumpConfig:
-        """Map the trainer's flags: every requested dump runs every ``--save-activations-interval``
-        iterations (``--log-interval`` when that is 0); ``--dump-stats-only`` replaces the
-        activation/dgrad tensors with the per-module statistics."""
+        """Map the trainer's flags: every requested activation/dgrad/tokens-per-expert dump runs
+        every ``--save-activations-interval`` iterations (``--log-interval`` when that is 0);
+        ``--dump-stats-only`` replaces the activation/dgrad tensors with the per-module
+        statistics. ``--save-wgrads-interval`` and ``--save-params-interval`` (0: off) have their
+        own cadence, as in Megatron."""
+        for flag, value in (
+            ("--save-wgrads-interval", save_wgrads_interval),
+            ("--save-params-interval", save_params_interval),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{flag} must be an integer >= 0 (0: off), got {value!r}")
         interval = save_activations_interval if save_activations_interval > 0 else log_interval
         tensors = not dump_stats_only
         return cls(
@@ -90,21 +121,15 @@ class DumpConfig:
             if tensors and save_activations_interval > 0
             else None,
             save_dgrads_interval=interval if tensors and log_dgrads else None,
+            save_wgrads_interval=save_wgrads_interval or None,
+            save_params_interval=save_params_interval or None,
             save_tokens_per_expert_interval=interval if log_tokens_per_expert else None,
             tensor_stats_interval=interval if dump_stats_only else None,
         )
 
     @property
     def any_enabled(self) -> bool:
-        return any(
-            v is not None
-            for v in (
-                self.save_activations_interval,
-                self.save_dgrads_interval,
-                self.save_tokens_per_expert_interval,
-                self.tensor_stats_interval,
-            )
-        )
+        return any(v is not None for _, v in self._intervals())
 
 
 def _due(interval: int | None, iteration: int) -> bool:
@@ -123,6 +148,18 @@ def _tensors(value: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(v)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    # copy=True: on CPU ``.to("cpu")`` would alias the live tensor, which clipping and the
+    # optimizer change in place.
+    return _local(t).detach().to("cpu", copy=True)
+
+
 def layer_number(name: str) -> int | None:
     """First integer path component of a module name (``layers.3.mlp.router`` → 3)."""
     m = _LAYER_RE.search(name)
@@ -137,7 +174,8 @@ class TensorDumper:
         out_dir: run directory; files go into subdirectories of it.
         config: intervals.
         rank: global rank (file names).
-        dp_rank: data-parallel rank; dgrads are saved only on replica 0.
+        dp_rank: data-parallel rank; dgrads, wgrads and params are saved only on replica 0
+            (with sharded parameters, FSDP2 DTensors, every rank saves its local shard).
     """
 
     def __init__(
@@ -161,11 +199,18 @@ class TensorDumper:
             for name, mod in model.named_modules()
             if isinstance(mod, config.module_types) or id(mod) in router_ids
         ]
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        sharded = any(callable(getattr(p, "to_local", None)) for _, p in self._params)
+        self._saves_weights = dp_rank == 0 or sharded
         self._handles: list[RemovableHandle] = []
         self._iteration: int | None = None
         self._last_microbatch = True
+        self._want_wgrads = self._want_tpe = False
         self._activations: dict[str, torch.Tensor] = {}
         self._dgrads: dict[str, torch.Tensor] = {}
+        self._wgrads: dict[str, torch.Tensor] = {}
+        # Per router: one device copy of its counts per micro-batch of the current pass.
+        self._tpe: list[list[torch.Tensor]] = [[] for _ in self._routers]
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
         # One row per module: mean, std, absmax, non-finite count. Written on device by hooks.
@@ -182,6 +227,9 @@ class TensorDumper:
         want_acts = _due(cfg.save_activations_interval, iteration)
         want_stats = _due(cfg.tensor_stats_interval, iteration)
         want_dgrads = _due(cfg.save_dgrads_interval, iteration) and self.dp_rank == 0
+        self._want_wgrads = _due(cfg.save_wgrads_interval, iteration) and self._saves_weights
+        self._want_tpe = _due(cfg.save_tokens_per_expert_interval, iteration)
+        self._wgrads, self._tpe = {}, [[] for _ in self._routers]
         if want_stats:
             self._stats.zero_()
             self._stats_seen = [False] * len(self._modules)
@@ -203,6 +251,28 @@ class TensorDumper:
         """Tell the dumper whether the coming forward/backward is the iteration's last micro-batch."""
         self._last_microbatch = is_last
 
+    def begin_microbatch(self, index: int, is_last: bool) -> None:
+        """Before micro-batch ``index``; index 0 starts a pass (a rerun pass replaces the first)."""
+        self._last_microbatch = is_last
+        if index == 0:
+            self._wgrads, self._tpe = {}, [[] for _ in self._routers]
+
+    def end_microbatch(self) -> None:
+        """After a micro-batch's forward and backward: record tokens per expert (device copies,
+        no sync); after the last one, copy the gradients (wgrads) before clipping changes them."""
+        if self._want_tpe:
+            for rows, (_, router) in zip(self._tpe, self._routers):
+                tpe = getattr(router, "last_tokens_per_expert", None)
+                if isinstance(tpe, torch.Tensor):
+                    rows.append(tpe.detach().clone())
+        if self._want_wgrads and self._last_microbatch:
+            self._wgrads = {
+                # Deliberate sync: device-to-host copy, only on wgrad-dump iterations.
+                name: _host_copy(p.grad)
+                for name, p in self._params
+                if p.grad is not None
+            }
+
     def end_iteration(self) -> None:
         """Write whatever this iteration collected, then remove the hooks."""
         it = self._iteration
@@ -215,16 +285,24 @@ class TensorDumper:
             self._save_tensors("activations", it, self._activations)
         if self._dgrads:
             self._save_tensors("dgrads", it, self._dgrads)
-        self._activations, self._dgrads = {}, {}
+        if self._wgrads:
+            self._save_tensors("wgrads", it, self._wgrads)
+        if _due(cfg.save_params_interval, it) and self._saves_weights:
+            # Deliberate sync: device-to-host copy, only on params-dump iterations.
+            params = {name: _host_copy(p) for name, p in self._params}
+            self._save_tensors("params", it, params)
+        self._activations, self._dgrads, self._wgrads = {}, {}, {}
         if _due(cfg.tensor_stats_interval, it):
             self._write_stats(it)
-        if _due(cfg.save_tokens_per_expert_interval, it):
+        if self._want_tpe:
             self._write_tokens_per_expert(it)
+        self._want_wgrads = self._want_tpe = False
 
     def close(self) -> None:
         """Remove every hook and drop collected tensors (safe to call twice)."""
         self._remove_hooks()
-        self._activations, self._dgrads = {}, {}
+        self._activations, self._dgrads, self._wgrads = {}, {}, {}
+        self._tpe = [[] for _ in self._routers]
         self._iteration = None
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -314,22 +392,28 @@ class TensorDumper:
         self._append_jsonl("tensor_stats", [{"iteration": iteration, "modules": modules}])
 
     def _write_tokens_per_expert(self, iteration: int) -> None:
-        lines = []
-        for name, router in self._routers:
-            tpe = getattr(router, "last_tokens_per_expert", None)
-            if not isinstance(tpe, torch.Tensor):
+        """Megatron's records: ``{"iter", "block": "decoder", "layer", "tpe": [[...] per mb]}``."""
+        records: list[dict[str, Any]] = []
+        for rows, (name, router) in zip(self._tpe, self._routers):
+            if not rows:  # no per-micro-batch calls (a loop without them): the last one's counts
+                last = getattr(router, "last_tokens_per_expert", None)
+                rows = [last.detach()] if isinstance(last, torch.Tensor) else []
+            if not rows:
                 continue
-            # Deliberate sync: read the router's counts at dump iterations only.
-            counts = [int(c) for c in tpe.detach().to("cpu").tolist()]
-            lines.append(
+            # Deliberate sync: one read of every micro-batch's counts, at dump iterations only.
+            tpe = torch.stack(rows).to("cpu").tolist()
+            layer = layer_number(name)
+            records.append(
                 {
-                    "iteration": iteration,
-                    "layer": layer_number(name),
-                    "name": name,
-                    "tokens_per_expert": counts,
+                    "iter": iteration,
+                    "block": "decoder",
+                    "layer": layer if layer is not None else -1,
+                    "tpe": [[int(c) for c in mb] for mb in tpe],
                 }
             )
-        self._append_jsonl("tokens_per_expert", lines)
+        records.sort(key=lambda r: r["layer"])
+        self._append_jsonl("tokens_per_expert", records)
+        self._tpe = [[] for _ in self._routers]
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
@@ -350,6 +434,12 @@ class NullTensorDumper:
         return None
 
     def set_last_microbatch(self, is_last: bool) -> None:
+        return None
+
+    def begin_microbatch(self, index: int, is_last: bool) -> None:
+        return None
+
+    def end_microbatch(self) -> None:
         return None
 
     def end_iteration(self) -> None:

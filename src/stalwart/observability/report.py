@@ -9,14 +9,19 @@ Usage::
 
 Artefacts read (each optional; a missing one becomes a note in the report):
 
-* ``metrics.jsonl`` (or any ``*metrics*.jsonl``): one object per log step with ``iteration`` and
-  e.g. ``loss``/``lm loss``, ``lr``/``learning-rate``, ``throughput``, ``elapsed_ms``,
-  ``timer/<name>``, ``mem-*``.
+* ``metrics.jsonl`` (the path recorded in ``run.json`` when the run wrote it elsewhere, see
+  `stalwart.observability.run_dir`; or any ``*metrics*.jsonl``): one object per log step with
+  ``iteration`` and e.g. ``loss``/``lm loss``, ``lr``/``learning-rate``, ``throughput``,
+  ``elapsed_ms``, ``timer/<name>``, ``mem-*``; validation records (``"split": "validation..."``)
+  go on the loss chart.
 * ``straggler.jsonl`` (`stalwart.observability.straggler`), ``memory.json``
   (`stalwart.observability.memory`), ``exit_reason.json``, ``events.jsonl`` (`append_event`),
   ``chaos.json`` (``{"passed": bool, "faults": [...]}``).
 
-The HTML is self-contained: charts are inline SVG, nothing is fetched from the network.
+The HTML is one self-contained file that opens offline: with ``plotly`` installed (``pip install
+'stalwart[report]'``) the charts are interactive (hover values, zoom) and plotly.js is inlined
+from the installed package; without it the charts are inline SVG. Nothing is fetched from the
+network either way.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from stalwart.observability.run_dir import (
     THROUGHPUT_KEYS,
     EventKind,
     RunArtefacts,
+    RunPaths,
     append_event,
     series,
     timer_label,
@@ -60,7 +66,7 @@ __all__ = [
 
 
 def _find_metrics(run_dir: Path) -> Path | None:
-    direct = run_dir / "metrics.jsonl"
+    direct = RunPaths.discover(run_dir).metrics  # run.json's path, else <run dir>/metrics.jsonl
     if direct.exists():
         return direct
     candidates = sorted(run_dir.glob("*metrics*.jsonl")) + sorted(run_dir.glob("*/*metrics*.jsonl"))
@@ -89,12 +95,13 @@ def load_run(
             "metrics JSONL not found: loss, learning-rate, throughput and timer charts skipped"
         )
     else:
-        # Training rows only: validation rows ("split": "validation...") share the file.
+        # Training rows; validation rows ("split": "validation...") share the file.
         rows = clean.clean_metrics(clean.read_jsonl(metrics, notes), metrics.name, notes)
-        art.metrics = sorted(
-            (r for r in rows if r.get("split", "train") == "train"),
-            key=lambda r: float(r["iteration"]),
-        )
+        split = [str(r.get("split", "train")) for r in rows]
+        train = [r for r, s in zip(rows, split) if s == "train"]
+        valid = [r for r, s in zip(rows, split) if s.startswith("validation")]
+        art.metrics = sorted(train, key=lambda r: float(r["iteration"]))
+        art.validation = sorted(valid, key=lambda r: float(r["iteration"]))
     for name, cleaner, attr in (
         ("straggler.jsonl", clean.clean_straggler, "straggler"),
         (EVENTS_FILE, clean.clean_events, "events"),
@@ -170,8 +177,11 @@ def write_report(
     out: str | os.PathLike[str] | None = None,
     pngs: bool = True,
     metrics_file: str | os.PathLike[str] | None = None,
+    interactive: bool | None = None,
 ) -> Path:
     """Load ``run_dir``, render the HTML report (default ``<run_dir>/report.html``), write PNGs.
+
+    ``interactive``: plotly charts (None: when plotly is installed), else inline SVG.
 
     Raises:
         FileNotFoundError: ``run_dir`` does not exist.
@@ -183,6 +193,6 @@ def write_report(
     target = Path(out) if out is not None else art.run_dir / REPORT_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(render_html(art, [p.name for p in png_paths]), encoding="utf-8")
+    tmp.write_text(render_html(art, [p.name for p in png_paths], interactive), encoding="utf-8")
     os.replace(tmp, target)
     return target

@@ -1,7 +1,26 @@
-"""A run directory's vocabulary: artefact file names, event kinds, metric keys.
+"""The run directory convention: where a run's artefacts live, and a manifest that says so.
 
-Shared by the writers (the trainer appends events) and the readers (``report`` loads, and
-``report_html`` renders), so neither reader imports the other.
+One directory holds everything ``stalwart report`` reads: by default the checkpoint directory
+(``--save``), or ``--run-dir`` when given. Artefacts written elsewhere on purpose (``--metrics-file
+/elsewhere/m.jsonl``) are recorded in ``<run dir>/run.json``, so the report of the run directory
+is still complete::
+
+    paths = RunPaths.for_run("runs/demo", metrics_file=None)   # metrics -> runs/demo/metrics.jsonl
+    paths.write_manifest()                                     # rank 0, once at start-up
+    ...
+    found = RunPaths.discover("runs/demo")                     # what `stalwart report` does
+    found.metrics                                              # the path the run wrote
+
+Layout (file names are fixed; each artefact is optional):
+
+* ``metrics.jsonl`` — training and validation records (`stalwart.observability.train_log`)
+* ``events.jsonl`` — skipped/NaN iterations, reruns, restarts, checkpoints, exits (`report`)
+* ``straggler.jsonl``, ``memory.json``, ``exit_reason.json``, ``chaos.json``
+* ``run.json`` — this manifest: ``{"version": 1, "metrics": "<path>", ...}``
+* ``report.html`` and ``report/*.png`` — written by ``stalwart report``
+
+The manifest is read as data only (JSON; unknown keys ignored; a path that is not a string is
+ignored), never executed.
 """
 
 from __future__ import annotations
@@ -16,9 +35,109 @@ from typing import Any
 
 from stalwart.observability.sinks import append_line
 
+MANIFEST_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
+STRAGGLER_FILE = "straggler.jsonl"
+MEMORY_FILE = "memory.json"
+EXIT_REASON_FILE = "exit_reason.json"
+CHAOS_FILE = "chaos.json"
 REPORT_FILE = "report.html"
 PNG_DIR = "report"
+_MANIFEST_VERSION = 1
+
+
+def run_dir_for(save: str | None, run_dir: str | None = None) -> str | None:
+    """The convention: ``--run-dir`` if given, else ``--save``, else no run directory."""
+    return run_dir or save
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Artefact paths of one run directory (see the module docstring for the layout)."""
+
+    root: Path
+    metrics: Path
+
+    @classmethod
+    def for_run(
+        cls, root: str | os.PathLike[str], metrics_file: str | os.PathLike[str] | None = None
+    ) -> RunPaths:
+        """Paths for a run writing into ``root``; ``metrics_file`` overrides the metrics path."""
+        base = Path(root)
+        return cls(base, Path(metrics_file) if metrics_file else base / METRICS_FILE)
+
+    @classmethod
+    def discover(cls, root: str | os.PathLike[str]) -> RunPaths:
+        """Paths of an existing run directory: the manifest's metrics path when it names a file
+        that exists, else ``<root>/metrics.jsonl``."""
+        base = Path(root)
+        default = cls.for_run(base)
+        recorded = read_manifest(base).get("metrics")
+        if isinstance(recorded, str) and recorded:
+            path = Path(recorded)
+            path = path if path.is_absolute() else base / path
+            if path.is_file():
+                return cls(base, path)
+        return default
+
+    @property
+    def events(self) -> Path:
+        return self.root / EVENTS_FILE
+
+    @property
+    def straggler(self) -> Path:
+        return self.root / STRAGGLER_FILE
+
+    @property
+    def memory(self) -> Path:
+        return self.root / MEMORY_FILE
+
+    @property
+    def exit_reason(self) -> Path:
+        return self.root / EXIT_REASON_FILE
+
+    @property
+    def chaos(self) -> Path:
+        return self.root / CHAOS_FILE
+
+    @property
+    def report(self) -> Path:
+        return self.root / REPORT_FILE
+
+    @property
+    def png_dir(self) -> Path:
+        return self.root / PNG_DIR
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / MANIFEST_FILE
+
+    def write_manifest(self) -> Path:
+        """Record where this run's artefacts are (atomic replace; call on rank 0 only)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        payload = {"version": _MANIFEST_VERSION, "metrics": str(self.metrics.resolve())}
+        tmp = self.manifest.with_name(f".{MANIFEST_FILE}.tmp.{os.getpid()}")
+        tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, self.manifest)
+        return self.manifest
+
+
+def read_manifest(root: str | os.PathLike[str]) -> dict[str, object]:
+    """``<root>/run.json`` as a dict; empty when missing, unreadable, huge or not an object."""
+    path = Path(root) / MANIFEST_FILE
+    try:
+        if path.stat().st_size > 1 << 20:
+            return {}
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# ------------------------------------------------------------------ vocabulary: events, metrics
+# Shared by the writers (the trainer appends events) and the readers (``report`` loads,
+# ``report_html`` renders), so neither reader imports the other.
 LOSS_KEYS = ("lm loss", "loss")
 LR_KEYS = ("lr", "learning-rate")
 THROUGHPUT_KEYS = ("throughput_tflops_per_gpu", "throughput", "tokens_per_s")
@@ -70,6 +189,7 @@ class RunArtefacts:
 
     run_dir: Path
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    validation: list[dict[str, Any]] = field(default_factory=list)
     straggler: list[dict[str, Any]] = field(default_factory=list)
     memory: dict[str, Any] | None = None
     exit_reason: dict[str, Any] | None = None

@@ -7,6 +7,10 @@ does by hand). Only **rank 0** writes metrics: :func:`build_sinks` returns a :cl
 every other rank. (Megatron uses the last rank because losses live on the last pipeline stage;
 stalwart's trainer has its losses on rank 0.)
 
+Tag names: the TensorBoard and W&B sinks write Megatron's keys grouped under a ``<group>/``
+prefix (`stalwart.observability.metric_names.grouped_name`: ``loss/lm loss``,
+``timers/forward-backward-time``); pass ``grouped=False`` for Megatron's flat names.
+
 Optional dependencies (``tensorboard``, ``wandb``) are imported when a sink is constructed.
 """
 
@@ -19,12 +23,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
+from stalwart.observability.metric_names import VS_SAMPLES_SUFFIX, grouped_name
+
 logger = logging.getLogger(__name__)
 _TAIL_CHUNK = 1 << 20
 
 WANDB_MODES = ("online", "offline", "disabled")
-# Keys with this suffix use consumed samples as their x-axis (Megatron's "vs samples" variants).
-VS_SAMPLES_SUFFIX = " vs samples"
+# Keys ending in VS_SAMPLES_SUFFIX use consumed samples as their x-axis (Megatron's "vs samples").
 
 
 @runtime_checkable
@@ -65,10 +70,14 @@ def is_null_sink(sink: MetricSink) -> bool:
     return type(sink) is NullSink
 
 
-class TensorBoardSink:
-    """TensorBoard event files under ``log_dir`` (``--tensorboard-dir``)."""
+def _flat_name(key: str) -> str:
+    return key
 
-    def __init__(self, log_dir: str, max_queue: int = 1000) -> None:
+
+class TensorBoardSink:
+    """TensorBoard event files under ``log_dir`` (``--tensorboard-dir``); tags are grouped."""
+
+    def __init__(self, log_dir: str, max_queue: int = 1000, grouped: bool = True) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard is an optional dependency
@@ -76,18 +85,19 @@ class TensorBoardSink:
                 "--tensorboard-dir needs the 'tensorboard' package: pip install 'stalwart[tensorboard]'"
             ) from exc
         self.log_dir = log_dir
+        self._tag = grouped_name if grouped else _flat_name
         self._writer = SummaryWriter(log_dir=log_dir, max_queue=max_queue)
 
     def add_scalar(self, name: str, value: float, step: int) -> None:
-        self._writer.add_scalar(name, value, step)
+        self._writer.add_scalar(self._tag(name), value, step)
 
     def add_scalars(self, values: Mapping[str, float], step: int) -> None:
         # One tag per key (SummaryWriter.add_scalars would create one sub-run per key instead).
         for name, value in values.items():
-            self._writer.add_scalar(name, value, step)
+            self._writer.add_scalar(self._tag(name), value, step)
 
     def add_text(self, name: str, text: str, step: int) -> None:
-        self._writer.add_text(name, text, step)
+        self._writer.add_text(self._tag(name), text, step)
 
     def flush(self) -> None:
         self._writer.flush()
@@ -108,6 +118,9 @@ class WandbSink:
     restarts: the first start writes its run id there, every later start (torchrun restart,
     in-process restart, relaunch after exit 16/17) continues that run (``resume="allow"``)
     instead of scattering the job over several runs.
+
+    Keys are grouped exactly as in :class:`TensorBoardSink` (``grouped``), so both back-ends show
+    the same tags.
     """
 
     def __init__(
@@ -118,7 +131,9 @@ class WandbSink:
         config: Mapping[str, Any] | None = None,
         mode: str | None = None,
         resume_file: str | None = None,
+        grouped: bool = True,
     ) -> None:
+        self._tag = grouped_name if grouped else _flat_name
         if mode is not None and mode not in WANDB_MODES:
             raise ValueError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}, got {mode!r}")
         if not project:
@@ -153,6 +168,7 @@ class WandbSink:
         return str(self._run.dir)
 
     def _define(self, name: str) -> str:
+        # ``name`` is already the grouped tag; the suffix stays at its end.
         axis = "samples" if name.endswith(VS_SAMPLES_SUFFIX) else "iteration"
         if name not in self._defined:
             self._run.define_metric(name, step_metric=axis)
@@ -164,13 +180,14 @@ class WandbSink:
 
     def add_scalars(self, values: Mapping[str, float], step: int) -> None:
         by_axis: dict[str, dict[str, float]] = {}
-        for name, value in values.items():
+        for key, value in values.items():
+            name = self._tag(key)
             by_axis.setdefault(self._define(name), {})[name] = float(value)
         for axis, row in by_axis.items():
             self._run.log({axis: step, **row})
 
     def add_text(self, name: str, text: str, step: int) -> None:
-        self._run.summary[name] = text
+        self._run.summary[self._tag(name)] = text
 
     def flush(self) -> None:
         return None  # wandb streams in the background; finish() in close() drains it.

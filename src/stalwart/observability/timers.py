@@ -4,10 +4,10 @@ Contract summary:
 
 * ``Timers(log_level, log_option)`` hands out timers by name. A timer whose level is above the
   configured ``--timing-log-level`` is the one shared :class:`NullTimer` (no registration, no cost).
-* ``Timer.elapsed()`` returns **seconds** (Megatron's API). Everything that leaves this module for a
-  human or a dashboard -- :meth:`Timers.log` strings and :meth:`Timers.write` scalars -- is in
-  **milliseconds**, and the sink keys say so (``"<name>-time-ms"``). Megatron writes seconds to
-  TensorBoard and milliseconds to stdout; stalwart does not.
+* ``Timer.elapsed()`` returns **seconds** (Megatron's API). :meth:`Timers.log` strings are in
+  **milliseconds** (as Megatron's stdout); :meth:`Timers.write` writes Megatron's dashboard keys,
+  ``"<name>-time"`` in **seconds** (:meth:`TimerReport.megatron_scalars`). The metrics file and
+  the run report keep ``"<name>-time-ms"`` in milliseconds (:meth:`TimerReport.scalars`).
 * :meth:`Timers.log` / :meth:`Timers.write` / :meth:`Timers.report` are collectives: every rank must
   call them with the same names. One ``all_gather`` of a ``[world, len(names)]`` matrix serves both
   the string and the scalars. Only **rank 0** gets a string back and writes scalars.
@@ -83,6 +83,22 @@ STANDARD_TIMER_LEVELS: Mapping[str, int] = types.MappingProxyType(
         BATCH_GENERATOR: 2,
         FORWARD_COMPUTE: 2,
         BACKWARD_COMPUTE: 2,
+    }
+)
+
+# Which standard timer runs inside which (``--timing-log-level 2`` times both): a breakdown must
+# stack a parent's own time, not the parent on top of its children.
+TIMER_PARENTS: Mapping[str, str] = types.MappingProxyType(
+    {
+        BATCH_GENERATOR: FORWARD_BACKWARD,
+        FORWARD_COMPUTE: FORWARD_BACKWARD,
+        BACKWARD_COMPUTE: FORWARD_BACKWARD,
+        OPTIMIZER_COPY_TO_MAIN_GRAD: OPTIMIZER,
+        OPTIMIZER_UNSCALE_AND_CHECK_INF: OPTIMIZER,
+        OPTIMIZER_CLIP_MAIN_GRAD: OPTIMIZER,
+        OPTIMIZER_COUNT_ZEROS: OPTIMIZER,
+        OPTIMIZER_INNER_STEP: OPTIMIZER,
+        OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS: OPTIMIZER,
     }
 )
 
@@ -351,8 +367,12 @@ class TimerReport:
         return text if found else None
 
     def scalars(self) -> dict[str, float]:
-        """Sink scalars: ``"<name>-time-ms"`` -> max over ranks (milliseconds)."""
+        """Metrics-file scalars: ``"<name>-time-ms"`` -> max over ranks (milliseconds)."""
         return {f"{name}-time-ms": hi for name, (_, hi) in self.min_max().items()}
+
+    def megatron_scalars(self) -> dict[str, float]:
+        """Dashboard scalars, Megatron's keys and unit: ``"<name>-time"`` -> max over ranks (s)."""
+        return {f"{name}-time": hi / 1000.0 for name, (_, hi) in self.min_max().items()}
 
 
 class Timers:
@@ -478,10 +498,10 @@ class Timers:
         reset: bool = True,
         barrier: bool = False,
     ) -> None:
-        """Collective. On rank 0, write the max over ranks as ``"<name>-time-ms"`` (milliseconds)."""
+        """Collective. On rank 0, write the max over ranks as ``"<name>-time"`` (seconds, Megatron)."""
         rep = self.report(names, normalizer, reset, barrier)
         if rep is None or self._rank() != 0:
             return
-        scalars = rep.scalars()
+        scalars = rep.megatron_scalars()
         if scalars:
             writer.add_scalars(scalars, iteration)

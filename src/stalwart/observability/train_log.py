@@ -19,8 +19,16 @@ take part in the log-step collectives (interval-time barrier, timer all_gather, 
 Differences from Megatron (deliberate): every log line resets the interval (including the first
 iteration's line), timers and losses are averaged over the iterations actually in the interval,
 "nan iterations" counts every iteration with a non-finite loss (not only skipped ones), negative
-and undefined averages are printed (an interval with no advanced iteration prints ``NAN``), and
-all times are milliseconds (``iteration-time-ms``, ``<timer>-time-ms``).
+and undefined averages are printed (an interval with no advanced iteration prints ``NAN``).
+
+Units: the dashboards (sink) get Megatron's keys and units: ``iteration-time`` and
+``<timer>-time`` in seconds, plus ``world-size``; the sinks group them by a ``<group>/`` prefix
+(`stalwart.observability.metric_names`). The metrics file keeps ``elapsed_ms`` and
+``<timer>-time-ms`` in milliseconds (what ``stalwart report`` reads).
+
+On a terminal, rank 0 also draws a progress bar (`stalwart.observability.progress`) with rate,
+tokens/s (when ``seq_length`` is given), ETA, the last logged loss and the last validation loss;
+the log lines are printed above it.
 """
 
 from __future__ import annotations
@@ -28,11 +36,18 @@ from __future__ import annotations
 import datetime
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from stalwart.observability.log_lines import (
+    IntervalSummary,
+    LogField,
+    format_iteration_line,
+    format_validation_lines,
+    ppl,
+)
 from stalwart.observability.progress import ProgressBar
 from stalwart.observability.sinks import JsonlSink, MetricSink, NullSink, is_null_sink
 from stalwart.observability.timers import INTERVAL_TIME, TRAINING_TIMERS, TimerReport, Timers
@@ -69,20 +84,6 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
-class LogField:
-    """One extra field of the iteration line.
-
-    ``label``/``fmt`` render `` <label>: <fmt.format(value)> |``; ``key`` (optional) is the sink and
-    metrics-file key of the value (None: stdout only).
-    """
-
-    label: str
-    value: Any
-    fmt: str = "{:.3f}"
-    key: str | None = None
-
-
-@dataclass(frozen=True)
 class IntervalInfo:
     """What a provider knows about the interval being logged."""
 
@@ -101,72 +102,6 @@ class LogFieldProvider(Protocol):
     """
 
     def log_fields(self, info: IntervalInfo) -> Sequence[LogField]: ...
-
-
-@dataclass(frozen=True)
-class IntervalSummary:
-    """Everything one iteration line shows (host values, after the log-step read)."""
-
-    iteration: int
-    train_iters: int
-    consumed_samples: int
-    elapsed_ms: float
-    global_batch_size: int
-    loss_averages: Mapping[str, float]
-    skipped: int
-    nan: int
-    learning_rate: float | None = None
-    throughput: float | None = None
-    loss_scale: float | None = None
-    grad_norm: float | None = None
-    num_zeros: float | None = None
-    params_norm: float | None = None
-    extra_fields: Sequence[LogField] = field(default_factory=tuple)
-    timestamp: str | None = None
-
-
-def format_iteration_line(s: IntervalSummary) -> str:
-    """Megatron's iteration line, field for field (see the module docstring for the differences)."""
-    line = f" [{s.timestamp}]" if s.timestamp is not None else ""
-    line += f" iteration {s.iteration:8d}/{s.train_iters:8d} |"
-    line += f" consumed samples: {s.consumed_samples:12d} |"
-    line += f" elapsed time per iteration (ms): {s.elapsed_ms:.1f} |"
-    if s.throughput is not None:
-        line += f" throughput per GPU (TFLOP/s/GPU): {s.throughput:.1f} |"
-    if s.learning_rate is not None:
-        line += f" learning rate: {s.learning_rate:.6E} |"
-    line += f" global batch size: {s.global_batch_size:5d} |"
-    for key, avg in s.loss_averages.items():
-        line += f" {key}: {avg:.6E} |"
-    if s.loss_scale is not None:
-        line += f" loss scale: {s.loss_scale:.1f} |"
-    if s.grad_norm is not None:
-        line += f" grad norm: {s.grad_norm:.3f} |"
-    if s.num_zeros is not None:
-        zeros = int(s.num_zeros) if math.isfinite(s.num_zeros) else s.num_zeros
-        line += f" num zeros: {zeros} |"
-    if s.params_norm is not None:
-        line += f" params norm: {s.params_norm:.3f} |"
-    for f in s.extra_fields:
-        line += f" {f.label}: {f.fmt.format(f.value)} |"
-    line += f" number of skipped iterations: {s.skipped:3d} |"
-    line += f" number of nan iterations: {s.nan:3d} |"
-    return line
-
-
-def format_validation_lines(
-    iteration: int, losses: Mapping[str, float], suffix: str = ""
-) -> list[str]:
-    """Megatron's validation block: dashes, the loss/PPL line, dashes. PPL = exp(min(20, loss))."""
-    text = f" validation{suffix} loss at iteration {iteration} | "
-    for key, value in losses.items():
-        text += f"{key} value: {value:.6E} | {key} PPL: {_ppl(value):.6E} | "
-    dashes = "-" * (len(text) + 1)
-    return [dashes, text, dashes]
-
-
-def _ppl(loss: float) -> float:
-    return math.exp(min(20.0, loss)) if not math.isnan(loss) else math.nan
 
 
 @dataclass
@@ -196,7 +131,8 @@ class TrainingLog:
         flops_per_iteration: model FLOPs of one iteration, whole job; required by ``log_throughput``.
         metrics_file: JSONL path (``--metrics-file``); one object per log step and per evaluation.
         extra_providers: :class:`LogFieldProvider` objects (fields appear before the counters).
-        print_fn: where rank 0's lines go.
+        print_fn: where rank 0's lines go (printed above the progress bar when it is shown).
+        seq_length: tokens per sample; with it the progress bar shows tokens/s.
     """
 
     def __init__(
@@ -212,6 +148,7 @@ class TrainingLog:
         metrics_file: str | None = None,
         extra_providers: Sequence[LogFieldProvider] = (),
         print_fn: Callable[[str], None] = print,
+        seq_length: int | None = None,
     ) -> None:
         if config.log_throughput and flops_per_iteration is None:
             raise ValueError("--log-throughput needs the model's FLOPs per iteration")
@@ -227,6 +164,7 @@ class TrainingLog:
         self.providers = tuple(extra_providers)
         self._print = print_fn
         self._metrics = JsonlSink(metrics_file) if metrics_file and self._is_writer else None
+        self.seq_length = seq_length
         self._progress = ProgressBar(
             train_iters, enabled=config.log_progress_bar if self._is_writer else False
         )
@@ -262,6 +200,8 @@ class TrainingLog:
         self._accumulate(losses, skipped)
         self._iters_in_interval += 1
         self._consumed_samples = consumed_samples
+        if self.seq_length:
+            self._progress.tokens_per_iteration = global_batch_size * self.seq_length
         self._progress.update(iteration)
         is_log = not self._logged_once or iteration % self.config.log_interval == 0
         is_sink = self._sink_active and iteration % self.config.tensorboard_log_interval == 0
@@ -358,6 +298,7 @@ class TrainingLog:
         """Megatron's per-iteration keys, each with its "vs samples" twin (x = consumed samples)."""
         candidates: dict[str, float | None] = {"learning-rate": values.get("lr")}
         candidates["batch-size"] = float(inputs.global_batch_size)
+        candidates["world-size"] = float(self.world_size)
         candidates.update({key: values.get(f"cur:{key}") for key in inputs.losses})
         if self.config.log_loss_scale_to_tensorboard:
             candidates["loss-scale"] = values.get("loss_scale")
@@ -427,25 +368,27 @@ class TrainingLog:
         """Rank 0: print the line and the timers, write log-step scalars and the metrics record."""
         self.total_skipped += s.skipped
         self.total_nan += s.nan
-        self._progress.clear()
-        self._print(format_iteration_line(s))
         timer_text = report.format(self.timers.log_option) if report is not None else None
-        if timer_text is not None:
-            self._print(timer_text)
+        with self._progress.external_write():
+            self._print(format_iteration_line(s))
+            if timer_text is not None:
+                self._print(timer_text)
         timer_scalars = report.scalars() if report is not None else {}
         scalars = {f.key: float(f.value) for f in s.extra_fields if f.key is not None}
         if self.config.log_timers_to_tensorboard:
             if not is_first:  # the first interval includes start-up time (as Megatron)
-                scalars["iteration-time-ms"] = s.elapsed_ms
+                scalars["iteration-time"] = s.elapsed_ms / 1000.0  # seconds, as Megatron
             if s.throughput is not None:
                 scalars["throughput"] = s.throughput
-            scalars.update(timer_scalars)
+            if report is not None:
+                scalars.update(report.megatron_scalars())
         if scalars:
             self.sink.add_scalars(scalars, s.iteration)
         if self._metrics is not None:
             self._metrics.write_record(self._metrics_record(s, timer_scalars))
         main = s.loss_averages.get(MAIN_LOSS_KEY)
-        self._progress.update(s.iteration, None if main is None else f"{MAIN_LOSS_KEY} {main:.4g}")
+        self._progress.set_stats(loss=main, loss_name=MAIN_LOSS_KEY)
+        self._progress.update(s.iteration)
 
     def _metrics_record(self, s: IntervalSummary, timer_scalars: Mapping[str, float]) -> dict:
         main_key = (
@@ -460,6 +403,7 @@ class TrainingLog:
             throughput_tflops_per_gpu=s.throughput,
             skipped_iterations=s.skipped, nan_iterations=s.nan,
             total_skipped_iterations=self.total_skipped, total_nan_iterations=self.total_nan,
+            world_size=self.world_size,
         )  # fmt: skip
         record.update(s.loss_averages)
         record.update({f.key: f.value for f in s.extra_fields if f.key is not None})
@@ -493,14 +437,16 @@ class TrainingLog:
         # Deliberate sync: evaluation has finished; its averaged losses are read once here.
         host = {k: float(v) for k, v in losses.items()}
         samples = self._consumed_samples if consumed_samples is None else consumed_samples
-        self._progress.clear()
-        for line in format_validation_lines(iteration, host, suffix):
-            self._print(line)
+        with self._progress.external_write():
+            for line in format_validation_lines(iteration, host, suffix):
+                self._print(line)
+        if not suffix and MAIN_LOSS_KEY in host:
+            self._progress.set_stats(val_loss=host[MAIN_LOSS_KEY])
         by_iter: dict[str, float] = {}
         for key, value in host.items():
             by_iter[f"{key} validation{suffix}"] = value
             if self.config.log_validation_ppl_to_tensorboard:
-                by_iter[f"{key} validation{suffix} ppl"] = _ppl(value)
+                by_iter[f"{key} validation{suffix} ppl"] = ppl(value)
         self.sink.add_scalars(by_iter, iteration)
         self.sink.add_scalars({f"{k} vs samples": v for k, v in by_iter.items()}, samples)
         if self._metrics is not None:
@@ -508,7 +454,7 @@ class TrainingLog:
                 split=f"validation{suffix}", iteration=iteration, consumed_samples=samples
             )
             record.update(by_iter)
-            record.update({f"{k} validation{suffix} ppl": _ppl(v) for k, v in host.items()})
+            record.update({f"{k} validation{suffix} ppl": ppl(v) for k, v in host.items()})
             self._metrics.write_record(record)
 
     def close(self) -> None:

@@ -23,7 +23,8 @@ Priority (Megatron's ``checkpoint_and_decide_exit``, with the validation exits f
 0. replica mismatch (``--check-weight-hash-across-dp-replicas-interval``): exit 17, no save (never
    write a checkpoint from diverged replicas). Then the rerun machine's verdict: exit 16 (after
    saving the completed iterations, so the failed one is rerun elsewhere) or 17.
-1. exit signal (``--exit-signal-handler``, any rank): save, exit.
+1. exit signal (``--exit-signal-handler``, any rank): save, exit. Ctrl-C (SIGINT, with
+   ``exit_on_interrupt``): save, exit **130** (the shell's code for an interrupted command).
 2. ``--save-interval`` (persistent) or else ``--non-persistent-save-interval``: save, continue.
 3. ``--exit-duration-in-mins`` (elapsed minutes MAX-reduced over ranks): save unless saved, exit.
 4. ``--exit-interval`` or ``--phase-transition-iterations``: save unless saved, exit.
@@ -33,8 +34,9 @@ Deliberate deviation: when exiting, a non-persistent save of the same iteration 
 "saved" (Megatron counts it). A local/in-memory checkpoint does not survive the job ending, so the
 exit save is upgraded to persistent.
 
-Every graceful exit uses exit code 0 (what launchers and Megatron expect); ``exit_reason.json``
-tells the reasons apart. On a signal, the save must finish inside torchrun's 30 s
+Every graceful exit uses exit code 0 (what launchers and Megatron expect), except Ctrl-C: a user
+who interrupts a command expects 130, and a script must not mistake it for a finished run.
+``exit_reason.json`` tells the reasons apart; `ExitDecision.exit_code` carries the code. On a signal, the save must finish inside torchrun's 30 s
 SIGTERM-to-SIGKILL window (see `stalwart.reliability.signals`).
 """
 
@@ -62,12 +64,14 @@ logger = logging.getLogger(__name__)
 
 EXIT_REASON_FILENAME = "exit_reason.json"
 EXIT_CODE_GRACEFUL = 0  # signal, duration, interval, phase and finished all exit 0
+EXIT_CODE_INTERRUPTED = 128 + signal.SIGINT  # 130: Ctrl-C, as a shell reports it
 
 
 class ExitReason(Enum):
     """Why training stopped (the ``reason`` field of ``exit_reason.json``)."""
 
     SIGNAL = "signal"
+    INTERRUPT = "interrupt"
     DURATION = "duration"
     INTERVAL = "interval"
     PHASE = "phase"
@@ -102,6 +106,8 @@ class ExitConfig:
         phase_transition_iterations: exit (after saving) at these iterations.
         save_interval: persistent save cadence (``--save-interval``).
         non_persistent_save_interval: non-persistent save cadence.
+        exit_on_interrupt: SIGINT (Ctrl-C) saves and exits 130 (``--exit-on-interrupt``; the
+            CLI turns it on for a single-process run on a terminal). Every rank must share it.
     """
 
     exit_signal_handler: bool = False
@@ -111,6 +117,7 @@ class ExitConfig:
     phase_transition_iterations: tuple[int, ...] = field(default_factory=tuple)
     save_interval: int | None = None
     non_persistent_save_interval: int | None = None
+    exit_on_interrupt: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exit_signal", parse_exit_signal(self.exit_signal))
@@ -139,7 +146,18 @@ class ExitConfig:
     @property
     def needs_agreement(self) -> bool:
         """Whether any input must be agreed across ranks (else no collective is needed)."""
-        return self.exit_signal_handler or bool(self.exit_duration_in_mins)
+        return (
+            self.exit_signal_handler or self.exit_on_interrupt or bool(self.exit_duration_in_mins)
+        )
+
+    @property
+    def handles_signals(self) -> bool:
+        """Whether a `DistributedSignalHandler` must be installed."""
+        return self.exit_signal_handler or self.exit_on_interrupt
+
+    def make_signal_handler(self) -> DistributedSignalHandler:
+        """The handler for these settings (not installed yet: enter it in the main thread)."""
+        return DistributedSignalHandler(self.signal_enum, interrupt=self.exit_on_interrupt)
 
     def build(
         self, signal_handler: DistributedSignalHandler | None = None, started: float | None = None
@@ -150,15 +168,17 @@ class ExitConfig:
 
 @dataclass(frozen=True)
 class ExitInputs:
-    """Every input of the exit decision, already agreed across ranks.
+    """The per-iteration inputs, already agreed across ranks.
 
-    ``signal_received`` / ``elapsed_minutes_max``: from :class:`IterationAgreement`; ``rerun``:
-    the rerun machine's verdict on the iteration; ``replica``: the replica check's result when
-    it ran; ``finished``: the last training iteration is done.
+    ``signal_number``: the highest signal number any rank received (0: none), so a scheduler's
+    SIGTERM (15) wins over a Ctrl-C (2) that reached some ranks. ``rerun``: the rerun machine's
+    verdict on the iteration; ``replica``: the replica check's result when it ran;
+    ``finished``: the last training iteration is done.
     """
 
     signal_received: bool = False
     elapsed_minutes_max: float = 0.0
+    signal_number: int = 0
     rerun: RerunVerdict = field(default_factory=RerunVerdict)
     replica: ReplicaCheckResult | None = None
     finished: bool = False
@@ -166,8 +186,7 @@ class ExitInputs:
 
 @dataclass(frozen=True)
 class ExitDecision:
-    """What to do now: ``save`` a checkpoint (or not), then ``exit`` (or not) with
-    ``exit_code``, and why."""
+    """What to do now: ``save`` a checkpoint (or not), then ``exit`` (or not), and why."""
 
     save: SaveKind = SaveKind.NONE
     exit: bool = False
@@ -206,10 +225,9 @@ def decide(
     # Exits always save persistently: a non-persistent save of the same iteration would not
     # survive the end of the job (deliberate deviation from Megatron, see the module docstring).
     exit_save = SaveKind.PERSISTENT if can_save and not already_saved else SaveKind.NONE
-    if config.exit_signal_handler and inputs.signal_received:
-        return ExitDecision(
-            exit_save, True, ExitReason.SIGNAL, f"received {config.signal_enum.name}"
-        )
+    signal_decision = _signal_decision(inputs, config, exit_save)
+    if signal_decision is not None:
+        return signal_decision
     regular = SaveKind.NONE
     if can_save and not already_saved:
         if _every(config.save_interval, iteration):
@@ -255,6 +273,25 @@ def _validation_exit(iteration: int, inputs: ExitInputs, can_save: bool) -> Exit
     return ExitDecision(save, True, ExitReason.RERUN, detail, verdict.exit_code)
 
 
+def _signal_decision(
+    inputs: ExitInputs, config: ExitConfig, exit_save: SaveKind
+) -> ExitDecision | None:
+    """Priority 1: the exit signal (exit 0), or Ctrl-C with ``exit_on_interrupt`` (exit 130)."""
+    if not inputs.signal_received:
+        return None
+    number = inputs.signal_number or int(config.signal_enum)  # older callers: the exit signal
+    interrupt = number == signal.SIGINT and config.signal_enum is not signal.SIGINT
+    if interrupt and config.exit_on_interrupt:
+        return ExitDecision(
+            exit_save, True, ExitReason.INTERRUPT, "received SIGINT", EXIT_CODE_INTERRUPTED
+        )
+    if config.exit_signal_handler and not interrupt:
+        return ExitDecision(
+            exit_save, True, ExitReason.SIGNAL, f"received {config.signal_enum.name}"
+        )
+    return None
+
+
 def gather_exit_inputs(
     config: ExitConfig,
     signal_handler: DistributedSignalHandler | None,
@@ -264,28 +301,33 @@ def gather_exit_inputs(
     """Agree on the signal flag and the elapsed time in ONE all-reduce MAX (or none at all).
 
     Every rank must call it at the same point of every iteration. Without
-    ``--exit-signal-handler`` and ``--exit-duration-in-mins`` nothing needs agreeing and no
-    collective runs (all ranks share the config, so all skip it together).
+    ``--exit-signal-handler``, ``exit_on_interrupt`` and ``--exit-duration-in-mins`` nothing needs
+    agreeing and no collective runs (all ranks share the config, so all skip it together).
     """
     if not config.needs_agreement:
         return ExitInputs(False, elapsed_minutes)
-    local_flag = bool(
-        config.exit_signal_handler and signal_handler is not None and signal_handler.received
-    )
+    received = signal_handler.received_signal if signal_handler is not None else None
     import torch.distributed as dist
 
     from stalwart.distributed.collectives import all_reduce_floats
 
-    # Deliberate sync: the one per-iteration exit agreement (signal OR, time budget MAX).
-    flag, elapsed = all_reduce_floats(
-        [1.0 if local_flag else 0.0, elapsed_minutes], dist.ReduceOp.MAX, group
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        # One process: nothing to agree on, and no device round trip per iteration (an
+        # interactive single-GPU run handles Ctrl-C by default).
+        return ExitInputs(received is not None, elapsed_minutes, int(received or 0))
+
+    # Deliberate sync: the one per-iteration exit agreement (signal MAX, time budget MAX).
+    number, elapsed = all_reduce_floats(
+        [float(int(received or 0)), elapsed_minutes], dist.ReduceOp.MAX, group
     )
-    return ExitInputs(flag > 0.5, elapsed)
+    return ExitInputs(number > 0.5, elapsed, int(number))
 
 
 def exit_message(decision: ExitDecision, iteration: int) -> str:
     """One line saying why the program exits (Megatron's wording where it exists)."""
     reason = decision.reason
+    if reason is ExitReason.INTERRUPT:
+        return f"interrupted (Ctrl-C): exiting program at iteration {iteration} with code {decision.exit_code}"
     if reason is ExitReason.SIGNAL:
         return f"exiting program after {decision.detail.removeprefix('received ')} at iteration {iteration}"
     if reason is ExitReason.DURATION:
@@ -338,11 +380,32 @@ def write_exit_reason(
     return target
 
 
-class ExitProbe:
-    """This rank's exit inputs (signal flag, minutes elapsed since ``started``), read locally.
+def read_exit_reason(save_dir: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, str]:
+    """``(record, "")`` from ``<save>/exit_reason.json``, or ``(None, why)`` when it is missing,
+    not UTF-8 JSON, not an object, or its ``iteration``/``exit_code`` are not integers. Plain
+    JSON: reading it runs nothing."""
+    path = Path(save_dir) / EXIT_REASON_FILENAME
+    try:
+        with open(path, "rb") as f:
+            record = json.loads(f.read(1 << 20))
+    except FileNotFoundError:
+        return None, f"no {EXIT_REASON_FILENAME}"
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"{path} unreadable: {type(exc).__name__}"
+    if not isinstance(record, dict):
+        return None, f"{path} holds a JSON {type(record).__name__}, not an object"
+    for key in ("iteration", "exit_code"):
+        value = record.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return None, f"{path}: {key} is not an integer"
+    return record, ""
 
-    ``needs_agreement`` is False when neither ``--exit-signal-handler`` nor
-    ``--exit-duration-in-mins`` is on: nothing needs agreeing then.
+
+class ExitProbe:
+    """This rank's exit inputs (the signal it received, minutes since ``started``), read locally.
+
+    ``needs_agreement`` is False when no signal is handled and ``--exit-duration-in-mins`` is off:
+    nothing needs agreeing then.
     """
 
     def __init__(
@@ -359,21 +422,23 @@ class ExitProbe:
     def needs_agreement(self) -> bool:
         return self.config.needs_agreement
 
-    def local(self) -> tuple[bool, float]:
-        received = bool(
-            self.config.exit_signal_handler
-            and self.signal_handler is not None
-            and self.signal_handler.received
-        )
-        return received, (time.monotonic() - self.started) / 60.0
+    def local(self) -> tuple[int, float]:
+        """(signal number received, 0 for none; minutes elapsed)."""
+        received = self.signal_handler.received_signal if self.signal_handler is not None else None
+        return int(received or 0), (time.monotonic() - self.started) / 60.0
 
 
 @dataclass(frozen=True)
 class Agreed:
-    """The exit inputs every rank agreed on in the iteration's collective."""
+    """The exit inputs every rank agreed on in the iteration's collective (the highest signal
+    number any rank received: a scheduler's SIGTERM wins over a Ctrl-C)."""
 
-    signal_received: bool = False
+    signal_number: int = 0
     elapsed_minutes_max: float = 0.0
+
+    @property
+    def signal_received(self) -> bool:
+        return self.signal_number != 0
 
 
 class IterationAgreement:
@@ -396,38 +461,38 @@ class IterationAgreement:
         """A new iteration: its first agreement carries the exit inputs."""
         self._agreed = None
 
-    def _local(self) -> tuple[bool, float]:
-        return self.probe.local() if self.probe is not None else (False, 0.0)
+    def _local(self) -> tuple[int, float]:
+        return self.probe.local() if self.probe is not None else (0, 0.0)
 
     def __call__(self, flags: list[bool]) -> list[bool]:
         """Element-wise OR of ``flags`` across ranks (the machine's agreement)."""
         values = [1.0 if f else 0.0 for f in flags]
         carry = self._agreed is None
         if carry:
-            received, elapsed = self._local()
-            values += [1.0 if received else 0.0, elapsed]
+            number, elapsed = self._local()
+            values += [float(number), elapsed]
         reduced = self._reduce(values)
         if carry:
-            self._agreed = Agreed(reduced[-2] > 0.5, reduced[-1])
+            self._agreed = Agreed(int(reduced[-2]), reduced[-1])
             reduced = reduced[:-2]
         return [r > 0.5 for r in reduced]
 
     def finish(self) -> Agreed:
         """The iteration's agreed exit inputs (one collective here only if none ran yet)."""
         if self._agreed is None:
-            received, elapsed = self._local()
+            number, elapsed = self._local()
             if self.probe is not None and self.probe.needs_agreement:
                 # Deliberate sync: the exit agreement when the machine had nothing to agree on.
-                flag, elapsed = self._reduce([1.0 if received else 0.0, elapsed])
-                received = flag > 0.5
-            self._agreed = Agreed(received, elapsed)
+                high, elapsed = self._reduce([float(number), elapsed])
+                number = int(high)
+            self._agreed = Agreed(number, elapsed)
         return self._agreed
 
     def _reduce(self, values: list[float]) -> list[float]:
         import torch.distributed as dist
 
-        if not collectives.is_initialized():
-            return values
+        if not collectives.is_initialized() or dist.get_world_size(self.group) == 1:
+            return values  # one process: nothing to agree on, no device round trip
         self.num_collectives += 1
         # Deliberate sync: the one per-iteration agreement (rerun verdict, signal, time budget).
         return collectives.all_reduce_floats(values, dist.ReduceOp.MAX, self.group)
@@ -444,6 +509,7 @@ def exit_inputs(
     return ExitInputs(
         agreed.signal_received,
         agreed.elapsed_minutes_max,
+        agreed.signal_number,
         rerun or RerunVerdict(),
         replica,
         finished,
@@ -470,24 +536,3 @@ def leave(
         write_exit_reason(save_dir, reason, iteration, decision.detail, decision.exit_code)
     collectives.barrier()
     return decision.exit_code
-
-
-def read_exit_reason(save_dir: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, str]:
-    """``(record, "")`` from ``<save>/exit_reason.json``, or ``(None, why)`` when it is missing,
-    not UTF-8 JSON, not an object, or its ``iteration``/``exit_code`` are not integers. Plain
-    JSON: reading it runs nothing."""
-    path = Path(save_dir) / EXIT_REASON_FILENAME
-    try:
-        with open(path, "rb") as f:
-            record = json.loads(f.read(1 << 20))
-    except FileNotFoundError:
-        return None, f"no {EXIT_REASON_FILENAME}"
-    except (OSError, ValueError, RecursionError) as exc:
-        return None, f"{path} unreadable: {type(exc).__name__}"
-    if not isinstance(record, dict):
-        return None, f"{path} holds a JSON {type(record).__name__}, not an object"
-    for key in ("iteration", "exit_code"):
-        value = record.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            return None, f"{path}: {key} is not an integer"
-    return record, ""

@@ -17,6 +17,13 @@ the DataLoader's ``worker_init_fn`` so workers *ignore* the exit signal: they ke
 while the main process finishes the step and saves, and they exit through the DataLoader's normal
 shutdown (or when the main process dies). The handler additionally checks the pid it was installed
 in, so a worker that did not run the guard can never set the main process's flag.
+
+Ctrl-C: with ``interrupt=True`` the handler also takes SIGINT (the trainer turns it on by default
+for a single-process run attached to a terminal, `interrupt_handling_default`). The first Ctrl-C
+only sets the flag, like the exit signal: the job saves and exits 130 with one line. A second
+Ctrl-C at least a second later is the user insisting: it raises ``KeyboardInterrupt`` at once
+(without saving). The handler records which signal arrived first (`received_signal`), so the exit
+decision can tell a Ctrl-C (exit 130) from the scheduler's exit signal (exit 0).
 """
 
 from __future__ import annotations
@@ -24,13 +31,33 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
 from types import FrameType
-from typing import Any
+from typing import Any, TextIO
 
 EXIT_SIGNAL_NAMES: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+# A second Ctrl-C sooner than this after the first is the same key press (a terminal and a
+# launcher can both deliver it); later, it means "stop now".
+INTERRUPT_ESCALATION_S = 1.0
+
+
+def interrupt_handling_default(
+    environ: Mapping[str, str], stdin: TextIO | None, stdout: TextIO | None
+) -> bool:
+    """Whether Ctrl-C should save-and-exit by default: one process (``WORLD_SIZE`` unset or 1,
+    the same answer on every rank of a job) whose stdin and stdout are terminals."""
+
+    def tty(stream: TextIO | None) -> bool:
+        isatty = getattr(stream, "isatty", None)
+        try:
+            return bool(isatty()) if callable(isatty) else False
+        except ValueError:  # a closed stream
+            return False
+
+    return environ.get("WORLD_SIZE", "1") == "1" and tty(stdin) and tty(stdout)
 
 
 def parse_exit_signal(name: str | signal.Signals) -> signal.Signals:
@@ -52,33 +79,65 @@ def parse_exit_signal(name: str | signal.Signals) -> signal.Signals:
 
 
 class DistributedSignalHandler:
-    """Context manager: while active, ``sig`` only sets a flag in the installing process.
+    """Context manager: while active, ``sig`` (and SIGINT with ``interrupt``) only sets a flag in
+    the installing process.
 
-    ``__enter__`` clears the flag, remembers the previous handler and installs the flag handler;
-    ``__exit__`` (or `release`) restores the previous handler exactly once. Must be entered in
+    ``__enter__`` clears the flag, remembers the previous handlers and installs the flag handler;
+    ``__exit__`` (or `release`) restores the previous handlers exactly once. Must be entered in
     the main thread (a Python rule for ``signal.signal``).
+
+    Args:
+        sig: the exit signal (``--exit-signal``).
+        interrupt: also handle SIGINT (Ctrl-C); see the module docstring for a second Ctrl-C.
+        clock: monotonic clock (tests).
     """
 
-    def __init__(self, sig: signal.Signals = signal.SIGTERM) -> None:
+    def __init__(
+        self,
+        sig: signal.Signals = signal.SIGTERM,
+        *,
+        interrupt: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.sig = parse_exit_signal(sig)
-        self._received = False
+        handled = [self.sig]
+        if interrupt and signal.SIGINT not in handled:
+            handled.append(signal.SIGINT)
+        self.signals: tuple[signal.Signals, ...] = tuple(handled)
+        self.interrupt = interrupt
+        self._clock = clock
+        self._received: signal.Signals | None = None
+        self._interrupted_at: float | None = None
         self._owner_pid = -1
-        self._previous: _Handler = None
+        self._previous: dict[signal.Signals, _Handler] = {}
         self._installed = False
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only the process that installed the handler records the signal; a forked data-loader
         # worker that inherited it does nothing (it must not swallow the main process's exit).
-        if os.getpid() == self._owner_pid:
-            self._received = True
+        if os.getpid() != self._owner_pid:
+            return
+        sig = signal.Signals(signum)
+        if sig is signal.SIGINT and self.interrupt and sig is not self.sig:
+            now = self._clock()
+            if self._interrupted_at is not None:
+                if now - self._interrupted_at >= INTERRUPT_ESCALATION_S:
+                    # The user pressed Ctrl-C again: stop now, without the save.
+                    raise KeyboardInterrupt
+                return
+            self._interrupted_at = now
+        if self._received is None:
+            self._received = sig
 
     def __enter__(self) -> DistributedSignalHandler:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("DistributedSignalHandler must be installed from the main thread")
-        self._received = False
+        self._received = None
+        self._interrupted_at = None
         self._owner_pid = os.getpid()
-        self._previous = signal.getsignal(self.sig)
-        signal.signal(self.sig, self._on_signal)
+        for sig in self.signals:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
         self._installed = True
         return self
 
@@ -86,17 +145,24 @@ class DistributedSignalHandler:
         self.release()
 
     def release(self) -> bool:
-        """Restore the previous handler; True the first time, False afterwards."""
+        """Restore the previous handlers; True the first time, False afterwards."""
         if not self._installed:
             return False
-        previous = self._previous if self._previous is not None else signal.SIG_DFL
-        signal.signal(self.sig, previous)
+        for sig in self.signals:
+            previous = self._previous.get(sig)
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
         self._installed = False
         return True
 
     @property
     def received(self) -> bool:
         """This rank's own flag (no communication)."""
+        return self._received is not None
+
+    @property
+    def received_signal(self) -> signal.Signals | None:
+        """The first handled signal that arrived on this rank (None: none yet)."""
         return self._received
 
     def signals_received(self, group: Any = None) -> bool:
@@ -107,7 +173,7 @@ class DistributedSignalHandler:
         """
         from stalwart.distributed.collectives import all_reduce_any
 
-        return all_reduce_any([self._received], group)[0]
+        return all_reduce_any([self.received], group)[0]
 
 
 class DataLoaderWorkerSignalGuard:

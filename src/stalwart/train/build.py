@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import random
+import signal
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ from stalwart.graphs import (
 )
 from stalwart.loop import DynamicLossScaler, NullLossScaler
 from stalwart.models import GPT
+from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
 from stalwart.reliability.exit import IterationAgreement
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
 from stalwart.reliability.replica_check import flip_parameter_bit
@@ -144,7 +146,10 @@ def build_sampler(
         return source
     # Workers ignore the exit signal: a job-wide SIGTERM (scancel) must not end them while this
     # process finishes the step and saves; they stop with close() or with this process.
-    guard = DataLoaderWorkerSignalGuard([config.exit.signal_enum])
+    worker_signals = [config.exit.signal_enum]
+    if config.exit.exit_on_interrupt:  # Ctrl-C reaches the workers too (one process group)
+        worker_signals.append(signal.SIGINT)
+    guard = DataLoaderWorkerSignalGuard(dict.fromkeys(worker_signals))
     return WorkerMicroBatchIterator(source, workers, pin_memory=pin, worker_init_fn=guard)
 
 
@@ -185,7 +190,12 @@ def check_graph_flags(config: RunConfig, device: torch.device, world_size: int =
             cuda_graph_impl=g.cuda_graph_impl,
             cuda_graph_warmup_steps=g.cuda_graph_warmup_steps,
             optimizer_cuda_graph=g.optimizer_cuda_graph,
-            recompute_granularity=g.recompute_granularity or RecomputeGranularity.NONE,
+            recompute_granularity=config.model.recompute_granularity,
+            recompute_modules=(
+                SELECTIVE_RECOMPUTE_MODULES
+                if config.model.recompute_granularity is RecomputeGranularity.SELECTIVE
+                else ()
+            ),
             hidden_dropout=config.model.dropout,
             attention_dropout=config.model.dropout,
             check_for_nan_in_loss_and_grad=config.rerun.check_for_nan_in_loss_and_grad,
@@ -278,9 +288,10 @@ def build_machine(
 
 
 def build_signal_handler(config: RunConfig) -> DistributedSignalHandler | None:
-    """``--exit-signal-handler``: installed now (release it when the run ends)."""
-    if not config.exit.exit_signal_handler:
+    """The exit signal and/or Ctrl-C (``exit_on_interrupt``): installed now (release it when the
+    run ends)."""
+    if not config.exit.handles_signals:
         return None
-    handler = DistributedSignalHandler(config.exit.signal_enum)
+    handler = config.exit.make_signal_handler()
     handler.__enter__()
     return handler

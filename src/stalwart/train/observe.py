@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from stalwart.config.run import RunConfig
@@ -23,6 +24,7 @@ from stalwart.observability.dumps import (
 )
 from stalwart.observability.energy import make_energy_meter
 from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryMonitor, theoretical_memory
+from stalwart.observability.memory_release import NullMemoryRelease
 from stalwart.observability.profiler import NullProfilerWindow, ProfilerWindow, make_profiler_window
 from stalwart.observability.sinks import MetricSink, build_sinks
 from stalwart.observability.straggler import (
@@ -46,6 +48,19 @@ class StepObserver:
     ) -> None:
         self.straggler = straggler
         self.dumper = dumper
+        self.memory_release: Any = None
+
+    def with_memory_release(self, release: Any) -> StepObserver | None:
+        """The observer the step calls (None when nothing observes): these probes, and
+        ``--empty-unused-memory-level``'s release after each forward-backward."""
+        if isinstance(release, NullMemoryRelease) and not self.enabled:
+            return None
+        self.memory_release = release
+        return self
+
+    def after_forward_backward(self) -> None:
+        if self.memory_release is not None:
+            self.memory_release.after_forward_backward()
 
     @property
     def allows_lookahead(self) -> bool:
@@ -63,12 +78,21 @@ class StepObserver:
         self.dumper.begin_iteration(iteration)
 
     def on_microbatch(self, index: int, is_last: bool) -> None:
-        del index
-        self.dumper.set_last_microbatch(is_last)
+        self.dumper.begin_microbatch(index, is_last)
 
     def compute(self) -> contextlib.AbstractContextManager[Any]:
-        """Region counted as this rank's compute (excludes collectives and the optimizer)."""
-        return self.straggler.compute()
+        """Region counted as this rank's compute (excludes collectives and the optimizer); a
+        micro-batch's forward and backward. On exit the dumper records the micro-batch (tokens per
+        expert; after the last one, the gradients before clipping)."""
+        if isinstance(self.dumper, NullTensorDumper):
+            return self.straggler.compute()
+        return self._compute_and_record()
+
+    @contextlib.contextmanager
+    def _compute_and_record(self) -> Iterator[None]:
+        with self.straggler.compute():
+            yield
+        self.dumper.end_microbatch()
 
     def end_iteration(self) -> None:
         self.straggler.step()
@@ -111,6 +135,7 @@ def build_probes(
         ctx.world_size,
         bf16=config.training.bf16,
         workspace_bytes=0 if ctx.device.type == "cpu" else CUDA_WORKSPACE_BYTES,
+        fused_rms_norm=ctx.device.type == "cuda",  # torch's fused RMSNorm kernel is CUDA-only
     )
     memory = MemoryMonitor(
         ctx.device,
@@ -130,6 +155,8 @@ def build_probes(
         log_tokens_per_expert=obs.log_tokens_per_expert,
         dump_stats_only=obs.dump_stats_only,
         log_interval=config.log.log_interval,
+        save_wgrads_interval=obs.save_wgrads_interval,
+        save_params_interval=obs.save_params_interval,
     )
     dump_dir = obs.dump_dir or run_dir or "."
     dumper = make_tensor_dumper(model, dump_dir, dump_config, ctx.rank, ctx.rank)
@@ -190,5 +217,6 @@ def build_observability(
         flops_per_iteration=flops,
         metrics_file=metrics_file_of(config) if ctx.rank == 0 else None,
         extra_providers=providers,
+        seq_length=config.model.seq_length,  # tokens/s on the progress bar
     )
     return timers, sink, log, observer, providers[2]

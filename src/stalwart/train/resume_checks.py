@@ -3,8 +3,8 @@
 A checkpoint saved with other model shapes cannot be loaded: the user gets one line naming each
 flag and both values before any tensor is read (instead of a DCP size-mismatch traceback deep in
 the loader). Fields that do not change parameter shapes (dropout, init, MoE loss coefficient and
-capacity, router top-k, epsilon) may change on purpose between runs: they are reported, not
-refused.
+capacity, router top-k, epsilon, RoPE base, activation recompute) may change on purpose between
+runs: they are reported, not refused.
 """
 
 from __future__ import annotations
@@ -21,9 +21,20 @@ SHAPE_FIELDS = (
     "vocab_size",
     "ffn_hidden_size",
     "num_experts",
+    # Llama switches: each changes which parameters exist or their shapes.
+    "num_query_groups",
+    "swiglu",
+    "untie_embeddings_and_output_weights",
+    "add_bias_linear",
+    "normalization",
+    "position_embedding_type",
 )
 # Flags whose spelling is not the field name.
-_FLAG_OF = {"dropout": "--hidden-dropout"}
+_FLAG_OF = {
+    "dropout": "--hidden-dropout",
+    "add_bias_linear": "--disable-bias-linear",
+    "layernorm_epsilon": "--norm-epsilon",
+}
 
 
 def flag_of(field_name: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +28,7 @@ from stalwart.loop import (
     autocast_context,
 )
 from stalwart.models import num_floating_point_operations
+from stalwart.observability.memory_release import make_memory_release
 from stalwart.observability.run_dir import EventKind, append_event
 from stalwart.observability.timers import INTERVAL_TIME
 from stalwart.reliability.exit import (
@@ -135,6 +137,8 @@ class Trainer:
         on_close(self.profiler.close)
         self.manual_gc = make_manual_gc(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval)
         on_close(self.manual_gc.close)
+        # --empty-unused-memory-level: after forward-backward (the observer), the step, evaluation.
+        self.memory_release = make_memory_release(config.obs.empty_unused_memory_level, ctx.device)
         self.step = self._build_step()
         on_close(self.step.close)
         self.state = TrainState()
@@ -167,7 +171,7 @@ class Trainer:
             lookahead=config.graphs.cuda_graph_speculative_launch,
             agreement=self.agreement,
             timers=self.timers,
-            observer=self.observer if self.observer.enabled else None,
+            observer=self.observer.with_memory_release(self.memory_release),
             log_num_zeros=config.log.log_num_zeros_in_grad,
         )
 
@@ -244,6 +248,7 @@ class Trainer:
                 return self._skip_iteration(n)
             self.observer.begin_iteration(it + 1)
             result = self.step.run(it, num_microbatches=n, launch_next=self._plain_next(n))
+            self.memory_release.after_optimizer_step()
             self.observer.end_iteration()
             return result
 
@@ -321,7 +326,9 @@ class Trainer:
             data,
             cfg.training.eval_iters,
             num_microbatches=self.data.num_microbatches,
-            each_iteration=lambda: self.sections.step_section(is_eval=True),
+            each_iteration=lambda: _then(
+                self.sections.step_section(is_eval=True), self.memory_release.after_eval_step
+            ),
         )
         self.log.on_eval(self.state.iteration, losses, consumed_samples=self.state.consumed_samples)
         self.manual_gc.on_evaluation()
@@ -402,6 +409,14 @@ class Trainer:
         self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
         apply_verdict(self.machine, loaded.path)  # a settled rerun: train on, or refuse the device
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
+
+
+@contextlib.contextmanager
+def _then(section: Any, release: Callable[[], None]) -> Iterator[None]:
+    """An eval step's watchdog section, then ``--empty-unused-memory-level``'s release."""
+    with section:
+        yield
+    release()
 
 
 def _params_norm(model: torch.nn.Module) -> torch.Tensor:

@@ -1,0 +1,62 @@
+"""The Llama-switch and recompute flags -> ``GPTConfig`` overrides (on top of the preset).
+
+Unset flags keep the preset's value. Flags that would do nothing in the resulting model are
+refused instead of ignored (``ValueError`` naming the flag): ``--num-query-groups`` without
+grouped-query attention, ``--rotary-base`` without RoPE. Value checks are ``GPTConfig``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from stalwart.models import PRESETS
+
+# flag dest -> GPTConfig field, for the flags whose value is passed through unchanged
+_PASS_THROUGH = {
+    "position_embedding_type": "position_embedding_type",
+    "rotary_base": "rotary_base",
+    "normalization": "normalization",
+    "norm_epsilon": "layernorm_epsilon",
+    "swiglu": "swiglu",
+    "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
+    "recompute_granularity": "recompute_granularity",
+    "recompute_method": "recompute_method",
+    "recompute_num_layers": "recompute_num_layers",
+}
+
+
+def architecture_overrides(ns: argparse.Namespace) -> dict[str, Any]:
+    """``GPTConfig`` field overrides from the architecture and recompute flags in ``ns``."""
+    preset = PRESETS.get(ns.preset, {})
+    overrides: dict[str, Any] = {
+        field: getattr(ns, dest)
+        for dest, field in _PASS_THROUGH.items()
+        if getattr(ns, dest, None) is not None
+    }
+    disable_bias = getattr(ns, "disable_bias_linear", None)
+    if disable_bias is not None:
+        if not isinstance(disable_bias, bool):
+            raise ValueError(f"--disable-bias-linear is a switch, got {disable_bias!r}")
+        overrides["add_bias_linear"] = not disable_bias
+    overrides.update(_query_groups(ns, preset))
+    position = overrides.get("position_embedding_type", preset.get("position_embedding_type"))
+    if "rotary_base" in overrides and position != "rope":
+        raise ValueError("--rotary-base needs --position-embedding-type rope")
+    return overrides
+
+
+def _query_groups(ns: argparse.Namespace, preset: Any) -> dict[str, Any]:
+    """``num_query_groups`` as Megatron reads ``--group-query-attention --num-query-groups N``
+    (default 1 group); a preset with GQA keeps its groups unless the flag is given."""
+    gqa, groups = getattr(ns, "group_query_attention", None), getattr(ns, "num_query_groups", None)
+    if gqa is not None and not isinstance(gqa, bool):
+        raise ValueError(f"--group-query-attention is a switch, got {gqa!r}")
+    preset_gqa = preset.get("num_query_groups") is not None
+    if groups is not None and not (gqa or preset_gqa):
+        raise ValueError("--num-query-groups needs --group-query-attention")
+    if groups is not None:
+        return {"num_query_groups": groups}
+    if gqa and not preset_gqa:
+        return {"num_query_groups": 1}
+    return {}

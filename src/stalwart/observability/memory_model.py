@@ -1,0 +1,381 @@
+"""Theoretical peak memory of the reference GPT trained with AdamW (the formula behind memory.json).
+
+Weights + optimizer, in bytes per parameter (stalwart's reference trainer keeps fp32 master
+weights in place and runs bf16 autocast, so there is no separate bf16 parameter copy):
+
+    bf16=True : fp32 param 4 + fp32 grad 4 + Adam m 4 + Adam v 4 + autocast bf16 weight copy 2 = 18
+    bf16=False: fp32 param 4 + fp32 grad 4 + Adam m 4 + Adam v 4                                = 16
+    sharded optimizer (Adam m, v sharded over DP): 10 + 8/DP (bf16) or 8 + 8/DP (fp32)
+
+Megatron's layout (bf16 param 2 + fp32 grad 4 + fp32 main param 4 + m 4 + v 4) gives the same 18
+unsharded and ``6 + 12/DP`` with its distributed optimizer; `megatron_bytes_per_parameter` returns
+it for comparison. The autocast copy is counted because ``F.linear`` saves the bf16 weight for
+backward, so the copies live from forward until backward of each micro-batch. Under full
+recompute the recomputed layers' copies are not kept (autocast's cache is dropped when the forward
+leaves autocast; the recompute casts again, one unit at a time).
+
+Activations (bytes) of one micro-batch in flight: gradient accumulation frees each micro-batch's
+activations in its own backward. Notation: t = b*s tokens, e = 2 (bf16 autocast) or 4 (fp32),
+f = ffn size, f1 = 2f with SwiGLU else f (first MLP layer's width), n_h = heads, kv = key/value
+width (query groups * head dim; h without GQA), V = vocab, E = experts, k = top-k, p = dropout,
+N = norm input saved = 4h + 8 (LayerNorm: input, mean, rstd), 4h + 4 (RMSNorm, fused CUDA kernel:
+input, rstd), 8h + 4 (RMSNorm composite on CPU: input, rstd, normalized). What
+``stalwart.models.GPT`` saves for backward in eager PyTorch with flash/cuDNN SDPA (the residual
+stream and norm outputs are fp32 because the norms run in fp32):
+
+    attention part of a layer = t*(2N [both norms] + e*h [QKV input, autocast copy]
+        + e*(h + 2kv) [QKV output; SDPA's k, v and (without RoPE) q are views of it]
+        + e*(h + kv)*[RoPE] [rotated q, k] + e*h [SDPA output = proj input, a view]
+        + h*[p>0] [residual-dropout mask]) + 4*b*n_h*s [logsumexp]
+    dense MLP                 = t*(e*h [fc1 input] + e*f1 [fc1 output] + e*f [activation output]
+        + e*f*[SwiGLU] [silu(gate)] + h*[p>0])
+    MoE MLP                   = t*(4h [router input, fp32] + 4E [softmax] + 24k [top-k, gates])
+        + M*(e*h + e*f1 + e*f + e*f*[SwiGLU]) [expert input, fc1 out, activations]
+        + e*k*t*h [gathered outputs] + t*h*[p>0], M = E * capacity (capacity =
+        min(t, ceil(cf*k*t/E)), or t when cf is None)
+    embedding                 = 16t [input ids, labels] + t*h*[p>0]
+    head                      = t*N [final norm input] + e*t*h [lm-head input] + 4t*V [saved
+                                log-softmax output, fp32]
+    loss backward transient   = 8t*V [grad of the log-probs + grad of the fp32 logits, alive
+                                together with the saved log-softmax output: the peak]
+
+Activation recompute (``stalwart.models.recompute``):
+
+    selective: each layer saves e*t*(h + kv)*[RoPE] + 4*b*n_h*s less (the rotated q, k and the
+        softmax statistics are recomputed; q, k, v and the output stay alive as the core's inputs
+        and the projection's input)
+    full: a recomputed unit (Megatron's uniform group, or one block-method layer) keeps 4*t*h (its
+        fp32 input) instead of its layers' activations. Two moments can be the peak: the loss
+        backward (as without recompute) and the backward of a recomputed unit, which holds that
+        unit's recomputed activations and weight copies and what the units before it keep, while
+        the head and the later layers are done; during that backward the hidden-state gradient 4*t*h and
+        the widest gradient, fc1's output e*t*f1 (M rows for MoE), are alive too.
+
+    activation_bytes = max(L_kept*(attention + MLP) + stored unit inputs + embedding + head
+                           + transient,  the recomputed-unit backward moment)
+    total_bytes      = weights_optimizer_bytes + max(activation_bytes, optimizer transient)
+                       + workspace_bytes
+        optimizer transient = 4 bytes/param (foreach AdamW's sqrt(v) temporary; activations are
+        freed by then)
+        workspace_bytes = 64 MiB by default: the cuBLAS and cuBLASLt workspaces (32 MiB each on
+        Hopper) that the caching allocator holds after the first matmul; pass 0 for CPU
+
+Assumes torch >= 2.5 for grouped-query attention (older torch repeats the key/value heads:
+2*e*t*(h - kv) more per layer). Not counted: the CUDA context, allocator fragmentation (compare with
+``mem-max-allocated-bytes``, not reserved), and the math SDPA backend (CPU with dropout) which
+saves the [b, n_h, s, s] attention probabilities.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from stalwart.models.config import (
+    Normalization,
+    PositionEmbeddingType,
+    RecomputeGranularity,
+    RecomputeMethod,
+)
+from stalwart.models.recompute import LayerUnit, layer_units
+
+MIB = 1 << 20
+CUDA_WORKSPACE_BYTES = 64 * MIB
+
+
+class GPTShape(Protocol):
+    """The fields of ``stalwart.models.GPTConfig`` the estimator reads (read-only)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def seq_length(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def ffn_hidden_size(self) -> int | None: ...
+    @property
+    def dropout(self) -> float: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def moe_router_topk(self) -> int: ...
+    @property
+    def moe_capacity_factor(self) -> float | None: ...
+    @property
+    def position_embedding_type(self) -> PositionEmbeddingType: ...
+    @property
+    def normalization(self) -> Normalization: ...
+    @property
+    def swiglu(self) -> bool: ...
+    @property
+    def untie_embeddings_and_output_weights(self) -> bool: ...
+    @property
+    def add_bias_linear(self) -> bool: ...
+    @property
+    def query_groups(self) -> int: ...
+    @property
+    def kv_channels(self) -> int: ...
+    @property
+    def recompute_granularity(self) -> RecomputeGranularity: ...
+    @property
+    def recompute_method(self) -> RecomputeMethod | None: ...
+    @property
+    def recompute_num_layers(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Theoretical peak memory of one rank, in bytes.
+
+    Attributes:
+        weights_optimizer_bytes: parameters, gradients, Adam states, autocast weight copies held
+            through backward.
+        activation_bytes: saved activations of one micro-batch plus the backward transient, at
+            the peak moment.
+        total_bytes: weights_optimizer + max(activation, optimizer-step transient) + workspaces.
+        num_parameters: parameters counted (experts included).
+        bytes_per_parameter: nominal bytes per parameter (before the recompute adjustment).
+        breakdown: named terms (bytes) of both parts, for the report.
+    """
+
+    weights_optimizer_bytes: float
+    activation_bytes: float
+    total_bytes: float
+    num_parameters: int = 0
+    bytes_per_parameter: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def bytes_per_parameter(dp_size: int, sharded_optimizer: bool, bf16: bool) -> float:
+    """Weights+optimizer bytes per parameter for stalwart's layout (see the module docstring)."""
+    replicated = 4.0 + 4.0 + (2.0 if bf16 else 0.0)
+    adam = 8.0
+    return replicated + (adam / dp_size if sharded_optimizer else adam)
+
+
+def megatron_bytes_per_parameter(dp_size: int, distributed_optimizer: bool) -> float:
+    """Megatron's formula: 18 without the distributed optimizer, else 6 + 12/DP."""
+    return 6.0 + 12.0 / dp_size if distributed_optimizer else 18.0
+
+
+def _norm_parameters(cfg: GPTShape) -> int:
+    return cfg.hidden_size * (1 if cfg.normalization is Normalization.RMS_NORM else 2)
+
+
+def layer_parameters(cfg: GPTShape) -> int:
+    """Parameters of one transformer layer (attention, MLP or experts + router, two norms)."""
+    h = cfg.hidden_size
+    f = cfg.ffn_hidden_size or 4 * h
+    f1 = 2 * f if cfg.swiglu else f
+    kv = cfg.query_groups * cfg.kv_channels
+    bias = 1 if cfg.add_bias_linear else 0
+    attn = h * (h + 2 * kv) + bias * (h + 2 * kv) + h * h + bias * h
+    mlp = h * f1 + bias * f1 + f * h + bias * h
+    if cfg.num_experts > 0:
+        mlp = cfg.num_experts * mlp + h * cfg.num_experts
+    return attn + mlp + 2 * _norm_parameters(cfg)
+
+
+def count_parameters(cfg: GPTShape) -> int:
+    """Parameters of the reference GPT for any combination of the architecture switches.
+
+    Word embeddings ``V*h`` (twice when untied), learned positions ``s*h`` (not with RoPE),
+    ``L`` layers of `layer_parameters`, the final norm. Pass the exact ``sum(p.numel() ...)`` to
+    `theoretical_memory` when the model exists; this count is for planning before building it.
+    """
+    h, v = cfg.hidden_size, cfg.vocab_size
+    embeddings = v * h * (2 if cfg.untie_embeddings_and_output_weights else 1)
+    if cfg.position_embedding_type is PositionEmbeddingType.LEARNED_ABSOLUTE:
+        embeddings += cfg.seq_length * h
+    return embeddings + cfg.num_layers * layer_parameters(cfg) + _norm_parameters(cfg)
+
+
+def _expert_slots(cfg: GPTShape, tokens: int) -> int:
+    """Rows the experts compute: num_experts * capacity, as ``stalwart.models.moe`` dispatches."""
+    cf = cfg.moe_capacity_factor
+    if cf is None:
+        capacity = tokens
+    else:
+        capacity = max(
+            1, min(tokens, math.ceil(cf * cfg.moe_router_topk * tokens / cfg.num_experts))
+        )
+    return cfg.num_experts * capacity
+
+
+def _norm_saved(cfg: GPTShape, fused_rms_norm: bool) -> float:
+    """Bytes per token a norm saves for backward (its fp32 input plus statistics)."""
+    h = cfg.hidden_size
+    if cfg.normalization is Normalization.LAYER_NORM:
+        return 4.0 * h + 8
+    return 4.0 * h + 4 if fused_rms_norm else 8.0 * h + 4
+
+
+def _layer_bytes(cfg: GPTShape, b: int, e: float, fused_rms_norm: bool) -> tuple[float, float]:
+    """(attention part, MLP part) saved by one layer without full recompute."""
+    h, s = cfg.hidden_size, cfg.seq_length
+    f = cfg.ffn_hidden_size or 4 * h
+    f1 = 2 * f if cfg.swiglu else f
+    kv = cfg.query_groups * cfg.kv_channels
+    t = float(b * s)
+    mask = t * h if cfg.dropout > 0 else 0.0
+    rope = cfg.position_embedding_type is PositionEmbeddingType.ROPE
+    core = e * (h + kv) * t * rope + 4.0 * b * cfg.num_attention_heads * s  # RoPE out, logsumexp
+    if cfg.recompute_granularity is RecomputeGranularity.SELECTIVE:
+        core = 0.0
+    norms = 2 * _norm_saved(cfg, fused_rms_norm)
+    attn = t * (norms + e * h + e * (h + 2 * kv) + e * h) + core + mask
+    per_row = e * (h + f1 + f + (f if cfg.swiglu else 0))
+    if cfg.num_experts > 0:
+        k = cfg.moe_router_topk
+        mlp = t * (4 * h + 4 * cfg.num_experts + 24 * k) + e * k * t * h
+        mlp += _expert_slots(cfg, b * s) * per_row
+    else:
+        mlp = t * per_row
+    return attn, mlp + mask
+
+
+def activation_breakdown(
+    cfg: GPTShape, micro_batch_size: int, bf16: bool, fused_rms_norm: bool = True
+) -> dict[str, float]:
+    """Named activation terms in bytes at the loss-backward moment (module docstring)."""
+    h, s, b = cfg.hidden_size, cfg.seq_length, micro_batch_size
+    e = 2.0 if bf16 else 4.0
+    t = float(b * s)
+    attn, mlp = _layer_bytes(cfg, b, e, fused_rms_norm)
+    units = layer_units(cfg)  # type: ignore[arg-type]
+    kept = sum(u.stop - u.start for u in units if not u.recompute)
+    recomputed = sum(1 for u in units if u.recompute)
+    mask = t * h if cfg.dropout > 0 else 0.0
+    v = cfg.vocab_size
+    terms = {
+        "layers.attention": kept * attn,
+        "layers.mlp": kept * mlp,
+        "embedding": 16 * t + mask,
+        "head": t * _norm_saved(cfg, fused_rms_norm) + e * t * h + 4 * t * v,
+        "loss_backward_transient": 8 * t * v,
+    }
+    if recomputed:
+        terms["layers.recompute_inputs"] = recomputed * 4.0 * t * h
+    return terms
+
+
+def _recompute_backward_bytes(
+    cfg: GPTShape, micro_batch_size: int, bf16: bool, fused_rms_norm: bool, embedding: float
+) -> float:
+    """The largest backward moment of a recomputed unit (0 without full recompute).
+
+    While unit ``u`` is recomputed and backwarded, the units before it still hold what they kept
+    (their input, or their activations), the later ones are done.
+    """
+    units: tuple[LayerUnit, ...] = layer_units(cfg)  # type: ignore[arg-type]
+    if not any(u.recompute for u in units):
+        return 0.0
+    e = 2.0 if bf16 else 4.0
+    attn, mlp = _layer_bytes(cfg, micro_batch_size, e, fused_rms_norm)
+    t = micro_batch_size * cfg.seq_length
+    stored_input = 4.0 * t * cfg.hidden_size
+    f = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    rows = _expert_slots(cfg, t) if cfg.num_experts > 0 else t
+    # The hidden-state gradient (fp32) and the widest one in the layer (fc1's output gradient).
+    grads = 4.0 * t * cfg.hidden_size + e * rows * (2 * f if cfg.swiglu else f)
+    before, worst = 0.0, 0.0
+    for u in units:
+        size = u.stop - u.start
+        if u.recompute:
+            copies = 2.0 * size * layer_parameters(cfg) if bf16 else 0.0
+            moment = before + stored_input + size * (attn + mlp) + copies + grads
+            worst = max(worst, moment)
+        before += stored_input if u.recompute else size * (attn + mlp)
+    return embedding + worst
+
+
+def theoretical_memory(
+    config: GPTShape,
+    micro_batch_size: int,
+    dp_size: int,
+    sharded_optimizer: bool = False,
+    bf16: bool = True,
+    num_parameters: int | None = None,
+    workspace_bytes: float = CUDA_WORKSPACE_BYTES,
+    fused_rms_norm: bool = True,
+) -> MemoryEstimate:
+    """Estimate one rank's peak memory for the reference GPT trained with AdamW.
+
+    Args:
+        config: a ``GPTConfig`` (or anything with its fields); recompute settings included.
+        micro_batch_size: sequences per micro-batch.
+        dp_size: data-parallel size (only matters with ``sharded_optimizer``).
+        sharded_optimizer: Adam states sharded over data-parallel ranks.
+        bf16: bf16 autocast over fp32 weights (else pure fp32).
+        num_parameters: exact parameter count; `count_parameters(config)` when ``None``.
+        workspace_bytes: fixed library workspaces (cuBLAS/cuBLASLt on CUDA; 0 on CPU).
+        fused_rms_norm: RMSNorm saves only its input and rstd (torch's fused CUDA kernel); False
+            for the composite CPU implementation.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+    if dp_size < 1:
+        raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
+    n = num_parameters if num_parameters is not None else count_parameters(config)
+    bpp = bytes_per_parameter(dp_size, sharded_optimizer, bf16)
+    acts = activation_breakdown(config, micro_batch_size, bf16, fused_rms_norm)
+    units = layer_units(config)  # type: ignore[arg-type]
+    recomputed_params = layer_parameters(config) * sum(
+        u.stop - u.start for u in units if u.recompute
+    )
+    copies_dropped = 2.0 * recomputed_params if bf16 else 0.0
+    adam = 8.0 / dp_size if sharded_optimizer else 8.0
+    breakdown = {
+        "params_fp32": 4.0 * n,
+        "grads_fp32": 4.0 * n,
+        "adam_states": adam * n,
+        "autocast_weight_copies": (2.0 if bf16 else 0.0) * n - copies_dropped,
+        **{f"activation.{k}": val for k, val in acts.items()},
+    }
+    weights = bpp * n - copies_dropped
+    backward_unit = _recompute_backward_bytes(
+        config, micro_batch_size, bf16, fused_rms_norm, acts["embedding"]
+    )
+    if backward_unit:
+        breakdown["activation_recompute_backward_moment"] = backward_unit
+    activation = max(sum(acts.values()), backward_unit)
+    optimizer_transient = 4.0 * n / (dp_size if sharded_optimizer else 1)
+    breakdown["optimizer_step_transient"] = optimizer_transient
+    breakdown["library_workspaces"] = workspace_bytes
+    return MemoryEstimate(
+        weights_optimizer_bytes=weights,
+        activation_bytes=activation,
+        total_bytes=weights + max(activation, optimizer_transient) + workspace_bytes,
+        num_parameters=n,
+        bytes_per_parameter=bpp,
+        breakdown=breakdown,
+    )
+
+
+def megatron_activation_bytes(
+    cfg: GPTShape, micro_batch_size: int, sequence_parallel: bool = False
+) -> float:
+    """Megatron's ``compute_activation_memory`` (TP = PP = 1), for comparison only.
+
+    Megatron uses Korthikanti et al.'s selective formula ``s*b*h*(18 + 4f/h)`` per layer only with
+    sequence parallelism and selective recompute, and otherwise ``s*b*h*34`` per layer times
+    1.05, whatever the recompute setting (it overestimates full recompute).
+    """
+    s, b, h, v = cfg.seq_length, micro_batch_size, cfg.hidden_size, cfg.vocab_size
+    f = cfg.ffn_hidden_size or 4 * h
+    sbh = float(s * b * h)
+    embedding = 8.0 * s * b + sbh
+    if sequence_parallel and cfg.recompute_granularity is RecomputeGranularity.SELECTIVE:
+        per_layer = sbh * (18 + 4 * f / h)
+        return cfg.num_layers * per_layer + embedding + sbh * 4 * (1 + v / h)
+    per_layer = sbh * (10 + 24)
+    return (cfg.num_layers * per_layer + embedding + (s * b * v + sbh) * 2) * 1.05
