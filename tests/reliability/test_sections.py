@@ -130,8 +130,14 @@ def test_select_sections_follows_megatron_rules() -> None:
     base: dict[str, Any] = dict(
         num_timed_steps=20, num_checkpoints=1, persistent_checkpoint_loaded=True, async_save=False
     )
-    assert select_sections_to_update(closing=False, **base) == {"setup", "step", "checkpointing"}
-    assert "out_of_section" in select_sections_to_update(closing=True, **base)
+    # out_of_section is learned at every save with enough evidence, not only at shutdown
+    # (Megatron learns it at shutdown only: a job killed before its end never learned it).
+    every = {"setup", "step", "checkpointing", "out_of_section"}
+    assert select_sections_to_update(closing=False, **base) == every
+    assert select_sections_to_update(closing=True, **base) == every
+    assert "out_of_section" not in select_sections_to_update(
+        closing=False, **{**base, "num_checkpoints": 0}
+    )
     fresh = {**base, "persistent_checkpoint_loaded": False}
     assert select_sections_to_update(closing=True, **fresh) == {"step", "checkpointing"}
     few = {**base, "num_timed_steps": 15}

@@ -1,4 +1,4 @@
-"""``stalwart`` console script: ``stalwart train | report | chaos | checkpoints | export``.
+"""``stalwart`` console script: ``stalwart train | report | goodput | chaos | checkpoints | export``.
 
 Bad flags or values exit with code 2 and one line naming the flag; never a traceback.
 """
@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from stalwart.config.run import RunConfig
 
-USAGE = (
-    "usage: stalwart {train,report,chaos,checkpoints,export} [flags]  (stalwart <command> --help)"
-)
+USAGE = "usage: stalwart {train,report,goodput,chaos,checkpoints,export} [flags]  (stalwart <command> --help)"
 
 
 def _setup_logging(rank: int) -> None:
@@ -86,6 +84,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from stalwart.cli.report import main_report
 
         return main_report(rest)
+    if command == "goodput":
+        from stalwart.cli.goodput import main_goodput
+
+        return main_goodput(rest)
     if command == "chaos":
         from stalwart.cli.chaos import main_chaos
 
@@ -100,7 +102,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
         return main_export(rest)
     sys.stderr.write(
         f"stalwart: error: unknown command {command!r}; "
-        "allowed: train, report, chaos, checkpoints, export\n"
+        "allowed: train, report, goodput, chaos, checkpoints, export\n"
     )
     return 2
 

@@ -27,6 +27,7 @@ from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.exit import ExitConfig
 from stalwart.reliability.faults import FaultInjectionConfig
 from stalwart.reliability.hang.sections import FaultToleranceConfig, parse_ft_timeouts
+from stalwart.reliability.hang.tiers import check_timeout_hierarchy
 from stalwart.reliability.inprocess.config import InProcessConfig
 from stalwart.reliability.rerun import RerunConfig
 from stalwart.reliability.signals import interrupt_handling_default
@@ -239,6 +240,7 @@ def check_combinations(config: RunConfig) -> None:
     if config.log.log_progress_bar is True:
         config.log.log_progress_bar = None  # default: only on a TTY
     config.ft.check_exit_signal(config.exit.signal_enum)
+    _check_timeout_hierarchy(config)
     if config.training.fp16 and config.rerun.check_for_nan_in_loss_and_grad:
         # Overflow NaN/Inf is expected with dynamic loss scaling (Megatron turns the check off too).
         config.rerun.check_for_nan_in_loss_and_grad = False
@@ -259,3 +261,17 @@ def check_combinations(config: RunConfig) -> None:
             "--rampup-batch-size with --cuda-graph-impl full_iteration is not supported: every "
             "batch-size step changes the micro-batch count and would re-capture the graph"
         )
+
+
+def _check_timeout_hierarchy(config: RunConfig) -> None:
+    """Refuse hang-handling timeouts where a lower tier can never fire first (one line)."""
+    ft, inprocess = config.ft, config.inprocess
+    check_timeout_hierarchy(
+        step_s=ft.timeouts.step if ft.enable_ft else None,
+        checkpointing_s=ft.timeouts.checkpointing if ft.enable_ft else None,
+        escalation=ft.escalation,
+        process_group_timeout_s=config.training.distributed_timeout_minutes * 60.0,
+        inprocess_soft_timeout_s=(
+            inprocess.inprocess_soft_timeout if inprocess.inprocess_restart else None
+        ),
+    )

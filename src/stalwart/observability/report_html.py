@@ -281,8 +281,10 @@ def render_html(
     ``interactive``: plotly charts (None: when plotly is installed; True without plotly raises
     ``ImportError``), else inline SVG.
     """
+    from stalwart.observability.report_goodput import goodput_section
+
     charts = make_charts(interactive)
-    sections = _metric_sections(art, charts)
+    sections = [goodput_section(art.run_dir), *_metric_sections(art, charts)]
     sections += [
         _memory_section(art, charts),
         _straggler_section(art, charts),

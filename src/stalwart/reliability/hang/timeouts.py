@@ -42,7 +42,9 @@ def select_sections_to_update(
         chosen.add("step")
     if num_checkpoints >= 1 and not async_save:
         chosen.add("checkpointing")  # async saves only time the staging, not the write
-    if closing and {"setup", "step"} <= chosen and num_checkpoints >= 1:
+    # Learned at every save once there is evidence, not only at shutdown (a quirk kept from
+    # the fault-tolerance design: a job killed before its end never learned it).
+    if {"setup", "step"} <= chosen and num_checkpoints >= 1:
         chosen.add("out_of_section")
     return frozenset(chosen)
 
