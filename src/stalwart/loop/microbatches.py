@@ -137,7 +137,8 @@ class MicroBatches:
         self, data: Iterator[Any], index: int, num_microbatches: int, forward_only: bool
     ) -> dict[str, torch.Tensor]:
         is_last = index == num_microbatches - 1
-        observer = self.observer
+        # Evaluation is not training compute (and must not replace a training graph's regions).
+        observer = None if forward_only else self.observer
         if observer is not None:
             observer.on_microbatch(index, is_last)
         compute = observer.compute() if observer is not None else contextlib.nullcontext()

@@ -14,7 +14,7 @@ the runners. There are no optional callables to plug in or reset per iteration.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 
 import torch
@@ -77,6 +77,7 @@ class Runners:
     lookahead_ready: Callable[[], bool]
     checks_eval_on_host: bool = False
     close: Callable[[], None] = lambda: None
+    capture_state: Callable[[], Hashable] = lambda: None  # changes when a graph is captured
 
 
 @dataclass(frozen=True)
@@ -116,14 +117,16 @@ class GraphPlan:
         evaluate: Callable[..., Reported] = parts.micro_batches
         graph: FullIterationGraph | None = None
         if self.full_iteration:
-            # Inside the capture no host timer, straggler region or dump hook may run: they
-            # would sync (capture error) or be frozen at capture. The step times the call.
+            # Inside the capture no host timer or dump hook may run: they would sync (capture
+            # error) or be frozen at capture. The step times the call. Straggler compute regions
+            # may (external CUDA events, re-recorded by every replay): ``graph_safe``.
+            observer = parts.micro_batches.observer
             captured = replace(
                 parts.micro_batches,
                 zero_grad="none",
                 check_eval_losses=False,
                 timers=NO_TIMERS,
-                observer=None,
+                observer=observer.graph_safe() if hasattr(observer, "graph_safe") else None,
             )
             graph = FullIterationGraph(
                 captured,
@@ -133,17 +136,17 @@ class GraphPlan:
             )
             fb = evaluate = graph
         optimizer: OptimizerRunner = parts.eager_optimizer
+        optimizer_graph: OptimizerGraph | None = None
         if self.optimizer_graph:
             gate = parts.eager_optimizer.gate if parts.eager_optimizer.gated else None
-            optimizer = GraphedOptimizer(
-                OptimizerGraph(
-                    parts.optimizer,
-                    context=context,
-                    clip_grad=parts.clip_grad,
-                    warmup_steps=self.optimizer_warmup_steps,
-                    skip_gate=gate,
-                )
+            optimizer_graph = OptimizerGraph(
+                parts.optimizer,
+                context=context,
+                clip_grad=parts.clip_grad,
+                warmup_steps=self.optimizer_warmup_steps,
+                skip_gate=gate,
             )
+            optimizer = GraphedOptimizer(optimizer_graph)
         return Runners(
             forward_backward=fb,
             evaluate=evaluate,
@@ -152,7 +155,21 @@ class GraphPlan:
             lookahead_ready=_captured(graph),
             checks_eval_on_host=graph is not None,
             close=context.teardown,
+            capture_state=_capture_state(graph, optimizer_graph),
         )
+
+
+def _capture_state(
+    graph: FullIterationGraph | None, optimizer: OptimizerGraph | None
+) -> Callable[[], Hashable]:
+    """A value that changes whenever either graph captures (the goodput ledger's compile)."""
+
+    def state() -> Hashable:
+        fb = graph.num_captures if graph is not None else 0
+        opt = (optimizer.phase, optimizer.capture_seconds) if optimizer is not None else None
+        return fb, opt
+
+    return state
 
 
 def _captured(graph: FullIterationGraph | None) -> Callable[[], bool]:

@@ -94,6 +94,10 @@ class GuardedStep:
         dp_group: the data-parallel group (reported values, the gate's max-reduction).
         agreement: the machine's :class:`IterationAgreement`, to return the exit inputs.
         timers / observer / log_num_zeros: the trainer's timers, stragglers+dumps, zeros count.
+            An observer with ``iteration_region()`` times every forward-backward call (its
+            communication), one with ``graph_safe()`` keeps its compute regions in a graph.
+        goodput: a :class:`stalwart.observability.goodput.GoodputLedger`: rerun passes go to
+            its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``).
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class GuardedStep:
         timers: Any = None,
         observer: Any = None,
         log_num_zeros: bool = False,
+        goodput: Any = None,
     ) -> None:
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -142,10 +147,12 @@ class GuardedStep:
         )  # fmt: skip
         parts = PlanParts(model, optimizer, self.params, micro_batches, eager_optimizer, clip_grad)
         self.runners = (plan or EagerPlan()).build(parts)
+        self._goodput = goodput
+        self._forward_backward = _in_regions(self.runners.forward_backward, observer)
         allows = getattr(observer, "allows_lookahead", True)
         self.lookahead_enabled = lookahead and allows and self.runners.optimizer.gated
         self._lookahead = LookAhead(
-            machine, data, self.runners.forward_backward, self.runners.splittable,
+            machine, data, self._forward_backward, self.runners.splittable,
             self.runners.lookahead_ready,
         )  # fmt: skip
         self._closed = False
@@ -186,7 +193,8 @@ class GuardedStep:
             self.runners.optimizer.join()  # a rerun pass must not race an overlapped step
             if passes:
                 self._lookahead.forget()  # the machine dropped it: the pass is rerun
-            reported = self._pass(n, first=passes == 0)
+            with self._rerun_span(passes):
+                reported = self._pass(n, first=passes == 0)
             passes += 1
             stepped, losses = None, None
             if self.runners.optimizer.gated and self.machine.can_gate_step():
@@ -209,11 +217,24 @@ class GuardedStep:
             losses or {}, stepped.grad_norm, stepped.num_zeros, stepped.skipped, verdict, agreed
         )
 
+    def _rerun_span(self, passes: int) -> contextlib.AbstractContextManager[Any]:
+        """A replay of the iteration is the goodput ledger's rerun time."""
+        if passes == 0 or self._goodput is None:
+            return contextlib.nullcontext()
+        from stalwart.observability.goodput_records import Bucket
+
+        return self._goodput.span(Bucket.RERUN)
+
+    @property
+    def capture_state(self) -> Any:
+        """Changes whenever a plan's graph was captured (compile/capture time, for goodput)."""
+        return self.runners.capture_state()
+
     def _pass(self, n: int, first: bool) -> Reported:
         timer = self.timers(FORWARD_BACKWARD)
         timer.start()
         launched = self._lookahead.take(self.data) if first else None
-        fb = self.runners.forward_backward
+        fb = self._forward_backward
         if launched is None:
             reported = fb(data_iterator=self.data, num_microbatches=n)
         elif len(launched.batches) == n:
@@ -301,6 +322,19 @@ class GuardedStep:
         self._closed = True
         self._lookahead.forget()
         self.runners.close()
+
+
+def _in_regions(fb: Callable[..., Reported], observer: Any) -> Callable[..., Reported]:
+    """``fb`` with every call inside the observer's ``iteration_region`` (outside any graph)."""
+    region = getattr(observer, "iteration_region", None)
+    if region is None:
+        return fb
+
+    def timed(**kwargs: Any) -> Reported:
+        with region():
+            return fb(**kwargs)
+
+    return timed
 
 
 def _world() -> dist.ProcessGroup | None:

@@ -10,9 +10,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import random
 import signal
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,12 @@ from stalwart.graphs import (
 from stalwart.loop import DynamicLossScaler, NullLossScaler
 from stalwart.models import GPT
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
+from stalwart.observability.goodput import (
+    GOODPUT_FILE,
+    GoodputLedger,
+    NullGoodputLedger,
+    make_goodput_ledger,
+)
 from stalwart.reliability.exit import IterationAgreement
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
 from stalwart.reliability.replica_check import flip_parameter_bit
@@ -295,3 +303,24 @@ def build_signal_handler(config: RunConfig) -> DistributedSignalHandler | None:
     handler = config.exit.make_signal_handler()
     handler.__enter__()
     return handler
+
+
+def goodput_file(config: RunConfig) -> str | None:
+    """``<run dir>/goodput.jsonl`` (every rank's hang monitor appends its fault record)."""
+    run_dir = config.obs.run_dir or config.checkpoint.save
+    return os.path.join(run_dir, GOODPUT_FILE) if run_dir else None
+
+
+def build_goodput_ledger(
+    config: RunConfig, ctx: DistributedContext, attempt: int, say: Callable[..., None]
+) -> GoodputLedger | NullGoodputLedger:
+    """The goodput ledger in the run directory (rank 0; the null ledger elsewhere)."""
+    run_dir = config.obs.run_dir or config.checkpoint.save
+    # The goodput line is flushed at once. (``say`` must not be a bound method of the trainer:
+    # in-process restart frees a failed attempt's trainer by reference count.)
+    say = functools.partial(say, flush=True)
+    try:
+        return make_goodput_ledger(True, run_dir, rank=ctx.rank, attempt=attempt, print_fn=say)
+    except OSError as exc:
+        flag = "--run-dir" if config.obs.run_dir else "--save"
+        raise ValueError(f"{flag} {run_dir}: cannot write the goodput ledger ({exc})") from None

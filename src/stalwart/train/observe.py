@@ -23,9 +23,11 @@ from stalwart.observability.dumps import (
     make_tensor_dumper,
 )
 from stalwart.observability.energy import make_energy_meter
+from stalwart.observability.goodput import straggler_idle_seconds
 from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryMonitor, theoretical_memory
 from stalwart.observability.memory_release import NullMemoryRelease
 from stalwart.observability.profiler import NullProfilerWindow, ProfilerWindow, make_profiler_window
+from stalwart.observability.save_timing import SaveTiming
 from stalwart.observability.sinks import MetricSink, build_sinks
 from stalwart.observability.straggler import (
     NullStragglerDetector,
@@ -33,7 +35,7 @@ from stalwart.observability.straggler import (
     make_straggler_detector,
 )
 from stalwart.observability.timers import Timers, TimingMode
-from stalwart.observability.train_log import TrainingLog
+from stalwart.observability.train_log import IntervalInfo, LogField, TrainingLog
 
 logger = logging.getLogger("stalwart.train")
 
@@ -94,6 +96,17 @@ class StepObserver:
             yield
         self.dumper.end_microbatch()
 
+    def iteration_region(self) -> contextlib.AbstractContextManager[Any]:
+        """A whole forward-backward call (compute + its collectives): the straggler's comm."""
+        return self.straggler.iteration_region()
+
+    def graph_safe(self) -> CapturedRegions | None:
+        """What may run inside a captured graph: the straggler's compute regions (external
+        CUDA events, re-recorded by every replay); dumps may not (they read tensors)."""
+        if isinstance(self.straggler, NullStragglerDetector):
+            return None
+        return CapturedRegions(self.straggler)
+
     def end_iteration(self) -> None:
         self.straggler.step()
         self.dumper.end_iteration()
@@ -101,6 +114,37 @@ class StepObserver:
     def close(self) -> None:
         self.dumper.close()
         self.straggler.close()
+
+
+class CapturedRegions:
+    """The observer of a captured forward-backward: compute regions only."""
+
+    def __init__(self, straggler: StragglerDetector) -> None:
+        self.straggler = straggler
+
+    def on_microbatch(self, index: int, is_last: bool) -> None:
+        return None
+
+    def compute(self) -> contextlib.AbstractContextManager[Any]:
+        return self.straggler.compute()
+
+
+class StragglerIdle:
+    """Log provider after the straggler detector: each new report's idle time (ranks waiting on
+    the slowest) moves from productive to the goodput ledger's straggler bucket."""
+
+    def __init__(self, straggler: StragglerDetector | NullStragglerDetector, ledger: Any) -> None:
+        self.straggler, self.ledger = straggler, ledger
+        self._seen: object = None
+
+    def log_fields(self, info: IntervalInfo) -> list[LogField]:
+        del info
+        report = self.straggler.last_report
+        if report is not None and report is not self._seen:
+            self._seen = report
+            idle = straggler_idle_seconds(report.compute_ms, report.num_iterations)
+            self.ledger.add_straggler_idle(idle)
+        return []
 
 
 def run_dir_of(config: RunConfig) -> str | None:
@@ -186,8 +230,10 @@ def build_profiler(config: RunConfig, ctx: DistributedContext) -> ProfilerWindow
 
 
 def build_observability(
-    config: RunConfig, ctx: DistributedContext, flops: float, model: GPT
-) -> tuple[Timers, MetricSink, TrainingLog, StepObserver, Any]:
+    config: RunConfig, ctx: DistributedContext, flops: float, model: GPT, ledger: Any
+) -> tuple[Timers, MetricSink, TrainingLog, StepObserver, Any, SaveTiming]:
+    """Timers, sinks, the training log with its providers (probes, save timing, goodput),
+    the step observer, the energy meter and the save timing."""
     obs, run_dir = config.obs, run_dir_of(config)
     timers = Timers(
         obs.timing_log_level,
@@ -207,6 +253,8 @@ def build_observability(
         config=config.to_dict(),
     )
     providers, observer = build_probes(config, ctx, model, sink)
+    saves = SaveTiming(timers, ledger=ledger)
+    goodput = [StragglerIdle(observer.straggler, ledger), saves, ledger]
     log = TrainingLog(
         config.log,
         train_iters=config.training.train_iters,
@@ -216,7 +264,7 @@ def build_observability(
         world_size=ctx.world_size,
         flops_per_iteration=flops,
         metrics_file=metrics_file_of(config) if ctx.rank == 0 else None,
-        extra_providers=providers,
+        extra_providers=[*providers, *goodput],
         seq_length=config.model.seq_length,  # tokens/s on the progress bar
     )
-    return timers, sink, log, observer, providers[2]
+    return timers, sink, log, observer, providers[2], saves

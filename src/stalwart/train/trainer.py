@@ -8,6 +8,7 @@ then one pure save/exit decision over every exit input, acted on in one place.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from stalwart.loop import (
     autocast_context,
 )
 from stalwart.models import num_floating_point_operations
+from stalwart.observability.goodput import Bucket
 from stalwart.observability.memory_release import make_memory_release
 from stalwart.observability.run_dir import EventKind, append_event
 from stalwart.observability.timers import INTERVAL_TIME
@@ -89,27 +91,34 @@ class Trainer:
         sys.exit(outcome.exit_code)
     """
 
-    def __init__(self, config: RunConfig, ctx: DistributedContext, print_fn: Any = print) -> None:
+    def __init__(
+        self, config: RunConfig, ctx: DistributedContext, print_fn: Any = print, attempt: int = 0
+    ) -> None:
         self.ctx = ctx
         self.print = print_fn if ctx.is_main else (lambda *a, **k: None)
         self.started = time.monotonic()
         self._exit = contextlib.ExitStack()
         try:
-            self._build(config, ctx)
+            self._build(config, ctx, attempt)
         except BaseException:
             self._exit.close()
             raise
 
-    def _build(self, config: RunConfig, ctx: DistributedContext) -> None:
+    def _build(self, config: RunConfig, ctx: DistributedContext, attempt: int) -> None:
         """One line per part: each is built from its config, nothing is changed afterwards."""
         on_close = self._exit.callback
         build.check_graph_flags(config, ctx.device, ctx.world_size)  # before any set-up
         self.faults = config.faults.build(config.checkpoint.save, ctx.world_size)
-        manager = config.checkpoint.build(
-            before_commit=lambda iteration: self.faults.maybe_inject(iteration, ctx.rank, "commit")
-        )  # --save probed and locked before any work (atexit releases it if building fails)
+        # --save probed and locked before any work (atexit releases it if building fails). No
+        # lambda over self: atexit keeps the manager, in-process restart must free the trainer.
+        commit = functools.partial(self.faults.maybe_inject, rank=ctx.rank, phase="commit")
+        manager = config.checkpoint.build(before_commit=commit)
         on_close(manager.close)
-        self.sections = build_section_monitor(config.ft, ctx.rank, config.checkpoint.save)
+        self.ledger = build.build_goodput_ledger(config, ctx, attempt, self.print)  # closes last
+        on_close(self.ledger.close, "fault", "the trainer closed without an exit decision")
+        self.sections = build_section_monitor(
+            config.ft, ctx.rank, config.checkpoint.save, goodput_file=build.goodput_file(config)
+        )
         on_close(self.sections.close)
         self.config, self.data = build.resolve_config(config, ctx)
         config = self.config
@@ -126,11 +135,11 @@ class Trainer:
         self.sampler = build.build_sampler(config, ctx, self.data.train)
         on_close(getattr(self.sampler, "close", lambda: None))
         self.train_data: RerunDataIterator[Any] = RerunDataIterator(self.sampler)
-        self.flops_per_iteration = num_floating_point_operations(
+        flops = self.flops_per_iteration = num_floating_point_operations(
             config.model, self.data.global_batch_size
         )
-        obs = build_observability(config, ctx, self.flops_per_iteration, self.raw_model)
-        self.timers, sink, self.log, self.observer, self.energy = obs
+        obs = build_observability(config, ctx, flops, self.raw_model, self.ledger)
+        self.timers, sink, self.log, self.observer, self.energy, self.saves = obs
         for closer in (sink.close, self.log.close, self.observer.close, self.energy.close):
             on_close(closer)
         self.profiler = build_profiler(config, ctx)
@@ -153,6 +162,7 @@ class Trainer:
         self.batch_size = self.data.global_batch_size  # this iteration's (see _start_batch)
         self._num_microbatches: int | None = None
         self._saved_at: int | None = None
+        self._stepped = False
 
     def _build_step(self) -> GuardedStep:
         config, ctx = self.config, self.ctx
@@ -173,6 +183,7 @@ class Trainer:
             timers=self.timers,
             observer=self.observer.with_memory_release(self.memory_release),
             log_num_zeros=config.log.log_num_zeros_in_grad,
+            goodput=self.ledger,
         )
 
     def _build_checkpointer(self, manager: Any) -> Checkpointer:
@@ -202,6 +213,7 @@ class Trainer:
             # step collective): drop an in-flight async save instead of finalizing it. The previous
             # complete checkpoint stays the resume point.
             self.checkpointer.close(abort=True)
+            self.ledger.close("fault", f"{exc_type.__name__}: {exc[0]}"[:200])
         self.close()
 
     def close(self) -> None:
@@ -226,7 +238,9 @@ class Trainer:
             return self._finish(ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, "reached --train-iters"))  # fmt: skip
         while True:
             with self.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
-                self.checkpointer.maybe_finalize()
+                committed = self.checkpointer.maybe_finalize()
+            if committed is not None:
+                self.saves.finalized(committed)
             result = self._run_iteration()
             if not result.verdict.exit:  # a rejected iteration is not done: nothing to log
                 self._after_iteration(result)
@@ -242,15 +256,27 @@ class Trainer:
             it, samples_after=self.state.consumed_samples + self.batch_size
         )
         self.profiler.on_iteration_start(it)
-        with self.sections.step_section():
-            self.faults.maybe_inject(it + 1, self.ctx.rank, "step")
-            if it + 1 in self.iterations_to_skip:  # numbered like the log line
-                return self._skip_iteration(n)
-            self.observer.begin_iteration(it + 1)
-            result = self.step.run(it, num_microbatches=n, launch_next=self._plain_next(n))
-            self.memory_release.after_optimizer_step()
-            self.observer.end_iteration()
+        with self.ledger.step(it + 1, bucket=self._compile_bucket()) as span:
+            with self.sections.step_section():
+                self.faults.maybe_inject(it + 1, self.ctx.rank, "step")
+                if it + 1 in self.iterations_to_skip:  # numbered like the log line
+                    return self._skip_iteration(n)
+                self.observer.begin_iteration(it + 1)
+                captures = self.step.capture_state
+                result = self.step.run(it, num_microbatches=n, launch_next=self._plain_next(n))
+                self.memory_release.after_optimizer_step()
+                self.observer.end_iteration()
+            if self.step.capture_state != captures:
+                span.reclassify(Bucket.COMPILE)  # this iteration captured a CUDA graph
+            if result.verdict.exit:
+                span.abandon(Bucket.RERUN)  # rejected: its passes validated, nothing advanced
             return result
+
+    def _compile_bucket(self) -> Bucket | None:
+        """``--compile``: the session's first iteration compiles (goodput's compile time)."""
+        first = not self._stepped
+        self._stepped = True
+        return Bucket.COMPILE if first and self.config.training.compile else None
 
     def _plain_next(self, num_microbatches: int) -> bool:
         """Whether the next iteration may be launched ahead: it exists, is not skipped, has the
@@ -316,6 +342,10 @@ class Trainer:
 
     def run_evaluation(self) -> dict[str, float]:
         """Evaluate on the held-out split with validation checks in disabled mode."""
+        with self.ledger.span(Bucket.EVALUATION):
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         cfg = self.config
         self.manual_gc.on_evaluation()
         self.sections.start_evaluation()
@@ -354,8 +384,12 @@ class Trainer:
         logger.info(
             "look-ahead launches: %d used of %d", self.step.num_used, self.step.num_launched
         )
-        with self.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
+        with (
+            self.sections.section(Section.CHECKPOINTING, is_async_finalization=True),
+            self.saves.finalizing(),
+        ):
             self.checkpointer.finalize()  # an exit always completes the pending async save first
+        self.saves.finalized_all()
         self.sections.maybe_update_timeouts(
             closing=True, async_save=self.config.checkpoint.async_save
         )
@@ -370,6 +404,7 @@ class Trainer:
             logger.error("%s; exiting with code %d", decision.detail, decision.exit_code)
         code = leave(decision, self.state.iteration, save_dir=self.config.checkpoint.save,
                      rank=self.ctx.rank, log=self.print)  # fmt: skip
+        self.ledger.close(reason.value, decision.detail)  # rank 0: the goodput line
         return TrainOutcome(code, reason, self.state.iteration, decision.detail)
 
     # ------------------------------------------------------------------ checkpoints
@@ -377,7 +412,12 @@ class Trainer:
         """Save every registered part (collective) inside the ``checkpointing`` section."""
         self._saved_at = self.state.iteration
         self.energy.pause()  # a save is not training energy
-        with self.sections.section(Section.CHECKPOINTING):
+        async_save = self.config.checkpoint.async_save
+        with (
+            self.sections.section(Section.CHECKPOINTING),
+            self.saves.blocking(self.state.iteration, non_persistent=non_persistent,
+                                async_save=async_save),
+        ):  # fmt: skip
             self.faults.maybe_inject(self.state.iteration, self.ctx.rank, "checkpointing")
             self.checkpointer.save(self.state.iteration, non_persistent=non_persistent)
         self.energy.resume()
@@ -408,6 +448,7 @@ class Trainer:
             return
         self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
         apply_verdict(self.machine, loaded.path)  # a settled rerun: train on, or refuse the device
+        self.ledger.resumed(self.state.iteration)
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
 
 
