@@ -5,7 +5,9 @@ all-reduce. So the detector times only the regions the trainer marks as compute 
 backward of each micro-batch, never a collective) with CUDA events on GPU, or ``time.perf_counter``
 on CPU, and at each log step gathers one float per rank with a single ``all_gather``.
 
-Usage in a hand-written loop::
+The detector is also an observer of ``stalwart.loop.GuardedStep`` (``observer=detector``):
+compute regions per micro-batch, an iteration region around every forward-backward call, and
+the regions inside a full-iteration graph (``graph_safe``). Usage in a hand-written loop::
 
     detector = StragglerDetector(device, rank, world_size, threshold=1.2, run_dir=run_dir)
     for it in range(1, iters + 1):
@@ -286,6 +288,14 @@ class StragglerDetector:
             self._timing.end(region)
             self._interval.steps.append(region)
 
+    def on_microbatch(self, index: int, is_last: bool) -> None:
+        """Observer hook of ``stalwart.loop.GuardedStep`` (regions come from ``compute``)."""
+        del index, is_last
+
+    def graph_safe(self) -> StragglerDetector:
+        """What may run inside a captured graph: this detector (external events there)."""
+        return self
+
     def step(self) -> None:
         """Count one finished iteration (call once per iteration, outside compute regions)."""
         interval = self._interval
@@ -376,6 +386,12 @@ class NullStragglerDetector:
 
     def iteration_region(self) -> contextlib.AbstractContextManager[None]:
         return self._noop
+
+    def on_microbatch(self, index: int, is_last: bool) -> None:
+        return None
+
+    def graph_safe(self) -> None:
+        return None  # nothing to run inside a captured graph
 
     def step(self) -> None:
         return None
