@@ -100,12 +100,10 @@ class StepObserver:
         """A whole forward-backward call (compute + its collectives): the straggler's comm."""
         return self.straggler.iteration_region()
 
-    def graph_safe(self) -> CapturedRegions | None:
+    def graph_safe(self) -> StragglerDetector | None:
         """What may run inside a captured graph: the straggler's compute regions (external
         CUDA events, re-recorded by every replay); dumps may not (they read tensors)."""
-        if isinstance(self.straggler, NullStragglerDetector):
-            return None
-        return CapturedRegions(self.straggler)
+        return self.straggler.graph_safe()
 
     def end_iteration(self) -> None:
         self.straggler.step()
@@ -114,19 +112,6 @@ class StepObserver:
     def close(self) -> None:
         self.dumper.close()
         self.straggler.close()
-
-
-class CapturedRegions:
-    """The observer of a captured forward-backward: compute regions only."""
-
-    def __init__(self, straggler: StragglerDetector) -> None:
-        self.straggler = straggler
-
-    def on_microbatch(self, index: int, is_last: bool) -> None:
-        return None
-
-    def compute(self) -> contextlib.AbstractContextManager[Any]:
-        return self.straggler.compute()
 
 
 class StragglerIdle:
