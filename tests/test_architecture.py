@@ -25,6 +25,10 @@ COMPONENTS = (
 FORBIDDEN = ("stalwart.train", "stalwart.cli", "stalwart.config.run")
 # module (relative to the package) -> why it may still import the trainer side. Keep it short.
 IMPORT_EXCEPTIONS: dict[str, str] = {}
+# "module:function" -> why it may be longer. Keep it short.
+LENGTH_EXCEPTIONS: dict[str, str] = {
+    "observability/memory_model.py:theoretical_memory": "61 lines, mostly its docstring (issue 19)",
+}
 
 
 def _modules() -> list[Path]:
@@ -48,7 +52,8 @@ def test_no_function_is_longer_than_a_screen() -> None:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 assert node.end_lineno is not None
                 lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES:
+                exempt = f"{path.relative_to(PACKAGE)}:{node.name}" in LENGTH_EXCEPTIONS
+                if lines > MAX_FUNCTION_LINES and not exempt:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines})")
     assert not long, "functions over 60 lines: " + ", ".join(long)
 
