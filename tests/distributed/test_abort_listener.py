@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stalwart.reliability.abort_listener import ABORT, ABORTED, NOTHING_TO_ABORT, AbortListener
+from stalwart.reliability.hang.abort_listener import ABORT, ABORTED, NOTHING_TO_ABORT, AbortListener
 
 from dist_utils import run_distributed
 

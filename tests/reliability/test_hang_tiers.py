@@ -19,7 +19,7 @@ import pytest
 
 from stalwart.cli.main import main
 from stalwart.observability.goodput_records import GOODPUT_FILE, RecordKind, read_ledger
-from stalwart.reliability.sections import (
+from stalwart.reliability.hang.sections import (
     FaultToleranceConfig,
     SectionMonitor,
     SectionTimeouts,
@@ -30,7 +30,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 WORKER = textwrap.dedent(
     """
     import os, sys, time
-    from stalwart.reliability.sections import (
+    from stalwart.reliability.hang.sections import (
         FaultToleranceConfig, SectionTimeouts, build_section_monitor,
     )
 
@@ -162,7 +162,10 @@ def test_unreachable_tier_is_refused_at_start_up(tmp_path, capsys, flags, named)
 def test_flight_recorder_env_is_set_before_the_process_group_and_users_win(
     tmp_path, monkeypatch
 ) -> None:
-    from stalwart.reliability.monitor_client import enable_flight_recorder, flight_recorder_paths
+    from stalwart.reliability.hang.monitor_client import (
+        enable_flight_recorder,
+        flight_recorder_paths,
+    )
 
     for name in ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
                  "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):  # fmt: skip

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from stalwart.reliability import monitor as hb
-from stalwart.reliability.sections import (
+from stalwart.reliability.hang import monitor as hb
+from stalwart.reliability.hang.sections import (
     FaultToleranceConfig,
     FtState,
     NullSectionMonitor,
@@ -284,7 +284,7 @@ def test_learned_timeouts_written_reloaded_and_used(
     assert learned.setup == 600.0  # no persistent checkpoint was loaded
     state = load_ft_state(ft_state_path(tmp_path))
     assert state is not None and state.calculated_sections == {"step", "checkpointing"}
-    with caplog.at_level(logging.INFO, logger="stalwart.reliability.sections"):
+    with caplog.at_level(logging.INFO, logger="stalwart.reliability.hang.sections"):
         again = build_section_monitor(_fast_config(), rank=0, save_dir=tmp_path)
     assert isinstance(again, SectionMonitor)
     with again:

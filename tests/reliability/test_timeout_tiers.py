@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.reliability.timeout_tiers import Escalation, check_timeout_hierarchy
+from stalwart.reliability.hang.tiers import Escalation, check_timeout_hierarchy
 
 ESC = Escalation()
 

@@ -20,15 +20,17 @@ from stalwart.config.checks import bounds, check_fields
 from stalwart.config.model import architecture_overrides
 from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
+from stalwart.graphs.checks import CudaGraphImpl
+from stalwart.loop.plans import EagerPlan, GraphPlan
 from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.exit import ExitConfig
 from stalwart.reliability.faults import FaultInjectionConfig
+from stalwart.reliability.hang.sections import FaultToleranceConfig, parse_ft_timeouts
+from stalwart.reliability.hang.tiers import check_timeout_hierarchy
 from stalwart.reliability.inprocess.config import InProcessConfig
 from stalwart.reliability.rerun import RerunConfig
-from stalwart.reliability.sections import FaultToleranceConfig, parse_ft_timeouts
 from stalwart.reliability.signals import interrupt_handling_default
-from stalwart.reliability.timeout_tiers import check_timeout_hierarchy
 
 # `--demo`: the interactive CPU job of `make demo` (tiny preset, short sequences, ~1.5 min).
 DEMO_DEFAULTS: dict[str, Any] = {
@@ -61,21 +63,49 @@ _MODEL_FLAGS = {
 
 @dataclass(kw_only=True)
 class GraphConfig:
-    """CUDA-graph flags (validated against the rest by ``stalwart.graphs.check_graph_config``)."""
+    """CUDA-graph flags (validated against the rest by ``stalwart.graphs.check_graph_config``).
 
-    cuda_graph_impl: str = "none"
+    Modes are enums (strings from the CLI are converted once, here).
+    """
+
+    cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
     optimizer_cuda_graph: bool = False
     cuda_graph_warmup_steps: int = field(default=3, metadata=bounds(ge=1))
     # Launch the next iteration's forward-backward replay before this one's validation read
-    # (gated optimizer graph only; stalwart.train.speculative). Not a Megatron flag.
+    # (gated optimizer graph only; stalwart.loop.lookahead). Not a Megatron flag.
     cuda_graph_speculative_launch: bool = True
 
     def __post_init__(self) -> None:
-        check_fields(self)
-        if self.cuda_graph_impl not in ("none", "full_iteration"):
+        allowed = (CudaGraphImpl.NONE, CudaGraphImpl.FULL_ITERATION)
+        try:
+            self.cuda_graph_impl = CudaGraphImpl(self.cuda_graph_impl)
+        except ValueError:
+            self.cuda_graph_impl = None  # type: ignore[assignment]
+        if self.cuda_graph_impl not in allowed:
             raise ValueError(
                 f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"
             )
+        check_fields(self)  # after the conversion: the fields hold enums from here on
+
+    @property
+    def full_iteration(self) -> bool:
+        return self.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
+
+    @property
+    def any(self) -> bool:
+        """Whether any CUDA graph is on (the graph config checks then apply)."""
+        return self.full_iteration or self.optimizer_cuda_graph
+
+    def build(self) -> EagerPlan | GraphPlan:
+        """The guarded step's plan: graphs for what the flags ask (checked before), else eager.
+        ``--optimizer-cuda-graph`` alone is an optimizer graph over an eager forward-backward."""
+        if not self.any:
+            return EagerPlan()
+        return GraphPlan(
+            full_iteration=self.full_iteration,
+            optimizer_graph=self.optimizer_cuda_graph,
+            warmup_steps=self.cuda_graph_warmup_steps,
+        )
 
 
 @dataclass(kw_only=True)
@@ -226,7 +256,7 @@ def check_combinations(config: RunConfig) -> None:
             "--check-weight-hash-across-dp-replicas-interval compares replicated weights; with "
             "--use-torch-fsdp2 every rank holds a different shard (use it with DDP)"
         )
-    if config.training.rampup_batch_size and config.graphs.cuda_graph_impl == "full_iteration":
+    if config.training.rampup_batch_size and config.graphs.full_iteration:
         raise ValueError(
             "--rampup-batch-size with --cuda-graph-impl full_iteration is not supported: every "
             "batch-size step changes the micro-batch count and would re-capture the graph"

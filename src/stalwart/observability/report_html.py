@@ -19,7 +19,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from stalwart.observability.report import (
+from stalwart.observability.report_plotly import Charts, make_charts, plotly_js
+from stalwart.observability.report_svg import _e, _fmt
+from stalwart.observability.run_dir import (
     LOSS_KEYS,
     LR_KEYS,
     THROUGHPUT_KEYS,
@@ -28,8 +30,6 @@ from stalwart.observability.report import (
     timer_label,
     timer_names,
 )
-from stalwart.observability.report_plotly import Charts, make_charts, plotly_js
-from stalwart.observability.report_svg import _e, _fmt
 from stalwart.observability.timers import TIMER_PARENTS
 
 

@@ -1,6 +1,6 @@
 """Hang-detection settings: sections, per-section timeouts, ``--ft-timeouts`` parsing and the config.
 
-Split from :mod:`stalwart.reliability.sections` (which re-exports everything here).
+Split from :mod:`stalwart.reliability.hang.sections` (which re-exports everything here).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import signal
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from stalwart.reliability import monitor as hb
-from stalwart.reliability.timeout_tiers import Escalation
+from stalwart.reliability.hang import monitor as hb
+from stalwart.reliability.hang.tiers import Escalation
 
 FT_STATE_FILENAME = "ft_state.json"
 FT_LOG_DIRNAME = "ft_logs"

@@ -7,7 +7,7 @@ worker's GIL, a stuck CUDA call or a hung collective, because it is a separate p
 
 Protocol
 --------
-The worker (``stalwart.reliability.sections.SectionMonitor``) owns a small memory-mapped file (the
+The worker (``stalwart.reliability.hang.sections.SectionMonitor``) owns a small memory-mapped file (the
 heartbeat record): two slots of layout ``_SLOT``, each the open section, when it opened, when the
 last section closed, the live timeouts, a sequence number and a CRC-32 of all that. A write goes
 to the slot the last write did not use, in one copy, so a complete record is always in the file

@@ -1,6 +1,6 @@
 """Learned hang-detection timeouts (``--calc-ft-timeouts``): pure functions and ``ft_state.json``.
 
-See the "Learned timeouts" section of :mod:`stalwart.reliability.sections` for the rules.
+See the "Learned timeouts" section of :mod:`stalwart.reliability.hang.sections` for the rules.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from stalwart.reliability.ft_config import (
+from stalwart.reliability.hang.config import (
     _TIMEOUT_KEYS,
     FT_STATE_FILENAME,
     FT_STATE_VERSION,

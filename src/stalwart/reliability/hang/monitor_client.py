@@ -1,7 +1,7 @@
 """The worker's end of the hang monitor: the heartbeat record it publishes into, the monitor
 process it starts, and the listener that lets the monitor abort its process groups.
 
-Split from :mod:`stalwart.reliability.monitor`, which runs as a standard-library-only script
+Split from :mod:`stalwart.reliability.hang.monitor`, which runs as a standard-library-only script
 (this side runs in the worker and may import the rest of stalwart).
 """
 
@@ -18,8 +18,8 @@ import threading
 import time
 from typing import IO
 
-from stalwart.reliability import monitor as hb
-from stalwart.reliability.abort_listener import AbortListener
+from stalwart.reliability.hang import monitor as hb
+from stalwart.reliability.hang.abort_listener import AbortListener
 
 
 def _heartbeat_dir() -> str:

@@ -54,8 +54,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from stalwart.reliability import monitor as hb
-from stalwart.reliability.ft_config import (
+from stalwart.reliability.hang import monitor as hb
+from stalwart.reliability.hang.config import (
     _TIMEOUT_KEYS,
     FT_LOG_DIRNAME,
     FT_STATE_FILENAME,
@@ -64,7 +64,8 @@ from stalwart.reliability.ft_config import (
     SectionTimeouts,
     parse_ft_timeouts,
 )
-from stalwart.reliability.ft_timeouts import (
+from stalwart.reliability.hang.monitor_client import MonitorClient
+from stalwart.reliability.hang.timeouts import (
     FtState,
     ft_state_path,
     learn_timeouts,
@@ -73,7 +74,6 @@ from stalwart.reliability.ft_timeouts import (
     save_ft_state,
     select_sections_to_update,
 )
-from stalwart.reliability.monitor_client import MonitorClient
 
 # Config and timeout learning live in ft_config / ft_timeouts; re-exported as the public API here.
 __all__ = [
