@@ -6,9 +6,11 @@ the state machine reads all recorded values of an iteration in one deliberate sy
 Two kinds of records:
 
 * Device checks (NaN, Inf, unexpectedly large) are written into the :class:`ValidationBuffer`
-  with device ops only, so they work inside a captured CUDA graph. The buffer also evaluates the
-  rejection on the device and can turn the pass's rejections into a skip gate (fused AdamW's
-  ``found_inf``): the optimizer step is then enqueued before the host read and skips itself.
+  with device ops only, so they work inside a captured CUDA graph: two ops per call (the value,
+  its written flag) whatever the number of checks of the value (:meth:`ValidationBuffer.record_run`).
+  The buffer turns the pass's rejections into a skip gate on the device (fused AdamW's
+  ``found_inf``: the optimizer step is then enqueued before the host read and skips itself),
+  NaN/Inf verdicts computed from all values at once; the read takes the same verdicts.
 * Any other rejection function is evaluated on the host at the read (``ValidationRecord`` with a
   device tensor or a float), with the conventions below.
 
@@ -99,6 +101,16 @@ NAN_RULE = DeviceRule(RuleKind.NAN)
 INF_RULE = DeviceRule(RuleKind.INF)
 
 
+@dataclass(frozen=True)
+class DeviceCheck:
+    """One device check of a value: its rule, message, rerun tolerance and fatality."""
+
+    rule: DeviceRule
+    message: str
+    tolerance: float = 0.0
+    fatal: bool = True
+
+
 def device_rule_of(func: Callable[..., Any] | None) -> DeviceRule | None:
     """The device rule equal to a Megatron-style rejection function, or None (host only).
 
@@ -173,8 +185,9 @@ class ValidationBuffer:
     or allocated on the first record of a key (:meth:`slot_for`, what the machine's
     ``check_loss``/``check_grad_norm`` use; the warm-up passes before a capture allocate them).
     :meth:`record` only performs device ops on preallocated tensors, so a captured graph writes
-    its values, written flags and device verdicts on every replay. The machine clears the buffer
-    before each pass, sets the error-injection mask, and reads it in its one per-iteration sync.
+    its values, written flags and LARGE verdicts on every replay (NaN/Inf verdicts are taken
+    from the values by the gate and the read). The machine clears the buffer before each pass,
+    sets the error-injection mask, and reads it in its one per-iteration sync.
 
     ``gate`` (float32, 1.0 = skip) is what fused AdamW reads as ``found_inf``:
     :meth:`update_gate` sets it from the pass's device verdicts, max-reduced across ranks.
@@ -185,11 +198,7 @@ class ValidationBuffer:
     ) -> None:
         self.name = name
         self.device = torch.device(device)
-        self.values = torch.zeros(capacity, dtype=torch.float64, device=self.device)
-        self.written = torch.zeros(capacity, dtype=torch.float64, device=self.device)
-        self.rejected = torch.zeros(capacity, dtype=torch.float64, device=self.device)
-        self.inject = torch.zeros(capacity, dtype=torch.bool, device=self.device)
-        self.in_gate = torch.zeros(capacity, dtype=torch.float64, device=self.device)
+        self._allocate_tensors(capacity)
         self.gate = torch.zeros((), dtype=torch.float32, device=self.device)
         self.specs: list[CheckSpec] = []
         self.keys: list[CallKey] = []
@@ -204,6 +213,32 @@ class ValidationBuffer:
         self._begun_ahead = False
         self._pinned: torch.Tensor | None = None
         self._pinned_event: torch.cuda.Event | None = None
+
+    def _allocate_tensors(self, capacity: int, old: ValidationBuffer | None = None) -> None:
+        """The device tensors (copied from their smaller versions when growing).
+
+        ``state`` rows: values, written flags, LARGE verdicts (float64, read in one copy);
+        ``is_nan`` / ``is_inf``: the slot's rule, for the gate's verdicts of NaN/Inf checks.
+        """
+        def grown(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+            new = torch.zeros(shape, dtype=dtype, device=self.device)
+            if old is not None:
+                prev: torch.Tensor = getattr(old, name)
+                new[..., : prev.shape[-1]].copy_(prev)
+            return new
+
+        self.state = grown((3, capacity), torch.float64, "state")
+        self.inject = grown((capacity,), torch.bool, "inject")
+        self.in_gate = grown((capacity,), torch.float64, "in_gate")
+        self.is_nan = grown((capacity,), torch.bool, "is_nan")
+        self.is_inf = grown((capacity,), torch.bool, "is_inf")
+        self.values, self.written, self.rejected = self.state.unbind(0)
+        self._runs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._prefixes: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _gate_inputs(self) -> tuple[torch.Tensor, ...]:
+        return (self.values, self.is_nan, self.is_inf, self.inject, self.rejected, self.written,
+                self.in_gate)  # fmt: skip
 
     # ------------------------------------------------------------------------------ slots
     def add_check(
@@ -221,6 +256,10 @@ class ValidationBuffer:
             message, rejection_func, comparison_func or compare_floats, tolerance, fatal
         )
         return self._allocate((self.name, message, seq), spec, device_rule_of(rejection_func))
+
+    def slot_index(self, key: CallKey) -> int | None:
+        """The slot of ``key``, or None before its first record."""
+        return self._slots.get(key)
 
     def slot_for(self, key: CallKey, spec: CheckSpec, rule: DeviceRule | None) -> int:
         """The slot of ``key``, allocated on first use (outside capture)."""
@@ -243,6 +282,9 @@ class ValidationBuffer:
         in_gate = spec.fatal or self._gate_non_fatal
         self._gate_host.append(in_gate)
         self.in_gate[slot] = 1.0 if in_gate else 0.0
+        kind = None if rule is None else rule.kind
+        if kind is RuleKind.NAN or kind is RuleKind.INF:
+            (self.is_nan if kind is RuleKind.NAN else self.is_inf)[slot] = True
         self._slots[key] = slot
         if rule is not None and rule.kind is RuleKind.LARGE and rule.context not in self._trackers:
             self._trackers[rule.context] = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -250,11 +292,7 @@ class ValidationBuffer:
 
     def _grow(self) -> None:
         """Double the capacity (eager only: a captured graph keeps writing the old tensors)."""
-        for name in ("values", "written", "rejected", "inject", "in_gate"):
-            old = getattr(self, name)
-            new = torch.zeros(2 * old.numel(), dtype=old.dtype, device=self.device)
-            new[: old.numel()].copy_(old)
-            setattr(self, name, new)
+        self._allocate_tensors(2 * self.values.numel(), old=self)
 
     @property
     def device_evaluable(self) -> bool:
@@ -263,21 +301,35 @@ class ValidationBuffer:
 
     # ----------------------------------------------------------------------------- writes
     def record(self, slot: int, value: torch.Tensor) -> None:
-        """Write a one-element tensor into ``slot`` and its device verdict (device ops only)."""
-        v = value.detach().reshape(()).to(torch.float64)
-        v = torch.where(self.inject[slot], math.nan, v)
-        self.values[slot].copy_(v)
-        self.written[slot].fill_(1.0)
-        rule = self.rules[slot]
-        if rule is None:
-            return
-        if rule.kind is RuleKind.NAN:
-            verdict = torch.isnan(v)
-        elif rule.kind is RuleKind.INF:
-            verdict = torch.isinf(v)
-        else:
-            verdict = self._large(rule, v)
-        self.rejected[slot].copy_(verdict | self.inject[slot])
+        """Write a one-element tensor into ``slot`` (device ops only).
+
+        NaN/Inf verdicts are taken from the values where they are needed (the gate, the read),
+        so a record is two writes; a LARGE rule also updates its sampling window here.
+        """
+        v = value.detach()
+        self.record_run(slot, 1, v.reshape(()) if v.dim() else v)
+
+    def record_run(self, start: int, width: int, values: torch.Tensor) -> None:
+        """Write element ``i`` of ``values`` (0-d or 1-d, ``m`` elements) into the ``width``
+        consecutive slots from ``start + i * width``: two device ops for the whole run, plus the
+        sampling-window update of each LARGE slot. ``values`` must not require grad."""
+        m = values.numel()
+        run = self._runs.get((start, m * width))
+        if run is None:  # views cached per run (a capture then slices nothing)
+            end = start + m * width
+            run = (self.values[start:end].view(m, width), self.written[start:end])
+            self._runs[(start, m * width)] = run
+        run[0].copy_(values.reshape(m, 1) if values.dim() else values)
+        run[1].fill_(1.0)
+        for slot in range(start, start + m * width):
+            rule = self.rules[slot]
+            if rule is not None and rule.kind is RuleKind.LARGE:
+                self._record_large(slot, rule, values.reshape(-1)[(slot - start) // width])
+
+    def _record_large(self, slot: int, rule: DeviceRule, value: torch.Tensor) -> None:
+        """The LARGE verdict of ``slot``, in call order (its window depends on earlier values)."""
+        v = torch.where(self.inject[slot], math.nan, value.to(torch.float64))
+        self.rejected[slot].copy_(self._large(rule, v) | self.inject[slot])
 
     def _large(self, rule: DeviceRule, v: torch.Tensor) -> torch.Tensor:
         """``is_unexpectedly_large`` on the device: sample the max of the first ``num_samples``
@@ -295,13 +347,23 @@ class ValidationBuffer:
 
     def update_gate(self, group: dist.ProcessGroup | None = None) -> None:
         """Set ``gate`` to 1.0 when a written slot of this pass was rejected on the device (and
-        counts for the gate), else 0.0; max-reduced across ``group`` (device work only)."""
+        counts for the gate), else 0.0; max-reduced across ``group`` (device work only).
+
+        The verdicts are those the read takes: NaN/Inf of the written value, injection, the
+        LARGE verdicts recorded with the values.
+        """
         n = len(self.specs)
         if n == 0:
             self.gate.zero_()
             return
-        hits = self.written[:n] * self.rejected[:n] * self.in_gate[:n]
-        self.gate.copy_(hits.amax() > 0)
+        views = self._prefixes.get(n)
+        if views is None:  # cached per slot count (a capture then slices nothing)
+            views = tuple(t[:n] for t in self._gate_inputs())
+            self._prefixes[n] = views
+        v, is_nan, is_inf, inject, large, written, in_gate = views
+        hit = torch.where(is_nan, v.isnan(), v.isinf().logical_and_(is_inf))
+        hit = hit.logical_or_(inject).logical_or_(large)
+        self.gate.copy_(torch.dot(hit * written, in_gate) > 0)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(self.gate, op=dist.ReduceOp.MAX, group=group)
 
@@ -336,8 +398,7 @@ class ValidationBuffer:
         values are copied (stream-ordered, to pinned memory on CUDA) and the next read uses the
         copy, so the next pass may overwrite the buffer meanwhile.
         """
-        n = len(self.specs)
-        flat = torch.cat([self.values[:n], self.written[:n], self.rejected[:n]])
+        flat = self.state[:, : len(self.specs)]
         if not flat.is_cuda:
             self._snapshot = (flat.clone(), None)
             return
@@ -368,7 +429,7 @@ class ValidationBuffer:
         self._snapshot = None
         if event is not None:
             event.synchronize()  # Deliberate sync: waits only for the copy, not for later work.
-        return host.tolist()
+        return host.reshape(-1).tolist()
 
     # ---------------------------------------------------------------------------- trackers
     def save_trackers(self) -> dict[str, torch.Tensor]:
@@ -399,17 +460,18 @@ def read_values(
 ) -> list[tuple[ValidationRecord, float]]:
     """Host values of every eager record and every written buffer slot, in one read.
 
-    All device scalars are concatenated on the first one's device and copied to the host once.
+    All device scalars are concatenated on the first one's device and copied to the host once
+    (a single buffer, the usual case, is copied as it is).
     """
     parts: list[torch.Tensor] = [r.value for r in records if isinstance(r.value, torch.Tensor)]
     used = [b for b in buffers if b.specs]
     snapshots = {id(b): b.take_snapshot() for b in used}
-    for b in used:
-        n = len(b.specs)
-        if snapshots[id(b)] is None:
-            parts += [b.values[:n], b.written[:n], b.rejected[:n]]
+    parts += [b.state[:, : len(b.specs)] for b in used if snapshots[id(b)] is None]
     host: list[float] = []
-    if parts:
+    if len(parts) == 1 and parts[0].dim() == 2:
+        # Deliberate sync: the one per-iteration read of every validation value.
+        host = [x for row in parts[0].tolist() for x in row]
+    elif parts:
         device = parts[0].device
         flat = torch.cat([p.reshape(-1).to(device) for p in parts])
         # Deliberate sync: the one per-iteration read of every validation value.
@@ -431,6 +493,21 @@ def read_values(
     return items
 
 
+def _device_verdict(
+    rule: DeviceRule | None, value: float, large: float, injected: bool
+) -> bool | None:
+    """The verdict the device's gate took for a slot (None: the host decides)."""
+    if rule is None:
+        return None
+    if injected:
+        return True
+    if rule.kind is RuleKind.NAN:
+        return math.isnan(value)
+    if rule.kind is RuleKind.INF:
+        return math.isinf(value)
+    return large > 0.5
+
+
 def _buffer_items(
     b: ValidationBuffer, flat: list[float], n: int
 ) -> list[tuple[ValidationRecord, float]]:
@@ -438,7 +515,9 @@ def _buffer_items(
     items = []
     for i in range(n):
         if written[i] > 0.5:
-            verdict = rejected[i] > 0.5 if b.rules[i] is not None else None
-            rec = ValidationRecord(b.keys[i], b.specs[i], vals[i], b.inject_host[i], verdict)
-            items.append((rec, vals[i]))
+            injected = b.inject_host[i]
+            value = math.nan if injected else vals[i]
+            verdict = _device_verdict(b.rules[i], value, rejected[i], injected)
+            rec = ValidationRecord(b.keys[i], b.specs[i], value, injected, verdict)
+            items.append((rec, value))
     return items

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from stalwart.reliability.rerun.buffer import INF_RULE, NAN_RULE, DeviceRule, RuleKind
+from stalwart.reliability.rerun.buffer import (
+    INF_RULE,
+    NAN_RULE,
+    DeviceCheck,
+    DeviceRule,
+    RuleKind,
+)
 from stalwart.reliability.rerun.types import CheckConfig
 
 if TYPE_CHECKING:
@@ -47,38 +53,89 @@ def grad_message(kind: str, bucket: int | None) -> str:
 class DeviceChecker(Protocol):
     """What the check helpers record into (the rerun state machine)."""
 
-    def check_on_device(
-        self,
-        value: torch.Tensor,
-        rule: DeviceRule,
-        message: str,
-        tolerance: float = 0.0,
-        fatal: bool = True,
+    def check_all_on_device(
+        self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
     ) -> None: ...
 
 
-def record_loss_checks(sm: DeviceChecker, loss: torch.Tensor, checks: CheckConfig) -> None:
-    """NaN/Inf (fatal, tolerance 0) and spiky-loss (non-fatal) checks of a local loss."""
-    value = loss.detach()
+def loss_checks(checks: CheckConfig) -> tuple[DeviceCheck, ...]:
+    """The device checks of one local loss that ``checks`` asks for, in Megatron's order."""
+    out = []
     if checks.nan_and_inf:
-        sm.check_on_device(value, NAN_RULE, NAN_LOSS_MESSAGE, tolerance=0.0, fatal=True)
-        sm.check_on_device(value, INF_RULE, INF_LOSS_MESSAGE, tolerance=0.0, fatal=True)
+        out += [DeviceCheck(NAN_RULE, NAN_LOSS_MESSAGE), DeviceCheck(INF_RULE, INF_LOSS_MESSAGE)]
     if checks.spiky_loss:
         rule = DeviceRule(RuleKind.LARGE, "loss", checks.spiky_loss_factor, checks.large_samples)
-        sm.check_on_device(value, rule, SPIKY_LOSS_MESSAGE, tolerance=0.0, fatal=False)
+        out.append(DeviceCheck(rule, SPIKY_LOSS_MESSAGE, fatal=False))
+    return tuple(out)
+
+
+def grad_checks(checks: CheckConfig, bucket: int | None) -> tuple[DeviceCheck, ...]:
+    """The device checks of one local grad norm (of ``bucket``) that ``checks`` asks for."""
+    out = []
+    if checks.nan_and_inf:
+        out += [
+            DeviceCheck(NAN_RULE, grad_message("NaN", bucket), GRAD_TOLERANCE),
+            DeviceCheck(INF_RULE, grad_message("Inf", bucket), GRAD_TOLERANCE),
+        ]
+    if checks.large_grads:
+        rule = DeviceRule(RuleKind.LARGE, "grads", checks.large_grads_factor, checks.large_samples)
+        out.append(DeviceCheck(rule, grad_message("large", bucket), GRAD_TOLERANCE, fatal=False))
+    return tuple(out)
+
+
+class CheckRows:
+    """:func:`loss_checks` and :func:`grad_checks`, built once per configuration (an instance's
+    memo: the hot path then builds nothing)."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[CheckConfig, str, int | None], tuple[DeviceCheck, ...]] = {}
+
+    def loss(self, checks: CheckConfig) -> tuple[DeviceCheck, ...]:
+        key = (checks, "loss", None)
+        row = self._memo.get(key)
+        if row is None:
+            row = self._memo[key] = loss_checks(checks)
+        return row
+
+    def grads(self, checks: CheckConfig, bucket: int | None) -> tuple[DeviceCheck, ...]:
+        key = (checks, "grads", bucket)
+        row = self._memo.get(key)
+        if row is None:
+            row = self._memo[key] = grad_checks(checks, bucket)
+        return row
+
+
+def record_loss_checks(
+    sm: DeviceChecker, loss: torch.Tensor, checks: CheckConfig, rows: CheckRows | None = None
+) -> None:
+    """NaN/Inf (fatal, tolerance 0) and spiky-loss (non-fatal) checks of a local loss."""
+    wanted = (rows or CheckRows()).loss(checks)
+    if wanted:
+        sm.check_all_on_device(loss, (wanted,))
 
 
 def record_grad_checks(
-    sm: DeviceChecker, norm: torch.Tensor, checks: CheckConfig, bucket: int | None = None
+    sm: DeviceChecker,
+    norm: torch.Tensor,
+    checks: CheckConfig,
+    bucket: int | None = None,
+    rows: CheckRows | None = None,
 ) -> None:
     """NaN/Inf (fatal) and large-grads (non-fatal) checks of a *local* (pre-reduction) norm."""
-    if checks.nan_and_inf:
-        sm.check_on_device(norm, NAN_RULE, grad_message("NaN", bucket), tolerance=GRAD_TOLERANCE)
-        sm.check_on_device(norm, INF_RULE, grad_message("Inf", bucket), tolerance=GRAD_TOLERANCE)
-    if checks.large_grads:
-        rule = DeviceRule(RuleKind.LARGE, "grads", checks.large_grads_factor, checks.large_samples)
-        message = grad_message("large", bucket)
-        sm.check_on_device(norm, rule, message, tolerance=GRAD_TOLERANCE, fatal=False)
+    wanted = (rows or CheckRows()).grads(checks, bucket)
+    if wanted:
+        sm.check_all_on_device(norm, (wanted,))
+
+
+def record_bucket_checks(
+    sm: DeviceChecker, norms: torch.Tensor, checks: CheckConfig, rows: CheckRows
+) -> None:
+    """:func:`record_grad_checks` of every bucket's norm (``norms[b]``), in one call: the same
+    slots, messages and verdicts as one call per bucket, two device writes in all."""
+    n = norms.numel()
+    wanted = [rows.grads(checks, b if n > 1 else None) for b in range(n)]
+    if wanted and wanted[0]:
+        sm.check_all_on_device(norms, wanted)
 
 
 def check_loss(sm: RerunStateMachine, loss: torch.Tensor, config: RerunConfig) -> None:
@@ -102,8 +159,16 @@ def local_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     grads = [_local(p.grad) for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(_stacked_norms(grads))
+
+
+def _stacked_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of every tensor (``torch._foreach_norm``: a few kernels per dtype), stacked
+    as float64: one stack and one conversion, however many tensors."""
     norms = torch._foreach_norm(grads)
-    return torch.linalg.vector_norm(torch.stack([n.to(torch.float64) for n in norms]))
+    if all(n.dtype == norms[0].dtype for n in norms):
+        return torch.stack(norms).to(torch.float64)
+    return torch.stack([n.to(torch.float64) for n in norms])
 
 
 def bucket_layout(
@@ -150,6 +215,7 @@ class GradCheckState:
         # Bucket index tensors per DDP bucket, made in the first (eager) backward: a capture
         # must not copy from the host.
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
+        self._rows = CheckRows()
 
     def add_grads(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         """Accumulate squared norms of ``grads`` (of ``params``) into their buckets."""
@@ -158,8 +224,7 @@ class GradCheckState:
         device = grads[0].device
         if self._sum_sq is None:
             self._sum_sq = torch.zeros(self.num_buckets, dtype=torch.float64, device=device)
-        norms = torch._foreach_norm([_local(g) for g in grads])
-        squares = torch.stack([n.to(torch.float64) for n in norms]) ** 2
+        squares = _stacked_norms([_local(g) for g in grads]).square()
         ids = tuple(id(p) for p in params)
         index = self._index.get(ids)
         if index is None:
@@ -168,12 +233,11 @@ class GradCheckState:
         self._sum_sq.index_add_(0, index, squares)
 
     def finish(self) -> None:
-        """Record one check per bucket (device work only) and start over."""
+        """Record the checks of every bucket (one call, device work only) and start over."""
         if self._sum_sq is None:
             return
         norms, self._sum_sq = self._sum_sq.sqrt(), None
-        for bucket in range(self.num_buckets):
-            self.sm.check_grad_norm(norms[bucket], bucket if self.num_buckets > 1 else None)
+        record_bucket_checks(self.sm, norms, self.sm.checks, self._rows)
 
     def check_after_backward(self) -> None:
         """Without DDP: check the local gradients now (after backward, before any step)."""

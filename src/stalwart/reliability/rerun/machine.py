@@ -34,6 +34,7 @@ from stalwart.reliability.rerun.buffer import (
     ValidationRecord,
     read_values,
 )
+from stalwart.reliability.rerun.checks import CheckRows
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.passes import Ahead, Records, Saved
@@ -127,6 +128,7 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
         self._announced = False
         self._iteration_set = False
         self._host_checks = False
+        self._check_rows = CheckRows()
         logger.info("RerunStateMachine initialized in mode %s", self.mode.value)
 
     # ----------------------------------------------------------------- identity / configuration

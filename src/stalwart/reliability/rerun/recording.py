@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stalwart.reliability.rerun.buffer import (
     CheckSpec,
+    DeviceCheck,
     DeviceRule,
     RuleKind,
     ValidationBuffer,
@@ -25,6 +26,9 @@ from stalwart.reliability.rerun.passes import Records
 from stalwart.reliability.rerun.stats import LargeValueTracker, compare_floats, host_float
 from stalwart.reliability.rerun.types import CallKey, CheckConfig, RerunMode, RerunState
 
+if TYPE_CHECKING:
+    from stalwart.reliability.rerun.checks import CheckRows
+
 
 class RecordingMixin:
     """Recording of validation calls; the machine provides the state used here."""
@@ -35,6 +39,7 @@ class RecordingMixin:
     _records: Records
     _host_checks: bool
     _large: dict[str, LargeValueTracker]
+    _check_rows: CheckRows
 
     def check_buffer(self, device: torch.device) -> ValidationBuffer:
         raise NotImplementedError
@@ -83,19 +88,53 @@ class RecordingMixin:
     ) -> None:
         """Record a check whose verdict the device computes (:class:`DeviceRule`), into the
         machine's buffer: device ops only, graph-capturable, never a sync."""
+        self.check_all_on_device(value, [[DeviceCheck(rule, message, tolerance, fatal)]])
+
+    def check_all_on_device(
+        self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
+    ) -> None:
+        """Record ``checks[i]`` of element ``i`` of ``values`` (0-d or 1-d), in that order, as
+        :meth:`check_on_device` calls would: the same slots and verdicts, but two device ops for
+        all of them (one write of the values, one of the written flags) once their slots are
+        allocated, whatever the number of checks. Device ops only, never a sync."""
+        if values.requires_grad:
+            values = values.detach()
         if self._host_checks:  # evaluation: resolved on the host, the buffer stays untouched
-            self.validate_result(value, self._host_rule(rule), message, None, tolerance, fatal)
+            flat = values.reshape(-1)
+            for i, row in enumerate(checks):
+                for c in row:
+                    rule = self._host_rule(c.rule)
+                    self.validate_result(flat[i], rule, c.message, None, c.tolerance, c.fatal)
             return
         self._require_pass()
-        key = self._records.next_key("", message)
-        spec = CheckSpec(message, self._host_rule(rule), compare_floats, tolerance, fatal)
-        buffer = self.check_buffer(value.device)
-        known = len(buffer.specs)
+        buffer = self.check_buffer(values.device)
+        next_key = self._records.next_key
+        pairs = [(i, c) for i, row in enumerate(checks) for c in row]
+        slots = [self._slot(buffer, next_key("", c.message), c) for _, c in pairs]
+        if not slots:
+            return
+        width, start = len(checks[0]), slots[0]
+        if slots == list(range(start, start + len(slots))) and all(len(r) == width for r in checks):
+            buffer.record_run(start, width, values)  # contiguous: allocated in this order
+            return
+        flat = values.reshape(-1)
+        for (i, _), slot in zip(pairs, slots, strict=True):  # another layout (rare): one by one
+            buffer.record(slot, flat[i])
+
+    def _slot(self, buffer: ValidationBuffer, key: CallKey, check: DeviceCheck) -> int:
+        """The buffer slot of ``key``; a new one decides its error injection now."""
+        slot = buffer.slot_index(key)
+        if slot is not None:
+            return slot
+        rule = check.rule
+        spec = CheckSpec(
+            check.message, self._host_rule(rule), compare_floats, check.tolerance, check.fatal
+        )
         slot = buffer.slot_for(key, spec, rule)
-        if slot >= known and self._inject_decision(key):  # a new slot: decide its injection now
+        if self._inject_decision(key):
             buffer.inject[slot] = True
             buffer.inject_host[slot] = True
-        buffer.record(slot, value)
+        return slot
 
     def _host_rule(self, rule: DeviceRule) -> Callable[..., Any]:
         if rule.kind is RuleKind.NAN:
@@ -113,14 +152,14 @@ class RecordingMixin:
         """Megatron's loss checks of one micro-batch's local loss, as :attr:`checks` says."""
         from stalwart.reliability.rerun.checks import record_loss_checks
 
-        record_loss_checks(self, loss, self.checks)
+        record_loss_checks(self, loss, self.checks, self._check_rows)
 
     def check_grad_norm(self, norm: torch.Tensor, bucket: int | None = None) -> None:
         """Megatron's gradient checks of a local (pre-reduction) grad norm, of DDP bucket
         ``bucket`` when given, as :attr:`checks` says."""
         from stalwart.reliability.rerun.checks import record_grad_checks
 
-        record_grad_checks(self, norm, self.checks, bucket)
+        record_grad_checks(self, norm, self.checks, bucket, self._check_rows)
 
     def _require_pass(self) -> None:
         if self.mode is not RerunMode.DISABLED and self.state is RerunState.NOT_RUNNING_YET:
