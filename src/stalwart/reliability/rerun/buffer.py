@@ -206,6 +206,7 @@ class ValidationBuffer:
         self.inject_host: list[bool] = []
         self._gate_host: list[bool] = []
         self._gate_non_fatal = True
+        self._has_large = False  # a LARGE slot exists (its verdicts then count for the gate)
         self._slots: dict[CallKey, int] = {}
         self._trackers: dict[str, torch.Tensor] = {}  # context -> [count, max] (float64)
         # Look-ahead support: values read ahead, and a pass already begun.
@@ -220,6 +221,7 @@ class ValidationBuffer:
         ``state`` rows: values, written flags, LARGE verdicts (float64, read in one copy);
         ``is_nan`` / ``is_inf``: the slot's rule, for the gate's verdicts of NaN/Inf checks.
         """
+
         def grown(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
             new = torch.zeros(shape, dtype=dtype, device=self.device)
             if old is not None:
@@ -286,8 +288,12 @@ class ValidationBuffer:
         if kind is RuleKind.NAN or kind is RuleKind.INF:
             (self.is_nan if kind is RuleKind.NAN else self.is_inf)[slot] = True
         self._slots[key] = slot
-        if rule is not None and rule.kind is RuleKind.LARGE and rule.context not in self._trackers:
-            self._trackers[rule.context] = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if rule is not None and rule.kind is RuleKind.LARGE:
+            self._has_large = True
+            if rule.context not in self._trackers:
+                self._trackers[rule.context] = torch.zeros(
+                    2, dtype=torch.float64, device=self.device
+                )
         return slot
 
     def _grow(self) -> None:
@@ -361,9 +367,10 @@ class ValidationBuffer:
             views = tuple(t[:n] for t in self._gate_inputs())
             self._prefixes[n] = views
         v, is_nan, is_inf, inject, large, written, in_gate = views
-        hit = torch.where(is_nan, v.isnan(), v.isinf().logical_and_(is_inf))
-        hit = hit.logical_or_(inject).logical_or_(large)
-        self.gate.copy_(torch.dot(hit * written, in_gate) > 0)
+        hit = torch.where(is_nan, v.isnan(), v.isinf().logical_and_(is_inf)).logical_or_(inject)
+        if self._has_large:
+            hit = hit.logical_or_(large)
+        self.gate.copy_(hit.logical_and_(written).logical_and_(in_gate).any())
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(self.gate, op=dist.ReduceOp.MAX, group=group)
 
