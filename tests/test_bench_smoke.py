@@ -27,3 +27,14 @@ def test_check_overhead_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path
     }
     assert rows["off"]["lookahead_used_of_launched"] == [0, 0]  # truly off: nothing launched
     assert rows["checks"]["lookahead_used_of_launched"][1] > 0
+
+
+def test_check_ops_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import check_ops  # type: ignore[import-not-found]
+
+    argv = ["--device", "cpu", "--presets", "tiny", "--warmup", "1", "--iters", "1",
+            "--num-microbatches", "2", "--extra", TINY, "-v"]  # fmt: skip
+    assert check_ops.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| off |" in text and "| checks |" in text and "checks add" in text
+    assert "host reads (checks): {'tolist at stalwart/reliability/rerun/buffer.py" in text
