@@ -103,15 +103,16 @@ def profile_variant(trainer: Trainer, args: argparse.Namespace) -> dict[str, Any
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with profile(activities=activities) as prof, count_host_reads(sites, not cuda):
-                run_iterations(trainer, it, args.iters)
-                if cuda:
-                    torch.cuda.synchronize()
-        finally:
+        with profile(activities=activities) as prof, count_host_reads(sites, not cuda):
             if cuda:
-                torch.cuda.set_sync_debug_mode(0)
+                torch.cuda.set_sync_debug_mode("warn")  # counts the step's implicit syncs
+            try:
+                run_iterations(trainer, it, args.iters)
+            finally:
+                if cuda:  # before the explicit sync below, which would warn too
+                    torch.cuda.set_sync_debug_mode(0)
+            if cuda:
+                torch.cuda.synchronize()
     events = prof.events()
     aten = [e for e in events if e.name.startswith("aten::")]
     top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]

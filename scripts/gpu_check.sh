@@ -98,6 +98,9 @@ step bench_speculative 300 bash -c "python3 bench/speculative_launch.py --preset
 # What the checks cost the guarded step, eager and graphed, against the checks truly off.
 step bench_checks 300 python3 bench/check_overhead.py --device cuda --bf16 \
   --presets tiny,small,gpt2-124m --json "$WORK/check_overhead.json"
+# Opt-in: what the checks launch per iteration (kernels, ops, syncs), off vs on.
+[[ " ${STEPS:-} " == *" bench_check_ops "* ]] && step bench_check_ops 240 python3 bench/check_ops.py \
+  --device cuda --bf16 --presets tiny,small,gpt2-124m -v --json "$WORK/check_ops.json"
 BENCH=(python3 bench/step_bench.py --device cuda --bf16 --rounds "$ROUNDS" --iters "$ITERS")
 step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,timers,dumps,graphs --json "$WORK/bench_tiny.json"
 step bench_small 150 "${BENCH[@]}" --preset small --suite baseline,timers,graphs --json "$WORK/bench_small.json"
