@@ -32,12 +32,12 @@ from stalwart.reliability.rerun.buffer import (
     NAN_RULE,
     ValidationBuffer,
     ValidationRecord,
-    read_values,
 )
 from stalwart.reliability.rerun.checks import CheckRows
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.passes import Ahead, Records, Saved
+from stalwart.reliability.rerun.reading import read_values
 from stalwart.reliability.rerun.recording import RecordingMixin
 from stalwart.reliability.rerun.rng import RngStateTracker, restore_rng_state
 from stalwart.reliability.rerun.stats import LargeValueTracker
