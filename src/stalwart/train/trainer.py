@@ -20,6 +20,7 @@ from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
 from stalwart.distributed import collectives
 from stalwart.distributed.process_group import DistributedContext
+from stalwart.observability.progress_log import make_progress_log
 from stalwart.observability.report import EventKind, append_event
 from stalwart.observability.timers import INTERVAL_TIME
 from stalwart.reliability.exit import (
@@ -41,7 +42,7 @@ from stalwart.reliability.sections import Section
 from stalwart.train.components import Components, build_components, run_dir_of
 from stalwart.train.evaluate import evaluate
 from stalwart.train.graphed import check_eval_losses
-from stalwart.train.resume_checks import check_model_matches
+from stalwart.train.resume_checks import check_model_matches, nothing_left_to_train
 from stalwart.train.step import StepResult, params_norm, train_step
 
 logger = logging.getLogger("stalwart.train")
@@ -97,6 +98,9 @@ class Trainer:
         self.batch_size = self.c.global_batch_size  # this iteration's (see _start_batch)
         self._num_microbatches: int | None = None
         self._saved_at: int | None = None
+        self.progress = make_progress_log(
+            config.obs.log_progress, config.checkpoint.save, ctx.world_size, ctx.rank
+        )
 
     def __enter__(self) -> Trainer:
         return self
@@ -156,6 +160,11 @@ class Trainer:
                 non_persistent=non_persistent,
             )
         c.energy.resume()
+        if not non_persistent:  # --log-progress: Megatron's progress.txt line
+            self.progress.on_save(
+                self.state.iteration, self._flops_so_far(), self._tokens_so_far(),
+                async_save=self.config.checkpoint.async_save,
+            )  # fmt: skip
         c.sections.maybe_update_timeouts(async_save=self.config.checkpoint.async_save)
         kind = "non-persistent checkpoint" if non_persistent else "checkpoint"
         self.event(EventKind.CHECKPOINT, f"saved {kind}")
@@ -189,6 +198,7 @@ class Trainer:
         self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
         c.sampler.load_state_dict(common["data"])
         c.loss_scaler.load_state_dict(common.get("loss_scaler", {}))
+        self._resume_schedule(common.get("scheduler"), load_optim)
         per_rank = loaded.per_rank
         if per_rank is None:
             logger.warning("world size changed: RNG and rerun state not restored for this rank")
@@ -199,19 +209,40 @@ class Trainer:
         apply_verdict(c.rerun, loaded.path)  # a settled rerun: train on, or refuse the bad device
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
 
+    def _resume_schedule(self, saved: Any, load_optim: bool) -> None:
+        """Megatron's rule for a changed LR schedule (``ValueError`` unless a flag says which
+        wins; one warning line otherwise). A checkpoint with nothing left to train is not
+        checked: it ends at once (`nothing_left_to_train`)."""
+        it, consumed = self.state.iteration, self.state.consumed_samples
+        if it >= self.config.training.train_iters:
+            return
+        samples_after = consumed + self.c.batch_schedule.global_batch_size_at(consumed)
+        note = self.c.scheduler.resume_from(saved, it, samples_after, load_optim=load_optim)
+        if note and self.ctx.is_main:
+            logger.warning(note)
+
+    def _flops_so_far(self) -> float:
+        """Floating-point operations of every iteration so far (linear in the samples)."""
+        c = self.c
+        return c.flops_per_iteration * self.state.consumed_samples / c.global_batch_size
+
+    def _tokens_so_far(self) -> float:
+        return float(self.state.consumed_samples * self.config.model.seq_length)
+
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainOutcome:
         """Train until an exit decision; returns the outcome (exit code 0, 16 or 17)."""
         c, cfg = self.c, self.config
         self.load()
+        self.progress.start(self._flops_so_far())
+        done = nothing_left_to_train(self.loaded_path, self.state.iteration, cfg.training)
         c.timers(INTERVAL_TIME).start(barrier=True)
         decision = ExitDecision()
         outcome: TrainOutcome | None = None
         while outcome is None:
             if self.state.iteration >= cfg.training.train_iters:
-                decision = ExitDecision(
-                    SaveKind.NONE, True, ExitReason.FINISHED, "reached --train-iters"
-                )
+                detail = done or "reached --train-iters"
+                decision = ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, detail)
                 break
             with c.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
                 c.checkpoint.maybe_finalize()
