@@ -96,7 +96,7 @@ def hang_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ft-timeouts",
         metavar="SPEC",
-        help="seconds (default: setup=600,step=180,checkpointing=420,out_of_section=600)",
+        help="section timeouts, seconds (default: setup=600,step=180,checkpointing=420,out_of_section=600)",
     )
     g.add_argument(
         "--calc-ft-timeouts",
@@ -150,10 +150,13 @@ def inprocess_flags(p: argparse.ArgumentParser) -> None:
         "--inprocess-max-iterations", type=int, default=3, help="attempts before giving up"
     )
     g.add_argument(
-        "--inprocess-soft-timeout", type=float, default=60.0, help="no progress for S s: restart"
+        "--inprocess-soft-timeout",
+        type=float,
+        default=60.0,
+        help="no progress for X seconds: restart",
     )
     g.add_argument(
-        "--inprocess-hard-timeout", type=float, default=90.0, help="no progress for S s: kill"
+        "--inprocess-hard-timeout", type=float, default=90.0, help="no progress for X seconds: kill"
     )
     g.add_argument(
         "--inprocess-heartbeat-interval", type=float, default=1.0, help="seconds between beats"
