@@ -22,16 +22,16 @@ from typing import Any
 import torch
 
 from stalwart.graphs import (
-    DeviceFlags,
     FullIterationGraph,
     GraphContext,
     OptimizerGraph,
-    PipelinedGraphLoop,
     compile_for_graph,
     make_capturable_adamw,
 )
+from stalwart.loop import GraphPlan, GuardedStep
 from stalwart.models import GPT, PRESET_MICRO_BATCH_SIZE, preset_model_config
 from stalwart.models import num_floating_point_operations as model_flops
+from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 
 from graph_gaps import format_gaps, gap_analysis  # bench/ is the script's directory
 
@@ -46,7 +46,7 @@ VARIANTS = (
     "graph_validation_sync",
     "graph_validation_noread",
     "graph_validation_lagged",
-    "graph_validation_pipelined",
+    "graph_guarded",
     "graph_compiled",
     "graph_compiled_fused_adamw",
     "compile_reduce_overhead",
@@ -80,7 +80,41 @@ def forward_backward(
     return losses
 
 
-def make_forward_step(flags: DeviceFlags | None) -> Callable[..., Any]:
+class Flags:
+    """The bare in-graph check of these variants: a running sum of the losses (non-finite when a
+    check failed), a skip gate, and a host read now or one iteration late. The library's own
+    check buffer and look-ahead run in ``graph_guarded`` (``GuardedStep`` + ``GraphPlan``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.total = torch.zeros((), dtype=torch.float32, device=device)
+
+    def reset_(self) -> None:
+        self.total.zero_()
+
+    def record_nonfinite(self, name: str, value: torch.Tensor) -> None:
+        del name
+        self.total.add_(value.detach().float())
+
+    def update_skip_gate_(self, gate: torch.Tensor) -> None:
+        gate.copy_(~torch.isfinite(self.total))
+
+    def ok(self) -> bool:
+        return bool(torch.isfinite(self.total))  # Deliberate sync: the validation read.
+
+    def read_async(self) -> Callable[[], bool]:
+        host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        host.copy_(self.total, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+
+        def result() -> bool:
+            event.synchronize()
+            return bool(torch.isfinite(host))
+
+        return result
+
+
+def make_forward_step(flags: Flags | None) -> Callable[..., Any]:
     def forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tensor, dict]:
         batch = next(data_iterator)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -125,6 +159,8 @@ def build_variant(
     variant: str, preset: str
 ) -> tuple[Callable[[list[dict]], None], GraphContext | None]:
     """Return (one-iteration step function, graph context or None) for a fresh model."""
+    if variant == "graph_guarded":
+        return build_guarded(preset), None
     torch.manual_seed(1234)
     model = GPT(preset_model_config(preset)).cuda()
     params = list(model.parameters())
@@ -150,7 +186,7 @@ def build_variant(
     ctx = GraphContext(torch.device("cuda"))
     validate = variant.startswith("graph_validation")
     device = torch.device("cuda")
-    flags = DeviceFlags(["loss"], device) if validate else None
+    flags = Flags(device) if validate else None
     gate = torch.zeros((), dtype=torch.float32, device=device) if validate else None
     runner = compile_for_graph(model) if variant.startswith("graph_compiled") else model
     fb = FullIterationGraph(
@@ -169,20 +205,6 @@ def build_variant(
     )
     step = make_forward_step(flags)
     pending: list[Any] = []
-    if variant == "graph_validation_pipelined":
-        assert flags is not None
-        # Rerun-capable, read off the critical path: iteration i's flags are read while
-        # iteration i + 1's forward-backward runs (PipelinedGraphLoop).
-        loop = PipelinedGraphLoop(fb, opt_graph, flags)
-
-        def pipelined_step(batches: list[dict]) -> None:
-            kwargs = _kwargs(runner, batches, step, seq)
-            del kwargs["data_iterator"], kwargs["num_microbatches"]
-            resolution = loop.step(batches, lr=LR, **kwargs)
-            if resolution is not None and not resolution.accepted:
-                raise RuntimeError("benchmark data tripped a check")
-
-        return pipelined_step, ctx
 
     def graph_step(batches: list[dict]) -> None:
         fb(**_kwargs(runner, batches, step, seq))
@@ -190,29 +212,63 @@ def build_variant(
             opt_graph.step(lr=LR)
         elif variant == "graph_validation_sync":
             # Host decides: the read stalls the GPU between the two graphs.
-            if flags.read().ok:
+            if flags.ok():
                 opt_graph.step(lr=LR)
         elif variant == "graph_validation_lagged":
             # Skip-and-count policy: the device skipped a failed step already; the host learns
             # of it one iteration later (no sync now, no rerun possible).
             opt_graph.step(lr=LR, gated=True, overlap=True)
             opt_graph.join()
-            if pending and not pending.pop().result().ok:
+            if pending and not pending.pop()():
                 raise RuntimeError("benchmark data tripped a check")
             pending.append(flags.read_async())
         else:
             # Device decides (gate): the optimizer replays on a second stream while the host
             # reads the flags ("_noread" skips the read to isolate the in-graph kernels).
             opt_graph.step(lr=LR, gated=True, overlap=True)
-            if variant == "graph_validation" and not flags.read().ok:
+            if variant == "graph_validation" and not flags.ok():
                 raise RuntimeError("benchmark data tripped a check")
             opt_graph.join()
 
     return graph_step, ctx
 
 
+def build_guarded(preset: str) -> Callable[[list[dict]], None]:
+    """The library's path: ``GuardedStep`` with ``GraphPlan`` (checks in the machine's buffer,
+    gated optimizer graph, the next iteration's replay launched before the read)."""
+    torch.manual_seed(1234)
+    model = GPT(preset_model_config(preset)).cuda()
+    device = torch.device("cuda")
+    optimizer = make_capturable_adamw(list(model.parameters()), lr=LR, device=device, fused=True)
+    batches: list[dict] = []
+
+    def source() -> Iterator[dict]:
+        while True:
+            yield from list(batches)
+
+    def forward_step(batch: dict, m: Any) -> dict:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return m(batch["input_ids"], batch["labels"])  # type: ignore[no-any-return]
+
+    step = GuardedStep(
+        model=model, optimizer=optimizer, forward_step=forward_step,
+        machine=RerunConfig().build(device), data=RerunDataIterator(source()),
+        num_microbatches=NUM_MICROBATCHES, plan=GraphPlan(), clip_grad=CLIP,
+    )  # fmt: skip
+    iteration = [0]
+
+    def guarded_step(data: list[dict]) -> None:
+        if not batches:
+            batches.extend(data)
+        if step.run(iteration[0]).verdict.exit:
+            raise RuntimeError("benchmark data tripped a check")
+        iteration[0] += 1
+
+    return guarded_step
+
+
 def _gated(
-    func: Callable[..., Any], flags: DeviceFlags | None, gate: torch.Tensor | None
+    func: Callable[..., Any], flags: Flags | None, gate: torch.Tensor | None
 ) -> Callable[..., Any]:
     """The forward-backward, followed (inside the graph) by the skip-gate update."""
     if flags is None or gate is None:

@@ -36,8 +36,7 @@ from stalwart.observability.memory import (
     cpu_peak_allocated_bytes,
     theoretical_memory,
 )
-from stalwart.train.components import build_components
-from stalwart.train.step import train_step
+from stalwart.train.trainer import Trainer
 
 PRESETS = "tiny,small,gpt2-124m,llama-tiny,llama-150m"
 CPU_PRESETS = "tiny,llama-tiny"
@@ -77,13 +76,12 @@ def _config(preset: str, variant: str, bf16: bool, device_kind: str) -> RunConfi
 def measure(preset: str, variant: str, bf16: bool, device_kind: str, iters: int) -> dict[str, Any]:
     config = _config(preset, variant, bf16, device_kind)
     device = choose_device(0, config.training.use_cpu)
-    c = build_components(config, DistributedContext(device=device))
+    c = Trainer(config, DistributedContext(device=device))
     count = [0]
 
     def step() -> None:
         c.scheduler.set_iteration(count[0])
-        c.rerun.set_iteration(count[0])
-        train_step(c.step_parts, c.train_iterator)
+        c.step.run(count[0])
         count[0] += 1
 
     n = c.raw_model.num_parameters()

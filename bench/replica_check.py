@@ -28,8 +28,7 @@ from stalwart.config.run import build_run_config
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.models import PRESET_MICRO_BATCH_SIZE
 from stalwart.reliability.replica_check import parameter_fingerprints
-from stalwart.train.components import build_components
-from stalwart.train.step import train_step
+from stalwart.train.trainer import Trainer
 
 from bench_utils import percentile, sync
 
@@ -51,13 +50,12 @@ def run(args: argparse.Namespace) -> dict:
              "--train-iters", str(10**6), "--no-progress-bar"]  # fmt: skip
     flags += ["--use-cpu"] if device.type == "cpu" else []
     flags += ["--bf16"] if args.bf16 else []
-    c = build_components(build_run_config(parse_train_args(flags), flags), ctx)
+    c = Trainer(build_run_config(parse_train_args(flags), flags), ctx)
     iteration = [0]
 
     def step() -> None:
         c.scheduler.set_iteration(iteration[0])
-        c.rerun.set_iteration(iteration[0])
-        train_step(c.step_parts, c.train_iterator)
+        c.step.run(iteration[0])
         iteration[0] += 1
 
     def check() -> None:

@@ -13,8 +13,7 @@ Examples::
     PYTHONPATH=src python3 bench/step_bench.py --preset small --device cuda --bf16 --suite rerun
     PYTHONPATH=src python3 bench/step_bench.py --preset gpt2-124m --device cuda --bf16 --suite timers
 
-Suites: ``baseline`` (eager), ``rerun`` (validate_results vs disabled vs a naive per-micro-batch
-``.item()`` check), ``timers`` (timing-log-level 0/1/2 in sync and events modes), ``dumps``
+Suites: ``baseline`` (eager), ``timers`` (timing-log-level 0/1/2 in sync and events modes), ``dumps``
 (stats-mode tensor dumps off/on), ``graphs`` (eager vs full-iteration graph + optimizer graph).
 """
 
@@ -34,16 +33,10 @@ from stalwart.cli.args import parse_train_args
 from stalwart.config.run import build_run_config
 from stalwart.distributed.process_group import DistributedContext, choose_device
 from stalwart.observability.timers import INTERVAL_TIME
-from stalwart.train.components import Components, build_components
-from stalwart.train.step import train_step
+from stalwart.train.trainer import Trainer
 
 SUITES: dict[str, list[tuple[str, list[str]]]] = {
     "baseline": [("eager", [])],
-    "rerun": [
-        ("disabled", ["--rerun-mode", "disabled"]),
-        ("validate_results", ["--rerun-mode", "validate_results"]),
-        ("naive .item() per micro-batch", ["--rerun-mode", "disabled", "--bench-naive-check"]),
-    ],
     "timers": [
         ("level 0", ["--timing-log-level", "0"]),
         ("level 1 sync", ["--timing-log-level", "1", "--timing-mode", "sync"]),
@@ -68,44 +61,34 @@ SUITES: dict[str, list[tuple[str, list[str]]]] = {
 }
 
 
-def build_variant(base: list[str], extra: list[str]) -> Components:
-    naive = "--bench-naive-check" in extra
+def build_variant(base: list[str], extra: list[str]) -> Trainer:
+    """The reference trainer for ``base + extra`` (validation costs: bench/check_overhead.py)."""
     tmp = tempfile.mkdtemp(prefix="stalwart-bench-")
-    argv = [*base, *[a.format(tmp=tmp) for a in extra if a != "--bench-naive-check"]]
+    argv = [*base, *[a.format(tmp=tmp) for a in extra]]
     config = build_run_config(parse_train_args(argv), argv)
     device = choose_device(0, config.training.use_cpu)
-    c = build_components(config, DistributedContext(device=device))
-    if naive:
-        step = c.forward_step
-
-        def naive_check(loss: torch.Tensor) -> None:
-            # The pattern the rerun machine avoids: one host sync per micro-batch.
-            if not bool(torch.isfinite(loss).item()):
-                raise RuntimeError("non-finite loss")
-
-        step.loss_check = naive_check
-    c.timers(INTERVAL_TIME).start()
-    return c
+    trainer = Trainer(config, DistributedContext(device=device))
+    trainer.timers(INTERVAL_TIME).start()
+    return trainer
 
 
-def run_iterations(c: Components, iteration: int, n: int, device: torch.device) -> list[float]:
+def run_iterations(c: Trainer, iteration: int, n: int, device: torch.device) -> list[float]:
     """Run ``n`` training iterations; per-iteration milliseconds."""
     cuda = device.type == "cuda"
     marks: list[Any] = []
     for k in range(n):
         it = iteration + k
         c.scheduler.set_iteration(it)
-        c.rerun.set_iteration(it)
         marks.append(torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter())
         if cuda:
             marks[-1].record()
-        result = train_step(c.step_parts, c.train_iterator)
+        result = c.step.run(it)
         c.log.on_iteration(
             it + 1,
             losses=result.losses,
             learning_rate=c.scheduler.last_lr,
-            global_batch_size=c.global_batch_size,
-            consumed_samples=(it + 1) * c.global_batch_size,
+            global_batch_size=c.data.global_batch_size,
+            consumed_samples=(it + 1) * c.data.global_batch_size,
             grad_norm=result.grad_norm,
             skipped=result.skipped,
         )
@@ -175,14 +158,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(
-    args: argparse.Namespace, variants: list[tuple[str, Components]], times: dict[str, list[float]]
+    args: argparse.Namespace, variants: list[tuple[str, Trainer]], times: dict[str, list[float]]
 ) -> None:
     c0 = variants[0][1]
-    tokens = c0.global_batch_size * c0.config.model.seq_length
+    tokens = c0.data.global_batch_size * c0.config.model.seq_length
     base_median = statistics.median(times[variants[0][0]])
     rows = []
     print(f"\npreset={args.preset} device={args.device} bf16={args.bf16} "
-          f"global batch={c0.global_batch_size} ({c0.num_microbatches} micro-batches) seq={c0.config.model.seq_length}")  # fmt: skip
+          f"global batch={c0.data.global_batch_size} ({c0.data.num_microbatches} micro-batches) seq={c0.config.model.seq_length}")  # fmt: skip
     print(
         f"{'variant':36s} {'median ms':>10s} {'p10-p90 ms':>16s} {'ratio':>7s} {'tokens/s':>10s} {'TFLOP/s':>8s}"
     )

@@ -8,7 +8,10 @@
 #   STEPS="gpu_tests memory" OUT=... bash scripts/gpu_check.sh   # only the named steps
 #   STEPS=bench_graphs_compiled OUT=... bash scripts/gpu_check.sh  # opt-in: torch.compile variants
 # On a two-GPU machine the two-GPU tests add about 3 minutes: split long runs with STEPS to stay
-# within one 10-minute device call.
+# within one 10-minute device call. BUDGET (seconds, default 560) caps the whole call: a step is
+# cut to what is left and skipped when under 20 s remain, and the archive is rewritten after
+# every step, so a call that runs out still brings back every finished step.
+#   STEPS=compat_cpu ...   # the CPU test suite (no GPU tests) on the device's torch, 16 workers
 set -uo pipefail
 OUT="${OUT:-runs/gpu_check}"
 WORK="$(mktemp -d)"; SCRATCH="$(mktemp -d)"  # checkpoints go to SCRATCH (not archived)
@@ -16,19 +19,27 @@ mkdir -p "$OUT"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 ROUNDS="${ROUNDS:-3}"; ITERS="${ITERS:-10}"
 [ -n "${QUICK:-}" ] && { ROUNDS=2; ITERS=6; }
-start=$(date +%s)
+start=$(date +%s); BUDGET="${BUDGET:-560}"
 step() {  # step NAME TIMEOUT CMD... ; output in $WORK/NAME.log, rc in summary
   local name=$1 limit=$2; shift 2
   if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
+  local left=$(( BUDGET - ($(date +%s) - start) - 10 ))
+  if [ "$left" -lt 20 ]; then echo "$name skipped (budget)" | tee -a "$WORK/summary.txt"; return 0; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$(date +%s)
   timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
   local rc=$?
-  echo "$name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$WORK/summary.txt"
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s (limit ${limit}s)" | tee -a "$WORK/summary.txt"
+  tar czf "$OUT/gpu_check.tgz" -C "$WORK" .  # what came back so far, if the call is cut
 }
 python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" \
   | tee "$WORK/env.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >>"$WORK/env.log" 2>&1
 
+# The CPU suite on the device's torch (2.11) and Python (3.12): the package must keep working
+# there. Opt-in (STEPS=compat_cpu); the slow multi-process tests are left to CI.
+[[ " ${STEPS:-} " == *" compat_cpu "* ]] && step compat_cpu 300 env CUDA_VISIBLE_DEVICES= \
+  python3 -m pytest -q -x -n 12 -m "not gpu and not slow" -p no:cacheprovider tests
 # -s: the tests print their measured differences; two-GPU tests skip on a one-GPU machine.
 step gpu_tests 540 python3 -m pytest -q -s -rfs -m gpu -p no:cacheprovider tests
 TRAIN=(python3 -m stalwart train --preset tiny --bf16 --train-iters 30 --log-interval 10 --no-progress-bar)
@@ -36,6 +47,9 @@ TRAIN=(python3 -m stalwart train --preset tiny --bf16 --train-iters 30 --log-int
 step train_graphs 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
   --eval-interval 10 --eval-iters 6 \
   --save "$SCRATCH/ckpt_graphs" --metrics-file "$WORK/graphs_metrics.jsonl"
+# --optimizer-cuda-graph on its own: the optimizer graph over an eager forward-backward (Megatron).
+step train_optimizer_graph 120 "${TRAIN[@]}" --optimizer-cuda-graph --eval-interval 10 --eval-iters 6 \
+  --metrics-file "$WORK/optimizer_graph_metrics.jsonl"
 step train_eager 120 "${TRAIN[@]}" --eval-interval 10 --eval-iters 6 \
   --save "$SCRATCH/ckpt_eager" --metrics-file "$WORK/eager_metrics.jsonl"
 # Resume across modes on the device: the eager checkpoint (iteration 30) continues under graphs and
@@ -73,7 +87,7 @@ step replica_check 120 python3 bench/replica_check.py --preset gpt2-124m --devic
 # Library-level graph benchmark (bench/graphs.py): every variant but the torch.compile ones
 # (those take minutes to compile: STEPS=bench_graphs_compiled).
 step bench_graphs 300 python3 bench/graphs.py --variants \
-  eager,graph,graph_fused_adamw,graph_validation,graph_validation_sync,graph_validation_noread,graph_validation_lagged,graph_validation_pipelined \
+  eager,graph,graph_fused_adamw,graph_validation,graph_validation_sync,graph_validation_noread,graph_validation_lagged,graph_guarded \
   --json "$WORK/bench_graphs.json"
 # Opt-in (minutes of Inductor compiles; would push the default run past one 10-minute call).
 [[ " ${STEPS:-} " == *" bench_graphs_compiled "* ]] && step bench_graphs_compiled 540 python3 bench/graphs.py --variants \
@@ -81,10 +95,13 @@ step bench_graphs 300 python3 bench/graphs.py --variants \
   --json "$WORK/bench_graphs_compiled.json"
 # The trainer with and without the speculative launch (subprocesses, alternating).
 step bench_speculative 300 bash -c "python3 bench/speculative_launch.py --preset tiny --json $WORK/spec_tiny.json && python3 bench/speculative_launch.py --preset tiny --extra '--global-batch-size 32' --json $WORK/spec_tiny4.json && python3 bench/speculative_launch.py --preset small --iters 200 --log-interval 25 --json $WORK/spec_small.json"
+# What the checks cost the guarded step, eager and graphed, against the checks truly off.
+step bench_checks 300 python3 bench/check_overhead.py --device cuda --bf16 \
+  --presets tiny,small,gpt2-124m --json "$WORK/check_overhead.json"
 BENCH=(python3 bench/step_bench.py --device cuda --bf16 --rounds "$ROUNDS" --iters "$ITERS")
-step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,rerun,timers,dumps,graphs --json "$WORK/bench_tiny.json"
-step bench_small 150 "${BENCH[@]}" --preset small --suite baseline,rerun,timers,graphs --json "$WORK/bench_small.json"
-step bench_gpt2 200 "${BENCH[@]}" --preset gpt2-124m --suite baseline,rerun,timers,dumps --json "$WORK/bench_gpt2.json"
+step bench_tiny 150 "${BENCH[@]}" --preset tiny --suite baseline,timers,dumps,graphs --json "$WORK/bench_tiny.json"
+step bench_small 150 "${BENCH[@]}" --preset small --suite baseline,timers,graphs --json "$WORK/bench_small.json"
+step bench_gpt2 200 "${BENCH[@]}" --preset gpt2-124m --suite baseline,timers,dumps --json "$WORK/bench_gpt2.json"
 step bench_dumps 120 "${BENCH[@]}" --preset gpt2-124m --suite dumps --json "$WORK/bench_dumps.json"
 # Every preset (llama-* included) x recompute none/selective/full x bf16/fp32: 30 measurements.
 step memory 420 python3 bench/memory_check.py --device cuda --json "$WORK/memory.json"
@@ -104,6 +121,7 @@ done
 for f in "$WORK"/train_diverge_*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "Unexpected result|reproducible|exit reason" "$f" | cut -c1-220 | tail -4; }
 done
+[ -f "$WORK/bench_checks.log" ] && { echo "== bench_checks"; grep -E "^\||^- |^[a-z0-9-]+ / " "$WORK/bench_checks.log"; }
 [ -f "$WORK/bench_speculative.log" ] && { echo "== bench_speculative"; grep -E "^\||^- |^round" "$WORK/bench_speculative.log"; }
 for f in "$WORK"/bench_graphs*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "^\||^- " "$f"; }

@@ -163,6 +163,6 @@ def test_released_when_training_raises(tmp_path: Path) -> None:
         ) as trainer,
     ):
         assert (save / LOCK_FILENAME).exists()
-        trainer.c.checkpoint._locks.check_held()
+        trainer.checkpointer.manager._locks.check_held()
         raise RuntimeError("boom")
     assert not (save / LOCK_FILENAME).exists()

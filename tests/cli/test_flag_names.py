@@ -18,6 +18,8 @@ from stalwart.cli.args import build_train_parser
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "stalwart"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
+# The hang monitor is its own process with its own flags (its worker side writes them).
+MONITOR_FILES = {"reliability/hang/monitor.py", "reliability/hang/monitor_client.py"}
 TORCHRUN = {"--max-restarts", "--standalone", "--monitor-interval", "--nproc-per-node", "--nnodes"}
 # graphs/checks.py encodes Megatron's CUDA-graph compatibility rules over `GraphSettings`, whose
 # fields carry Megatron's flag names; these are the ones `stalwart train` does not expose, so the
@@ -64,7 +66,9 @@ def _subcommand_options(path: Path) -> set[str]:
     for prefix, cli_file in owner.items():
         if rel.startswith(prefix):
             return _declared(SRC / cli_file)
-    if rel.startswith("cli/") or rel == "reliability/monitor.py":  # monitor: its own process
+    if rel in MONITOR_FILES:  # the monitor process's own flags, written by its worker side
+        return _declared(SRC / "reliability/hang/monitor.py")
+    if rel.startswith("cli/"):
         return _declared(path)
     if rel == "graphs/checks.py":
         return MEGATRON_GRAPH_RULES

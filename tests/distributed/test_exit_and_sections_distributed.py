@@ -15,7 +15,7 @@ import pytest
 
 from stalwart.distributed import collectives
 from stalwart.reliability.exit import ExitConfig, ExitDecision, decide, gather_exit_inputs
-from stalwart.reliability.sections import FaultToleranceConfig, Section, build_section_monitor
+from stalwart.reliability.hang.sections import FaultToleranceConfig, Section, build_section_monitor
 from stalwart.reliability.signals import DistributedSignalHandler
 
 from dist_utils import run_distributed

@@ -36,9 +36,9 @@ def _config(save: str, attempt: int) -> Any:
 
 
 def _restarts(rank: int, world_size: int, save: str, port: int) -> dict[str, Any]:
-    from stalwart.reliability.inprocess.run import build_restarter
     from stalwart.reliability.inprocess.store import PORT_ENV
     from stalwart.reliability.inprocess.wrapper import Attempt
+    from stalwart.train.inprocess import build_restarter
     from stalwart.train.trainer import Trainer
 
     dist.destroy_process_group()  # the restarter owns the process group of every attempt
@@ -51,7 +51,7 @@ def _restarts(rank: int, world_size: int, save: str, port: int) -> dict[str, Any
         leaked.append(sum(ref() is not None for ref in trainers))  # earlier attempts are gone
         trainer = Trainer(_config(save, attempt.index), attempt.ctx, print_fn=printed.append)
         trainers.append(weakref.ref(trainer))
-        attempt.on_abort(functools.partial(trainer.c.checkpoint.close, abort=True))
+        attempt.on_abort(functools.partial(trainer.checkpointer.close, abort=True))
         attempt.on_finalize(trainer.close)
         attempt.set_progress(lambda: trainer.state.iteration)
         outcome = trainer.train()

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from stalwart.graphs import (
-    DeviceFlags,
     FullIterationGraph,
     GraphContext,
     OptimizerGraph,
-    PipelinedGraphLoop,
     StagePhase,
     make_capturable_adamw,
     set_learning_rate,
 )
+from stalwart.loop import EagerPlan, GraphPlan, GuardedStep
 from stalwart.models import GPT, PRESET_MICRO_BATCH_SIZE, preset_model_config
+from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,6 +72,28 @@ def _batches(preset: str, count: int, seed: int = 7, seq: int | None = None) -> 
         )
         out.append({"input_ids": tokens[:, :-1].cuda(), "labels": tokens[:, 1:].cuda()})
     return out
+
+
+class DeviceFlags:
+    """A bare in-graph check (the mechanism: any object with a device-only ``reset_``): a
+    running sum of the losses, non-finite when a check failed, and the skip gate from it."""
+
+    def __init__(self, names: list[str], device: torch.device) -> None:
+        del names
+        self.total = torch.zeros((), dtype=torch.float32, device=device)
+
+    def reset_(self) -> None:
+        self.total.zero_()
+
+    def record_nonfinite(self, name: str, value: torch.Tensor) -> None:
+        del name
+        self.total.add_(value.detach().float())
+
+    def update_skip_gate_(self, gate: torch.Tensor) -> None:
+        gate.copy_(~torch.isfinite(self.total))
+
+    def ok(self) -> bool:
+        return bool(torch.isfinite(self.total))  # the one per-iteration validation read
 
 
 class Poison:
@@ -254,8 +276,7 @@ def test_injected_nan_in_graph_is_caught_and_optimizer_skipped() -> None:
         poison.value.fill_(float("nan") if i == 4 else 0.0)
         before = [p.detach().clone() for p in params]
         _call(fb, model, data[i * NUM_MICROBATCHES : (i + 1) * NUM_MICROBATCHES], step)
-        report = flags.read()  # the one per-iteration validation read
-        if report.ok:
+        if flags.ok():
             opt_graph.step(lr=1e-3)
         else:
             skipped.append(i)
@@ -347,10 +368,10 @@ def _gated_run(overlapped: bool, poison_at: int, steps: int = 7) -> tuple[list, 
         _call(fb, model, data[i * NUM_MICROBATCHES : (i + 1) * NUM_MICROBATCHES], step)
         if overlapped:
             opt_graph.step(lr=1e-3, gated=True, overlap=True)
-            ok = flags.read().ok  # overlaps the optimizer replay on the second stream
+            ok = flags.ok()  # overlaps the optimizer replay on the second stream
             opt_graph.join()
         else:
-            ok = flags.read().ok
+            ok = flags.ok()
             if ok:
                 opt_graph.step(lr=1e-3)
         if not ok:
@@ -374,66 +395,62 @@ def test_gated_overlapped_optimizer_skips_on_device_and_matches_host_decided() -
     assert counters == ref_counters and set(counters) == {6.0}
 
 
-def test_pipelined_loop_reruns_a_rejected_replay_and_matches_host_decided() -> None:
-    """PipelinedGraphLoop: iteration i's flags are read while i + 1 runs. A transient NaN at
-    replay 5 is caught one call late, 5 is replayed on its own inputs (clean now), the discarded
-    iteration 6 runs again, and the run ends bitwise equal to the host-decided run skipping 5."""
-    poison_at, steps = 5, 7
+def _guarded(graphed: bool, lookahead: bool, poison_call: int, iters: int = 8) -> tuple:
+    """``GuardedStep`` on the tiny GPT: eager (fused AdamW) or graphed, NaN at one forward."""
     model = _model("tiny")
-    params = list(model.parameters())
     device = torch.device("cuda")
-    opt = make_capturable_adamw(params, lr=1e-3, device=device, fused=True)
-    flags, poison = DeviceFlags(["loss"], device), Poison()
-    gate = torch.zeros((), dtype=torch.float32, device=device)
-    ctx = GraphContext(device)
+    params = list(model.parameters())
+    if graphed:
+        optimizer = make_capturable_adamw(params, lr=1e-3, device=device, fused=True)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    calls = [0]
 
-    def gated_fb(**kwargs: Any) -> Any:
-        out = forward_backward(**kwargs)
-        flags.update_skip_gate_(gate)
+    def forward_step(batch: dict, m: GPT) -> dict:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = m(batch["input_ids"], batch["labels"])
+        if calls[0] == poison_call:  # eager: one forward; graphed: a warm-up pass
+            out = {**out, "loss": out["loss"] * float("nan")}
+        calls[0] += 1
         return out
 
-    fb = FullIterationGraph(
-        gated_fb, context=ctx, warmup_steps=1, grad_params=params, validation_buffer=flags
-    )
-    loop = PipelinedGraphLoop(
-        fb, OptimizerGraph(opt, context=ctx, clip_grad=1.0, skip_gate=gate), flags
-    )
-    step = make_forward_step(flags, poison)
-    data = _batches("tiny", steps * NUM_MICROBATCHES, seed=5)
-    cfg = model.config
-    kwargs = {
-        "forward_step_func": step,
-        "model": model,
-        "seq_length": cfg.seq_length,
-        "micro_batch_size": PRESET_MICRO_BATCH_SIZE["tiny"],
-    }
-    resolutions, before = [], None
-    i = 0
-    while i < steps:
-        batches = data[i * NUM_MICROBATCHES : (i + 1) * NUM_MICROBATCHES]
-        poison.value.fill_(float("nan") if i == poison_at and before is None else 0.0)
-        resolution = loop.step(batches, lr=1e-3, **kwargs)
-        if i == poison_at and before is None:
-            poison.value.fill_(0.0)  # transient: gone by the rerun
-            torch.cuda.synchronize()
-            before = [p.detach().clone() for p in params]  # after 4 stepped and 5 gated
-        if resolution is not None:
-            resolutions.append(resolution)
-            if not resolution.accepted:
-                # The rejected iteration's optimizer replay left the parameters untouched.
-                assert before is not None
-                assert all(torch.equal(a, b.detach()) for a, b in zip(before, params))
-                continue  # run the discarded iteration again
-        i += 1
-    last = loop.flush()
-    assert last is not None and last.accepted
-    rejected = [r for r in resolutions if not r.accepted]
-    assert [r.iteration for r in rejected] == [poison_at]
-    rerun_report = rejected[0].rerun_report
-    assert rejected[0].reproducible is False and rerun_report is not None and rerun_report.ok
-    assert fb.phase() is StagePhase.CAPTURED
-    counters = [s["step"].item() for s in opt.state.values()]
-    ctx.teardown()
-    _, host, host_counters = _gated_run(False, poison_at, steps=steps)
-    assert all(torch.equal(a, b) for a, b in zip((p.detach() for p in params), host[-1]))
-    assert counters == host_counters and set(counters) == {float(steps - 1)}
+    step = GuardedStep(
+        model=model, optimizer=optimizer, forward_step=forward_step,
+        machine=RerunConfig().build(device),
+        data=RerunDataIterator(_batches("tiny", (iters + 2) * NUM_MICROBATCHES, seed=5)),
+        num_microbatches=NUM_MICROBATCHES, plan=GraphPlan() if graphed else EagerPlan(),
+        clip_grad=1.0, lookahead=lookahead,
+    )  # fmt: skip
+    results = []
+    for it in range(iters):
+        results.append(step.run(it, launch_next=it + 1 < iters))
+        if results[-1].verdict.exit:
+            break
+    torch.cuda.synchronize()
+    out = ([p.detach().clone() for p in params], results, step.num_used)
+    step.close()
+    return out
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_guarded_step_lookahead_is_exact_on_the_device(graphed: bool) -> None:
+    """The look-ahead (next iteration launched before the read) changes nothing, bitwise: the
+    eager gated step (fused AdamW reading the machine's gate) and the graphed one."""
+    ahead, ahead_results, used = _guarded(graphed, True, poison_call=-1)
+    plain, plain_results, _ = _guarded(graphed, False, poison_call=-1)
+    assert used > 0
+    assert all(torch.equal(a, b) for a, b in zip(ahead, plain, strict=True))
+    for a, b in zip(ahead_results, plain_results, strict=True):
+        assert torch.equal(a.losses["lm loss"], b.losses["lm loss"])
+        assert torch.equal(a.grad_norm, b.grad_norm)
+
+
+def test_guarded_step_eager_fault_after_a_launch_reruns_and_exits_17_like_without() -> None:
+    """A transient NaN in iteration 4's first micro-batch (run ahead during iteration 3): the
+    gated step skipped itself, the rerun is clean, exit 17, parameters equal without launch."""
+    poison = 3 * NUM_MICROBATCHES
+    ahead, ahead_results, _ = _guarded(False, True, poison_call=poison)
+    plain, plain_results, _ = _guarded(False, False, poison_call=poison)
+    assert ahead_results[-1].verdict.exit_code == plain_results[-1].verdict.exit_code == 17
+    assert len(ahead_results) == len(plain_results) == 4
+    assert all(torch.equal(a, b) for a, b in zip(ahead, plain, strict=True))

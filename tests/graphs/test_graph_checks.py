@@ -27,8 +27,11 @@ def test_valid_combinations_pass() -> None:
     check_graph_config(FULL)
     check_graph_config(GraphSettings(device=torch.device("cpu")))
     check_graph_config(dataclasses.replace(FULL, optimizer_cuda_graph=True, compile=True))
-    # NaN checks stay on: they run device-side inside the graph.
+    # The checks stay on: they run device-side inside the graph, verdicts included.
     check_graph_config(dataclasses.replace(FULL, check_for_nan_in_loss_and_grad=True))
+    check_graph_config(
+        dataclasses.replace(FULL, check_for_spiky_loss=True, check_for_large_grads=True)
+    )
     # Full recompute without dropout is fine inside the full-iteration graph.
     check_graph_config(dataclasses.replace(FULL, recompute_granularity=RecomputeGranularity.FULL))
     check_graph_config(dataclasses.replace(FULL, fp16=True, loss_scale=1024.0))
@@ -57,8 +60,6 @@ def test_valid_combinations_pass() -> None:
         ),
         ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
         ({"cuda_graph_warmup_steps": 0}, "--cuda-graph-warmup-steps must be an integer >= 1"),
-        ({"check_for_spiky_loss": True}, "--check-for-spiky-loss reads values on the host"),
-        ({"check_for_large_grads": True}, "--check-for-large-grads reads values on the host"),
         ({"fp16": True}, "--fp16 with dynamic loss scaling is not supported"),
         ({"compile": True, "compile_mode": "reduce-overhead"}, "cannot nest inside"),
         ({"compile": True, "compile_mode": "max-autotune"}, "cannot nest inside"),
@@ -150,7 +151,7 @@ def test_other_rejections(settings: GraphSettings, match: str) -> None:
 
 def test_all_problems_are_reported_together() -> None:
     bad = dataclasses.replace(
-        FULL, device=torch.device("cpu"), check_for_spiky_loss=True, cuda_graph_modules=("mlp",)
+        FULL, device=torch.device("cpu"), fp16=True, cuda_graph_modules=("mlp",)
     )
     assert len(graph_config_problems(bad)) == 3
 

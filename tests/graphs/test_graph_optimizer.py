@@ -5,7 +5,6 @@ import torch
 from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
 
 from stalwart.graphs import (
-    DeviceFlags,
     OptimizerGraph,
     StagePhase,
     clip_coefficient,
@@ -89,27 +88,6 @@ def test_optimizer_graph_rejects_non_graphable_optimizers() -> None:
         OptimizerGraph(CountingOptimizer(_params_with_grads()), context=ctx, clip_grad=-1.0)
 
 
-def test_device_flags_count_and_report() -> None:
-    flags = DeviceFlags(["loss", "grad"], torch.device("cpu"))
-    flags.record_nonfinite("loss", torch.tensor([1.0, float("inf")]))
-    flags.record_above("grad", torch.tensor(5.0), 10.0)
-    report = flags.read()
-    assert report.counts == {"loss": 1, "grad": 0} and report.failed == ["loss"] and not report.ok
-    flags.reset_()
-    assert flags.read().ok
-    with pytest.raises(ValueError, match="unique"):
-        DeviceFlags(["a", "a"], torch.device("cpu"))
-
-
-def test_device_flags_nonfinite_is_one_accumulate_and_kinds_do_not_mix() -> None:
-    flags = DeviceFlags(["loss"], torch.device("cpu"))
-    for value in (1.0, 2.0, float("nan"), 3.0):
-        flags.record_nonfinite("loss", torch.tensor(value))
-    assert flags.read().counts == {"loss": 1}
-    with pytest.raises(ValueError, match="both"):
-        flags.record("loss", torch.tensor(True))
-
-
 def _fused_adamw(params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
     from stalwart.graphs import make_capturable_adamw
 
@@ -169,30 +147,3 @@ def test_overlapped_replay_runs_on_the_second_stream_and_joins() -> None:
     graph.step(gated=True, overlap=True)
     graph.join()
     assert ctx.num_overlapped == 1 and ctx.num_joins == 1 and ctx.num_replays == 2
-
-
-def test_device_flags_skip_gate() -> None:
-    flags = DeviceFlags(["loss", "spike"], torch.device("cpu"))
-    gate = torch.full((), 7.0)
-    flags.record_nonfinite("loss", torch.tensor(2.0))
-    flags.record("spike", torch.tensor([False, False]))
-    flags.update_skip_gate_(gate)
-    assert gate.item() == 0.0
-    flags.record("spike", torch.tensor([False, True]))
-    flags.update_skip_gate_(gate)
-    assert gate.item() == 1.0
-    flags.reset_()
-    flags.record_nonfinite("loss", torch.tensor(float("inf")))
-    flags.update_skip_gate_(gate)
-    assert gate.item() == 1.0 and not flags.read().ok
-
-
-def test_async_flag_read_reports_the_snapshot_not_later_writes() -> None:
-    flags = DeviceFlags(["loss", "spike"], torch.device("cpu"))
-    flags.record_nonfinite("loss", torch.tensor(float("nan")))
-    pending = flags.read_async()
-    flags.reset_()  # the next iteration starts before the report is consumed
-    flags.record("spike", torch.tensor([True]))
-    assert pending.done()
-    assert pending.result().failed == ["loss"]
-    assert flags.read().failed == ["spike"]

@@ -15,7 +15,7 @@ from stalwart.config.run import RunConfig, build_run_config
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.models import GPT, RecomputeGranularity
 from stalwart.observability.dumps import DumpConfig, TensorDumper
-from stalwart.train.graphed import check_graph_flags
+from stalwart.train.build import check_graph_flags
 from stalwart.train.trainer import Trainer, run_training
 
 from train_utils import TINY_FLAGS, assert_params_equal, make_config
@@ -154,7 +154,7 @@ BAD = 3
 def _train(args: list[str]) -> tuple[int, int, dict[str, torch.Tensor]]:
     with Trainer(_config(*args), DistributedContext()) as trainer:
         outcome = trainer.train()
-        params = {k: v.detach().clone() for k, v in trainer.c.raw_model.state_dict().items()}
+        params = {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()}
     return outcome.exit_code, outcome.iteration, params
 
 

@@ -24,6 +24,7 @@ from stalwart.observability.report_html import timer_stacks
 from stalwart.observability.run_dir import RunPaths
 
 SECTIONS = (
+    'id="goodput"',
     'id="loss"',
     'id="learning-rate"',
     'id="throughput"',
@@ -64,6 +65,18 @@ def make_run(run_dir: Path, iters: int = 60) -> None:
             json.dumps({"split": "validation", "iteration": 50, "lm loss validation": 2.5}) + "\n"
         )
         f.write('{"torn line')
+    with open(run_dir / "goodput.jsonl", "w") as f:  # two sessions, a restart between them
+        t = 1_000_000.0
+        for b, secs, s in [
+            ("startup", 20, "a"),
+            ("productive", 60, "a"),
+            ("checkpoint", 2, "a"),
+            ("restart", 15, "b"),
+            ("lost_work", 5, "b"),
+            ("productive", 40, "b"),
+        ]:
+            f.write(json.dumps({"k": "span", "b": b, "t0": t, "t1": t + secs, "s": s}) + "\n")
+            t += secs  # fmt: skip
     with open(run_dir / "straggler.jsonl", "w") as f:
         for it in range(10, iters + 1, 10):
             ms = [50.0 + r for r in range(8)]

@@ -141,7 +141,7 @@ def test_injector_never_touches_global_random() -> None:
 
 
 def test_data_iterator_replay_and_state() -> None:
-    it = RerunDataIterator([{"a": 1}, {"a": 2}, {"a": 3}])
+    it = RerunDataIterator([{"a": 1}, {"a": 2}, {"a": 3}, {"a": 4}])
     first = next(it)
     first["a"] = 99  # consumer mutation must not corrupt the replay copy
     next(it)
@@ -149,11 +149,50 @@ def test_data_iterator_replay_and_state() -> None:
     assert [next(it)["a"], next(it)["a"]] == [1, 2]
     with pytest.raises(RuntimeError, match="no more batches"):
         next(it)
+    # Not accepted yet: a checkpoint now resumes at the start of this iteration.
+    assert it.state_dict() == {"position": 0}
+    it.commit()
     sd = it.state_dict()
+    assert sd == {"position": 2}
     it.advance()
     assert next(it)["a"] == 3
-    it.load_state_dict(sd)
-    assert it.replaying and it.replay_pos == 2
+    assert it.peek(1) == [{"a": 4}]
+    assert it.state_dict() == {"position": 2}  # read ahead, not consumed
+    resumed = RerunDataIterator([{"a": 1}, {"a": 2}, {"a": 3}, {"a": 4}])
+    resumed.load_state_dict(sd)
+    assert next(resumed)["a"] == 3
+
+
+def test_data_iterator_state_of_a_resumable_source() -> None:
+    class Source:
+        def __init__(self) -> None:
+            self.read = 0
+
+        def __iter__(self) -> Source:
+            return self
+
+        def __next__(self) -> int:
+            self.read += 1
+            return self.read
+
+        def state_dict(self, unconsumed_microbatches: int = 0) -> dict[str, int]:
+            return {"read": self.read - unconsumed_microbatches}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.read = state["read"]
+
+    it = RerunDataIterator(Source())
+    it.advance()
+    next(it), next(it)
+    it.commit()
+    it.advance()
+    next(it)
+    it.peek(2)
+    assert it.state_dict() == {"position": 2, "source": {"read": 2}}
+    again = RerunDataIterator(Source())
+    again.load_state_dict(it.state_dict())
+    again.advance()
+    assert next(again) == 3
 
 
 def test_validation_buffer_transient_injection() -> None:

@@ -37,7 +37,7 @@ def _train(args: list[str]) -> tuple[TrainOutcome, dict[str, torch.Tensor]]:
     """Train in process; returns the outcome and the in-memory parameters at exit."""
     with Trainer(make_config(*args), DistributedContext()) as trainer:
         outcome = trainer.train()
-        params = {k: v.detach().clone() for k, v in trainer.c.raw_model.state_dict().items()}
+        params = {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()}
     return outcome, params
 
 
@@ -189,17 +189,17 @@ def test_evaluation_runs_with_validation_disabled(reference: Path) -> None:
     modes: list[RerunMode] = []
     config = make_config(*ITERS, "--eval-interval", "2", "--eval-iters", "1")
     with Trainer(config, DistributedContext()) as trainer:
-        sm, original = trainer.c.rerun, trainer.c.eval_forward_step
+        sm, original = trainer.machine, trainer.step.runners.evaluate
 
-        def spy(data_iterator, model):  # type: ignore[no-untyped-def]
+        def spy(**kwargs):  # type: ignore[no-untyped-def]
             modes.append(sm.get_mode())
             sm.validate_result(torch.tensor(1.0), torch.isnan, "eval loss")  # allowed here
-            return original(data_iterator, model)
+            return original(**kwargs)
 
-        trainer.c.eval_forward_step = spy  # type: ignore[assignment]
+        trainer.step.runners.evaluate = spy
         assert trainer.train().exit_code == 0
         assert sm.get_mode() is RerunMode.VALIDATE_RESULTS
-        params = {k: v.detach().clone() for k, v in trainer.c.raw_model.state_dict().items()}
+        params = {k: v.detach().clone() for k, v in trainer.raw_model.state_dict().items()}
     assert modes == [RerunMode.DISABLED] * 3
     assert_params_equal(params, load_params(reference, 6))  # evaluation changes nothing
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from stalwart.reliability import monitor as hb
-from stalwart.reliability.sections import (
+from stalwart.reliability.hang import monitor as hb
+from stalwart.reliability.hang.sections import (
     FaultToleranceConfig,
     FtState,
     NullSectionMonitor,
@@ -130,8 +130,14 @@ def test_select_sections_follows_megatron_rules() -> None:
     base: dict[str, Any] = dict(
         num_timed_steps=20, num_checkpoints=1, persistent_checkpoint_loaded=True, async_save=False
     )
-    assert select_sections_to_update(closing=False, **base) == {"setup", "step", "checkpointing"}
-    assert "out_of_section" in select_sections_to_update(closing=True, **base)
+    # out_of_section is learned at every save with enough evidence, not only at shutdown
+    # (Megatron learns it at shutdown only: a job killed before its end never learned it).
+    every = {"setup", "step", "checkpointing", "out_of_section"}
+    assert select_sections_to_update(closing=False, **base) == every
+    assert select_sections_to_update(closing=True, **base) == every
+    assert "out_of_section" not in select_sections_to_update(
+        closing=False, **{**base, "num_checkpoints": 0}
+    )
     fresh = {**base, "persistent_checkpoint_loaded": False}
     assert select_sections_to_update(closing=True, **fresh) == {"step", "checkpointing"}
     few = {**base, "num_timed_steps": 15}
@@ -278,7 +284,7 @@ def test_learned_timeouts_written_reloaded_and_used(
     assert learned.setup == 600.0  # no persistent checkpoint was loaded
     state = load_ft_state(ft_state_path(tmp_path))
     assert state is not None and state.calculated_sections == {"step", "checkpointing"}
-    with caplog.at_level(logging.INFO, logger="stalwart.reliability.sections"):
+    with caplog.at_level(logging.INFO, logger="stalwart.reliability.hang.sections"):
         again = build_section_monitor(_fast_config(), rank=0, save_dir=tmp_path)
     assert isinstance(again, SectionMonitor)
     with again:

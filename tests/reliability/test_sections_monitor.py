@@ -21,7 +21,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 WORKER = textwrap.dedent(
     """
     import os, sys, time
-    from stalwart.reliability.sections import (
+    from stalwart.reliability.hang.sections import (
         FaultToleranceConfig, Section, SectionTimeouts, build_section_monitor,
     )
 

@@ -11,9 +11,9 @@ import torch
 
 from stalwart.config.training import OptimizerConfig
 from stalwart.distributed.process_group import DistributedContext
+from stalwart.loop import DynamicLossScaler
 from stalwart.models import GPT
-from stalwart.train.components import seed_everything
-from stalwart.train.precision import DynamicLossScaler
+from stalwart.train.build import seed_everything
 from stalwart.train.schedule import learning_rate_at
 from stalwart.train.trainer import run_training
 

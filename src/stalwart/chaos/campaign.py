@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.chaos.files import FILE_SCENARIOS
-from stalwart.chaos.result import Context, FaultResult, exit_reason, new_result
+from stalwart.chaos.result import (
+    Context,
+    FaultResult,
+    GoodputCost,
+    exit_reason,
+    goodput_cost,
+    new_result,
+)
 from stalwart.chaos.runner import LaunchSpec, run
 from stalwart.chaos.scenarios import SCENARIOS
 from stalwart.chaos.schedule import EXPECTED, ChaosFault, FaultPlan, build_schedule
@@ -54,6 +61,7 @@ class CampaignOutcome:
     seconds: float
     schedule: list[FaultPlan] = field(default_factory=list)
     reference_problem: str | None = None
+    reference_goodput: GoodputCost | None = None
 
     @property
     def passed(self) -> bool:
@@ -64,6 +72,9 @@ class CampaignOutcome:
             "passed": self.passed,
             "seconds": round(self.seconds, 1),
             "reference_problem": self.reference_problem,
+            "reference_goodput": (
+                None if self.reference_goodput is None else self.reference_goodput.to_json()
+            ),
             "faults": [f.to_json() for f in self.faults],
         }
 
@@ -97,6 +108,7 @@ def run_one(ctx: Context, plan: FaultPlan) -> FaultResult:
         res = new_result(plan)
         res.problems.append(f"chaos harness error: {type(exc).__name__}: {exc}")
     res.wall_seconds = time.monotonic() - started
+    res.goodput = goodput_cost(ctx.save_dir(plan))
     expected = EXPECTED[plan.kind]
     res.check(
         res.exit_code == expected.exit_code,
@@ -135,12 +147,19 @@ def run_campaign(config: CampaignConfig, say: Callable[[str], None]) -> Campaign
         say(f"chaos: {plan.kind.value}: {verdict} ({res.wall_seconds:.0f} s)")
         results.append(res)
     return CampaignOutcome(
-        results, ctx.reference, time.monotonic() - started, schedule, reference_problem=problem
+        results,
+        ctx.reference,
+        time.monotonic() - started,
+        schedule,
+        reference_problem=problem,
+        reference_goodput=goodput_cost(ctx.reference),
     )
 
 
 COLUMNS = ("kind", "iteration", "rank", "detected", "mechanism", "recovered",
            "seconds_to_recover", "iterations_redone", "bitwise_equal", "exit_code", "passed")  # fmt: skip
+# From each faulted job's goodput ledger: recovery = restart + hang + lost work + rerun seconds.
+GOODPUT_COLUMNS = ("goodput_pct", "recovery_s", "recovery_pct")
 
 
 def _cell(value: Any) -> str:
@@ -153,10 +172,21 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _goodput_cells(cost: GoodputCost | None) -> list[str]:
+    if cost is None:
+        return ["-", "-", "-"]
+    return [f"{100 * cost.goodput:.1f}", f"{cost.recovery_s:.1f}", f"{cost.recovery_pct:.1f}"]
+
+
 def format_table(outcome: CampaignOutcome, markdown: bool = False) -> str:
     """The campaign table (plain text for stdout, or Markdown for docs)."""
-    rows = [[_cell(f.to_json()[c]) for c in COLUMNS] for f in outcome.faults]
-    header = list(COLUMNS)
+    rows = [
+        [_cell(f.to_json()[c]) for c in COLUMNS] + _goodput_cells(f.goodput) for f in outcome.faults
+    ]
+    header = [*COLUMNS, *GOODPUT_COLUMNS]
+    if outcome.reference_goodput is not None:
+        reference = ["reference (no fault)"] + ["-"] * (len(COLUMNS) - 1)
+        rows.insert(0, reference + _goodput_cells(outcome.reference_goodput))
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]

@@ -25,7 +25,9 @@ from stalwart.chaos.runner import Job, finish
 from stalwart.chaos.schedule import ChaosFault, FaultPlan
 from stalwart.checkpoint import layout
 
-HOLD_S = 15.0  # job A sleeps this long inside its commit window while job B tries the directory
+# Job A sleeps this long inside its commit window while job B starts and tries the directory.
+# It must outlast B's start-up (import torch, build) on a loaded 2-core machine: 15 s did not.
+HOLD_S = 45.0
 MARKER_NAME = "PWNED"  # what the planted payload would create if it ever ran
 
 
@@ -64,9 +66,11 @@ def concurrent_job(ctx: Context, plan: FaultPlan) -> FaultResult:
         started_b = time.time()
         second = ctx.launch(plan, "2-job-b", ctx.spec(save, []))
         partial_kept = bool(list(save.glob(f"{layout.iteration_dir_name(k)}*")))
+        overlapped = job_a.proc.poll() is None  # B ended while A still held the directory
     finally:
         first = finish(job_a, ctx.timeout)
     res.check(caught, f"job A was never caught inside the commit of iteration {k}")
+    res.check(overlapped, f"job A finished before job B did: raise HOLD_S ({HOLD_S:g} s)")
     res.exit_code = second.worker_code()
     res.launch_exit_codes += [res.exit_code, first.code]
     refusal = [line for _, line in second.lines if "is in use by another job" in line]

@@ -13,6 +13,7 @@ from stalwart.chaos.compare import chain_problems, params_equal
 from stalwart.chaos.runner import LaunchResult, LaunchSpec, run
 from stalwart.chaos.schedule import EXPECTED, ChaosFault, FaultPlan
 from stalwart.checkpoint import layout
+from stalwart.observability.goodput_records import GOODPUT_FILE, Bucket, read_ledger, summarize
 from stalwart.reliability.exit import read_exit_reason
 
 
@@ -35,6 +36,7 @@ class FaultResult:
     launch_exit_codes: list[int] = field(default_factory=list)
     wall_seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
+    goodput: GoodputCost | None = None
 
     @property
     def passed(self) -> bool:
@@ -49,10 +51,50 @@ class FaultResult:
     def to_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
         out["passed"] = self.passed
+        out["goodput"] = None if self.goodput is None else self.goodput.to_json()
         if out["seconds_to_recover"] is not None:
             out["seconds_to_recover"] = round(out["seconds_to_recover"], 2)
         out["wall_seconds"] = round(out["wall_seconds"], 1)
         return out
+
+
+# The buckets a recovery path costs (the rest is what the fault-free run spends too).
+RECOVERY_BUCKETS = (Bucket.RESTART, Bucket.HANG, Bucket.LOST_WORK, Bucket.RERUN)
+
+
+@dataclass(frozen=True)
+class GoodputCost:
+    """A faulted job's ledger (every launch of it in one ``--save``): goodput and what the
+    recovery path cost, in seconds and in percent of the job's wall time."""
+
+    goodput: float
+    wall_s: float
+    recovery_s: float
+    seconds: dict[str, float]
+
+    @property
+    def recovery_pct(self) -> float:
+        return 100.0 * self.recovery_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "goodput_pct": round(100.0 * self.goodput, 2),
+            "wall_s": round(self.wall_s, 2),
+            "recovery_s": round(self.recovery_s, 2),
+            "recovery_pct": round(self.recovery_pct, 2),
+            "seconds": {k: round(v, 2) for k, v in self.seconds.items()},
+        }
+
+
+def goodput_cost(run_dir: Path) -> GoodputCost | None:
+    """The ledger of ``run_dir`` summarized; None when the job wrote none."""
+    file = read_ledger(run_dir / GOODPUT_FILE)
+    if not file.records:
+        return None
+    summary = summarize(file)
+    recovery = sum(summary.seconds[b] for b in RECOVERY_BUCKETS)
+    seconds = {b.value: s for b, s in summary.seconds.items()}
+    return GoodputCost(summary.goodput, summary.wall_s, recovery, seconds)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``stalwart`` console script: ``stalwart train | report | chaos | checkpoints | export``.
+"""``stalwart`` console script: ``stalwart train | report | goodput | chaos | checkpoints | export``.
 
 Bad flags or values exit with code 2 and one line naming the flag; never a traceback.
 ``stalwart --help`` lists the commands, ``stalwart --version`` prints the installed version.
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 COMMANDS = {
     "train": "train the reference GPT inside the reliability shell (--help lists every flag)",
     "report": "write a run directory's self-contained HTML report (report.html)",
+    "goodput": "print where a run's wall-clock time went, bucket by bucket (goodput.jsonl)",
     "chaos": "run the trainer under injected faults and check every recovery",
     "checkpoints": "list and verify the checkpoints of a --save directory (convert: old pickles)",
     "export": "write one checkpoint's model weights as a single file",
@@ -156,6 +157,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from stalwart.cli.report import main_report
 
         return main_report(rest)
+    if command == "goodput":
+        from stalwart.cli.goodput import main_goodput
+
+        return main_goodput(rest)
     if command == "chaos":
         from stalwart.cli.chaos import main_chaos
 

@@ -6,6 +6,7 @@ import logging
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from stalwart.checkpoint import CheckpointError
@@ -77,7 +78,7 @@ def _user_error(exc: ValueError | CheckpointError) -> int:
 
 def _run_inprocess(config: RunConfig, demo: bool) -> int:
     """``--inprocess-restart``: the wrapper owns the process group of every attempt."""
-    from stalwart.reliability.inprocess.run import run_training_inprocess
+    from stalwart.train.inprocess import run_training_inprocess
 
     try:
         code, outcome = run_training_inprocess(config)
@@ -88,8 +89,20 @@ def _run_inprocess(config: RunConfig, demo: bool) -> int:
     return code
 
 
+def _keep_flight_recorder(config: RunConfig) -> None:
+    """With hang detection on, NCCL's flight recorder dumps into the FT log directory when the
+    watchdog's soft tier asks (set before any process group exists; the user's settings win)."""
+    if config.ft.enable_ft:
+        from stalwart.reliability.hang.monitor_client import enable_flight_recorder
+        from stalwart.reliability.hang.sections import FT_LOG_DIRNAME
+
+        base = config.checkpoint.save or tempfile.gettempdir()
+        enable_flight_recorder(os.path.join(base, FT_LOG_DIRNAME))
+
+
 def run_from_cli(config: RunConfig, demo: bool = False) -> int:
     """Train under the current launcher (plain process or torchrun); returns the exit code."""
+    _keep_flight_recorder(config)
     if config.inprocess.inprocess_restart:
         return _run_inprocess(config, demo)
     try:

@@ -20,13 +20,16 @@ from stalwart.config.checks import bounds, check_fields
 from stalwart.config.model import architecture_overrides
 from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
+from stalwart.graphs.checks import CudaGraphImpl
+from stalwart.loop.plans import EagerPlan, GraphPlan
 from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.exit import ExitConfig
 from stalwart.reliability.faults import FaultInjectionConfig
+from stalwart.reliability.hang.sections import FaultToleranceConfig, parse_ft_timeouts
+from stalwart.reliability.hang.tiers import check_timeout_hierarchy
 from stalwart.reliability.inprocess.config import InProcessConfig
 from stalwart.reliability.rerun import RerunConfig
-from stalwart.reliability.sections import FaultToleranceConfig, parse_ft_timeouts
 from stalwart.reliability.signals import interrupt_handling_default
 
 # `--demo`: the interactive CPU job of `make demo` (tiny preset, short sequences, ~1.5 min).
@@ -62,21 +65,49 @@ _MODEL_FLAGS = {
 
 @dataclass(kw_only=True)
 class GraphConfig:
-    """CUDA-graph flags (validated against the rest by ``stalwart.graphs.check_graph_config``)."""
+    """CUDA-graph flags (validated against the rest by ``stalwart.graphs.check_graph_config``).
 
-    cuda_graph_impl: str = "none"
+    Modes are enums (strings from the CLI are converted once, here).
+    """
+
+    cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
     optimizer_cuda_graph: bool = False
     cuda_graph_warmup_steps: int = field(default=3, metadata=bounds(ge=1))
     # Launch the next iteration's forward-backward replay before this one's validation read
-    # (gated optimizer graph only; stalwart.train.speculative). Not a Megatron flag.
+    # (gated optimizer graph only; stalwart.loop.lookahead). Not a Megatron flag.
     cuda_graph_speculative_launch: bool = True
 
     def __post_init__(self) -> None:
-        check_fields(self)
-        if self.cuda_graph_impl not in ("none", "full_iteration"):
+        allowed = (CudaGraphImpl.NONE, CudaGraphImpl.FULL_ITERATION)
+        try:
+            self.cuda_graph_impl = CudaGraphImpl(self.cuda_graph_impl)
+        except ValueError:
+            self.cuda_graph_impl = None  # type: ignore[assignment]
+        if self.cuda_graph_impl not in allowed:
             raise ValueError(
                 f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"
             )
+        check_fields(self)  # after the conversion: the fields hold enums from here on
+
+    @property
+    def full_iteration(self) -> bool:
+        return self.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
+
+    @property
+    def any(self) -> bool:
+        """Whether any CUDA graph is on (the graph config checks then apply)."""
+        return self.full_iteration or self.optimizer_cuda_graph
+
+    def build(self) -> EagerPlan | GraphPlan:
+        """The guarded step's plan: graphs for what the flags ask (checked before), else eager.
+        ``--optimizer-cuda-graph`` alone is an optimizer graph over an eager forward-backward."""
+        if not self.any:
+            return EagerPlan()
+        return GraphPlan(
+            full_iteration=self.full_iteration,
+            optimizer_graph=self.optimizer_cuda_graph,
+            warmup_steps=self.cuda_graph_warmup_steps,
+        )
 
 
 @dataclass(kw_only=True)
@@ -218,6 +249,7 @@ def check_combinations(config: RunConfig) -> None:
     if config.log.log_progress_bar is True:
         config.log.log_progress_bar = None  # default: only on a TTY
     config.ft.check_exit_signal(config.exit.signal_enum)
+    _check_timeout_hierarchy(config)
     if config.training.fp16 and config.rerun.check_for_nan_in_loss_and_grad:
         # Overflow NaN/Inf is expected with dynamic loss scaling (Megatron turns the check off too).
         config.rerun.check_for_nan_in_loss_and_grad = False
@@ -235,8 +267,22 @@ def check_combinations(config: RunConfig) -> None:
             "--check-weight-hash-across-dp-replicas-interval compares replicated weights; with "
             "--use-torch-fsdp2 every rank holds a different shard (use it with DDP)"
         )
-    if config.training.rampup_batch_size and config.graphs.cuda_graph_impl == "full_iteration":
+    if config.training.rampup_batch_size and config.graphs.full_iteration:
         raise ValueError(
             "--rampup-batch-size with --cuda-graph-impl full_iteration is not supported: every "
             "batch-size step changes the micro-batch count and would re-capture the graph"
         )
+
+
+def _check_timeout_hierarchy(config: RunConfig) -> None:
+    """Refuse hang-handling timeouts where a lower tier can never fire first (one line)."""
+    ft, inprocess = config.ft, config.inprocess
+    check_timeout_hierarchy(
+        step_s=ft.timeouts.step if ft.enable_ft else None,
+        checkpointing_s=ft.timeouts.checkpointing if ft.enable_ft else None,
+        escalation=ft.escalation,
+        process_group_timeout_s=config.training.distributed_timeout_minutes * 60.0,
+        inprocess_soft_timeout_s=(
+            inprocess.inprocess_soft_timeout if inprocess.inprocess_restart else None
+        ),
+    )

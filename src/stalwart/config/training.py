@@ -10,8 +10,10 @@ tolerance, logging, graphs) live next to their components and are aggregated by 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from stalwart.checkpoint import CheckpointManager
 from stalwart.config.checks import SEED_MAX, bounds, check_fields
 from stalwart.data.blend import parse_data_blend
 
@@ -176,3 +178,19 @@ class CheckpointConfig:
     def load_dir(self) -> str | None:
         """``--load`` defaults to ``--save`` (auto-resume)."""
         return self.load if self.load is not None else self.save
+
+    def build(self, before_commit: Callable[[int], None] | None = None) -> CheckpointManager:
+        """The checkpoint manager; ``--save`` is probed for writing and locked first (before any
+        work; if building fails, atexit releases the lock). ``before_commit``: see the manager."""
+        manager = CheckpointManager(
+            self.save,
+            self.load_dir,
+            keep_last=self.ckpt_keep_last,
+            async_save=self.async_save,
+            fallback=self.ckpt_fallback,
+            non_persistent_dir=self.non_persistent_ckpt_dir,
+            before_commit=before_commit,
+        )
+        if self.save:
+            manager.check_writable()
+        return manager

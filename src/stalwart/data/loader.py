@@ -128,9 +128,12 @@ class WorkerMicroBatchIterator:
         self._consumed += self.source.samples_per_micro_batch_step
         return batch
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, unconsumed_microbatches: int = 0) -> dict[str, Any]:
         """As `MicroBatchIterator.state_dict`, at the loop's position."""
-        return {**self.source.state_dict(), "consumed_samples": self._consumed}
+        consumed = (
+            self._consumed - unconsumed_microbatches * self.source.samples_per_micro_batch_step
+        )
+        return {**self.source.state_dict(), "consumed_samples": consumed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """As `MicroBatchIterator.load_state_dict` (same checks); restarts the workers there."""

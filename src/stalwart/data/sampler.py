@@ -138,17 +138,22 @@ class MicroBatchIterator:
         self._consumed += self.samples_per_micro_batch_step
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state; only ``consumed_samples`` is progress, the rest is validated."""
+    def state_dict(self, unconsumed_microbatches: int = 0) -> dict[str, Any]:
+        """Checkpointable state; only ``consumed_samples`` is progress, the rest is validated.
+
+        ``unconsumed_microbatches``: describe the state as if the last ``n`` micro-batches had
+        not been read (the loop read them for an iteration it has not accepted yet).
+        """
+        consumed = self._consumed - unconsumed_microbatches * self.samples_per_micro_batch_step
         return {
-            "consumed_samples": self._consumed,
+            "consumed_samples": consumed,
             "seed": self.seed,
             "dataset_len": len(self.dataset),
             "micro_batch_size": self.micro_batch_size,
             "dp_size": self.dp_size,
             "shuffle": self.shuffle,
             # Blends: weights and source lengths (None for a single source).
-            "dataset_identity": getattr(self.dataset, "identity", None),
+            "dataset_identity": _lists(getattr(self.dataset, "identity", None)),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -164,7 +169,7 @@ class MicroBatchIterator:
                     f"data iterator checkpoint has {key}={state.get(key)!r} but this run has "
                     f"{mine!r}; resuming would change the sample order (check {flag})"
                 )
-        mine_identity = getattr(self.dataset, "identity", None)
+        mine_identity = _lists(getattr(self.dataset, "identity", None))
         if "dataset_identity" in state and state["dataset_identity"] != mine_identity:
             raise ValueError(
                 "data iterator checkpoint was written for the data blend "
@@ -178,6 +183,13 @@ class MicroBatchIterator:
                 f"{self.shuffle!r}"
             )
         self.consumed_samples = state["consumed_samples"]
+
+
+def _lists(value: Any) -> Any:
+    """Tuples as lists (checkpoint state is JSON-friendly, and compares equal after a load)."""
+    if isinstance(value, list | tuple):
+        return [_lists(v) for v in value]
+    return value
 
 
 def _describe_blend(identity: Any) -> str:

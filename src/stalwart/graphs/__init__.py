@@ -1,40 +1,18 @@
 """Full-iteration and optimizer CUDA graphs, static inputs, shared pool, config checks.
 
-Composable into any training loop (measurements: ``docs/benchmarks-graphs.md``). A hand-written
-loop with validation inside the graph and the optimizer skip decided on the device::
+The mechanism only: capture, replay, the memory pool and streams, static input buffers, and the
+config rules. What runs inside the graph (the loss and gradient checks writing the rerun
+machine's device buffer, the skip gate, the gated optimizer replay and the look-ahead launch)
+is the guarded step's: ``stalwart.loop.GuardedStep(..., plan=GraphPlan())``. Measurements:
+``docs/benchmarks-graphs.md``. A bare use::
 
     ctx = GraphContext(device)
-    flags = DeviceFlags(["loss"], device)
-    gate = torch.zeros((), device=device)            # 1.0 = skip this optimizer step
-
-    def fwd_bwd(*, data_iterator, num_microbatches, model, forward_only=False, **_):
-        losses = []
-        for _ in range(num_microbatches):
-            loss = model(**next(data_iterator))      # device work only, no .item()
-            flags.record_nonfinite("loss", loss)     # captured with the rest
-            (loss / num_microbatches).backward()
-            losses.append(loss.detach())
-        flags.update_skip_gate_(gate)                # any check failed -> gate = 1
-        return losses
-
-    graph = FullIterationGraph(fwd_bwd, context=ctx, grad_params=model.parameters(),
-                               validation_buffer=flags)
-    opt = OptimizerGraph(make_capturable_adamw(model.parameters(), lr=lr, device=device,
-                                               fused=True),
-                         context=ctx, clip_grad=1.0, skip_gate=gate)
+    graph = FullIterationGraph(forward_backward_func, context=ctx, grad_params=model.parameters())
+    opt = OptimizerGraph(make_capturable_adamw(model.parameters(), lr=lr, device=device),
+                         context=ctx, clip_grad=1.0)
     for it in range(iters):
         losses = graph(data_iterator=batches, num_microbatches=4, model=model)
-        opt.step(lr=schedule(it), gated=True, overlap=True)  # skips itself on a failure
-        report = flags.read()        # the one sync; overlaps the optimizer replay
-        opt.join()
-        if not report.ok:
-            graph.rerun_last()       # same static inputs: transient or persistent?
-
-A skip-and-count loop that never reruns can read one iteration late instead
-(``pending = flags.read_async()`` ... ``pending.result()``): no sync on the critical path.
-:class:`PipelinedGraphLoop` keeps the rerun and still takes the read off the critical path: it
-launches the next iteration's forward-backward before reading the previous one's flags, and on a
-rejection discards it and replays the rejected iteration on its own inputs and RNG state.
+        opt.step(lr=schedule(it))
 """
 
 from __future__ import annotations
@@ -67,23 +45,18 @@ from stalwart.graphs.optimizer import (
     make_capturable_adamw,
     set_learning_rate,
 )
-from stalwart.graphs.pipelined import PipelinedGraphLoop, Resolution
 from stalwart.graphs.pool import (
     CaptureErrorMode,
     GraphContext,
     supports_generator_registration,
 )
 from stalwart.graphs.static_inputs import InputSignature, StaticInputs, signature_of
-from stalwart.graphs.validation import CheckKind, DeviceFlags, FlagReport, PendingFlags
 
 __all__ = [
     "GRAPHABLE_COMPILE_MODES",
     "CaptureErrorMode",
     "CaptureFailurePolicy",
-    "CheckKind",
     "CudaGraphImpl",
-    "DeviceFlags",
-    "FlagReport",
     "FullIterationGraph",
     "GraphContext",
     "GraphMode",
@@ -91,10 +64,7 @@ __all__ = [
     "GraphSignatureError",
     "InputSignature",
     "OptimizerGraph",
-    "PendingFlags",
-    "PipelinedGraphLoop",
     "RecomputeGranularity",
-    "Resolution",
     "SignatureChangePolicy",
     "StagePhase",
     "StaticInputs",

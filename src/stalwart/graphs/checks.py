@@ -3,9 +3,10 @@
 ``graph_config_problems`` is a pure decision function returning every violated rule as a
 one-line reason naming the offending flag (Megatron spelling); ``check_graph_config`` raises one
 ``ValueError`` listing them. Rules follow Megatron's ``TransformerConfig``/``arguments.py`` checks,
-with two deliberate differences: NaN checks stay on under ``full_iteration`` (they run on the
-device, see ``stalwart.graphs.validation``), and host-syncing checks that Megatron forgets to
-reject (``--check-for-spiky-loss``, ``--check-for-large-grads``) are rejected.
+with one deliberate difference: the NaN/Inf, spiky-loss and large-gradient checks stay on under
+``full_iteration`` (Megatron turns the NaN check off and forgets the others, which sync inside
+the captured region). Here they are device work writing the rerun machine's buffer
+(``stalwart.reliability.rerun.ValidationBuffer``), verdicts included.
 """
 
 from __future__ import annotations
@@ -164,17 +165,6 @@ def _offload_problems(s: GraphSettings) -> list[str]:
 
 def _host_sync_problems(s: GraphSettings) -> list[str]:
     problems: list[str] = []
-    if s.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION:
-        for flag, on in (
-            ("--check-for-spiky-loss", s.check_for_spiky_loss),
-            ("--check-for-large-grads", s.check_for_large_grads),
-        ):
-            if on:
-                problems.append(
-                    f"{flag} reads values on the host inside the captured iteration; it cannot be "
-                    "used with --cuda-graph-impl full_iteration (the NaN check stays on, "
-                    "device-side)"
-                )
     if s.optimizer_cuda_graph:
         if s.log_num_zeros_in_grad:
             problems.append(

@@ -5,7 +5,7 @@ Usage in a hand-written loop::
     meter = make_energy_meter(enabled=True, device=device)   # logs "energy: not available" once
     meter.start()
     for it in range(1, iters + 1):
-        train_step()
+        step.run(it)
         if it % log_interval == 0:
             lap = meter.lap(num_iterations=log_interval)     # collective when distributed
             print(meter.scalars())       # {"iter-energy/gpu": J/iter/GPU, "power/gpu": W/GPU}

@@ -18,7 +18,7 @@ Disabled is `NullProfilerWindow` (no per-iteration cost). Usage in a hand-writte
                                   use_pytorch_profiler=True)
     for completed in range(start, train_iters):
         window.on_iteration_start(completed)
-        train_step(...)
+        step.run(it)
         window.on_iteration_end(completed + 1)
     window.close()
 """

@@ -19,7 +19,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from stalwart.observability.report import (
+from stalwart.observability.report_plotly import Charts, make_charts, plotly_js
+from stalwart.observability.report_svg import _e, _fmt
+from stalwart.observability.run_dir import (
     LOSS_KEYS,
     LR_KEYS,
     THROUGHPUT_KEYS,
@@ -28,8 +30,6 @@ from stalwart.observability.report import (
     timer_label,
     timer_names,
 )
-from stalwart.observability.report_plotly import Charts, make_charts, plotly_js
-from stalwart.observability.report_svg import _e, _fmt
 from stalwart.observability.timers import TIMER_PARENTS
 
 
@@ -281,8 +281,10 @@ def render_html(
     ``interactive``: plotly charts (None: when plotly is installed; True without plotly raises
     ``ImportError``), else inline SVG.
     """
+    from stalwart.observability.report_goodput import goodput_section
+
     charts = make_charts(interactive)
-    sections = _metric_sections(art, charts)
+    sections = [goodput_section(art.run_dir), *_metric_sections(art, charts)]
     sections += [
         _memory_section(art, charts),
         _straggler_section(art, charts),

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from stalwart.observability.report import EventKind
 from stalwart.observability.report_svg import KIND_COLOURS, PALETTE, Points
+from stalwart.observability.run_dir import EventKind
 
 _CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["toImage"]}
 _LAYOUT: dict[str, Any] = dict(

@@ -5,7 +5,9 @@ all-reduce. So the detector times only the regions the trainer marks as compute 
 backward of each micro-batch, never a collective) with CUDA events on GPU, or ``time.perf_counter``
 on CPU, and at each log step gathers one float per rank with a single ``all_gather``.
 
-Usage in a hand-written loop::
+The detector is also an observer of ``stalwart.loop.GuardedStep`` (``observer=detector``):
+compute regions per micro-batch, an iteration region around every forward-backward call, and
+the regions inside a full-iteration graph (``graph_safe``). Usage in a hand-written loop::
 
     detector = StragglerDetector(device, rank, world_size, threshold=1.2, run_dir=run_dir)
     for it in range(1, iters + 1):
@@ -28,9 +30,20 @@ shared no-op context manager, ``report`` returns ``None`` and issues no collecti
 Cost: two ``cudaEventRecord`` per marked region (a few microseconds of host time, no sync); one
 event synchronisation plus one ``all_gather`` of one float per rank per log interval.
 
-Limitations: under a full-iteration CUDA graph the Python ``compute()`` regions do not run on
-replay; time the replay as a single region instead. With DDP the last bucket's all-reduce wait
-lands in the backward of the last micro-batch; wrap only forward/backward for precise numbers.
+Communication: wrap the whole forward-backward (compute + gradient all-reduce) in
+``detector.iteration_region()``; the report then also gives each rank's *comm* time, the
+iteration region minus compute: the exposed communication and the wait for peers. A slow rank
+has the highest compute and the lowest comm (everyone else waits for it); a slow link raises
+comm on every rank while compute stays flat.
+
+Full-iteration CUDA graphs: ``compute()`` regions entered while the graph is captured record
+*external* CUDA events (``torch.cuda.Event(external=True)``, see ``straggler_timing``), which
+every replay re-records; the report reads the last replay's times at the log step. Keep
+``iteration_region()`` outside the graph (around the replay). Without external events (older
+torch) the captured regions are skipped and compute is the whole replay (``source:
+iteration``).
+With DDP the last bucket's all-reduce wait lands in the backward of the last micro-batch; wrap
+only forward/backward for precise numbers.
 """
 
 from __future__ import annotations
@@ -50,9 +63,11 @@ from torch.distributed import ProcessGroup
 
 from stalwart.distributed import collectives
 from stalwart.observability.sinks import append_line
+from stalwart.observability.straggler_timing import Region, RegionTiming, make_timing
 from stalwart.observability.train_log import IntervalInfo, LogField
 
 STRAGGLER_FILE = "straggler.jsonl"
+COMM_MEDIAN_KEY = "straggler/comm-ms-median"
 
 
 def validate_straggler_args(threshold: float, minmax_count: int) -> None:
@@ -75,6 +90,12 @@ class StragglerReport:
         relative_throughput: ``median_ms / compute_ms[r]`` (1.0 = median rank, < 1 = slower).
         stragglers: ranks whose compute time exceeds ``threshold * median_ms``.
         threshold: the threshold used.
+        comm_ms: per rank, the ``iteration_region`` time minus compute (exposed communication
+            and waiting for peers); None when no rank timed an iteration region.
+        num_iterations: iterations in the interval.
+        source: ``events`` / ``graph-events`` (inside a captured graph) / ``iteration`` (only
+            the whole iteration region was timed, e.g. a replay without graph events) /
+            ``wall`` (host clock).
     """
 
     iteration: int
@@ -87,6 +108,9 @@ class StragglerReport:
     relative_throughput: list[float]
     stragglers: list[int]
     threshold: float
+    comm_ms: list[float] | None = None
+    num_iterations: int = 1
+    source: str = "wall"
 
     def fields(self) -> list[LogField]:
         """Fields for the training log line; keyed ones also go to the sinks and metrics file."""
@@ -108,6 +132,12 @@ class StragglerReport:
             out.append(LogField("slowest ranks (ms)", ranks, "{}"))
             ranks = ",".join(f"{r}:{ms:.1f}" for r, ms in self.fastest)
             out.append(LogField("fastest ranks (ms)", ranks, "{}"))
+        if self.comm_ms is not None:
+            comm = self.comm_ms
+            out.append(
+                LogField("comm ms median", statistics.median(comm), "{:.1f}", COMM_MEDIAN_KEY)
+            )
+            out.append(LogField("max", max(comm), "{:.1f}", "straggler/comm-ms-max"))
         out.append(LogField("stragglers", len(self.stragglers), "{}", "straggler/num-stragglers"))
         if self.stragglers:
             out.append(LogField("straggler ranks", ",".join(map(str, self.stragglers)), "{}"))
@@ -125,7 +155,13 @@ class StragglerReport:
 
 
 def build_report(
-    iteration: int, compute_ms: list[float], threshold: float, minmax_count: int = 1
+    iteration: int,
+    compute_ms: list[float],
+    threshold: float,
+    minmax_count: int = 1,
+    comm_ms: list[float] | None = None,
+    num_iterations: int = 1,
+    source: str = "wall",
 ) -> StragglerReport:
     """Pure decision: turn gathered per-rank times into a report (no I/O, no collectives)."""
     if not compute_ms:
@@ -146,16 +182,28 @@ def build_report(
         relative_throughput=relative,
         stragglers=stragglers,
         threshold=threshold,
+        comm_ms=None if comm_ms is None else list(comm_ms),
+        num_iterations=num_iterations,
+        source=source,
     )
 
 
 @dataclass
 class _Interval:
-    """Compute time accumulated since the last report (host side)."""
+    """What the detector recorded since the last report (host side)."""
 
-    wall_s: float = 0.0
-    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    compute: list[Region] = field(default_factory=list)  # eager compute regions
+    steps: list[Region] = field(default_factory=list)  # iteration regions
     iterations: int = 0
+    eager_iterations: int = 0  # iterations whose compute regions ran in Python
+    replays: int = 0  # iterations whose compute ran inside a captured graph
+
+
+@dataclass(frozen=True)
+class _Local:
+    compute_ms: float
+    comm_ms: float  # -1: not measured
+    source: str
 
 
 class StragglerDetector:
@@ -169,6 +217,7 @@ class StragglerDetector:
         minmax_count: how many slowest/fastest ranks to name.
         run_dir: where rank 0 appends ``straggler.jsonl``; ``None`` disables the file.
         group: process group for the gather (default group when ``None``).
+        timing: the timing backend (default: CUDA events on CUDA, the host clock otherwise).
     """
 
     def __init__(
@@ -180,6 +229,7 @@ class StragglerDetector:
         minmax_count: int = 1,
         run_dir: str | os.PathLike[str] | None = None,
         group: ProcessGroup | None = None,
+        timing: RegionTiming | None = None,
     ) -> None:
         validate_straggler_args(threshold, minmax_count)
         self.device = device
@@ -189,48 +239,97 @@ class StragglerDetector:
         self.minmax_count = minmax_count
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.group = group
-        self._use_events = device.type == "cuda"
-        self._pool: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._timing = timing or make_timing(device)
         self._interval = _Interval()
+        self._graph_compute: list[Region] = []  # the latest capture's regions (re-recorded)
+        self._in_capture = False
+        self._eager_regions = 0
         self._last: StragglerReport | None = None
-
-    def _event_pair(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        # Reuse events: creating CUDA events every micro-batch costs more than recording them.
-        if self._pool:
-            return self._pool.pop()
-        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
         """Mark a compute region (forward and/or backward). Nesting is not supported."""
-        if self._use_events:
-            start, end = self._event_pair()
-            start.record()
+        timing = self._timing
+        if timing.capturing():
+            if not timing.graph_events:
+                yield  # cannot time inside this graph: the replay is timed as a whole
+                return
+            if not self._in_capture:  # a new capture replaces the previous graph's regions
+                self._graph_compute, self._in_capture = [], True
+            region = timing.begin(in_graph=True)
             try:
                 yield
             finally:
-                end.record()
-                self._interval.events.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._interval.wall_s += time.perf_counter() - t0
+                timing.end(region)
+                self._graph_compute.append(region)
+            return
+        region = timing.begin(in_graph=False)
+        try:
+            yield
+        finally:
+            timing.end(region)
+            self._interval.compute.append(region)
+            self._eager_regions += 1
+
+    @contextlib.contextmanager
+    def iteration_region(self) -> Iterator[None]:
+        """A forward-backward call incl. its collectives (outside any captured graph): wrap
+        every call (look-ahead launches, rerun passes); comm per iteration = regions / iterations
+        minus compute."""
+        if self._timing.capturing():
+            yield
+            return
+        region = self._timing.begin(in_graph=False)
+        try:
+            yield
+        finally:
+            self._timing.end(region)
+            self._interval.steps.append(region)
+
+    def on_microbatch(self, index: int, is_last: bool) -> None:
+        """Observer hook of ``stalwart.loop.GuardedStep`` (regions come from ``compute``)."""
+        del index, is_last
+
+    def graph_safe(self) -> StragglerDetector:
+        """What may run inside a captured graph: this detector (external events there)."""
+        return self
 
     def step(self) -> None:
         """Count one finished iteration (call once per iteration, outside compute regions)."""
-        self._interval.iterations += 1
+        interval = self._interval
+        interval.iterations += 1
+        if self._in_capture or (self._eager_regions == 0 and self._graph_compute):
+            interval.replays += 1
+        elif self._eager_regions:
+            interval.eager_iterations += 1
+        self._in_capture, self._eager_regions = False, 0
 
-    def _local_ms_per_iteration(self, num_iterations: int) -> float:
-        total_ms = self._interval.wall_s * 1000.0
-        if self._interval.events:
-            # Deliberate sync: once per log interval, to read the recorded event times.
-            self._interval.events[-1][1].synchronize()
-            total_ms += sum(s.elapsed_time(e) for s, e in self._interval.events)
-            self._pool.extend(self._interval.events)
+    def _local(self, num_iterations: int) -> _Local:
+        """This rank's compute and comm ms per iteration over the interval (resets it)."""
+        interval, timing = self._interval, self._timing
+        n = max(num_iterations, 1)
+        eager = timing.elapsed_ms(interval.compute) or 0.0
+        graph = timing.elapsed_ms(self._graph_compute) if interval.replays else None
+        # Per iteration: a look-ahead launch runs (part of) the next iteration's forward-backward
+        # inside this one's step, so the calls of an interval add up to its iterations' work.
+        steps_total = timing.elapsed_ms(interval.steps) if interval.steps else None
+        steps = None if steps_total is None else steps_total / n
+        timing.release(interval.compute + interval.steps)
         self._interval = _Interval()
-        return total_ms / max(num_iterations, 1)
+        source = "events" if self.device.type == "cuda" else "wall"
+        counted = interval.eager_iterations + (interval.replays if graph is not None else 0)
+        if graph is not None and counted:
+            # The graph's events hold the last replay only: weight it by the replays.
+            compute = (eager + graph * interval.replays) / counted
+            source = "graph-events"
+        elif interval.compute:
+            compute = eager / (interval.eager_iterations or n)
+        elif steps is not None:  # nothing timed inside: the whole (replayed) iteration
+            return _Local(steps, -1.0, "iteration")
+        else:
+            compute = 0.0
+        comm = max(steps - compute, 0.0) if steps is not None else -1.0
+        return _Local(compute, comm, source)
 
     def report(self, iteration: int, num_iterations: int | None = None) -> StragglerReport:
         """Gather compute time from every rank (ONE all_gather) and build the report.
@@ -239,10 +338,17 @@ class StragglerDetector:
         defaults to the number of ``step()`` calls since the last report (at least 1).
         """
         n = num_iterations if num_iterations is not None else self._interval.iterations
-        local = self._local_ms_per_iteration(n)
-        gathered = collectives.all_gather_floats([local], group=self.group)
+        local = self._local(n)
+        gathered = collectives.all_gather_floats([local.compute_ms, local.comm_ms], self.group)
+        comm = [g[1] for g in gathered]
         report = build_report(
-            iteration, [g[0] for g in gathered], self.threshold, self.minmax_count
+            iteration,
+            [g[0] for g in gathered],
+            self.threshold,
+            self.minmax_count,
+            comm_ms=comm if all(c >= 0 for c in comm) else None,
+            num_iterations=max(n, 1),
+            source=local.source,
         )
         self._last = report
         if self.rank == 0 and self.run_dir is not None:
@@ -263,8 +369,8 @@ class StragglerDetector:
         return self._last.scalars() if self._last is not None else {}
 
     def close(self) -> None:
-        self._pool.clear()
         self._interval = _Interval()
+        self._graph_compute = []
 
 
 class NullStragglerDetector:
@@ -275,6 +381,15 @@ class NullStragglerDetector:
 
     def compute(self) -> contextlib.AbstractContextManager[None]:
         return self._noop
+
+    def iteration_region(self) -> contextlib.AbstractContextManager[None]:
+        return self._noop
+
+    def on_microbatch(self, index: int, is_last: bool) -> None:
+        return None
+
+    def graph_safe(self) -> None:
+        return None  # nothing to run inside a captured graph
 
     def step(self) -> None:
         return None

@@ -2,19 +2,27 @@
 
 Per-iteration recipe (after the step and its logging, every rank, same place)::
 
-    inputs = gather_exit_inputs(config, signal_handler, elapsed_minutes)   # <= 1 collective
-    decision = decide(iteration, inputs, config, can_save=save_dir is not None,
-                      already_saved=saved_by_rerun_or_rampup, finished=iteration == train_iters)
-    if decision.save is SaveKind.PERSISTENT: save(...)
-    elif decision.save is SaveKind.NON_PERSISTENT: save(..., non_persistent=True)
-    if decision.exit:
-        log(exit_message(decision, iteration)); rank 0: write_exit_reason(save_dir, ...); break
+    agreement = IterationAgreement(ExitProbe(config, signal_handler, started))
+    machine = RerunConfig(...).build(device, agreement=agreement)  # rides on its collective
+    ...
+    result = step.run(it)                      # the step's one collective carries the inputs
+    inputs = exit_inputs(result.agreed, rerun=result.verdict, finished=...)
+    decision = decide(iteration, inputs, config, can_save=save_dir is not None)
+    if checker.due(iteration, decision):       # the replica check, also before every save
+        decision = decide(iteration, replace(inputs, replica=checker.check(model)), config, ...)
+    if decision.save is not SaveKind.NONE: save(..., non_persistent=decision.save is NON_PERSISTENT)
+    if decision.exit: return leave(decision, iteration, save_dir=...)   # records, barriers
 
-Because the inputs are agreed first (a single all-reduce MAX over ``[signal, elapsed_minutes]``)
-and `decide` is a pure function of them and of values every rank shares, ranks never disagree on
-whether to save or exit, and so never deadlock in a save that only some ranks entered.
+Because the inputs are agreed first (a single all-reduce MAX over ``[rerun flags, signal,
+elapsed_minutes]``, see :class:`IterationAgreement`) and `decide` is a pure function of them and
+of values every rank shares, ranks never disagree on whether to save or exit, and so never
+deadlock in a save that only some ranks entered. :func:`leave` is the one place that writes
+``exit_reason.json`` and waits for the other ranks.
 
-Priority (Megatron's ``checkpoint_and_decide_exit``):
+Priority (Megatron's ``checkpoint_and_decide_exit``, with the validation exits first):
+0. replica mismatch (``--check-weight-hash-across-dp-replicas-interval``): exit 17, no save (never
+   write a checkpoint from diverged replicas). Then the rerun machine's verdict: exit 16 (after
+   saving the completed iterations, so the failed one is rerun elsewhere) or 17.
 1. exit signal (``--exit-signal-handler``, any rank): save, exit. Ctrl-C (SIGINT, with
    ``exit_on_interrupt``): save, exit **130** (the shell's code for an interrupted command).
 2. ``--save-interval`` (persistent) or else ``--non-persistent-save-interval``: save, continue.
@@ -47,6 +55,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from stalwart.distributed import collectives
+from stalwart.reliability.agreement import Agreed, ExitProbe, IterationAgreement
+from stalwart.reliability.replica_check import ReplicaCheckResult
+from stalwart.reliability.rerun.types import EXIT_CODE_FAILED_ON_RESULT_VALIDATION, RerunVerdict
 from stalwart.reliability.signals import DistributedSignalHandler, parse_exit_signal
 
 logger = logging.getLogger(__name__)
@@ -148,18 +160,29 @@ class ExitConfig:
         """The handler for these settings (not installed yet: enter it in the main thread)."""
         return DistributedSignalHandler(self.signal_enum, interrupt=self.exit_on_interrupt)
 
+    def build(
+        self, signal_handler: DistributedSignalHandler | None = None, started: float | None = None
+    ) -> IterationAgreement:
+        """The iteration's agreement over this config's inputs (give it to the rerun machine)."""
+        return IterationAgreement(ExitProbe(self, signal_handler, started))
+
 
 @dataclass(frozen=True)
 class ExitInputs:
     """The per-iteration inputs, already agreed across ranks.
 
     ``signal_number``: the highest signal number any rank received (0: none), so a scheduler's
-    SIGTERM (15) wins over a Ctrl-C (2) that reached some ranks.
+    SIGTERM (15) wins over a Ctrl-C (2) that reached some ranks. ``rerun``: the rerun machine's
+    verdict on the iteration; ``replica``: the replica check's result when it ran;
+    ``finished``: the last training iteration is done.
     """
 
     signal_received: bool = False
     elapsed_minutes_max: float = 0.0
     signal_number: int = 0
+    rerun: RerunVerdict = field(default_factory=RerunVerdict)
+    replica: ReplicaCheckResult | None = None
+    finished: bool = False
 
 
 @dataclass(frozen=True)
@@ -196,6 +219,10 @@ def decide(
             rerun machine); no second save is requested.
         finished: this was the last training iteration.
     """
+    validation = _validation_exit(iteration, inputs, can_save)
+    if validation is not None:
+        return validation
+    finished = finished or inputs.finished
     # Exits always save persistently: a non-persistent save of the same iteration would not
     # survive the end of the job (deliberate deviation from Megatron, see the module docstring).
     exit_save = SaveKind.PERSISTENT if can_save and not already_saved else SaveKind.NONE
@@ -223,6 +250,28 @@ def decide(
     if finished:
         return ExitDecision(exit_save, True, ExitReason.FINISHED, "reached --train-iters")
     return ExitDecision(regular, False, None, "")
+
+
+def _validation_exit(iteration: int, inputs: ExitInputs, can_save: bool) -> ExitDecision | None:
+    """Replica mismatch (exit 17, never saved), then the rerun machine's verdict (16/17)."""
+    replica = inputs.replica
+    if replica is not None and not replica.consistent:
+        detail = f"iteration {iteration}: {replica.describe()}"
+        return ExitDecision(
+            SaveKind.NONE, True, ExitReason.REPLICA_MISMATCH, detail,
+            EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+        )  # fmt: skip
+    verdict = inputs.rerun
+    if not verdict.exit:
+        return None
+    detail = f"rerun state machine exit code {verdict.exit_code}"
+    save = SaveKind.NONE
+    if verdict.checkpoint:
+        if can_save:
+            save = SaveKind.PERSISTENT
+        else:
+            detail += " (it needs a checkpoint to resume from but --save is not set)"
+    return ExitDecision(save, True, ExitReason.RERUN, detail, verdict.exit_code)
 
 
 def _signal_decision(
@@ -351,3 +400,43 @@ def read_exit_reason(save_dir: str | os.PathLike[str]) -> tuple[dict[str, Any] |
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             return None, f"{path}: {key} is not an integer"
     return record, ""
+
+
+def exit_inputs(
+    agreed: Agreed,
+    *,
+    rerun: RerunVerdict | None = None,
+    replica: ReplicaCheckResult | None = None,
+    finished: bool = False,
+) -> ExitInputs:
+    """:class:`ExitInputs` from an iteration's agreement and the other exit inputs."""
+    return ExitInputs(
+        agreed.signal_received,
+        agreed.elapsed_minutes_max,
+        agreed.signal_number,
+        rerun or RerunVerdict(),
+        replica,
+        finished,
+    )
+
+
+def leave(
+    decision: ExitDecision,
+    iteration: int,
+    *,
+    save_dir: str | os.PathLike[str] | None,
+    rank: int = 0,
+    log: Any = logger.info,
+) -> int:
+    """Act on an exit decision: the one place that records and waits. Returns the exit code.
+
+    Logs :func:`exit_message`, writes ``exit_reason.json`` on rank 0 (when ``save_dir`` is set)
+    and waits at a barrier, so that no rank leaves (and a launcher kills the others on a
+    non-zero code) before rank 0 has written why. Finalize a pending async save before.
+    """
+    reason = decision.reason or ExitReason.FINISHED
+    log(exit_message(decision, iteration))
+    if save_dir and rank == 0:
+        write_exit_reason(save_dir, reason, iteration, decision.detail, decision.exit_code)
+    collectives.barrier()
+    return decision.exit_code

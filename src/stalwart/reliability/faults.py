@@ -111,6 +111,12 @@ class FaultInjectionConfig:
                 f"--inject-fault-phase: got {self.inject_fault_phase!r}, allowed: {', '.join(FAULT_PHASES)}"
             )
 
+    def build(
+        self, marker_dir: str | os.PathLike[str] | None, world_size: int = 1
+    ) -> FaultInjector | NullFaultInjector:
+        """The injector (see :func:`build_fault_injector`)."""
+        return build_fault_injector(self, marker_dir, world_size)
+
 
 class NullFaultInjector:
     """Injection disabled: ``maybe_inject`` does nothing."""

@@ -27,7 +27,7 @@ In a hand-written DDP loop (collective: every rank calls it at the same iteratio
 
     checker = ReplicaConsistencyChecker(interval=100)
     for it in range(1, train_iters + 1):
-        train_step(...)
+        step.run(it)
         if checker.should_check(it) or it % save_interval == 0:
             result = checker.check(model)  # the module DDP wraps
             if not result.consistent:
@@ -295,6 +295,11 @@ class ReplicaConsistencyChecker:
     def should_check(self, iteration: int) -> bool:
         """True when enabled and ``iteration`` (>= 1) is a multiple of the interval."""
         return self._interval > 0 and iteration >= 1 and iteration % self._interval == 0
+
+    def due(self, iteration: int, *, saving: bool = False) -> bool:
+        """Whether to compare now: at the interval, and before every save when enabled (never
+        write a checkpoint from diverged replicas)."""
+        return self.should_check(iteration) or (saving and self.enabled)
 
     def check(self, module: nn.Module, group: ProcessGroup | None = None) -> ReplicaCheckResult:
         """Collective: compare ``module`` across ``group``; see :func:`check_replica_consistency`."""

@@ -11,7 +11,7 @@ gets their process back unchanged. In a hand-written loop::
 
     gc_policy = ManualGC(interval=100)       # automatic GC off from here
     for it in range(1, train_iters + 1):
-        train_step(...)
+        step.run(it)
         gc_policy.on_iteration_end(it)       # collects at 100, 200, ... on every rank
     gc_policy.close()                        # automatic GC back on
 """

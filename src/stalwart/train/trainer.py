@@ -1,58 +1,61 @@
-"""The training loop: a short composition of the components built in ``components.py``.
+"""The reference trainer: the GPT, its data and the whole shell around one guarded step.
 
-Per iteration: finalize a pending async save, (maybe) inject a fault, run the rerun-guarded step
-inside the hang watchdog's ``step`` section, log, evaluate, then one agreed save/exit decision.
+Per iteration (:meth:`Trainer.train`): finalize a pending async save, run the guarded step
+inside the hang watchdog's ``step`` section (faults injected there), log and maybe evaluate,
+then one pure save/exit decision over every exit input, acted on in one place.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
-from stalwart.distributed import collectives
 from stalwart.distributed.process_group import DistributedContext
+from stalwart.loop import (
+    Checkpointer,
+    GuardedStep,
+    LoopState,
+    RngState,
+    StepResult,
+    autocast_context,
+)
+from stalwart.models import num_floating_point_operations
+from stalwart.observability.goodput import Bucket
+from stalwart.observability.memory_release import make_memory_release
 from stalwart.observability.progress_log import make_progress_log
-from stalwart.observability.report import EventKind, append_event
+from stalwart.observability.run_dir import EventKind, append_event
 from stalwart.observability.timers import INTERVAL_TIME
 from stalwart.reliability.exit import (
     ExitDecision,
     ExitReason,
     SaveKind,
     decide,
-    exit_message,
-    gather_exit_inputs,
-    write_exit_reason,
+    exit_inputs,
+    leave,
 )
-from stalwart.reliability.rerun import (
-    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
-    capture_rng_state,
-    restore_rng_state,
-)
+from stalwart.reliability.hang.sections import Section, build_section_monitor
+from stalwart.reliability.replica_check import ReplicaConsistencyChecker
+from stalwart.reliability.rerun import RerunDataIterator, resolve_iterations_to_skip
 from stalwart.reliability.rerun.verdict_file import apply_verdict, record_verdict
-from stalwart.reliability.sections import Section
-from stalwart.train.components import Components, build_components, run_dir_of
-from stalwart.train.evaluate import evaluate
-from stalwart.train.graphed import check_eval_losses
+from stalwart.train import build
+from stalwart.train.forward_step import gpt_forward_step
+from stalwart.train.manual_gc import make_manual_gc
+from stalwart.train.observe import build_observability, build_profiler, run_dir_of
 from stalwart.train.resume_checks import check_model_matches, nothing_left_to_train
-from stalwart.train.step import StepResult, params_norm, train_step
+from stalwart.train.schedule import LRScheduler
 
 logger = logging.getLogger("stalwart.train")
 
-
-class Phase(enum.Enum):
-    """What the loop does with the iteration it is about to run."""
-
-    TRAIN = "train"
-    SKIP = "skip"  # --iterations-to-skip: consume the data, do not train
+TrainState = LoopState  # iteration (completed) and consumed samples
 
 
 @dataclass
@@ -65,16 +68,21 @@ class TrainOutcome:
     detail: str = ""
 
 
-@dataclass
-class TrainState:
-    """Progress counters; ``iteration`` counts completed iterations (0-based index of the next)."""
+class _ConfigPart:
+    """The run's config in the checkpoint (read back by ``check_model_matches`` and export)."""
 
-    iteration: int = 0
-    consumed_samples: int = 0
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.config.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state  # the config given now wins
 
 
 class Trainer:
-    """Owns every component of a run; ``train()`` runs to an agreed exit.
+    """Owns every part of a run; ``train()`` runs to an agreed exit.
 
     Usage::
 
@@ -84,22 +92,120 @@ class Trainer:
         sys.exit(outcome.exit_code)
     """
 
-    def __init__(self, config: RunConfig, ctx: DistributedContext, print_fn: Any = print) -> None:
-        self.config = config
+    def __init__(
+        self, config: RunConfig, ctx: DistributedContext, print_fn: Any = print, attempt: int = 0
+    ) -> None:
         self.ctx = ctx
         self.print = print_fn if ctx.is_main else (lambda *a, **k: None)
         self.started = time.monotonic()
-        self.run_dir = run_dir_of(config)
-        self.c: Components = build_components(config, ctx)
-        self.config = self.c.config  # resolved (e.g. --train-samples -> iterations)
+        self._exit = contextlib.ExitStack()
+        try:
+            self._build(config, ctx, attempt)
+        except BaseException:
+            self._exit.close()
+            raise
+
+    def _build(self, config: RunConfig, ctx: DistributedContext, attempt: int) -> None:
+        """One line per part: each is built from its config, nothing is changed afterwards."""
+        on_close = self._exit.callback
+        build.check_graph_flags(config, ctx.device, ctx.world_size)  # before any set-up
+        self.faults = config.faults.build(config.checkpoint.save, ctx.world_size)
+        # --save probed and locked before any work (atexit releases it if building fails). No
+        # lambda over self: atexit keeps the manager, in-process restart must free the trainer.
+        commit = functools.partial(self.faults.maybe_inject, rank=ctx.rank, phase="commit")
+        manager = config.checkpoint.build(before_commit=commit)
+        on_close(manager.close)
+        self.ledger = build.build_goodput_ledger(config, ctx, attempt, self.print)  # closes last
+        on_close(self.ledger.close, "fault", "the trainer closed without an exit decision")
+        self.sections = build_section_monitor(
+            config.ft, ctx.rank, config.checkpoint.save, goodput_file=build.goodput_file(config)
+        )
+        on_close(self.sections.close)
+        self.config, self.data = build.resolve_config(config, ctx)
+        config = self.config
+        self.raw_model, self.model = build.build_model(config, ctx, self.faults)
+        self.optimizer = build.build_optimizer(self.model, config)
+        t = config.training
+        self.scheduler = LRScheduler(self.optimizer, config.optim, t.train_iters, t.train_samples)
+        self.loss_scaler = build.build_loss_scaler(config)
+        handler = build.build_signal_handler(config)
+        if handler is not None:
+            on_close(handler.release)
+        self.agreement = config.exit.build(handler, self.started)
+        self.machine = build.build_machine(config, ctx, self.loss_scaler, self.agreement)
+        self.sampler = build.build_sampler(config, ctx, self.data.train)
+        on_close(getattr(self.sampler, "close", lambda: None))
+        self.train_data: RerunDataIterator[Any] = RerunDataIterator(self.sampler)
+        flops = self.flops_per_iteration = num_floating_point_operations(
+            config.model, self.data.global_batch_size
+        )
+        obs = build_observability(config, ctx, flops, self.raw_model, self.ledger)
+        self.timers, sink, self.log, self.observer, self.energy, self.saves = obs
+        for closer in (sink.close, self.log.close, self.observer.close, self.energy.close):
+            on_close(closer)
+        self.profiler = build_profiler(config, ctx)
+        on_close(self.profiler.close)
+        self.manual_gc = make_manual_gc(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval)
+        on_close(self.manual_gc.close)
+        # --empty-unused-memory-level: after forward-backward (the observer), the step, evaluation.
+        self.memory_release = make_memory_release(config.obs.empty_unused_memory_level, ctx.device)
+        self.step = self._build_step()
+        on_close(self.step.close)
         self.state = TrainState()
+        self.checkpointer = self._build_checkpointer(manager)
+        self.replicas = ReplicaConsistencyChecker(
+            config.rerun.check_weight_hash_across_dp_replicas_interval
+        )
+        self.iterations_to_skip = frozenset(resolve_iterations_to_skip(config.rerun))
+        self.run_dir = run_dir_of(config)
         self.loaded_iteration: int | None = None
         self.loaded_path: str | None = None
-        self.batch_size = self.c.global_batch_size  # this iteration's (see _start_batch)
+        self.batch_size = self.data.global_batch_size  # this iteration's (see _start_batch)
         self._num_microbatches: int | None = None
         self._saved_at: int | None = None
-        self.progress = make_progress_log(
+        self._stepped = False
+        self.progress = make_progress_log(  # --log-progress: Megatron's progress.txt
             config.obs.log_progress, config.checkpoint.save, ctx.world_size, ctx.rank
+        )
+
+    def _build_step(self) -> GuardedStep:
+        config, ctx = self.config, self.ctx
+        dtype = build.autocast_dtype(config)
+        return GuardedStep(
+            model=self.model,
+            optimizer=self.optimizer,
+            forward_step=gpt_forward_step,
+            machine=self.machine,
+            data=self.train_data,
+            num_microbatches=self.data.num_microbatches,
+            plan=config.graphs.build(),
+            clip_grad=config.optim.clip_grad,
+            loss_scaler=self.loss_scaler,
+            autocast=lambda: autocast_context(ctx.device, dtype),
+            lookahead=config.graphs.cuda_graph_speculative_launch,
+            agreement=self.agreement,
+            timers=self.timers,
+            observer=self.observer.with_memory_release(self.memory_release),
+            log_num_zeros=config.log.log_num_zeros_in_grad,
+            goodput=self.ledger,
+        )
+
+    def _build_checkpointer(self, manager: Any) -> Checkpointer:
+        current = self.config.to_dict()["model"]
+        return Checkpointer(
+            manager,
+            self.model,
+            self.optimizer,
+            # The step first: its state_dict settles a look-ahead launch before data and RNG.
+            common={
+                "step": self.step,
+                "train_state": self.state,
+                "data": self.train_data,
+                "scheduler": self.scheduler,
+                "config": _ConfigPart(self.config),
+            },
+            per_rank={"rng": RngState(self.machine.rng), "rerun": self.machine},
+            check_common=lambda common: check_model_matches(common, current, logger.warning),
         )
 
     def __enter__(self) -> Trainer:
@@ -110,11 +216,13 @@ class Trainer:
             # A failing rank must not enter a collective its peers never reach (they may wait in a
             # step collective): drop an in-flight async save instead of finalizing it. The previous
             # complete checkpoint stays the resume point.
-            self.c.checkpoint.close(abort=True)
+            self.checkpointer.close(abort=True)
+            self.ledger.close("fault", f"{exc_type.__name__}: {exc[0]}"[:200])
         self.close()
 
     def close(self) -> None:
-        self.c.close()
+        """Release processes, files, graphs and handlers (safe to call twice)."""
+        self._exit.close()
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs now (idempotent; safe from the restart monitor's thread).
@@ -123,49 +231,207 @@ class Trainer:
         restart calls this before aborting the process groups; the main thread's next graph call
         then fails on the torn-down context, which ends the attempt.
         """
-        if self.c.release_graphs is not None:
-            self.c.release_graphs()
+        self.step.close()
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> TrainOutcome:
+        """Train until an exit decision; returns the outcome (exit code 0, 16 or 17)."""
+        self.load()
+        self.progress.start(self._flops_so_far())
+        self.timers(INTERVAL_TIME).start(barrier=True)
+        if self.state.iteration >= self.config.training.train_iters:
+            done = nothing_left_to_train(self.loaded_path, self.state.iteration, self.config.training)  # fmt: skip
+            return self._finish(ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, done or "reached --train-iters"))  # fmt: skip
+        while True:
+            with self.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
+                committed = self.checkpointer.maybe_finalize()
+            if committed is not None:
+                self.saves.finalized(committed)
+            result = self._run_iteration()
+            if not result.verdict.exit:  # a rejected iteration is not done: nothing to log
+                self._after_iteration(result)
+            decision = self._decide(result)
+            if decision.save is not SaveKind.NONE:
+                self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
+            if decision.exit:
+                return self._finish(decision)
+
+    def _run_iteration(self) -> StepResult:
+        it, n = self.state.iteration, self._start_batch()
+        self.scheduler.set_iteration(
+            it, samples_after=self.state.consumed_samples + self.batch_size
+        )
+        self.profiler.on_iteration_start(it)
+        with self.ledger.step(it + 1, bucket=self._compile_bucket()) as span:
+            with self.sections.step_section():
+                self.faults.maybe_inject(it + 1, self.ctx.rank, "step")
+                if it + 1 in self.iterations_to_skip:  # numbered like the log line
+                    return self._skip_iteration(n)
+                self.observer.begin_iteration(it + 1)
+                captures = self.step.capture_state
+                result = self.step.run(it, num_microbatches=n, launch_next=self._plain_next(n))
+                self.memory_release.after_optimizer_step()
+                self.observer.end_iteration()
+            if self.step.capture_state != captures:
+                span.reclassify(Bucket.COMPILE)  # this iteration captured a CUDA graph
+            if result.verdict.exit:
+                span.abandon(Bucket.RERUN)  # rejected: its passes validated, nothing advanced
+            return result
+
+    def _compile_bucket(self) -> Bucket | None:
+        """``--compile``: the session's first iteration compiles (goodput's compile time)."""
+        first = not self._stepped
+        self._stepped = True
+        return Bucket.COMPILE if first and self.config.training.compile else None
+
+    def _plain_next(self, num_microbatches: int) -> bool:
+        """Whether the next iteration may be launched ahead: it exists, is not skipped, has the
+        same micro-batch count and no evaluation runs before it."""
+        cfg, upcoming = self.config.training, self.state.iteration + 1
+        consumed = self.state.consumed_samples + self.batch_size
+        return (
+            upcoming < cfg.train_iters
+            and upcoming + 1 not in self.iterations_to_skip
+            and not (cfg.eval_interval and upcoming % cfg.eval_interval == 0)
+            and self.data.schedule.num_microbatches_at(consumed) == num_microbatches
+        )
+
+    def _start_batch(self) -> int:
+        """This iteration's global batch size and micro-batch count (``--rampup-batch-size``: a
+        function of the consumed samples). As Megatron, a checkpoint is saved when the
+        micro-batch count steps up."""
+        schedule = self.data.schedule
+        self.batch_size = schedule.global_batch_size_at(self.state.consumed_samples)
+        num_microbatches = schedule.num_microbatches_at(self.state.consumed_samples)
+        if self._num_microbatches not in (None, num_microbatches):
+            self.print(
+                f"batch size ramp: {self.batch_size} from iteration {self.state.iteration + 1}"
+            )
+            if self.config.checkpoint.save and self._saved_at != self.state.iteration:
+                self.save()
+        self._num_microbatches = num_microbatches
+        # Throughput counts this iteration's samples (the estimate is linear in the batch size).
+        gbs = self.data.global_batch_size
+        self.log.flops_per_iteration = self.flops_per_iteration * self.batch_size / gbs
+        return num_microbatches
+
+    def _skip_iteration(self, num_microbatches: int) -> StepResult:
+        """``--iterations-to-skip``: consume this iteration's data without training on it."""
+        it = self.state.iteration
+        self.print(f"skipping iteration {it + 1} (--iterations-to-skip)")
+        self.event(EventKind.SKIPPED, "--iterations-to-skip")
+        return self.step.skip(it, num_microbatches)
+
+    def _after_iteration(self, result: StepResult) -> None:
+        cfg = self.config
+        self.state.iteration += 1
+        self.state.consumed_samples += self.batch_size
+        it = self.state.iteration
+        self.profiler.on_iteration_end(it)
+        self.manual_gc.on_iteration_end(it)
+        is_log = it % cfg.log.log_interval == 0 or it == 1
+        norm = _params_norm(self.model) if cfg.log.log_params_norm and is_log else None
+        self.log.on_iteration(
+            it,
+            losses=result.losses or {"lm loss": torch.tensor(float("nan"))},
+            learning_rate=self.scheduler.last_lr,
+            global_batch_size=self.batch_size,
+            consumed_samples=self.state.consumed_samples,
+            grad_norm=result.grad_norm,
+            skipped=result.skipped,
+            loss_scale=self.loss_scaler.scale if cfg.training.fp16 else None,
+            num_zeros=result.num_zeros,
+            params_norm=norm,
+        )
+        if cfg.training.eval_interval and it % cfg.training.eval_interval == 0:
+            self.run_evaluation()
+
+    def run_evaluation(self) -> dict[str, float]:
+        """Evaluate on the held-out split with validation checks in disabled mode."""
+        with self.ledger.span(Bucket.EVALUATION):
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
+        cfg = self.config
+        self.manual_gc.on_evaluation()
+        self.sections.start_evaluation()
+        data = make_eval_iterator(
+            self.data.valid, cfg.training.micro_batch_size, self.ctx.rank, self.ctx.world_size
+        )
+        losses = self.step.evaluate(
+            data,
+            cfg.training.eval_iters,
+            num_microbatches=self.data.num_microbatches,
+            each_iteration=lambda: _then(
+                self.sections.step_section(is_eval=True), self.memory_release.after_eval_step
+            ),
+        )
+        self.log.on_eval(self.state.iteration, losses, consumed_samples=self.state.consumed_samples)
+        self.manual_gc.on_evaluation()
+        return losses
+
+    def _decide(self, result: StepResult) -> ExitDecision:
+        """Every exit input into one pure decision; the replica check runs when due (its
+        interval, or before any save: never write a checkpoint from diverged replicas)."""
+        it, cfg = self.state.iteration, self.config
+        inputs = exit_inputs(
+            result.agreed, rerun=result.verdict, finished=it >= cfg.training.train_iters
+        )
+        can_save = cfg.checkpoint.save is not None
+        decision = decide(it, inputs, cfg.exit, can_save=can_save)
+        if not result.verdict.exit and self.replicas.due(it, saving=decision.save is not SaveKind.NONE):  # fmt: skip
+            inputs = replace(inputs, replica=self.replicas.check(self.raw_model))
+            decision = decide(it, inputs, cfg.exit, can_save=can_save)
+        return decision
+
+    def _finish(self, decision: ExitDecision) -> TrainOutcome:
+        """The one exit path: complete a pending save, record why, leave together."""
+        reason = decision.reason or ExitReason.FINISHED
+        logger.info(
+            "look-ahead launches: %d used of %d", self.step.num_used, self.step.num_launched
+        )
+        with (
+            self.sections.section(Section.CHECKPOINTING, is_async_finalization=True),
+            self.saves.finalizing(),
+        ):
+            self.checkpointer.finalize()  # an exit always completes the pending async save first
+        self.saves.finalized_all()
+        self.sections.maybe_update_timeouts(
+            closing=True, async_save=self.config.checkpoint.async_save
+        )
+        if reason is ExitReason.RERUN:
+            if self.loaded_path is not None:  # the diagnosis of a rerun from that checkpoint
+                record_verdict(self.machine, self.loaded_path, write=self.ctx.is_main)
+            self.event(EventKind.RERUN, decision.detail)
+        self.event(
+            EventKind.EXIT, f"{reason.value}: {decision.detail} (exit code {decision.exit_code})"
+        )
+        if decision.exit_code:
+            logger.error("%s; exiting with code %d", decision.detail, decision.exit_code)
+        code = leave(decision, self.state.iteration, save_dir=self.config.checkpoint.save,
+                     rank=self.ctx.rank, log=self.print)  # fmt: skip
+        self.ledger.close(reason.value, decision.detail)  # rank 0: the goodput line
+        return TrainOutcome(code, reason, self.state.iteration, decision.detail)
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_common(self) -> dict[str, Any]:
-        c = self.c
-        return {
-            "iteration": self.state.iteration,
-            "consumed_samples": self.state.consumed_samples,
-            # The sampler may be ahead (a rerun exit saves before the failed iteration): the data
-            # position is the one of the completed iterations.
-            "data": {**c.sampler.state_dict(), "consumed_samples": self.state.consumed_samples},
-            "scheduler": c.scheduler.state_dict(),
-            "loss_scaler": c.loss_scaler.state_dict(),
-            "config": self.config.to_dict(),
-        }
-
-    def _checkpoint_per_rank(self) -> dict[str, Any]:
-        return {"rng": capture_rng_state(), "rerun": self.c.rerun.state_dict()}
-
     def save(self, non_persistent: bool = False) -> None:
-        """Save the current state (collective) inside the ``checkpointing`` section."""
-        c = self.c
+        """Save every registered part (collective) inside the ``checkpointing`` section."""
         self._saved_at = self.state.iteration
-        c.energy.pause()  # a save is not training energy
-        with c.sections.section(Section.CHECKPOINTING):
-            c.faults.maybe_inject(self.state.iteration, self.ctx.rank, "checkpointing")
-            common, per_rank = self._checkpoint_common(), self._checkpoint_per_rank()
-            c.checkpoint.save(
-                self.state.iteration,
-                c.model,
-                c.optimizer,
-                common,
-                per_rank,
-                non_persistent=non_persistent,
-            )
-        c.energy.resume()
+        self.energy.pause()  # a save is not training energy
+        async_save = self.config.checkpoint.async_save
+        with (
+            self.sections.section(Section.CHECKPOINTING),
+            self.saves.blocking(self.state.iteration, non_persistent=non_persistent,
+                                async_save=async_save),
+        ):  # fmt: skip
+            self.faults.maybe_inject(self.state.iteration, self.ctx.rank, "checkpointing")
+            self.checkpointer.save(self.state.iteration, non_persistent=non_persistent)
+        self.energy.resume()
         if not non_persistent:  # --log-progress: Megatron's progress.txt line
             self.progress.on_save(
-                self.state.iteration, self._flops_so_far(), self._tokens_so_far(),
-                async_save=self.config.checkpoint.async_save,
+                self.state.iteration, self._flops_so_far(), self._tokens_so_far(), async_save=async_save
             )  # fmt: skip
-        c.sections.maybe_update_timeouts(async_save=self.config.checkpoint.async_save)
+        self.sections.maybe_update_timeouts(async_save=async_save)
         kind = "non-persistent checkpoint" if non_persistent else "checkpoint"
         self.event(EventKind.CHECKPOINT, f"saved {kind}")
 
@@ -176,37 +442,24 @@ class Trainer:
 
     def load(self) -> None:
         """Resume from the newest complete checkpoint, if any (``--load`` defaults to ``--save``)."""
-        cfg, c = self.config.checkpoint, self.c
+        cfg = self.config.checkpoint
         if cfg.load_dir is None:
             return
-        load_optim = not (cfg.no_load_optim or cfg.finetune)
-        current = self.config.to_dict()["model"]
-        loaded = c.checkpoint.load(
-            c.model,
-            c.optimizer,
-            load_optim=load_optim,
-            check_common=lambda common: check_model_matches(common, current, logger.warning),
+        everything = frozenset(self.checkpointer.common) | frozenset(self.checkpointer.per_rank)
+        skip = everything if cfg.finetune else frozenset({"rng"} if cfg.no_load_rng else ())
+        loaded = self.checkpointer.load(
+            load_optim=not (cfg.no_load_optim or cfg.finetune), skip=skip
         )
         if loaded is None:
             return
-        c.sections.on_checkpoint_loaded(persistent=not loaded.non_persistent)
+        self.sections.on_checkpoint_loaded(persistent=not loaded.non_persistent)
         if cfg.finetune:
             self.print(f"finetuning from {loaded.path}: weights loaded, starting at iteration 0")
             return
-        common = loaded.common
-        self.state = TrainState(common["iteration"], common["consumed_samples"])
         self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
-        c.sampler.load_state_dict(common["data"])
-        c.loss_scaler.load_state_dict(common.get("loss_scaler", {}))
-        self._resume_schedule(common.get("scheduler"), load_optim)
-        per_rank = loaded.per_rank
-        if per_rank is None:
-            logger.warning("world size changed: RNG and rerun state not restored for this rank")
-        else:
-            if not cfg.no_load_rng:
-                restore_rng_state(per_rank["rng"])
-            c.rerun.load_state_dict(per_rank["rerun"])
-        apply_verdict(c.rerun, loaded.path)  # a settled rerun: train on, or refuse the bad device
+        self._resume_schedule(loaded.common.get("scheduler"), not cfg.no_load_optim)
+        apply_verdict(self.machine, loaded.path)  # a settled rerun: train on, or refuse the device
+        self.ledger.resumed(self.state.iteration)
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
 
     def _resume_schedule(self, saved: Any, load_optim: bool) -> None:
@@ -216,247 +469,32 @@ class Trainer:
         it, consumed = self.state.iteration, self.state.consumed_samples
         if it >= self.config.training.train_iters:
             return
-        samples_after = consumed + self.c.batch_schedule.global_batch_size_at(consumed)
-        note = self.c.scheduler.resume_from(saved, it, samples_after, load_optim=load_optim)
+        samples_after = consumed + self.data.schedule.global_batch_size_at(consumed)
+        note = self.scheduler.resume_from(saved, it, samples_after, load_optim=load_optim)
         if note and self.ctx.is_main:
             logger.warning(note)
 
     def _flops_so_far(self) -> float:
         """Floating-point operations of every iteration so far (linear in the samples)."""
-        c = self.c
-        return c.flops_per_iteration * self.state.consumed_samples / c.global_batch_size
+        gbs = self.data.global_batch_size
+        return self.flops_per_iteration * self.state.consumed_samples / gbs
 
     def _tokens_so_far(self) -> float:
         return float(self.state.consumed_samples * self.config.model.seq_length)
 
-    # ------------------------------------------------------------------ the loop
-    def train(self) -> TrainOutcome:
-        """Train until an exit decision; returns the outcome (exit code 0, 16 or 17)."""
-        c, cfg = self.c, self.config
-        self.load()
-        self.progress.start(self._flops_so_far())
-        done = nothing_left_to_train(self.loaded_path, self.state.iteration, cfg.training)
-        c.timers(INTERVAL_TIME).start(barrier=True)
-        decision = ExitDecision()
-        outcome: TrainOutcome | None = None
-        while outcome is None:
-            if self.state.iteration >= cfg.training.train_iters:
-                detail = done or "reached --train-iters"
-                decision = ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, detail)
-                break
-            with c.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
-                c.checkpoint.maybe_finalize()
-            self._start_batch()
-            result = self._run_iteration()
-            if result.should_exit:
-                outcome = self._rerun_exit(result)
-                break
-            self._after_iteration(result)
-            decision = self._decide()
-            outcome = self._maybe_check_replicas(before_save=decision.save is not SaveKind.NONE)
-            if outcome is not None:
-                break
-            if decision.save is not SaveKind.NONE:
-                self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
-            if decision.exit:
-                break
-        return outcome or self._finish(decision)
-
-    def _start_batch(self) -> None:
-        """This iteration's global batch size (``--rampup-batch-size``: a function of the consumed
-        samples). As Megatron, a checkpoint is saved when the micro-batch count steps up."""
-        c, schedule = self.c, self.c.batch_schedule
-        self.batch_size = schedule.global_batch_size_at(self.state.consumed_samples)
-        num_microbatches = schedule.num_microbatches_at(self.state.consumed_samples)
-        if self._num_microbatches not in (None, num_microbatches):
-            self.print(
-                f"batch size ramp: {self.batch_size} from iteration {self.state.iteration + 1}"
-            )
-            if self.config.checkpoint.save and self._saved_at != self.state.iteration:
-                self.save()
-        self._num_microbatches = c.step_parts.num_microbatches = num_microbatches
-        # Throughput counts this iteration's samples (the estimate is linear in the batch size).
-        c.log.flops_per_iteration = c.flops_per_iteration * self.batch_size / c.global_batch_size
-
-    def _run_iteration(self) -> StepResult:
-        c, it = self.c, self.state.iteration
-        c.scheduler.set_iteration(it, samples_after=self.state.consumed_samples + self.batch_size)
-        c.rerun.set_iteration(it)
-        c.profiler.on_iteration_start(it)
-        with c.sections.step_section():
-            c.faults.maybe_inject(it + 1, self.ctx.rank, "step")
-            if it + 1 in c.iterations_to_skip:  # numbered like the log line
-                return self._skip_iteration()
-            c.observer.begin_iteration(it + 1)
-            c.step_parts.speculate = self._speculation_for_next()
-            result = train_step(c.step_parts, c.train_iterator)
-            c.memory_release.after_optimizer_step()
-            c.observer.end_iteration()
-            return result
-
-    def _speculation_for_next(self) -> Callable[[dict[str, Any]], None] | None:
-        """Graph mode: launch the next iteration ahead of this one's validation read when it is a
-        plain training iteration (not past the end, not skipped, same micro-batch count) and no
-        error is injected (the injection mask is set per pass, when the machine begins it)."""
-        c, cfg = self.c, self.config
-        speculation, upcoming = c.speculation, self.state.iteration + 1
-        if (
-            speculation is None
-            or c.rerun.injector.enabled
-            or upcoming >= cfg.training.train_iters
-            or upcoming + 1 in c.iterations_to_skip  # numbered like the log line
-        ):
-            return None
-        consumed = self.state.consumed_samples + self.batch_size
-        num_microbatches = c.batch_schedule.num_microbatches_at(consumed)
-        if num_microbatches != c.step_parts.num_microbatches:
-            return None
-
-        def launch(call_kwargs: dict[str, Any]) -> None:
-            speculation.launch_next(call_kwargs, num_microbatches)
-
-        return launch
-
-    def _skip_iteration(self) -> StepResult:
-        """``--iterations-to-skip``: consume this iteration's data without training on it."""
-        it = self.state.iteration
-        self.c.rerun.skip_iteration(it)  # drops a pending rerun of this iteration
-        for _ in range(self.c.step_parts.num_microbatches):
-            next(self.c.sampler)
-        self.print(f"skipping iteration {it + 1} (--iterations-to-skip)")
-        self.event(EventKind.SKIPPED, "--iterations-to-skip")
-        return StepResult(skipped=True)
-
-    def _after_iteration(self, result: StepResult) -> None:
-        c, cfg = self.c, self.config
-        self.state.iteration += 1
-        self.state.consumed_samples += self.batch_size
-        c.profiler.on_iteration_end(self.state.iteration)
-        c.manual_gc.on_iteration_end(self.state.iteration)
-        it = self.state.iteration
-        is_log = it % cfg.log.log_interval == 0 or it == 1
-        norm = (
-            params_norm(list(c.model.parameters())) if cfg.log.log_params_norm and is_log else None
-        )
-        c.log.on_iteration(
-            it,
-            losses=result.losses or {"lm loss": torch.tensor(float("nan"))},
-            learning_rate=c.scheduler.last_lr,
-            global_batch_size=self.batch_size,
-            consumed_samples=self.state.consumed_samples,
-            grad_norm=result.grad_norm,
-            skipped=result.skipped,
-            loss_scale=c.loss_scaler.scale if cfg.training.fp16 else None,
-            num_zeros=result.num_zeros,
-            params_norm=norm,
-        )
-        if cfg.training.eval_interval and it % cfg.training.eval_interval == 0:
-            self.run_evaluation()
-
-    def run_evaluation(self) -> dict[str, float]:
-        """Evaluate on the held-out split with validation checks disabled."""
-        c, cfg = self.c, self.config
-        c.manual_gc.on_evaluation()
-        c.sections.start_evaluation()
-        data = make_eval_iterator(
-            c.valid_dataset, cfg.training.micro_batch_size, self.ctx.rank, self.ctx.world_size
-        )
-        losses = evaluate(
-            model=c.model,
-            forward_step_func=c.eval_forward_step,
-            data_iterator=data,
-            num_microbatches=c.num_microbatches,
-            eval_iters=cfg.training.eval_iters,
-            disable_validation=c.rerun.disabled,
-            step_section=lambda: _then_release(
-                c.sections.step_section(is_eval=True), c.memory_release.after_eval_step
-            ),
-            forward_backward_func=c.eval_forward_backward_func,
-        )
-        if c.eval_checks_losses_on_host:
-            check_eval_losses(c.rerun, losses, cfg.rerun)
-        c.log.on_eval(self.state.iteration, losses, consumed_samples=self.state.consumed_samples)
-        c.manual_gc.on_evaluation()
-        return losses
-
-    def _decide(self) -> ExitDecision:
-        cfg = self.config
-        elapsed_min = (time.monotonic() - self.started) / 60.0
-        inputs = gather_exit_inputs(cfg.exit, self.c.signal_handler, elapsed_min)
-        return decide(
-            self.state.iteration,
-            inputs,
-            cfg.exit,
-            can_save=cfg.checkpoint.save is not None,
-            finished=self.state.iteration >= cfg.training.train_iters,
-        )
-
-    def _rerun_exit(self, result: StepResult) -> TrainOutcome:
-        """The rerun state machine asked to exit (16: resume elsewhere, 17: validation failed)."""
-        if result.should_checkpoint and self.config.checkpoint.save:
-            self.save()
-        elif result.should_checkpoint:
-            logger.warning("rerun needs a checkpoint to resume from but --save is not set")
-        if self.loaded_path is not None:  # the diagnosis of a rerun from that checkpoint
-            record_verdict(self.c.rerun, self.loaded_path, write=self.ctx.is_main)
-        detail = f"rerun state machine exit code {result.exit_code}"
-        self.event(EventKind.RERUN, detail)
-        self._record_exit(ExitReason.RERUN, detail, result.exit_code)
-        # A non-zero exit makes torchrun kill the other ranks: leave together, after rank 0 wrote.
-        collectives.barrier()
-        return TrainOutcome(result.exit_code, ExitReason.RERUN, self.state.iteration, detail)
-
-    def _maybe_check_replicas(self, before_save: bool) -> TrainOutcome | None:
-        """``--check-weight-hash-across-dp-replicas-interval``: compare the replicas' weights at
-        its iterations and before every save (never write a checkpoint from diverged replicas).
-        Every rank reaches the same answer; a mismatch exits 17 without saving, so the launcher
-        resumes from the last checkpoint, which passed this check when it was written."""
-        checker, it = self.c.replica_checker, self.state.iteration
-        if not (checker.should_check(it) or (before_save and checker.enabled)):
-            return None
-        result = checker.check(self.c.raw_model)
-        if result.consistent:
-            return None
-        detail = f"iteration {it}: {result.describe()}"
-        logger.error("%s; exiting without a checkpoint", detail)
-        self.event(EventKind.EXIT, detail)
-        self._record_exit(
-            ExitReason.REPLICA_MISMATCH, detail, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
-        )
-        collectives.barrier()  # leave together, after rank 0 wrote the exit reason
-        return TrainOutcome(
-            EXIT_CODE_FAILED_ON_RESULT_VALIDATION, ExitReason.REPLICA_MISMATCH, it, detail
-        )
-
-    def _finish(self, decision: ExitDecision) -> TrainOutcome:
-        reason = decision.reason or ExitReason.FINISHED
-        self._record_exit(reason, decision.detail, decision.exit_code)
-        self.print(exit_message(decision, self.state.iteration))
-        return TrainOutcome(decision.exit_code, reason, self.state.iteration, decision.detail)
-
-    def _record_exit(self, reason: ExitReason, detail: str, exit_code: int) -> None:
-        c = self.c
-        if c.speculation is not None:
-            logger.info(
-                "speculative graph launches: %d used of %d",
-                c.speculation.num_used,
-                c.speculation.num_launched,
-            )
-        with c.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
-            c.checkpoint.finalize()  # an exit always completes the pending async save first
-        c.sections.maybe_update_timeouts(closing=True, async_save=self.config.checkpoint.async_save)
-        self.event(EventKind.EXIT, f"{reason.value}: {detail} (exit code {exit_code})")
-        save_dir = self.config.checkpoint.save
-        if save_dir and self.ctx.is_main:
-            write_exit_reason(save_dir, reason, self.state.iteration, detail, exit_code=exit_code)
-
 
 @contextlib.contextmanager
-def _then_release(section: Any, release: Callable[[], None]) -> Iterator[None]:
+def _then(section: Any, release: Callable[[], None]) -> Iterator[None]:
     """An eval step's watchdog section, then ``--empty-unused-memory-level``'s release."""
     with section:
         yield
     release()
+
+
+def _params_norm(model: torch.nn.Module) -> torch.Tensor:
+    """L2 norm of all parameters (device tensor, ``--log-params-norm``)."""
+    norms = torch._foreach_norm([p.detach() for p in model.parameters()])
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def run_training(config: RunConfig, ctx: DistributedContext) -> TrainOutcome:

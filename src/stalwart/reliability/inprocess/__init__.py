@@ -3,7 +3,7 @@
 Built on torch.distributed's own ``TCPStore``/``PrefixStore`` (no nvidia-resiliency-ext). Entry
 points: :func:`restartable` / :class:`InProcessRestarter` for any train function written against
 :class:`Attempt`, and ``--inprocess-restart`` for the reference trainer
-(:func:`stalwart.reliability.inprocess.run.run_training_inprocess`). See ``wrapper.py`` for the
+(:func:`stalwart.train.inprocess.run_training_inprocess`). See ``wrapper.py`` for the
 abort -> finalize -> health check -> rendezvous cycle.
 """
 

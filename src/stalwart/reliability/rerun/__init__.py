@@ -6,7 +6,15 @@ with host syncs batched to one read per iteration and Megatron's known defects f
 
 from __future__ import annotations
 
-from stalwart.reliability.rerun.buffer import CheckSpec, ValidationBuffer, host_predicate
+from stalwart.reliability.rerun.buffer import (
+    INF_RULE,
+    NAN_RULE,
+    CheckSpec,
+    DeviceRule,
+    RuleKind,
+    ValidationBuffer,
+    host_predicate,
+)
 from stalwart.reliability.rerun.checks import (
     GRAD_TOLERANCE,
     INF_GRAD_MESSAGE,
@@ -16,6 +24,7 @@ from stalwart.reliability.rerun.checks import (
     NAN_LOSS_MESSAGE,
     SPIKY_LOSS_MESSAGE,
     GradCheckState,
+    bucket_layout,
     check_grad_norm,
     check_grads,
     check_loss,
@@ -38,10 +47,12 @@ from stalwart.reliability.rerun.types import (
     DEVICE_ID_ENV,
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+    CheckConfig,
     RerunDiagnostic,
     RerunMode,
     RerunState,
     RerunValidationStatus,
+    RerunVerdict,
     device_identity,
 )
 
@@ -52,11 +63,15 @@ __all__ = [
     "GRAD_TOLERANCE",
     "INF_GRAD_MESSAGE",
     "INF_LOSS_MESSAGE",
+    "INF_RULE",
     "LARGE_GRAD_MESSAGE",
     "NAN_GRAD_MESSAGE",
     "NAN_LOSS_MESSAGE",
+    "NAN_RULE",
     "SPIKY_LOSS_MESSAGE",
+    "CheckConfig",
     "CheckSpec",
+    "DeviceRule",
     "GradCheckState",
     "QuickStats",
     "RerunConfig",
@@ -67,8 +82,11 @@ __all__ = [
     "RerunState",
     "RerunStateMachine",
     "RerunValidationStatus",
+    "RerunVerdict",
     "RngStateTracker",
+    "RuleKind",
     "ValidationBuffer",
+    "bucket_layout",
     "capture_rng_state",
     "check_grad_norm",
     "check_grads",

@@ -1,8 +1,16 @@
-"""Validation records and the graph-safe :class:`ValidationBuffer`.
+"""Validation records and the rerun machine's one device check buffer, :class:`ValidationBuffer`.
 
-A validation call never reads a device value. It records a scalar (device tensor or host float)
-with its check specification; the state machine reads all recorded values of an iteration in one
-deliberate sync and evaluates the checks on host floats.
+A validation call never reads a device value. It records a scalar with its check specification;
+the state machine reads all recorded values of an iteration in one deliberate sync.
+
+Two kinds of records:
+
+* Device checks (NaN, Inf, unexpectedly large) are written into the :class:`ValidationBuffer`
+  with device ops only, so they work inside a captured CUDA graph. The buffer also evaluates the
+  rejection on the device and can turn the pass's rejections into a skip gate (fused AdamW's
+  ``found_inf``): the optimizer step is then enqueued before the host read and skips itself.
+* Any other rejection function is evaluated on the host at the read (``ValidationRecord`` with a
+  device tensor or a float), with the conventions below.
 
 Rejection and comparison functions are called with host values. ``torch.isnan`` / ``torch.isinf``
 are evaluated with :mod:`math`; callables marked with :func:`host_predicate` (such as
@@ -12,6 +20,7 @@ callable receives 0-d CPU float64 tensors (Megatron compatibility), never device
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from collections.abc import Callable
@@ -19,11 +28,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from stalwart.reliability.rerun.stats import compare_floats
 from stalwart.reliability.rerun.types import CallKey
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_LARGE_SAMPLES = 100  # Megatron's sampling window of is_unexpectedly_large
 
 
 def host_predicate(func: F) -> F:
@@ -65,6 +77,48 @@ def evaluate_comparison(func: Callable[..., Any], initial: float, rerun: float) 
     return math.inf if math.isnan(out) else out
 
 
+class RuleKind(enum.Enum):
+    """A rejection the device can evaluate."""
+
+    NAN = "nan"
+    INF = "inf"
+    LARGE = "large"  # |v| >= threshold x the max of the first num_samples values of a context
+
+
+@dataclass(frozen=True)
+class DeviceRule:
+    """A device-evaluated rejection (see :class:`RuleKind`)."""
+
+    kind: RuleKind
+    context: str = ""
+    threshold: float = 0.0
+    num_samples: int = DEFAULT_LARGE_SAMPLES
+
+
+NAN_RULE = DeviceRule(RuleKind.NAN)
+INF_RULE = DeviceRule(RuleKind.INF)
+
+
+def device_rule_of(func: Callable[..., Any] | None) -> DeviceRule | None:
+    """The device rule equal to a Megatron-style rejection function, or None (host only).
+
+    ``torch.isnan``, ``torch.isinf`` and ``functools.partial(sm.is_unexpectedly_large,
+    threshold=..., context=...)`` (without ``resample``) have device equivalents.
+    """
+    if func is torch.isnan:
+        return NAN_RULE
+    if func is torch.isinf:
+        return INF_RULE
+    if isinstance(func, functools.partial) and getattr(func.func, "__name__", "") == (
+        "is_unexpectedly_large"
+    ):
+        kw = func.keywords
+        if "threshold" in kw and "context" in kw and not kw.get("resample", False):
+            samples = int(kw.get("num_samples", DEFAULT_LARGE_SAMPLES))
+            return DeviceRule(RuleKind.LARGE, str(kw["context"]), float(kw["threshold"]), samples)
+    return None
+
+
 @dataclass(frozen=True)
 class CheckSpec:
     """What a validation call checks and how a rerun is compared with the initial run."""
@@ -78,12 +132,25 @@ class CheckSpec:
 
 @dataclass
 class ValidationRecord:
-    """One validation call of the current run, before its value is read."""
+    """One validation call of the current run, before its value is read.
+
+    ``rejected`` is the device's verdict for buffer slots (None: evaluate ``spec`` on the host).
+    """
 
     key: CallKey
     spec: CheckSpec
     value: torch.Tensor | float
     injected: bool = False
+    rejected: bool | None = None
+
+
+def is_rejected(record: ValidationRecord, value: float) -> bool:
+    """The record's verdict: the device's when it has one, else the host rejection function."""
+    if record.injected:
+        return True
+    if record.rejected is not None:
+        return record.rejected
+    return evaluate_rejection(record.spec.rejection_func, value)
 
 
 def as_scalar(result: torch.Tensor | float) -> torch.Tensor | float:
@@ -95,32 +162,50 @@ def as_scalar(result: torch.Tensor | float) -> torch.Tensor | float:
     return float(result)
 
 
-class ValidationBuffer:
-    """Static device buffer for checks that run inside a captured CUDA graph.
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    Declare the checks before capture with :meth:`add_check` (one slot per call site and
-    micro-batch), then call :meth:`record` from the captured code: it only performs device ops on
-    preallocated tensors (no allocation visible to the host, no sync), so the graph writes its
-    values on every replay. Attach the buffer with ``RerunStateMachine.attach_buffer``; the machine
-    clears it before each run, sets the error-injection mask, and reads it in its one per-iteration
-    sync together with the eager checks.
+
+class ValidationBuffer:
+    """Static device buffer for checks, eager or inside a captured CUDA graph.
+
+    Slots are either declared up front with :meth:`add_check` (one per call site and micro-batch)
+    or allocated on the first record of a key (:meth:`slot_for`, what the machine's
+    ``check_loss``/``check_grad_norm`` use; the warm-up passes before a capture allocate them).
+    :meth:`record` only performs device ops on preallocated tensors, so a captured graph writes
+    its values, written flags and device verdicts on every replay. The machine clears the buffer
+    before each pass, sets the error-injection mask, and reads it in its one per-iteration sync.
+
+    ``gate`` (float32, 1.0 = skip) is what fused AdamW reads as ``found_inf``:
+    :meth:`update_gate` sets it from the pass's device verdicts, max-reduced across ranks.
     """
 
-    def __init__(self, device: torch.device | str, name: str = "graph", capacity: int = 64) -> None:
+    def __init__(
+        self, device: torch.device | str, name: str = "graph", capacity: int = 256
+    ) -> None:
         self.name = name
         self.device = torch.device(device)
         self.values = torch.zeros(capacity, dtype=torch.float64, device=self.device)
         self.written = torch.zeros(capacity, dtype=torch.float64, device=self.device)
+        self.rejected = torch.zeros(capacity, dtype=torch.float64, device=self.device)
         self.inject = torch.zeros(capacity, dtype=torch.bool, device=self.device)
+        self.in_gate = torch.zeros(capacity, dtype=torch.float64, device=self.device)
+        self.gate = torch.zeros((), dtype=torch.float32, device=self.device)
         self.specs: list[CheckSpec] = []
         self.keys: list[CallKey] = []
+        self.rules: list[DeviceRule | None] = []
         self.inject_host: list[bool] = []
-        # Speculative launch support: values read ahead, and a pass already begun.
+        self._gate_host: list[bool] = []
+        self._gate_non_fatal = True
+        self._slots: dict[CallKey, int] = {}
+        self._trackers: dict[str, torch.Tensor] = {}  # context -> [count, max] (float64)
+        # Look-ahead support: values read ahead, and a pass already begun.
         self._snapshot: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._begun_ahead = False
         self._pinned: torch.Tensor | None = None
         self._pinned_event: torch.cuda.Event | None = None
 
+    # ------------------------------------------------------------------------------ slots
     def add_check(
         self,
         message: str,
@@ -131,50 +216,128 @@ class ValidationBuffer:
         fatal: bool = True,
     ) -> int:
         """Reserve a slot; returns its index for :meth:`record`. Not graph-safe: call before capture."""
-        if len(self.specs) >= self.values.numel():
-            raise ValueError(
-                f"ValidationBuffer {self.name!r} is full ({self.values.numel()} slots)"
-            )
+        seq = 1 + sum(1 for s in self.specs if s.message == message)
         spec = CheckSpec(
             message, rejection_func, comparison_func or compare_floats, tolerance, fatal
         )
-        seq = 1 + sum(1 for s in self.specs if s.message == message)
-        self.specs.append(spec)
-        self.keys.append((self.name, message, seq))
-        self.inject_host.append(False)
-        return len(self.specs) - 1
+        return self._allocate((self.name, message, seq), spec, device_rule_of(rejection_func))
 
+    def slot_for(self, key: CallKey, spec: CheckSpec, rule: DeviceRule | None) -> int:
+        """The slot of ``key``, allocated on first use (outside capture)."""
+        slot = self._slots.get(key)
+        return self._allocate(key, spec, rule) if slot is None else slot
+
+    def _allocate(self, key: CallKey, spec: CheckSpec, rule: DeviceRule | None) -> int:
+        if _capturing(self.device):
+            raise RuntimeError(
+                f"validation call {key} first made during CUDA graph capture: its slot must be "
+                "allocated in an eager warm-up pass (the capture must repeat the warm-up's calls)"
+            )
+        if len(self.specs) >= self.values.numel():
+            self._grow()
+        slot = len(self.specs)
+        self.specs.append(spec)
+        self.keys.append(key)
+        self.rules.append(rule)
+        self.inject_host.append(False)
+        in_gate = spec.fatal or self._gate_non_fatal
+        self._gate_host.append(in_gate)
+        self.in_gate[slot] = 1.0 if in_gate else 0.0
+        self._slots[key] = slot
+        if rule is not None and rule.kind is RuleKind.LARGE and rule.context not in self._trackers:
+            self._trackers[rule.context] = torch.zeros(2, dtype=torch.float64, device=self.device)
+        return slot
+
+    def _grow(self) -> None:
+        """Double the capacity (eager only: a captured graph keeps writing the old tensors)."""
+        for name in ("values", "written", "rejected", "inject", "in_gate"):
+            old = getattr(self, name)
+            new = torch.zeros(2 * old.numel(), dtype=old.dtype, device=self.device)
+            new[: old.numel()].copy_(old)
+            setattr(self, name, new)
+
+    @property
+    def device_evaluable(self) -> bool:
+        """Whether every slot's rejection is evaluated on the device (the gate then decides)."""
+        return all(rule is not None for rule in self.rules)
+
+    # ----------------------------------------------------------------------------- writes
     def record(self, slot: int, value: torch.Tensor) -> None:
-        """Write a one-element tensor into ``slot`` (device ops only; safe inside capture)."""
+        """Write a one-element tensor into ``slot`` and its device verdict (device ops only)."""
         v = value.detach().reshape(()).to(torch.float64)
         v = torch.where(self.inject[slot], math.nan, v)
         self.values[slot].copy_(v)
         self.written[slot].fill_(1.0)
-
-    def begin(self, inject_mask: list[bool]) -> None:
-        """Machine hook before a run: clear the written flags; upload the mask only on change.
-
-        After :meth:`begin_ahead` with the same mask the pass has begun already (its writes may
-        have landed): nothing is cleared then.
-        """
-        if self._begun_ahead and inject_mask == self.inject_host:
-            self._begun_ahead = False
+        rule = self.rules[slot]
+        if rule is None:
             return
-        self._begun_ahead = False
-        self.written.zero_()
+        if rule.kind is RuleKind.NAN:
+            verdict = torch.isnan(v)
+        elif rule.kind is RuleKind.INF:
+            verdict = torch.isinf(v)
+        else:
+            verdict = self._large(rule, v)
+        self.rejected[slot].copy_(verdict | self.inject[slot])
+
+    def _large(self, rule: DeviceRule, v: torch.Tensor) -> torch.Tensor:
+        """``is_unexpectedly_large`` on the device: sample the max of the first ``num_samples``
+        finite values of the context, then reject ``|v| >= threshold x max``."""
+        tracker = self._trackers[rule.context]
+        count, peak = tracker[0], tracker[1]
+        a = v.abs()
+        finite = torch.isfinite(a)
+        sampling = count < rule.num_samples
+        verdict = finite & ~sampling & (a >= peak * rule.threshold)
+        update = finite & sampling
+        peak.copy_(torch.where(update, torch.maximum(peak, a), peak))
+        count.add_(update.to(torch.float64))
+        return verdict
+
+    def update_gate(self, group: dist.ProcessGroup | None = None) -> None:
+        """Set ``gate`` to 1.0 when a written slot of this pass was rejected on the device (and
+        counts for the gate), else 0.0; max-reduced across ``group`` (device work only)."""
+        n = len(self.specs)
+        if n == 0:
+            self.gate.zero_()
+            return
+        hits = self.written[:n] * self.rejected[:n] * self.in_gate[:n]
+        self.gate.copy_(hits.amax() > 0)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(self.gate, op=dist.ReduceOp.MAX, group=group)
+
+    # ------------------------------------------------------------------------ pass control
+    def begin(self, inject_mask: list[bool], *, adopt_ahead: bool = False) -> None:
+        """Machine hook before a pass: clear the written flags, upload the mask on change.
+
+        ``adopt_ahead``: the pass was begun by :meth:`begin_ahead` (its writes may have landed):
+        nothing is cleared.
+        """
+        begun, self._begun_ahead = self._begun_ahead, False
+        if not (adopt_ahead and begun):
+            self.written.zero_()
         if inject_mask != self.inject_host:
-            self.inject[: len(inject_mask)].copy_(torch.tensor(inject_mask, dtype=torch.bool))
+            n = len(inject_mask)
+            self.inject[:n].copy_(torch.tensor(inject_mask, dtype=torch.bool))
             self.inject_host = list(inject_mask)
+
+    def set_gate_policy(self, gate_non_fatal: bool) -> None:
+        """Which slots the gate counts: all (validate_results reruns on any rejection) or only
+        fatal ones (disabled mode only raises on those). Uploads only on change."""
+        self._gate_non_fatal = gate_non_fatal
+        wanted = [spec.fatal or gate_non_fatal for spec in self.specs]
+        if wanted != self._gate_host and wanted:
+            self.in_gate[: len(wanted)].copy_(torch.tensor(wanted, dtype=torch.float64))
+        self._gate_host = wanted
 
     def snapshot(self) -> None:
         """Freeze this pass's values for the machine's next read, without waiting.
 
-        For a speculative launch of the next forward-backward before this pass is read: the
+        For a look-ahead launch of the next forward-backward before this pass is read: the
         values are copied (stream-ordered, to pinned memory on CUDA) and the next read uses the
         copy, so the next pass may overwrite the buffer meanwhile.
         """
         n = len(self.specs)
-        flat = torch.cat([self.values[:n], self.written[:n]])
+        flat = torch.cat([self.values[:n], self.written[:n], self.rejected[:n]])
         if not flat.is_cuda:
             self._snapshot = (flat.clone(), None)
             return
@@ -193,15 +356,42 @@ class ValidationBuffer:
         self.written.zero_()
         self._begun_ahead = True
 
+    def drop_ahead(self) -> None:
+        """Forget a pass begun ahead (its launch was discarded): the next begin clears."""
+        self._begun_ahead = False
+
     def take_snapshot(self) -> list[float] | None:
-        """Host values then written flags of the last :meth:`snapshot` (consumed), or None."""
+        """Host values, written flags and verdicts of the last :meth:`snapshot` (consumed)."""
         if self._snapshot is None:
             return None
         host, event = self._snapshot
         self._snapshot = None
         if event is not None:
-            event.synchronize()  # deliberate: waits only for the copy, not for later work
+            event.synchronize()  # Deliberate sync: waits only for the copy, not for later work.
         return host.tolist()
+
+    # ---------------------------------------------------------------------------- trackers
+    def save_trackers(self) -> dict[str, torch.Tensor]:
+        """Device copies of the large-value trackers (no sync), to undo a pass's updates."""
+        return {ctx: t.clone() for ctx, t in self._trackers.items()}
+
+    def restore_trackers(self, saved: dict[str, torch.Tensor]) -> None:
+        """Put the trackers back in place (``copy_``: a captured graph keeps their addresses)."""
+        for ctx, t in saved.items():
+            if ctx in self._trackers:
+                self._trackers[ctx].copy_(t)
+
+    def tracker_state(self) -> dict[str, list[float]]:
+        """Host ``[count, max]`` per context (a sync: checkpoint time only)."""
+        return {ctx: [float(x) for x in t.tolist()] for ctx, t in self._trackers.items()}
+
+    def load_tracker_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`tracker_state` (contexts not yet known are created)."""
+        for ctx, (count, peak) in state.items():
+            tracker = self._trackers.setdefault(
+                ctx, torch.zeros(2, dtype=torch.float64, device=self.device)
+            )
+            tracker.copy_(torch.tensor([float(count), float(peak)], dtype=torch.float64))
 
 
 def read_values(
@@ -217,7 +407,7 @@ def read_values(
     for b in used:
         n = len(b.specs)
         if snapshots[id(b)] is None:
-            parts += [b.values[:n], b.written[:n]]
+            parts += [b.values[:n], b.written[:n], b.rejected[:n]]
     host: list[float] = []
     if parts:
         device = parts[0].device
@@ -235,13 +425,20 @@ def read_values(
     for b in used:
         n = len(b.specs)
         snapshot = snapshots[id(b)]
-        if snapshot is not None:
-            vals, written = snapshot[:n], snapshot[n:]
-        else:
-            vals, written = host[pos : pos + n], host[pos + n : pos + 2 * n]
-            pos += 2 * n
-        for i in range(n):
-            if written[i] > 0.5:
-                rec = ValidationRecord(b.keys[i], b.specs[i], vals[i], b.inject_host[i])
-                items.append((rec, vals[i]))
+        if snapshot is None:
+            snapshot, pos = host[pos : pos + 3 * n], pos + 3 * n
+        items += _buffer_items(b, snapshot, n)
+    return items
+
+
+def _buffer_items(
+    b: ValidationBuffer, flat: list[float], n: int
+) -> list[tuple[ValidationRecord, float]]:
+    vals, written, rejected = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
+    items = []
+    for i in range(n):
+        if written[i] > 0.5:
+            verdict = rejected[i] > 0.5 if b.rules[i] is not None else None
+            rec = ValidationRecord(b.keys[i], b.specs[i], vals[i], b.inject_host[i], verdict)
+            items.append((rec, vals[i]))
     return items

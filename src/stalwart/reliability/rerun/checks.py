@@ -1,20 +1,26 @@
-"""Ready-made validation points for a training loop: loss and gradients.
+"""Ready-made validation points for a training loop: loss and gradients, evaluated on the device.
 
-None of these syncs: each records device scalars on the machine, which reads them once per
-iteration. Messages, tolerances and fatality follow Megatron (loss: tolerance 0, the forward is
-deterministic; grads: tolerance 1e-3 for non-deterministic backward kernels).
+None of these syncs: each records device scalars into the machine's buffer, which the machine
+reads once per iteration (and which can gate the optimizer step on the device). Messages,
+tolerances and fatality follow Megatron (loss: tolerance 0, the forward is deterministic; grads:
+tolerance 1e-3 for non-deterministic backward kernels). Gradient checks run per bucket, before
+the data-parallel reduction, as Megatron's ``check_grads`` does.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from stalwart.reliability.rerun.config import RerunConfig
-from stalwart.reliability.rerun.machine import RerunStateMachine
+from stalwart.reliability.rerun.buffer import INF_RULE, NAN_RULE, DeviceRule, RuleKind
+from stalwart.reliability.rerun.types import CheckConfig
+
+if TYPE_CHECKING:
+    from stalwart.reliability.rerun.config import RerunConfig
+    from stalwart.reliability.rerun.machine import RerunStateMachine
 
 NAN_LOSS_MESSAGE = "found NaN in local forward loss calculation"
 INF_LOSS_MESSAGE = "found Inf in local forward loss calculation"
@@ -24,32 +30,65 @@ NAN_GRAD_MESSAGE = f"found NaN in local grad norm {_GRAD_WHERE}"
 INF_GRAD_MESSAGE = f"found Inf in local grad norm {_GRAD_WHERE}"
 LARGE_GRAD_MESSAGE = f"found unexpected large grads {_GRAD_WHERE}"
 GRAD_TOLERANCE = 1e-3
+# Default DDP bucket size (torch's bucket_cap_mb=25): the fixed layout of the gradient checks.
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def grad_message(kind: str, bucket: int | None) -> str:
+    """Megatron's gradient check message (``kind``: NaN, Inf or large), naming the bucket when
+    there is more than one."""
+    if kind == "large":
+        where = _GRAD_WHERE if bucket is None else f"in bucket #{bucket} {_GRAD_WHERE}"
+        return f"found unexpected large grads {where}"
+    where = _GRAD_WHERE if bucket is None else f"for bucket #{bucket} {_GRAD_WHERE}"
+    return f"found {kind} in local grad norm {where}"
+
+
+class DeviceChecker(Protocol):
+    """What the check helpers record into (the rerun state machine)."""
+
+    def check_on_device(
+        self,
+        value: torch.Tensor,
+        rule: DeviceRule,
+        message: str,
+        tolerance: float = 0.0,
+        fatal: bool = True,
+    ) -> None: ...
+
+
+def record_loss_checks(sm: DeviceChecker, loss: torch.Tensor, checks: CheckConfig) -> None:
+    """NaN/Inf (fatal, tolerance 0) and spiky-loss (non-fatal) checks of a local loss."""
+    value = loss.detach()
+    if checks.nan_and_inf:
+        sm.check_on_device(value, NAN_RULE, NAN_LOSS_MESSAGE, tolerance=0.0, fatal=True)
+        sm.check_on_device(value, INF_RULE, INF_LOSS_MESSAGE, tolerance=0.0, fatal=True)
+    if checks.spiky_loss:
+        rule = DeviceRule(RuleKind.LARGE, "loss", checks.spiky_loss_factor, checks.large_samples)
+        sm.check_on_device(value, rule, SPIKY_LOSS_MESSAGE, tolerance=0.0, fatal=False)
+
+
+def record_grad_checks(
+    sm: DeviceChecker, norm: torch.Tensor, checks: CheckConfig, bucket: int | None = None
+) -> None:
+    """NaN/Inf (fatal) and large-grads (non-fatal) checks of a *local* (pre-reduction) norm."""
+    if checks.nan_and_inf:
+        sm.check_on_device(norm, NAN_RULE, grad_message("NaN", bucket), tolerance=GRAD_TOLERANCE)
+        sm.check_on_device(norm, INF_RULE, grad_message("Inf", bucket), tolerance=GRAD_TOLERANCE)
+    if checks.large_grads:
+        rule = DeviceRule(RuleKind.LARGE, "grads", checks.large_grads_factor, checks.large_samples)
+        message = grad_message("large", bucket)
+        sm.check_on_device(norm, rule, message, tolerance=GRAD_TOLERANCE, fatal=False)
 
 
 def check_loss(sm: RerunStateMachine, loss: torch.Tensor, config: RerunConfig) -> None:
     """NaN/Inf (fatal, tolerance 0) and spiky-loss (non-fatal) checks of a local loss."""
-    if config.check_for_nan_in_loss_and_grad:
-        sm.validate_result(loss, torch.isnan, NAN_LOSS_MESSAGE, tolerance=0.0, fatal=True)
-        sm.validate_result(loss, torch.isinf, INF_LOSS_MESSAGE, tolerance=0.0, fatal=True)
-    if config.check_for_spiky_loss:
-        spiky = functools.partial(
-            sm.is_unexpectedly_large, threshold=config.spiky_loss_factor, context="loss"
-        )
-        sm.validate_result(loss, spiky, SPIKY_LOSS_MESSAGE, tolerance=0.0, fatal=False)
+    record_loss_checks(sm, loss, config.checks)
 
 
 def check_grad_norm(sm: RerunStateMachine, grad_norm: torch.Tensor, config: RerunConfig) -> None:
     """NaN/Inf (fatal) and large-grads (non-fatal) checks of a *local* (pre-reduction) grad norm."""
-    if config.check_for_nan_in_loss_and_grad:
-        sm.validate_result(grad_norm, torch.isnan, NAN_GRAD_MESSAGE, tolerance=GRAD_TOLERANCE)
-        sm.validate_result(grad_norm, torch.isinf, INF_GRAD_MESSAGE, tolerance=GRAD_TOLERANCE)
-    if config.check_for_large_grads:
-        large = functools.partial(
-            sm.is_unexpectedly_large, threshold=config.large_grads_factor, context="grads"
-        )
-        sm.validate_result(
-            grad_norm, large, LARGE_GRAD_MESSAGE, tolerance=GRAD_TOLERANCE, fatal=False
-        )
+    record_grad_checks(sm, grad_norm, config.checks)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -67,41 +106,96 @@ def local_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(torch.float64) for n in norms]))
 
 
+def bucket_layout(
+    parameters: Sequence[torch.nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[int]:
+    """Bucket index of every parameter: DDP's initial layout (reverse order, ``bucket_bytes``).
+
+    Fixed for the whole job, whatever DDP rebuilds after its first iteration, so the checks of
+    an iteration and of its rerun (also after a restart) are the same calls.
+    """
+    index = [0] * len(parameters)
+    bucket, filled = 0, 0
+    for i in reversed(range(len(parameters))):
+        size = parameters[i].numel() * parameters[i].element_size()
+        if filled and filled + size > bucket_bytes:
+            bucket, filled = bucket + 1, 0
+        index[i] = bucket
+        filled += size
+    return index
+
+
+class GradCheckState:
+    """Per-bucket gradient checks of the local gradients (DDP comm hook or after backward).
+
+    Each backward's per-parameter norms are summed into the fixed buckets of
+    :func:`bucket_layout`; once all are in, one check per bucket is recorded. With DDP this runs
+    in the comm hook, before each bucket's all-reduce averages the gradients.
+    """
+
+    def __init__(
+        self,
+        sm: RerunStateMachine,
+        parameters: Sequence[torch.nn.Parameter],
+        process_group: dist.ProcessGroup | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        self.sm = sm
+        self.process_group = process_group
+        self.params = [p for p in parameters if p.requires_grad]
+        layout = bucket_layout(self.params, bucket_bytes)
+        self.num_buckets = max(layout, default=-1) + 1
+        self._bucket_of = {id(p): b for p, b in zip(self.params, layout, strict=True)}
+        self._sum_sq: torch.Tensor | None = None
+        # Bucket index tensors per DDP bucket, made in the first (eager) backward: a capture
+        # must not copy from the host.
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def add_grads(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """Accumulate squared norms of ``grads`` (of ``params``) into their buckets."""
+        if not grads:
+            return
+        device = grads[0].device
+        if self._sum_sq is None:
+            self._sum_sq = torch.zeros(self.num_buckets, dtype=torch.float64, device=device)
+        norms = torch._foreach_norm([_local(g) for g in grads])
+        squares = torch.stack([n.to(torch.float64) for n in norms]) ** 2
+        ids = tuple(id(p) for p in params)
+        index = self._index.get(ids)
+        if index is None:
+            buckets = [self._bucket_of[i] for i in ids]
+            index = self._index[ids] = torch.tensor(buckets, device=device)
+        self._sum_sq.index_add_(0, index, squares)
+
+    def finish(self) -> None:
+        """Record one check per bucket (device work only) and start over."""
+        if self._sum_sq is None:
+            return
+        norms, self._sum_sq = self._sum_sq.sqrt(), None
+        for bucket in range(self.num_buckets):
+            self.sm.check_grad_norm(norms[bucket], bucket if self.num_buckets > 1 else None)
+
+    def check_after_backward(self) -> None:
+        """Without DDP: check the local gradients now (after backward, before any step)."""
+        params = [p for p in self.params if p.grad is not None]
+        self.add_grads(params, [p.grad for p in params])  # type: ignore[misc]
+        self.finish()
+
+
 def check_grads(
     sm: RerunStateMachine, parameters: Iterable[torch.nn.Parameter], config: RerunConfig
 ) -> None:
     """Without DDP: check the local gradients after backward, before any reduction or step."""
-    if config.check_for_nan_in_loss_and_grad or config.check_for_large_grads:
+    if config.checks.grads:
         check_grad_norm(sm, local_grad_norm(parameters), config)
-
-
-class GradCheckState:
-    """State of the DDP comm hook: accumulates bucket norms, validates on the last bucket.
-
-    One check per backward (not per bucket) keeps call identities stable when DDP rebuilds its
-    buckets after the first iteration, which an in-place rerun of iteration 0 would otherwise see.
-    """
-
-    def __init__(
-        self, sm: RerunStateMachine, config: RerunConfig, process_group: dist.ProcessGroup | None
-    ) -> None:
-        self.sm = sm
-        self.config = config
-        self.process_group = process_group
-        self.sum_sq: torch.Tensor | None = None
-
-    def add_bucket(self, buffer: torch.Tensor, is_last: bool) -> None:
-        sq = torch.linalg.vector_norm(buffer.detach(), dtype=torch.float64) ** 2
-        self.sum_sq = sq if self.sum_sq is None else self.sum_sq + sq
-        if is_last:
-            norm, self.sum_sq = self.sum_sq.sqrt(), None
-            check_grad_norm(self.sm, norm, self.config)
 
 
 def _grad_check_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     # Left unannotated on purpose: DDP inspects the signature and rejects string annotations.
     buffer = bucket.buffer()
-    state.add_bucket(buffer, bucket.is_last())
+    state.add_grads(bucket.parameters(), bucket.gradients())
+    if bucket.is_last():
+        state.finish()
     group = state.process_group
     buffer.div_(dist.get_world_size(group))
     fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
@@ -110,23 +204,33 @@ def _grad_check_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 def grad_check_comm_hook(
     sm: RerunStateMachine,
-    config: RerunConfig,
+    parameters: Sequence[torch.nn.Parameter],
     process_group: dist.ProcessGroup | None = None,
 ) -> tuple[GradCheckState, object]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
-    The hook checks the local gradients of each backward for NaN/Inf (and large grads) on device
-    before the all-reduce, then averages them like DDP's default hook.
+    The hook checks the local gradients of each backward per bucket for NaN/Inf (and large
+    grads) on the device before the all-reduce, then averages them like DDP's default hook.
     """
-    return GradCheckState(sm, config, process_group), _grad_check_allreduce_hook
+    return GradCheckState(sm, parameters, process_group), _grad_check_allreduce_hook
 
 
 def register_grad_check_hook(
     ddp_model: torch.nn.parallel.DistributedDataParallel,
     sm: RerunStateMachine,
-    config: RerunConfig,
+    config: Any = None,
     process_group: dist.ProcessGroup | None = None,
-) -> None:
-    """Register :func:`grad_check_comm_hook` on a DDP model (before the first backward)."""
-    state, hook = grad_check_comm_hook(sm, config, process_group)
+) -> GradCheckState:
+    """Register :func:`grad_check_comm_hook` on a DDP model (before the first backward).
+
+    ``config`` (a ``RerunConfig``) is accepted for compatibility; the machine's ``checks`` say
+    which checks run.
+    """
+    del config
+    params = list(ddp_model.module.parameters())
+    # The same bucket size as DDP's, so the fixed layout is its initial one.
+    size = int(getattr(ddp_model, "bucket_bytes_cap", DEFAULT_BUCKET_BYTES))
+    state = GradCheckState(sm, params, process_group, bucket_bytes=size)
+    hook = _grad_check_allreduce_hook
     ddp_model.register_comm_hook(state, hook)  # type: ignore[arg-type]
+    return state

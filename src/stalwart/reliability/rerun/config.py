@@ -7,12 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.machine import RerunStateMachine
+from stalwart.reliability.rerun.machine import Agreement, RerunStateMachine
 from stalwart.reliability.rerun.tracker import read_iterations_to_skip
-from stalwart.reliability.rerun.types import RerunDiagnostic, RerunMode
+from stalwart.reliability.rerun.types import CheckConfig, RerunDiagnostic, RerunMode
 
 
 @dataclass(kw_only=True)
@@ -110,6 +111,36 @@ class RerunConfig:
     def injection_type(self) -> RerunDiagnostic:
         return RerunDiagnostic.parse(self.error_injection_type)
 
+    @property
+    def checks(self) -> CheckConfig:
+        """The loss and gradient checks these flags turn on."""
+        return CheckConfig(
+            nan_and_inf=self.check_for_nan_in_loss_and_grad,
+            spiky_loss=self.check_for_spiky_loss,
+            large_grads=self.check_for_large_grads,
+            spiky_loss_factor=self.spiky_loss_factor,
+            large_grads_factor=self.large_grads_factor,
+        )
+
+    def build(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        state_save_func: Callable[[], Any] | None = None,
+        state_restore_func: Callable[[Any], None] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        agreement: Agreement | None = None,
+    ) -> RerunStateMachine:
+        """The machine (and its injector) these flags describe, its device buffer on ``device``."""
+        return make_state_machine(
+            self,
+            state_save_func=state_save_func,
+            state_restore_func=state_restore_func,
+            process_group=process_group,
+            agreement=agreement,
+            device=device,
+        )
+
 
 def _all_ints_at_least(values: list[int], low: int) -> bool:
     return all(not isinstance(v, bool) and isinstance(v, int) and v >= low for v in values)
@@ -130,6 +161,8 @@ def make_state_machine(
     state_save_func: Callable[[], Any] | None = None,
     state_restore_func: Callable[[Any], None] | None = None,
     process_group: dist.ProcessGroup | None = None,
+    agreement: Agreement | None = None,
+    device: torch.device | str | None = None,
 ) -> RerunStateMachine:
     """Build the machine (and its injector) described by ``config``."""
     injector = RerunErrorInjector(
@@ -151,4 +184,7 @@ def make_state_machine(
         state_save_func=state_save_func,
         state_restore_func=state_restore_func,
         process_group=process_group,
+        checks=config.checks,
+        agreement=agreement,
+        device=device,
     )

@@ -12,13 +12,21 @@ T = TypeVar("T")
 class RerunDataIterator(Generic[T]):
     """Wraps an iterable; remembers what one iteration consumed so a rerun sees the same data.
 
-    The state machine calls :meth:`advance` when a new iteration starts (drops the buffer) and
-    :meth:`rewind` before a rerun (replays the buffer from the start). Each buffered item is a
-    shallow copy, so a consumer that mutates a batch dict does not corrupt the replay.
+    The state machine calls :meth:`advance` when a new iteration starts (drops the buffer),
+    :meth:`rewind` before a rerun (replays the buffer from the start) and :meth:`commit` when an
+    iteration is accepted. Each buffered item is a shallow copy, so a consumer that mutates a
+    batch dict does not corrupt the replay.
 
-    :meth:`peek` reads the *next* iteration's items ahead (for a speculative launch of its
+    :meth:`peek` reads the *next* iteration's items ahead (for a look-ahead launch of its
     forward-backward): after the next :meth:`advance` the same objects are served first, and
     recorded as usual; a rerun of the current iteration does not see them.
+
+    Checkpoint state (:meth:`state_dict`): the position at the start of the first iteration not
+    yet accepted, so a checkpoint written while an iteration is being validated (the exit-16
+    one) resumes that iteration. When the wrapped iterable is resumable itself (its
+    ``state_dict(unconsumed_microbatches=n)`` describes it as if its last ``n`` items had not
+    been read, e.g. :class:`stalwart.data.MicroBatchIterator`), its state is saved and loaded;
+    otherwise loading skips ``position`` items of a fresh iterable.
 
     Args:
         iterable: any iterable (``iter()`` is applied) or iterator.
@@ -26,6 +34,7 @@ class RerunDataIterator(Generic[T]):
     """
 
     def __init__(self, iterable: Iterable[T], *, record: bool = True) -> None:
+        self.source: Any = iterable
         self.iterable: Iterator[T] = iter(iterable)
         self.record = record
         self.saved_microbatches: list[T] = []
@@ -33,6 +42,9 @@ class RerunDataIterator(Generic[T]):
         self.replay_pos = 0
         self._ahead: list[T] = []  # read by peek(), for the next iteration
         self._prefetched: list[T] = []  # this iteration's items read ahead by peek()
+        self._pulled = 0  # items taken from the iterable
+        self._committed = 0  # items of accepted iterations
+        self._current = 0  # items served (first time) in the current iteration
 
     def __iter__(self) -> RerunDataIterator[T]:
         return self
@@ -47,9 +59,15 @@ class RerunDataIterator(Generic[T]):
             item = self.saved_microbatches[self.replay_pos]
             self.replay_pos += 1
             return item
-        item = self._prefetched.pop(0) if self._prefetched else next(self.iterable)
+        item = self._prefetched.pop(0) if self._prefetched else self._pull()
+        self._current += 1
         if self.record:
             self.saved_microbatches.append(copy.copy(item))
+        return item
+
+    def _pull(self) -> T:
+        item = next(self.iterable)
+        self._pulled += 1
         return item
 
     def rewind(self) -> None:
@@ -62,25 +80,46 @@ class RerunDataIterator(Generic[T]):
         self.replaying = False
         self.replay_pos = 0
         self.saved_microbatches = []
+        self._current = 0
         self._prefetched, self._ahead = self._prefetched + self._ahead, []
+
+    def commit(self) -> None:
+        """The current iteration is accepted: its items count as consumed for checkpoints."""
+        self._committed += self._current
+        self._current = 0
+
+    @property
+    def position(self) -> int:
+        """Items of the accepted iterations (where a resumed run starts reading)."""
+        return self._committed
 
     def peek(self, count: int) -> list[T]:
         """The next iteration's first ``count`` items, read ahead: after :meth:`advance` the
         same objects are served first. Call once the current iteration has read its items."""
         self._ahead, self._prefetched = self._prefetched + self._ahead, []
         while len(self._ahead) < count:
-            self._ahead.append(next(self.iterable))
+            self._ahead.append(self._pull())
         return self._ahead[:count]
 
     def state_dict(self) -> dict[str, Any]:
-        """The replay buffer and position (not the underlying iterator's position)."""
-        return {
-            "saved_microbatches": list(self.saved_microbatches),
-            "replaying": self.replaying,
-            "replay_pos": self.replay_pos,
-        }
+        """``{"position": n}`` (+ ``"source"``: the resumable iterable's state at that point)."""
+        state: dict[str, Any] = {"position": self._committed}
+        source_state = getattr(self.source, "state_dict", None)
+        if callable(source_state):
+            state["source"] = source_state(unconsumed_microbatches=self._pulled - self._committed)
+        return state
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.saved_microbatches = list(sd["saved_microbatches"])
-        self.replaying = bool(sd["replaying"])
-        self.replay_pos = int(sd["replay_pos"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state["position"]`` (call before the first item is read)."""
+        position = int(state["position"])
+        load = getattr(self.source, "load_state_dict", None)
+        if "source" in state and callable(load):
+            load(state["source"])
+            self.iterable = iter(self.source)
+        else:
+            for _ in range(position - self._pulled):
+                self._pull()
+        self.saved_microbatches, self._ahead, self._prefetched = [], [], []
+        self.replaying, self.replay_pos = False, 0
+        self._pulled = self._committed = position
+        self._current = 0

@@ -101,15 +101,17 @@ class RerunErrorInjector:
         self.pending = None
 
     def state_dict(self) -> dict[str, Any]:
+        """JSON-friendly: lists, strings and numbers."""
         pending = None
         if self.pending is not None:
             key, kind, ident = self.pending
-            pending = (key, kind.value, ident)
+            pending = [list(key), kind.value, list(ident)]
+        version, internal, gauss = self._rng.getstate()
         return {
             "error_injection_rate": self.error_injection_rate,
             "error_injection_type": self.error_injection_type.value,
             "pending": pending,
-            "rng": self._rng.getstate(),
+            "rng": [version, list(internal), gauss],
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -121,4 +123,5 @@ class RerunErrorInjector:
         else:
             self.pending = None
         if sd.get("rng") is not None:
-            self._rng.setstate(sd["rng"])
+            version, internal, gauss = sd["rng"]
+            self._rng.setstate((version, tuple(internal), gauss))

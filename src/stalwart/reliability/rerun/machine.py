@@ -3,74 +3,62 @@
 Per iteration the loop does (see :meth:`RerunStateMachine.should_run_forward_backward`)::
 
     while sm.should_run_forward_backward(data_iterator, iteration=it):   # 1 or 2 passes
-        zero grads; forward/backward calling sm.validate_result(...)       # records only
+        zero grads; forward/backward calling sm.check_loss(loss) ...       # records only
     should_checkpoint, should_exit, exit_code = sm.should_checkpoint_and_exit()
     if should_exit: save a checkpoint if should_checkpoint; exit(exit_code)  # no optimizer step
     optimizer.step()
 
-``validate_result`` never syncs. The second call of ``should_run_forward_backward`` reads every
-recorded value in one deliberate host sync, evaluates the checks on the host, and agrees with the
-other ranks in one collective before changing state.
+``stalwart.loop.GuardedStep`` runs this protocol for any model (with a device-gated optimizer
+step and the next iteration launched before the read). Recording never syncs. The second call
+of ``should_run_forward_backward`` reads every recorded value in one deliberate host sync and
+agrees with the other ranks in one collective before changing state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from stalwart.distributed import collectives
+from stalwart.reliability.rerun.ahead import AheadMixin
 from stalwart.reliability.rerun.buffer import (
-    CheckSpec,
+    INF_RULE,
+    NAN_RULE,
     ValidationBuffer,
     ValidationRecord,
-    as_scalar,
-    evaluate_comparison,
-    evaluate_rejection,
-    host_predicate,
     read_values,
 )
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
 from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.rng import RngStateTracker, capture_rng_state, restore_rng_state
-from stalwart.reliability.rerun.stats import (
-    LargeValueTracker,
-    QuickStats,
-    compare_floats,
-    host_float,
-)
+from stalwart.reliability.rerun.passes import Ahead, Records, Saved
+from stalwart.reliability.rerun.recording import RecordingMixin
+from stalwart.reliability.rerun.rng import RngStateTracker, restore_rng_state
+from stalwart.reliability.rerun.stats import LargeValueTracker
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
     CallKey,
-    Identity,
-    RerunDiagnostic,
+    CheckConfig,
     RerunMode,
     RerunState,
-    RerunValidationStatus,
-    device_identity,
+    RerunVerdict,
 )
 from stalwart.reliability.rerun.verdicts import Event, EventMixin
 
 logger = logging.getLogger(__name__)
 
-_RERUNS = (RerunState.RERUNNING_IN_PLACE, RerunState.RERUNNING_FROM_CHECKPOINT)
+Agreement = Callable[[list[bool]], list[bool]]
+"""Element-wise OR of per-rank flags across ranks (one collective)."""
 
 
-@dataclass
-class _Saved:
-    rng: dict[str, Any]
-    extra: Any
-
-
-class RerunStateMachine(EventMixin):
+class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
     """Instance-scoped rerun state machine (no singleton); see the module docstring for the loop.
 
     Args:
@@ -81,6 +69,11 @@ class RerunStateMachine(EventMixin):
         state_restore_func: restores what ``state_save_func`` returned before a rerun.
         process_group: group whose ranks must agree (default: world).
         rng_tracker: extra named generators to snapshot with python/numpy/torch/CUDA ones.
+        checks: what :meth:`check_loss` and :meth:`check_grad_norm` record.
+        agreement: the cross-rank OR of the verdict flags (default: one all-reduce over
+            ``process_group``); a loop may pass one that carries its exit inputs along.
+        device: where :attr:`buffer` lives, once a device check needs it (default: the device
+            of the first device check). No check, no buffer: nothing is computed or read.
     """
 
     REPORTING_INTERVAL_ITERATIONS = 2
@@ -95,6 +88,9 @@ class RerunStateMachine(EventMixin):
         process_group: dist.ProcessGroup | None = None,
         *,
         rng_tracker: RngStateTracker | None = None,
+        checks: CheckConfig | None = None,
+        agreement: Agreement | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.mode = RerunMode.parse(mode)
         self.injector = error_injector or RerunErrorInjector()
@@ -107,21 +103,30 @@ class RerunStateMachine(EventMixin):
         self.state_restore_func = state_restore_func
         self.process_group = process_group
         self.rng = rng_tracker or RngStateTracker()
+        self.checks = checks or CheckConfig()
+        self._agree: Agreement = agreement or functools.partial(
+            collectives.all_reduce_any, group=process_group
+        )
         self.state = RerunState.NOT_RUNNING_YET
         self.iteration = -1
-        self.diagnosis: RerunDiagnostic | None = None
+        self.diagnosis = None
         self.event: Event | None = None
-        self.stats: dict[str, QuickStats] = {}
+        self.stats = {}
         self.last_report: str | None = None
-        self._pending: list[ValidationRecord] = []
-        self._seq: dict[tuple[str, str], int] = {}
+        self._records = Records()  # where new records go (the pass begun ahead, if any)
+        self._reading = self._records  # the pass the next read evaluates
+        self._ahead: Ahead | None = None
+        self._buffer: ValidationBuffer | None = None
         self._buffers: list[ValidationBuffer] = []
-        self._saved: _Saved | None = None
+        self._windows_to_load: dict[str, Any] = {}
+        self.device = torch.device(device) if device is not None else None
+        self._saved: Saved | None = None
         self._saved_results: dict[CallKey, float] = {}
         self._large: dict[str, LargeValueTracker] = {}
         self._awaiting_exit = False
         self._announced = False
         self._iteration_set = False
+        self._host_checks = False
         logger.info("RerunStateMachine initialized in mode %s", self.mode.value)
 
     # ----------------------------------------------------------------- identity / configuration
@@ -155,8 +160,28 @@ class RerunStateMachine(EventMixin):
         self.iteration = int(iteration)
         self._iteration_set = True
 
+    @property
+    def buffer(self) -> ValidationBuffer | None:
+        """The machine's one device check buffer (None before the first device check)."""
+        return self._buffer
+
+    def check_buffer(self, device: torch.device) -> ValidationBuffer:
+        """The device check buffer, created on ``device`` on first use."""
+        if self._buffer is None:
+            self._buffer = ValidationBuffer(device, name="")
+            self._buffers.insert(0, self._buffer)
+            if self._windows_to_load:
+                self._buffer.load_tracker_state(self._windows_to_load)
+                self._windows_to_load = {}
+        elif self._buffer.device != torch.device(device):
+            raise ValueError(
+                f"device checks on {device} but the rerun machine's buffer is on "
+                f"{self._buffer.device}: record all checks on one device"
+            )
+        return self._buffer
+
     def attach_buffer(self, buffer: ValidationBuffer) -> None:
-        """Read ``buffer`` in the per-iteration sync (checks written by a captured graph)."""
+        """Also read ``buffer`` (slots declared with ``add_check``) in the per-iteration sync."""
         self._buffers.append(buffer)
 
     def register_generator(
@@ -168,69 +193,16 @@ class RerunStateMachine(EventMixin):
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
         """Disable reruns (e.g. for evaluation). Checks recorded inside are resolved at exit with
-        ``disabled`` semantics: one sync, fatal rejections raise ``RuntimeError``, others warn."""
-        saved = (self.mode, self._pending, self._seq)
-        self.mode, self._pending, self._seq = RerunMode.DISABLED, [], {}
+        ``disabled`` semantics: one sync, fatal rejections raise ``RuntimeError``, others warn.
+        Device checks are evaluated on the host here (the device buffer belongs to training)."""
+        saved = (self.mode, self._records, self._reading, self._host_checks)
+        self.mode, self._host_checks = RerunMode.DISABLED, True
+        self._records = self._reading = Records()
         try:
             yield
             self.resolve()
         finally:
-            self.mode, self._pending, self._seq = saved
-
-    # --------------------------------------------------------------------------- validation
-    def validate_result(
-        self,
-        result: torch.Tensor | float,
-        rejection_func: Callable[..., Any] | None,
-        message: str,
-        comparison_func: Callable[..., Any] | None = None,
-        tolerance: float = 0.0,
-        fatal: bool = True,
-    ) -> None:
-        """Record a check of a scalar ``result``; never syncs (evaluated at the next sync point).
-
-        ``rejection_func(value) -> bool`` says the result is unexpected; ``comparison_func(a, b)``
-        (default :func:`compare_floats`) measures how far a rerun's value is from the initial one;
-        the result is reproducible when that is ``<= tolerance``. Non-fatal checks never stop the
-        job. Must be called between ``should_run_forward_backward`` calls unless disabled.
-        """
-        if self.mode is not RerunMode.DISABLED and self.state is RerunState.NOT_RUNNING_YET:
-            raise RuntimeError(
-                "validate_result called outside the forward-backward pass; "
-                "wrap evaluation in `with rerun_state_machine.disabled():`"
-            )
-        spec = CheckSpec(
-            message, rejection_func, comparison_func or compare_floats, tolerance, fatal
-        )
-        key = self._next_key("", message)
-        value = as_scalar(result)
-        injected = self._inject_decision(key)
-        if injected:
-            value = (
-                torch.full_like(value, math.nan) if isinstance(value, torch.Tensor) else math.nan
-            )
-        self._pending.append(ValidationRecord(key, spec, value, injected))
-
-    @host_predicate
-    def is_unexpectedly_large(
-        self,
-        result: torch.Tensor | float,
-        threshold: float,
-        context: str,
-        num_samples: int = 100,
-        resample: bool = False,
-    ) -> bool:
-        """True when ``|result| >= threshold * max`` of the first ``num_samples`` values of ``context``.
-
-        Meant as a rejection function (``functools.partial(sm.is_unexpectedly_large, threshold=10,
-        context="loss")``): the machine then calls it with host floats at its sync point. Called
-        directly with a device tensor it reads it (a sync). NaN/Inf return False. ``resample``
-        restarts the sampling window.
-        """
-        tracker = self._large.setdefault(context, LargeValueTracker())
-        if resample:
-            tracker.count, tracker.max_value = 0, 0.0
-        return tracker.check(host_float(result), threshold, context, num_samples)
+            self.mode, self._records, self._reading, self._host_checks = saved
 
     def skip_iteration(self, iteration: int) -> None:
         """The loop skips ``iteration`` (``--iterations-to-skip``) without running it.
@@ -239,6 +211,7 @@ class RerunStateMachine(EventMixin):
         an exit 16) is dropped with a warning; otherwise it would replay a later iteration's data
         and compare it with this one's result.
         """
+        self.discard_ahead()
         self.set_iteration(iteration)
         if self.state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
             self._log0(
@@ -252,8 +225,8 @@ class RerunStateMachine(EventMixin):
         """Evaluate checks recorded while disabled (one sync); fatal rejections raise RuntimeError."""
         if self.mode is not RerunMode.DISABLED:
             raise RuntimeError("resolve() is for disabled mode; enabled modes resolve in the loop")
-        items = self._read(include_buffers=False)
-        self._pending, self._seq = [], {}
+        items = read_values(self._reading.pending, [])
+        self._records = self._reading = Records()
         self._apply_without_rerun(items)
 
     # ------------------------------------------------------------------------ state machine
@@ -283,7 +256,7 @@ class RerunStateMachine(EventMixin):
         if state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
             return self._start_rerun_from_checkpoint(iteration)
         if state is RerunState.RERUNNING_FROM_CHECKPOINT:
-            return self._after_rerun_from_checkpoint()
+            return self._after_rerun_from_checkpoint(iterators)
         raise RuntimeError(f"should_run_forward_backward called in state {state.name}")
 
     def allows_step_before_validation(self) -> bool:
@@ -299,27 +272,32 @@ class RerunStateMachine(EventMixin):
 
     def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
         """``(should_checkpoint, should_exit, exit_code)``; on exit the optimizer must not step."""
+        verdict = self.verdict()
+        return verdict.checkpoint, verdict.exit, verdict.exit_code
+
+    def verdict(self) -> RerunVerdict:
+        """The iteration's outcome once its passes are done (logs the exit message once)."""
         if self.mode is not RerunMode.VALIDATE_RESULTS:
-            return False, False, 0
+            return RerunVerdict()
         state = self.state
         if state is RerunState.RERUNNING_IN_PLACE:
             self._log0("Exiting now. The job can be resumed from a previous checkpoint.")
-            return False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+            return RerunVerdict(EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
         if state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
             self._log0(
                 "Saving a checkpoint and exiting now. Please resume the job from this checkpoint "
                 "to rerun the last iteration on a different GPU and establish a diagnostic."
             )
-            return True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE
+            return RerunVerdict(EXIT_CODE_RESUME_TO_DISAMBIGUATE, checkpoint=True)
         if state is RerunState.RERUNNING_FROM_CHECKPOINT:
             self._log0("Exiting now. A checkpoint at the last iteration already exists.")
-            return False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+            return RerunVerdict(EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
         if state is RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT:
             self._log0(
                 "Exiting now. Please resume the job from the same checkpoint on another GPU."
             )
-            return False, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE
-        return False, False, 0
+            return RerunVerdict(EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+        return RerunVerdict()
 
     def _start_iteration(
         self, iterators: list[RerunDataIterator[Any]], iteration: int | None
@@ -331,19 +309,29 @@ class RerunStateMachine(EventMixin):
         self._iteration_set = False
         for it in iterators:
             it.advance()
+        if self.mode is VALIDATE and not self._announced:
+            logger.warning("Result validation enabled")
+            self._announced = True
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.iteration == self.iteration:
+            # Adopt the pass begun ahead: its state was saved before any of its work.
+            self._saved = ahead.saved
+            self.state = RerunState.INITIAL_RUN
+            self._records = self._reading = ahead.records
+            self._begin_buffers(adopt_ahead=True)
+            return True
+        if ahead is not None:
+            self._ahead = ahead
+            self.discard_ahead(restore_rng=False)
         if self.mode is not RerunMode.DISABLED:
-            if self.mode is RerunMode.VALIDATE_RESULTS and not self._announced:
-                logger.warning("Result validation enabled")
-                self._announced = True
-            extra = self.state_save_func() if self.state_save_func is not None else None
-            self._saved = _Saved(capture_rng_state(self.rng), extra)
+            self._saved = self._capture_saved()
         self._enter(RerunState.INITIAL_RUN)
         return True
 
     def _after_initial_run(self, iterators: list[RerunDataIterator[Any]]) -> bool:
         items = self._read()
         if self.mode is RerunMode.DISABLED:
-            self.state = RerunState.NOT_RUNNING_YET
+            self._accept(iterators)
             self._apply_without_rerun(items)
             return False
         if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
@@ -352,9 +340,9 @@ class RerunStateMachine(EventMixin):
             self._begin_rerun(iterators)
             return True
         rejected = self._first_rejection(items)
-        (any_rejected,) = collectives.all_reduce_any([rejected], self.process_group)
+        (any_rejected,) = self._agree([rejected])
         if not any_rejected:
-            self.state = RerunState.NOT_RUNNING_YET
+            self._accept(iterators)
             return False
         self._log0(
             f"Need to rerun iteration {self.iteration + 1} to check the result is reproducible"
@@ -366,11 +354,9 @@ class RerunStateMachine(EventMixin):
         items = self._read()
         if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
             self._record_stats(items)
-            self.state = RerunState.NOT_RUNNING_YET
+            self._accept(iterators)
             return False
-        ckpt, fatal, _cont = collectives.all_reduce_any(
-            list(self._first_rerun_verdict(items)), self.process_group
-        )
+        ckpt, fatal, _cont = self._agree(list(self._first_rerun_verdict(items)))
         # Fatal beats non-fatal on every rank: a "continue" never overrides a fatal request.
         if ckpt or fatal:
             self._restore_state()
@@ -382,7 +368,7 @@ class RerunStateMachine(EventMixin):
             return False
         self._log0("Continuing normal execution because the failed validation was not fatal")
         self._finish_event()
-        self.state = RerunState.NOT_RUNNING_YET
+        self._accept(iterators)
         return False
 
     def _start_rerun_from_checkpoint(self, iteration: int | None) -> bool:
@@ -395,11 +381,9 @@ class RerunStateMachine(EventMixin):
         self._enter(RerunState.RERUNNING_FROM_CHECKPOINT)
         return True
 
-    def _after_rerun_from_checkpoint(self) -> bool:
+    def _after_rerun_from_checkpoint(self, iterators: list[RerunDataIterator[Any]]) -> bool:
         items = self._read()
-        again, fatal, _ = collectives.all_reduce_any(
-            list(self._second_rerun_verdict(items)), self.process_group
-        )
+        again, fatal, _ = self._agree(list(self._second_rerun_verdict(items)))
         if again:
             self._log0("Need to restart the job from the same checkpoint on a different GPU")
             self.state = RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT
@@ -410,10 +394,16 @@ class RerunStateMachine(EventMixin):
             return False
         self._log0("Continuing normal execution because the failed validation was not fatal")
         self._finish_event()
-        self.state = RerunState.NOT_RUNNING_YET
+        self._accept(iterators)
         return False
 
     # ------------------------------------------------------------------------------ helpers
+    def _accept(self, iterators: list[RerunDataIterator[Any]]) -> None:
+        """The iteration is done: its data is consumed for good (checkpoints resume after it)."""
+        self.state = RerunState.NOT_RUNNING_YET
+        for it in iterators:
+            it.commit()
+
     def _sanitize(self, data_iterator: Any) -> list[RerunDataIterator[Any]]:
         if data_iterator is None:
             return []
@@ -430,16 +420,8 @@ class RerunStateMachine(EventMixin):
                 raise TypeError("data iterator is not wrapped with RerunDataIterator")
         return out
 
-    def _next_key(self, scope: str, message: str) -> CallKey:
-        seq = self._seq.get((scope, message), 0) + 1
-        self._seq[(scope, message)] = seq
-        return scope, message, seq
-
-    def _identity(self) -> Identity:
-        return device_identity()
-
     def _inject_decision(self, key: CallKey) -> bool:
-        if self.mode is not RerunMode.VALIDATE_RESULTS or not self.injector.enabled:
+        if self.mode is not VALIDATE or not self.injector.enabled:
             return False
         if self.state is RerunState.INITIAL_RUN:
             return self.injector.maybe_inject(key, self.iteration, self.rank, self._identity())
@@ -448,13 +430,18 @@ class RerunStateMachine(EventMixin):
         return False
 
     def _enter(self, state: RerunState) -> None:
-        """Start a pass: new state, empty record list, buffers cleared with their injection masks."""
+        """Start a pass: new state, empty records, buffers cleared with their injection masks."""
         self.state = state
-        self._pending, self._seq = [], {}
+        self._records = self._reading = Records()
+        self._begin_buffers(adopt_ahead=False)
+
+    def _begin_buffers(self, adopt_ahead: bool) -> None:
         for buf in self._buffers:
-            buf.begin([self._inject_decision(k) for k in buf.keys])
+            buf.set_gate_policy(gate_non_fatal=self.mode is VALIDATE)
+            buf.begin([self._inject_decision(k) for k in buf.keys], adopt_ahead=adopt_ahead)
 
     def _begin_rerun(self, iterators: list[RerunDataIterator[Any]]) -> None:
+        self.discard_ahead(restore_rng=False)  # the rerun restores this iteration's own state
         self._restore_state()
         for it in iterators:
             it.rewind()
@@ -466,50 +453,19 @@ class RerunStateMachine(EventMixin):
         restore_rng_state(self._saved.rng, self.rng)
         if self._saved.extra is not None and self.state_restore_func is not None:
             self.state_restore_func(self._saved.extra)
+        if self._buffer is not None:
+            self._buffer.restore_trackers(self._saved.trackers)
 
-    def _read(self, include_buffers: bool = True) -> list[tuple[ValidationRecord, float]]:
-        return read_values(self._pending, self._buffers if include_buffers else [])
+    def _load_device_windows(self, windows: dict[str, Any]) -> None:
+        if self._buffer is not None:
+            self._buffer.load_tracker_state(windows)
+        else:  # applied when the first device check creates the buffer
+            self._windows_to_load = dict(windows)
 
-    def _apply_without_rerun(self, items: list[tuple[ValidationRecord, float]]) -> None:
-        """Disabled-mode semantics: fatal rejections raise RuntimeError, others warn."""
-        errors = []
-        for rec, v in items:
-            if not evaluate_rejection(rec.spec.rejection_func, v):
-                continue
-            self._track(RerunValidationStatus.RERUN_DISABLED, v, rec.spec.message)
-            text = self._describe(f"Unexpected result {v} (message='{rec.spec.message}')")
-            if rec.spec.fatal:
-                errors.append(text)
-            else:
-                logger.warning(text)
-        if errors:
-            raise RuntimeError("; ".join(errors))
+    def _read(self) -> list[tuple[ValidationRecord, float]]:
+        return read_values(self._reading.pending, self._buffers)
 
-    def _record_stats(self, items: list[tuple[ValidationRecord, float]]) -> None:
-        for rec, v in items:
-            initial = self._saved_results.get(rec.key)
-            if initial is None:
-                raise RuntimeError(f"Result from the initial run missing for {rec.key}")
-            diff = evaluate_comparison(rec.spec.comparison_func, initial, v)
-            self.stats.setdefault(rec.spec.message, QuickStats()).record(diff)
-        self._saved_results = {}
-        if self.iteration % self.REPORTING_INTERVAL_ITERATIONS == 0:
-            self._report_stats()
 
-    def _report_stats(self) -> None:
-        gathered = collectives.all_gather_objects(self.stats, self.process_group)
-        if self.group_rank != 0:
-            self.stats = {}
-            return
-        for other in gathered[1:]:
-            for message, qs in other.items():  # type: ignore[attr-defined]
-                self.stats.setdefault(message, QuickStats()).combine([qs])
-        self.last_report = self.determinism_report()
-        logger.warning(self.last_report)
-
-    def determinism_report(self) -> str:
-        """Percentiles of the relative difference between the two runs, per validation call."""
-        lines = ["Stats on computation determinism in validation calls"]
-        for message, qs in sorted(self.stats.items()):
-            lines.append(f"  From validation call '{message}': {qs.print_stats()}")
-        return "\n".join(lines)
+VALIDATE = RerunMode.VALIDATE_RESULTS
+_RERUNS = (RerunState.RERUNNING_IN_PLACE, RerunState.RERUNNING_FROM_CHECKPOINT)
+__all__ = ["INF_RULE", "NAN_RULE", "Agreement", "RerunStateMachine"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import socket
+from dataclasses import dataclass
 
 import torch
 
@@ -126,3 +127,39 @@ def device_identity() -> Identity:
 def job_id() -> str:
     """Scheduler job id for the tracker file (``N/A`` outside SLURM)."""
     return env_token("SLURM_JOB_ID", "") or env_token("SLURM_JOBID", "") or "N/A"
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """Which checks ``RerunStateMachine.check_loss`` / ``check_grad_norm`` record (Megatron's
+    ``--check-for-nan-in-loss-and-grad``, ``--check-for-spiky-loss``, ``--check-for-large-grads``
+    and their factors)."""
+
+    nan_and_inf: bool = True
+    spiky_loss: bool = False
+    large_grads: bool = False
+    spiky_loss_factor: float = 10.0
+    large_grads_factor: float = 10.0
+    large_samples: int = 100  # the sampling window of both (Megatron's num_samples)
+
+    @property
+    def grads(self) -> bool:
+        """Whether any gradient check is on."""
+        return self.nan_and_inf or self.large_grads
+
+    @property
+    def any(self) -> bool:
+        return self.nan_and_inf or self.spiky_loss or self.large_grads
+
+
+@dataclass(frozen=True)
+class RerunVerdict:
+    """What the machine asks of the loop after an iteration: nothing, or exit with ``exit_code``
+    (16 or 17), after saving a checkpoint of the completed iterations when ``checkpoint``."""
+
+    exit_code: int = 0
+    checkpoint: bool = False
+
+    @property
+    def exit(self) -> bool:
+        return self.exit_code != 0

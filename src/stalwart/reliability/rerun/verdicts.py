@@ -16,12 +16,13 @@ import torch.distributed as dist
 from stalwart.distributed import collectives
 from stalwart.distributed.launch_env import env_int
 from stalwart.reliability.rerun.buffer import (
+    ValidationBuffer,
     ValidationRecord,
     evaluate_comparison,
-    evaluate_rejection,
+    is_rejected,
 )
 from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.stats import LargeValueTracker
+from stalwart.reliability.rerun.stats import LargeValueTracker, QuickStats
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
     CallKey,
@@ -36,6 +37,8 @@ from stalwart.reliability.rerun.types import (
 logger = logging.getLogger(__name__)
 # "3" (a CUDA index) or "cpu:1" -> the index Megatron's failure line shows.
 _DEVICE_INDEX = re.compile(r"(?:[a-z]+:)?(\d+)")
+# Disabled-mode results and determinism statistics keep the machine's logger name (log parsers).
+machine_logger = logging.getLogger("stalwart.reliability.rerun.machine")
 
 STATE_DICT_VERSION = 1
 
@@ -65,6 +68,11 @@ class EventMixin:
     process_group: dist.ProcessGroup | None
     _large: dict[str, LargeValueTracker]
     _awaiting_exit: bool
+    _buffer: ValidationBuffer | None
+    stats: dict[str, QuickStats]
+    last_report: str | None
+    _saved_results: dict[CallKey, float]
+    REPORTING_INTERVAL_ITERATIONS: int
 
     @property
     def rank(self) -> int:
@@ -82,7 +90,7 @@ class EventMixin:
     def _first_rejection(self, items: list[tuple[ValidationRecord, float]]) -> bool:
         """Initial run: the first rejected call of this rank opens an event (later ones ignored)."""
         for rec, v in items:
-            if not (rec.injected or evaluate_rejection(rec.spec.rejection_func, v)):
+            if not is_rejected(rec, v):
                 continue
             spec = rec.spec
             self.event = Event(rec.key, spec.message, spec.fatal, spec.tolerance, v)
@@ -231,16 +239,24 @@ class EventMixin:
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state, identical on every rank (collective: call it on all ranks).
 
-        Always the same structure (steady state included). ``ranks[r]`` holds rank r's failed
-        call, initial result, suspicious identity, identity at save time, injector state and
-        large-value windows; gathered with one ``all_gather_object``. The data position is not
-        included: the checkpoint must hold the loader position of the start of ``iteration``.
+        JSON-friendly (strings, numbers, lists, dicts). Always the same structure (steady state
+        included). ``ranks[r]`` holds rank r's failed call, initial result, suspicious identity,
+        identity at save time, injector state and large-value windows (host and device);
+        gathered with one ``all_gather_object``. The data position is not included: the data
+        iterator's own state gives the start of ``iteration``.
         """
+        event = None
+        if self.event is not None:
+            event = _jsonable(asdict(self.event))
         mine = {
-            "event": asdict(self.event) if self.event is not None else None,
-            "identity": device_identity(),
+            "event": event,
+            "identity": list(device_identity()),
             "injector": self.injector.state_dict(),
-            "large_values": {k: (t.count, t.max_value) for k, t in self._large.items()},
+            "large_values": {k: [t.count, t.max_value] for k, t in self._large.items()},
+            # Deliberate sync (checkpoint time): the device windows of the in-buffer checks.
+            "device_large_values": (
+                self._buffer.tracker_state() if self._buffer is not None else {}
+            ),
         }
         return {
             "version": STATE_DICT_VERSION,
@@ -268,6 +284,9 @@ class EventMixin:
             return
         mine = sd["ranks"][self.group_rank]
         self._large = {k: LargeValueTracker(c, m) for k, (c, m) in mine["large_values"].items()}
+        device_windows = mine.get("device_large_values") or {}
+        if device_windows:
+            self._load_device_windows(device_windows)
         state = RerunState[sd["state"]]
         if state is not RerunState.WILL_RERUN_FROM_CHECKPOINT:
             return
@@ -284,3 +303,64 @@ class EventMixin:
         self.state = state
         self.iteration = int(sd["iteration"])
         self._awaiting_exit = False
+
+    def _load_device_windows(self, windows: dict[str, Any]) -> None:
+        """Overridden by the machine (it owns the buffer)."""
+        del windows
+
+    # --------------------------------------------------------------- disabled mode and stats
+    def _apply_without_rerun(self, items: list[tuple[ValidationRecord, float]]) -> None:
+        """Disabled-mode semantics: fatal rejections raise RuntimeError, others warn."""
+        errors = []
+        for rec, v in items:
+            if not is_rejected(rec, v):
+                continue
+            self._track(RerunValidationStatus.RERUN_DISABLED, v, rec.spec.message)
+            text = self._describe(f"Unexpected result {v} (message='{rec.spec.message}')")
+            if rec.spec.fatal:
+                errors.append(text)
+            else:
+                machine_logger.warning(text)
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    def _record_stats(self, items: list[tuple[ValidationRecord, float]]) -> None:
+        for rec, v in items:
+            initial = self._saved_results.get(rec.key)
+            if initial is None:
+                raise RuntimeError(f"Result from the initial run missing for {rec.key}")
+            diff = evaluate_comparison(rec.spec.comparison_func, initial, v)
+            self.stats.setdefault(rec.spec.message, QuickStats()).record(diff)
+        self._saved_results = {}
+        if self.iteration % self.REPORTING_INTERVAL_ITERATIONS == 0:
+            self._report_stats()
+
+    def _report_stats(self) -> None:
+        gathered = collectives.all_gather_objects(self.stats, self.process_group)
+        if self.group_rank != 0:
+            self.stats = {}
+            return
+        for other in gathered[1:]:
+            for message, qs in other.items():  # type: ignore[attr-defined]
+                self.stats.setdefault(message, QuickStats()).combine([qs])
+        self.last_report = self.determinism_report()
+        machine_logger.warning(self.last_report)
+
+    def determinism_report(self) -> str:
+        """Percentiles of the relative difference between the two runs, per validation call."""
+        lines = ["Stats on computation determinism in validation calls"]
+        for message, qs in sorted(self.stats.items()):
+            lines.append(f"  From validation call '{message}': {qs.print_stats()}")
+        return "\n".join(lines)
+
+    def _identity(self) -> Identity:
+        return device_identity()
+
+
+def _jsonable(value: Any) -> Any:
+    """Tuples as lists, recursively (checkpoint state must be JSON-friendly)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value

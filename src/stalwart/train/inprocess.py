@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from stalwart.config.run import RunConfig
 from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import DistributedContext, choose_device, init_distributed
+from stalwart.reliability.inprocess.policy import FailureKind
 from stalwart.reliability.inprocess.store import RestartStore, StoreAddress
 from stalwart.reliability.inprocess.wrapper import (
     Attempt,
@@ -18,10 +19,7 @@ from stalwart.reliability.inprocess.wrapper import (
     InProcessRestartExhausted,
     RestartOptions,
 )
-
-if TYPE_CHECKING:
-    from stalwart.config.run import RunConfig
-    from stalwart.train.trainer import TrainOutcome
+from stalwart.train.trainer import Trainer, TrainOutcome
 
 
 def trainer_attempt(config: RunConfig) -> Callable[[Attempt], TrainOutcome]:
@@ -32,11 +30,11 @@ def trainer_attempt(config: RunConfig) -> Callable[[Attempt], TrainOutcome]:
     checkpoint. On a fault the wrapper first discards an in-flight async save without collectives
     (abort), then closes the Trainer (finalize).
     """
-    from stalwart.train.trainer import Trainer
 
     def body(attempt: Attempt) -> TrainOutcome:
-        trainer = Trainer(config, attempt.ctx)
-        attempt.on_abort(functools.partial(trainer.c.checkpoint.close, abort=True))
+        trainer = Trainer(config, attempt.ctx, attempt=attempt.index)
+        attempt.on_abort(functools.partial(_record_hang, attempt, trainer))
+        attempt.on_abort(functools.partial(trainer.checkpointer.close, abort=True))
         attempt.before_process_group_abort(trainer.release_graphs)
         attempt.on_finalize(trainer.close)
         attempt.set_progress(lambda: trainer.state.iteration)
@@ -45,6 +43,14 @@ def trainer_attempt(config: RunConfig) -> Callable[[Attempt], TrainOutcome]:
         return outcome
 
     return body
+
+
+def _record_hang(attempt: Attempt, trainer: Trainer) -> None:
+    """A watchdog failure (no progress for --inprocess-soft-timeout) is a hang in the goodput
+    ledger: the interrupted step's time becomes hang-until-detected, not lost work."""
+    record = attempt.monitor.store.failure(attempt.index)
+    if record is not None and record.kind is FailureKind.WATCHDOG:
+        trainer.ledger.fault("hang", record.message)
 
 
 def build_restarter(config: RunConfig) -> InProcessRestarter:

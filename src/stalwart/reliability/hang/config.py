@@ -1,6 +1,6 @@
 """Hang-detection settings: sections, per-section timeouts, ``--ft-timeouts`` parsing and the config.
 
-Split from :mod:`stalwart.reliability.sections` (which re-exports everything here).
+Split from :mod:`stalwart.reliability.hang.sections` (which re-exports everything here).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import signal
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from stalwart.reliability import monitor as hb
+from stalwart.reliability.hang import monitor as hb
+from stalwart.reliability.hang.tiers import Escalation
 
 FT_STATE_FILENAME = "ft_state.json"
 FT_LOG_DIRNAME = "ft_logs"
@@ -117,6 +118,8 @@ class FaultToleranceConfig:
         kill_grace_s: SIGTERM grace before SIGKILL. 0 kills at once: a hung rank cannot run a
             SIGTERM handler usefully, and a flag-only handler would just waste the grace.
         stack_dump_wait_s: how long the monitor waits for the dump to arrive.
+        abort_grace_s: after the hard tier aborted the process groups, how long the rank may
+            take to exit by itself before it is killed (peers blocked in a collective return).
     """
 
     enable_ft: bool = False
@@ -131,6 +134,7 @@ class FaultToleranceConfig:
     stack_dump_signal: str = "SIGUSR2"
     kill_grace_s: float = 0.0
     stack_dump_wait_s: float = 1.0
+    abort_grace_s: float = 2.0
 
     def __post_init__(self) -> None:
         # Only --ft-num-warmup-iters is a flag; the rest are FaultToleranceConfig fields that a
@@ -168,6 +172,11 @@ class FaultToleranceConfig:
             ),
             (_finite(self.kill_grace_s, 0.0), "FaultToleranceConfig.kill_grace_s", "a number >= 0"),
             (
+                _finite(self.abort_grace_s, 0.0),
+                "FaultToleranceConfig.abort_grace_s",
+                "a number >= 0",
+            ),
+            (
                 _finite(self.stack_dump_wait_s, 0.0),
                 "FaultToleranceConfig.stack_dump_wait_s",
                 "a number >= 0",
@@ -182,6 +191,13 @@ class FaultToleranceConfig:
                 f"FaultToleranceConfig.stack_dump_signal: got {self.stack_dump_signal!r}, "
                 f"allowed: {allowed}"
             )
+
+    @property
+    def escalation(self) -> Escalation:
+        """The tiers' timing after a timeout: detection, dump, abort, kill."""
+        return Escalation(
+            self.poll_interval_s, self.stack_dump_wait_s, self.abort_grace_s, self.kill_grace_s
+        )
 
     @property
     def dump_signal(self) -> signal.Signals:

@@ -1,4 +1,4 @@
-"""Mixed precision: autocast context and a dynamic loss scaler for ``--fp16``.
+"""Mixed precision for the guarded step: autocast and a dynamic loss scaler for ``--fp16``.
 
 bf16 needs no scaling. fp16 uses :class:`DynamicLossScaler` (Megatron semantics: start at
 ``--initial-loss-scale``, halve on overflow after ``--hysteresis`` overflows, double after
@@ -14,24 +14,21 @@ from typing import Any
 
 import torch
 
-from stalwart.config.training import TrainingConfig
-
 
 def autocast_context(
-    config: TrainingConfig, device: torch.device
+    device: torch.device, dtype: torch.dtype | None
 ) -> contextlib.AbstractContextManager[Any]:
-    """Autocast to bf16/fp16 on ``device``; a null context in fp32."""
-    if config.bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    if config.fp16:
-        return torch.autocast(device_type=device.type, dtype=torch.float16)
-    return contextlib.nullcontext()
+    """Autocast to ``dtype`` (bf16/fp16) on ``device``; a null context for None (fp32)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 class NullLossScaler:
     """fp32/bf16: no scaling, never skips."""
 
     scale: float = 1.0
+    dynamic = False  # an overflow decides on the host (DynamicLossScaler)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
@@ -52,6 +49,8 @@ class NullLossScaler:
 
 class DynamicLossScaler(NullLossScaler):
     """Dynamic loss scaling for fp16 with Megatron's hysteresis semantics."""
+
+    dynamic = True
 
     def __init__(
         self,
@@ -106,14 +105,3 @@ class DynamicLossScaler(NullLossScaler):
             self.scale = float(state["scale"])
             self._hysteresis_left = int(state["hysteresis_left"])
             self._clean_iterations = int(state["clean_iterations"])
-
-
-def build_loss_scaler(config: TrainingConfig) -> NullLossScaler:
-    if config.fp16:
-        return DynamicLossScaler(
-            config.initial_loss_scale,
-            config.min_loss_scale,
-            config.loss_scale_window,
-            config.hysteresis,
-        )
-    return NullLossScaler()

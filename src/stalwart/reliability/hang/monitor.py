@@ -7,7 +7,7 @@ worker's GIL, a stuck CUDA call or a hung collective, because it is a separate p
 
 Protocol
 --------
-The worker (``stalwart.reliability.sections.SectionMonitor``) owns a small memory-mapped file (the
+The worker (``stalwart.reliability.hang.sections.SectionMonitor``) owns a small memory-mapped file (the
 heartbeat record): two slots of layout ``_SLOT``, each the open section, when it opened, when the
 last section closed, the live timeouts, a sequence number and a CRC-32 of all that. A write goes
 to the slot the last write did not use, in one copy, so a complete record is always in the file
@@ -37,22 +37,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
-import faulthandler
 import json
 import math
 import mmap
 import os
+import select
 import shutil
 import signal
 import struct
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import IO
 
 MAGIC = b"STLWHB01"
 SECTION_NAMES: tuple[str, ...] = ("setup", "step", "checkpointing")
@@ -297,20 +294,97 @@ def _write_hang_report(path: str, report: dict[str, object]) -> None:
     os.replace(tmp, path)
 
 
+def _append_goodput_fault(path: str, rank: int, overrun: Overrun) -> None:
+    """A ``fault`` record in the goodput ledger (``stalwart.observability.goodput_records``'s
+    format): the next session splits its downtime into hang-until-detected and restart."""
+    record = {"k": "fault", "t": round(time.time(), 6), "s": f"hang-monitor-rank{rank}",
+              "cause": "hang", "rank": rank,
+              "detail": f"{overrun.section} open {overrun.elapsed_s:.1f} s > {overrun.timeout_s:g} s"}  # fmt: skip
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        with open(path, "rb") as f:  # end a torn last line first, so this record stays readable
+            torn = size > 0 and (f.seek(size - 1), f.read(1))[1] != b"\n"
+        os.write(fd, (b"\n" if torn else b"") + (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _flight_recorder_dump(pipe: str | None, dump: str | None, wait_s: float) -> str:
+    """Ask ProcessGroupNCCL's watchdog thread for a flight-recorder dump through its named pipe
+    (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``); it writes ``dump`` (never read here: it is pickle)."""
+    if not pipe or not os.path.exists(pipe):
+        return "no NCCL flight recorder (not an NCCL job, or TORCH_NCCL_TRACE_BUFFER_SIZE=0)"
+    before = os.path.getmtime(dump) if dump and os.path.exists(dump) else None
+    try:
+        fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(fd, b"1\n")
+        finally:
+            os.close(fd)
+    except OSError as exc:  # ENXIO: no reader (the process group is gone)
+        return f"NCCL flight recorder pipe {pipe}: {exc}"
+    deadline = time.monotonic() + wait_s
+    while dump and time.monotonic() < deadline:
+        if os.path.exists(dump) and os.path.getmtime(dump) != before:
+            return f"NCCL flight recorder dumped to {dump} (read it with torchfrtrace)"
+        time.sleep(0.05)
+    return f"NCCL flight recorder asked through {pipe}; no dump in {wait_s:g} s"
+
+
+def _abort_then_wait(args: argparse.Namespace, log: _Log) -> bool:
+    """Hard tier: ask the worker to abort its process groups; True if it then exited itself.
+
+    The worker answers ``D`` (aborted: give it ``--abort-grace`` to leave) or ``N`` (no process
+    group: kill now); no answer within the grace (its GIL is held) also means kill."""
+    if args.abort_fd < 0:
+        return False
+    try:
+        os.write(args.abort_fd, b"A")
+    except OSError:
+        return not _worker_alive(args.pid, args.parent_pid)
+    deadline = time.monotonic() + args.abort_grace
+    answer = b""
+    if args.abort_reply_fd >= 0:
+        ready, _, _ = select.select([args.abort_reply_fd], [], [], args.abort_grace)
+        answer = os.read(args.abort_reply_fd, 1) if ready else b""
+    if answer == b"N":
+        return False
+    what = "aborted the worker's process groups" if answer == b"D" else "no answer to the abort"
+    log.line(f"hard tier: {what} (peers blocked in a collective return with an error)")
+    while time.monotonic() < deadline:
+        if not _worker_alive(args.pid, args.parent_pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def handle_overrun(args: argparse.Namespace, log: _Log, overrun: Overrun) -> None:
-    """Report the hang, dump stacks, kill the worker. Never raises for a vanished worker."""
+    """Escalate in tiers: soft (goodput fault record, every thread's stack, the NCCL flight
+    recorder), hard (abort the process groups), then kill. Never raises for a vanished worker."""
+    detected = time.time()
     log.line(
         f"HANG: rank {args.rank} (pid {args.pid}) section '{overrun.section}' open for "
-        f"{overrun.elapsed_s:.2f} s > timeout {overrun.timeout_s:.2f} s; dumping stacks, then "
-        "killing the worker so that the launcher restarts the job"
+        f"{overrun.elapsed_s:.2f} s > timeout {overrun.timeout_s:.2f} s; soft tier: dumping "
+        "stacks; then abort the process groups, then kill the worker (the launcher restarts it)"
     )
+    if args.goodput_file:
+        try:
+            _append_goodput_fault(args.goodput_file, args.rank, overrun)
+        except OSError as exc:
+            log.line(f"could not append to {args.goodput_file}: {exc}")
     dump = _collect_stack_dump(args.pid, args.dump_signal, args.stack_file, args.dump_wait)
     log.line("stack dump (faulthandler, all threads):\n" + dump.rstrip())
+    log.line(_flight_recorder_dump(args.nccl_pipe, args.nccl_dump, args.dump_wait))
     spy = _py_spy_dump(args.pid)
     if spy is not None:
         log.line("py-spy dump:\n" + spy.rstrip())
-    _kill(args.pid, args.term_grace)
-    log.line(f"killed worker pid {args.pid} (rank {args.rank})")
+    exited = _abort_then_wait(args, log)
+    if not exited:
+        _kill(args.pid, args.term_grace)
+        log.line(f"killed worker pid {args.pid} (rank {args.rank})")
+    else:
+        log.line(f"worker pid {args.pid} (rank {args.rank}) exited after the abort")
     if args.report_file:
         report: dict[str, object] = {
             "rank": args.rank,
@@ -319,6 +393,8 @@ def handle_overrun(args: argparse.Namespace, log: _Log, overrun: Overrun) -> Non
             "elapsed_s": round(overrun.elapsed_s, 3),
             "timeout_s": overrun.timeout_s,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "detected": round(detected, 3),
+            "tiers": ["soft", "hard", "exited" if exited else "kill"],
         }
         try:
             _write_hang_report(args.report_file, report)
@@ -369,132 +445,6 @@ def run_monitor(args: argparse.Namespace) -> int:
         buf.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# Worker side: owns the heartbeat record and the monitor process.
-
-
-def _heartbeat_dir() -> str:
-    shm = "/dev/shm"  # tmpfs: the record never touches a disk or a network filesystem
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
-
-
-class MonitorClient:
-    """The worker's end: creates the heartbeat record, publishes into it, runs the monitor.
-
-    Args:
-        rank: the worker's rank (for log lines and file names).
-        log_dir: receives ``monitor_rank<R>.log``, ``stacks_rank<R>.txt`` and, after a hang,
-            ``ft_hang_rank<R>.json``.
-        poll_s, dump_wait_s, term_grace_s: forwarded to the monitor process.
-        fallback_timeout_s: how long the monitor waits on a record that was never readable.
-        dump_signal: registered with ``faulthandler`` in this process; the monitor sends it.
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        log_dir: str,
-        *,
-        poll_s: float,
-        dump_signal: int,
-        dump_wait_s: float,
-        term_grace_s: float,
-        fallback_timeout_s: float = 600.0,
-    ) -> None:
-        self.rank, self.log_dir = rank, log_dir
-        self._opts = {
-            "--poll": poll_s,
-            "--dump-wait": dump_wait_s,
-            "--term-grace": term_grace_s,
-            "--fallback-timeout": fallback_timeout_s,
-        }
-        self._dump_signal = dump_signal
-        self._lock = threading.Lock()
-        self._seq = 0
-        fd, self.heartbeat_path = tempfile.mkstemp(
-            prefix=f"stalwart-hb-r{rank}-", dir=_heartbeat_dir()
-        )
-        os.ftruncate(fd, RECORD_SIZE)
-        self._buf = mmap.mmap(fd, RECORD_SIZE)
-        os.close(fd)
-        self._stack_file: IO[str] | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        """The monitor process id (None before `start`)."""
-        return self._proc.pid if self._proc is not None else None
-
-    def publish(
-        self,
-        section: int,
-        flags: int,
-        section_start: float,
-        last_close: float,
-        timeouts: tuple[float, float, float, float],
-    ) -> None:
-        """Write the record (thread-safe, microseconds: no syscall, no allocation of note)."""
-        with self._lock:
-            if self._buf.closed:
-                return
-            self._seq += 1
-            now = time.monotonic()
-            slot = pack_record(self._seq, section, flags, section_start, last_close, now, timeouts)
-            write_record(self._buf, self._seq, slot)
-
-    def start(self) -> None:
-        """Register the stack-dump handler and start the monitor process (once).
-
-        Publish a first record before calling this: the monitor reads it at once.
-        """
-        if self._proc is not None:
-            return
-        os.makedirs(self.log_dir, exist_ok=True)
-        stack_path = os.path.join(self.log_dir, f"stacks_rank{self.rank}.txt")
-        self._stack_file = open(stack_path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
-        # faulthandler writes from a C signal handler, so the dump works even while the main
-        # thread holds the GIL in a stuck C call or waits in a hung collective.
-        faulthandler.register(self._dump_signal, file=self._stack_file, all_threads=True)
-        pid = str(os.getpid())
-        opts: dict[str, object] = {
-            **self._opts,
-            "--heartbeat": self.heartbeat_path,
-            "--pid": pid,
-            "--parent-pid": pid,
-            "--rank": self.rank,
-            "--dump-signal": self._dump_signal,
-            "--stack-file": stack_path,
-            "--log-file": os.path.join(self.log_dir, f"monitor_rank{self.rank}.log"),
-            "--report-file": os.path.join(self.log_dir, f"ft_hang_rank{self.rank}.json"),
-        }
-        argv = [item for key, value in opts.items() for item in (key, str(value))]
-        # -I (isolated): no script directory or user site on sys.path; only stdlib is needed.
-        cmd = [sys.executable, "-I", "-u", os.path.abspath(__file__), *argv]
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-
-    def stop(self, timeout_s: float = 5.0) -> int | None:
-        """Reap the monitor (publish a record with FLAG_CLOSED first), clean up; idempotent.
-
-        Returns the monitor's exit status, or None if it was never started.
-        """
-        status = None
-        if self._proc is not None:
-            try:
-                status = self._proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                status = self._proc.wait()
-        if self._stack_file is not None:
-            faulthandler.unregister(self._dump_signal)
-            self._stack_file.close()
-            self._stack_file = None
-        with self._lock:
-            if not self._buf.closed:
-                self._buf.close()
-        _unlink(self.heartbeat_path)
-        return status
-
-
 def _positive(text: str) -> float:
     value = float(text)
     if not math.isfinite(value) or value < 0:
@@ -526,6 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stack-file", default=None)
     p.add_argument("--log-file", default=None)
     p.add_argument("--report-file", default=None)
+    p.add_argument("--goodput-file", default=None, help="the run's goodput.jsonl (fault record)")
+    p.add_argument("--abort-fd", type=int, default=-1, help="pipe to the worker's abort listener")
+    p.add_argument("--abort-reply-fd", type=int, default=-1, help="the listener's answer")
+    p.add_argument(
+        "--abort-grace", type=_positive, default=2.0, help="seconds to exit after the abort"
+    )
+    p.add_argument("--nccl-pipe", default=None, help="the flight recorder's named pipe")
+    p.add_argument("--nccl-dump", default=None, help="where the flight recorder dumps")
     return p
 
 

@@ -1,6 +1,6 @@
 """Learned hang-detection timeouts (``--calc-ft-timeouts``): pure functions and ``ft_state.json``.
 
-See the "Learned timeouts" section of :mod:`stalwart.reliability.sections` for the rules.
+See the "Learned timeouts" section of :mod:`stalwart.reliability.hang.sections` for the rules.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from stalwart.reliability.ft_config import (
+from stalwart.reliability.hang.config import (
     _TIMEOUT_KEYS,
     FT_STATE_FILENAME,
     FT_STATE_VERSION,
@@ -42,7 +42,9 @@ def select_sections_to_update(
         chosen.add("step")
     if num_checkpoints >= 1 and not async_save:
         chosen.add("checkpointing")  # async saves only time the staging, not the write
-    if closing and {"setup", "step"} <= chosen and num_checkpoints >= 1:
+    # Learned at every save once there is evidence, not only at shutdown (a quirk kept from
+    # the fault-tolerance design: a job killed before its end never learned it).
+    if {"setup", "step"} <= chosen and num_checkpoints >= 1:
         chosen.add("out_of_section")
     return frozenset(chosen)
 

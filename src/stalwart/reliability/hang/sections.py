@@ -54,8 +54,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from stalwart.reliability import monitor as hb
-from stalwart.reliability.ft_config import (
+from stalwart.reliability.hang import monitor as hb
+from stalwart.reliability.hang.config import (
     _TIMEOUT_KEYS,
     FT_LOG_DIRNAME,
     FT_STATE_FILENAME,
@@ -64,7 +64,8 @@ from stalwart.reliability.ft_config import (
     SectionTimeouts,
     parse_ft_timeouts,
 )
-from stalwart.reliability.ft_timeouts import (
+from stalwart.reliability.hang.monitor_client import MonitorClient
+from stalwart.reliability.hang.timeouts import (
     FtState,
     ft_state_path,
     learn_timeouts,
@@ -131,7 +132,7 @@ class NullSectionMonitor:
 
 
 class SectionMonitor:
-    """Per-rank section bookkeeping; the monitor process (see `monitor.MonitorClient`) enforces it.
+    """Per-rank section bookkeeping; the monitor process (see `monitor_client.MonitorClient`) enforces it.
 
     Build it with `build_section_monitor`. Methods are cheap, thread-safe and never raise for
     misuse (see the module docstring for the section rules). `maybe_update_timeouts` is the only
@@ -146,6 +147,7 @@ class SectionMonitor:
         timeouts: SectionTimeouts,
         calculated: frozenset[str],
         save_dir: str | os.PathLike[str] | None,
+        goodput_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self.config, self.rank = config, rank
         self._timeouts, self._calculated = timeouts, calculated
@@ -156,11 +158,13 @@ class SectionMonitor:
         self._armed = self._closed = False
         self._max: dict[str, float] = {}
         self._warmup_seen = {False: 0, True: 0}  # train / eval steps seen in this phase
+        self._in_eval = False  # the open step section is an evaluation step
+        self._eval_max = 0.0  # longest evaluation step (warm-up ones included)
         self._num_timed_steps = self._num_checkpoints = 0
         self._persistent_loaded = False
         base = self._save_dir if self._save_dir is not None else Path(tempfile.gettempdir())
         self.log_dir = base / FT_LOG_DIRNAME
-        self._client = hb.MonitorClient(
+        self._client = MonitorClient(
             rank,
             str(self.log_dir),
             poll_s=config.poll_interval_s,
@@ -168,6 +172,8 @@ class SectionMonitor:
             dump_wait_s=config.stack_dump_wait_s,
             term_grace_s=config.kill_grace_s,
             fallback_timeout_s=max(timeouts.as_tuple()),
+            abort_grace_s=config.abort_grace_s,
+            goodput_file=None if goodput_file is None else os.fspath(goodput_file),
         )
         self._publish()
 
@@ -214,15 +220,27 @@ class SectionMonitor:
         )
         section = self._section.index if self._section is not None else hb.NO_SECTION
         timeouts = self._timeouts.as_tuple()
+        if self._in_eval:  # an evaluation step: its own timeout (never below the step's)
+            timeouts = (timeouts[0], self._eval_step_timeout(), *timeouts[2:])
         self._client.publish(section, flags, self._section_start, self._last_close, timeouts)
+
+    def _eval_step_timeout(self) -> float:
+        """Evaluation steps are timed against the step timeout, raised to ``safety_factor`` ×
+        the longest evaluation step seen: they are not learned into the training step's."""
+        return max(self._timeouts.step, self.config.safety_factor * self._eval_max)
 
     def _close_locked(self, section: Section, now: float, *, is_async_finalization: bool) -> None:
         duration = now - self._section_start
-        self._max[section.value] = max(self._max.get(section.value, 0.0), duration)
-        if section is Section.STEP:
-            self._num_timed_steps += 1
-        elif section is Section.CHECKPOINTING and not is_async_finalization:
-            self._num_checkpoints += 1
+        if section is Section.STEP and self._in_eval:
+            # An evaluation step sizes the evaluation timeout, never the training step's.
+            self._eval_max = max(self._eval_max, duration)
+            self._in_eval = False
+        else:
+            self._max[section.value] = max(self._max.get(section.value, 0.0), duration)
+            if section is Section.STEP:
+                self._num_timed_steps += 1
+            elif section is Section.CHECKPOINTING and not is_async_finalization:
+                self._num_checkpoints += 1
         self._section = None
         self._last_close = now
 
@@ -279,8 +297,14 @@ class SectionMonitor:
         """A train (or eval) step: untimed for the first ``ft_num_warmup_iters`` of its phase."""
         if self._warmup_seen[is_eval] < self.config.ft_num_warmup_iters:
             self._warmup_seen[is_eval] += 1
+            started = time.monotonic()
             yield
+            if is_eval:  # sizes the evaluation steps' timeout
+                self._eval_max = max(self._eval_max, time.monotonic() - started)
             return
+        if is_eval:
+            with self._lock:
+                self._in_eval = True  # published with the evaluation timeout when it opens
         with self.section(Section.STEP):
             yield
 
@@ -356,13 +380,17 @@ class SectionMonitor:
 
 
 def build_section_monitor(
-    config: FaultToleranceConfig, rank: int, save_dir: str | os.PathLike[str] | None
+    config: FaultToleranceConfig,
+    rank: int,
+    save_dir: str | os.PathLike[str] | None,
+    goodput_file: str | os.PathLike[str] | None = None,
 ) -> SectionMonitor | NullSectionMonitor:
     """The monitor for this rank: `NullSectionMonitor` unless ``enable_ft``.
 
     When enabled: loads learned timeouts from ``<save>/ft_state.json`` if present (and logs it),
     starts the monitor process and opens the ``setup`` section. ``--calc-ft-timeouts`` needs
-    ``--save`` (ValueError otherwise).
+    ``--save`` (ValueError otherwise). ``goodput_file``: the run's goodput ledger, which a hang
+    gets a ``fault`` record in (hang-until-detected time).
     """
     if not config.enable_ft:
         return NullSectionMonitor()
@@ -381,7 +409,12 @@ def build_section_monitor(
     elif rank == 0:
         logger.info("stalwart-ft: timeouts %s", timeouts.as_dict())
     monitor = SectionMonitor(
-        config, rank, timeouts=timeouts, calculated=calculated, save_dir=save_dir
+        config,
+        rank,
+        timeouts=timeouts,
+        calculated=calculated,
+        save_dir=save_dir,
+        goodput_file=goodput_file,
     )
     monitor.start()
     monitor.start_section(Section.SETUP)

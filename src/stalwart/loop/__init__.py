@@ -1,0 +1,38 @@
+"""The guarded step for any training loop: rerun passes, plans, gated optimizer, look-ahead,
+and the checkpoint state a loop registers instead of packing it by hand.
+
+The reference trainer (``stalwart.train``) is the first user of this package, not its owner;
+the README's "Using the parts in your own loop" is the second.
+"""
+
+from __future__ import annotations
+
+from stalwart.loop.checkpointing import Checkpointer, LoopState, RngState, Stateful
+from stalwart.loop.lookahead import LookAhead
+from stalwart.loop.microbatches import ForwardStep, MicroBatches, average_reported, to_device
+from stalwart.loop.optimizer import reads_found_inf
+from stalwart.loop.plans import EagerPlan, GraphPlan, Plan, graph_warmup_steps
+from stalwart.loop.precision import DynamicLossScaler, NullLossScaler, autocast_context
+from stalwart.loop.step import GuardedStep, StepResult
+
+__all__ = [
+    "Checkpointer",
+    "DynamicLossScaler",
+    "EagerPlan",
+    "ForwardStep",
+    "GraphPlan",
+    "GuardedStep",
+    "LookAhead",
+    "LoopState",
+    "MicroBatches",
+    "NullLossScaler",
+    "Plan",
+    "RngState",
+    "Stateful",
+    "StepResult",
+    "autocast_context",
+    "average_reported",
+    "graph_warmup_steps",
+    "reads_found_inf",
+    "to_device",
+]

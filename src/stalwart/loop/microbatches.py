@@ -1,0 +1,192 @@
+"""One pass over an iteration's micro-batches: forward, checks, scaled backward (accumulation).
+
+:class:`MicroBatches` is the function a plan runs eagerly or captures whole into a
+full-iteration CUDA graph. It may run a prefix of the micro-batches (the look-ahead launches the
+next iteration's first micro-batch before this one is read) and the rest later. Host syncs: none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stalwart.loop.precision import NullLossScaler
+from stalwart.observability.timers import (
+    BACKWARD_COMPUTE,
+    BATCH_GENERATOR,
+    FORWARD_COMPUTE,
+    NullTimer,
+)
+from stalwart.reliability.rerun import GradCheckState, RerunStateMachine
+
+ForwardStep = Callable[[Any, nn.Module], "torch.Tensor | dict[str, torch.Tensor]"]
+"""``forward_step(batch, model)``: the loss (a tensor), or a dict whose ``"loss"`` is
+backpropagated and whose other entries are reported (averaged over micro-batches and ranks)."""
+
+Reported = list[dict[str, torch.Tensor]]
+
+
+def no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    """Reduce gradients only when ``sync``: DDP's ``no_sync`` or FSDP2's
+    ``set_requires_gradient_sync`` (which keeps unsharded gradients until the last backward)."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync() if not sync else contextlib.nullcontext()  # type: ignore[operator]
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if callable(set_sync):
+        return _fsdp2_sync(set_sync, sync)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp2_sync(set_sync: Callable[[bool], None], sync: bool) -> Iterator[None]:
+    set_sync(sync)
+    try:
+        yield
+    finally:
+        set_sync(True)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor moved to ``device`` (non-blocking), in dicts/lists/tuples."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def as_output(output: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A forward step's return value as a dict with a ``"loss"`` entry."""
+    if isinstance(output, torch.Tensor):
+        return {"loss": output}
+    if "loss" not in output:
+        raise ValueError(
+            f"forward_step returned a dict without a 'loss' entry (keys: {sorted(output)})"
+        )
+    return output
+
+
+class _NoTimers:
+    _timer = NullTimer()
+
+    def __call__(self, name: str, log_level: int | None = None) -> NullTimer:
+        del name, log_level
+        return self._timer
+
+
+NO_TIMERS: Any = _NoTimers()
+
+
+@dataclass
+class MicroBatches:
+    """Runs micro-batches ``[first, stop)`` of a pass of ``num_microbatches``.
+
+    Gradients are zeroed at ``first == 0`` (unless ``zero_grad`` is ``"none"``: a graph zeroes
+    them in place), each loss is checked by the machine, divided by ``num_microbatches`` and
+    scaled; after the last micro-batch the gradient checks run (without DDP: DDP's comm hook
+    runs them) and the machine's skip gate is written (max-reduced over ``gate_group``).
+    """
+
+    model: nn.Module
+    forward_step: ForwardStep
+    machine: RerunStateMachine
+    device: torch.device
+    loss_scaler: NullLossScaler
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    grad_checks: GradCheckState | None = None  # post-backward checks (no DDP)
+    gate_group: dist.ProcessGroup | None = None
+    zero_grad: str = "none_grads"  # "none_grads" (set to None) | "in_place" | "none"
+    timers: Any = NO_TIMERS
+    observer: Any = None
+    # Evaluation under a graph: a per-micro-batch host check would run at capture only, so the
+    # step checks the evaluation means on the host instead.
+    check_eval_losses: bool = True
+
+    def __call__(
+        self,
+        *,
+        data_iterator: Iterator[Any],
+        num_microbatches: int,
+        forward_only: bool = False,
+        first: int = 0,
+        stop: int | None = None,
+        **_: Any,
+    ) -> Reported:
+        stop = num_microbatches if stop is None else stop
+        if first == 0 and not forward_only:
+            self._zero_grad()
+        reported = [
+            self._one(data_iterator, index, num_microbatches, forward_only)
+            for index in range(first, stop)
+        ]
+        if stop == num_microbatches and not forward_only:
+            if self.grad_checks is not None:
+                self.grad_checks.check_after_backward()
+            self._update_gate()
+        return reported
+
+    def _one(
+        self, data: Iterator[Any], index: int, num_microbatches: int, forward_only: bool
+    ) -> dict[str, torch.Tensor]:
+        is_last = index == num_microbatches - 1
+        # Evaluation is not training compute (and must not replace a training graph's regions).
+        observer = None if forward_only else self.observer
+        if observer is not None:
+            observer.on_microbatch(index, is_last)
+        compute = observer.compute() if observer is not None else contextlib.nullcontext()
+        grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+        forward_timer, backward_timer = self.timers(FORWARD_COMPUTE), self.timers(BACKWARD_COMPUTE)
+        with grad_mode, no_sync(self.model, is_last or forward_only), compute:
+            forward_timer.start()
+            batch_timer = self.timers(BATCH_GENERATOR)
+            batch_timer.start()
+            batch = to_device(next(data), self.device)
+            batch_timer.stop()
+            with self.autocast():
+                output = as_output(self.forward_step(batch, self.model))
+            if not forward_only or self.check_eval_losses:
+                self.machine.check_loss(output["loss"].detach())
+            forward_timer.stop()
+            if not forward_only:
+                backward_timer.start()
+                self.loss_scaler.scale_loss(output["loss"] / num_microbatches).backward()
+                backward_timer.stop()
+        return {k: v.detach() for k, v in output.items()}
+
+    def _zero_grad(self) -> None:
+        if self.zero_grad == "none_grads":
+            for p in self.model.parameters():
+                p.grad = None
+        elif self.zero_grad == "in_place":
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+
+    def _update_gate(self) -> None:
+        buffer = self.machine.buffer
+        if buffer is not None:
+            buffer.update_gate(self.gate_group)
+
+
+def average_reported(
+    reported: Reported, group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """Mean over micro-batches and data-parallel ranks of every reported value except ``loss``
+    (``loss`` itself when nothing else is reported).
+
+    One all-reduce of a stacked device tensor (asynchronous on NCCL: no host sync).
+    """
+    keys = [k for k in reported[0] if k != "loss"] or ["loss"]
+    stacked = torch.stack([torch.stack([r[k].float() for r in reported]).mean() for k in keys])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(stacked, group=group)
+        stacked = stacked / dist.get_world_size(group)
+    return {k: stacked[i] for i, k in enumerate(keys)}

@@ -1,0 +1,152 @@
+"""How the guarded step runs the optimizer: eagerly or as a CUDA graph, gated or host-decided.
+
+*Gated*: the step is enqueued before the rerun machine has read the pass's checks; the optimizer
+reads the machine's skip gate as ``found_inf`` and leaves parameters, moments and step counters
+untouched on the device when a check failed. Clipping stays on the device too, so nothing waits
+for the host. Supported by torch's fused Adam, AdamW, SGD and Adagrad (``fused=True``; each
+reads ``found_inf``, checked on CPU with torch 2.13 and on CUDA with 2.11). Any other optimizer
+(``foreach``, a third-party one) and fp16 with dynamic loss scaling fall back to the
+*host-decided* step: it runs after the read, only for an accepted pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from stalwart.graphs import OptimizerGraph
+from stalwart.loop.microbatches import NO_TIMERS
+from stalwart.loop.precision import NullLossScaler
+from stalwart.observability.timers import (
+    OPTIMIZER_CLIP_MAIN_GRAD,
+    OPTIMIZER_COUNT_ZEROS,
+    OPTIMIZER_INNER_STEP,
+)
+
+_GATEABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def reads_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips itself on the device when ``found_inf`` is 1.0 (every group
+    fused, a torch optimizer that passes ``found_inf`` to its fused kernel)."""
+    return isinstance(optimizer, _GATEABLE) and all(
+        g.get("fused", False) for g in optimizer.param_groups
+    )
+
+
+def grad_norm_and_clip(parameters: list[nn.Parameter], clip_grad: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (device tensor); clip to ``clip_grad`` when > 0."""
+    max_norm = clip_grad if clip_grad > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    full_tensor = getattr(norm, "full_tensor", None)  # FSDP2: a replicated DTensor
+    return full_tensor() if callable(full_tensor) else norm
+
+
+def count_zeros(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """Number of exactly-zero gradient entries (device tensor, ``--log-num-zeros-in-grad``)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    return torch.stack([(g == 0).sum() for g in grads]).sum()
+
+
+class Stepped:
+    """What one optimizer step produced (device tensors; no sync)."""
+
+    def __init__(
+        self,
+        grad_norm: torch.Tensor | None,
+        num_zeros: torch.Tensor | None = None,
+        skipped: bool = False,
+    ) -> None:
+        self.grad_norm = grad_norm
+        self.num_zeros = num_zeros
+        self.skipped = skipped
+
+
+class OptimizerRunner(Protocol):
+    """The optimizer half of a plan."""
+
+    gated: bool  # can step before the read, skipping itself on the device
+
+    def step(self, *, gated: bool) -> Stepped: ...
+
+    def join(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EagerOptimizer:
+    """Clip + ``optimizer.step()`` eagerly; gated on the machine's skip gate when possible."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[nn.Parameter],
+        *,
+        clip_grad: float,
+        gate: torch.Tensor | None,
+        loss_scaler: NullLossScaler,
+        log_num_zeros: bool = False,
+        timers: Any = NO_TIMERS,
+    ) -> None:
+        self.optimizer = optimizer
+        self.params = params
+        self.clip_grad = clip_grad
+        self.loss_scaler = loss_scaler
+        self.log_num_zeros = log_num_zeros
+        self.timers = timers
+        self.gate = gate if gate is not None and reads_found_inf(optimizer) else None
+        self.gated = self.gate is not None and not loss_scaler.dynamic and not log_num_zeros
+        if self.gate is not None:
+            # torch's fused optimizers read this attribute (the GradScaler API): 1.0 = skip.
+            optimizer.found_inf = self.gate  # type: ignore[attr-defined]
+
+    def step(self, *, gated: bool) -> Stepped:
+        """``gated``: the device decides from the gate (before the read); otherwise the host
+        decided to step and the gate is cleared first."""
+        if not gated and self.gate is not None:
+            self.gate.zero_()
+        found_inf = None if gated else self.loss_scaler.unscale_and_check(self.params)
+        self.timers(OPTIMIZER_CLIP_MAIN_GRAD).start()
+        norm = grad_norm_and_clip(self.params, self.clip_grad)
+        self.timers(OPTIMIZER_CLIP_MAIN_GRAD).stop()
+        zeros = None
+        if self.log_num_zeros:
+            self.timers(OPTIMIZER_COUNT_ZEROS).start()
+            zeros = count_zeros(self.params)
+            self.timers(OPTIMIZER_COUNT_ZEROS).stop()
+        skipped = False
+        if found_inf is not None:
+            # Deliberate sync (fp16 dynamic loss scaling only): an overflow skips the step.
+            skipped = bool(found_inf.item() > 0)
+            self.loss_scaler.update(skipped)
+        if not skipped:
+            self.timers(OPTIMIZER_INNER_STEP).start()
+            self.optimizer.step()
+            self.timers(OPTIMIZER_INNER_STEP).stop()
+        return Stepped(norm, zeros, skipped)
+
+    def join(self) -> None:
+        """Nothing to join: the eager step runs on the current stream."""
+
+    def close(self) -> None:
+        pass
+
+
+class GraphedOptimizer:
+    """Clip + step replayed as one CUDA graph (:class:`stalwart.graphs.OptimizerGraph`); the gated
+    step replays on a second stream, overlapping the machine's read."""
+
+    def __init__(self, graph: OptimizerGraph) -> None:
+        self.graph = graph
+        self.gated = graph.skip_gate is not None
+
+    def step(self, *, gated: bool) -> Stepped:
+        return Stepped(self.graph.step(gated=gated, overlap=gated))
+
+    def join(self) -> None:
+        self.graph.join()
+
+    def close(self) -> None:
+        self.graph.reset()

@@ -1,0 +1,182 @@
+"""Plans: how the guarded step runs forward-backward and the optimizer step.
+
+* :class:`EagerPlan`: micro-batches eagerly, the optimizer eagerly (gated on the device when the
+  optimizer reads ``found_inf``).
+* :class:`GraphPlan`: ``full_iteration`` captures the forward-backward of all micro-batches as one
+  CUDA graph (checks included, writing the machine's buffer), ``optimizer_graph`` replays clip +
+  AdamW as another (Megatron's ``--optimizer-cuda-graph``; it works with an eager
+  forward-backward too). Graphs need CUDA; ``context`` lets CPU tests use a fake backend.
+
+A plan is a small frozen description; the step calls :meth:`build` once with its parts and gets
+the runners. There are no optional callables to plug in or reset per iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from stalwart.graphs import FullIterationGraph, GraphContext, GraphMode, OptimizerGraph, StagePhase
+from stalwart.loop.microbatches import NO_TIMERS, MicroBatches, Reported
+from stalwart.loop.optimizer import EagerOptimizer, GraphedOptimizer, OptimizerRunner
+
+logger = logging.getLogger(__name__)
+
+DDP_MIN_WARMUP_STEPS = 11  # torch docs: DDP needs 11 eager iterations before capture
+
+
+def graph_warmup_steps(model: nn.Module, requested: int) -> int:
+    """``--cuda-graph-warmup-steps``, raised to 11 for DDP.
+
+    DDP's reducer still changes its host-side state (bucket rebuild, sampled runtime stats with
+    event reads) in its first iterations; capturing before the 11th records a sync or a stale
+    bucket layout (torch docs, "CUDA graphs: usage with DistributedDataParallel").
+    """
+    if isinstance(model, DistributedDataParallel) and requested < DDP_MIN_WARMUP_STEPS:
+        logger.info(
+            "--cuda-graph-warmup-steps %d raised to %d for DistributedDataParallel",
+            requested,
+            DDP_MIN_WARMUP_STEPS,
+        )
+        return DDP_MIN_WARMUP_STEPS
+    return requested
+
+
+@dataclass(frozen=True)
+class PlanParts:
+    """What a plan is built from (given by the step)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[nn.Parameter]
+    micro_batches: MicroBatches
+    eager_optimizer: EagerOptimizer
+    clip_grad: float
+
+
+@dataclass
+class Runners:
+    """A built plan.
+
+    ``forward_backward(data_iterator=, num_microbatches=, first=, stop=)`` runs a pass (or, when
+    ``splittable``, micro-batches ``[first, stop)`` of it); ``evaluate`` runs a forward-only pass;
+    ``lookahead_ready()`` says whether the next iteration may be launched now (a graph: once
+    captured, so a launch runs no Python); ``checks_eval_on_host``: evaluation losses are checked
+    from their means (under a graph).
+    """
+
+    forward_backward: Callable[..., Reported]
+    evaluate: Callable[..., Reported]
+    optimizer: OptimizerRunner
+    splittable: bool
+    lookahead_ready: Callable[[], bool]
+    checks_eval_on_host: bool = False
+    close: Callable[[], None] = lambda: None
+    capture_state: Callable[[], Hashable] = lambda: None  # changes when a graph is captured
+
+
+@dataclass(frozen=True)
+class EagerPlan:
+    """Everything eager (the default)."""
+
+    def build(self, parts: PlanParts) -> Runners:
+        return Runners(
+            forward_backward=parts.micro_batches,
+            evaluate=parts.micro_batches,
+            optimizer=parts.eager_optimizer,
+            splittable=True,
+            lookahead_ready=lambda: True,
+        )
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """CUDA graphs for the forward-backward (``full_iteration``) and/or the optimizer step.
+
+    ``warmup_steps``: eager calls before capture (raised to 11 for DDP). ``context``: the graph
+    pool and streams (default: a new :class:`stalwart.graphs.GraphContext` on the model's
+    device). The optimizer graph needs a capturable optimizer with a device-tensor LR
+    (:func:`stalwart.graphs.make_capturable_adamw`); with ``fused=True`` it is gated.
+    """
+
+    full_iteration: bool = True
+    optimizer_graph: bool = True
+    warmup_steps: int = 3
+    context: GraphContext | None = None
+    optimizer_warmup_steps: int = 2  # eager steps before the optimizer graph is captured
+
+    def build(self, parts: PlanParts) -> Runners:
+        device = parts.micro_batches.device
+        context = self.context or GraphContext(device)
+        fb: Callable[..., Reported] = replace(parts.micro_batches, zero_grad="in_place")
+        evaluate: Callable[..., Reported] = parts.micro_batches
+        graph: FullIterationGraph | None = None
+        if self.full_iteration:
+            # Inside the capture no host timer or dump hook may run: they would sync (capture
+            # error) or be frozen at capture. The step times the call. Straggler compute regions
+            # may (external CUDA events, re-recorded by every replay): ``graph_safe``.
+            observer = parts.micro_batches.observer
+            captured = replace(
+                parts.micro_batches,
+                zero_grad="none",
+                check_eval_losses=False,
+                timers=NO_TIMERS,
+                observer=observer.graph_safe() if hasattr(observer, "graph_safe") else None,
+            )
+            graph = FullIterationGraph(
+                captured,
+                context=context,
+                warmup_steps=graph_warmup_steps(parts.model, self.warmup_steps),
+                grad_params=parts.params,
+            )
+            fb = evaluate = graph
+        optimizer: OptimizerRunner = parts.eager_optimizer
+        optimizer_graph: OptimizerGraph | None = None
+        if self.optimizer_graph:
+            gate = parts.eager_optimizer.gate if parts.eager_optimizer.gated else None
+            optimizer_graph = OptimizerGraph(
+                parts.optimizer,
+                context=context,
+                clip_grad=parts.clip_grad,
+                warmup_steps=self.optimizer_warmup_steps,
+                skip_gate=gate,
+            )
+            optimizer = GraphedOptimizer(optimizer_graph)
+        return Runners(
+            forward_backward=fb,
+            evaluate=evaluate,
+            optimizer=optimizer,
+            splittable=graph is None,
+            lookahead_ready=_captured(graph),
+            checks_eval_on_host=graph is not None,
+            close=context.teardown,
+            capture_state=_capture_state(graph, optimizer_graph),
+        )
+
+
+def _capture_state(
+    graph: FullIterationGraph | None, optimizer: OptimizerGraph | None
+) -> Callable[[], Hashable]:
+    """A value that changes whenever either graph captures (the goodput ledger's compile)."""
+
+    def state() -> Hashable:
+        fb = graph.num_captures if graph is not None else 0
+        opt = (optimizer.phase, optimizer.capture_seconds) if optimizer is not None else None
+        return fb, opt
+
+    return state
+
+
+def _captured(graph: FullIterationGraph | None) -> Callable[[], bool]:
+    if graph is None:
+        return lambda: True
+    return lambda: graph.phase(GraphMode.TRAINING) is StagePhase.CAPTURED
+
+
+Plan = EagerPlan | GraphPlan
+__all__ = ["EagerPlan", "GraphPlan", "Plan", "PlanParts", "Runners", "graph_warmup_steps"]

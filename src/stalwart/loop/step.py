@@ -1,0 +1,341 @@
+"""The guarded step: one training iteration under the rerun state machine, for any loop.
+
+Usage (a hand-written loop; the reference trainer does the same)::
+
+    machine = RerunConfig().build(device)
+    data = RerunDataIterator(batches)                  # micro-batches, any objects
+    step = GuardedStep(model=model, optimizer=opt, forward_step=fwd, machine=machine,
+                       data=data, num_microbatches=4, clip_grad=1.0)
+    for it in range(start, iters):
+        result = step.run(it, launch_next=it + 1 < iters)
+        if result.verdict.exit:                        # 16 (save first) or 17
+            ...
+
+``fwd(batch, model)`` returns the loss, or a dict with ``"loss"`` and values to report. Per
+iteration :meth:`GuardedStep.run` does: the rerun machine's passes (one, or two with a replay on
+the same micro-batches and RNG), each forward-backward by the plan with the loss and gradient
+checks on the device; the optimizer step gated on the device and enqueued before the machine's
+one host read when the optimizer allows it (else after the read, host-decided); the next
+iteration's first work launched before that read (``stalwart.loop.lookahead``); and the verdict.
+A rejected iteration never touches the parameters or the optimizer state.
+
+Between ``run`` calls the next iteration may be in flight: call :meth:`settle` before anything
+that draws random numbers, reads the data iterator or changes parameters (``evaluate``,
+``skip`` and ``state_dict`` settle themselves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from stalwart.loop.lookahead import LookAhead
+from stalwart.loop.microbatches import (
+    NO_TIMERS,
+    ForwardStep,
+    MicroBatches,
+    Reported,
+    average_reported,
+)
+from stalwart.loop.optimizer import EagerOptimizer, Stepped
+from stalwart.loop.plans import EagerPlan, GraphPlan, PlanParts
+from stalwart.loop.precision import NullLossScaler
+from stalwart.observability.timers import FORWARD_BACKWARD, OPTIMIZER
+from stalwart.reliability.exit import Agreed, IterationAgreement
+from stalwart.reliability.rerun import (
+    GradCheckState,
+    RerunDataIterator,
+    RerunStateMachine,
+    RerunVerdict,
+    register_grad_check_hook,
+)
+
+
+@dataclass
+class StepResult:
+    """What one iteration produced. Tensors stay on the device; nothing here forced a sync.
+
+    ``verdict``: the rerun machine's (exit 16/17 or go on); ``agreed``: the exit inputs agreed in
+    the iteration's collective; ``skipped``: no optimizer step (a rejected iteration, an fp16
+    overflow, ``GuardedStep.skip``).
+    """
+
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_norm: torch.Tensor | None = None
+    num_zeros: torch.Tensor | None = None
+    skipped: bool = False
+    verdict: RerunVerdict = field(default_factory=RerunVerdict)
+    agreed: Agreed = field(default_factory=Agreed)
+
+
+class GuardedStep:
+    """One guarded training iteration (see the module docstring).
+
+    Args:
+        model: the (possibly DDP/FSDP2-wrapped) module; ``forward_step`` receives it.
+        optimizer: stepped once per accepted iteration. Fused Adam/AdamW/SGD/Adagrad are gated
+            on the device (and allow the look-ahead); others step after the host read.
+        forward_step: ``(batch, model) -> loss | {"loss": ..., **reported}``.
+        machine: the rerun state machine (its ``checks`` say which checks run).
+        data: the training micro-batches, wrapped for replay.
+        num_microbatches: per iteration (``run`` may override it).
+        plan: :class:`EagerPlan` (default) or :class:`GraphPlan`.
+        clip_grad: global gradient-norm clip (0: none; the norm is still returned).
+        loss_scaler: fp16 dynamic loss scaling (``stalwart.loop.DynamicLossScaler``).
+        autocast: factory of the forward's autocast context (e.g. bf16).
+        lookahead: launch the next iteration before the read when possible.
+        dp_group: the data-parallel group (reported values, the gate's max-reduction).
+        agreement: the machine's :class:`IterationAgreement`, to return the exit inputs.
+        timers / observer / log_num_zeros: the trainer's timers, stragglers+dumps, zeros count.
+            An observer with ``iteration_region()`` times every forward-backward call (its
+            communication), one with ``graph_safe()`` keeps its compute regions in a graph.
+        goodput: a :class:`stalwart.observability.goodput.GoodputLedger`: rerun passes go to
+            its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        forward_step: ForwardStep,
+        machine: RerunStateMachine,
+        data: RerunDataIterator[Any],
+        num_microbatches: int,
+        plan: EagerPlan | GraphPlan | None = None,
+        clip_grad: float = 0.0,
+        loss_scaler: NullLossScaler | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        lookahead: bool = True,
+        dp_group: dist.ProcessGroup | None = None,
+        agreement: IterationAgreement | None = None,
+        timers: Any = None,
+        observer: Any = None,
+        log_num_zeros: bool = False,
+        goodput: Any = None,
+    ) -> None:
+        if num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        self.model, self.optimizer, self.machine, self.data = model, optimizer, machine, data
+        self.num_microbatches = num_microbatches
+        self.loss_scaler = loss_scaler or NullLossScaler()
+        self.dp_group = dp_group
+        self.agreement = agreement
+        self.timers = timers or NO_TIMERS
+        self.observer = observer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        buffer = machine.check_buffer(device) if machine.checks.any else machine.buffer
+        gate_group = dp_group if dp_group is not None else _world()
+        micro_batches = MicroBatches(
+            model, forward_step, machine, device, self.loss_scaler,
+            autocast or contextlib.nullcontext,
+            grad_checks=self._grad_checks(gate_group), gate_group=gate_group,
+            timers=self.timers, observer=observer,
+        )  # fmt: skip
+        eager_optimizer = EagerOptimizer(
+            optimizer, self.params, clip_grad=clip_grad,
+            gate=buffer.gate if buffer is not None else None,
+            loss_scaler=self.loss_scaler, log_num_zeros=log_num_zeros, timers=self.timers,
+        )  # fmt: skip
+        parts = PlanParts(model, optimizer, self.params, micro_batches, eager_optimizer, clip_grad)
+        self.runners = (plan or EagerPlan()).build(parts)
+        self._goodput = goodput
+        self._forward_backward = _in_regions(self.runners.forward_backward, observer)
+        allows = getattr(observer, "allows_lookahead", True)
+        self.lookahead_enabled = lookahead and allows and self.runners.optimizer.gated
+        self._lookahead = LookAhead(
+            machine, data, self._forward_backward, self.runners.splittable,
+            self.runners.lookahead_ready,
+        )  # fmt: skip
+        self._closed = False
+
+    def _grad_checks(self, group: dist.ProcessGroup | None) -> GradCheckState | None:
+        """Per-bucket gradient checks: DDP's comm hook (before its all-reduce), else after the
+        backward (single rank, FSDP2's local shards)."""
+        if not self.machine.checks.grads:
+            return None
+        if isinstance(self.model, DistributedDataParallel):
+            register_grad_check_hook(self.model, self.machine, process_group=group)
+            return None
+        return GradCheckState(self.machine, self.params)
+
+    # ------------------------------------------------------------------------ the iteration
+    def run(
+        self, iteration: int, *, num_microbatches: int | None = None, launch_next: bool = True
+    ) -> StepResult:
+        """Iteration ``iteration`` (0-based) under the rerun machine; see the module docstring.
+
+        ``launch_next``: the next iteration is a plain training iteration with the same
+        micro-batch count (the loop knows: not the last, not skipped, no evaluation before it).
+        """
+        n = num_microbatches or self.num_microbatches
+        launched = self._lookahead.pending
+        if launched is not None and (launched.iteration, launched.num_microbatches) != (
+            iteration,
+            n,
+        ):
+            self.settle()
+        if self.agreement is not None:
+            self.agreement.begin()
+        reported: Reported = []
+        losses: dict[str, torch.Tensor] | None = None
+        stepped: Stepped | None = None
+        passes = 0
+        while self.machine.should_run_forward_backward(self.data, iteration=iteration):
+            self.runners.optimizer.join()  # a rerun pass must not race an overlapped step
+            if passes:
+                self._lookahead.forget()  # the machine dropped it: the pass is rerun
+            with self._rerun_span(passes):
+                reported = self._pass(n, first=passes == 0)
+            passes += 1
+            stepped, losses = None, None
+            if self.runners.optimizer.gated and self.machine.can_gate_step():
+                stepped = self._optimizer_step(gated=True)
+                # The launch may overwrite a graph's outputs: average this pass's values first.
+                losses = average_reported(reported, self.dp_group)
+                if launch_next and self.lookahead_enabled and passes == 1:
+                    self.runners.optimizer.join()  # the next pass reads the stepped weights
+                    self._lookahead.launch(iteration + 1, n)
+        self.runners.optimizer.join()
+        verdict = self.machine.verdict()
+        agreed = self.agreement.finish() if self.agreement is not None else Agreed()
+        if losses is None and reported:
+            losses = average_reported(reported, self.dp_group)
+        if verdict.exit:
+            return StepResult(losses or {}, None, None, True, verdict, agreed)
+        if stepped is None:
+            stepped = self._optimizer_step(gated=False)
+        return StepResult(
+            losses or {}, stepped.grad_norm, stepped.num_zeros, stepped.skipped, verdict, agreed
+        )
+
+    def _rerun_span(self, passes: int) -> contextlib.AbstractContextManager[Any]:
+        """A replay of the iteration is the goodput ledger's rerun time."""
+        if passes == 0 or self._goodput is None:
+            return contextlib.nullcontext()
+        from stalwart.observability.goodput_records import Bucket
+
+        return self._goodput.span(Bucket.RERUN)
+
+    @property
+    def capture_state(self) -> Any:
+        """Changes whenever a plan's graph was captured (compile/capture time, for goodput)."""
+        return self.runners.capture_state()
+
+    def _pass(self, n: int, first: bool) -> Reported:
+        timer = self.timers(FORWARD_BACKWARD)
+        timer.start()
+        launched = self._lookahead.take(self.data) if first else None
+        fb = self._forward_backward
+        if launched is None:
+            reported = fb(data_iterator=self.data, num_microbatches=n)
+        elif len(launched.batches) == n:
+            reported = launched.reported
+        else:
+            rest = fb(data_iterator=self.data, num_microbatches=n, first=len(launched.batches))
+            reported = launched.reported + rest
+        after = getattr(self.observer, "after_forward_backward", None)
+        if after is not None:
+            after()  # e.g. release cached memory (outside any graph)
+        timer.stop()
+        return reported
+
+    def _optimizer_step(self, gated: bool) -> Stepped:
+        timer = self.timers(OPTIMIZER)
+        timer.start()
+        try:
+            return self.runners.optimizer.step(gated=gated)
+        finally:
+            timer.stop()
+
+    # ----------------------------------------------------------------------- between steps
+    def settle(self) -> None:
+        """Drop the next iteration's launched work (every RNG back to its start; its data is
+        served again next) and order later work after the optimizer step. Idempotent."""
+        self._lookahead.discard(restore_rng=True)
+        self.runners.optimizer.join()
+
+    def skip(self, iteration: int, num_microbatches: int | None = None) -> StepResult:
+        """Consume ``iteration``'s micro-batches without training (``--iterations-to-skip``)."""
+        self.settle()
+        self.machine.skip_iteration(iteration)
+        self.data.advance()
+        for _ in range(num_microbatches or self.num_microbatches):
+            next(self.data)
+        self.data.commit()
+        if self.agreement is None:
+            return StepResult(skipped=True)
+        self.agreement.begin()  # the exit inputs are agreed on every iteration, skipped too
+        return StepResult(skipped=True, agreed=self.agreement.finish())
+
+    def evaluate(
+        self,
+        data_iterator: Any,
+        eval_iters: int,
+        *,
+        num_microbatches: int | None = None,
+        each_iteration: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+        ),
+    ) -> dict[str, float]:
+        """Mean of every reported value over ``eval_iters`` forward-only iterations, checks
+        resolved with the machine's disabled-mode semantics (a NaN raises, a spike warns).
+
+        Returns host floats (one deliberate sync at the end).
+        """
+        from stalwart.loop.evaluation import evaluate
+
+        self.settle()
+        return evaluate(self, data_iterator, eval_iters, num_microbatches, each_iteration)
+
+    @property
+    def num_launched(self) -> int:
+        """Look-ahead launches so far (and :attr:`num_used`: launches an iteration used)."""
+        return self._lookahead.num_launched
+
+    @property
+    def num_used(self) -> int:
+        return self._lookahead.num_used
+
+    # --------------------------------------------------------------------------- Stateful
+    def state_dict(self) -> dict[str, Any]:
+        """The loss scaler's state (JSON-friendly). Settles first, so the RNG and data state
+        saved with it are those of the next iteration's start."""
+        self.settle()
+        return {"loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_scaler.load_state_dict(state.get("loss_scaler", {}))
+
+    def close(self) -> None:
+        """Drop graphs and pending work (idempotent; in-process restart calls it first)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lookahead.forget()
+        self.runners.close()
+
+
+def _in_regions(fb: Callable[..., Reported], observer: Any) -> Callable[..., Reported]:
+    """``fb`` with every call inside the observer's ``iteration_region`` (outside any graph)."""
+    region = getattr(observer, "iteration_region", None)
+    if region is None:
+        return fb
+
+    def timed(**kwargs: Any) -> Reported:
+        with region():
+            return fb(**kwargs)
+
+    return timed
+
+
+def _world() -> dist.ProcessGroup | None:
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None

@@ -1,0 +1,513 @@
+"""Goodput: where every wall-clock second of a job went, across restarts and relaunches.
+
+A :class:`GoodputLedger` keeps a cursor: at any moment the job is in exactly one
+:class:`~stalwart.observability.goodput_records.Bucket`, and every switch closes the previous
+interval. Closed intervals are appended to ``<run dir>/goodput.jsonl`` (one ``write`` each, no
+fsync on the hot path: a SIGKILL loses at most the open interval, never more than
+``flush_interval_s`` of it, plus a torn last line that the reader skips). A new session (a
+torchrun restart, a relaunch, an in-process attempt) reads the file first, so it knows:
+
+* the time since the previous session's last record: restart downtime (split into *hang until
+  detected* when a watchdog wrote a ``fault`` record with ``cause="hang"``), unless that session
+  ended ``finished`` (then it is a new job segment and not counted);
+* the highest iteration already completed: iterations up to it are recomputed, *lost work*.
+
+Its own start (launcher start from ``/proc``, or psutil, to the first step) is *startup*, or
+*restart* after a fault. Straggler idle time is carved out of productive time with
+:meth:`GoodputLedger.add_straggler_idle` (see :func:`straggler_idle_seconds`).
+
+Usage in your own loop (rank 0 writes; every other rank gets the null ledger)::
+
+    >>> import tempfile
+    >>> from stalwart.observability.goodput import Bucket, make_goodput_ledger
+    >>> run_dir = tempfile.mkdtemp()
+    >>> ledger = make_goodput_ledger(True, run_dir, rank=0, print_fn=lambda line: None)
+    >>> ledger.resumed(0)                         # after loading (or not) a checkpoint
+    >>> for it in range(1, 4):
+    ...     with ledger.step(it):                 # productive (lost work if already done)
+    ...         pass                              # forward, backward, optimizer step
+    ...     if it == 2:
+    ...         with ledger.span(Bucket.CHECKPOINT):
+    ...             pass                          # the blocking part of a save
+    >>> summary = ledger.close("finished")        # prints the goodput line (rank 0)
+    >>> sorted(b.value for b, s in summary.seconds.items() if s > 0) != []
+    True
+    >>> abs(summary.wall_s - (summary.last - summary.first)) < 1e-3
+    True
+
+Hot-path cost: two ``time.monotonic()`` calls and a lock per step; a ``write`` per closed interval.
+Disabled: :class:`NullGoodputLedger` (same methods, nothing happens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stalwart.observability.goodput_records import (
+    FINISHED,
+    GOODPUT_FILE,
+    Bucket,
+    GoodputSummary,
+    LedgerFile,
+    Marker,
+    RecordKind,
+    Span,
+    add_span,
+    empty_seconds,
+    goodput_line,
+    read_ledger,
+    summarize,
+)
+
+if TYPE_CHECKING:  # the ledger itself is standard-library only (the CLI reads it without torch)
+    from stalwart.observability.train_log import IntervalInfo, LogField
+
+__all__ = [
+    "GOODPUT_FILE",
+    "Bucket",
+    "GoodputLedger",
+    "GoodputSummary",
+    "NullGoodputLedger",
+    "StepSpan",
+    "launcher_start_time",
+    "make_goodput_ledger",
+    "process_start_time",
+    "straggler_idle_seconds",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FLUSH_INTERVAL_S = 5.0
+_ITERATION_BUCKETS = (Bucket.PRODUCTIVE, Bucket.LOST_WORK, Bucket.COMPILE, Bucket.RERUN)
+
+
+def process_start_time(pid: int | None = None) -> float | None:
+    """Wall-clock start of process ``pid`` (default: this one), or None when unknown.
+
+    Linux: ``/proc/<pid>/stat`` start ticks against ``CLOCK_BOOTTIME`` (10 ms resolution; psutil's
+    ``create_time`` rounds the boot time to whole seconds). Elsewhere: psutil, if installed.
+    """
+    pid = os.getpid() if pid is None else pid
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil
+
+        return float(psutil.Process(pid).create_time())
+    except Exception:  # psutil missing, or the process is gone
+        return None
+
+
+def launcher_start_time() -> float | None:
+    """When this session started: torchrun's process (this worker's parent) for torchrun's
+    first round of workers, else this process (a restarted worker: the time before it is the
+    previous session's downtime)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and torchrun_restart_count() == 0:
+        parent = process_start_time(os.getppid())
+        if parent is not None:
+            return parent
+    return process_start_time()
+
+
+def torchrun_restart_count() -> int:
+    """``TORCHELASTIC_RESTART_COUNT`` (0 outside torchrun or when malformed)."""
+    try:
+        return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), 0)
+    except ValueError:
+        return 0
+
+
+def straggler_idle_seconds(compute_ms: Sequence[float], num_iterations: int) -> float:
+    """Job seconds the ranks spent waiting on the slowest one over ``num_iterations``.
+
+    Each rank waits ``max - own`` per iteration in the gradient all-reduce; the job-level figure
+    is the mean over ranks (rank-seconds / ranks), so it is comparable with wall time.
+    """
+    if not compute_ms or num_iterations <= 0:
+        return 0.0
+    slowest = max(compute_ms)
+    waits = [max(slowest - c, 0.0) for c in compute_ms]
+    return num_iterations * sum(waits) / len(waits) / 1000.0
+
+
+class StepSpan:
+    """Handle of one :meth:`GoodputLedger.step`. ``reclassify`` moves the step's time to another
+    bucket (the iteration captured a CUDA graph); ``abandon`` too, and the iteration does not
+    count as done (the rerun state machine rejected it)."""
+
+    __slots__ = ("bucket", "completed", "iteration", "started")
+
+    def __init__(self, iteration: int, bucket: Bucket, started: float) -> None:
+        self.iteration, self.bucket, self.started = iteration, bucket, started
+        self.completed = True
+
+    def reclassify(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+
+    def abandon(self, bucket: Bucket) -> None:
+        self.bucket, self.completed = bucket, False
+
+
+class GoodputLedger:
+    """The live ledger of one session (rank 0). See the module docstring.
+
+    Args:
+        run_dir: where ``goodput.jsonl`` lives (created if missing).
+        flush_interval_s: the longest an open interval stays unwritten (bounds SIGKILL loss).
+        launcher_start: wall-clock start of this session; default :func:`launcher_start_time`.
+        restart_count: torchrun's restart count; default from ``TORCHELASTIC_RESTART_COUNT``.
+        attempt: the in-process restart attempt (0 for the first).
+        print_fn: where ``close`` prints the goodput line.
+        clock: wall-clock seconds; default ``time.time`` at construction + ``time.monotonic``
+            deltas (a stepped system clock cannot create holes or overlaps within a session).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+        launcher_start: float | None = None,
+        restart_count: int | None = None,
+        attempt: int = 0,
+        print_fn: Callable[[str], None] = print,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if not flush_interval_s > 0:
+            raise ValueError(f"goodput flush interval must be > 0 s, got {flush_interval_s}")
+        self.path = Path(run_dir) / GOODPUT_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.flush_interval_s = flush_interval_s
+        self._print = print_fn
+        self._clock = clock or _anchored_clock()
+        self._lock = threading.RLock()
+        self._session = f"{socket.gethostname()}-{os.getpid()}-{attempt}-{os.urandom(4).hex()}"
+        self._stack: list[Bucket] = []
+        self._closed = False
+        self._last_iteration: int | None = None
+        self._idle_pending = 0.0
+        self._hang_reported_at: float | None = None
+        self._failed: tuple[float, float, Bucket] | None = None
+        self._summary: GoodputSummary | None = None
+        prior = read_ledger(self.path)
+        self._fd = self._open_append()
+        self._totals = dict(summarize(prior).seconds) if prior.records else empty_seconds()
+        self._hwm = _high_water_mark(prior)
+        start = launcher_start if launcher_start is not None else launcher_start_time()
+        self._bucket, self._t0 = self._begin(prior, start, restart_count, attempt)
+
+    # ------------------------------------------------------------------ set-up
+    def _open_append(self) -> int:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        size = os.fstat(fd).st_size
+        if size:
+            with open(self.path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    os.write(fd, b"\n")  # end a torn line, so our first record stays readable
+        return fd
+
+    def _begin(
+        self, prior: LedgerFile, start: float | None, restart_count: int | None, attempt: int
+    ) -> tuple[Bucket, float]:
+        """Write the session record and the gap since the previous session; returns the bucket
+        and start of this session's first interval."""
+        now = self._clock()
+        start = now if start is None or start > now else start
+        last_t, finished, hang_at = _previous_end(prior)
+        restarts = torchrun_restart_count() if restart_count is None else restart_count
+        session: dict[str, Any] = {"launcher_start": round(start, 6), "pid": os.getpid()}
+        session.update(host=socket.gethostname(), restart_count=restarts, attempt=attempt)
+        session["flush_s"] = self.flush_interval_s
+        self._write(Marker(RecordKind.SESSION, now, self._session, session))
+        bucket = Bucket.STARTUP
+        if last_t is not None:
+            if not finished:
+                bucket = Bucket.RESTART
+                if start > last_t:
+                    self._write_gap(last_t, start, hang_at)
+            start = max(start, last_t)
+        return bucket, start
+
+    def _write_gap(self, last_t: float, start: float, hang_at: float | None) -> None:
+        if hang_at is not None and last_t < hang_at < start:
+            self._write(Span(Bucket.HANG, last_t, hang_at, self._session, gap=True))
+            last_t = hang_at
+        self._write(Span(Bucket.RESTART, last_t, start, self._session, gap=True))
+
+    # ------------------------------------------------------------------ writing
+    def _write(self, record: Span | Marker) -> None:
+        import json
+
+        if isinstance(record, Span):
+            add_span(self._totals, record)
+        line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
+        try:
+            os.write(self._fd, line.encode("utf-8"))
+        except OSError as exc:
+            # A full disk must not stop training; the reader says what is missing.
+            logger.warning("goodput: cannot append to %s: %s", self.path, exc)
+
+    def _close_interval(self, now: float, bucket: Bucket | None = None) -> None:
+        """Write ``[t0, now]`` of the open interval (as ``bucket`` if given) and reopen at now."""
+        self._write_failed()  # a failed step's interval comes first (it ended at t0)
+        if now > self._t0:
+            b = bucket or self._bucket
+            idle = 0.0
+            if b is Bucket.PRODUCTIVE and self._idle_pending > 0:
+                idle = min(self._idle_pending, now - self._t0)
+                self._idle_pending -= idle
+            self._write(Span(b, self._t0, now, self._session, self._last_iteration, idle))
+        self._t0 = max(now, self._t0)
+
+    def _switch(self, bucket: Bucket, now: float | None = None) -> None:
+        now = self._clock() if now is None else now
+        if bucket is not self._bucket:
+            self._close_interval(now)
+            self._bucket = bucket
+        elif now - self._t0 >= self.flush_interval_s:
+            self._close_interval(now)
+
+    # ------------------------------------------------------------------ public API
+    @contextlib.contextmanager
+    def step(self, iteration: int, *, bucket: Bucket | None = None) -> Iterator[StepSpan]:
+        """One training iteration (1-based ``iteration``, completed when the block exits).
+
+        Productive, or lost work when a previous session already completed ``iteration``;
+        ``bucket`` overrides (e.g. ``Bucket.COMPILE`` for a capture iteration). The time after
+        the block until the next switch (logging, the exit decision) stays in the same bucket.
+        """
+        with self._lock:
+            chosen = bucket or (Bucket.LOST_WORK if iteration <= self._hwm else Bucket.PRODUCTIVE)
+            now = self._clock()
+            self._switch(chosen, now)
+            handle = StepSpan(iteration, chosen, now)
+        try:
+            yield handle
+        except BaseException:
+            with self._lock:
+                self._step_failed(handle)
+            raise
+        with self._lock:
+            if handle.bucket is not self._bucket:  # reclassified inside the block
+                self._close_interval(max(handle.started, self._t0))
+                self._close_interval(self._clock(), handle.bucket)
+            if handle.completed:
+                self._last_iteration = iteration
+            self._switch(self._bucket)
+
+    def _step_failed(self, handle: StepSpan) -> None:
+        """The iteration never completed: its time is lost work, or hang until detected when a
+        hang is reported (before, or right after: an in-process watchdog reports it from its
+        abort path). What follows, until the next first step, is restart downtime."""
+        now = self._clock()
+        start = max(handle.started, self._t0)
+        self._close_interval(start)
+        hung = self._hang_reported_at is not None and self._hang_reported_at >= handle.started
+        hung = hung or self._hang_in_file(since=handle.started)
+        self._failed = (start, now, Bucket.HANG if hung else Bucket.LOST_WORK)
+        self._bucket, self._t0 = Bucket.RESTART, now
+
+    def _hang_in_file(self, since: float) -> bool:
+        """Whether a hang watchdog (another process) recorded a hang since ``since``: a peer of
+        the hung rank fails when the watchdog aborts its process group (failure path only)."""
+        return any(
+            isinstance(r, Marker)
+            and r.kind is RecordKind.FAULT
+            and r.get("cause") == "hang"
+            and r.t >= since
+            for r in read_ledger(self.path).records
+        )
+
+    def _write_failed(self) -> None:
+        if self._failed is not None:
+            start, end, bucket = self._failed
+            self._failed = None
+            self._write(Span(bucket, start, end, self._session, self._last_iteration))
+
+    @contextlib.contextmanager
+    def span(self, bucket: Bucket) -> Iterator[None]:
+        """Time the block as ``bucket`` (evaluation, checkpoint, rerun, compile, ...), then go
+        back to the bucket that was open before it. Spans nest."""
+        with self._lock:
+            self._stack.append(self._bucket)
+            self._switch(bucket)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._switch(self._stack.pop())
+
+    def add_straggler_idle(self, seconds: float) -> None:
+        """Move ``seconds`` of productive time to the straggler bucket (applied to the next
+        productive intervals written; never more than they hold)."""
+        if seconds > 0:
+            with self._lock:
+                self._idle_pending += seconds
+
+    def resumed(self, iteration: int) -> None:
+        """Record the checkpoint iteration this session starts from (0: a fresh start)."""
+        with self._lock:
+            self._write(Marker(RecordKind.RESUME, self._clock(), self._session, {"it": iteration}))
+
+    def fault(self, cause: str, detail: str = "", since: float | None = None) -> None:
+        """Record a detected fault (``cause="hang"`` splits the next gap into hang + restart)."""
+        fields: dict[str, Any] = {"cause": cause, "detail": detail[:500]}
+        if since is not None:
+            fields["since"] = since
+        with self._lock:
+            now = self._clock()
+            if cause == "hang":
+                self._hang_reported_at = now
+                if self._failed is not None:  # reported after the step failed: a hang it was
+                    self._failed = (self._failed[0], self._failed[1], Bucket.HANG)
+            self._write(Marker(RecordKind.FAULT, now, self._session, fields))
+
+    def summary(self) -> GoodputSummary:
+        """The live totals: previous sessions, this one's written intervals and the open one."""
+        with self._lock:
+            seconds = dict(self._totals)
+            if self._failed is not None:
+                add_span(seconds, Span(self._failed[2], self._failed[0], self._failed[1], ""))
+            add_span(seconds, Span(self._bucket, self._t0, max(self._clock(), self._t0), ""))
+        return GoodputSummary(seconds, [], [], [])
+
+    @property
+    def goodput(self) -> float:
+        return self.summary().goodput
+
+    def log_fields(self, info: IntervalInfo) -> list[LogField]:
+        """`LogFieldProvider`: ``goodput: 97.3%`` on the iteration line, ``goodput`` (percent)
+        to TensorBoard/W&B and the metrics file."""
+        from stalwart.observability.train_log import LogField
+
+        del info
+        with self._lock:  # a log step writes the open interval: a kill loses one interval at most
+            if not self._closed:
+                self._close_interval(self._clock())
+        return [LogField("goodput", 100.0 * self.goodput, "{:.1f}%", "goodput")]
+
+    def close(self, reason: str = FINISHED, detail: str = "") -> GoodputSummary:
+        """End the session: write the open interval and an ``end`` record, print the goodput
+        line; returns the summary of the whole file. Idempotent (later calls return it again)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                now = self._clock()
+                self._close_interval(now)
+                fields = {"reason": reason, "detail": detail[:500], "it": self._last_iteration}
+                fields = {k: v for k, v in fields.items() if v not in (None, "")}
+                self._write(Marker(RecordKind.END, now, self._session, fields))
+                with contextlib.suppress(OSError):
+                    os.fsync(self._fd)
+                os.close(self._fd)
+                self._summary = summarize(read_ledger(self.path))
+                self._print(goodput_line(self._summary))
+        assert self._summary is not None
+        return self._summary
+
+    def __enter__(self) -> GoodputLedger:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, *_: Any
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.close("fault", f"{exc_type.__name__}: {exc}")
+
+
+class NullGoodputLedger:
+    """Disabled ledger (other ranks, no run directory): same surface, does nothing."""
+
+    _null = contextlib.nullcontext(StepSpan(0, Bucket.PRODUCTIVE, 0.0))
+
+    def step(
+        self, iteration: int, *, bucket: Bucket | None = None
+    ) -> contextlib.AbstractContextManager[StepSpan]:
+        return self._null
+
+    def span(self, bucket: Bucket) -> contextlib.AbstractContextManager[Any]:
+        return self._null
+
+    def add_straggler_idle(self, seconds: float) -> None: ...
+    def resumed(self, iteration: int) -> None: ...
+    def fault(self, cause: str, detail: str = "", since: float | None = None) -> None: ...
+
+    def log_fields(self, info: IntervalInfo) -> list[LogField]:
+        return []
+
+    def close(self, reason: str = FINISHED, detail: str = "") -> None:
+        return None
+
+    def __enter__(self) -> NullGoodputLedger:
+        return self
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def make_goodput_ledger(
+    enabled: bool,
+    run_dir: str | os.PathLike[str] | None,
+    *,
+    rank: int = 0,
+    **kwargs: Any,
+) -> GoodputLedger | NullGoodputLedger:
+    """The ledger on rank 0 with a run directory and ``enabled``; the null ledger otherwise."""
+    if not enabled or run_dir is None or rank != 0:
+        return NullGoodputLedger()
+    return GoodputLedger(run_dir, **kwargs)
+
+
+def _anchored_clock() -> Callable[[], float]:
+    wall0, mono0 = time.time(), time.monotonic()
+    return lambda: wall0 + (time.monotonic() - mono0)
+
+
+def _high_water_mark(prior: LedgerFile) -> int:
+    """The highest iteration completed since the last finished session (0 when none)."""
+    hwm = 0
+    for record in prior.records:
+        if isinstance(record, Marker) and record.kind is RecordKind.END:
+            if record.get("reason") == FINISHED:
+                hwm = 0  # a relaunch after a finished job is a new segment
+        elif isinstance(record, Span) and record.bucket in _ITERATION_BUCKETS:
+            hwm = max(hwm, record.iteration or 0)
+    return hwm
+
+
+def _previous_end(prior: LedgerFile) -> tuple[float | None, bool, float | None]:
+    """(time of the last record, whether the last session ended ``finished``, the first hang
+    detection after that time)."""
+    last_t: float | None = None
+    finished = False
+    for record in prior.records:
+        if isinstance(record, Span):
+            last_t = record.t1 if last_t is None else max(last_t, record.t1)
+        elif record.kind in (RecordKind.END, RecordKind.SESSION):
+            last_t = record.t if last_t is None else max(last_t, record.t)
+            finished = record.kind is RecordKind.END and record.get("reason") == FINISHED
+    hangs = [
+        r.t
+        for r in prior.records
+        if isinstance(r, Marker)
+        and r.kind is RecordKind.FAULT
+        and r.get("cause") == "hang"
+        and last_t is not None
+        and r.t > last_t
+    ]
+    return last_t, finished, min(hangs, default=None)

@@ -1,0 +1,326 @@
+"""Small builders of the reference trainer's parts, one per part, each from its config.
+
+Nothing here is global and nothing is changed after it is built: the trainer calls these once
+per run (an in-process restart throws everything away and calls them again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import random
+import signal
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from stalwart.config.run import RunConfig
+from stalwart.data import (
+    MicroBatchIterator,
+    SampleSource,
+    WorkerMicroBatchIterator,
+    build_datasets,
+    calculate_num_microbatches,
+)
+from stalwart.data.batch_schedule import BatchSchedule
+from stalwart.distributed.process_group import DistributedContext
+from stalwart.graphs import (
+    CudaGraphImpl,
+    GraphSettings,
+    RecomputeGranularity,
+    check_graph_config,
+    make_capturable_adamw,
+)
+from stalwart.loop import DynamicLossScaler, NullLossScaler
+from stalwart.models import GPT
+from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
+from stalwart.observability.goodput import (
+    GOODPUT_FILE,
+    GoodputLedger,
+    NullGoodputLedger,
+    make_goodput_ledger,
+)
+from stalwart.reliability.exit import IterationAgreement
+from stalwart.reliability.faults import FaultInjector, NullFaultInjector
+from stalwart.reliability.replica_check import flip_parameter_bit
+from stalwart.reliability.rerun import RerunStateMachine
+from stalwart.reliability.signals import DataLoaderWorkerSignalGuard, DistributedSignalHandler
+
+logger = logging.getLogger("stalwart.train")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, biases/LayerNorm/position vectors do not (GPT-2 convention)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    o = config.optim
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    device = next(model.parameters()).device
+    if config.graphs.optimizer_cuda_graph:
+        # Capturable AdamW with the LR as a device tensor, so a schedule works under replay;
+        # fused, so the step can skip itself on the device (found_inf).
+        return make_capturable_adamw(
+            groups,
+            lr=o.lr,
+            device=device,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            fused=True,
+        )
+    # Fused: one kernel, and it reads the rerun machine's skip gate as found_inf, so the step is
+    # enqueued before the validation read (stalwart.loop.optimizer).
+    return torch.optim.AdamW(
+        groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, fused=True
+    )
+
+
+def wrap_model(model: GPT, config: RunConfig, ctx: DistributedContext) -> nn.Module:
+    """DDP (or FSDP2 with ``--use-torch-fsdp2``) across ranks; the bare model on one rank."""
+    if not ctx.is_distributed:
+        return model
+    if config.training.use_torch_fsdp2:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    stream: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if ctx.device.type == "cuda" and config.graphs.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION:
+        # DDP keeps the AccumulateGrad nodes it creates here; created on the legacy default
+        # stream, capturing a backward through them is an illegal implicit sync (torch docs,
+        # "CUDA graphs: usage with DistributedDataParallel"): construct on a side stream.
+        stream = torch.cuda.stream(torch.cuda.Stream(ctx.device))
+    with warnings.catch_warnings(), stream:
+        # Router counters are rank-local buffers: they must not be broadcast (newer torch
+        # deprecates the flag in favour of one that still syncs at init).
+        warnings.simplefilter("ignore", FutureWarning)
+        return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+
+
+def _build_data(
+    config: RunConfig, ctx: DistributedContext
+) -> tuple[SampleSource, SampleSource, int, int]:
+    train, valid = build_datasets(
+        config.data.data_path,
+        config.model.seq_length,
+        config.model.vocab_size,
+        data_dtype=config.data.data_dtype,
+        valid_fraction=config.data.valid_fraction,
+    )
+    mbs = config.training.micro_batch_size
+    gbs = config.training.global_batch_size or mbs * ctx.world_size
+    num_microbatches = calculate_num_microbatches(gbs, mbs, ctx.world_size)
+    return train, valid, num_microbatches, gbs
+
+
+def build_sampler(
+    config: RunConfig, ctx: DistributedContext, train_ds: SampleSource
+) -> MicroBatchIterator | WorkerMicroBatchIterator:
+    pin = ctx.device.type == "cuda"
+    workers = config.data.num_workers
+    source = MicroBatchIterator(
+        train_ds,
+        config.training.micro_batch_size,
+        ctx.rank,
+        ctx.world_size,
+        seed=config.training.seed,
+        shuffle=config.data.shuffle,
+        pin_memory=pin and workers == 0,  # with workers, the DataLoader pins in this process
+    )
+    if workers == 0:
+        return source
+    # Workers ignore the exit signal: a job-wide SIGTERM (scancel) must not end them while this
+    # process finishes the step and saves; they stop with close() or with this process.
+    worker_signals = [config.exit.signal_enum]
+    if config.exit.exit_on_interrupt:  # Ctrl-C reaches the workers too (one process group)
+        worker_signals.append(signal.SIGINT)
+    guard = DataLoaderWorkerSignalGuard(dict.fromkeys(worker_signals))
+    return WorkerMicroBatchIterator(source, workers, pin_memory=pin, worker_init_fn=guard)
+
+
+INPROCESS_NCCL_GRAPHS_MESSAGE = (
+    "--inprocess-restart with --cuda-graph-impl full_iteration on {world_size} GPUs is not "
+    "supported: the CUDA graphs hold the NCCL collectives they captured, and aborting the "
+    "communicator did not return on two H200s even with the graphs released first. Recover "
+    "graphed multi-GPU jobs with torchrun restarts (--max-restarts), or drop one of the flags"
+)
+
+
+def check_inprocess_with_graphs(config: RunConfig, device_type: str, world_size: int) -> None:
+    """Refuse in-process restart of a graphed NCCL job (ValueError); one rank or CPU is fine.
+
+    Measured on two H200s: the abort hung in ``_abort_process_group`` on both ranks, also with the
+    graphs released first (upstream: pytorch/pytorch#115388).
+    """
+    if (
+        config.inprocess.inprocess_restart
+        and config.graphs.full_iteration
+        and device_type == "cuda"
+        and world_size > 1
+    ):
+        raise ValueError(INPROCESS_NCCL_GRAPHS_MESSAGE.format(world_size=world_size))
+
+
+def check_graph_flags(config: RunConfig, device: torch.device, world_size: int = 1) -> None:
+    """Reject invalid graph/recompute/validation combinations before any set-up (ValueError).
+
+    Runs whenever a graph flag is on (``--optimizer-cuda-graph`` alone included)."""
+    check_inprocess_with_graphs(config, device.type, world_size)
+    if not config.graphs.any:
+        return
+    g = config.graphs
+    check_graph_config(
+        GraphSettings(
+            device=device,
+            cuda_graph_impl=g.cuda_graph_impl,
+            cuda_graph_warmup_steps=g.cuda_graph_warmup_steps,
+            optimizer_cuda_graph=g.optimizer_cuda_graph,
+            recompute_granularity=config.model.recompute_granularity,
+            recompute_modules=(
+                SELECTIVE_RECOMPUTE_MODULES
+                if config.model.recompute_granularity is RecomputeGranularity.SELECTIVE
+                else ()
+            ),
+            hidden_dropout=config.model.dropout,
+            attention_dropout=config.model.dropout,
+            check_for_nan_in_loss_and_grad=config.rerun.check_for_nan_in_loss_and_grad,
+            check_for_spiky_loss=config.rerun.check_for_spiky_loss,
+            check_for_large_grads=config.rerun.check_for_large_grads,
+            log_num_zeros_in_grad=config.log.log_num_zeros_in_grad,
+            fp16=config.training.fp16,
+            compile=config.training.compile,
+        )
+    )
+
+
+def build_loss_scaler(config: RunConfig) -> NullLossScaler:
+    """``--fp16``: dynamic loss scaling with Megatron's hysteresis; otherwise none."""
+    t = config.training
+    if t.fp16:
+        return DynamicLossScaler(
+            t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis
+        )
+    return NullLossScaler()
+
+
+def autocast_dtype(config: RunConfig) -> torch.dtype | None:
+    if config.training.bf16:
+        return torch.bfloat16
+    return torch.float16 if config.training.fp16 else None
+
+
+def resolve_config(config: RunConfig, ctx: DistributedContext) -> tuple[RunConfig, TrainData]:
+    """The datasets and batch schedule, and the config with ``--train-samples`` resolved to
+    iterations (a new value: the given config is not changed)."""
+    data = build_data(config, ctx)
+    if config.training.train_samples is not None:
+        iters = data.schedule.iterations_for_samples(config.training.train_samples)
+        config = dataclasses.replace(
+            config, training=dataclasses.replace(config.training, train_iters=iters)
+        )
+    return config, data
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """The datasets and the batch-size schedule of a run."""
+
+    train: SampleSource
+    valid: SampleSource
+    num_microbatches: int  # at the final global batch size (evaluation uses it)
+    global_batch_size: int  # the final one; schedule gives each iteration's
+    schedule: BatchSchedule
+
+
+def build_data(config: RunConfig, ctx: DistributedContext) -> TrainData:
+    train, valid, num_microbatches, gbs = _build_data(config, ctx)
+    schedule = BatchSchedule.from_flags(
+        gbs, config.training.micro_batch_size, ctx.world_size, config.training.rampup_batch_size
+    )
+    return TrainData(train, valid, num_microbatches, gbs, schedule)
+
+
+def build_model(
+    config: RunConfig, ctx: DistributedContext, faults: FaultInjector | NullFaultInjector
+) -> tuple[GPT, nn.Module]:
+    """The GPT (same initial weights on every rank) and its DDP/FSDP2 wrapper."""
+    seed_everything(config.training.seed)  # identical initial weights on every rank
+    raw_model = GPT(config.model).to(ctx.device)
+    if isinstance(faults, FaultInjector):  # --inject-fault bitflip corrupts this rank's weights
+        faults.corrupt_weights = functools.partial(flip_parameter_bit, raw_model)
+    if config.training.compile:
+        # In place (nn.Module.compile): parameter names and checkpoints stay unchanged. Under a
+        # full-iteration graph Inductor's own CUDA graphs are off (they cannot nest).
+        options = {"triton.cudagraphs": False} if config.graphs.full_iteration else None
+        raw_model.compile(dynamic=False, options=options)
+    model = wrap_model(raw_model, config, ctx)
+    seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
+    return raw_model, model
+
+
+def build_machine(
+    config: RunConfig,
+    ctx: DistributedContext,
+    loss_scaler: NullLossScaler,
+    agreement: IterationAgreement,
+) -> RerunStateMachine:
+    return config.rerun.build(
+        ctx.device,
+        state_save_func=loss_scaler.state_dict,
+        state_restore_func=loss_scaler.load_state_dict,
+        agreement=agreement,
+    )
+
+
+def build_signal_handler(config: RunConfig) -> DistributedSignalHandler | None:
+    """The exit signal and/or Ctrl-C (``exit_on_interrupt``): installed now (release it when the
+    run ends)."""
+    if not config.exit.handles_signals:
+        return None
+    handler = config.exit.make_signal_handler()
+    handler.__enter__()
+    return handler
+
+
+def goodput_file(config: RunConfig) -> str | None:
+    """``<run dir>/goodput.jsonl`` (every rank's hang monitor appends its fault record)."""
+    run_dir = config.obs.run_dir or config.checkpoint.save
+    return os.path.join(run_dir, GOODPUT_FILE) if run_dir else None
+
+
+def build_goodput_ledger(
+    config: RunConfig, ctx: DistributedContext, attempt: int, say: Callable[..., None]
+) -> GoodputLedger | NullGoodputLedger:
+    """The goodput ledger in the run directory (rank 0; the null ledger elsewhere)."""
+    run_dir = config.obs.run_dir or config.checkpoint.save
+    # The goodput line is flushed at once. (``say`` must not be a bound method of the trainer:
+    # in-process restart frees a failed attempt's trainer by reference count.)
+    say = functools.partial(say, flush=True)
+    try:
+        return make_goodput_ledger(True, run_dir, rank=ctx.rank, attempt=attempt, print_fn=say)
+    except OSError as exc:
+        flag = "--run-dir" if config.obs.run_dir else "--save"
+        raise ValueError(f"{flag} {run_dir}: cannot write the goodput ledger ({exc})") from None

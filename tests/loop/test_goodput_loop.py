@@ -1,0 +1,136 @@
+"""A user's own loop on ``GuardedStep`` produces the goodput ledger and straggler times too.
+
+The rerun state machine's replay lands in the ledger's ``rerun`` bucket (the step is given the
+ledger), the rejected iteration is not counted as done; under a full-iteration graph (the CPU
+fake backend captures by running the body once) the straggler's compute regions recorded at
+capture are what the report reads, and evaluation passes never replace them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from stalwart.graphs import make_capturable_adamw
+from stalwart.loop import GraphPlan, GuardedStep
+from stalwart.observability.goodput import Bucket, GoodputLedger
+from stalwart.observability.straggler import StragglerDetector
+from stalwart.reliability.rerun import RerunConfig, RerunDataIterator, RerunStateMachine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))
+from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
+
+STEP_S = 0.02
+
+
+def _batches(n: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [{"x": torch.randn(4, 6, generator=gen), "y": torch.randn(4, 1, generator=gen)}
+            for _ in range(n)]  # fmt: skip
+
+
+def _machine(tmp_path: Path) -> RerunStateMachine:
+    config = RerunConfig(result_rejected_tracker_filename=str(tmp_path / "tracker.txt"))
+    return RerunStateMachine(
+        mode=config.mode,
+        result_rejected_tracker_filename=config.result_rejected_tracker_filename,
+        checks=config.checks,
+        device="cpu",
+    )
+
+
+def test_a_users_loop_books_the_replay_as_rerun(tmp_path) -> None:
+    model = nn.Linear(6, 1)
+    calls = {"n": 0}
+
+    def forward(batch: dict[str, torch.Tensor], m: nn.Module) -> torch.Tensor:
+        time.sleep(STEP_S)
+        loss = nn.functional.mse_loss(m(batch["x"]), batch["y"])
+        calls["n"] += 1
+        return loss * float("nan") if calls["n"] == 5 else loss  # iteration 3, once: transient
+
+    ledger = GoodputLedger(tmp_path / "run", print_fn=lambda line: None)
+    step = GuardedStep(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), fused=True),
+        forward_step=forward, machine=_machine(tmp_path),
+        data=RerunDataIterator(_batches(20)), num_microbatches=2, goodput=ledger,
+    )  # fmt: skip
+    done = 0
+    for it in range(6):
+        with ledger.step(it + 1) as span:
+            result = step.run(it, launch_next=it + 1 < 6)
+            if result.verdict.exit:
+                span.abandon(Bucket.RERUN)
+        if result.verdict.exit:
+            break
+        done += 1
+    summary = ledger.close("rerun")
+    s = summary.seconds
+    assert done == 2 and result.verdict.exit
+    assert s[Bucket.RERUN] >= 2 * STEP_S  # the replay pass (and the rejected iteration)
+    assert s[Bucket.PRODUCTIVE] >= 2 * 2 * STEP_S
+    assert summary.sessions[0].last_iteration == 2  # the rejected iteration 3 is not done
+    assert summary.wall_s == pytest.approx(summary.last - summary.first)
+
+
+class FakeDeviceTiming:
+    """The straggler's timing on the fake graph backend: regions read a device clock that the
+    forward advances; regions recorded at capture keep their times (a replay re-records them)."""
+
+    graph_events = True
+
+    def __init__(self, context: FakeGraphContext) -> None:
+        self.context, self.now_ms, self.graph_regions = context, 0.0, 0
+
+    def capturing(self) -> bool:
+        return self.context.capturing
+
+    def begin(self, in_graph: bool) -> Any:
+        self.graph_regions += in_graph
+        return [self.now_ms, None]
+
+    def end(self, region: Any) -> None:
+        region[1] = self.now_ms
+
+    def elapsed_ms(self, regions: list[Any]) -> float:
+        return sum(r[1] - r[0] for r in regions)
+
+    def release(self, regions: list[Any]) -> None:
+        return None
+
+
+def test_straggler_regions_live_in_the_captured_graph_and_evaluation_stays_out(tmp_path) -> None:
+    context = FakeGraphContext()
+    timing = FakeDeviceTiming(context)
+    detector = StragglerDetector(torch.device("cpu"), timing=timing)
+    model = nn.Linear(6, 1)
+
+    def forward(batch: dict[str, torch.Tensor], m: nn.Module) -> torch.Tensor:
+        timing.now_ms += 3.0  # each micro-batch: 3 ms of "device" compute
+        return nn.functional.mse_loss(m(batch["x"]), batch["y"])
+
+    step = GuardedStep(
+        model=model,
+        optimizer=make_capturable_adamw(list(model.parameters()), lr=0.01,
+                                        device=torch.device("cpu"), fused=True),
+        forward_step=forward, machine=_machine(tmp_path), data=RerunDataIterator(_batches(40)),
+        num_microbatches=2, plan=GraphPlan(context=context, warmup_steps=1,
+                                           optimizer_graph=False),
+        observer=detector, lookahead=False,
+    )  # fmt: skip
+    for it in range(4):  # warm-up, capture (+ its replay), two replays
+        step.run(it, launch_next=False)
+        detector.step()
+    assert timing.graph_regions == 2  # one per micro-batch, recorded once, at capture
+    step.evaluate(iter(_batches(8)), eval_iters=2, num_microbatches=2)  # forward only
+    assert timing.graph_regions == 2  # evaluation's capture recorded no training regions
+    report = detector.report(4)
+    assert report.source == "graph-events"
+    assert report.compute_ms == [pytest.approx(6.0)]  # not 0 ms under the graph
+    step.close()

@@ -1,0 +1,29 @@
+"""The check-overhead benchmark runs on CPU at tiny sizes (a smoke test; figures are the GPU's)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import check_overhead  # type: ignore[import-not-found]
+
+TINY = ("--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+        "--vocab-size 256 --micro-batch-size 2")  # fmt: skip
+
+
+def test_check_overhead_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    argv = ["--device", "cpu", "--presets", "tiny", "--modes", "eager", "--iters", "2",
+            "--rounds", "1", "--warmup", "1", "--num-microbatches", "2", "--extra", TINY,
+            "--json", str(out)]  # fmt: skip
+    assert check_overhead.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| off |" in text and "| checks |" in text and "checks cost" in text
+    rows = {
+        r["variant"]: r for r in __import__("json").loads(out.read_text())["results"][0]["rows"]
+    }
+    assert rows["off"]["lookahead_used_of_launched"] == [0, 0]  # truly off: nothing launched
+    assert rows["checks"]["lookahead_used_of_launched"][1] > 0
