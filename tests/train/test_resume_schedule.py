@@ -32,7 +32,9 @@ BASE = ["--seed", "11", "--min-lr", "1e-4", "--log-interval", "1"]
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    """Every file but the goodput ledger (each start appends its session to it, by design)."""
+    files = (p for p in root.rglob("*") if p.is_file() and p.name != "goodput.jsonl")
+    return {str(p.relative_to(root)): p.read_bytes() for p in files}
 
 
 @pytest.fixture(scope="module")

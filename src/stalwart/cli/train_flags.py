@@ -143,6 +143,17 @@ def data_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _precision_flags(g: Any) -> None:
+    g.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision")
+    g.add_argument("--fp16", action="store_true", help="float16 with dynamic loss scaling")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="fp16 starting scale")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16 scale floor")
+    g.add_argument(
+        "--loss-scale-window", type=int, default=1000, help="fp16: clean iterations to grow"
+    )
+    g.add_argument("--hysteresis", type=int, default=2, help="fp16: overflows before shrinking")
+
+
 def training_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "training", "training")
     g.add_argument(
@@ -168,14 +179,7 @@ def training_flags(p: argparse.ArgumentParser) -> None:
         help="train this many samples instead; the LR schedule then counts samples",
     )
     g.add_argument("--seed", type=Int(0, SEED_MAX), default=1234, help="seed of init and data")
-    g.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision")
-    g.add_argument("--fp16", action="store_true", help="float16 with dynamic loss scaling")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="fp16 starting scale")
-    g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16 scale floor")
-    g.add_argument(
-        "--loss-scale-window", type=int, default=1000, help="fp16: clean iterations to grow"
-    )
-    g.add_argument("--hysteresis", type=int, default=2, help="fp16: overflows before shrinking")
+    _precision_flags(g)
     g.add_argument(
         "--eval-interval",
         type=int,

@@ -9,6 +9,7 @@ stragglers, memory, energy, dumps, profiler. Megatron's spelling where Megatron 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from stalwart.cli.train_flags import group
 from stalwart.reliability.faults import FAULT_PHASES, FaultKind
@@ -18,27 +19,8 @@ from stalwart.reliability.rerun.types import RerunDiagnostic, RerunMode
 _RERUN_MODES = (*(m.value for m in RerunMode), "report_stats")
 
 
-def rerun_flags(p: argparse.ArgumentParser) -> None:
-    g = group(p, "reliability.rerun", "reliability: rerun state machine (result validation)")
-    g.add_argument(
-        "--rerun-mode",
-        default=RerunMode.VALIDATE_RESULTS.value,
-        choices=_RERUN_MODES,
-        metavar="MODE",
-        help="rerun rejected iterations: transient, persistent or correct?",
-    )
-    g.add_argument(
-        "--no-check-for-nan-in-loss-and-grad",
-        dest="check_for_nan_in_loss_and_grad",
-        action="store_false",
-        help="do not reject NaN/Inf losses and gradient norms",
-    )
-    g.add_argument(
-        "--check-for-spiky-loss", action="store_true", help="warn on a loss 10x the largest seen"
-    )
-    g.add_argument(
-        "--check-for-large-grads", action="store_true", help="warn on a grad norm 10x the largest"
-    )
+def _error_injection_flags(g: Any) -> None:
+    """Megatron's testing switches of the rerun machine (fault injection into its checks)."""
     g.add_argument(
         "--error-injection-rate",
         type=int,
@@ -64,6 +46,30 @@ def rerun_flags(p: argparse.ArgumentParser) -> None:
         nargs="+",
         help="testing: only these ranks inject (default: any)",
     )
+
+
+def rerun_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "reliability.rerun", "reliability: rerun state machine (result validation)")
+    g.add_argument(
+        "--rerun-mode",
+        default=RerunMode.VALIDATE_RESULTS.value,
+        choices=_RERUN_MODES,
+        metavar="MODE",
+        help="rerun rejected iterations: transient, persistent or correct?",
+    )
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="do not reject NaN/Inf losses and gradient norms",
+    )
+    g.add_argument(
+        "--check-for-spiky-loss", action="store_true", help="warn on a loss 10x the largest seen"
+    )
+    g.add_argument(
+        "--check-for-large-grads", action="store_true", help="warn on a grad norm 10x the largest"
+    )
+    _error_injection_flags(g)
     g.add_argument(
         "--result-rejected-tracker-filename",
         metavar="FILE",

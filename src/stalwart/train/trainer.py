@@ -31,7 +31,6 @@ from stalwart.loop import (
 from stalwart.models import num_floating_point_operations
 from stalwart.observability.goodput import Bucket
 from stalwart.observability.memory_release import make_memory_release
-from stalwart.observability.progress_log import make_progress_log
 from stalwart.observability.run_dir import EventKind, append_event
 from stalwart.observability.timers import INTERVAL_TIME
 from stalwart.reliability.exit import (
@@ -164,9 +163,7 @@ class Trainer:
         self._num_microbatches: int | None = None
         self._saved_at: int | None = None
         self._stepped = False
-        self.progress = make_progress_log(  # --log-progress: Megatron's progress.txt
-            config.obs.log_progress, config.checkpoint.save, ctx.world_size, ctx.rank
-        )
+        self.progress = build.build_progress_log(config, ctx)  # --log-progress: progress.txt
 
     def _build_step(self) -> GuardedStep:
         config, ctx = self.config, self.ctx
