@@ -1,7 +1,7 @@
 """The rerun machine's diagnosis lines match the regex Megatron's log scrapers use
 (``Rank N, node ..., device N: Possible (transient|persistent) error!!``), on a real run with an
 injected transient error and a real persistent-error sequence (exit 16 on one device, 17 on
-another), in the log that a launcher captures (stderr of ``stalwart train``)."""
+another). In-process runs (the log records are the lines ``stalwart train`` writes to stderr)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from stalwart.distributed.process_group import DistributedContext
 from stalwart.reliability.rerun import DEVICE_ID_ENV
 from stalwart.train.trainer import run_training
 
-from train_utils import TINY_FLAGS, make_config, run_cli
+from train_utils import make_config
 
 # Megatron's functional tests (megatron-behaviour.md §1.1.6); the node part is a hostname.
 MEGATRON = re.compile(
@@ -28,19 +28,19 @@ def _flags(save: Path, kind: str) -> list[str]:
             "1", "--error-injection-type", kind, "--error-injection-iterations", "3"]  # fmt: skip
 
 
-def _train(save: Path, kind: str, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """``stalwart train`` in a subprocess: (exit code, stderr as a launcher captures it)."""
-    proc = run_cli(["train", *TINY_FLAGS, *_flags(save, kind)], env=env)
-    return proc.returncode, proc.stderr
-
-
-def test_transient_error_line_matches_megatrons_regex(tmp_path: Path) -> None:
-    code, log = _train(tmp_path / "ckpt", "transient_error")
-    assert code == 17, log[-3000:]
-    found = [m.group(1) for m in MEGATRON.finditer(log)]
-    assert found == ["transient"], log[-3000:]
-    line = next(line for line in log.splitlines() if MEGATRON.search(line))
-    assert "ERROR" in line and "(iteration 3, device cpu:0)" in line  # ours follows, unchanged
+def test_transient_error_line_matches_megatrons_regex(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    outcome = run_training(
+        make_config(*_flags(tmp_path / "ckpt", "transient_error")), DistributedContext()
+    )
+    assert outcome.exit_code == 17, caplog.text[-3000:]
+    found = [m.group(1) for m in MEGATRON.finditer(caplog.text)]
+    assert found == ["transient"], caplog.text[-3000:]
+    record = next(r for r in caplog.records if MEGATRON.search(r.getMessage()))
+    line = record.getMessage()
+    assert record.levelname == "ERROR" and "(iteration 3, device cpu:0)" in line  # ours follows
     assert "not reproducible within the tolerance" in line
 
 
