@@ -27,16 +27,26 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the reference trainer under injected faults and check every recovery.",
     )
     kinds = ", ".join(k.value for k in ChaosFault)
-    p.add_argument("--faults", default="all", help=f"comma-separated: all | {kinds}")
+    p.add_argument(
+        "--faults", default="all", metavar="LIST", help=f"comma-separated: all | {kinds}"
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the fault schedule and the job")
     p.add_argument("--iterations", type=int, default=12, help="training iterations of the job")
     p.add_argument("--save-interval", type=int, default=3, help="checkpoint every N iterations")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks (torchrun workers)")
     p.add_argument(
-        "--device", default="cpu", help="cpu (gloo; bitwise checks hold) | auto (NCCL on GPUs)"
+        "--device",
+        default="cpu",
+        choices=("cpu", "auto"),
+        metavar="WHERE",
+        help="cpu: gloo, bitwise checks hold; auto: NCCL on GPUs",
     )
-    p.add_argument("--json", help="write the result ({passed, faults: [...]}) to this file")
-    p.add_argument("--work-dir", help="where the runs go (default: a new temporary directory)")
+    p.add_argument(
+        "--json", metavar="FILE", help="write the result {passed, faults} here (default: none)"
+    )
+    p.add_argument(
+        "--work-dir", metavar="DIR", help="where the runs go (default: a new temporary directory)"
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
     p.add_argument("--no-report", action="store_true", help="skip the HTML run report")
     return p
