@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--work-dir", metavar="DIR", help="where the runs go (default: a new temporary directory)"
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="scenarios run at once (they are independent jobs)"
+    )
     p.add_argument("--no-report", action="store_true", help="skip the HTML run report")
     return p
 
@@ -85,8 +89,10 @@ def main_chaos(argv: list[str]) -> int:
         faults = parse_faults(ns.faults)
         validate_shape(ns.iterations, ns.save_interval, ns.nproc_per_node)
         use_cpu = _use_cpu(ns.device)
-        if ns.timeout <= 0:
+        if not 0 < ns.timeout < math.inf:  # NaN too
             raise ValueError(f"--timeout: must be > 0, got {ns.timeout}")
+        if not 1 <= ns.jobs <= 64:
+            raise ValueError(f"--jobs: must be between 1 and 64, got {ns.jobs}")
         work = _work_dir(ns.work_dir)
     except ValueError as exc:
         sys.stderr.write(f"stalwart chaos: error: {exc}\n")
@@ -100,6 +106,7 @@ def main_chaos(argv: list[str]) -> int:
         nproc=ns.nproc_per_node,
         use_cpu=use_cpu,
         timeout=ns.timeout,
+        jobs=ns.jobs,
     )
     print(f"chaos: work directory {work}", flush=True)
     outcome = run_campaign(config, lambda line: print(line, flush=True))
