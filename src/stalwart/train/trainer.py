@@ -49,7 +49,11 @@ from stalwart.train import build
 from stalwart.train.forward_step import gpt_forward_step
 from stalwart.train.manual_gc import make_manual_gc
 from stalwart.train.observe import build_observability, build_profiler, run_dir_of
-from stalwart.train.resume_checks import check_model_matches, nothing_left_to_train
+from stalwart.train.resume_checks import (
+    check_model_matches,
+    nothing_left_to_train,
+    upgrade_common_layout,
+)
 from stalwart.train.schedule import LRScheduler
 
 logger = logging.getLogger("stalwart.train")
@@ -203,6 +207,7 @@ class Trainer:
             },
             per_rank={"rng": RngState(self.machine.rng), "rerun": self.machine},
             check_common=lambda common: check_model_matches(common, current, logger.warning),
+            upgrade_common=upgrade_common_layout,
         )
 
     def __enter__(self) -> Trainer:
