@@ -355,6 +355,33 @@ def _graph_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _kernel_floor_flags(p: argparse.ArgumentParser) -> None:
+    """The lower kernel floor (issue 19): fewer casts, one graph, a bf16 residual stream."""
+    g = p.add_argument_group("kernel floor (bf16 compute weights, optimizer in the graph)")
+    g.add_argument(
+        "--bf16-compute-weights",
+        action="store_true",
+        default=None,
+        help="with --bf16: the Linear layers run on bf16 copies of the fp32 weights made once "
+        "per iteration instead of autocast casts per micro-batch; gradients are added into the "
+        "fp32 main grads after each micro-batch (one rank only; default off)",
+    )
+    g.add_argument(
+        "--cuda-graph-include-optimizer",
+        action="store_true",
+        default=None,
+        help="with --cuda-graph-impl full_iteration: capture clip + fused AdamW inside the "
+        "full-iteration graph (one graph per iteration, no speculative launch; default off)",
+    )
+    g.add_argument(
+        "--bf16-residual-connection",
+        action="store_true",
+        default=None,
+        help="with --bf16: keep the residual stream in bf16 instead of fp32 (Megatron's "
+        "default; its --fp32-residual-connection is this off; default off)",
+    )
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -418,6 +445,7 @@ def build_train_parser(
         _fault_tolerance_flags,
         _inprocess_flags,
         _graph_flags,
+        _kernel_floor_flags,
         _megatron_parity_flags,
     ):
         add(p)
