@@ -61,7 +61,12 @@ NUM_MICROBATCHES = 4
 PEAK_TFLOPS = 989.0  # H200 dense bf16, datasheet
 ALL_CHECKS = ["--check-for-spiky-loss", "--check-for-large-grads"]
 BASES = {
-    "graph_compiled": ["--compile", "--cuda-graph-impl", "full_iteration", "--optimizer-cuda-graph"],
+    "graph_compiled": [
+        "--compile",
+        "--cuda-graph-impl",
+        "full_iteration",
+        "--optimizer-cuda-graph",
+    ],
     "graph": ["--cuda-graph-impl", "full_iteration", "--optimizer-cuda-graph"],
     "eager": [],
 }
@@ -71,7 +76,11 @@ INGREDIENTS = {
     "bf16_weights": ["--bf16-compute-weights"],
     "bf16_residual": ["--bf16-residual-connection"],
     "weights_residual": ["--bf16-compute-weights", "--bf16-residual-connection"],
-    "all": ["--bf16-compute-weights", "--bf16-residual-connection", "--cuda-graph-include-optimizer"],
+    "all": [
+        "--bf16-compute-weights",
+        "--bf16-residual-connection",
+        "--cuda-graph-include-optimizer",
+    ],
 }
 BASELINES = ("reduce_overhead", "plain_eager")
 # Priority order: the baseline, today, the full set, then the attributions (the ones sharing a
@@ -266,7 +275,11 @@ def summarize(
 def print_result(result: dict[str, Any], base: str) -> None:
     baseline = result["baseline"] or "-"
     print(f"\n{result['preset']} (base {base}; ratios: {baseline} / variant, per-round median)")
-    print("| variant | median ms/iter | min-max | TFLOP/s | vs " + baseline + " | vs today | build s |")
+    print(
+        "| variant | median ms/iter | min-max | TFLOP/s | vs "
+        + baseline
+        + " | vs today | build s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         if "median_ms" not in r:
@@ -303,7 +316,11 @@ def run_trainer(args: argparse.Namespace, name: str, timeout: float) -> dict[str
     flags += ["--log-interval", str(args.trainer_log_interval), "--log-throughput", *ALL_CHECKS]
     cmd = [sys.executable, "-m", "stalwart", "train", *flags]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    result: dict[str, Any] = {"preset": args.trainer_preset, "variant": name, "command": " ".join(cmd)}
+    result: dict[str, Any] = {
+        "preset": args.trainer_preset,
+        "variant": name,
+        "command": " ".join(cmd),
+    }
     print(f"\ntrainer: {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     try:
