@@ -55,9 +55,9 @@ from stalwart.models import GPT, num_floating_point_operations
 from stalwart.train.trainer import Trainer
 
 from bench_utils import sync  # bench/ is the script's directory
+from kernel_sum import kernel_floor
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-NUM_MICROBATCHES = 4
 PEAK_TFLOPS = 989.0  # H200 dense bf16, datasheet
 ALL_CHECKS = ["--check-for-spiky-loss", "--check-for-large-grads"]
 BASES = {
@@ -100,7 +100,7 @@ def variant_flags(preset: str, name: str, args: argparse.Namespace) -> list[str]
         flags.append("--use-cpu")
     flags += args.extra.split()
     mbs = parse_train_args(flags).micro_batch_size or 8
-    flags += ["--global-batch-size", str(mbs * NUM_MICROBATCHES)]
+    flags += ["--global-batch-size", str(mbs * args.num_microbatches)]
     if name in BASELINES:
         return flags
     return flags + BASES[args.base] + INGREDIENTS[name]
@@ -149,7 +149,8 @@ class PlainVariant:
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, fused=True)
         gen = torch.Generator().manual_seed(0)
         m, mbs = self.config.model, self.config.training.micro_batch_size
-        for _ in range(NUM_MICROBATCHES):
+        self.num_microbatches = (self.config.training.global_batch_size or mbs) // mbs
+        for _ in range(self.num_microbatches):
             tokens = torch.randint(0, m.vocab_size, (mbs, m.seq_length + 1), generator=gen)
             self.batches.append(
                 {"ids": tokens[:, :-1].to(self.device), "labels": tokens[:, 1:].to(self.device)}
@@ -167,7 +168,7 @@ class PlainVariant:
             for batch in self.batches:
                 with torch.autocast(self.device.type, dtype=torch.bfloat16):
                     out = self.model(batch["ids"], batch["labels"])
-                (out["loss"] / NUM_MICROBATCHES).backward()
+                (out["loss"] / self.num_microbatches).backward()
             torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=True)
             self.optimizer.step()
 
@@ -231,6 +232,7 @@ def measure(preset: str, names: list[str], args: argparse.Namespace, deadline: f
     device = torch.device(args.device)
     variants, notes = _build_all(preset, names, args, deadline)
     times = _timed(variants, args) if variants else {}
+    floors = _floors(variants, times, args, deadline)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     for v in variants:
         v.close()
@@ -242,7 +244,32 @@ def measure(preset: str, names: list[str], args: argparse.Namespace, deadline: f
     torch._dynamo.reset()  # next preset: fresh compile caches (no recompile limit hit)
     config = config_of(variant_flags(preset, "today", args))
     flops = num_floating_point_operations(config.model, config.training.global_batch_size or 0)
-    return summarize(preset, names, times, notes, flops) | {"peak_allocated_gib": peak}
+    result = summarize(preset, names, times, notes, flops)
+    for row in result["rows"]:
+        if row["variant"] in floors:
+            row["floor"] = floors[row["variant"]]
+    return result | {"peak_allocated_gib": peak}
+
+
+def _floors(
+    variants: list[Any], times: dict[str, list[float]], args: argparse.Namespace, deadline: float
+) -> dict[str, dict[str, Any]]:
+    """The kernel floor of each timed variant (``--profile-iters`` under torch.profiler), in
+    priority order while the preset's time lasts (the first two always)."""
+    floors: dict[str, dict[str, Any]] = {}
+    if args.profile_iters <= 0:
+        return floors
+    device = torch.device(args.device)
+    for index, v in enumerate(variants):
+        if index >= 2 and time.perf_counter() > deadline:
+            floors[v.name] = {"error": "skipped (time budget)"}
+            continue
+        wall = statistics.median(times[v.name]) if times.get(v.name) else None
+        try:
+            floors[v.name] = kernel_floor(v.run, args.profile_iters, device, wall)
+        except Exception as err:  # a profiler failure must not lose the timings
+            floors[v.name] = {"error": f"{type(err).__name__}: {err}"[:300]}
+    return floors
 
 
 def summarize(
@@ -291,7 +318,34 @@ def print_result(result: dict[str, Any], base: str) -> None:
             f"| {r['variant']} | {r['median_ms']:.2f} | {r['min_ms']:.2f}-{r['max_ms']:.2f} "
             f"| {r['tflops']:.1f} | {ratio} | {today} | {r.get('build_s', '')} |"
         )
+    print_floor(result)
     sys.stdout.flush()
+
+
+def print_floor(result: dict[str, Any]) -> None:
+    """The kernel floor table: wall vs the sum of kernel times per iteration."""
+    rows = [r for r in result["rows"] if "floor" in r]
+    if not rows:
+        return
+    source = next((r["floor"]["source"] for r in rows if "source" in r["floor"]), "kernels")
+    labels = sorted({k for r in rows for k in r["floor"].get("by_category", {})})
+    print(f"\nkernel floor, {result['preset']} (ms per iteration; {source})")
+    print("| variant | wall | kernel sum | wall - kernels | busy | kernels/iter | "
+          + " | ".join(labels) + " |")  # fmt: skip
+    print("|---" * (6 + len(labels)) + "|")
+    for r in rows:
+        f = r["floor"]
+        if "kernel_ms" not in f:
+            print(f"| {r['variant']} | {f.get('error', 'not run')} |" + " |" * (4 + len(labels)))
+            continue
+        cats = " | ".join(f"{f['by_category'].get(k, 0.0):.2f}" for k in labels)
+        wall = f.get("wall_ms")
+        above = f.get("above_kernels_ms")
+        print(
+            f"| {r['variant']} | {'' if wall is None else f'{wall:.2f}'} | {f['kernel_ms']:.2f} "
+            f"| {'' if above is None else f'{above:.2f}'} | {f['busy_ms']:.2f} "
+            f"| {f['num_kernels']:.0f} | {cats} |"
+        )
 
 
 def trainer_variant(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
@@ -371,6 +425,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--presets", default="gpt2-124m,small,tiny")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="in priority order")
     p.add_argument("--base", choices=sorted(BASES), default="graph_compiled")
+    p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--iters", type=int, default=8, help="iterations per timed window")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=8, help="untimed iterations (compile, capture)")
@@ -382,8 +437,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-log-interval", type=int, default=25)
     p.add_argument("--trainer-windows", type=int, default=3, help="last log intervals measured")
     p.add_argument("--trainer-timeout-s", type=float, default=110.0)
+    p.add_argument("--profile-iters", type=int, default=2, help="kernel floor; 0: off")
     p.add_argument("--json", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, seconds (a test)")
     return p
+
+
+SMOKE_SHAPE = ("--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+               "--vocab-size 256 --micro-batch-size 2")  # fmt: skip
+
+
+def smoke(args: argparse.Namespace) -> argparse.Namespace:
+    """``--smoke``: the whole script on CPU in seconds (graphs need CUDA, so the eager base and
+    the ingredients that work without a graph); the figures mean nothing."""
+    return argparse.Namespace(**(vars(args) | dict(
+        device="cpu", presets="tiny", base="eager", iters=1, rounds=2, warmup=1,
+        num_microbatches=2, variants="plain_eager,today,weights_residual",
+        profile_iters=1, trainer_iters=0, extra=f"{SMOKE_SHAPE} {args.extra}".strip(),
+    )))  # fmt: skip
 
 
 def _deadline(preset: str, pending: list[str], end: float, reserve: float) -> float:
@@ -396,6 +467,8 @@ def _deadline(preset: str, pending: list[str], end: float, reserve: float) -> fl
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.smoke:
+        args = smoke(args)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in INGREDIENTS and n not in BASELINES]
     if unknown:
@@ -423,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     if trainer is None and args.trainer_iters > 0:
         trainer = run_trainer(args, trainer_variant(args, results), args.trainer_timeout_s)
         _write(args.json, results, trainer)
-    print_targets(results, trainer)
+    if not args.smoke:
+        print_targets(results, trainer)
     return 0
 
 
