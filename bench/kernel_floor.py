@@ -3,7 +3,7 @@
 For each preset, in one process, side by side:
 
 * ``reduce_overhead``: the plain loop users write: ``torch.compile(model, mode="reduce-overhead")``
-  under bf16 autocast, 4 micro-batches, ``clip_grad_norm_`` and fused AdamW, no checks;
+  under bf16 autocast, ``--num-microbatches`` (4), ``clip_grad_norm_`` and fused AdamW, no checks;
 * the reference trainer's guarded step (built by ``Trainer`` from its flags, all its default
   checks on: loss and gradient NaN/Inf, gated optimizer, speculative launch where it applies) on
   the ``--base`` (default ``graph_compiled``: ``--compile --cuda-graph-impl full_iteration
@@ -16,8 +16,13 @@ For each preset, in one process, side by side:
 Every variant is built and warmed up first (compile, capture), then they take turns in windows of
 ``--iters`` iterations timed from a device sync to a device sync (the order rotates every round).
 Reported: median ms/iteration over the windows, min-max, TFLOP/s (Megatron's formula), and the
-median of the per-round ratios ``reduce_overhead / variant`` (> 1: faster than reduce-overhead).
-Then the trainer itself (``stalwart train --log-throughput``, all checks on, i.e. also
+median of the per-round ratios ``reduce_overhead / variant`` (> 1: faster than reduce-overhead)
+and ``today / variant`` (what each ingredient buys). Then the kernel floor of each variant
+(``bench/kernel_sum.py``): ``--profile-iters`` iterations under torch.profiler, the sum of their
+kernel times per iteration against the unprofiled median wall time (``wall - kernels``: what
+launches and replay add), the union of the kernel intervals, the kernel count, and the sum split
+into gemm / attention / Inductor Triton / copy / other kernels. Then (``--trainer-iters`` > 0)
+the trainer itself (``stalwart train --log-throughput``, all checks on, i.e. also
 ``--check-for-spiky-loss --check-for-large-grads``) at ``--trainer-preset`` with the fastest
 measured ingredient set (``--trainer-variant auto``), as the fraction of 989 TFLOP/s.
 
@@ -26,9 +31,9 @@ of their preset lasts (the first two always), results print as they come and the
 rewritten after each preset. Targets: graph + compiled >= 1.1x reduce-overhead at small and
 gpt2-124m, >= 3x at tiny; the trainer >= 45% of 989 TFLOP/s at gpt2-124m.
 
-    PYTHONPATH=src python3 bench/kernel_floor.py --budget-s 300 --json $OUT/kernel_floor.json
-    python bench/kernel_floor.py --device cpu --base eager --presets tiny \\
-        --variants plain_eager,today,all --trainer-preset tiny --trainer-iters 4 ...  # CPU smoke
+    PYTHONPATH=src python3 bench/kernel_floor.py --presets small,gpt2-124m --budget-s 200 \\
+        --trainer-iters 0 --json $OUT/kernel_floor.json       # the H200 (scripts/gpu_check.sh)
+    PYTHONPATH=src python3 bench/kernel_floor.py --smoke       # CPU, seconds; figures meaningless
 """
 
 from __future__ import annotations
@@ -255,13 +260,14 @@ def _floors(
     variants: list[Any], times: dict[str, list[float]], args: argparse.Namespace, deadline: float
 ) -> dict[str, dict[str, Any]]:
     """The kernel floor of each timed variant (``--profile-iters`` under torch.profiler), in
-    priority order while the preset's time lasts (the first two always)."""
+    priority order while the preset's time lasts (the first three always: the baseline, today
+    and all, a few seconds each)."""
     floors: dict[str, dict[str, Any]] = {}
     if args.profile_iters <= 0:
         return floors
     device = torch.device(args.device)
     for index, v in enumerate(variants):
-        if index >= 2 and time.perf_counter() > deadline:
+        if index >= 3 and time.perf_counter() > deadline:
             floors[v.name] = {"error": "skipped (time budget)"}
             continue
         wall = statistics.median(times[v.name]) if times.get(v.name) else None
