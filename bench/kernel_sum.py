@@ -71,7 +71,8 @@ def kernel_summary(events: Iterable[Any], iters: int, device_type: str) -> dict[
     by_category: dict[str, float] = {}
     count = 0
     for event in events:
-        if event.device_type != want:
+        # GPU-side user annotations (record_function ranges, torch.compile's own) span kernels.
+        if event.device_type != want or getattr(event, "is_user_annotation", False):
             continue
         if want == DeviceType.CUDA:
             start, stop = float(event.time_range.start), float(event.time_range.end)

@@ -16,9 +16,12 @@ import kernel_floor  # type: ignore[import-not-found]
 import kernel_sum  # type: ignore[import-not-found]
 
 
-def _kernel(name: str, start: float, end: float) -> SimpleNamespace:
+def _kernel(name: str, start: float, end: float, annotation: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
-        name=name, device_type=DeviceType.CUDA, time_range=SimpleNamespace(start=start, end=end)
+        name=name,
+        device_type=DeviceType.CUDA,
+        time_range=SimpleNamespace(start=start, end=end),
+        is_user_annotation=annotation,
     )
 
 
@@ -28,6 +31,7 @@ def test_kernel_summary_sums_kernels_and_merges_overlaps() -> None:
         _kernel("triton_per_fused_native_layer_norm_0", 500.0, 800.0),  # overlaps (2 streams)
         _kernel("void at::native::vectorized_elementwise_kernel", 1000.0, 1100.0),
         SimpleNamespace(name="cudaGraphLaunch", device_type=DeviceType.CPU),  # host: not counted
+        _kernel("## Call CompiledFxGraph ##", 0.0, 1100.0, annotation=True),  # a range, no kernel
     ]
     summary = kernel_sum.kernel_summary(events, iters=2, device_type="cuda")
     assert summary["kernel_ms"] == pytest.approx(1.0 / 2)  # 1000 us of kernels over 2 iterations
