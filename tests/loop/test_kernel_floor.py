@@ -244,3 +244,12 @@ def test_ingredient_flags_reach_the_plan_and_model() -> None:
     assert plan.optimizer_in_graph and not plan.optimizer_graph  # one graph, not two
     assert config.model.bf16_residual_connection and config.training.bf16_compute_weights
     assert config.graphs.optimizer_captured  # the optimizer is built capturable
+
+
+def test_compute_weights_docstring_example_runs() -> None:
+    import doctest
+
+    import stalwart.loop.compute_weights as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0

@@ -378,7 +378,7 @@ def _kernel_floor_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="with --bf16: keep the residual stream in bf16 instead of fp32 (Megatron's "
-        "default; its --fp32-residual-connection is this off; default off)",
+        "default under bf16, whose fp32 residual option is this switch off; default off)",
     )
 
 
