@@ -111,3 +111,29 @@ def kernel_floor(
         summary["above_kernels_ms"] = wall_ms - summary["kernel_ms"]
         summary["kernel_fraction"] = summary["kernel_ms"] / wall_ms if wall_ms > 0 else None
     return summary
+
+
+def print_floor(result: dict[str, Any]) -> None:
+    """The kernel floor table: wall vs the sum of kernel times per iteration."""
+    rows = [r for r in result["rows"] if "floor" in r]
+    if not rows:
+        return
+    source = next((r["floor"]["source"] for r in rows if "source" in r["floor"]), "kernels")
+    labels = sorted({k for r in rows for k in r["floor"].get("by_category", {})})
+    print(f"\nkernel floor, {result['preset']} (ms per iteration; {source})")
+    print("| variant | wall | kernel sum | wall - kernels | busy | kernels/iter | "
+          + " | ".join(labels) + " |")  # fmt: skip
+    print("|---" * (6 + len(labels)) + "|")
+    for r in rows:
+        f = r["floor"]
+        if "kernel_ms" not in f:
+            print(f"| {r['variant']} | {f.get('error', 'not run')} |" + " |" * (4 + len(labels)))
+            continue
+        cats = " | ".join(f"{f['by_category'].get(k, 0.0):.2f}" for k in labels)
+        wall = f.get("wall_ms")
+        above = f.get("above_kernels_ms")
+        print(
+            f"| {r['variant']} | {'' if wall is None else f'{wall:.2f}'} | {f['kernel_ms']:.2f} "
+            f"| {'' if above is None else f'{above:.2f}'} | {f['busy_ms']:.2f} "
+            f"| {f['num_kernels']:.0f} | {cats} |"
+        )
