@@ -44,7 +44,7 @@ def _config(**overrides: Any) -> GPTConfig:
 
 
 class Job:
-    def __init__(self, cfg: GPTConfig, *, floor: bool, nan_call: int = -1) -> None:
+    def __init__(self, cfg: GPTConfig, *, floor: bool, nan_iteration: int = -1) -> None:
         device = torch.device("cuda")
         torch.manual_seed(0)
         self.model = GPT(cfg).to(device)
@@ -58,7 +58,9 @@ class Job:
             batches.append({"ids": tokens[:, :-1].to(device), "labels": tokens[:, 1:].to(device)})
         self.weights = ComputeWeights(self.model) if floor else None
         plan = GraphPlan(warmup_steps=2, optimizer_in_graph=True) if floor else EagerPlan()
-        self.calls, self.nan_call = 0, nan_call
+        # A device scalar, so the fault reaches a replayed graph (no Python runs in a replay).
+        self.poison = torch.ones((), device=device)
+        self.nan_iteration = nan_iteration
         self.step = GuardedStep(
             model=self.model, optimizer=optimizer, forward_step=self._forward,
             machine=RerunConfig().build(device), data=RerunDataIterator(batches),
@@ -69,14 +71,13 @@ class Job:
 
     def _forward(self, batch: dict[str, torch.Tensor], model: nn.Module) -> Any:
         out = model(batch["ids"], batch["labels"])
-        if self.calls == self.nan_call:
-            out["loss"] = out["loss"] * float("nan")
-        self.calls += 1
-        return out
+        return dict(out, loss=out["loss"] * self.poison)
 
     def train(self) -> list[Any]:
         results = []
         for it in range(ITERS):
+            if it == self.nan_iteration:  # every pass of it: a reproducible fault (exit 16)
+                self.poison.fill_(float("nan"))
             results.append(self.step.run(it, launch_next=False))
             if results[-1].verdict.exit:
                 break
@@ -100,9 +101,9 @@ def test_in_graph_step_and_compute_weights_match_eager(residual: bool) -> None:
 
 
 def test_nan_while_the_graph_holds_the_step_skips_it_on_the_device() -> None:
-    nan_call = 4 * MICRO  # iteration 4: captured by then (2 warm-up passes), step in the graph
-    eager = Job(_config(), floor=False, nan_call=nan_call)
-    floor = Job(_config(), floor=True, nan_call=nan_call)
+    nan_iteration = 4  # captured by then (2 warm-up passes), the step in the graph
+    eager = Job(_config(), floor=False, nan_iteration=nan_iteration)
+    floor = Job(_config(), floor=True, nan_iteration=nan_iteration)
     a, b = eager.train(), floor.train()
     assert len(a) == len(b) == 5 and a[-1].verdict == b[-1].verdict and b[-1].verdict.exit
     for x, y in zip(eager.model.parameters(), floor.model.parameters(), strict=True):
