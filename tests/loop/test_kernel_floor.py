@@ -253,3 +253,30 @@ def test_compute_weights_docstring_example_runs() -> None:
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+SHAPE = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+         "--seq-length", "16", "--vocab-size", "256", "--micro-batch-size", "2"]  # fmt: skip
+
+
+def test_trainer_wires_the_flags_into_its_step() -> None:
+    from stalwart.distributed.process_group import DistributedContext
+    from stalwart.train import build
+    from stalwart.train.trainer import Trainer
+
+    argv = ["--preset", "tiny", *SHAPE, "--use-cpu", "--bf16", "--train-iters", "2",
+            "--global-batch-size", "4", "--bf16-compute-weights",
+            "--bf16-residual-connection", "--no-progress-bar"]  # fmt: skip
+    config = build_run_config(parse_train_args(argv), argv)
+    trainer = Trainer(config, DistributedContext())
+    try:
+        weights = trainer.step.runners.forward_backward.compute_weights
+        assert isinstance(weights, ComputeWeights) and weights.dtype == torch.bfloat16
+        assert trainer.raw_model.config.bf16_residual_connection
+        result = trainer.step.run(0, launch_next=False)
+        assert torch.isfinite(result.losses["lm loss"]) and weights.copies
+        two_ranks = DistributedContext(world_size=2, backend="gloo")
+        with pytest.raises(ValueError, match="--bf16-compute-weights is not supported with 2"):
+            build.build_compute_weights(config, trainer.raw_model, two_ranks)
+    finally:
+        trainer.close()
