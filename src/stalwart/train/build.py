@@ -50,6 +50,7 @@ from stalwart.observability.goodput import (
     NullGoodputLedger,
     make_goodput_ledger,
 )
+from stalwart.observability.progress_log import NullProgressLog, ProgressLog, make_progress_log
 from stalwart.reliability.exit import IterationAgreement
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
 from stalwart.reliability.replica_check import flip_parameter_bit
@@ -329,6 +330,13 @@ def goodput_file(config: RunConfig) -> str | None:
 def _flushed(say: Callable[[str], None], line: str) -> None:
     say(line)
     sys.stdout.flush()
+
+
+def build_progress_log(config: RunConfig, ctx: DistributedContext) -> ProgressLog | NullProgressLog:
+    """``--log-progress``: Megatron's ``<save>/progress.txt`` (rank 0 writes; else a null log)."""
+    return make_progress_log(
+        config.obs.log_progress, config.checkpoint.save, ctx.world_size, ctx.rank
+    )
 
 
 def build_goodput_ledger(
