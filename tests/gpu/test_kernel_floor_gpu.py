@@ -106,6 +106,8 @@ def test_nan_while_the_graph_holds_the_step_skips_it_on_the_device() -> None:
     floor = Job(_config(), floor=True, nan_iteration=nan_iteration)
     a, b = eager.train(), floor.train()
     assert len(a) == len(b) == 5 and a[-1].verdict == b[-1].verdict and b[-1].verdict.exit
-    for x, y in zip(eager.model.parameters(), floor.model.parameters(), strict=True):
-        torch.testing.assert_close(y, x, rtol=0, atol=1e-3)
+    # A step taken on the NaN gradients would make the parameters NaN; the comparison with the
+    # eager run allows Adam's lr-sized steps on near-zero gradients (4 steps of lr 1e-3).
     assert torch.isfinite(torch.cat([p.flatten() for p in floor.model.parameters()])).all()
+    for x, y in zip(eager.model.parameters(), floor.model.parameters(), strict=True):
+        torch.testing.assert_close(y, x, rtol=0, atol=4e-3)
