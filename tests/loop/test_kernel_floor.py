@@ -132,7 +132,12 @@ LLAMA = dict(
 )
 
 
-@pytest.mark.parametrize("overrides", [UNTIED_RECOMPUTE, LLAMA], ids=["untied-recompute", "llama"])
+MOE = dict(num_experts=4, moe_router_topk=2, untie_embeddings_and_output_weights=True)
+
+
+@pytest.mark.parametrize(
+    "overrides", [UNTIED_RECOMPUTE, LLAMA, MOE], ids=["untied-recompute", "llama", "moe"]
+)
 def test_bf16_compute_weights_equal_autocast_bitwise(overrides: dict[str, Any]) -> None:
     cfg = _config(**overrides)
     plain, copies = Job(cfg), Job(cfg, weights=True)
