@@ -146,6 +146,19 @@ def data_flags(p: argparse.ArgumentParser) -> None:
 def _precision_flags(g: Any) -> None:
     g.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision")
     g.add_argument("--fp16", action="store_true", help="float16 with dynamic loss scaling")
+    g.add_argument(
+        "--bf16-compute-weights",
+        action="store_true",
+        help="with --bf16: Linear layers run on bf16 copies of the fp32 weights made once per "
+        "iteration (not autocast casts per micro-batch); their grads are added into the fp32 "
+        "grads after each micro-batch (one rank only)",
+    )
+    g.add_argument(
+        "--bf16-residual-connection",
+        action="store_true",
+        help="with --bf16: keep the residual stream in bf16 instead of fp32 (Megatron's "
+        "default under bf16, whose fp32 residual option is this switch off)",
+    )
     g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="fp16 starting scale")
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16 scale floor")
     g.add_argument(

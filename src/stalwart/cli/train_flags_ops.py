@@ -430,3 +430,9 @@ def graph_flags(p: argparse.ArgumentParser) -> None:
         default=True,
         help="launch the next iteration's graph before this one's check",
     )
+    g.add_argument(
+        "--cuda-graph-include-optimizer",
+        action="store_true",
+        help="with full_iteration: clip + fused AdamW inside the full-iteration graph (one "
+        "graph per iteration, no speculative launch)",
+    )

@@ -76,6 +76,9 @@ class GraphConfig:
     # Launch the next iteration's forward-backward replay before this one's validation read
     # (gated optimizer graph only; stalwart.loop.lookahead). Not a Megatron flag.
     cuda_graph_speculative_launch: bool = True
+    # Clip + fused AdamW captured inside the full-iteration graph (one graph per iteration, no
+    # speculative launch; stalwart.loop.optimizer_in_graph). Not a Megatron flag.
+    cuda_graph_include_optimizer: bool = False
 
     def __post_init__(self) -> None:
         allowed = (CudaGraphImpl.NONE, CudaGraphImpl.FULL_ITERATION)
@@ -88,10 +91,21 @@ class GraphConfig:
                 f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"
             )
         check_fields(self)  # after the conversion: the fields hold enums from here on
+        if self.cuda_graph_include_optimizer and not self.full_iteration:
+            raise ValueError(
+                "--cuda-graph-include-optimizer needs --cuda-graph-impl full_iteration (the "
+                "optimizer step is captured inside the full-iteration graph)"
+            )
 
     @property
     def full_iteration(self) -> bool:
         return self.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
+
+    @property
+    def optimizer_captured(self) -> bool:
+        """Whether the optimizer step is in a CUDA graph (its own, or the full iteration's):
+        it then needs a capturable optimizer with a device-tensor LR."""
+        return self.optimizer_cuda_graph or self.cuda_graph_include_optimizer
 
     @property
     def any(self) -> bool:
@@ -105,8 +119,9 @@ class GraphConfig:
             return EagerPlan()
         return GraphPlan(
             full_iteration=self.full_iteration,
-            optimizer_graph=self.optimizer_cuda_graph,
+            optimizer_graph=self.optimizer_cuda_graph and not self.cuda_graph_include_optimizer,
             warmup_steps=self.cuda_graph_warmup_steps,
+            optimizer_in_graph=self.cuda_graph_include_optimizer,
         )
 
 
@@ -266,6 +281,11 @@ def check_combinations(config: RunConfig) -> None:
         raise ValueError(
             "--check-weight-hash-across-dp-replicas-interval compares replicated weights; with "
             "--use-torch-fsdp2 every rank holds a different shard (use it with DDP)"
+        )
+    if config.model.bf16_residual_connection and not config.training.bf16:
+        raise ValueError(
+            "--bf16-residual-connection needs --bf16 (the norms read the bf16 stream under bf16 "
+            "autocast)"
         )
     if config.training.rampup_batch_size and config.graphs.full_iteration:
         raise ValueError(

@@ -90,6 +90,9 @@ class TrainingConfig:
     seed: int = field(default=1234, metadata=bounds(ge=0, le=SEED_MAX))
     bf16: bool = False
     fp16: bool = False
+    # --bf16-compute-weights: the Linear layers run on bf16 copies of the fp32 weights made once
+    # per iteration; gradients accumulate into fp32 per micro-batch (stalwart.loop.ComputeWeights).
+    bf16_compute_weights: bool = False
     initial_loss_scale: float = field(default=2.0**16, metadata=bounds(gt=0))
     min_loss_scale: float = field(default=1.0, metadata=bounds(gt=0))
     loss_scale_window: int = field(default=1000, metadata=bounds(gt=0))
@@ -110,6 +113,11 @@ class TrainingConfig:
         check_fields(self)
         _require(
             not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive: pick one"
+        )
+        _require(
+            self.bf16 or not self.bf16_compute_weights,
+            "--bf16-compute-weights needs --bf16 (the forward runs under bf16 autocast on the "
+            "copies)",
         )
         _require(
             self.min_loss_scale <= self.initial_loss_scale,

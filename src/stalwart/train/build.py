@@ -41,7 +41,7 @@ from stalwart.graphs import (
     check_graph_config,
     make_capturable_adamw,
 )
-from stalwart.loop import DynamicLossScaler, NullLossScaler
+from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler
 from stalwart.models import GPT
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
 from stalwart.observability.goodput import (
@@ -77,7 +77,7 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
         {"params": no_decay, "weight_decay": 0.0},
     ]
     device = next(model.parameters()).device
-    if config.graphs.optimizer_cuda_graph:
+    if config.graphs.optimizer_captured:
         # Capturable AdamW with the LR as a device tensor, so a schedule works under replay;
         # fused, so the step can skip itself on the device (found_inf).
         return make_capturable_adamw(
@@ -199,7 +199,7 @@ def check_graph_flags(config: RunConfig, device: torch.device, world_size: int =
             device=device,
             cuda_graph_impl=g.cuda_graph_impl,
             cuda_graph_warmup_steps=g.cuda_graph_warmup_steps,
-            optimizer_cuda_graph=g.optimizer_cuda_graph,
+            optimizer_cuda_graph=g.optimizer_captured,
             recompute_granularity=config.model.recompute_granularity,
             recompute_modules=(
                 SELECTIVE_RECOMPUTE_MODULES
@@ -281,6 +281,20 @@ def build_model(
     model = wrap_model(raw_model, config, ctx)
     seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
     return raw_model, model
+
+
+def build_compute_weights(
+    config: RunConfig, raw_model: GPT, ctx: DistributedContext
+) -> ComputeWeights | None:
+    """``--bf16-compute-weights``: bf16 copies of the GPT's matmul weights (one rank only)."""
+    if not config.training.bf16_compute_weights:
+        return None
+    if ctx.is_distributed:
+        raise ValueError(
+            f"--bf16-compute-weights is not supported with {ctx.world_size} ranks: DDP/FSDP2 "
+            "reduce the gradients of the fp32 parameters, which the forward no longer uses"
+        )
+    return ComputeWeights(raw_model, dtype=torch.bfloat16)
 
 
 def build_machine(

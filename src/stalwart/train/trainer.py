@@ -183,6 +183,7 @@ class Trainer:
             clip_grad=config.optim.clip_grad,
             loss_scaler=self.loss_scaler,
             autocast=lambda: autocast_context(ctx.device, dtype),
+            compute_weights=build.build_compute_weights(config, self.raw_model, ctx),
             lookahead=config.graphs.cuda_graph_speculative_launch,
             agreement=self.agreement,
             timers=self.timers,
