@@ -109,6 +109,8 @@ class MicroBatches:
     # Evaluation under a graph: a per-micro-batch host check would run at capture only, so the
     # step checks the evaluation means on the host instead.
     check_eval_losses: bool = True
+    # A framework's backward (Lightning's ``manual_backward``: it prepares DDP's reducer first).
+    backward: Callable[[torch.Tensor], None] | None = None
 
     def __call__(
         self,
@@ -157,7 +159,11 @@ class MicroBatches:
             forward_timer.stop()
             if not forward_only:
                 backward_timer.start()
-                self.loss_scaler.scale_loss(output["loss"] / num_microbatches).backward()
+                scaled = self.loss_scaler.scale_loss(output["loss"] / num_microbatches)
+                if self.backward is None:
+                    scaled.backward()
+                else:
+                    self.backward(scaled)
                 backward_timer.stop()
         return {k: v.detach() for k, v in output.items()}
 

@@ -98,6 +98,8 @@ class GuardedStep:
             communication), one with ``graph_safe()`` keeps its compute regions in a graph.
         goodput: a :class:`stalwart.observability.goodput.GoodputLedger`: rerun passes go to
             its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``).
+        backward: ``backward(scaled_loss)`` instead of ``scaled_loss.backward()``: a framework's
+            own (Lightning's ``manual_backward``, which prepares DDP's reducer first).
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class GuardedStep:
         observer: Any = None,
         log_num_zeros: bool = False,
         goodput: Any = None,
+        backward: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -138,7 +141,7 @@ class GuardedStep:
             model, forward_step, machine, device, self.loss_scaler,
             autocast or contextlib.nullcontext,
             grad_checks=self._grad_checks(gate_group), gate_group=gate_group,
-            timers=self.timers, observer=observer,
+            timers=self.timers, observer=observer, backward=backward,
         )  # fmt: skip
         eager_optimizer = EagerOptimizer(
             optimizer, self.params, clip_grad=clip_grad,
