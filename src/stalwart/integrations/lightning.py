@@ -62,6 +62,7 @@ from stalwart.integrations import require
 from stalwart.integrations.framework_step import FrameworkStep
 from stalwart.integrations.shell import ShellConfig, TrainingShell
 from stalwart.loop import RngState, StepResult
+from stalwart.observability.flop_count import flop_counter
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
 
 L = require("lightning.pytorch", extra="lightning", what="stalwart.integrations.lightning")
@@ -129,9 +130,9 @@ def _step_schedulers(module: Any) -> None:
     """Manual optimization: Lightning steps no scheduler; step-interval ones step here."""
     trainer = module.trainer
     for config in trainer.lr_scheduler_configs:
-        if config.interval == "step" and not config.reduce_on_plateau:
-            if trainer.global_step % max(config.frequency, 1) == 0:
-                config.scheduler.step()
+        step_interval = config.interval == "step" and not config.reduce_on_plateau
+        if step_interval and trainer.global_step % max(config.frequency, 1) == 0:
+            config.scheduler.step()
 
 
 def _forward_step(batch: Any, model: Any) -> Any:
@@ -183,7 +184,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         shell = self._require_shell()
         if isinstance(pl_module, GuardedModule):
             self.step = FrameworkStep(
-                shell, model=pl_module, optimizer=pl_module.optimizers(),  # type: ignore[attr-defined]
+                shell, model=pl_module, optimizer=pl_module.optimizers(),  # type: ignore[arg-type,attr-defined]
                 forward_step=_forward_step, clip_grad=pl_module.stalwart_clip_grad,
                 backward=pl_module.manual_backward,  # type: ignore[attr-defined]
             )  # fmt: skip
@@ -221,14 +222,14 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         return self.step.iteration if self.step is not None else int(trainer.global_step)
 
     # ---------------------------------------------------------------- per batch
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         shell = self._require_shell()
         if self._in_step is not None:  # accumulating gradients: the step spans several batches
             return
         if self.count_flops and not self._counted:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._counter = FlopCounterMode(display=False)
+            self._counter = flop_counter()
             self._counter.__enter__()
         self._in_step = contextlib.ExitStack()
         self._in_step.enter_context(shell.iteration(self._iteration(trainer)))
@@ -268,7 +269,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
     ) -> None:
         shell = self._require_shell()
         if result is not None:
-            losses = {k: v for k, v in result.losses.items()}
+            losses: dict[str, Any] = dict(result.losses)
             grad_norm, skipped = result.grad_norm, result.skipped
         else:
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
@@ -314,7 +315,9 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         shell = self.shell
         if shell is not None and shell.exit_code is None:  # Lightning's loop ended first
             self._end_step(trainer)
-            done = ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, "the trainer's loop ended")
+            done = ExitDecision(
+                SaveKind.NONE, True, ExitReason.FINISHED, "the trainer's loop ended"
+            )
             shell.finish(done, self._recorded)
         self._close()
 

@@ -62,7 +62,9 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         epoch, batch = state.get("epoch"), state.get("batch")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, batch)):
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, batch)
+        ):
             raise ValueError(
                 f"ResumableLoader.load_state_dict: epoch and batch must be integers >= 0, "
                 f"got {state!r}"

@@ -277,7 +277,9 @@ class TrainingShell:
             losses=losses,
             learning_rate=learning_rate,
             global_batch_size=batch_size,
-            consumed_samples=batch_size * iteration if consumed_samples is None else consumed_samples,
+            consumed_samples=batch_size * iteration
+            if consumed_samples is None
+            else consumed_samples,
             grad_norm=grad_norm,
             skipped=skipped,
         )

@@ -15,13 +15,15 @@ Usage in your own loop (a Hugging Face model here; any ``nn.Module`` works)::
     >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     >>> batch = torch.randn(8, 16)
     >>> counted = count_training_flops(model, lambda b, m: m(b).square().mean(), batch)
-    >>> counted.per_microbatch                  # 3 x (2*8*16*32 + 2*8*32*4) = 3 x 10240, minus
-    28672
+    >>> counted.forward                         # 2*8*16*32 + 2*8*32*4
+    10240
+    >>> counted.per_microbatch                  # + backward: 2x forward, minus one matmul
+    22528
     >>> counted.per_iteration(num_microbatches=4, data_parallel_size=2)  # the job's, for the log
-    229376.0
+    180224.0
 
-(``28672``: the first layer needs no gradient of its input, so its backward is one matmul, not
-two.) The count runs the model once on a real micro-batch and leaves no trace: every random
+(The backward is ``2 x 10240 - 8192``: the first layer needs no gradient of its input, so its
+backward is one matmul, not two.) The count runs the model once on a real micro-batch and leaves no trace: every random
 generator, the parameters' ``.grad`` and the module buffers (e.g. BatchNorm statistics) are
 restored afterwards, so training is bitwise the same as without counting (tested). It is a
 collective when the model is (FSDP2, DDP): call it on every rank.
@@ -39,7 +41,7 @@ from torch import nn
 
 from stalwart.reliability.rerun.rng import capture_rng_state, restore_rng_state
 
-__all__ = ["CountedFlops", "count_flops", "count_training_flops"]
+__all__ = ["CountedFlops", "count_flops", "count_training_flops", "flop_counter"]
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,41 @@ class CountedFlops:
         return float(self.per_microbatch * num_microbatches * data_parallel_size)
 
 
+def flop_counter() -> Any:
+    """torch's ``FlopCounterMode``, also counting the CPU attention kernel.
+
+    torch's registry knows the CUDA attention kernels (flash, memory-efficient, cuDNN) but not
+    ``_scaled_dot_product_flash_attention_for_cpu`` (what ``scaled_dot_product_attention`` runs
+    on the CPU), so a count on the CPU would miss attention entirely; it gets torch's own SDPA
+    formulas here (the same ones the CUDA kernels use), so CPU and GPU counts agree."""
+    from torch.utils import flop_counter as fc
+
+    mapping: dict[Any, Any] = {}
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is not None:
+        mapping[forward] = _sdpa_forward
+    if backward is not None:
+        mapping[backward] = _sdpa_backward
+    return fc.FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return int(sdpa_flop_count(query, key, value))  # shapes: the counter passes shapes
+
+
+def _sdpa_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return int(sdpa_backward_flop_count(grad, query, key, value))
+
+
 def count_flops(fn: Callable[[], Any]) -> int:
     """FLOPs of everything ``fn()`` dispatches (torch's counter; no side effect is undone)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         fn()
     return int(counter.get_total_flops())
 
@@ -82,13 +114,11 @@ def count_training_flops(
 
     Call it once at start-up, before the first iteration and after loading a checkpoint.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     rng = capture_rng_state()
     grads = {p: p.grad for p in model.parameters()}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with FlopCounterMode(display=False) as counter:
+        with flop_counter() as counter:
             with autocast():
                 output = forward_step(batch, model)
             loss = output["loss"] if isinstance(output, dict) else output

@@ -419,9 +419,7 @@ class StragglerIdle:
     """Log provider after the straggler detector: each new report's idle time (ranks waiting on
     the slowest) moves from productive to the goodput ledger's straggler bucket."""
 
-    def __init__(
-        self, straggler: StragglerDetector | NullStragglerDetector, ledger: Any
-    ) -> None:
+    def __init__(self, straggler: StragglerDetector | NullStragglerDetector, ledger: Any) -> None:
         self.straggler, self.ledger = straggler, ledger
         self._seen: object = None
 
