@@ -20,12 +20,15 @@ What the callback does, hook by hook:
 
 * ``setup``: builds the :class:`~stalwart.integrations.shell.TrainingShell` (its hang monitor
   opens the ``setup`` section: model set-up and the checkpoint load are guarded);
-* ``on_train_start``: installs the exit-signal handler *over Lightning's* (Lightning's SIGTERM
-  handler runs a broadcast inside the signal handler and raises at the next batch without a
-  save; stalwart's only raises a flag that the ranks agree on after the step), restores the
-  callback's state, starts the timers;
-* around every batch: the watchdog's ``step`` section and a goodput step; the first batch runs
-  under torch's FLOP counter (TFLOP/s in the log line with ``LogConfig(log_throughput=True)``);
+* ``on_train_start``: builds the guarded step of a :class:`GuardedModule`;
+* the first ``on_train_batch_start``: installs the exit-signal handler *over Lightning's*
+  (Lightning's SIGTERM handler runs a broadcast inside the signal handler and raises at the next
+  batch without a save; stalwart's only raises a flag that the ranks agree on after the step),
+  restores the callback's state (every RNG: after Lightning created the loader's iterator,
+  which draws from torch's generator), starts the timers;
+* around every batch: the watchdog's ``step`` section and a goodput step; with
+  ``LogConfig(log_throughput=True)`` the first batch's FLOPs are counted once by torch's counter
+  (TFLOP/s in the log line);
 * ``on_train_batch_end``: the training-log line (timers, memory, energy, stragglers, goodput,
   TensorBoard/W&B/JSONL), then one agreed decision: save through ``trainer.save_checkpoint``
   (``<save_dir>/iter_NNNNNNN.ckpt``, the signal, ``--save-interval``, duration, exit interval,
@@ -62,7 +65,7 @@ from stalwart.integrations import require
 from stalwart.integrations.framework_step import FrameworkStep
 from stalwart.integrations.shell import ShellConfig, TrainingShell
 from stalwart.loop import RngState, StepResult
-from stalwart.observability.flop_count import flop_counter
+from stalwart.observability.flop_count import count_training_flops, flop_counter
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
 
 L = require("lightning.pytorch", extra="lightning", what="stalwart.integrations.lightning")
@@ -145,7 +148,8 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
     Args:
         save_dir: where the callback's saves go (``iter_NNNNNNN.ckpt``), ``exit_reason.json``
             and the rerun files; None: no save (an exit 16 then says it needs one).
-        count_flops: count the first batch's FLOPs with torch's counter (for TFLOP/s).
+        count_flops: with ``LogConfig(log_throughput=True)``, count the first batch's FLOPs with
+            torch's counter (TFLOP/s); False: no TFLOP/s (the shell then refuses the flag).
         **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``, ``obs``,
             ``run_dir``, ``goodput``, ``seq_length`` (``train_iters`` is the trainer's).
     """
@@ -163,6 +167,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         self._counter: Any = None  # torch's FLOP counter, around the first iteration
         self._counted = not count_flops
         self._recorded = -1
+        self._begun = False
 
     @property
     def exit_code(self) -> int | None:
@@ -189,10 +194,18 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
                 backward=pl_module.manual_backward,  # type: ignore[attr-defined]
             )  # fmt: skip
             pl_module.stalwart_step = self.step
+        self._begun = False
+
+    def _begin(self, trainer: Any) -> None:
+        """At the first batch, not in ``on_train_start``: Lightning creates the data loader's
+        iterator in between, which draws from torch's generator (its base seed); restoring the
+        RNG before that would make the resumed run draw differently from the uninterrupted one."""
+        shell = self._require_shell()
         self._restore(trainer)
         self._recorded = self._iteration(trainer)
         shell.resumed(self._recorded)
         shell.start()
+        self._begun = True
 
     def _restore(self, trainer: Any) -> None:
         """Apply the loaded state: this rank's RNG (and rerun state, failed micro-batches)."""
@@ -226,13 +239,28 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         shell = self._require_shell()
+        if not self._begun:
+            self._begin(trainer)
         if self._in_step is not None:  # accumulating gradients: the step spans several batches
             return
-        if self.count_flops and not self._counted:
-            self._counter = flop_counter()
-            self._counter.__enter__()
+        if not self._counted and shell.config.log.log_throughput:
+            self._count_flops(trainer, pl_module, batch)
         self._in_step = contextlib.ExitStack()
         self._in_step.enter_context(shell.iteration(self._iteration(trainer)))
+
+    def _count_flops(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+        """A guarded module: one forward + backward of this batch under torch's counter, with
+        no trace (``count_training_flops``). Any other module: its first iteration runs under
+        the counter (the optimizer step under a dispatch mode may round differently)."""
+        if self.step is None:
+            self._counter = flop_counter()
+            self._counter.__enter__()
+            return
+        counted = count_training_flops(pl_module, _forward_step, batch)
+        self._require_shell().set_flops(
+            counted.per_iteration(data_parallel_size=trainer.world_size)
+        )
+        self._counted = True
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -308,7 +336,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         return {"version": STATE_VERSION, "ranks": collectives.all_gather_objects(mine)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loaded = dict(state_dict)  # applied in on_train_start, once the step exists
+        self._loaded = dict(state_dict)  # applied at the first batch, once the step exists
 
     # ---------------------------------------------------------------- the end
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
