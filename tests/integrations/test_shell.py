@@ -25,7 +25,7 @@ def test_resumable_loader_docstring_runs() -> None:
 
 @pytest.mark.parametrize("iters", [0, -1, True, 2.5])
 def test_shell_config_rejects_bad_train_iters(iters: Any) -> None:
-    with pytest.raises(ValueError, match="ShellConfig.train_iters"):
+    with pytest.raises(ValueError, match=r"ShellConfig\.train_iters"):
         ShellConfig(train_iters=iters)
 
 
