@@ -133,3 +133,24 @@ def test_injected_fault_exits_16_then_17_on_another_device(
         ("gpu-b", "second_rerun_not_reproducible"),
     ]  # fmt: skip
     assert json.loads((tmp_path / "out" / "exit_reason.json").read_text())["exit_code"] == 17
+
+
+def test_callback_alone_on_a_plain_trainer_saves_and_stops_on_sigterm(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """No subclass: no rerun machine, but sections, the exit, the log line and goodput."""
+    callback = StalwartCallback(log=LogConfig(log_interval=1))
+    args = transformers.TrainingArguments(
+        str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4, save_strategy="no",
+        report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=_model(), args=args, train_dataset=Tokens(), callbacks=[callback, SigtermAt(2)]
+    )
+    trainer.train()
+    assert callback.exit_code == 0
+    assert trainer.state.global_step == 2
+    assert (tmp_path / "checkpoint-2").is_dir()
+    assert json.loads((tmp_path / "exit_reason.json").read_text())["reason"] == "signal"
+    out = capsys.readouterr().out
+    assert f"iteration        2/       {STEPS} |" in out and "goodput" in out

@@ -37,7 +37,9 @@ Trainer's own ``optimizer.step()`` that follows finds none and changes nothing.
 Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch); the Trainer counts a
 rejected iteration (exit 16) as a step, so its checkpoint is named one step on: stalwart's state
 in it says the iteration was not done and the resume reruns it from the saved batch. DeepSpeed
-and SageMaker's model parallelism are not supported by the subclass (the callback alone works).
+and SageMaker's model parallelism are not supported by the subclass. The callback alone (on a
+plain ``Trainer``) gives the sections, the exit, the goodput ledger and the log line without
+the loss (the Trainer does not hand it to callbacks; its own ``logs`` carry it).
 A resume is exact when the Trainer's data order is (it restores its RNG and skips the consumed
 batches; tested bitwise on one process).
 """
