@@ -170,8 +170,9 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         shell = self.require_shell()
         it = int(state.global_step)
         folder = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{it}")
-        if self.step is not None and os.path.isdir(folder):
-            step_state = self.step.state_dict()  # collective: every rank
+        if self.step is not None:
+            step_state = self.step.state_dict()  # collective: every rank, unconditionally
+            os.makedirs(folder, exist_ok=True)  # rank 0 may not have created it yet
             torch.save(step_state, os.path.join(folder, STATE_FILE.format(rank=shell.rank)))
         if self._saving is not None:
             self._saving.close()
