@@ -46,8 +46,9 @@ stepped after each accepted iteration (``ReduceLROnPlateau`` is not: it needs a 
 Limits: one optimizer, ``accumulate_grad_batches=1`` (an iteration is one batch), no
 ``gradient_clip_val`` (Lightning forbids it with manual optimization: use ``stalwart_clip_grad``).
 Checkpoints hold every rank's RNG (Lightning saves none) and the rerun state, so a resume is
-bitwise (tested on one process and under DDP on 2 gloo ranks); the data position is Lightning's (a mid-epoch resume is exact
-when the loader's order is fixed, e.g. ``shuffle=False`` or a seeded sampler, as in the test).
+bitwise (tested on one process and under DDP on 2 gloo ranks); the data position is Lightning's
+(a mid-epoch resume is exact when the loader's order is fixed, e.g. ``shuffle=False`` or a
+seeded sampler, wrapped in :class:`~stalwart.integrations.resumable.ResumableLoader`).
 """
 
 from __future__ import annotations
