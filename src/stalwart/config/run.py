@@ -45,6 +45,8 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "num_layers": 2,
 }
 
+DEFAULT_TRAIN_ITERS = 100  # --train-iters without --train-samples
+
 _MODEL_FLAGS = {
     "num_layers": "num_layers",
     "hidden_size": "hidden_size",
@@ -159,17 +161,24 @@ def _pick(ns: argparse.Namespace, cls: type, renames: dict[str, str] | None = No
 
 def _apply_demo_defaults(ns: argparse.Namespace, argv_flags: set[str]) -> None:
     for key, value in DEMO_DEFAULTS.items():
+        if key == "train_iters" and getattr(ns, "train_samples", None) is not None:
+            continue  # --train-samples counts the run instead
         if key not in argv_flags:
             setattr(ns, key, value)
 
 
-def _check_sample_flags(ns: argparse.Namespace, explicit: set[str]) -> None:
-    """``--train-samples`` and its sample-based LR flags exclude the iteration-based ones."""
+def _check_sample_flags(ns: argparse.Namespace) -> None:
+    """``--train-samples`` and its sample-based LR flags exclude the iteration-based ones.
+
+    ``--train-iters`` is None unless given (its default, 100, is set here), so that a config
+    printed by ``--print-config`` and read back stays the same run."""
     if ns.train_samples is None:
+        if ns.train_iters is None:
+            ns.train_iters = DEFAULT_TRAIN_ITERS
         if ns.lr_warmup_samples or ns.lr_decay_samples is not None:
             raise ValueError("--lr-warmup-samples/--lr-decay-samples need --train-samples")
         return
-    if "train_iters" in explicit:
+    if ns.train_iters is not None:
         raise ValueError("--train-iters and --train-samples are mutually exclusive: pick one")
     if ns.lr_warmup_iters or ns.lr_decay_iters is not None:
         raise ValueError(
@@ -192,7 +201,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     model = preset_model_config(ns.preset, **overrides)
     if ns.micro_batch_size is None:
         ns.micro_batch_size = PRESET_MICRO_BATCH_SIZE[ns.preset]
-    _check_sample_flags(ns, explicit)
+    _check_sample_flags(ns)
     training = _pick(ns, TrainingConfig)
     checkpoint = _pick(ns, CheckpointConfig)
     ft_kwargs: dict[str, Any] = {
@@ -246,6 +255,8 @@ def check_combinations(config: RunConfig) -> None:
         config.rerun.check_for_nan_in_loss_and_grad = False
     if config.inprocess.inprocess_restart and not config.checkpoint.save:
         raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
+    if config.obs.log_progress and not config.checkpoint.save:
+        raise ValueError("--log-progress needs --save (progress.txt is written there)")
     if config.faults.inject_fault and not config.checkpoint.save:
         raise ValueError("--inject-fault needs --save (the fired-once marker lives there)")
     if (

@@ -53,6 +53,10 @@ class OptimizerConfig:
     lr_warmup_samples: int = field(default=0, metadata=bounds(ge=0))
     lr_decay_samples: int | None = field(default=None, metadata=bounds(gt=0))
     lr_decay_style: LRDecayStyle = LRDecayStyle.COSINE
+    # Resuming with another LR schedule (Megatron's rule, stalwart.train.schedule_resume):
+    # refused unless one of these says which schedule wins.
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.lr_decay_style, str):
@@ -65,6 +69,11 @@ class OptimizerConfig:
                 ) from None
         check_fields(self)
         _require(self.min_lr <= self.lr, f"--min-lr must be in [0, --lr] (got {self.min_lr})")
+        _require(
+            not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+            "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
+            "mutually exclusive: pick the schedule that wins on resume",
+        )
 
 
 @dataclass(kw_only=True)

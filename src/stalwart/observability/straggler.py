@@ -77,9 +77,7 @@ def validate_straggler_args(threshold: float, minmax_count: int) -> None:
     if not (math.isfinite(threshold) and threshold > 1.0):
         raise ValueError(f"--straggler-threshold must be a finite number > 1.0, got {threshold}")
     if minmax_count < 1:
-        raise ValueError(
-            f"StragglerDetector minmax_count must be an integer >= 1, got {minmax_count}"
-        )
+        raise ValueError(f"--straggler-minmax-count must be an integer >= 1, got {minmax_count}")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from stalwart.observability.goodput import (
     NullGoodputLedger,
     make_goodput_ledger,
 )
+from stalwart.observability.progress_log import NullProgressLog, ProgressLog, make_progress_log
 from stalwart.reliability.exit import IterationAgreement
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
 from stalwart.reliability.replica_check import flip_parameter_bit
@@ -311,16 +313,30 @@ def goodput_file(config: RunConfig) -> str | None:
     return os.path.join(run_dir, GOODPUT_FILE) if run_dir else None
 
 
+def _flushed(say: Callable[[str], None], line: str) -> None:
+    say(line)
+    sys.stdout.flush()
+
+
+def build_progress_log(config: RunConfig, ctx: DistributedContext) -> ProgressLog | NullProgressLog:
+    """``--log-progress``: Megatron's ``<save>/progress.txt`` (rank 0 writes; else a null log)."""
+    return make_progress_log(
+        config.obs.log_progress, config.checkpoint.save, ctx.world_size, ctx.rank
+    )
+
+
 def build_goodput_ledger(
     config: RunConfig, ctx: DistributedContext, attempt: int, say: Callable[..., None]
 ) -> GoodputLedger | NullGoodputLedger:
     """The goodput ledger in the run directory (rank 0; the null ledger elsewhere)."""
     run_dir = config.obs.run_dir or config.checkpoint.save
-    # The goodput line is flushed at once. (``say`` must not be a bound method of the trainer:
-    # in-process restart frees a failed attempt's trainer by reference count.)
-    say = functools.partial(say, flush=True)
+    # The goodput line is flushed at once; ``say`` takes one string (a user's print_fn may be
+    # ``list.append``). It must not be a bound method of the trainer: in-process restart frees
+    # a failed attempt's trainer by reference count.
     try:
-        return make_goodput_ledger(True, run_dir, rank=ctx.rank, attempt=attempt, print_fn=say)
+        return make_goodput_ledger(
+            True, run_dir, rank=ctx.rank, attempt=attempt, print_fn=functools.partial(_flushed, say)
+        )
     except OSError as exc:
         flag = "--run-dir" if config.obs.run_dir else "--save"
         raise ValueError(f"{flag} {run_dir}: cannot write the goodput ledger ({exc})") from None

@@ -138,6 +138,7 @@ def build_probes(
         ctx.rank,
         ctx.world_size,
         threshold=obs.straggler_threshold,
+        minmax_count=obs.straggler_minmax_count,
         run_dir=run_dir,
     )
     estimate = theoretical_memory(
@@ -168,6 +169,8 @@ def build_probes(
         log_interval=config.log.log_interval,
         save_wgrads_interval=obs.save_wgrads_interval,
         save_params_interval=obs.save_params_interval,
+        save_dgrads_interval=obs.save_dgrads_interval,
+        save_tokens_per_expert_interval=obs.save_tokens_per_expert_interval,
     )
     dump_dir = obs.dump_dir or run_dir or "."
     dumper = make_tensor_dumper(model, dump_dir, dump_config, ctx.rank, ctx.rank)

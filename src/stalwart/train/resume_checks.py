@@ -75,3 +75,23 @@ def check_model_matches(
         )
     if notes and log is not None:
         log("resuming with changed model settings: " + "; ".join(notes))
+
+
+def nothing_left_to_train(checkpoint: str | None, iteration: int, training: Any) -> str | None:
+    """The exit detail when the checkpoint resumed from is already at or past the end of the run
+    (``training``: the ``TrainingConfig``, ``--train-samples`` resolved to ``train_iters``);
+    None when there is something to train. The run then exits 0 (reason ``finished``) saying so
+    in one line instead of doing nothing silently."""
+    end = training.train_iters
+    if checkpoint is None or iteration < end:
+        return None
+    flag = (
+        f"--train-samples {training.train_samples} ({end} iterations)"
+        if training.train_samples is not None
+        else f"--train-iters {end}"
+    )
+    where = "already at" if iteration == end else "already past"
+    return (
+        f"the checkpoint {checkpoint} is at iteration {iteration}, {where} {flag}: nothing to "
+        f"train; pass a larger {flag.split()[0]} to train on"
+    )
