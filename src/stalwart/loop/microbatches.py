@@ -114,6 +114,8 @@ class MicroBatches:
     # step checks the evaluation means on the host instead.
     check_eval_losses: bool = True
     compute_weights: Any = NO_COMPUTE_WEIGHTS
+    # A framework's backward (Lightning's ``manual_backward``: it prepares DDP's reducer first).
+    backward: Callable[[torch.Tensor], None] | None = None
 
     def __call__(
         self,
@@ -165,7 +167,11 @@ class MicroBatches:
             forward_timer.stop()
             if not forward_only:
                 backward_timer.start()
-                self.loss_scaler.scale_loss(output["loss"] / num_microbatches).backward()
+                scaled = self.loss_scaler.scale_loss(output["loss"] / num_microbatches)
+                if self.backward is None:
+                    scaled.backward()
+                else:
+                    self.backward(scaled)
                 self.compute_weights.accumulate()
                 backward_timer.stop()
         return {k: v.detach() for k, v in output.items()}

@@ -102,6 +102,8 @@ class GuardedStep:
             communication), one with ``graph_safe()`` keeps its compute regions in a graph.
         goodput: a :class:`stalwart.observability.goodput.GoodputLedger`: rerun passes go to
             its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``).
+        backward: ``backward(scaled_loss)`` instead of ``scaled_loss.backward()``: a framework's
+            own (Lightning's ``manual_backward``, which prepares DDP's reducer first).
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class GuardedStep:
         observer: Any = None,
         log_num_zeros: bool = False,
         goodput: Any = None,
+        backward: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -144,7 +147,7 @@ class GuardedStep:
             model, forward_step, machine, device, self.loss_scaler,
             autocast or contextlib.nullcontext,
             grad_checks=self._grad_checks(gate_group), gate_group=gate_group,
-            timers=self.timers, observer=observer,
+            timers=self.timers, observer=observer, backward=backward,
             compute_weights=compute_weights or NO_COMPUTE_WEIGHTS,
         )  # fmt: skip
         eager_optimizer = EagerOptimizer(
