@@ -299,8 +299,26 @@ def _rerun_flags(p: argparse.ArgumentParser) -> None:
         "--check-weight-hash-across-dp-replicas-interval",
         type=int,
         default=0,
-        help="every N iterations and before every save, compare weight fingerprints across "
-        "data-parallel replicas (silent data corruption); a mismatch exits 17 without saving",
+        help="every N iterations, compare fingerprints across data-parallel replicas (silent "
+        "data corruption): the all-reduced gradients and weights inside the step (a mismatch "
+        "is rerun and attributed), and the weights after it and before every save (a mismatch "
+        "exits 17 without saving)",
+    )
+    g.add_argument(
+        "--check-weight-hash-sample-fraction",
+        type=Float(ge=0.0, le=1.0),
+        default=0.0,
+        help="every iteration, fingerprint this fraction of the parameters (weights and "
+        "all-reduced gradients, each parameter every ceil(1/fraction) iterations) inside the "
+        "step, as the interval check does (0: off)",
+    )
+    g.add_argument(
+        "--rerun-peer-replay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="attribute a rejection the in-place rerun reproduces by replaying it on a peer "
+        "data-parallel replica in the same launch (default with more than one rank); "
+        "--no-rerun-peer-replay: exit 16 and rerun after a relaunch (Megatron)",
     )
     g.add_argument(
         "--iterations-to-skip",
