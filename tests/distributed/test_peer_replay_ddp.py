@@ -9,6 +9,7 @@ Graphed (``GraphPlan`` over the CPU fake graph backend, in eager warm-up) and ea
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,9 @@ class _GradFlip:
     def on_microbatch(self, index: int, is_last: bool) -> None:
         pass
 
+    def compute(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
 
 def _job(rank: int, scenario: dict[str, Any], tracker: str) -> dict[str, Any]:
     torch.manual_seed(0)
@@ -71,7 +75,9 @@ def _job(rank: int, scenario: dict[str, Any], tracker: str) -> dict[str, Any]:
     config = RerunConfig(result_rejected_tracker_filename=tracker, **flags)
     machine = config.build("cpu", agreement=agreement)
     gen = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(30)]
+    batches = [
+        (torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(30)
+    ]
     params = list(ddp.parameters())
     if scenario.get("graphed"):
         optimizer = make_capturable_adamw(params, lr=0.05, device=torch.device("cpu"), fused=True)
@@ -102,7 +108,7 @@ def _job(rank: int, scenario: dict[str, Any], tracker: str) -> dict[str, Any]:
         "diagnosis": None if d is None else (d.diagnosis, d.source.value, d.iteration),
         "suspects": [] if d is None else [(s.rank, s.device) for s in d.suspects],
         "replica": verdict.replica_detail if verdict is not None else "",
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": [p.detach().tolist() for p in model.parameters()],  # no shared-memory tensors
         "seconds": machine.last_attribution_seconds,
     }
 
@@ -112,7 +118,9 @@ def _statuses(path: str) -> list[tuple[int, str, str]]:
     out = []
     for line in lines:
         rank = int(line.split(" rank=")[1].split()[0])
-        out.append((rank, line.split(" status=")[1].split()[0], line.split(" device=")[1].split()[0]))
+        out.append(
+            (rank, line.split(" status=")[1].split()[0], line.split(" device=")[1].split()[0])
+        )
     return out
 
 
@@ -137,8 +145,8 @@ def _body(rank: int, world_size: int, tmp: str, names: list[str]) -> dict[str, A
     return {"results": out, "statuses": {n: _statuses(f"{tmp}/{n}.txt") for n in names}}
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+def _equal(a: list[Any], b: list[Any]) -> bool:
+    return a == b  # float32 -> Python float is exact: bitwise equality
 
 
 def test_peer_replay_on_two_ranks(tmp_path: Path) -> None:
@@ -184,7 +192,7 @@ def test_peer_replay_on_two_ranks(tmp_path: Path) -> None:
         assert r["grad_flip_always"]["codes"] == [0, 0, 17]
         assert not r["grad_flip_always"]["checkpoint"]
         assert "no majority tells which replica is right" in r["grad_flip_always"]["replica"]
-        assert "1.weight.grad" in r["grad_flip_always"]["replica"] or ".grad" in r["grad_flip_always"]["replica"]
+        assert "0.weight.grad" in r["grad_flip_always"]["replica"]  # the flipped gradient
     assert statuses["grad_flip_once"] == [(1, "replica_mismatch", "cpu:1")]
 
 
