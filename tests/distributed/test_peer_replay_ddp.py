@@ -10,6 +10,7 @@ Graphed (``GraphPlan`` over the CPU fake graph backend, in eager warm-up) and ea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,12 +73,18 @@ def _job(rank: int, scenario: dict[str, Any], tracker: str) -> dict[str, Any]:
         flags.update(check_for_nan_in_loss_and_grad=False, check_for_spiky_loss=True)
     if "grad_flip" in scenario:
         flags["check_weight_hash_sample_fraction"] = 1.0
+    if scenario.get("spike"):  # a genuine finite spike: rank 1's data, no injection
+        flags.update(check_for_nan_in_loss_and_grad=False, check_for_spiky_loss=True)
     config = RerunConfig(result_rejected_tracker_filename=tracker, **flags)
     machine = config.build("cpu", agreement=agreement)
+    if scenario.get("spike"):  # sample the max over 2 iterations, not Megatron's 100
+        machine.checks = dataclasses.replace(machine.checks, large_samples=4)
     gen = torch.Generator().manual_seed(rank)
     batches = [
         (torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(30)
     ]
+    if scenario.get("spike") and rank == 1:  # iteration BAD's first micro-batch
+        batches[2 * BAD] = (batches[2 * BAD][0], 1000.0 * batches[2 * BAD][1])
     params = list(ddp.parameters())
     if scenario.get("graphed"):
         optimizer = make_capturable_adamw(params, lr=0.05, device=torch.device("cpu"), fused=True)
@@ -134,6 +141,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "transient": {"peer": True, "inject": "transient_error"},
     "spiky_correct": {"peer": True, "inject": "correct_result", "spiky": True},
     "spiky_correct_off": {"peer": False, "inject": "correct_result", "spiky": True},
+    # The peer must compute exactly rank 1's value (its data and its RNG: the forward draws
+    # noise): a replay that used its own batch or RNG would call the spike a persistent error.
+    "spike": {"peer": True, "spike": True},
+    "spike_off": {"peer": False, "spike": True},
     "grad_flip_once": {"peer": True, "grad_flip": False},
     "grad_flip_always": {"peer": True, "grad_flip": True},
 }
@@ -183,6 +194,12 @@ def test_peer_replay_on_two_ranks(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert statuses["persistent"][-1][2] == "cpu:0"  # computed on the peer's device
     assert statuses["correct"][-1][:2] == (1, "peer_replay_reproducible")
+    for r in res:  # a genuine spike on rank 1: reproduced on the peer, trains on as without it
+        assert r["spike"]["codes"] == [0] * ITERS
+        assert _equal(r["spike"]["params"], r["spike_off"]["params"])
+    assert [s[:2] for s in statuses["spike"]] == [
+        (1, "initial_run"), (1, "first_rerun_reproducible"), (1, "peer_replay_reproducible")
+    ]  # fmt: skip
     # A transient corruption of rank 1's all-reduced gradient: gated, rerun, attributed to
     # rank 1, and training goes on bitwise as without the fault.
     for r in res:

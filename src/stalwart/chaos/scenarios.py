@@ -77,7 +77,8 @@ def persistent_nan(ctx: Context, plan: FaultPlan) -> FaultResult:
     """NaN reproduced by the in-place rerun: exit 16 with a checkpoint; the relaunch on "another
     device" (``STALWART_DEVICE_ID``) does not reproduce it: persistent error, exit 17 (the end)."""
     res, save = new_result(plan), ctx.save_dir(plan)
-    args = _error_injection("persistent_error", plan)
+    # Megatron's flow (the peer replay would decide in the first launch: ``peer_persistent``).
+    args = [*_error_injection("persistent_error", plan), "--no-rerun-peer-replay"]
     first = ctx.launch(
         plan, "1-device-a", ctx.spec(save, args, env={"STALWART_DEVICE_ID": "chaos-device-a"})
     )

@@ -64,6 +64,7 @@ from stalwart.reliability.rerun.types import (
 logger = logging.getLogger(__name__)
 
 VERDICT_FILENAME = "rerun_verdict.json"
+SUSPECTS_FILENAME = "suspect_devices.json"
 _DIAGNOSES = ("persistent_error", "correct_result", "replica_corruption")
 _EXCLUDING = ("persistent_error", "replica_corruption")  # diagnoses that name bad devices
 _SOURCES = ("peer_replay", "rerun_from_checkpoint", "replica_check")
@@ -104,8 +105,9 @@ def verdict_of(diagnosis: Diagnosis, checkpoint: str | None) -> RerunVerdict:
 
 
 def write_verdict(root: str, diagnosis: Diagnosis) -> str | None:
-    """Write ``<root>/rerun_verdict.json`` atomically (rank 0 only); the path, or None when it
-    could not be written (logged: the exit must go on)."""
+    """Write ``<root>/rerun_verdict.json`` and, when the diagnosis names suspects,
+    ``<root>/suspect_devices.json`` (:func:`suspect_devices`) atomically (rank 0 only); the
+    verdict's path, or None when it could not be written (logged: the exit must go on)."""
     from stalwart.checkpoint.layout import iteration_dir_name, read_tracker
 
     resumed = diagnosis.checkpoint_iteration
@@ -115,19 +117,14 @@ def write_verdict(root: str, diagnosis: Diagnosis) -> str | None:
     checkpoint = iteration_dir_name(resumed) if resumed is not None else None
     verdict = verdict_of(diagnosis, checkpoint)
     path = os.path.join(root, VERDICT_FILENAME)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        os.makedirs(root, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(asdict(verdict), f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        logger.error("cannot write the rerun verdict %s: %s", path, exc.strerror or exc)
+    if not _write_json(path, asdict(verdict)):
         return None
+    suspects_path = os.path.join(root, SUSPECTS_FILENAME)
+    if verdict.suspects:
+        _write_json(suspects_path, suspect_devices(diagnosis, checkpoint))
+    else:  # a later diagnosis without suspects: an older list no longer describes this run
+        with contextlib.suppress(OSError):
+            os.unlink(suspects_path)
     where = ", ".join(f"{n}/{d}" for n, d in verdict.suspects) or "no device"
     logger.warning(
         "rerun verdict %s (%s) for iteration %d (suspect: %s) written to %s: a launch on other "
@@ -136,6 +133,44 @@ def write_verdict(root: str, diagnosis: Diagnosis) -> str | None:
         checkpoint or "the latest checkpoint",
     )  # fmt: skip
     return path
+
+
+def suspect_devices(diagnosis: Diagnosis, checkpoint: str | None) -> dict[str, Any]:
+    """The launcher's record of the devices to exclude (``<save>/suspect_devices.json``)::
+
+        {"iteration": 3, "diagnosis": "persistent_error", "source": "peer_replay",
+         "checkpoint": "iter_0000003",
+         "suspects": [{"rank": 1, "host": "node7", "device": "3"}]}
+
+    A scheduler reads it to place the relaunch elsewhere (it is written only when a diagnosis
+    names suspects; the launch itself enforces the exclusion from ``rerun_verdict.json``)."""
+    return {
+        "iteration": int(diagnosis.iteration),
+        "diagnosis": diagnosis.diagnosis,
+        "source": diagnosis.source.value,
+        "checkpoint": checkpoint,
+        "suspects": [
+            {"rank": s.rank, "host": s.node, "device": s.device} for s in diagnosis.suspects
+        ],
+    }
+
+
+def _write_json(path: str, content: dict[str, Any]) -> bool:
+    """Atomic write (temp file, fsync, rename); False (logged) when it failed: the exit goes on."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        logger.error("cannot write %s: %s", path, exc.strerror or exc)
+        return False
+    return True
 
 
 def read_verdict(root: str) -> tuple[RerunVerdict | None, str]:
