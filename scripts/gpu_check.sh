@@ -85,7 +85,7 @@ step replica_check 120 python3 bench/replica_check.py --preset gpt2-124m --devic
   --json "$WORK/replica_check.json"
 # The in-step sampled fingerprint of weights + all-reduced gradients (issue 15: <= 0.5%).
 step replica_sampled 180 python3 bench/replica_check.py --preset gpt2-124m --device cuda --bf16 \
-  --sample-fraction 0.01 --iters 40 --json "$WORK/replica_sampled.json"
+  --sample-fraction 0.01 --iters 100 --json "$WORK/replica_sampled.json"
 
 # Library-level graph benchmark (bench/graphs.py): every variant but the torch.compile ones
 # (those take minutes to compile: STEPS=bench_graphs_compiled).

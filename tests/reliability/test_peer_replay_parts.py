@@ -141,3 +141,19 @@ def test_injected_fault_on_the_peer_follows_the_injection_type() -> None:
     assert not replay(RerunDiagnostic.PERSISTENT_ERROR, there, here)
     assert replay(RerunDiagnostic.PERSISTENT_ERROR, here, here)
     assert not replay(RerunDiagnostic.TRANSIENT_ERROR, here, here)
+
+
+def test_grad_corruption_fires_after_the_backward_and_refuses_another_phase(
+    tmp_path: Path,
+) -> None:
+    from stalwart.reliability.faults import FaultInjectionConfig, build_fault_injector
+
+    def build(phase: str) -> object:
+        config = FaultInjectionConfig(
+            inject_fault="grad_corruption", inject_fault_iteration=3, inject_fault_phase=phase
+        )
+        return build_fault_injector(config, tmp_path, world_size=2)
+
+    assert getattr(build("step"), "phase", None) == "backward"  # the default: where it fires
+    with pytest.raises(ValueError, match="--inject-fault-phase: grad_corruption fires after"):
+        build("eval")

@@ -340,7 +340,12 @@ def _fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-duration-in-mins", type=float)
     g.add_argument("--exit-interval", type=int)
     g.add_argument("--phase-transition-iterations", type=int, nargs="*", default=[])
-    g.add_argument("--inject-fault", choices=("hang", "exception", "sigkill", "sigterm", "bitflip"))
+    g.add_argument(
+        "--inject-fault",
+        choices=("hang", "exception", "sigkill", "sigterm", "bitflip", "grad_corruption"),
+        help="grad_corruption: one bit of one all-reduced gradient element on one rank, after "
+        "the backward (finite; the replica fingerprints of the step must catch it)",
+    )
     g.add_argument("--inject-fault-iteration", type=int)
     g.add_argument("--inject-fault-hang-seconds", type=float)
     g.add_argument("--inject-fault-rank", type=int, default=0)

@@ -253,8 +253,16 @@ def build_fault_injector(
             f"--inject-fault-rank: {config.inject_fault_rank} is not a rank of a world of size {world_size}"
         )
     kind = parse_fault_kind(config.inject_fault)
-    # The gradients exist only after the backward: that kind always fires there.
-    phase = "backward" if kind is FaultKind.GRAD_CORRUPTION else config.inject_fault_phase
+    # The gradients exist only after the backward: that kind fires there (the default phase
+    # "step" means "where the kind fires"; any other phase is refused, not silently changed).
+    phase = config.inject_fault_phase
+    if kind is FaultKind.GRAD_CORRUPTION:
+        if phase not in ("step", "backward"):
+            raise ValueError(
+                "--inject-fault-phase: grad_corruption fires after the backward (backward); "
+                f"got {phase}"
+            )
+        phase = "backward"
     return FaultInjector(
         kind,
         config.inject_fault_iteration,
