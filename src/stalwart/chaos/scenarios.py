@@ -123,7 +123,8 @@ def spiky_loss(ctx: Context, plan: FaultPlan) -> FaultResult:
 
 def silent_corruption(ctx: Context, plan: FaultPlan) -> FaultResult:
     """One bit of one weight flips on one rank (``--inject-fault bitflip``): nothing errors, but
-    the replica check before the next save finds the diverged weights, exits 17 without saving;
+    the replica fingerprints (inside the step of the next checked iteration, before its optimizer
+    step, or before the next save) find the diverged weights, exit 17 without saving;
     the relaunch resumes from the last checkpoint, which was checked when it was written."""
     res, save = new_result(plan), ctx.save_dir(plan)
     check = ["--check-weight-hash-across-dp-replicas-interval", str(ctx.save_interval)]
@@ -135,7 +136,9 @@ def silent_corruption(ctx: Context, plan: FaultPlan) -> FaultResult:
     detect(
         res,
         plan.kind,
-        record.get("reason") == "replica_mismatch" and plan.iteration <= caught_at,
+        # Caught inside the step of the flipped iteration itself (the in-step fingerprint of the
+        # weights: exit_reason counts the completed iterations, K - 1) or by a later check.
+        record.get("reason") == "replica_mismatch" and plan.iteration - 1 <= caught_at,
         f"exit reason {record}",
     )
     res.check(
