@@ -139,6 +139,16 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         self._announced = False
         self._iteration_set = False
         self._host_checks = False
+        self._init_attribution(peer_replay, replay_determinism, replicas)
+        logger.info("RerunStateMachine initialized in mode %s", self.mode.value)
+
+    def _init_attribution(
+        self,
+        peer_replay: bool,
+        replay_determinism: ReplayDeterminism | None,
+        replicas: ReplicaGate | None,
+    ) -> None:
+        """The state of the peer replay and the replica fingerprints (stalwart's attribution)."""
         self.peer_replay = peer_replay
         self.replay_determinism = replay_determinism or ReplayDeterminism()
         self.local_grad_checks = True  # False: gradient checks see reduced shards (FSDP2)
@@ -150,7 +160,6 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         self._rejected_at: float | None = None
         self._replica_originals: list[list[int]] | None = None
         self._replica_detail = ""
-        logger.info("RerunStateMachine initialized in mode %s", self.mode.value)
 
     # ----------------------------------------------------------------- identity / configuration
     @property
