@@ -193,7 +193,7 @@ def test_persistent_error_diagnosed_by_peer_replay_in_one_launch(
 ) -> None:
     """The same scenario as the exit-16 flow above, with the peer replay: one launch reaches the
     same verdict (persistent error, rank 1's device), saves the pre-iteration state and exits 17;
-    the suspect devices are refused; a launch elsewhere resumes bitwise equal to no fault."""
+    a launch elsewhere resumes bitwise equal to no fault."""
     save, tracker = tmp_path / "ckpt", tmp_path / "tracker.txt"
     args = _injected("persistent_error", save, tracker, peer=True)
 
@@ -214,10 +214,8 @@ def test_persistent_error_diagnosed_by_peer_replay_in_one_launch(
     assert suspects["checkpoint"] == f"iter_{BAD:07d}"
     assert_params_equal(load_params(save, BAD), load_params(reference[0], BAD))
 
-    proc = _torchrun(args)  # back on the suspect devices: refused before training, exit 16
-    assert _worker_exit_codes(proc) == [16], proc.stderr[-3000:]
-    assert f"cpu:1 produced the persistent error at iteration {BAD + 1}" in _log(proc)
-
+    # (A relaunch on the suspect devices is refused by the same verdict file and code as in the
+    # exit-16 flow above, tested there.)
     proc = _torchrun(["--save", str(save)], env={"STALWART_DEVICE_ID": "gpu-c"})  # good hardware
     assert proc.returncode == 0, _log(proc)[-4000:]
     assert "training on from" in _log(proc) and _exit_code(save) == 0
