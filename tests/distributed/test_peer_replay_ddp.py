@@ -213,6 +213,7 @@ def test_peer_replay_on_two_ranks(tmp_path: Path) -> None:
     assert statuses["grad_flip_once"] == [(1, "replica_mismatch", "cpu:1")]
 
 
+@pytest.mark.slow
 def test_peer_replay_and_replica_vote_on_four_ranks(tmp_path: Path) -> None:
     names = ["persistent", "grad_flip_always"]
     results = run_distributed(_body, world_size=4, args=(str(tmp_path), names), timeout_s=300)
