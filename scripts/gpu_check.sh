@@ -96,6 +96,19 @@ step bench_graphs 300 python3 bench/graphs.py --variants \
 [[ " ${STEPS:-} " == *" bench_graphs_compiled "* ]] && step bench_graphs_compiled 540 python3 bench/graphs.py --variants \
   graph,graph_compiled,graph_compiled_fused_adamw,compile_reduce_overhead,compile_reduce_overhead_fused_adamw \
   --json "$WORK/bench_graphs_compiled.json"
+# Issue 19's kernel floor, opt-in (~5 min): the ingredients' GPU tests (real capture), a tiny run
+# with all three under graphs, and bench/kernel_floor.py (graph + compiled with each ingredient
+# vs torch.compile reduce-overhead, side by side; the profiler's kernel sum vs wall):
+# (the bench first: the figures; the steps after it get what is left of BUDGET)
+#   STEPS="kernel_floor kernel_floor_tests train_kernel_floor" BUDGET=330 OUT=... bash scripts/gpu_check.sh
+[[ " ${STEPS:-} " == *" kernel_floor "* ]] && step kernel_floor 240 python3 bench/kernel_floor.py \
+  --presets small,gpt2-124m --budget-s 200 --trainer-iters 0 --json "$WORK/kernel_floor.json"
+[[ " ${STEPS:-} " == *" kernel_floor_tests "* ]] && step kernel_floor_tests 120 python3 -m pytest \
+  -q -s -rfs -m gpu -p no:cacheprovider tests/gpu/test_kernel_floor_gpu.py
+[[ " ${STEPS:-} " == *" train_kernel_floor "* ]] && step train_kernel_floor 90 "${TRAIN[@]}" \
+  --cuda-graph-impl full_iteration --cuda-graph-include-optimizer --bf16-compute-weights \
+  --bf16-residual-connection --eval-interval 10 --eval-iters 6 \
+  --metrics-file "$WORK/kernel_floor_metrics.jsonl"
 # The trainer with and without the speculative launch (subprocesses, alternating).
 step bench_speculative 300 bash -c "python3 bench/speculative_launch.py --preset tiny --json $WORK/spec_tiny.json && python3 bench/speculative_launch.py --preset tiny --extra '--global-batch-size 32' --json $WORK/spec_tiny4.json && python3 bench/speculative_launch.py --preset small --iters 200 --log-interval 25 --json $WORK/spec_small.json"
 # What the checks cost the guarded step, eager and graphed, against the checks truly off.
@@ -129,5 +142,7 @@ done
 for f in "$WORK"/bench_graphs*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "^\||^- " "$f"; }
 done
+[ -f "$WORK/kernel_floor.log" ] && { echo "== kernel_floor"; grep -E "^\||^- |^kernel floor|^[a-z0-9-]+ \(base" "$WORK/kernel_floor.log"; }
+[ -f "$WORK/kernel_floor_tests.log" ] && grep -E "^FAILED|^ERROR|passed|failed" "$WORK/kernel_floor_tests.log" | tail -6
 [ -f "$WORK/gpu_tests.log" ] && grep -E "^FAILED|^ERROR|passed|failed|SKIPPED|eager|graph" "$WORK/gpu_tests.log" | tail -16
 cat "$WORK/summary.txt"

@@ -21,6 +21,7 @@ COMPONENTS = (
     "models",
     "distributed",
     "loop",
+    "integrations",
 )
 FORBIDDEN = ("stalwart.train", "stalwart.cli", "stalwart.config.run")
 # module (relative to the package) -> why it may still import the trainer side. Keep it short.

@@ -32,8 +32,10 @@ FLAGS = ["--train-iters", "6", "--seed", "5", "--lr-warmup-iters", "0",
 LOGGED = 4  # the injected iteration, numbered as logged
 
 
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+def _python_blocks(heading: str = "Using the parts in your own loop") -> list[str]:
+    """The python blocks of the README section under ``## heading``."""
+    section = README.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
 
 
 def _rerun_flags(tracker: Path) -> dict[str, Any]:

@@ -49,6 +49,8 @@ def test_parse_faults() -> None:
         (["--nproc-per-node", "1"], "--nproc-per-node"),
         (["--device", "tpu"], "--device"),
         (["--no-such-flag"], "--no-such-flag"),
+        (["--jobs", "0"], "--jobs"),
+        (["--timeout", "nan"], "--timeout"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(argv, flag, capsys, tmp_path) -> None:
@@ -65,7 +67,7 @@ def test_campaign_covers_every_fault_kind_and_passes(tmp_path: Path, capsys) -> 
     recoverable runs bitwise equal to the fault-free run, the rest with their documented code."""
     out = tmp_path / "chaos.json"
     argv = ["--work-dir", str(tmp_path / "w"), "--json", str(out), "--iterations", "9",
-            "--save-interval", "3", "--seed", "1"]  # fmt: skip
+            "--save-interval", "3", "--seed", "1", "--jobs", "2"]  # fmt: skip
     code = main_chaos(argv)
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())

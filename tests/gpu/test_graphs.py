@@ -61,15 +61,18 @@ def _model(preset: str, seed: int = 1234, **overrides: Any) -> GPT:
     return GPT(preset_model_config(preset, **overrides)).cuda()
 
 
-def _batches(preset: str, count: int, seed: int = 7, seq: int | None = None) -> list[dict]:
+def _batches(
+    preset: str, count: int, seed: int = 7, seq: int | None = None, vocab: int | None = None
+) -> list[dict]:
+    """Random tokens; ``vocab`` draws them from the first ``vocab`` ids only, which a model
+    learns within a few steps (uniform tokens over the whole vocabulary have nothing to learn)."""
     cfg = preset_model_config(preset)
     s = cfg.seq_length if seq is None else seq
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
-        tokens = torch.randint(
-            0, cfg.vocab_size, (PRESET_MICRO_BATCH_SIZE[preset], s + 1), generator=gen
-        )
+        high = cfg.vocab_size if vocab is None else vocab
+        tokens = torch.randint(0, high, (PRESET_MICRO_BATCH_SIZE[preset], s + 1), generator=gen)
         out.append({"input_ids": tokens[:, :-1].cuda(), "labels": tokens[:, 1:].cuda()})
     return out
 
@@ -213,7 +216,7 @@ def _train(
     model = _model(preset, **overrides)
     params = list(model.parameters())
     opt = make_capturable_adamw(params, lr=lrs[0], device=torch.device("cuda"))
-    data = _batches(preset, steps * NUM_MICROBATCHES, seed=11)
+    data = _batches(preset, steps * NUM_MICROBATCHES, seed=11, vocab=64)  # learnable: loss falls
     step = make_forward_step()
     losses: list[torch.Tensor] = []
     ctx = GraphContext(torch.device("cuda")) if graphed else None

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from stalwart.checkpoint import CheckpointManager
+from stalwart.cli.args import parse_train_args
 from stalwart.cli.main import main
-from stalwart.config.run import RunConfig
+from stalwart.config.run import RunConfig, build_run_config
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.models import GPT, RecomputeGranularity
 from stalwart.observability.dumps import DumpConfig, TensorDumper
@@ -137,7 +138,9 @@ def test_resume_refuses_another_architecture_and_notes_recompute(
         )
     caplog.set_level("INFO")
     outcome = run_training(
-        _config(*FULL, "--train-iters", "4", "--save", str(save)), DistributedContext()
+        # A longer run on the same schedule (--lr-decay-iters: the checkpoint's decay end).
+        _config(*FULL, "--train-iters", "4", "--lr-decay-iters", "2", "--save", str(save)),
+        DistributedContext(),
     )
     assert outcome.iteration == 4
     assert "--recompute-granularity: checkpoint 'none', this run 'full'" in caplog.text
@@ -305,8 +308,8 @@ def test_toml_switches_build_the_same_model(tmp_path: Path, capsys: pytest.Captu
     path.write_text(
         '[model]\nswiglu = true\nnormalization = "RMSNorm"\nrecompute-granularity = "selective"\n'
     )
-    assert main(["train", *TINY_FLAGS, "--config", str(path), "--print-config"]) == 0
-    model = json.loads(capsys.readouterr().out)["model"]
+    argv = [*TINY_FLAGS, "--config", str(path)]
+    model = build_run_config(parse_train_args(argv), argv).to_dict()["model"]
     assert model["swiglu"] is True and model["normalization"] == "RMSNorm"
     assert model["recompute_granularity"] == "selective"
 

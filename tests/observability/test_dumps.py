@@ -111,8 +111,11 @@ def test_off_is_null_and_bad_interval(tmp_path: Path) -> None:
     assert isinstance(dumper, NullTensorDumper)
     _iteration(model, dumper, 2)
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(ValueError, match=r"DumpConfig\.save_dgrads_interval"):
+    # Megatron's flag names (--save-dgrads-interval exists now), not the field names.
+    with pytest.raises(ValueError, match=r"--save-dgrads-interval must be"):
         DumpConfig(save_dgrads_interval=0)
+    with pytest.raises(ValueError, match=r"--save-tokens-per-expert-interval must be"):
+        DumpConfig(save_tokens_per_expert_interval=-2)
     assert layer_number("layers.12.mlp.router") == 12 and layer_number("router") is None
 
 

@@ -40,7 +40,7 @@ def test_build_report_no_straggler_when_balanced() -> None:
 
 @pytest.mark.parametrize(("threshold", "count"), [(1.0, 1), (float("nan"), 1), (1.5, 0)])
 def test_bad_flags_raise(threshold: float, count: int) -> None:
-    with pytest.raises(ValueError, match=r"--straggler-threshold|minmax_count"):
+    with pytest.raises(ValueError, match=r"--straggler-threshold|--straggler-minmax-count"):
         make_straggler_detector(True, torch.device("cpu"), threshold=threshold, minmax_count=count)
 
 

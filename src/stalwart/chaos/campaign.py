@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ class CampaignConfig:
     nproc: int = 2
     use_cpu: bool = True
     timeout: float = 300.0
+    jobs: int = 1  # scenarios run at once
 
 
 @dataclass
@@ -143,12 +145,8 @@ def run_campaign(config: CampaignConfig, say: Callable[[str], None]) -> Campaign
     results: list[FaultResult] = []
     if problem is not None:
         say(f"chaos: {problem}")
-    for plan in schedule if problem is None else []:
-        say(f"chaos: {plan.kind.value} at iteration {plan.iteration} on rank {plan.rank} ...")
-        res = run_one(ctx, plan)
-        verdict = "ok" if res.passed else "FAILED: " + "; ".join(res.problems)
-        say(f"chaos: {plan.kind.value}: {verdict} ({res.wall_seconds:.0f} s)")
-        results.append(res)
+    if problem is None:
+        results = _run_scenarios(ctx, schedule, config.jobs, say)
     return CampaignOutcome(
         results,
         ctx.reference,
@@ -157,6 +155,29 @@ def run_campaign(config: CampaignConfig, say: Callable[[str], None]) -> Campaign
         reference_problem=problem,
         reference_goodput=goodput_cost(ctx.reference),
     )
+
+
+def _run_scenarios(
+    ctx: Context, schedule: list[FaultPlan], jobs: int, say: Callable[[str], None]
+) -> list[FaultResult]:
+    """Every scenario, ``jobs`` at a time; rows in schedule order.
+
+    Scenarios are independent (each has its own save directory and ``torchrun --standalone``
+    picks a free port), and much of a scenario is waiting (a hang's timeout, a relaunch, a held
+    commit), so running two or three at once shortens a campaign even on two cores.
+    """
+
+    def one(plan: FaultPlan) -> FaultResult:
+        say(f"chaos: {plan.kind.value} at iteration {plan.iteration} on rank {plan.rank} ...")
+        res = run_one(ctx, plan)
+        verdict = "ok" if res.passed else "FAILED: " + "; ".join(res.problems)
+        say(f"chaos: {plan.kind.value}: {verdict} ({res.wall_seconds:.0f} s)")
+        return res
+
+    if jobs <= 1:
+        return [one(plan) for plan in schedule]
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="chaos") as pool:
+        return list(pool.map(one, schedule))
 
 
 COLUMNS = ("kind", "iteration", "rank", "detected", "mechanism", "recovered",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -27,17 +28,30 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the reference trainer under injected faults and check every recovery.",
     )
     kinds = ", ".join(k.value for k in ChaosFault)
-    p.add_argument("--faults", default="all", help=f"comma-separated: all | {kinds}")
+    p.add_argument(
+        "--faults", default="all", metavar="LIST", help=f"comma-separated: all | {kinds}"
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the fault schedule and the job")
     p.add_argument("--iterations", type=int, default=12, help="training iterations of the job")
     p.add_argument("--save-interval", type=int, default=3, help="checkpoint every N iterations")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks (torchrun workers)")
     p.add_argument(
-        "--device", default="cpu", help="cpu (gloo; bitwise checks hold) | auto (NCCL on GPUs)"
+        "--device",
+        default="cpu",
+        choices=("cpu", "auto"),
+        metavar="WHERE",
+        help="cpu: gloo, bitwise checks hold; auto: NCCL on GPUs",
     )
-    p.add_argument("--json", help="write the result ({passed, faults: [...]}) to this file")
-    p.add_argument("--work-dir", help="where the runs go (default: a new temporary directory)")
+    p.add_argument(
+        "--json", metavar="FILE", help="write the result {passed, faults} here (default: none)"
+    )
+    p.add_argument(
+        "--work-dir", metavar="DIR", help="where the runs go (default: a new temporary directory)"
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="scenarios run at once (they are independent jobs)"
+    )
     p.add_argument("--no-report", action="store_true", help="skip the HTML run report")
     return p
 
@@ -75,8 +89,10 @@ def main_chaos(argv: list[str]) -> int:
         faults = parse_faults(ns.faults)
         validate_shape(ns.iterations, ns.save_interval, ns.nproc_per_node)
         use_cpu = _use_cpu(ns.device)
-        if ns.timeout <= 0:
+        if not 0 < ns.timeout < math.inf:  # NaN too
             raise ValueError(f"--timeout: must be > 0, got {ns.timeout}")
+        if not 1 <= ns.jobs <= 64:
+            raise ValueError(f"--jobs: must be between 1 and 64, got {ns.jobs}")
         work = _work_dir(ns.work_dir)
     except ValueError as exc:
         sys.stderr.write(f"stalwart chaos: error: {exc}\n")
@@ -90,6 +106,7 @@ def main_chaos(argv: list[str]) -> int:
         nproc=ns.nproc_per_node,
         use_cpu=use_cpu,
         timeout=ns.timeout,
+        jobs=ns.jobs,
     )
     print(f"chaos: work directory {work}", flush=True)
     outcome = run_campaign(config, lambda line: print(line, flush=True))

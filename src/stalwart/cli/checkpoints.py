@@ -24,6 +24,7 @@ no optimizer state, loadable with ``torch.load(FILE, weights_only=True)`` into
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -94,16 +95,60 @@ def _metadata(path: str) -> dict[str, Any]:
         return {}
 
 
+def build_checkpoints_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(
+        prog="stalwart checkpoints",
+        description="List the checkpoints of a --save directory (and of its non-persistent "
+        "tier) with their state, size and the last exit reason. Exit code 1 when the "
+        "checkpoint the tracker names cannot be loaded. 'stalwart checkpoints convert' "
+        "rewrites pickle checkpoints of an older stalwart.",
+    )
+    p.add_argument("save_dir", help="a --save directory")
+    p.add_argument("--verify", action="store_true", help="check markers, metadata and shards")
+    return p
+
+
+def build_convert_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(
+        prog="stalwart checkpoints convert",
+        description="Rewrite pickle checkpoints of an older stalwart as JSON state.",
+    )
+    p.add_argument("path", help="a --save directory or one iter_* checkpoint")
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="required: the pickles are read unrestricted (they can run code)",
+    )
+    return p
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(
+        prog="stalwart export",
+        description="Write one checkpoint's model weights as a single torch.save file.",
+    )
+    p.add_argument("--load", required=True, metavar="DIR", help="a --save directory (required)")
+    p.add_argument(
+        "--iteration",
+        type=int,
+        help="the checkpoint to export (default: the one the tracker names)",
+    )
+    p.add_argument(
+        "--out", required=True, metavar="FILE", help="output file, written atomically (required)"
+    )
+    p.add_argument(
+        "--dtype", default="fp32", choices=_DTYPES, metavar="DTYPE", help="dtype of the weights"
+    )
+    return p
+
+
 def main_checkpoints(argv: list[str] | None = None) -> int:
     """``stalwart checkpoints``: 0 listed (and the tracked checkpoint verified), 1 the tracked
     checkpoint is broken, 2 no such directory or bad usage."""
     if argv and argv[0] == "convert":
         return _main_convert(argv[1:])
-    p = OneLineErrorParser(prog="stalwart checkpoints", description=__doc__.splitlines()[0])
-    p.add_argument("save_dir", help="a --save directory")
-    p.add_argument("--verify", action="store_true", help="check markers, metadata and shards")
     try:
-        args = p.parse_args(argv)
+        args = build_checkpoints_parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     if not os.path.isdir(args.save_dir):
@@ -124,13 +169,8 @@ def main_checkpoints(argv: list[str] | None = None) -> int:
 
 def _main_convert(argv: list[str]) -> int:
     """``stalwart checkpoints convert --trust-pickle PATH``: 0 converted (or nothing to do)."""
-    p = OneLineErrorParser(prog="stalwart checkpoints convert",
-                                description="Rewrite pickle checkpoints of an older stalwart as JSON state.")  # fmt: skip
-    p.add_argument("path", help="a --save directory or one iter_* checkpoint")
-    p.add_argument("--trust-pickle", action="store_true",
-                   help="required: the pickles are read unrestricted (they can run code)")  # fmt: skip
     try:
-        args = p.parse_args(argv)
+        args = build_convert_parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     from stalwart.checkpoint import CheckpointError
@@ -197,14 +237,8 @@ def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
 
 def main_export(argv: list[str] | None = None) -> int:
     """``stalwart export``: 0 written; 2 bad usage or a checkpoint that cannot be loaded."""
-    p = OneLineErrorParser(prog="stalwart export", description="Write one checkpoint's "
-                                "model weights as a single torch.save file.")  # fmt: skip
-    p.add_argument("--load", required=True, help="a --save directory")
-    p.add_argument("--iteration", type=int, help="default: the one the tracker names")
-    p.add_argument("--out", required=True, help="output file (written atomically)")
-    p.add_argument("--dtype", default="fp32", choices=_DTYPES)
     try:
-        args = p.parse_args(argv)
+        args = build_export_parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     from stalwart.checkpoint import CheckpointError

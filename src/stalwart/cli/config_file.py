@@ -1,18 +1,23 @@
 """``--config run.toml``: flag values from a TOML file, checked exactly as on the command line.
 
-Every key names a flag (``train_iters``, ``train-iters``) or its destination (``shuffle`` for
-``--no-shuffle``); tables only group keys (``[optimizer] lr = 1e-3`` means ``--lr 1e-3``). Each
-value is turned into the argv tokens the CLI would get and parsed by the same parser, so types,
-ranges, choices and ``nargs`` are the CLI's:
+What ``--print-config`` writes is what this reads (`stalwart.cli.config_print`). Every key names
+a flag (``train_iters``, ``train-iters``) or its destination (``moe_capacity_factor``); tables
+only group keys (``[optimizer] lr = 1e-3`` means ``--lr 1e-3``). Each value is turned into the
+argv tokens the CLI would get and parsed by the same parser, so types, ranges, choices and
+``nargs`` are the CLI's.
 
-* a boolean flag (``store_true``, ``store_false``, ``--x/--no-x``) takes a TOML boolean only;
-  ``no-shuffle = true`` and ``shuffle = false`` both mean ``--no-shuffle``;
-* any other flag takes a string or a number (a number is written as the CLI would see it, so
-  ``train_iters = 1.5`` is refused by the integer type), or a list where the flag takes several
-  values.
+Switches (``store_true``, ``store_false``, ``--x/--no-x``) take a TOML boolean only, and one
+rule spells them: **the key is the setting's positive name and the value is what the setting
+ends as**. ``shuffle = false`` is ``--no-shuffle``, ``load_optim = false`` is
+``--no-load-optim``, ``bf16 = true`` is ``--bf16``, ``swiglu = false`` turns SwiGLU off even
+under a llama-* preset. ``--print-config`` writes this spelling. The flag's own negated
+spelling is accepted too and means the same: ``no_shuffle = true`` is ``shuffle = false``
+(``no_load_optim = true`` is ``load_optim = false``); giving both is refused.
 
-The values become parser defaults (the command line still wins). Any problem is a ``ValueError``
-naming the file, the key and what is allowed; the CLI prints it as one line, exit code 2.
+Megatron flags that stalwart does not implement are refused as keys as on the command line
+(`stalwart.cli.megatron_flags`). The values become parser defaults (the command line still
+wins). Any problem is a ``ValueError`` naming the file, the key and what is allowed; the CLI
+prints it as one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ import tomllib
 from collections.abc import Callable
 from typing import Any
 
-_BOOLEAN_ACTIONS = (
+from stalwart.cli.megatron_flags import MegatronRefusal, refusal_message
+
+CONFIG_HELP = (
+    "TOML of flag values as --print-config writes it: keys are flags (- or _), tables group "
+    "them; a switch is positive name = true/false (shuffle = false is --no-shuffle; "
+    "no_shuffle = true works too); the command line wins (default: none)"
+)
+BOOLEAN_ACTIONS = (
     argparse._StoreTrueAction,
     argparse._StoreFalseAction,
     argparse.BooleanOptionalAction,
@@ -63,16 +75,29 @@ def _flatten(data: dict[str, Any]) -> list[tuple[str, Any]]:
     return items
 
 
-def _option_index(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.Action, str]]:
-    """``name -> (action, option string)`` for every flag spelling and every destination."""
-    index: dict[str, tuple[argparse.Action, str]] = {}
+def positive_name(action: argparse.Action) -> str:
+    """The key a switch is written under: its destination, or ``x`` for a ``--no-x`` flag that
+    stores True (``--no-load-optim`` -> ``load_optim``)."""
+    long = next(o for o in action.option_strings if o.startswith("--"))
+    if isinstance(action, argparse._StoreTrueAction) and long.startswith("--no-"):
+        return long[5:].replace("-", "_")
+    return action.dest
+
+
+def _option_index(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """``name -> action`` for every flag spelling, every destination and every switch's
+    positive name."""
+    index: dict[str, argparse.Action] = {}
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help", "config"):
             continue
         for option in action.option_strings:
             if option.startswith("--"):
-                index[option[2:].replace("-", "_")] = (action, option)
-        index.setdefault(action.dest, (action, ""))
+                index[option[2:].replace("-", "_")] = action
+        if action.dest != argparse.SUPPRESS:
+            index.setdefault(action.dest, action)
+        if isinstance(action, BOOLEAN_ACTIONS):
+            index.setdefault(positive_name(action), action)
     return index
 
 
@@ -80,21 +105,20 @@ def _toml_repr(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
-def _boolean_tokens(action: argparse.Action, option: str, value: object) -> list[str]:
+def _flag_for(action: argparse.Action, name: str) -> str:
+    """The flag a key names (its own spelling when it is one), for messages."""
+    spelled = "--" + name.replace("_", "-")
+    return spelled if spelled in action.option_strings else action.option_strings[-1]
+
+
+def switch_value(action: argparse.Action, name: str, value: object) -> bool:
+    """The destination's value for the key ``name = value`` of a switch (see the module
+    docstring): ``value``, inverted when ``name`` negates the destination."""
     if not isinstance(value, bool):
-        flag = option or action.option_strings[-1]
+        flag = _flag_for(action, name)
         raise _KeyError(f"{flag} is a switch: it takes true or false, got {_toml_repr(value)}")
-    if isinstance(action, argparse.BooleanOptionalAction):
-        positive = next(o for o in action.option_strings if not o.startswith("--no-"))
-        negated = option.startswith("--no-")
-        on = value != negated
-        return [positive if on else f"--no-{positive[2:]}"]
-    flag = option or action.option_strings[-1]
-    if option:  # the flag's own spelling: true means "give the flag"
-        return [flag] if value else []
-    # The destination's spelling: the value it should end with (store_false: false = give it).
-    gives = value if isinstance(action, argparse._StoreTrueAction) else not value
-    return [flag] if gives else []
+    negated = name == f"no_{action.dest}" or action.dest == f"no_{name}"
+    return value != negated
 
 
 def _token(flag: str, value: object) -> str:
@@ -131,24 +155,33 @@ def toml_defaults(
     parser = parser_factory()
     index = _option_index(parser)
     defaults: dict[str, Any] = {}
-    seen: dict[str, str] = {}
+    seen: dict[str, str] = {}  # destination (or refused flag) -> the key that set it
     for key, value in _flatten(data):
         name = key.replace("-", "_")
         if name not in index:
             raise ValueError(f"--config {path}: unknown key {key!r} (keys are flag names)")
-        action, option = index[name]
-        if action.dest in seen:
-            raise ValueError(
-                f"--config {path}: key {key!r} sets the same flag as {seen[action.dest]!r}"
-            )
-        seen[action.dest] = key
+        action = index[name]
+        ident = action.dest if action.dest != argparse.SUPPRESS else action.option_strings[0]
+        if ident in seen:
+            raise ValueError(f"--config {path}: key {key!r} sets the same flag as {seen[ident]!r}")
+        seen[ident] = key
         try:
-            if isinstance(action, _BOOLEAN_ACTIONS):
-                tokens = _boolean_tokens(action, option, value)
+            if isinstance(action, MegatronRefusal):
+                _check_refused(action, value)
+            elif isinstance(action, BOOLEAN_ACTIONS):
+                defaults[action.dest] = switch_value(action, name, value)
             else:
-                tokens = _value_tokens(action, value)
-            parsed = parser.parse_args(tokens)
+                parsed = parser.parse_args(_value_tokens(action, value))
+                defaults[action.dest] = getattr(parsed, action.dest)
         except (_KeyError, ValueError) as exc:
             raise ValueError(f"--config {path}: key {key!r}: {exc}") from None
-        defaults[action.dest] = getattr(parsed, action.dest)
     return defaults
+
+
+def _check_refused(action: MegatronRefusal, value: object) -> None:
+    """A Megatron flag stalwart does not implement: fine when off (false, or an accepted
+    value such as a parallel size of 1), else the refusal."""
+    u = action.unsupported
+    if value is False or (u.takes_value and _toml_repr(value).strip("'") in u.accepted):
+        return
+    raise _KeyError(refusal_message(u.flag, u.reason))

@@ -1,10 +1,12 @@
 """``stalwart`` console script: ``stalwart train | report | goodput | chaos | checkpoints | export``.
 
 Bad flags or values exit with code 2 and one line naming the flag; never a traceback.
+``stalwart --help`` lists the commands, ``stalwart --version`` prints the installed version.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from collections.abc import Sequence
@@ -13,7 +15,55 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from stalwart.config.run import RunConfig
 
-USAGE = "usage: stalwart {train,report,goodput,chaos,checkpoints,export} [flags]  (stalwart <command> --help)"
+# command -> one line (the order of `stalwart --help`)
+COMMANDS = {
+    "train": "train the reference GPT inside the reliability shell (--help lists every flag)",
+    "report": "write a run directory's self-contained HTML report (report.html)",
+    "goodput": "print where a run's wall-clock time went, bucket by bucket (goodput.jsonl)",
+    "chaos": "run the trainer under injected faults and check every recovery",
+    "checkpoints": "list and verify the checkpoints of a --save directory (convert: old pickles)",
+    "export": "write one checkpoint's model weights as a single file",
+}
+
+
+def version() -> str:
+    """The installed package's version (package metadata), else ``stalwart.__version__``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("stalwart")
+    except metadata.PackageNotFoundError:  # running from a source tree that is not installed
+        import stalwart
+
+        return stalwart.__version__
+
+
+def build_main_parser() -> argparse.ArgumentParser:
+    """``stalwart --help`` / ``--version`` (commands are dispatched by name, each with its own
+    parser: ``stalwart <command> --help``)."""
+    from stalwart.cli.help_format import FlagHelpFormatter
+
+    width = max(len(name) for name in COMMANDS) + 2
+    commands = "\n".join(f"  {name:<{width}}{text}" for name, text in COMMANDS.items())
+    p = argparse.ArgumentParser(
+        prog="stalwart",
+        usage="stalwart <command> [flags]     (stalwart <command> --help: its flags)",
+        description="Reliability, observability and full-iteration CUDA graphs for PyTorch "
+        f"training.\n\ncommands:\n{commands}",
+        epilog="Exit codes: 0 done or a graceful exit, 2 bad input, 16 resume on other "
+        "hardware,\n17 failed result validation, 130 interrupted (Ctrl-C).",
+        formatter_class=FlagHelpFormatter,
+        allow_abbrev=False,
+        add_help=False,
+    )
+    p.add_argument("-h", "--help", action="help", help="show this help and exit")
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"stalwart {version()}",
+        help="print the version and exit",
+    )
+    return p
 
 
 def _setup_logging(rank: int) -> None:
@@ -56,20 +106,43 @@ def main_train(argv: list[str]) -> int:
         sys.stderr.write(f"stalwart train: error: {exc}\n")
         return 2
     if ns.print_config:
-        print(config.to_json())
-        return 0
+        return _print_config(ns)
     _setup_logging(env_int("RANK", 0))
     from stalwart.cli.train import run_from_cli
 
     return run_from_cli(config, demo=bool(ns.demo))
 
 
+def _print_config(ns: argparse.Namespace) -> int:
+    """``--print-config``: the resolved flags as the TOML that ``--config`` reads."""
+    from stalwart.cli.args import build_train_parser
+    from stalwart.cli.config_print import config_toml
+
+    header = (
+        f"stalwart train flags (stalwart {version()}), written by --print-config.\n"
+        "Run them with: stalwart train --config THIS_FILE (flags on the command line win).\n"
+        "Unset flags are comments: the preset or another flag decides (stalwart train --help)."
+    )
+    try:
+        text = config_toml(build_train_parser(), ns, header)
+    except ValueError as exc:
+        sys.stderr.write(f"stalwart train: error: {exc}\n")
+        return 2
+    sys.stdout.write(text)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stalwart`` console script and ``python -m stalwart``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if args else 2
+    if not args:
+        build_main_parser().print_help(sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "--version"):
+        try:
+            build_main_parser().parse_args(args[:1])
+        except SystemExit as exc:  # argparse's way to end --help and --version
+            return exc.code if isinstance(exc.code, int) else 0
     try:
         return _dispatch(args[0], args[1:])
     except KeyboardInterrupt:  # Ctrl-C outside the trainer's handler: one line, the shell's 130
@@ -101,8 +174,8 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
         return main_export(rest)
     sys.stderr.write(
-        f"stalwart: error: unknown command {command!r}; "
-        "allowed: train, report, goodput, chaos, checkpoints, export\n"
+        f"stalwart: error: unknown command {command!r}; allowed: {', '.join(COMMANDS)} "
+        "(stalwart --help)\n"
     )
     return 2
 

@@ -19,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
         "installed, else inline SVG; one file that opens offline) and PNGs from a run's artefacts.",
     )
     p.add_argument("run_dir", help="the run directory (metrics.jsonl, straggler.jsonl, ...)")
-    p.add_argument("--output", "-o", default=None, help="HTML path (default <run-dir>/report.html)")
+    p.add_argument(
+        "--output", "-o", metavar="FILE", help="HTML path (default: <run-dir>/report.html)"
+    )
     p.add_argument("--no-png", action="store_true", help="skip the matplotlib PNGs")
     p.add_argument(
         "--static",
@@ -27,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="inline-SVG charts even when plotly is installed (smaller file, no JavaScript)",
     )
     p.add_argument(
-        "--metrics-file", default=None, help="metrics JSONL (default: <run-dir>/metrics.jsonl)"
+        "--metrics-file", metavar="FILE", help="metrics JSONL (default: <run-dir>/metrics.jsonl)"
     )
     return p
 

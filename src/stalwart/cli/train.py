@@ -47,10 +47,10 @@ def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
         print(
             f"Checkpoint: {save}/iter_{outcome.iteration:07d} (latest in {save}/latest_checkpointed_iteration.txt)"
         )
-        print(
-            "Resume and train 100 more iterations: "
+        print(  # a longer run changes the LR schedule: say which one (Megatron's rule)
+            "Resume and train 100 more iterations at the final learning rate: "
             f"{_command()} train --preset tiny --demo --save {shlex.quote(save)} "
-            f"--train-iters {outcome.iteration + 100}"
+            f"--train-iters {outcome.iteration + 100} --use-checkpoint-opt-param-scheduler"
         )
     if metrics:
         print(f"Metrics: {metrics}")

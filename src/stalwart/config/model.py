@@ -23,6 +23,7 @@ _PASS_THROUGH = {
     "recompute_granularity": "recompute_granularity",
     "recompute_method": "recompute_method",
     "recompute_num_layers": "recompute_num_layers",
+    "bf16_residual_connection": "bf16_residual_connection",
 }
 
 

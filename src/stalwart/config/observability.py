@@ -28,6 +28,7 @@ class ObservabilityConfig:
     timing_mode: str = "sync"
     log_straggler: bool = False
     straggler_threshold: float = field(default=1.2, metadata=bounds(gt=1.0))
+    straggler_minmax_count: int = field(default=1, metadata=bounds(ge=1))
     log_memory_interval: int = field(default=0, metadata=bounds(ge=0))
     log_memory_to_tensorboard: bool = False
     log_energy: bool = False
@@ -36,10 +37,14 @@ class ObservabilityConfig:
     log_dgrads: bool = False
     log_tokens_per_expert: bool = False
     dump_stats_only: bool = False
-    # Megatron parity (cli/args.py `_megatron_parity_flags`).
+    # Megatron's dump intervals (0: off), each on its own cadence.
+    save_dgrads_interval: int = field(default=0, metadata=bounds(ge=0))
     save_wgrads_interval: int = field(default=0, metadata=bounds(ge=0))
+    save_tokens_per_expert_interval: int = field(default=0, metadata=bounds(ge=0))
     save_params_interval: int = field(default=0, metadata=bounds(ge=0))
     empty_unused_memory_level: int = field(default=0, metadata=bounds(ge=0, le=2))
+    # --log-progress: Megatron's <save>/progress.txt (stalwart.observability.progress_log).
+    log_progress: bool = False
     profile: bool = False
     profile_step_start: int = field(default=10, metadata=bounds(ge=0))
     profile_step_end: int = field(default=12, metadata=bounds(ge=0))

@@ -45,6 +45,8 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "num_layers": 2,
 }
 
+DEFAULT_TRAIN_ITERS = 100  # --train-iters without --train-samples
+
 _MODEL_FLAGS = {
     "num_layers": "num_layers",
     "hidden_size": "hidden_size",
@@ -74,6 +76,9 @@ class GraphConfig:
     # Launch the next iteration's forward-backward replay before this one's validation read
     # (gated optimizer graph only; stalwart.loop.lookahead). Not a Megatron flag.
     cuda_graph_speculative_launch: bool = True
+    # Clip + fused AdamW captured inside the full-iteration graph (one graph per iteration, no
+    # speculative launch; stalwart.loop.optimizer_in_graph). Not a Megatron flag.
+    cuda_graph_include_optimizer: bool = False
 
     def __post_init__(self) -> None:
         allowed = (CudaGraphImpl.NONE, CudaGraphImpl.FULL_ITERATION)
@@ -86,10 +91,21 @@ class GraphConfig:
                 f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"
             )
         check_fields(self)  # after the conversion: the fields hold enums from here on
+        if self.cuda_graph_include_optimizer and not self.full_iteration:
+            raise ValueError(
+                "--cuda-graph-include-optimizer needs --cuda-graph-impl full_iteration (the "
+                "optimizer step is captured inside the full-iteration graph)"
+            )
 
     @property
     def full_iteration(self) -> bool:
         return self.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
+
+    @property
+    def optimizer_captured(self) -> bool:
+        """Whether the optimizer step is in a CUDA graph (its own, or the full iteration's):
+        it then needs a capturable optimizer with a device-tensor LR."""
+        return self.optimizer_cuda_graph or self.cuda_graph_include_optimizer
 
     @property
     def any(self) -> bool:
@@ -103,8 +119,9 @@ class GraphConfig:
             return EagerPlan()
         return GraphPlan(
             full_iteration=self.full_iteration,
-            optimizer_graph=self.optimizer_cuda_graph,
+            optimizer_graph=self.optimizer_cuda_graph and not self.cuda_graph_include_optimizer,
             warmup_steps=self.cuda_graph_warmup_steps,
+            optimizer_in_graph=self.cuda_graph_include_optimizer,
         )
 
 
@@ -159,17 +176,24 @@ def _pick(ns: argparse.Namespace, cls: type, renames: dict[str, str] | None = No
 
 def _apply_demo_defaults(ns: argparse.Namespace, argv_flags: set[str]) -> None:
     for key, value in DEMO_DEFAULTS.items():
+        if key == "train_iters" and getattr(ns, "train_samples", None) is not None:
+            continue  # --train-samples counts the run instead
         if key not in argv_flags:
             setattr(ns, key, value)
 
 
-def _check_sample_flags(ns: argparse.Namespace, explicit: set[str]) -> None:
-    """``--train-samples`` and its sample-based LR flags exclude the iteration-based ones."""
+def _check_sample_flags(ns: argparse.Namespace) -> None:
+    """``--train-samples`` and its sample-based LR flags exclude the iteration-based ones.
+
+    ``--train-iters`` is None unless given (its default, 100, is set here), so that a config
+    printed by ``--print-config`` and read back stays the same run."""
     if ns.train_samples is None:
+        if ns.train_iters is None:
+            ns.train_iters = DEFAULT_TRAIN_ITERS
         if ns.lr_warmup_samples or ns.lr_decay_samples is not None:
             raise ValueError("--lr-warmup-samples/--lr-decay-samples need --train-samples")
         return
-    if "train_iters" in explicit:
+    if ns.train_iters is not None:
         raise ValueError("--train-iters and --train-samples are mutually exclusive: pick one")
     if ns.lr_warmup_iters or ns.lr_decay_iters is not None:
         raise ValueError(
@@ -192,7 +216,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     model = preset_model_config(ns.preset, **overrides)
     if ns.micro_batch_size is None:
         ns.micro_batch_size = PRESET_MICRO_BATCH_SIZE[ns.preset]
-    _check_sample_flags(ns, explicit)
+    _check_sample_flags(ns)
     training = _pick(ns, TrainingConfig)
     checkpoint = _pick(ns, CheckpointConfig)
     ft_kwargs: dict[str, Any] = {
@@ -246,6 +270,8 @@ def check_combinations(config: RunConfig) -> None:
         config.rerun.check_for_nan_in_loss_and_grad = False
     if config.inprocess.inprocess_restart and not config.checkpoint.save:
         raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
+    if config.obs.log_progress and not config.checkpoint.save:
+        raise ValueError("--log-progress needs --save (progress.txt is written there)")
     if config.faults.inject_fault and not config.checkpoint.save:
         raise ValueError("--inject-fault needs --save (the fired-once marker lives there)")
     for flag, value in (
@@ -258,6 +284,11 @@ def check_combinations(config: RunConfig) -> None:
                 f"{flag} compares replicated weights; with --use-torch-fsdp2 every rank holds "
                 "a different shard (use it with DDP)"
             )
+    if config.model.bf16_residual_connection and not config.training.bf16:
+        raise ValueError(
+            "--bf16-residual-connection needs --bf16 (the norms read the bf16 stream under bf16 "
+            "autocast)"
+        )
     if config.training.rampup_batch_size and config.graphs.full_iteration:
         raise ValueError(
             "--rampup-batch-size with --cuda-graph-impl full_iteration is not supported: every "

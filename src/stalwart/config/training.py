@@ -53,6 +53,10 @@ class OptimizerConfig:
     lr_warmup_samples: int = field(default=0, metadata=bounds(ge=0))
     lr_decay_samples: int | None = field(default=None, metadata=bounds(gt=0))
     lr_decay_style: LRDecayStyle = LRDecayStyle.COSINE
+    # Resuming with another LR schedule (Megatron's rule, stalwart.train.schedule_resume):
+    # refused unless one of these says which schedule wins.
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.lr_decay_style, str):
@@ -65,6 +69,11 @@ class OptimizerConfig:
                 ) from None
         check_fields(self)
         _require(self.min_lr <= self.lr, f"--min-lr must be in [0, --lr] (got {self.min_lr})")
+        _require(
+            not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+            "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
+            "mutually exclusive: pick the schedule that wins on resume",
+        )
 
 
 @dataclass(kw_only=True)
@@ -81,6 +90,9 @@ class TrainingConfig:
     seed: int = field(default=1234, metadata=bounds(ge=0, le=SEED_MAX))
     bf16: bool = False
     fp16: bool = False
+    # --bf16-compute-weights: the Linear layers run on bf16 copies of the fp32 weights made once
+    # per iteration; gradients accumulate into fp32 per micro-batch (stalwart.loop.ComputeWeights).
+    bf16_compute_weights: bool = False
     initial_loss_scale: float = field(default=2.0**16, metadata=bounds(gt=0))
     min_loss_scale: float = field(default=1.0, metadata=bounds(gt=0))
     loss_scale_window: int = field(default=1000, metadata=bounds(gt=0))
@@ -101,6 +113,11 @@ class TrainingConfig:
         check_fields(self)
         _require(
             not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive: pick one"
+        )
+        _require(
+            self.bf16 or not self.bf16_compute_weights,
+            "--bf16-compute-weights needs --bf16 (the forward runs under bf16 autocast on the "
+            "copies)",
         )
         _require(
             self.min_loss_scale <= self.initial_loss_scale,

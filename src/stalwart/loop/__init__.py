@@ -8,6 +8,7 @@ the README's "Using the parts in your own loop" is the second.
 from __future__ import annotations
 
 from stalwart.loop.checkpointing import Checkpointer, LoopState, RngState, Stateful
+from stalwart.loop.compute_weights import ComputeWeights, NullComputeWeights
 from stalwart.loop.lookahead import LookAhead
 from stalwart.loop.microbatches import ForwardStep, MicroBatches, average_reported, to_device
 from stalwart.loop.optimizer import reads_found_inf
@@ -17,6 +18,7 @@ from stalwart.loop.step import GuardedStep, StepResult
 
 __all__ = [
     "Checkpointer",
+    "ComputeWeights",
     "DynamicLossScaler",
     "EagerPlan",
     "ForwardStep",
@@ -25,6 +27,7 @@ __all__ = [
     "LookAhead",
     "LoopState",
     "MicroBatches",
+    "NullComputeWeights",
     "NullLossScaler",
     "Plan",
     "RngState",

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-from stalwart.checkpoint import CheckpointManager, LoadedCheckpoint
+from stalwart.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
 from stalwart.reliability.rerun import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,17 @@ class RngState:
         restore_rng_state(raw, self.extra)
 
 
+def _load_part(path: str, name: str, part: Stateful, state: Any) -> None:
+    """``part.load_state_dict(state)``; a state of another shape is one line naming the part."""
+    try:
+        part.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path}: its {name!r} state is not what this loop saves "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+
+
 class Checkpointer:
     """Saves and loads a model, its optimizer and registered :class:`Stateful` parts.
 
@@ -100,6 +111,8 @@ class Checkpointer:
         manager: the :class:`stalwart.checkpoint.CheckpointManager` (layout, atomic commits).
         model / optimizer: saved as DCP shards.
         common / per_rank: the parts, by name (see the module docstring).
+        upgrade_common: maps the common dict of an older layout (other part names) to this
+            one, before the parts load; the result is ``LoadedCheckpoint.common``.
         check_common: called with the checkpoint's common dict before any tensor is read
             (e.g. refuse a checkpoint of another model shape with a ``ValueError``).
     """
@@ -113,6 +126,7 @@ class Checkpointer:
         common: Mapping[str, Stateful],
         per_rank: Mapping[str, Stateful] | None = None,
         check_common: Callable[[dict[str, Any]], None] | None = None,
+        upgrade_common: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.manager = manager
         self.model = model
@@ -120,6 +134,7 @@ class Checkpointer:
         self.common = dict(common)
         self.per_rank = dict(per_rank or {})
         self.check_common = check_common
+        self.upgrade_common = upgrade_common
 
     def save(self, iteration: int, *, non_persistent: bool = False) -> None:
         """One checkpoint of ``iteration`` with every part (collective: every rank calls it)."""
@@ -149,9 +164,19 @@ class Checkpointer:
         )
         if loaded is None:
             return None
+        if self.upgrade_common is not None:
+            loaded = replace(loaded, common=self.upgrade_common(dict(loaded.common)))
         for name, part in self.common.items():
-            if name not in skip and name in loaded.common:
-                part.load_state_dict(loaded.common[name])
+            if name in skip:
+                continue
+            if name not in loaded.common:
+                # Resuming without it would silently restart that state (e.g. at iteration 0).
+                saved = ", ".join(sorted(loaded.common)) or "none"
+                raise CheckpointError(
+                    f"checkpoint {loaded.path} has no {name!r} state (it holds: {saved}); "
+                    "it was saved by another loop or layout"
+                )
+            _load_part(loaded.path, name, part, loaded.common[name])
         per_rank = loaded.per_rank
         if per_rank is None and self.per_rank:
             logger.warning(
@@ -160,7 +185,7 @@ class Checkpointer:
         elif per_rank is not None:
             for name, part in self.per_rank.items():
                 if name not in skip and name in per_rank:
-                    part.load_state_dict(per_rank[name])
+                    _load_part(loaded.path, name, part, per_rank[name])
         for name, part in {**self.common, **self.per_rank}.items():
             after_load = getattr(part, "after_load", None)  # e.g. the rerun machine's verdict
             if name not in skip and callable(after_load):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stalwart.loop.compute_weights import NO_COMPUTE_WEIGHTS
 from stalwart.loop.precision import NullLossScaler
 from stalwart.observability.timers import (
     BACKWARD_COMPUTE,
@@ -93,6 +94,9 @@ class MicroBatches:
     them in place), each loss is checked by the machine, divided by ``num_microbatches`` and
     scaled; after the last micro-batch the gradient checks run (without DDP: DDP's comm hook
     runs them) and the machine's skip gate is written (max-reduced over ``gate_group``).
+    ``compute_weights`` (:class:`stalwart.loop.ComputeWeights`): its copies are refreshed at
+    ``first == 0``, swapped in for each micro-batch, and their gradients added into the fp32
+    ``.grad`` after each backward.
     """
 
     model: nn.Module
@@ -109,6 +113,9 @@ class MicroBatches:
     # Evaluation under a graph: a per-micro-batch host check would run at capture only, so the
     # step checks the evaluation means on the host instead.
     check_eval_losses: bool = True
+    compute_weights: Any = NO_COMPUTE_WEIGHTS
+    # A framework's backward (Lightning's ``manual_backward``: it prepares DDP's reducer first).
+    backward: Callable[[torch.Tensor], None] | None = None
 
     def __call__(
         self,
@@ -123,6 +130,8 @@ class MicroBatches:
         stop = num_microbatches if stop is None else stop
         if first == 0 and not forward_only:
             self._zero_grad()
+        if first == 0:
+            self.compute_weights.refresh()  # the weights changed since the last pass
         reported = [
             self._one(data_iterator, index, num_microbatches, forward_only)
             for index in range(first, stop)
@@ -144,7 +153,8 @@ class MicroBatches:
         compute = observer.compute() if observer is not None else contextlib.nullcontext()
         grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
         forward_timer, backward_timer = self.timers(FORWARD_COMPUTE), self.timers(BACKWARD_COMPUTE)
-        with grad_mode, no_sync(self.model, is_last or forward_only), compute:
+        weights = self.compute_weights.using()  # forward and backward: recompute needs them
+        with grad_mode, no_sync(self.model, is_last or forward_only), compute, weights:
             forward_timer.start()
             batch_timer = self.timers(BATCH_GENERATOR)
             batch_timer.start()
@@ -157,7 +167,12 @@ class MicroBatches:
             forward_timer.stop()
             if not forward_only:
                 backward_timer.start()
-                self.loss_scaler.scale_loss(output["loss"] / num_microbatches).backward()
+                scaled = self.loss_scaler.scale_loss(output["loss"] / num_microbatches)
+                if self.backward is None:
+                    scaled.backward()
+                else:
+                    self.backward(scaled)
+                self.compute_weights.accumulate()
                 backward_timer.stop()
         return {k: v.detach() for k, v in output.items()}
 

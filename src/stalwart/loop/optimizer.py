@@ -28,12 +28,21 @@ from stalwart.observability.timers import (
 _GATEABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
 
+def innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrapper (Lightning's ``LightningOptimizer``,
+    Accelerate's ``AcceleratedOptimizer``: both expose it as ``.optimizer``), else ``optimizer``.
+    The wrapper's ``step`` runs the inner one's, which is the one that reads ``found_inf``."""
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    return optimizer
+
+
 def reads_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` skips itself on the device when ``found_inf`` is 1.0 (every group
-    fused, a torch optimizer that passes ``found_inf`` to its fused kernel)."""
-    return isinstance(optimizer, _GATEABLE) and all(
-        g.get("fused", False) for g in optimizer.param_groups
-    )
+    fused, a torch optimizer that passes ``found_inf`` to its fused kernel; wrappers unwrapped)."""
+    inner = innermost(optimizer)
+    return isinstance(inner, _GATEABLE) and all(g.get("fused", False) for g in inner.param_groups)
 
 
 def grad_norm_and_clip(parameters: list[nn.Parameter], clip_grad: float) -> torch.Tensor:
@@ -100,7 +109,7 @@ class EagerOptimizer:
         self.gated = self.gate is not None and not loss_scaler.dynamic and not log_num_zeros
         if self.gate is not None:
             # torch's fused optimizers read this attribute (the GradScaler API): 1.0 = skip.
-            optimizer.found_inf = self.gate  # type: ignore[attr-defined]
+            innermost(optimizer).found_inf = self.gate  # type: ignore[attr-defined]
 
     def step(self, *, gated: bool) -> Stepped:
         """``gated``: the device decides from the gate (before the read); otherwise the host

@@ -5,7 +5,9 @@
 * :class:`GraphPlan`: ``full_iteration`` captures the forward-backward of all micro-batches as one
   CUDA graph (checks included, writing the machine's buffer), ``optimizer_graph`` replays clip +
   AdamW as another (Megatron's ``--optimizer-cuda-graph``; it works with an eager
-  forward-backward too). Graphs need CUDA; ``context`` lets CPU tests use a fake backend.
+  forward-backward too), or ``optimizer_in_graph`` captures clip + fused AdamW inside the
+  full-iteration graph itself (``stalwart.loop.optimizer_in_graph``). Graphs need CUDA;
+  ``context`` lets CPU tests use a fake backend.
 
 A plan is a small frozen description; the step calls :meth:`build` once with its parts and gets
 the runners. There are no optional callables to plug in or reset per iteration.
@@ -24,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from stalwart.graphs import FullIterationGraph, GraphContext, GraphMode, OptimizerGraph, StagePhase
 from stalwart.loop.microbatches import NO_TIMERS, MicroBatches, Reported
 from stalwart.loop.optimizer import EagerOptimizer, GraphedOptimizer, OptimizerRunner
+from stalwart.loop.optimizer_in_graph import InGraphOptimizer, around_passes, with_optimizer_step
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,9 @@ class GraphPlan:
     pool and streams (default: a new :class:`stalwart.graphs.GraphContext` on the model's
     device). The optimizer graph needs a capturable optimizer with a device-tensor LR
     (:func:`stalwart.graphs.make_capturable_adamw`); with ``fused=True`` it is gated.
+    ``optimizer_in_graph``: clip + the fused AdamW step inside the full-iteration graph instead
+    (``optimizer_graph`` is then not used; no look-ahead launch: see
+    ``stalwart.loop.optimizer_in_graph``).
     """
 
     full_iteration: bool = True
@@ -109,27 +115,20 @@ class GraphPlan:
     warmup_steps: int = 3
     context: GraphContext | None = None
     optimizer_warmup_steps: int = 2  # eager steps before the optimizer graph is captured
+    optimizer_in_graph: bool = False
 
     def build(self, parts: PlanParts) -> Runners:
         device = parts.micro_batches.device
         context = self.context or GraphContext(device)
+        if self.optimizer_in_graph:
+            return self._build_in_graph(parts, context)
         fb: Callable[..., Reported] = replace(parts.micro_batches, zero_grad="in_place")
         evaluate: Callable[..., Reported] = parts.micro_batches
         graph: FullIterationGraph | None = None
         if self.full_iteration:
-            # Inside the capture no host timer or dump hook may run: they would sync (capture
-            # error) or be frozen at capture. The step times the call. Straggler compute regions
-            # may (external CUDA events, re-recorded by every replay): ``graph_safe``.
-            observer = parts.micro_batches.observer
-            captured = replace(
-                parts.micro_batches,
-                zero_grad="none",
-                check_eval_losses=False,
-                timers=NO_TIMERS,
-                observer=observer.graph_safe() if hasattr(observer, "graph_safe") else None,
-            )
+            # Inside the capture no host timer or dump hook may run; the step times the call.
             graph = FullIterationGraph(
-                captured,
+                _capturable(parts.micro_batches),
                 context=context,
                 warmup_steps=graph_warmup_steps(parts.model, self.warmup_steps),
                 grad_params=parts.params,
@@ -157,6 +156,53 @@ class GraphPlan:
             close=context.teardown,
             capture_state=_capture_state(graph, optimizer_graph),
         )
+
+    def _build_in_graph(self, parts: PlanParts, context: GraphContext) -> Runners:
+        """One graph: forward-backward of every micro-batch, checks, clip and the step."""
+        eager = parts.eager_optimizer
+        if not self.full_iteration:
+            raise ValueError(
+                "--cuda-graph-include-optimizer needs --cuda-graph-impl full_iteration "
+                "(GraphPlan(full_iteration=True))"
+            )
+        if eager.loss_scaler.dynamic or eager.log_num_zeros:
+            raise ValueError(
+                "--cuda-graph-include-optimizer cannot be used with --fp16 dynamic loss scaling or "
+                "--log-num-zeros-in-grad (both decide on the host before the step)"
+            )
+        optimizer = InGraphOptimizer(
+            parts.optimizer, parts.params, clip_grad=parts.clip_grad,
+            machine=parts.micro_batches.machine, gate=eager.gate,
+        )  # fmt: skip
+        graph = FullIterationGraph(
+            with_optimizer_step(_capturable(parts.micro_batches), optimizer),
+            context=context,
+            warmup_steps=graph_warmup_steps(parts.model, self.warmup_steps),
+            grad_params=parts.params,
+        )
+        return Runners(
+            forward_backward=around_passes(graph, optimizer),
+            evaluate=graph,
+            optimizer=optimizer,
+            splittable=False,
+            lookahead_ready=lambda: False,  # a launch would contain its own optimizer step
+            checks_eval_on_host=True,
+            close=context.teardown,
+            capture_state=_capture_state(graph, None),
+        )
+
+
+def _capturable(micro_batches: MicroBatches) -> MicroBatches:
+    """The pass as a graph captures it: no host timers or dump hooks (they would sync, or be
+    frozen at capture); straggler compute regions may stay (``graph_safe``)."""
+    observer = micro_batches.observer
+    return replace(
+        micro_batches,
+        zero_grad="none",
+        check_eval_losses=False,
+        timers=NO_TIMERS,
+        observer=observer.graph_safe() if hasattr(observer, "graph_safe") else None,
+    )
 
 
 def _capture_state(

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from stalwart.loop.compute_weights import NO_COMPUTE_WEIGHTS, ComputeWeights
 from stalwart.loop.lookahead import LookAhead
 from stalwart.loop.microbatches import (
     NO_TIMERS,
@@ -95,6 +96,9 @@ class GuardedStep:
         clip_grad: global gradient-norm clip (0: none; the norm is still returned).
         loss_scaler: fp16 dynamic loss scaling (``stalwart.loop.DynamicLossScaler``).
         autocast: factory of the forward's autocast context (e.g. bf16).
+        compute_weights: :class:`stalwart.loop.ComputeWeights`: bf16 copies of the matmul
+            weights made once per pass, fp32 gradients accumulated per micro-batch (needs
+            ``autocast`` to their dtype; not with a DDP-wrapped model).
         lookahead: launch the next iteration before the read when possible.
         dp_group: the data-parallel group (reported values, the gate's max-reduction).
         agreement: the machine's :class:`IterationAgreement`, to return the exit inputs.
@@ -103,6 +107,8 @@ class GuardedStep:
             communication), one with ``graph_safe()`` keeps its compute regions in a graph.
         goodput: a :class:`stalwart.observability.goodput.GoodputLedger`: rerun passes go to
             its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``).
+        backward: ``backward(scaled_loss)`` instead of ``scaled_loss.backward()``: a framework's
+            own (Lightning's ``manual_backward``, which prepares DDP's reducer first).
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class GuardedStep:
         clip_grad: float = 0.0,
         loss_scaler: NullLossScaler | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        compute_weights: ComputeWeights | None = None,
         lookahead: bool = True,
         dp_group: dist.ProcessGroup | None = None,
         agreement: IterationAgreement | None = None,
@@ -125,6 +132,7 @@ class GuardedStep:
         observer: Any = None,
         log_num_zeros: bool = False,
         goodput: Any = None,
+        backward: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -141,11 +149,13 @@ class GuardedStep:
         device = self.params[0].device if self.params else torch.device("cpu")
         buffer = machine.check_buffer(device) if machine.checks.any else machine.buffer
         gate_group = dp_group if dp_group is not None else _world()
+        _check_compute_weights(compute_weights, model, autocast)
         micro_batches = MicroBatches(
             model, forward_step, machine, device, self.loss_scaler,
             autocast or contextlib.nullcontext,
             grad_checks=self._grad_checks(gate_group), gate_group=gate_group,
-            timers=self.timers, observer=observer,
+            timers=self.timers, observer=observer, backward=backward,
+            compute_weights=compute_weights or NO_COMPUTE_WEIGHTS,
         )  # fmt: skip
         eager_optimizer = EagerOptimizer(
             optimizer, self.params, clip_grad=clip_grad,
@@ -356,6 +366,24 @@ class GuardedStep:
         self._closed = True
         self._lookahead.forget()
         self.runners.close()
+
+
+def _check_compute_weights(
+    weights: ComputeWeights | None, model: nn.Module, autocast: Callable[..., Any] | None
+) -> None:
+    """Compute copies need the forward under autocast (their matmuls take the activations in
+    the copies' dtype) and the fp32 parameters' ``.grad`` filled by them, not by DDP's hooks."""
+    if weights is None:
+        return
+    if autocast is None:
+        raise ValueError(
+            "GuardedStep(compute_weights=...) needs autocast= to the copies' dtype (--bf16)"
+        )
+    if isinstance(model, DistributedDataParallel) or hasattr(model, "set_requires_gradient_sync"):
+        raise ValueError(
+            "--bf16-compute-weights is not supported with data parallelism (DDP/FSDP2 reduce "
+            "the gradients of the fp32 parameters, which the forward no longer uses)"
+        )
 
 
 def _in_regions(fb: Callable[..., Reported], observer: Any) -> Callable[..., Reported]:

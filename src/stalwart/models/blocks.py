@@ -91,10 +91,15 @@ class DenseMLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+    """Pre-norm block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``.
+
+    With ``bf16_residual_connection`` both branch outputs are added in bf16 (under autocast they
+    already are; an fp32 branch, e.g. without autocast, is cast) so the stream stays bf16.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        self.residual_dtype = torch.bfloat16 if config.bf16_residual_connection else None
         self.ln1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
         self.ln2 = make_norm(config)
@@ -116,6 +121,9 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: Rope = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.attn(self.ln1(x), rope)
+        x = x + self._residual(self.attn(self.ln1(x), rope))
         mlp_out, aux_loss = self.mlp(self.ln2(x))
-        return x + self.mlp_dropout(mlp_out), aux_loss
+        return x + self._residual(self.mlp_dropout(mlp_out)), aux_loss
+
+    def _residual(self, branch: torch.Tensor) -> torch.Tensor:
+        return branch if self.residual_dtype is None else branch.to(self.residual_dtype)

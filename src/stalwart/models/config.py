@@ -126,6 +126,10 @@ class GPTConfig:
     recompute_granularity: RecomputeGranularity = RecomputeGranularity.NONE
     recompute_method: RecomputeMethod | None = None
     recompute_num_layers: int | None = None
+    # Keep the residual stream (embeddings, every block's output) in bf16 instead of fp32 under
+    # bf16 autocast: half the residual traffic and saved residuals (Megatron's default under
+    # --bf16; its --fp32-residual-connection is this switch off). Needs bf16 autocast.
+    bf16_residual_connection: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
@@ -228,6 +232,7 @@ class GPTConfig:
             ("--swiglu", self.swiglu),
             ("--untie-embeddings-and-output-weights", self.untie_embeddings_and_output_weights),
             ("--disable-bias-linear", self.add_bias_linear),
+            ("--bf16-residual-connection", self.bf16_residual_connection),
         ):
             _require_bool(value, flag)
         _require_int(self.rotary_base, "--rotary-base", 1)

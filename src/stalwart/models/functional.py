@@ -13,6 +13,11 @@ from torch.torch_version import TorchVersion
 # ``F.scaled_dot_product_attention(enable_gqa=...)`` exists from torch 2.5; before that the key and
 # value heads are repeated (more memory, same result).
 SDPA_HAS_GQA = TorchVersion(torch.__version__) >= "2.5"
+# Only the flash kernel (half precision) reads shared key/value heads; in fp32 ``enable_gqa``
+# falls back to the math kernel, which keeps the [s, s] probabilities of every head for backward
+# (measured on the H200: llama-150m fp32 peaked 37% above the estimate). Repeating the heads
+# keeps the memory-efficient kernel: two [s, heads*d] copies instead of the [s, s] matrices.
+GQA_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def rotary_tables(head_dim: int, seq_length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,13 +55,14 @@ def causal_attention(
 ) -> torch.Tensor:
     """Causal SDPA of ``q`` ``[b, heads, s, d]`` over ``k``/``v`` ``[b, groups, s, d]``.
 
-    ``groups`` divides ``heads`` (grouped-query attention when smaller). With torch >= 2.5 the
-    kernel reads the shared key/value heads directly; older torch repeats them.
+    ``groups`` divides ``heads`` (grouped-query attention when smaller). In half precision with
+    torch >= 2.5 the flash kernel reads the shared key/value heads directly; otherwise they are
+    repeated (see ``GQA_KERNEL_DTYPES``).
     """
     heads, groups = q.shape[1], k.shape[1]
     if groups == heads:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    if SDPA_HAS_GQA:
+    if SDPA_HAS_GQA and q.dtype in GQA_KERNEL_DTYPES:
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=True
         )

@@ -16,7 +16,7 @@ from torch import nn
 from stalwart.models.blocks import TransformerBlock, make_norm
 from stalwart.models.config import GPTConfig
 from stalwart.models.functional import rotary_tables
-from stalwart.models.moe import MoERouter
+from stalwart.models.moe import MoEMLP, MoERouter
 from stalwart.models.recompute import layer_units, recomputed
 
 __all__ = ["GPT", "GPTConfig"]
@@ -54,6 +54,9 @@ class GPT(nn.Module):
 
     rope_cos: torch.Tensor | None
     rope_sin: torch.Tensor | None
+    # The output layer's weight for tied embeddings while bf16 compute weights are swapped in
+    # (``stalwart.loop.ComputeWeights``); None: the word embeddings' own (fp32) weight.
+    output_compute_weight: torch.Tensor | None = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -104,10 +107,11 @@ class GPT(nn.Module):
         if self.position_embeddings is not None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             x = x + self.position_embeddings(positions)
+        if self.config.bf16_residual_connection:
+            x = x.to(torch.bfloat16)
         x, aux_losses = self._run_layers(self.embedding_dropout(x))
         x = self.final_layernorm(x)
-        head = self.output_layer if self.output_layer is not None else self.word_embeddings
-        logits = F.linear(x, head.weight)
+        logits = F.linear(x, self._output_weight())
         if labels is None:
             return logits
         lm_loss = F.cross_entropy(
@@ -121,6 +125,27 @@ class GPT(nn.Module):
         else:
             out["loss"] = lm_loss
         return out
+
+    def _output_weight(self) -> torch.Tensor:
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        tied = self.output_compute_weight
+        return tied if tied is not None else self.word_embeddings.weight
+
+    def compute_weight_slots(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """Where bf16 compute weights go (``stalwart.loop.ComputeWeights``): the weight and bias
+        of every Linear (attention, dense MLP, untied output layer) and the MoE experts' stacked
+        weights and biases (autocast runs all of these in bf16), and for tied embeddings the
+        output layer's use of them through ``output_compute_weight`` (the lookup keeps the fp32
+        weight). The MoE router stays fp32 (it runs outside autocast)."""
+        slots: list[tuple[nn.Module, str, nn.Parameter]] = []
+        for module in self.modules():
+            if isinstance(module, nn.Linear | MoEMLP):
+                slots += [(module, n, p) for n, p in module.named_parameters(recurse=False)]
+        if self.output_layer is None:
+            tied: nn.Parameter = self.word_embeddings.weight  # type: ignore[assignment]
+            slots.append((self, "output_compute_weight", tied))
+        return slots
 
     def _run_layers(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The layers, unit by unit; a recomputed unit keeps only its input for backward."""

@@ -73,8 +73,8 @@ class DumpConfig:
     module_types: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
 
     def __post_init__(self) -> None:
-        # Flags where one exists; the others follow a flag (--log-dgrads, --log-tokens-per-expert,
-        # --dump-stats-only) or are set by a hand-written loop.
+        # Every interval has its flag but the statistics one, which follows --dump-stats-only
+        # (or is set by a hand-written loop).
         for flag, value in self._intervals():
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -84,10 +84,10 @@ class DumpConfig:
     def _intervals(self) -> tuple[tuple[str, int | None], ...]:
         return (
             ("--save-activations-interval", self.save_activations_interval),
-            ("DumpConfig.save_dgrads_interval", self.save_dgrads_interval),
+            ("--save-dgrads-interval", self.save_dgrads_interval),
             ("--save-wgrads-interval", self.save_wgrads_interval),
             ("--save-params-interval", self.save_params_interval),
-            ("DumpConfig.save_tokens_per_expert_interval", self.save_tokens_per_expert_interval),
+            ("--save-tokens-per-expert-interval", self.save_tokens_per_expert_interval),
             ("DumpConfig.tensor_stats_interval", self.tensor_stats_interval),
         )
 
@@ -102,16 +102,23 @@ class DumpConfig:
         log_interval: int,
         save_wgrads_interval: int = 0,
         save_params_interval: int = 0,
+        save_dgrads_interval: int = 0,
+        save_tokens_per_expert_interval: int = 0,
     ) -> DumpConfig:
-        """Map the trainer's flags: every requested activation/dgrad/tokens-per-expert dump runs
-        every ``--save-activations-interval`` iterations (``--log-interval`` when that is 0);
-        ``--dump-stats-only`` replaces the activation/dgrad tensors with the per-module
-        statistics. ``--save-wgrads-interval`` and ``--save-params-interval`` (0: off) have their
-        own cadence, as in Megatron."""
-        for flag, value in (
-            ("--save-wgrads-interval", save_wgrads_interval),
-            ("--save-params-interval", save_params_interval),
-        ):
+        """Map the trainer's flags. Megatron's interval flags (0: off) each have their own
+        cadence and always write tensors: ``--save-dgrads-interval``, ``--save-wgrads-interval``,
+        ``--save-params-interval``, ``--save-tokens-per-expert-interval``. stalwart's switches
+        share one: ``--log-dgrads`` and ``--log-tokens-per-expert`` dump every
+        ``--save-activations-interval`` iterations (``--log-interval`` when that is 0), and
+        ``--dump-stats-only`` replaces the activation and ``--log-dgrads`` tensors with the
+        per-module statistics. A Megatron interval wins over the switch of the same dump."""
+        megatron = {
+            "--save-wgrads-interval": save_wgrads_interval,
+            "--save-params-interval": save_params_interval,
+            "--save-dgrads-interval": save_dgrads_interval,
+            "--save-tokens-per-expert-interval": save_tokens_per_expert_interval,
+        }
+        for flag, value in megatron.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{flag} must be an integer >= 0 (0: off), got {value!r}")
         interval = save_activations_interval if save_activations_interval > 0 else log_interval
@@ -120,10 +127,12 @@ class DumpConfig:
             save_activations_interval=interval
             if tensors and save_activations_interval > 0
             else None,
-            save_dgrads_interval=interval if tensors and log_dgrads else None,
+            save_dgrads_interval=save_dgrads_interval
+            or (interval if tensors and log_dgrads else None),
             save_wgrads_interval=save_wgrads_interval or None,
             save_params_interval=save_params_interval or None,
-            save_tokens_per_expert_interval=interval if log_tokens_per_expert else None,
+            save_tokens_per_expert_interval=save_tokens_per_expert_interval
+            or (interval if log_tokens_per_expert else None),
             tensor_stats_interval=interval if dump_stats_only else None,
         )
 

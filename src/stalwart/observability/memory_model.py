@@ -27,6 +27,8 @@ stream and norm outputs are fp32 because the norms run in fp32):
         + e*(h + 2kv) [QKV output; SDPA's k, v and (without RoPE) q are views of it]
         + e*(h + kv)*[RoPE] [rotated q, k] + e*h [SDPA output = proj input, a view]
         + h*[p>0] [residual-dropout mask]) + 4*b*n_h*s [logsumexp]
+        fp32 with GQA (kv < h) repeats k, v for the memory-efficient kernel: instead of the QKV
+        output and the rotated q, k, t*(e*(h*[RoPE] + 2h) + e*(h + 2kv)*[no RoPE])
     dense MLP                 = t*(e*h [fc1 input] + e*f1 [fc1 output] + e*f [activation output]
         + e*f*[SwiGLU] [silu(gate)] + h*[p>0])
     MoE MLP                   = t*(4h [router input, fp32] + 4E [softmax] + 24k [top-k, gates])
@@ -228,11 +230,18 @@ def _layer_bytes(cfg: GPTShape, b: int, e: float, fused_rms_norm: bool) -> tuple
     t = float(b * s)
     mask = t * h if cfg.dropout > 0 else 0.0
     rope = cfg.position_embedding_type is PositionEmbeddingType.ROPE
-    core = e * (h + kv) * t * rope + 4.0 * b * cfg.num_attention_heads * s  # RoPE out, logsumexp
+    lse = 4.0 * b * cfg.num_attention_heads * s
+    qkv_out = e * (h + 2 * kv) * t  # SDPA's inputs are views of it
+    core = e * (h + kv) * t * rope + lse  # RoPE out, logsumexp
+    if cfg.query_groups < cfg.num_attention_heads and e > 2:
+        # fp32 GQA repeats k, v (models.functional.GQA_KERNEL_DTYPES): SDPA saves the two copies
+        # and the rotated q; the QKV output stays alive only through q's view without RoPE.
+        qkv_out *= not rope
+        core = e * (h * rope + 2 * h) * t + lse
     if cfg.recompute_granularity is RecomputeGranularity.SELECTIVE:
-        core = 0.0
+        core, qkv_out = 0.0, e * (h + 2 * kv) * t  # the recomputed core keeps its q, k, v inputs
     norms = 2 * _norm_saved(cfg, fused_rms_norm)
-    attn = t * (norms + e * h + e * (h + 2 * kv) + e * h) + core + mask
+    attn = t * (norms + e * h + e * h) + qkv_out + core + mask
     per_row = e * (h + f1 + f + (f if cfg.swiglu else 0))
     if cfg.num_experts > 0:
         k = cfg.moe_router_topk

@@ -57,11 +57,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 
 from stalwart.distributed import collectives
+from stalwart.observability.goodput import straggler_idle_seconds
 from stalwart.observability.sinks import append_line
 from stalwart.observability.straggler_timing import Region, RegionTiming, make_timing
 from stalwart.observability.train_log import IntervalInfo, LogField
@@ -75,9 +77,7 @@ def validate_straggler_args(threshold: float, minmax_count: int) -> None:
     if not (math.isfinite(threshold) and threshold > 1.0):
         raise ValueError(f"--straggler-threshold must be a finite number > 1.0, got {threshold}")
     if minmax_count < 1:
-        raise ValueError(
-            f"StragglerDetector minmax_count must be an integer >= 1, got {minmax_count}"
-        )
+        raise ValueError(f"--straggler-minmax-count must be an integer >= 1, got {minmax_count}")
 
 
 @dataclass(frozen=True)
@@ -411,6 +411,24 @@ class NullStragglerDetector:
 
     def close(self) -> None:
         return None
+
+
+class StragglerIdle:
+    """Log provider after the straggler detector: each new report's idle time (ranks waiting on
+    the slowest) moves from productive to the goodput ledger's straggler bucket."""
+
+    def __init__(self, straggler: StragglerDetector | NullStragglerDetector, ledger: Any) -> None:
+        self.straggler, self.ledger = straggler, ledger
+        self._seen: object = None
+
+    def log_fields(self, info: IntervalInfo) -> list[LogField]:
+        del info
+        report = self.straggler.last_report
+        if report is not None and report is not self._seen:
+            self._seen = report
+            idle = straggler_idle_seconds(report.compute_ms, report.num_iterations)
+            self.ledger.add_straggler_idle(idle)
+        return []
 
 
 def make_straggler_detector(

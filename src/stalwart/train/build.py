@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from stalwart.graphs import (
     check_graph_config,
     make_capturable_adamw,
 )
-from stalwart.loop import DynamicLossScaler, NullLossScaler
+from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler
 from stalwart.models import GPT
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
 from stalwart.observability.goodput import (
@@ -49,6 +50,7 @@ from stalwart.observability.goodput import (
     NullGoodputLedger,
     make_goodput_ledger,
 )
+from stalwart.observability.progress_log import NullProgressLog, ProgressLog, make_progress_log
 from stalwart.reliability.exit import IterationAgreement
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
 from stalwart.reliability.replica_check import flip_gradient_bit, flip_parameter_bit
@@ -75,7 +77,7 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
         {"params": no_decay, "weight_decay": 0.0},
     ]
     device = next(model.parameters()).device
-    if config.graphs.optimizer_cuda_graph:
+    if config.graphs.optimizer_captured:
         # Capturable AdamW with the LR as a device tensor, so a schedule works under replay;
         # fused, so the step can skip itself on the device (found_inf).
         return make_capturable_adamw(
@@ -197,7 +199,7 @@ def check_graph_flags(config: RunConfig, device: torch.device, world_size: int =
             device=device,
             cuda_graph_impl=g.cuda_graph_impl,
             cuda_graph_warmup_steps=g.cuda_graph_warmup_steps,
-            optimizer_cuda_graph=g.optimizer_cuda_graph,
+            optimizer_cuda_graph=g.optimizer_captured,
             recompute_granularity=config.model.recompute_granularity,
             recompute_modules=(
                 SELECTIVE_RECOMPUTE_MODULES
@@ -282,6 +284,20 @@ def build_model(
     return raw_model, model
 
 
+def build_compute_weights(
+    config: RunConfig, raw_model: GPT, ctx: DistributedContext
+) -> ComputeWeights | None:
+    """``--bf16-compute-weights``: bf16 copies of the GPT's matmul weights (one rank only)."""
+    if not config.training.bf16_compute_weights:
+        return None
+    if ctx.is_distributed:
+        raise ValueError(
+            f"--bf16-compute-weights is not supported with {ctx.world_size} ranks: DDP/FSDP2 "
+            "reduce the gradients of the fp32 parameters, which the forward no longer uses"
+        )
+    return ComputeWeights(raw_model, dtype=torch.bfloat16)
+
+
 def build_machine(
     config: RunConfig,
     ctx: DistributedContext,
@@ -312,16 +328,30 @@ def goodput_file(config: RunConfig) -> str | None:
     return os.path.join(run_dir, GOODPUT_FILE) if run_dir else None
 
 
+def _flushed(say: Callable[[str], None], line: str) -> None:
+    say(line)
+    sys.stdout.flush()
+
+
+def build_progress_log(config: RunConfig, ctx: DistributedContext) -> ProgressLog | NullProgressLog:
+    """``--log-progress``: Megatron's ``<save>/progress.txt`` (rank 0 writes; else a null log)."""
+    return make_progress_log(
+        config.obs.log_progress, config.checkpoint.save, ctx.world_size, ctx.rank
+    )
+
+
 def build_goodput_ledger(
     config: RunConfig, ctx: DistributedContext, attempt: int, say: Callable[..., None]
 ) -> GoodputLedger | NullGoodputLedger:
     """The goodput ledger in the run directory (rank 0; the null ledger elsewhere)."""
     run_dir = config.obs.run_dir or config.checkpoint.save
-    # The goodput line is flushed at once. (``say`` must not be a bound method of the trainer:
-    # in-process restart frees a failed attempt's trainer by reference count.)
-    say = functools.partial(say, flush=True)
+    # The goodput line is flushed at once; ``say`` takes one string (a user's print_fn may be
+    # ``list.append``). It must not be a bound method of the trainer: in-process restart frees
+    # a failed attempt's trainer by reference count.
     try:
-        return make_goodput_ledger(True, run_dir, rank=ctx.rank, attempt=attempt, print_fn=say)
+        return make_goodput_ledger(
+            True, run_dir, rank=ctx.rank, attempt=attempt, print_fn=functools.partial(_flushed, say)
+        )
     except OSError as exc:
         flag = "--run-dir" if config.obs.run_dir else "--save"
         raise ValueError(f"{flag} {run_dir}: cannot write the goodput ledger ({exc})") from None

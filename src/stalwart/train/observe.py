@@ -23,7 +23,6 @@ from stalwart.observability.dumps import (
     make_tensor_dumper,
 )
 from stalwart.observability.energy import make_energy_meter
-from stalwart.observability.goodput import straggler_idle_seconds
 from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryMonitor, theoretical_memory
 from stalwart.observability.memory_release import NullMemoryRelease
 from stalwart.observability.profiler import NullProfilerWindow, ProfilerWindow, make_profiler_window
@@ -32,10 +31,11 @@ from stalwart.observability.sinks import MetricSink, build_sinks
 from stalwart.observability.straggler import (
     NullStragglerDetector,
     StragglerDetector,
+    StragglerIdle,
     make_straggler_detector,
 )
 from stalwart.observability.timers import Timers, TimingMode
-from stalwart.observability.train_log import IntervalInfo, LogField, TrainingLog
+from stalwart.observability.train_log import TrainingLog
 
 logger = logging.getLogger("stalwart.train")
 
@@ -125,24 +125,6 @@ class StepObserver:
         self.straggler.close()
 
 
-class StragglerIdle:
-    """Log provider after the straggler detector: each new report's idle time (ranks waiting on
-    the slowest) moves from productive to the goodput ledger's straggler bucket."""
-
-    def __init__(self, straggler: StragglerDetector | NullStragglerDetector, ledger: Any) -> None:
-        self.straggler, self.ledger = straggler, ledger
-        self._seen: object = None
-
-    def log_fields(self, info: IntervalInfo) -> list[LogField]:
-        del info
-        report = self.straggler.last_report
-        if report is not None and report is not self._seen:
-            self._seen = report
-            idle = straggler_idle_seconds(report.compute_ms, report.num_iterations)
-            self.ledger.add_straggler_idle(idle)
-        return []
-
-
 def run_dir_of(config: RunConfig) -> str | None:
     """Where run artefacts go: ``--run-dir``, else the checkpoint directory, else nowhere."""
     return config.obs.run_dir or config.checkpoint.save
@@ -167,6 +149,7 @@ def build_probes(
         ctx.rank,
         ctx.world_size,
         threshold=obs.straggler_threshold,
+        minmax_count=obs.straggler_minmax_count,
         run_dir=run_dir,
     )
     estimate = theoretical_memory(
@@ -197,6 +180,8 @@ def build_probes(
         log_interval=config.log.log_interval,
         save_wgrads_interval=obs.save_wgrads_interval,
         save_params_interval=obs.save_params_interval,
+        save_dgrads_interval=obs.save_dgrads_interval,
+        save_tokens_per_expert_interval=obs.save_tokens_per_expert_interval,
     )
     dump_dir = obs.dump_dir or run_dir or "."
     dumper = make_tensor_dumper(model, dump_dir, dump_config, ctx.rank, ctx.rank)

@@ -75,3 +75,49 @@ def check_model_matches(
         )
     if notes and log is not None:
         log("resuming with changed model settings: " + "; ".join(notes))
+
+
+def nothing_left_to_train(checkpoint: str | None, iteration: int, training: Any) -> str | None:
+    """The exit detail when the checkpoint resumed from is already at or past the end of the run
+    (``training``: the ``TrainingConfig``, ``--train-samples`` resolved to ``train_iters``);
+    None when there is something to train. The run then exits 0 (reason ``finished``) saying so
+    in one line instead of doing nothing silently."""
+    end = training.train_iters
+    if checkpoint is None or iteration < end:
+        return None
+    flag = (
+        f"--train-samples {training.train_samples} ({end} iterations)"
+        if training.train_samples is not None
+        else f"--train-iters {end}"
+    )
+    where = "already at" if iteration == end else "already past"
+    return (
+        f"the checkpoint {checkpoint} is at iteration {iteration}, {where} {flag}: nothing to "
+        f"train; pass a larger {flag.split()[0]} to train on"
+    )
+
+
+def upgrade_common_layout(common: dict[str, Any]) -> dict[str, Any]:
+    """The reference trainer's common state in today's part names.
+
+    Checkpoints of stalwart before the guarded step (``iteration`` and ``consumed_samples`` at
+    the top, ``data`` = the sampler's state, ``loss_scaler``) become ``train_state``,
+    ``data = {position, source}`` (position: micro-batches this rank consumed), ``step``.
+    Today's layout is returned unchanged.
+    """
+    if "train_state" in common or "iteration" not in common:
+        return common
+    old = dict(common)
+    sampler = old.pop("data", None)
+    upgraded: dict[str, Any] = {
+        "train_state": {
+            "iteration": old.pop("iteration"),
+            "consumed_samples": old.pop("consumed_samples", 0),
+        },
+        "step": {"loss_scaler": old.pop("loss_scaler", None) or {}},
+    }
+    if isinstance(sampler, Mapping):
+        per_step = int(sampler.get("micro_batch_size", 1)) * int(sampler.get("dp_size", 1))
+        consumed = int(sampler.get("consumed_samples", 0))
+        upgraded["data"] = {"position": consumed // max(per_step, 1), "source": dict(sampler)}
+    return {**upgraded, **old}

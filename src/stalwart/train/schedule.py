@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from torch.optim import Optimizer
 
 from stalwart.config.training import LRDecayStyle, OptimizerConfig
+from stalwart.train.schedule_resume import (
+    ScheduleSettings,
+    decide_schedule,
+    policy_of,
+    settings_from_state,
+)
 
 
 def _rate(step: float, warmup: float, decay_end: float, config: OptimizerConfig) -> float:
@@ -53,7 +60,8 @@ class LRScheduler:
     """Sets the optimizer's learning rate for each iteration from :func:`learning_rate_at`.
 
     The schedule is a pure function of the iteration, so its checkpoint state is only a record
-    of the settings it was saved with (used to warn when a resumed run changed them).
+    of the settings it was saved with: `resume_from` compares them with this run's and applies
+    Megatron's rule (`stalwart.train.schedule_resume`).
     """
 
     def __init__(
@@ -104,5 +112,70 @@ class LRScheduler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Settings come from the current config (Megatron's override behaviour); nothing to load."""
+        """Nothing to restore: the schedule is a function of the iteration. A resumed run calls
+        `resume_from` with this state to compare the schedules."""
         del state
+
+    def settings(self) -> ScheduleSettings:
+        """The values that shape this scheduler's curve (defaults resolved)."""
+        c = self.config
+        if self.train_samples is not None:
+            unit, warmup, end = "samples", c.lr_warmup_samples, c.lr_decay_samples
+            end = end or self.train_samples
+        else:
+            unit, warmup, end = "iterations", c.lr_warmup_iters, c.lr_decay_iters
+            end = end or self.train_iters
+        style = c.lr_decay_style.value
+        return ScheduleSettings(unit, c.lr, c.min_lr, warmup, end, style)
+
+    def _with(self, s: ScheduleSettings) -> tuple[OptimizerConfig, int | None]:
+        """(config, train_samples) that give the curve ``s`` (decay end made explicit)."""
+        unit_fields: dict[str, Any] = (
+            {"lr_warmup_samples": s.warmup, "lr_decay_samples": s.decay_end}
+            if s.unit == "samples"
+            else {"lr_warmup_iters": s.warmup, "lr_decay_iters": s.decay_end}
+        )
+        config = dataclasses.replace(
+            self.config,
+            lr=s.lr,
+            min_lr=s.min_lr,
+            lr_decay_style=LRDecayStyle(s.style),
+            **unit_fields,
+        )
+        return config, (s.decay_end if s.unit == "samples" else None)
+
+    def _rate_of(self, s: ScheduleSettings, iteration: int, samples_after: int | None) -> float:
+        config, train_samples = self._with(s)
+        if train_samples is not None:
+            return learning_rate_at_samples(samples_after or 0, config, train_samples)
+        return learning_rate_at(iteration, config, self.train_iters)
+
+    def resume_from(
+        self,
+        state: Any,
+        iteration: int,
+        samples_after: int | None = None,
+        load_optim: bool = True,
+    ) -> str | None:
+        """Resume at the 0-based ``iteration`` from a checkpoint whose scheduler state is
+        ``state``: apply Megatron's rule (``--override-opt-param-scheduler`` /
+        ``--use-checkpoint-opt-param-scheduler``; refused by default) and return the one
+        warning line to print, if any. ``ValueError`` when the schedules differ and no flag
+        says which wins. ``samples_after``: consumed samples after that iteration (sample-based
+        schedules)."""
+        saved, current = settings_from_state(state), self.settings()
+        policy = policy_of(
+            self.config.override_opt_param_scheduler,
+            self.config.use_checkpoint_opt_param_scheduler,
+            load_optim,
+        )
+        lr_next = (0.0, 0.0)
+        if saved is not None and saved != current:
+            lr_next = (
+                self._rate_of(saved, iteration, samples_after),
+                self._rate_of(current, iteration, samples_after),
+            )
+        decision = decide_schedule(saved, current, policy, lr_next)
+        if decision.settings != current:
+            self.config, self.train_samples = self._with(decision.settings)
+        return decision.warning

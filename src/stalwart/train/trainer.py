@@ -48,7 +48,11 @@ from stalwart.train import build
 from stalwart.train.forward_step import gpt_forward_step
 from stalwart.train.manual_gc import make_manual_gc
 from stalwart.train.observe import build_observability, build_profiler, run_dir_of
-from stalwart.train.resume_checks import check_model_matches
+from stalwart.train.resume_checks import (
+    check_model_matches,
+    nothing_left_to_train,
+    upgrade_common_layout,
+)
 from stalwart.train.schedule import LRScheduler
 
 logger = logging.getLogger("stalwart.train")
@@ -162,6 +166,7 @@ class Trainer:
         self._num_microbatches: int | None = None
         self._saved_at: int | None = None
         self._stepped = False
+        self.progress = build.build_progress_log(config, ctx)  # --log-progress: progress.txt
 
     def _build_step(self) -> GuardedStep:
         config, ctx = self.config, self.ctx
@@ -177,6 +182,7 @@ class Trainer:
             clip_grad=config.optim.clip_grad,
             loss_scaler=self.loss_scaler,
             autocast=lambda: autocast_context(ctx.device, dtype),
+            compute_weights=build.build_compute_weights(config, self.raw_model, ctx),
             lookahead=config.graphs.cuda_graph_speculative_launch,
             agreement=self.agreement,
             timers=self.timers,
@@ -201,6 +207,7 @@ class Trainer:
             },
             per_rank={"rng": RngState(self.machine.rng), "rerun": self.machine},
             check_common=lambda common: check_model_matches(common, current, logger.warning),
+            upgrade_common=upgrade_common_layout,
         )
 
     def __enter__(self) -> Trainer:
@@ -232,9 +239,11 @@ class Trainer:
     def train(self) -> TrainOutcome:
         """Train until an exit decision; returns the outcome (exit code 0, 16 or 17)."""
         self.load()
+        self.progress.start(self._flops_so_far())
         self.timers(INTERVAL_TIME).start(barrier=True)
         if self.state.iteration >= self.config.training.train_iters:
-            return self._finish(ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, "reached --train-iters"))  # fmt: skip
+            done = nothing_left_to_train(self.loaded_path, self.state.iteration, self.config.training)  # fmt: skip
+            return self._finish(ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, done or "reached --train-iters"))  # fmt: skip
         while True:
             with self.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
                 committed = self.checkpointer.maybe_finalize()
@@ -418,7 +427,11 @@ class Trainer:
             self.faults.maybe_inject(self.state.iteration, self.ctx.rank, "checkpointing")
             self.checkpointer.save(self.state.iteration, non_persistent=non_persistent)
         self.energy.resume()
-        self.sections.maybe_update_timeouts(async_save=self.config.checkpoint.async_save)
+        if not non_persistent:  # --log-progress: Megatron's progress.txt line
+            self.progress.on_save(
+                self.state.iteration, self._flops_so_far(), self._tokens_so_far(), async_save=async_save
+            )  # fmt: skip
+        self.sections.maybe_update_timeouts(async_save=async_save)
         kind = "non-persistent checkpoint" if non_persistent else "checkpoint"
         self.event(EventKind.CHECKPOINT, f"saved {kind}")
 
@@ -446,8 +459,29 @@ class Trainer:
         # The machine's after_load applied rerun_verdict.json: a settled rerun trains on, a
         # suspect device was refused (SuspectDeviceError).
         self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
+        self._resume_schedule(loaded.common.get("scheduler"), not cfg.no_load_optim)
         self.ledger.resumed(self.state.iteration)
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
+
+    def _resume_schedule(self, saved: Any, load_optim: bool) -> None:
+        """Megatron's rule for a changed LR schedule (``ValueError`` unless a flag says which
+        wins; one warning line otherwise). A checkpoint with nothing left to train is not
+        checked: it ends at once (`nothing_left_to_train`)."""
+        it, consumed = self.state.iteration, self.state.consumed_samples
+        if it >= self.config.training.train_iters:
+            return
+        samples_after = consumed + self.data.schedule.global_batch_size_at(consumed)
+        note = self.scheduler.resume_from(saved, it, samples_after, load_optim=load_optim)
+        if note and self.ctx.is_main:
+            logger.warning(note)
+
+    def _flops_so_far(self) -> float:
+        """Floating-point operations of every iteration so far (linear in the samples)."""
+        gbs = self.data.global_batch_size
+        return self.flops_per_iteration * self.state.consumed_samples / gbs
+
+    def _tokens_so_far(self) -> float:
+        return float(self.state.consumed_samples * self.config.model.seq_length)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,11 @@ class InProcessConfig:
     inprocess_soft_timeout: float = 60.0
     inprocess_hard_timeout: float = 90.0
     inprocess_heartbeat_interval: float = 1.0
+    inprocess_heartbeat_timeout: float | None = None  # None: --inprocess-soft-timeout
+    inprocess_barrier_timeout: float = 300.0
+    inprocess_monitor_thread_interval: float = 0.05
+    # Megatron's --inprocess-empty-cuda-cache: the restarter always empties the cache.
+    inprocess_empty_cuda_cache: bool = False
     inprocess_granularity: RestartGranularity | str = RestartGranularity.RANK
 
     def __post_init__(self) -> None:
@@ -41,3 +46,14 @@ class InProcessConfig:
             )
         if not self.inprocess_soft_timeout < self.inprocess_hard_timeout:
             raise ValueError("--inprocess-soft-timeout must be < --inprocess-hard-timeout")
+        timeout = self.inprocess_heartbeat_timeout
+        if timeout is not None and not timeout > self.inprocess_heartbeat_interval:
+            raise ValueError(
+                "--inprocess-heartbeat-timeout must be > --inprocess-heartbeat-interval"
+            )
+        if not self.inprocess_barrier_timeout > 0:
+            raise ValueError("--inprocess-barrier-timeout must be > 0")
+        if not 0 < self.inprocess_monitor_thread_interval < self.inprocess_soft_timeout:
+            raise ValueError(
+                "--inprocess-monitor-thread-interval must be > 0 and < --inprocess-soft-timeout"
+            )

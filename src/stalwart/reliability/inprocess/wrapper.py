@@ -97,6 +97,7 @@ class RestartOptions:
     barrier_timeout: float = 300.0
     health_checks: tuple[HealthCheck, ...] = (check_device_computes,)
     health_timeout: float = 30.0
+    poll_interval: float = 0.05  # the monitor thread's checks (--inprocess-monitor-thread-interval)
     no_retry: tuple[type[BaseException], ...] = ()
 
     @classmethod
@@ -106,6 +107,9 @@ class RestartOptions:
             "soft_timeout": config.inprocess_soft_timeout,
             "hard_timeout": config.inprocess_hard_timeout,
             "heartbeat_interval": config.inprocess_heartbeat_interval,
+            "heartbeat_timeout": config.inprocess_heartbeat_timeout,
+            "barrier_timeout": config.inprocess_barrier_timeout,
+            "poll_interval": config.inprocess_monitor_thread_interval,
             "granularity": RestartGranularity(config.inprocess_granularity),
         }
         return cls(**{**values, **overrides})
@@ -116,6 +120,7 @@ class RestartOptions:
             hard_timeout=self.hard_timeout,
             heartbeat_interval=self.heartbeat_interval,
             heartbeat_timeout=self.heartbeat_timeout or self.soft_timeout,
+            poll_interval=self.poll_interval,
         )
 
 

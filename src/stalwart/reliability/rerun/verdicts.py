@@ -7,12 +7,14 @@ values and returns request flags; the machine then agrees on them across ranks i
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import torch.distributed as dist
 
 from stalwart.distributed import collectives
+from stalwart.distributed.launch_env import env_int
 from stalwart.reliability.rerun.buffer import (
     ValidationBuffer,
     ValidationRecord,
@@ -39,6 +41,8 @@ from stalwart.reliability.rerun.types import (
 )
 
 logger = logging.getLogger(__name__)
+# "3" (a CUDA index) or "cpu:1" -> the index Megatron's failure line shows.
+_DEVICE_INDEX = re.compile(r"(?:[a-z]+:)?(\d+)")
 # Disabled-mode results and determinism statistics keep the machine's logger name (log parsers).
 machine_logger = logging.getLogger("stalwart.reliability.rerun.machine")
 
@@ -135,9 +139,10 @@ class EventMixin:
         if cmp > ev.tolerance:
             self.diagnosis = RerunDiagnostic.TRANSIENT_ERROR
             self._track(RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE, v, ev.message)
-            self._log_failure(
+            self._log_possible_error(
+                "transient",
                 f"First rerun: unexpected result is not reproducible within the tolerance "
-                f"({ev.initial_result} != {v}) (message='{ev.message}'). Possible transient error!",
+                f"({ev.initial_result} != {v}) (message='{ev.message}')",
                 ev.fatal,
             )
             return False, ev.fatal, not ev.fatal
@@ -175,7 +180,7 @@ class EventMixin:
                 "Second rerun: unexpected result is not reproducible on a different GPU, "
                 "therefore was likely incorrect (%s != %s)", ev.initial_result, v,
             )  # fmt: skip
-            self._log_failure(f"Possible persistent error! (message='{ev.message}')", True)
+            self._log_possible_error("persistent", f"(message='{ev.message}')", True)
         else:
             self.diagnosis = RerunDiagnostic.CORRECT_RESULT
             self._track(RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE, v, ev.message)
@@ -274,6 +279,20 @@ class EventMixin:
 
     def _log_failure(self, message: str, fatal: bool) -> None:
         (logger.error if fatal else logger.warning)(self._describe(message))
+
+    def _log_possible_error(self, kind: str, detail: str, fatal: bool) -> None:
+        """The diagnosis line in the form Megatron's log scrapers match,
+        ``Rank R, node N, device D: Possible (transient|persistent) error!!`` (D: the device
+        index; a simulated or CPU device id follows in the parentheses), then the iteration and
+        what was seen."""
+        node, device = device_identity()
+        digits = _DEVICE_INDEX.fullmatch(device)
+        index = digits.group(1) if digits else str(env_int("LOCAL_RANK", 0))
+        where = f", device {device}" if device != index else ""
+        (logger.error if fatal else logger.warning)(
+            f"Rank {self.rank}, node {node}, device {index}: Possible {kind} error!! "
+            f"(iteration {self.iteration + 1}{where}) {detail}"
+        )
 
     def _log0(self, message: str) -> None:
         if self.rank == 0:

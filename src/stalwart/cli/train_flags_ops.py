@@ -1,0 +1,455 @@
+"""``stalwart train`` flags of the run's shell: reliability, observability and CUDA graphs.
+
+Grouped as the components are (the seed's sections): reliability = rerun state machine, hang
+detection, graceful exit, in-process restart, fault injection; observability = logging, timers,
+stragglers, memory, energy, dumps, profiler. Megatron's spelling where Megatron has the flag
+(second spellings are Megatron's names of the same flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from stalwart.cli.arg_types import Float
+from stalwart.cli.train_flags import group
+from stalwart.reliability.faults import FAULT_PHASES, FaultKind
+from stalwart.reliability.inprocess.config import RestartGranularity
+from stalwart.reliability.rerun.types import RerunDiagnostic, RerunMode
+
+_RERUN_MODES = (*(m.value for m in RerunMode), "report_stats")
+
+
+def _error_injection_flags(g: Any) -> None:
+    """Megatron's testing switches of the rerun machine (fault injection into its checks)."""
+    g.add_argument(
+        "--error-injection-rate",
+        type=int,
+        default=0,
+        help="testing: inject into 1 of N checks (default: 0 = off)",
+    )
+    g.add_argument(
+        "--error-injection-type",
+        default=RerunDiagnostic.TRANSIENT_ERROR.value,
+        choices=tuple(d.value for d in RerunDiagnostic),
+        metavar="KIND",
+        help="testing: what is injected",
+    )
+    g.add_argument(
+        "--error-injection-iterations",
+        type=int,
+        nargs="+",
+        help="testing: only at these iterations (default: any)",
+    )
+    g.add_argument(
+        "--error-injection-ranks",
+        type=int,
+        nargs="+",
+        help="testing: only these ranks inject (default: any)",
+    )
+
+
+def rerun_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "reliability.rerun", "reliability: rerun state machine (result validation)")
+    g.add_argument(
+        "--rerun-mode",
+        default=RerunMode.VALIDATE_RESULTS.value,
+        choices=_RERUN_MODES,
+        metavar="MODE",
+        help="rerun rejected iterations: transient, persistent or correct?",
+    )
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="do not reject NaN/Inf losses and gradient norms",
+    )
+    g.add_argument(
+        "--check-for-spiky-loss", action="store_true", help="warn on a loss 10x the largest seen"
+    )
+    g.add_argument(
+        "--check-for-large-grads", action="store_true", help="warn on a grad norm 10x the largest"
+    )
+    _error_injection_flags(g)
+    g.add_argument(
+        "--result-rejected-tracker-filename",
+        metavar="FILE",
+        help="a line per rejected result; restarts skip them (default: none)",
+    )
+    g.add_argument(
+        "--iterations-to-skip",
+        type=int,
+        nargs="*",
+        default=[],
+        help="iterations (as logged) to skip without training",
+    )
+    g.add_argument(
+        "--check-weight-hash-across-dp-replicas-interval",
+        type=int,
+        default=0,
+        help="compare replicas' weights every N iterations and before saves, and inside the "
+        "step their all-reduced gradients (a mismatch is rerun and attributed) (default: 0 = off)",
+    )
+    g.add_argument(
+        "--check-weight-hash-sample-fraction",
+        type=Float(ge=0.0, le=1.0),
+        default=0.0,
+        help="every iteration, fingerprint this fraction of the parameters and their all-reduced "
+        "gradients inside the step, each every ceil(1/F) iterations (default: 0 = off)",
+    )
+    g.add_argument(
+        "--rerun-peer-replay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="attribute a rejection the in-place rerun reproduces by replaying it on a peer "
+        "data-parallel replica in the same launch; --no-rerun-peer-replay: exit 16 and rerun "
+        "after a relaunch, as Megatron (default: on)",
+    )
+
+
+def hang_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "reliability.hang", "reliability: hang detection (fault tolerance)")
+    g.add_argument(
+        "--enable-ft",
+        "--enable-ft-package",
+        dest="enable_ft",
+        action="store_true",
+        help="kill a rank stuck past its section's timeout (launcher restarts)",
+    )
+    g.add_argument(
+        "--ft-timeouts",
+        metavar="SPEC",
+        help="section timeouts, seconds (default: setup=600,step=180,checkpointing=420,out_of_section=600)",
+    )
+    g.add_argument(
+        "--calc-ft-timeouts",
+        action="store_true",
+        help="learn timeouts from observed durations (<save>/ft_state.json)",
+    )
+    g.add_argument(
+        "--ft-num-warmup-iters", type=int, default=5, help="iterations before the step timeout"
+    )
+
+
+def exit_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "reliability.exit", "reliability: graceful exit")
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="--exit-signal on any rank: save (with --save), exit 0",
+    )
+    g.add_argument("--exit-signal", default="SIGTERM", metavar="SIG", help="the exit signal")
+    g.add_argument(
+        "--exit-duration-in-mins",
+        type=float,
+        help="save and exit after this many minutes (default: no limit)",
+    )
+    g.add_argument(
+        "--exit-interval", type=int, help="save and exit at multiples of N (default: off)"
+    )
+    g.add_argument(
+        "--phase-transition-iterations",
+        type=int,
+        nargs="*",
+        default=[],
+        help="save and exit at these iterations",
+    )
+    g.add_argument(
+        "--exit-on-interrupt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Ctrl-C saves (with --save) and exits 130 (default: on for one process on a terminal)",
+    )
+
+
+def inprocess_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "reliability.inprocess", "reliability: in-process restart")
+    g.add_argument(
+        "--inprocess-restart",
+        action="store_true",
+        help="after a fault, retrain in-process from the newest checkpoint",
+    )
+    g.add_argument(
+        "--inprocess-max-iterations", type=int, default=3, help="attempts before giving up"
+    )
+    g.add_argument(
+        "--inprocess-soft-timeout",
+        type=float,
+        default=60.0,
+        help="no progress for X seconds: restart",
+    )
+    g.add_argument(
+        "--inprocess-hard-timeout", type=float, default=90.0, help="no progress for X seconds: kill"
+    )
+    g.add_argument(
+        "--inprocess-heartbeat-interval", type=float, default=1.0, help="seconds between beats"
+    )
+    g.add_argument(
+        "--inprocess-heartbeat-timeout",
+        type=float,
+        help="a peer silent this long has failed (default: --inprocess-soft-timeout)",
+    )
+    g.add_argument(
+        "--inprocess-barrier-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every rank at a restart's rendezvous",
+    )
+    g.add_argument(
+        "--inprocess-monitor-thread-interval",
+        type=float,
+        default=0.05,
+        help="seconds between the monitor thread's checks",
+    )
+    g.add_argument(
+        "--inprocess-empty-cuda-cache",
+        action="store_true",
+        help="Megatron's flag: the CUDA cache is always emptied (default: on)",
+    )
+    g.add_argument(
+        "--inprocess-granularity",
+        default=RestartGranularity.RANK.value,
+        choices=tuple(r.value for r in RestartGranularity),
+        metavar="UNIT",
+        help="restart unit",
+    )
+
+
+def fault_injection_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "reliability.faults", "reliability: fault injection (testing)")
+    g.add_argument(
+        "--inject-fault",
+        choices=tuple(k.value for k in FaultKind),
+        metavar="KIND",
+        help="fire once at --inject-fault-iteration (default: none)",
+    )
+    g.add_argument("--inject-fault-iteration", type=int, help="iteration to fire at (as logged)")
+    g.add_argument(
+        "--inject-fault-hang-seconds", type=float, help="hang duration (default: forever)"
+    )
+    g.add_argument("--inject-fault-rank", type=int, default=0, help="rank that fires")
+    g.add_argument(
+        "--inject-fault-phase",
+        default="step",
+        choices=FAULT_PHASES,
+        metavar="PHASE",
+        help="where it fires",
+    )
+    g.add_argument(
+        "--inject-fault-repeat", action="store_true", help="fire at every attempt, not once"
+    )
+
+
+def logging_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "observability.logging", "observability: logging")
+    g.add_argument("--log-interval", type=int, default=10, help="log line every N iterations")
+    g.add_argument("--log-throughput", action="store_true", help="TFLOP/s per GPU in the log line")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true", help="count zero gradients")
+    g.add_argument("--log-params-norm", action="store_true", help="log the parameter norm")
+    g.add_argument(
+        "--no-progress-bar",
+        dest="progress_bar",
+        action="store_false",
+        help="no progress bar (it shows on a terminal only)",
+    )
+    g.add_argument(
+        "--log-progress",
+        action="store_true",
+        help="<save>/progress.txt line per persistent save (Megatron's format)",
+    )
+    g.add_argument(
+        "--metrics-file",
+        metavar="FILE",
+        help="one JSON object per log line (default: <run dir>/metrics.jsonl)",
+    )
+    g.add_argument(
+        "--run-dir", metavar="DIR", help="where run artefacts and the report go (default: --save)"
+    )
+    g.add_argument("--tensorboard-dir", metavar="DIR", help="TensorBoard events (default: none)")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="every N iterations")
+    g.add_argument(
+        "--no-log-loss-scale-to-tensorboard",
+        dest="log_loss_scale_to_tensorboard",
+        action="store_false",
+        help="do not write the loss scale to TensorBoard/W&B",
+    )
+    g.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="also write the validation perplexity",
+    )
+    g.add_argument("--wandb-project", metavar="NAME", help="W&B project (default: no W&B)")
+    g.add_argument("--wandb-exp-name", metavar="NAME", help="W&B run name (default: W&B's)")
+    g.add_argument("--wandb-save-dir", metavar="DIR", help="W&B files (default: W&B's)")
+    g.add_argument(
+        "--wandb-mode",
+        choices=("online", "offline", "disabled"),
+        metavar="MODE",
+        help="W&B mode (default: W&B's)",
+    )
+
+
+def timer_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "observability.timers", "observability: timers")
+    g.add_argument(
+        "--timing-log-level",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="0: iteration time; 1: + forward-backward, optimizer; 2: + all",
+    )
+    g.add_argument(
+        "--timing-log-option",
+        default="minmax",
+        choices=("max", "minmax", "all"),
+        metavar="HOW",
+        help="across ranks",
+    )
+    g.add_argument(
+        "--timing-mode",
+        default="sync",
+        choices=("sync", "events"),
+        metavar="MODE",
+        help="sync: device syncs around timers; events: CUDA events",
+    )
+    g.add_argument(
+        "--log-timers-to-tensorboard", action="store_true", help="write timers to the sinks"
+    )
+
+
+def straggler_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "observability.straggler", "observability: straggler detection")
+    g.add_argument(
+        "--log-straggler", action="store_true", help="compare ranks' compute time every log line"
+    )
+    g.add_argument(
+        "--straggler-threshold", type=float, default=1.2, help="straggler: this x median time"
+    )
+    g.add_argument(
+        "--straggler-minmax-count",
+        type=int,
+        default=1,
+        help="name the N slowest and fastest ranks",
+    )
+
+
+def memory_energy_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "observability.memory", "observability: memory")
+    g.add_argument(
+        "--log-memory-interval",
+        type=int,
+        default=0,
+        help="memory line every N iterations (default: 0 = off)",
+    )
+    g.add_argument(
+        "--log-memory-to-tensorboard", action="store_true", help="write memory to the sinks"
+    )
+    g.add_argument(
+        "--empty-unused-memory-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="empty the CUDA cache: 1 after forward-backward and eval steps, 2 also after the "
+        "optimizer (default: 0 = never)",
+    )
+    e = group(p, "observability.energy", "observability: energy")
+    e.add_argument("--log-energy", action="store_true", help="energy and power per GPU (NVML)")
+
+
+def dump_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "observability.dumps", "observability: dumps")
+    g.add_argument("--dump-dir", metavar="DIR", help="where dumps go (default: the run dir)")
+    g.add_argument(
+        "--save-activations-interval",
+        type=int,
+        default=0,
+        help="module inputs/outputs every N iterations (default: 0 = off)",
+    )
+    g.add_argument(
+        "--save-dgrads-interval",
+        type=int,
+        default=0,
+        help="module input/output grads every N iterations (default: 0 = off)",
+    )
+    g.add_argument(
+        "--save-wgrads-interval",
+        type=int,
+        default=0,
+        help="parameter grads (unclipped) every N iterations (default: 0 = off)",
+    )
+    g.add_argument(
+        "--save-params-interval",
+        type=int,
+        default=0,
+        help="parameters (after the step) every N iterations (default: 0 = off)",
+    )
+    g.add_argument(
+        "--save-tokens-per-expert-interval",
+        type=int,
+        default=0,
+        help="MoE tokens per expert every N iterations (default: 0 = off)",
+    )
+    g.add_argument(
+        "--log-dgrads",
+        action="store_true",
+        help="dgrads every --save-activations-interval (or --log-interval)",
+    )
+    g.add_argument(
+        "--log-tokens-per-expert",
+        action="store_true",
+        help="tokens per expert, same cadence as --log-dgrads",
+    )
+    g.add_argument(
+        "--dump-stats-only",
+        action="store_true",
+        help="per-module statistics instead of activation and --log-dgrads tensors",
+    )
+
+
+def profiler_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "observability.profiler", "observability: profiler")
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile from --profile-step-start + 1 to --profile-step-end",
+    )
+    g.add_argument("--profile-step-start", type=int, default=10, help="window start")
+    g.add_argument("--profile-step-end", type=int, default=12, help="window end")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="ranks to profile")
+    g.add_argument(
+        "--use-pytorch-profiler",
+        action="store_true",
+        help="torch.profiler traces, else a cudaProfilerStart/Stop range (nsys)",
+    )
+    g.add_argument(
+        "--profile-dir", metavar="DIR", help="where traces go (default: <run dir>/profile)"
+    )
+
+
+def graph_flags(p: argparse.ArgumentParser) -> None:
+    g = group(p, "graphs", "CUDA graphs")
+    g.add_argument(
+        "--cuda-graph-impl",
+        default="none",
+        choices=("none", "full_iteration"),
+        metavar="IMPL",
+        help="full_iteration: all micro-batches' forward-backward in one graph",
+    )
+    g.add_argument(
+        "--optimizer-cuda-graph", action="store_true", help="capture clip + AdamW as a graph"
+    )
+    g.add_argument(
+        "--cuda-graph-warmup-steps", type=int, default=3, help="eager iterations before capture"
+    )
+    g.add_argument(
+        "--cuda-graph-speculative-launch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="launch the next iteration's graph before this one's check",
+    )
+    g.add_argument(
+        "--cuda-graph-include-optimizer",
+        action="store_true",
+        help="with full_iteration: clip + fused AdamW inside the full-iteration graph (one "
+        "graph per iteration, no speculative launch)",
+    )

@@ -1,0 +1,277 @@
+"""stalwart for the Hugging Face ``Trainer``: a ``TrainerCallback``, and a ``Trainer`` subclass
+for the rerun state machine.
+
+``pip install 'stalwart[hf]'``. Usage::
+
+    from stalwart.integrations.hf import StalwartCallback, StalwartTrainer
+    from stalwart.reliability.rerun import RerunConfig
+
+    callback = StalwartCallback(rerun=RerunConfig())          # + exit=, ft=, log=, obs=
+    trainer = StalwartTrainer(model=model, args=TrainingArguments(output_dir, max_steps=1000),
+                              train_dataset=dataset, callbacks=[callback])
+    trainer.train(resume_from_checkpoint=latest_checkpoint(output_dir))
+    raise SystemExit(callback.exit_code or 0)                  # 16/17 raise SystemExit earlier
+
+What the callback does, hook by hook (it maps stalwart's decisions onto ``TrainerControl``):
+
+* ``on_train_begin``: builds the :class:`~stalwart.integrations.shell.TrainingShell` (hang
+  monitor, the goodput ledger, the sinks) and installs the exit-signal handler (SIGTERM only
+  raises a flag; the ranks agree on it after the step);
+* ``on_step_begin`` / ``on_step_end``: the watchdog's ``step`` section and a goodput step around
+  the Trainer's step; then the training-log line (timers, memory, energy, stragglers, goodput,
+  TensorBoard/W&B/``metrics.jsonl``) and one agreed decision: a save sets
+  ``control.should_save`` (the Trainer's own ``checkpoint-N``, inside the ``checkpointing``
+  section and the save timer), an exit sets ``control.should_training_stop``;
+* ``on_save``: stalwart's part of the checkpoint (``stalwart_state_rank<r>.pt``: the guarded
+  step, the rerun machine, every RNG, after an exit 16 the failed iteration's batch), then the
+  exit: 16 and 17 raise ``SystemExit(code)`` so the code reaches the launcher; 0 stops.
+
+:class:`StalwartTrainer` is needed for the rerun state machine (and for TFLOP/s: it counts the
+first step's FLOPs with torch's counter): it overrides ``training_step`` so that a
+:class:`stalwart.integrations.framework_step.FrameworkStep` runs the forward (``compute_loss``),
+the backward (``accelerator.backward``), the device checks, a replay on the same batch and RNG,
+the clip (``max_grad_norm``) and the optimizer step (gated on the device for fused AdamW: a
+rejected iteration never touches the weights). The gradients are dropped afterwards, so the
+Trainer's own ``optimizer.step()`` that follows finds none and changes nothing.
+
+Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch); the Trainer counts a
+rejected iteration (exit 16) as a step, so its checkpoint is named one step on: stalwart's state
+in it says the iteration was not done and the resume reruns it from the saved batch. DeepSpeed
+and SageMaker's model parallelism are not supported by the subclass. The callback alone (on a
+plain ``Trainer``) gives the sections, the exit, the goodput ledger and the log line without
+the loss (the Trainer does not hand it to callbacks; its own ``logs`` carry it).
+A resume is exact when the Trainer's data order is (it restores its RNG and skips the consumed
+batches; tested bitwise on one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+import torch
+
+from stalwart.integrations import require
+from stalwart.integrations.framework_step import FrameworkStep
+from stalwart.integrations.shell import ShellConfig, TrainingShell
+from stalwart.loop import StepResult
+from stalwart.observability.flop_count import count_training_flops
+from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
+
+transformers = require("transformers", extra="hf", what="stalwart.integrations.hf")
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "stalwart_state_rank{rank}.pt"
+CHECKPOINT_PREFIX = "checkpoint-"
+
+
+def latest_checkpoint(output_dir: str | None) -> str | None:
+    """The newest complete ``checkpoint-N`` under ``output_dir`` (for
+    ``trainer.train(resume_from_checkpoint=...)``), or None."""
+    if not output_dir or not os.path.isdir(output_dir):
+        return None
+    found = transformers.trainer_utils.get_last_checkpoint(output_dir)
+    return str(found) if found else None
+
+
+class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-defined]
+    """stalwart's shell for a Hugging Face ``Trainer`` run (see the module docstring).
+
+    Args:
+        save_dir: where ``exit_reason.json``, ``ft_state.json`` and the rerun files go
+            (default: the Trainer's ``output_dir``).
+        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``, ``obs``,
+            ``run_dir``, ``goodput``, ``seq_length`` (``train_iters`` is the Trainer's).
+    """
+
+    def __init__(self, save_dir: str | None = None, **shell: Any) -> None:
+        ShellConfig(train_iters=1, save_dir=save_dir, **shell)  # bad fields fail here, early
+        self.save_dir = save_dir
+        self._shell_fields = shell
+        self.shell: TrainingShell | None = None
+        self.step: FrameworkStep | None = None  # set by StalwartTrainer
+        self.result: StepResult | None = None  # the last guarded step's
+        self.loss: torch.Tensor | None = None  # the last step's loss (StalwartTrainer)
+        self._in_step: contextlib.ExitStack | None = None
+        self._saving: contextlib.ExitStack | None = None
+        self._pending_exit: ExitDecision | None = None
+        self._exit_code: int | None = None  # kept after close
+
+    @property
+    def exit_code(self) -> int | None:
+        """The run's exit code once it decided to exit (None before)."""
+        return self.shell.exit_code if self.shell is not None else self._exit_code
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.shell is None:
+            save_dir = self.save_dir or args.output_dir
+            os.makedirs(save_dir, exist_ok=True)
+            config = ShellConfig(
+                train_iters=int(state.max_steps), save_dir=save_dir, **self._shell_fields
+            )
+            self.shell = config.build(
+                rank=args.process_index, world_size=args.world_size, device=args.device
+            )
+        self.shell.resumed(int(state.global_step))
+        self.shell.start()
+
+    def require_shell(self) -> TrainingShell:
+        if self.shell is None:
+            raise RuntimeError("StalwartCallback: the Trainer did not call on_train_begin")
+        return self.shell
+
+    # ---------------------------------------------------------------- per step
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        shell = self.require_shell()
+        self._in_step = contextlib.ExitStack()
+        self._in_step.enter_context(shell.iteration(int(state.global_step)))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        shell = self.require_shell()
+        if self._in_step is not None:
+            self._in_step.close()
+            self._in_step = None
+        it, result = int(state.global_step), self.result
+        self.result = None
+        if result is None or not result.verdict.exit:
+            self._record(args, it, kwargs.get("optimizer"), result)
+        finished = it >= state.max_steps
+        decision = shell.decide(it, result=result, finished=finished)
+        if decision.save is not SaveKind.NONE:
+            control.should_save = True  # the Trainer saves right after this hook, then on_save
+            self._saving = contextlib.ExitStack()
+            non_persistent = decision.save is SaveKind.NON_PERSISTENT
+            self._saving.enter_context(shell.saving(it, non_persistent=non_persistent))
+        if decision.exit:
+            control.should_training_stop = True
+            if self._saving is None:
+                self._leave(decision, it)
+            else:
+                self._pending_exit = decision
+
+    def _record(self, args: Any, it: int, optimizer: Any, result: StepResult | None) -> None:
+        if result is not None:
+            losses: dict[str, Any] = dict(result.losses)
+            grad_norm, skipped = result.grad_norm, result.skipped
+        else:
+            losses = {"lm loss": self.loss} if self.loss is not None else {}
+            grad_norm, skipped = None, False
+        lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+        batch = args.per_device_train_batch_size * args.world_size
+        self.require_shell().record(
+            it, losses=losses, batch_size=batch, learning_rate=lr, grad_norm=grad_norm,
+            skipped=skipped,
+        )  # fmt: skip
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        shell = self.require_shell()
+        it = int(state.global_step)
+        folder = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{it}")
+        if self.step is not None:
+            step_state = self.step.state_dict()  # collective: every rank, unconditionally
+            os.makedirs(folder, exist_ok=True)  # rank 0 may not have created it yet
+            torch.save(step_state, os.path.join(folder, STATE_FILE.format(rank=shell.rank)))
+        if self._saving is not None:
+            self._saving.close()
+            self._saving = None
+        decision, self._pending_exit = self._pending_exit, None
+        if decision is not None:
+            self._leave(decision, it)
+
+    def _leave(self, decision: ExitDecision, it: int) -> None:
+        code = self.require_shell().finish(decision, it)
+        if code:
+            self._close()
+            raise SystemExit(code)  # 16/17: through the Trainer to the launcher
+
+    # ---------------------------------------------------------------- the end
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        shell = self.shell
+        if shell is not None and shell.exit_code is None:  # the Trainer's loop ended first
+            done = ExitDecision(
+                SaveKind.NONE, True, ExitReason.FINISHED, "the trainer's loop ended"
+            )
+            shell.finish(done, int(state.global_step))
+        self._close()
+
+    def _close(self) -> None:
+        for stack in (self._in_step, self._saving):
+            if stack is not None:
+                stack.close()
+        self._in_step = self._saving = None
+        if self.step is not None:
+            self.step.close()
+            self.step = None
+        if self.shell is not None:
+            self._exit_code = self.shell.exit_code
+            self.shell.close()
+            self.shell = None
+
+
+class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
+    """A ``Trainer`` whose step runs under stalwart's rerun state machine (module docstring).
+    Needs a :class:`StalwartCallback` in ``callbacks``."""
+
+    _stalwart_resume: str | None = None
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = latest_checkpoint(self.args.output_dir)
+        self._stalwart_resume = resume_from_checkpoint or None
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _stalwart_callback(self) -> StalwartCallback:
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, StalwartCallback):
+                return callback
+        raise RuntimeError("StalwartTrainer: add a StalwartCallback to callbacks=")
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        del num_items_in_batch  # one batch per iteration: the loss is the batch mean
+        callback = self._stalwart_callback()
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        if callback.step is None:
+            callback.step = self._build_step(callback, model, inputs)
+        result = callback.step.run([inputs])
+        callback.result = result
+        self.optimizer.zero_grad(set_to_none=True)  # the Trainer's optimizer.step(): a no-op
+        loss = result.losses.get("lm loss")
+        return (loss if loss is not None else torch.zeros(())).detach().to(self.args.device)
+
+    def _forward_step(self, batch: dict[str, Any], model: torch.nn.Module) -> torch.Tensor:
+        with self.compute_loss_context_manager():
+            return self.compute_loss(model, batch)  # type: ignore[no-any-return]
+
+    def _build_step(
+        self, callback: StalwartCallback, model: torch.nn.Module, inputs: dict[str, Any]
+    ) -> FrameworkStep:
+        if self.args.gradient_accumulation_steps != 1:
+            raise ValueError(
+                "StalwartTrainer: gradient_accumulation_steps must be 1 (an iteration is one "
+                f"batch), got {self.args.gradient_accumulation_steps}"
+            )
+        shell = callback.require_shell()
+        if shell.config.log.log_throughput:
+            counted = count_training_flops(model, self._forward_step, inputs)
+            shell.set_flops(counted.per_iteration(data_parallel_size=self.args.world_size))
+        step = FrameworkStep(
+            shell, model=model, optimizer=self.optimizer, forward_step=self._forward_step,
+            clip_grad=float(self.args.max_grad_norm or 0.0), backward=self.accelerator.backward,
+        )  # fmt: skip
+        if self._stalwart_resume is not None:
+            path = os.path.join(self._stalwart_resume, STATE_FILE.format(rank=shell.rank))
+            if os.path.isfile(path):
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                step.load_state_dict(state, checkpoint_path=self._stalwart_resume)
+            else:
+                logger.warning("%s: no stalwart state; the guarded step starts fresh", path)
+        return step
+
+
+__all__ = ["StalwartCallback", "StalwartTrainer", "latest_checkpoint"]

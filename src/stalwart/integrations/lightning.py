@@ -1,0 +1,402 @@
+"""stalwart for Lightning 2.x: a callback, and a mixin for the rerun state machine.
+
+``pip install 'stalwart[lightning]'``. Usage::
+
+    import lightning.pytorch as L
+    from stalwart.integrations.lightning import GuardedModule, StalwartCallback, latest_checkpoint
+    from stalwart.reliability.rerun import RerunConfig
+
+    class MyModule(GuardedModule, L.LightningModule):     # GuardedModule first
+        def forward_step(self, batch):                    # the loss (or {"loss": ..., ...})
+            return self.model(**batch).loss
+        def configure_optimizers(self):                   # fused: the step is gated on the device
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    callback = StalwartCallback(save_dir, rerun=RerunConfig())   # + exit=, ft=, log=, obs=
+    trainer = L.Trainer(max_steps=1000, callbacks=[callback], enable_checkpointing=False)
+    trainer.fit(MyModule(), loader, ckpt_path=latest_checkpoint(save_dir), weights_only=True)
+
+What the callback does, hook by hook:
+
+* ``setup``: builds the :class:`~stalwart.integrations.shell.TrainingShell` (its hang monitor
+  opens the ``setup`` section: model set-up and the checkpoint load are guarded);
+* ``on_train_start``: builds the guarded step of a :class:`GuardedModule`;
+* the first ``on_train_batch_start``: installs the exit-signal handler *over Lightning's*
+  (Lightning's SIGTERM handler runs a broadcast inside the signal handler and raises at the next
+  batch without a save; stalwart's only raises a flag that the ranks agree on after the step),
+  restores the callback's state (every RNG: after Lightning created the loader's iterator,
+  which draws from torch's generator), starts the timers;
+* around every batch: the watchdog's ``step`` section and a goodput step; with
+  ``LogConfig(log_throughput=True)`` the first batch's FLOPs are counted once by torch's counter
+  (TFLOP/s in the log line);
+* ``on_train_batch_end``: the training-log line (timers, memory, energy, stragglers, goodput,
+  TensorBoard/W&B/JSONL), then one agreed decision: save through ``trainer.save_checkpoint``
+  (``<save_dir>/iter_NNNNNNN.ckpt``, the signal, ``--save-interval``, duration, exit interval,
+  the last step), then stop. Exits 16 and 17 raise ``SystemExit(code)`` after the save and the
+  exit record, so the code reaches the launcher; graceful exits stop the trainer (exit 0).
+
+The rerun state machine needs to own forward-backward and the optimizer step: a
+:class:`GuardedModule` runs in manual optimization; its ``training_step`` hands the batch (one
+micro-batch, one iteration) to a :class:`stalwart.loop.GuardedStep` that runs ``forward_step``,
+``manual_backward``, the device checks, a replay on the same batch and RNG when a check fails,
+the clip (``stalwart_clip_grad``) and the optimizer step, gated on the device for fused
+Adam/AdamW/SGD (a rejected iteration never touches the weights). Step-interval LR schedulers are
+stepped after each accepted iteration (``ReduceLROnPlateau`` is not: it needs a metric).
+
+Limits: one optimizer, ``accumulate_grad_batches=1`` (an iteration is one batch), no
+``gradient_clip_val`` (Lightning forbids it with manual optimization: use ``stalwart_clip_grad``).
+Checkpoints hold every rank's RNG (Lightning saves none) and the rerun state, so a resume is
+bitwise (tested on one process and under DDP on 2 gloo ranks); the data position is Lightning's
+(a mid-epoch resume is exact when the loader's order is fixed, e.g. ``shuffle=False`` or a
+seeded sampler, wrapped in :class:`~stalwart.integrations.resumable.ResumableLoader`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from stalwart.distributed import collectives
+from stalwart.integrations import require
+from stalwart.integrations.framework_step import FrameworkStep
+from stalwart.integrations.shell import ShellConfig, TrainingShell
+from stalwart.loop import RngState, StepResult
+from stalwart.observability.flop_count import count_training_flops, flop_counter
+from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
+
+L = require("lightning.pytorch", extra="lightning", what="stalwart.integrations.lightning")
+
+logger = logging.getLogger(__name__)
+
+LATEST_FILE = "latest_lightning_checkpoint.txt"
+STATE_VERSION = 1
+
+
+def checkpoint_path(save_dir: str, iteration: int) -> str:
+    return os.path.join(save_dir, f"iter_{iteration:07d}.ckpt")
+
+
+def latest_checkpoint(save_dir: str | None) -> str | None:
+    """The newest checkpoint the callback saved (for ``trainer.fit(ckpt_path=...)``), or None.
+
+    Read from ``<save_dir>/latest_lightning_checkpoint.txt``, written after the save completed;
+    a pointer to a missing file or outside ``save_dir`` is ignored."""
+    if not save_dir:
+        return None
+    try:
+        with open(os.path.join(save_dir, LATEST_FILE), encoding="utf-8") as f:
+            name = f.read(256).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    path = os.path.join(save_dir, name)
+    if os.path.basename(name) != name or not os.path.isfile(path):
+        return None
+    return path
+
+
+class GuardedModule:
+    """Mixin for a ``LightningModule`` whose training step runs under the rerun state machine
+    (see the module docstring). Implement :meth:`forward_step`; keep ``configure_optimizers``."""
+
+    stalwart_clip_grad: float = 0.0  # global gradient-norm clip of the guarded step (0: none)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+        self.stalwart_step: FrameworkStep | None = None  # set by StalwartCallback
+        self.stalwart_result: StepResult | None = None
+
+    def forward_step(self, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The loss of one micro-batch, or a dict with ``"loss"`` and values to report."""
+        raise NotImplementedError("GuardedModule: implement forward_step(batch) -> loss")
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        del batch_idx
+        if self.stalwart_step is None:
+            raise RuntimeError(
+                "GuardedModule: add stalwart.integrations.lightning.StalwartCallback to the "
+                "Trainer's callbacks"
+            )
+        result = self.stalwart_step.run([batch])
+        self.stalwart_result = result
+        if not result.verdict.exit:
+            _step_schedulers(self)
+        loss = result.losses.get("lm loss")
+        return None if loss is None else {"loss": loss}
+
+
+def _step_schedulers(module: Any) -> None:
+    """Manual optimization: Lightning steps no scheduler; step-interval ones step here."""
+    trainer = module.trainer
+    for config in trainer.lr_scheduler_configs:
+        step_interval = config.interval == "step" and not config.reduce_on_plateau
+        if step_interval and trainer.global_step % max(config.frequency, 1) == 0:
+            config.scheduler.step()
+
+
+def _forward_step(batch: Any, model: Any) -> Any:
+    return model.forward_step(batch)
+
+
+class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
+    """stalwart's shell for a Lightning run (see the module docstring).
+
+    Args:
+        save_dir: where the callback's saves go (``iter_NNNNNNN.ckpt``), ``exit_reason.json``
+            and the rerun files; None: no save (an exit 16 then says it needs one).
+        count_flops: with ``LogConfig(log_throughput=True)``, count the first batch's FLOPs with
+            torch's counter (TFLOP/s); False: no TFLOP/s (the shell then refuses the flag).
+        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``, ``obs``,
+            ``run_dir``, ``goodput``, ``seq_length`` (``train_iters`` is the trainer's).
+    """
+
+    def __init__(self, save_dir: str | None = None, *, count_flops: bool = True, **shell: Any):
+        super().__init__()
+        self.save_dir = save_dir
+        self.count_flops = count_flops
+        self._shell_fields = shell
+        ShellConfig(train_iters=1, save_dir=save_dir, **shell)  # bad fields fail here, early
+        self.shell: TrainingShell | None = None
+        self.step: FrameworkStep | None = None
+        self._loaded: dict[str, Any] | None = None
+        self._in_step: contextlib.ExitStack | None = None
+        self._counter: Any = None  # torch's FLOP counter, around the first iteration
+        self._counted = not count_flops
+        self._recorded = -1
+        self._begun = False
+
+    @property
+    def exit_code(self) -> int | None:
+        """The run's exit code once it decided to exit (None before)."""
+        return self.shell.exit_code if self.shell is not None else None
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or self.shell is not None:
+            return
+        iters = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        config = ShellConfig(train_iters=int(iters), save_dir=self.save_dir, **self._shell_fields)
+        self.shell = config.build(
+            rank=trainer.global_rank, world_size=trainer.world_size,
+            device=trainer.strategy.root_device,
+        )  # fmt: skip
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        shell = self._require_shell()
+        if isinstance(pl_module, GuardedModule):
+            self.step = FrameworkStep(
+                shell, model=pl_module, optimizer=pl_module.optimizers(),  # type: ignore[arg-type,attr-defined]
+                forward_step=_forward_step, clip_grad=pl_module.stalwart_clip_grad,
+                backward=pl_module.manual_backward,  # type: ignore[attr-defined]
+            )  # fmt: skip
+            pl_module.stalwart_step = self.step
+        self._begun = False
+
+    def _begin(self, trainer: Any) -> None:
+        """At the first batch, not in ``on_train_start``: Lightning creates the data loader's
+        iterator in between, which draws from torch's generator (its base seed); restoring the
+        RNG before that would make the resumed run draw differently from the uninterrupted one."""
+        shell = self._require_shell()
+        self._restore(trainer)
+        self._recorded = self._iteration(trainer)
+        shell.resumed(self._recorded)
+        shell.start()
+        self._begun = True
+
+    def _restore(self, trainer: Any) -> None:
+        """Apply the loaded state: this rank's RNG (and rerun state, failed micro-batches)."""
+        state, self._loaded = self._loaded, None
+        if state is None:
+            return
+        ranks = state.get("ranks", [])
+        if len(ranks) != trainer.world_size:
+            logger.warning(
+                "world size changed (%d -> %d): RNG and rerun state not restored",
+                len(ranks), trainer.world_size,
+            )  # fmt: skip
+            return
+        mine = ranks[trainer.global_rank]
+        if self.step is not None and "step" in mine:
+            self.step.load_state_dict(mine["step"], checkpoint_path=_str(trainer.ckpt_path))
+        else:
+            RngState().load_state_dict(mine["rng"])
+
+    def _require_shell(self) -> TrainingShell:
+        if self.shell is None:
+            raise RuntimeError("StalwartCallback: the trainer did not call setup('fit')")
+        return self.shell
+
+    def _iteration(self, trainer: Any) -> int:
+        """Completed iterations: the guarded step's accepted ones, else optimizer steps."""
+        return self.step.iteration if self.step is not None else int(trainer.global_step)
+
+    # ---------------------------------------------------------------- per batch
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        shell = self._require_shell()
+        if not self._begun:
+            self._begin(trainer)
+        if self._in_step is not None:  # accumulating gradients: the step spans several batches
+            return
+        if not self._counted and shell.config.log.log_throughput:
+            self._count_flops(trainer, pl_module, batch)
+        self._in_step = contextlib.ExitStack()
+        self._in_step.enter_context(shell.iteration(self._iteration(trainer)))
+
+    def _count_flops(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+        """A guarded module: one forward + backward of this batch under torch's counter, with
+        no trace (``count_training_flops``). Any other module: its first iteration runs under
+        the counter (the optimizer step under a dispatch mode may round differently)."""
+        if self.step is None:
+            self._counter = flop_counter()
+            self._counter.__enter__()
+            return
+        counted = count_training_flops(pl_module, _forward_step, batch)
+        self._require_shell().set_flops(
+            counted.per_iteration(data_parallel_size=trainer.world_size)
+        )
+        self._counted = True
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        shell = self._require_shell()
+        result = getattr(pl_module, "stalwart_result", None) if self.step is not None else None
+        it = self._iteration(trainer)
+        if result is None and it == self._recorded:
+            return  # still accumulating
+        self._end_step(trainer)
+        if result is None or not result.verdict.exit:
+            self._record(trainer, it, outputs, batch, result)
+        self._recorded = it
+        finished = it >= shell.config.train_iters
+        decision = shell.decide(it, result=result, finished=finished, can_save=bool(self.save_dir))
+        if decision.save is not SaveKind.NONE:
+            self._save(trainer, it, non_persistent=decision.save is SaveKind.NON_PERSISTENT)
+        if decision.exit:
+            self._leave(trainer, decision, it)
+
+    def _end_step(self, trainer: Any) -> None:
+        if self._in_step is not None:
+            self._in_step.close()
+            self._in_step = None
+        counter, self._counter = self._counter, None
+        if counter is not None and self.shell is not None:
+            counter.__exit__(None, None, None)
+            self._counted = True
+            # One iteration of this rank; every data-parallel rank does the same.
+            self.shell.set_flops(float(counter.get_total_flops()) * trainer.world_size)
+
+    def _record(
+        self, trainer: Any, it: int, outputs: Any, batch: Any, result: StepResult | None
+    ) -> None:
+        shell = self._require_shell()
+        if result is not None:
+            losses: dict[str, Any] = dict(result.losses)
+            grad_norm, skipped = result.grad_norm, result.skipped
+        else:
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            losses = {"lm loss": loss.detach() if isinstance(loss, torch.Tensor) else loss}
+            grad_norm, skipped = None, False
+        optimizers = trainer.optimizers
+        lr = optimizers[0].param_groups[0]["lr"] if optimizers else None
+        shell.record(
+            it, losses=losses, batch_size=max(_batch_size(batch), 1) * trainer.world_size,
+            learning_rate=lr, grad_norm=grad_norm, skipped=skipped,
+        )  # fmt: skip
+
+    def _save(self, trainer: Any, it: int, *, non_persistent: bool) -> None:
+        shell = self._require_shell()
+        assert self.save_dir is not None
+        path = checkpoint_path(self.save_dir, it)
+        with shell.saving(it, non_persistent=non_persistent):
+            trainer.save_checkpoint(path, weights_only=False)  # with the optimizer and loops
+            if trainer.is_global_zero:
+                _write_latest(self.save_dir, os.path.basename(path))
+            collectives.barrier()  # no rank resumes from a pointer another has not written
+
+    def _leave(self, trainer: Any, decision: ExitDecision, it: int) -> None:
+        code = self._require_shell().finish(decision, it)
+        self._close()
+        if code:
+            raise SystemExit(code)  # 16/17: through Lightning's teardown to the launcher
+        trainer.should_stop = True
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's state, gathered (Lightning writes rank 0's dict only): RNG, and for a
+        :class:`GuardedModule` the guarded step's. Collective: Lightning calls it on every rank."""
+        mine = {"step": self.step.state_dict()} if self.step is not None else {}
+        mine["rng"] = RngState().state_dict()
+        return {"version": STATE_VERSION, "ranks": collectives.all_gather_objects(mine)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = dict(state_dict)  # applied at the first batch, once the step exists
+
+    # ---------------------------------------------------------------- the end
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        shell = self.shell
+        if shell is not None and shell.exit_code is None:  # Lightning's loop ended first
+            self._end_step(trainer)
+            done = ExitDecision(
+                SaveKind.NONE, True, ExitReason.FINISHED, "the trainer's loop ended"
+            )
+            shell.finish(done, self._recorded)
+        self._close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        shell = self.shell
+        if shell is not None and shell.exit_code is None:
+            shell.fault(exception)
+        self._close()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self._close()
+
+    def _close(self) -> None:
+        if self._in_step is not None:
+            self._in_step.close()
+            self._in_step = None
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
+        if self.step is not None:
+            self.step.close()
+        if self.shell is not None:
+            self.shell.close()
+
+
+def _batch_size(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (0 when it has none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    items = batch.values() if isinstance(batch, Mapping) else batch
+    for value in items if isinstance(items, list | tuple) or isinstance(batch, Mapping) else ():
+        size = _batch_size(value)
+        if size:
+            return size
+    return 0
+
+
+def _write_latest(save_dir: str, name: str) -> None:
+    path = os.path.join(save_dir, LATEST_FILE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _str(path: Any) -> str | None:
+    return None if path is None else os.fspath(path)
+
+
+__all__ = ["GuardedModule", "StalwartCallback", "checkpoint_path", "latest_checkpoint"]

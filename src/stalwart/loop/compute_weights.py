@@ -1,0 +1,256 @@
+"""bf16 compute weights: copies of the fp32 matmul weights made once per pass.
+
+This is Megatron's ``--bf16`` layout (bf16 parameters over fp32 main parameters and fp32 main
+gradients, ``--accumulate-allreduce-grads-in-fp32``) for a model that keeps fp32 parameters and
+runs under ``torch.autocast``. Plain autocast casts every fp32 weight to bf16 again in each
+micro-batch's forward and casts its bf16 gradient back in each backward. :class:`ComputeWeights`
+instead
+
+* makes the bf16 copies once per pass, before its first micro-batch (one foreach copy);
+* lets the model's layers run on them: the copies are swapped into the modules for each
+  micro-batch's forward and backward (a recomputed layer's second forward sees them too);
+* after each micro-batch's backward adds their bf16 gradients into the fp32 parameters' ``.grad``
+  (one foreach add), so gradient accumulation stays in fp32.
+
+Numerics are autocast's: the copy rounds as autocast's cast does, and adding a bf16 gradient into
+fp32 is the exact conversion followed by the same fp32 add. Only the order of the fp32 additions
+into a weight that is used both through a copy and directly differs (tied word embeddings: the
+lookup reads the fp32 weight, the output layer its copy).
+
+The parameters stay fp32 and are the only ones the optimizer, ``state_dict`` and checkpoints
+see: a copy is present in its module only inside a micro-batch. Both foreach steps are compiled
+with Inductor (no CUDA graphs of its own, so they can be captured) where ``torch.compile`` works,
+by default on CUDA: eager foreach ops over mixed dtypes fall back to one slow kernel per tensor
+(measured on the H200: 2.5 ms per iteration at gpt2-124m, issue 19). If compiling fails, the eager
+foreach ops are used, with a warning.
+
+Which parameters get a copy: the model's ``compute_weight_slots()`` when it has one
+(``stalwart.models.GPT``: Linear and MoE expert weights and biases, and the output layer's use of
+tied embeddings), else every ``nn.Linear``'s weight and bias. A slot is ``(module, attribute,
+parameter)``: the attribute is a parameter of the module, or a plain attribute (default ``None``)
+that the module's forward reads instead of ``parameter`` when set.
+
+Example (the step runs the forward under bf16 autocast, as it must)::
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from stalwart.loop import ComputeWeights
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+    >>> weights = ComputeWeights(model)
+    >>> weights.refresh()                     # once per pass: bf16 copies of the fp32 weights
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16), weights.using():
+    ...     model(torch.randn(2, 4)).float().sum().backward()
+    >>> weights.accumulate()                  # after each micro-batch: bf16 grads -> fp32 .grad
+    >>> {p.dtype for p in model.parameters()}, model[0].weight.grad.dtype
+    ({torch.float32}, torch.float32)
+
+``GuardedStep(..., compute_weights=weights)`` does the three calls in every pass, eager or
+captured in a full-iteration CUDA graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+Slot = tuple[nn.Module, str, nn.Parameter]
+"""``(module, attribute, parameter)``: where a compute copy of ``parameter`` is swapped in."""
+
+
+def linear_slots(model: nn.Module) -> list[Slot]:
+    """The weight and bias of every ``nn.Linear`` in ``model`` that requires grad."""
+    return [
+        (module, name, param)
+        for module in model.modules()
+        if isinstance(module, nn.Linear)
+        for name, param in module.named_parameters(recurse=False)
+        if param.requires_grad
+    ]
+
+
+def compute_weight_slots(model: nn.Module) -> list[Slot]:
+    """``model.compute_weight_slots()`` when the model defines it, else :func:`linear_slots`."""
+    own = getattr(model, "compute_weight_slots", None)
+    return list(own()) if callable(own) else linear_slots(model)
+
+
+def _foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    torch._foreach_copy_(dst, src)
+
+
+def _foreach_add(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    torch._foreach_add_(dst, src)
+
+
+class _Foreach:
+    """A foreach function, compiled on first use when asked; eager after a compile failure."""
+
+    def __init__(
+        self, func: Callable[[list[torch.Tensor], list[torch.Tensor]], None], compiled: bool
+    ) -> None:
+        self._eager = func
+        self._func: Callable[..., Any] = func
+        if compiled:
+            # Inductor's own CUDA graphs are off: the call may be captured by a full-iteration graph.
+            self._func = torch.compile(
+                func, fullgraph=True, dynamic=False, options={"triton.cudagraphs": False}
+            )
+        self.compiled = compiled
+
+    def __call__(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        if not self.compiled:
+            self._eager(dst, src)
+            return
+        try:
+            self._func(dst, src)
+        except Exception as err:  # an Inductor/Triton failure must not stop training
+            logger.warning(
+                "compiling the bf16 compute-weight foreach step failed (%s: %s); using eager "
+                "foreach ops (slower with mixed dtypes)",
+                type(err).__name__,
+                str(err)[:200],
+            )
+            self.compiled = False
+            self._eager(dst, src)
+
+
+class ComputeWeights:
+    """bf16 (or fp16) compute copies of a model's matmul weights; see the module docstring.
+
+    Args:
+        model: the unwrapped model (not DDP/FSDP: their gradient hooks sit on the fp32
+            parameters, which the forward no longer uses). Build it on its final device; the
+            parameters must not be replaced afterwards (loading a state dict copies in place).
+        dtype: the compute dtype (the autocast dtype of the forward).
+        slots: where copies go (default: :func:`compute_weight_slots`).
+        compiled: compile the foreach copy and add (default: on CUDA).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        slots: list[Slot] | None = None,
+        compiled: bool | None = None,
+    ) -> None:
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"ComputeWeights dtype must be bfloat16 or float16, got {dtype}")
+        self.slots = list(compute_weight_slots(model) if slots is None else slots)
+        if not self.slots:
+            raise ValueError("ComputeWeights: the model has no Linear layer to make copies of")
+        self.masters = [param for _, _, param in self.slots]
+        for param in self.masters:
+            if param.dtype != torch.float32 or type(param) is not nn.Parameter:
+                raise ValueError(
+                    "ComputeWeights needs plain fp32 parameters (not sharded DTensors, not "
+                    f"already low precision); got {type(param).__name__} of {param.dtype}"
+                )
+        self.dtype = dtype
+        device = self.masters[0].device
+        on_cuda = device.type == "cuda"
+        self._copy = _Foreach(_foreach_copy, on_cuda if compiled is None else compiled)
+        self._add = _Foreach(_foreach_add, on_cuda if compiled is None else compiled)
+        self.copies: list[nn.Parameter] = []
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the foreach copy and add run compiled (False after a compile failure)."""
+        return self._copy.compiled and self._add.compiled
+
+    def refresh(self) -> None:
+        """Copy the fp32 parameters into the compute copies (once per pass, before its first
+        micro-batch; device work only, so it can be captured)."""
+        if not self.copies:
+            self.copies = [
+                nn.Parameter(torch.empty_like(m, dtype=self.dtype, requires_grad=False))
+                for m in self.masters
+            ]
+        with torch.no_grad():
+            self._copy([c.detach() for c in self.copies], [m.detach() for m in self.masters])
+
+    @contextlib.contextmanager
+    def using(self) -> Iterator[None]:
+        """The copies in place of the parameters in their modules (forward and backward of one
+        micro-batch); the parameters are back on exit."""
+        if not self.copies:
+            raise RuntimeError("ComputeWeights.using() before refresh(): no copies yet")
+        previous = [
+            _swap(module, name, copy) for (module, name, _), copy in zip(self.slots, self.copies)
+        ]
+        try:
+            yield
+        finally:
+            for (module, name, _), value in zip(self.slots, previous):
+                _swap(module, name, value)
+
+    def accumulate(self) -> None:
+        """Add the copies' gradients into the fp32 parameters' ``.grad`` and clear them (after
+        each micro-batch's backward). A parameter without ``.grad`` gets a zero one first."""
+        pairs = [(m, c.grad) for m, c in zip(self.masters, self.copies) if c.grad is not None]
+        if not pairs:
+            return
+        for master, _ in pairs:
+            if master.grad is None:
+                master.grad = torch.zeros_like(master)
+        main = [m.grad for m, _ in pairs]
+        grads = [g for _, g in pairs]
+        if len(pairs) == len(self.copies):
+            self._add(main, grads)  # type: ignore[arg-type]
+        else:  # some copy unused in this micro-batch: another list length, do not recompile
+            _foreach_add(main, grads)  # type: ignore[arg-type]
+        for copy in self.copies:
+            copy.grad = None
+
+    def release(self) -> None:
+        """Drop the copies (they are made again by the next :meth:`refresh`)."""
+        self.copies = []
+
+
+def _swap(module: nn.Module, name: str, value: Any) -> Any:
+    """Put ``value`` at ``module.<name>`` (a parameter slot or a plain attribute); return the
+    previous value."""
+    params = module._parameters
+    if name in params:
+        previous = params[name]
+        params[name] = value
+        return previous
+    previous = getattr(module, name)
+    # object.__setattr__: a Parameter assigned through nn.Module.__setattr__ would be registered.
+    object.__setattr__(module, name, value)
+    return previous
+
+
+class NullComputeWeights:
+    """No compute copies (the default): every hook is a no-op."""
+
+    def refresh(self) -> None:
+        pass
+
+    def using(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def accumulate(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+NO_COMPUTE_WEIGHTS = NullComputeWeights()
+
+__all__ = [
+    "NO_COMPUTE_WEIGHTS",
+    "ComputeWeights",
+    "NullComputeWeights",
+    "Slot",
+    "compute_weight_slots",
+    "linear_slots",
+]

@@ -1,0 +1,69 @@
+"""The framework-neutral pieces: ``TrainingShell`` in a hand-written loop (its docstring's
+shape), ``ResumableLoader``'s docstring, bad configs, and the HF callback on a plain Trainer."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stalwart.integrations import resumable
+from stalwart.integrations.shell import ShellConfig
+from stalwart.observability.train_log import LogConfig
+from stalwart.reliability.exit import SaveKind
+
+
+def test_resumable_loader_docstring_runs() -> None:
+    assert doctest.testmod(resumable, raise_on_error=True).attempted >= 5
+
+
+@pytest.mark.parametrize("iters", [0, -1, True, 2.5])
+def test_shell_config_rejects_bad_train_iters(iters: Any) -> None:
+    with pytest.raises(ValueError, match=r"ShellConfig\.train_iters"):
+        ShellConfig(train_iters=iters)
+
+
+def test_shell_around_a_hand_written_step_saves_and_exits_on_sigterm(
+    tmp_path: Path, capsys: Any
+) -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shell = ShellConfig(
+        train_iters=10, save_dir=str(tmp_path), log=LogConfig(log_interval=1)
+    ).build()
+    saved, code = [], None
+    try:
+        shell.resumed(0)
+        shell.start()
+        for it in range(10):
+            with shell.iteration(it):
+                opt.zero_grad()
+                loss = model(torch.ones(2, 4)).square().mean()
+                loss.backward()
+                opt.step()
+                if it == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the handler only raises a flag
+            shell.record(it + 1, losses={"lm loss": loss.detach()}, batch_size=2)
+            decision = shell.decide(it + 1, finished=it + 1 == 10)
+            if decision.save is not SaveKind.NONE:
+                with shell.saving(it + 1):
+                    saved.append(it + 1)
+            if decision.exit:
+                code = shell.finish(decision, it + 1)
+                break
+    finally:
+        shell.close()
+    assert code == 0 and saved == [3]
+    assert json.loads((tmp_path / "exit_reason.json").read_text())["reason"] == "signal"
+    out = capsys.readouterr().out
+    assert "iteration        3/      10 |" in out and "goodput" in out
+    records = [json.loads(x) for x in (tmp_path / "goodput.jsonl").read_text().splitlines()]
+    productive = [r["it"] for r in records if r.get("b") == "productive"]
+    assert sorted(set(productive)) == [1, 2, 3]
+    assert any(r.get("b") == "checkpoint" for r in records)
