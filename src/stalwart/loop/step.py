@@ -143,9 +143,7 @@ class GuardedStep:
         self.agreement = agreement
         self.timers = timers or NO_TIMERS
         self.observer = observer
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        named = getattr(model, "module", model).named_parameters()  # DDP: the inner names
-        self.param_names = [n for n, p in named if p.requires_grad]
+        self.params, self.param_names = _trained_parameters(model)
         device = self.params[0].device if self.params else torch.device("cpu")
         buffer = machine.check_buffer(device) if machine.checks.any else machine.buffer
         gate_group = dp_group if dp_group is not None else _world()
@@ -397,6 +395,12 @@ def _in_regions(fb: Callable[..., Reported], observer: Any) -> Callable[..., Rep
             return fb(**kwargs)
 
     return timed
+
+
+def _trained_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
+    """The parameters that train and their names (DDP: the inner module's names)."""
+    named = [(n, p) for n, p in getattr(model, "module", model).named_parameters()]
+    return [p for _, p in named if p.requires_grad], [n for n, p in named if p.requires_grad]
 
 
 def _world_size(group: dist.ProcessGroup | None) -> int:
