@@ -83,6 +83,9 @@ step train_workers_profile 120 "${TRAIN[@]}" --num-workers 2 --profile --use-pyt
 cp "$SCRATCH"/profile/ops_*.txt "$WORK"/ 2>/dev/null  # the trace itself is large: table only
 step replica_check 120 python3 bench/replica_check.py --preset gpt2-124m --device cuda --bf16 \
   --json "$WORK/replica_check.json"
+# The in-step sampled fingerprint of weights + all-reduced gradients (issue 15: <= 0.5%).
+step replica_sampled 180 python3 bench/replica_check.py --preset gpt2-124m --device cuda --bf16 \
+  --sample-fraction 0.01 --iters 100 --json "$WORK/replica_sampled.json"
 
 # Library-level graph benchmark (bench/graphs.py): every variant but the torch.compile ones
 # (those take minutes to compile: STEPS=bench_graphs_compiled).
@@ -131,7 +134,7 @@ done
 for f in "$WORK"/bench_*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -A 40 "^preset=" "$f" | grep -v "DEBUG\|INFO\|WARN" | tail -25; }
 done
-for f in "$WORK"/memory.log "$WORK"/ckpt_save.log "$WORK"/replica_check.log; do
+for f in "$WORK"/memory.log "$WORK"/ckpt_save.log "$WORK"/replica_check.log "$WORK"/replica_sampled.log; do
   [ -f "$f" ] && { echo "== $f"; grep -v "DEBUG\|INFO\|WARN\|^\[rank" "$f" | tail -14; }
 done
 for f in "$WORK"/train_diverge_*.log; do

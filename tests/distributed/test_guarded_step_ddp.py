@@ -54,13 +54,15 @@ def _job(rank: int, lookahead: bool, poison: bool) -> dict[str, Any]:
         return original(*args, **kwargs)
 
     collectives.all_reduce_floats = counted  # type: ignore[assignment]
-    codes = []
+    codes, diagnosis = [], None
     try:
         for it in range(ITERS):
             state["iteration"] = it
             result = step.run(it, launch_next=it + 1 < ITERS)
             codes.append(result.verdict.exit_code)
             if result.verdict.exit:
+                d = result.verdict.diagnosis
+                diagnosis = None if d is None else (d.diagnosis, [s.rank for s in d.suspects])
                 break
     finally:
         collectives.all_reduce_floats = original  # type: ignore[assignment]
@@ -68,6 +70,7 @@ def _job(rank: int, lookahead: bool, poison: bool) -> dict[str, Any]:
     assert buffer is not None
     return {
         "codes": codes,
+        "diagnosis": diagnosis,
         "params": [p.detach().clone().tolist() for p in model.parameters()],
         "event": machine.event.message if machine.event is not None else None,
         "messages": sorted({spec.message for spec in buffer.specs}),
@@ -100,9 +103,12 @@ def test_guarded_step_on_two_ranks(tmp_path: Any) -> None:
         assert any("for bucket #1 " in m for m in grads) and len(grads) >= 4
     assert r0["ahead"]["params"] == r1["ahead"]["params"]
     # A NaN in one layer's local gradients on rank 1: the bucket's check fires there, the gate
-    # is max-reduced so neither rank steps, both rerun it (reproducible) and exit 16 together.
+    # is max-reduced so neither rank steps, both rerun it (reproducible); the peer replay of
+    # rank 1's iteration on rank 0 (its comm hook checks the same local bucket) is clean: a
+    # persistent fault of rank 1, agreed, exit 17 together (without the replay: 16).
     for r in (r0, r1):
-        assert r["poisoned"]["codes"][-1] == 16 and len(r["poisoned"]["codes"]) == BAD_ITERATION + 1
+        assert r["poisoned"]["codes"][-1] == 17 and len(r["poisoned"]["codes"]) == BAD_ITERATION + 1
+        assert r["poisoned"]["diagnosis"] == ("persistent_error", [1])
     assert r1["poisoned"]["event"].startswith("found NaN in local grad norm for bucket #")
     assert r0["poisoned"]["event"] is None
     assert r0["poisoned"]["params"] == r1["poisoned"]["params"]

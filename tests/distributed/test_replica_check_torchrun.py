@@ -35,9 +35,10 @@ def test_bitflip_on_one_replica_is_caught_and_the_relaunch_is_exact(tmp_path) ->
     assert proc.returncode != 0, out[-3000:]
     reason = json.loads((save / "exit_reason.json").read_text())
     assert (reason["reason"], reason["exit_code"], reason["iteration"]) == (
-        "replica_mismatch", 17, 4,
+        "replica_mismatch", 17, 3,
     ), reason  # fmt: skip
-    # Caught at the save of iteration 4 (checked before saving), not at 8; named rank and weight.
+    # Caught inside the step of iteration 4 (the in-step fingerprint, before its optimizer step:
+    # 3 iterations completed), not at 8; named rank and weight.
     # Two replicas: nothing tells which one is right, and the message says so.
     assert "no majority tells which replica is right: ranks [0] vs ranks [1]" in out, out[-3000:]
     assert "word_embeddings.weight" in reason["detail"]

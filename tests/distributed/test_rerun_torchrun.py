@@ -65,10 +65,12 @@ def _torchrun(
     )  # fmt: skip
 
 
-def _injected(kind: str, save: Path, tracker: Path) -> list[str]:
+def _injected(kind: str, save: Path, tracker: Path, *, peer: bool = False) -> list[str]:
+    """The injection flags; ``peer=False``: Megatron's exit-16 flow (no peer replay)."""
     return ["--save", str(save), "--result-rejected-tracker-filename", str(tracker),
             "--error-injection-rate", "1", "--error-injection-type", kind,
-            "--error-injection-iterations", str(BAD + 1), "--error-injection-ranks", "1"]  # fmt: skip
+            "--error-injection-iterations", str(BAD + 1), "--error-injection-ranks", "1",
+            "--rerun-peer-replay" if peer else "--no-rerun-peer-replay"]  # fmt: skip
 
 
 def _worker_exit_codes(proc: subprocess.CompletedProcess[str]) -> list[int]:
@@ -184,3 +186,54 @@ def test_correct_result_attributed_by_automatic_restart_then_skipped(tmp_path: P
     assert f"skipping iteration {BAD + 1} (--iterations-to-skip)" in log
     assert "exiting program at iteration 4" in log
     assert json.loads((save / "exit_reason.json").read_text())["reason"] == "finished"
+
+
+def test_persistent_error_diagnosed_by_peer_replay_in_one_launch(
+    tmp_path: Path, reference: tuple[Path, str]
+) -> None:
+    """The same scenario as the exit-16 flow above, with the peer replay: one launch reaches the
+    same verdict (persistent error, rank 1's device), saves the pre-iteration state and exits 17;
+    a launch elsewhere resumes bitwise equal to no fault."""
+    save, tracker = tmp_path / "ckpt", tmp_path / "tracker.txt"
+    args = _injected("persistent_error", save, tracker, peer=True)
+
+    proc = _torchrun(args)
+    log = _log(proc)
+    assert _worker_exit_codes(proc) == [17], proc.stderr[-3000:]
+    assert "Replaying iteration 3 on a peer replica: rank 1 on rank 0" in log
+    assert "Peer replay verdict" in log and "persistent error on rank 1" in log
+    assert _statuses(tracker) == [
+        (1, "initial_run"), (1, "first_rerun_reproducible"), (1, "peer_replay_not_reproducible")
+    ]  # fmt: skip
+    assert _exit_code(save) == 17
+    verdict = json.loads((save / "rerun_verdict.json").read_text())
+    assert (verdict["diagnosis"], verdict["source"]) == ("persistent_error", "peer_replay")
+    assert verdict["iteration"] == BAD and verdict["checkpoint"] == f"iter_{BAD:07d}"
+    suspects = json.loads((save / "suspect_devices.json").read_text())
+    assert [(s["rank"], s["device"]) for s in suspects["suspects"]] == [(1, "cpu:1")]
+    assert suspects["checkpoint"] == f"iter_{BAD:07d}"
+    assert_params_equal(load_params(save, BAD), load_params(reference[0], BAD))
+
+    # (A relaunch on the suspect devices is refused by the same verdict file and code as in the
+    # exit-16 flow above, tested there.)
+    proc = _torchrun(["--save", str(save)], env={"STALWART_DEVICE_ID": "gpu-c"})  # good hardware
+    assert proc.returncode == 0, _log(proc)[-4000:]
+    assert "training on from" in _log(proc) and _exit_code(save) == 0
+    assert_params_equal(load_params(save, 4), load_params(reference[0], 4))
+
+
+def test_correct_result_diagnosed_by_peer_replay_then_skipped(tmp_path: Path) -> None:
+    """As the automatic-restart test above, in one launch: the peer reproduces the value (a
+    correct result: exit 17, the iteration saved), the relaunch skips exactly that iteration."""
+    save, tracker = tmp_path / "ckpt", tmp_path / "tracker.txt"
+    proc = _torchrun(_injected("correct_result", save, tracker, peer=True), restarts=1)
+    log = _log(proc)
+    assert proc.returncode == 0, log[-4000:]
+    assert _worker_exit_codes(proc) == [17], log[-4000:]
+    assert "Correct result (but possible application error)" in log
+    assert _statuses(tracker) == [
+        (1, "initial_run"), (1, "first_rerun_reproducible"), (1, "peer_replay_reproducible")
+    ]  # fmt: skip
+    assert f"Will skip these iterations from tracker file: [{BAD + 1}]" in log
+    assert f"skipping iteration {BAD + 1} (--iterations-to-skip)" in log
+    assert not (save / "suspect_devices.json").exists()

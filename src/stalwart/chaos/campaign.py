@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.chaos.files import FILE_SCENARIOS
+from stalwart.chaos.peer import PEER_SCENARIOS
 from stalwart.chaos.result import (
     Context,
     FaultResult,
@@ -36,7 +37,9 @@ MODEL_FLAGS = ["--preset", "tiny", "--num-layers", "1", "--hidden-size", "64",
                "--micro-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
                "--log-interval", "1", "--no-progress-bar"]  # fmt: skip
 Scenario = Callable[[Context, FaultPlan], FaultResult]
-ALL_SCENARIOS: dict[ChaosFault, Scenario] = {**SCENARIOS, **STORAGE_SCENARIOS, **FILE_SCENARIOS}
+ALL_SCENARIOS: dict[ChaosFault, Scenario] = {
+    **SCENARIOS, **PEER_SCENARIOS, **STORAGE_SCENARIOS, **FILE_SCENARIOS
+}  # fmt: skip
 
 
 @dataclass

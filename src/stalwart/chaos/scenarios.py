@@ -77,7 +77,8 @@ def persistent_nan(ctx: Context, plan: FaultPlan) -> FaultResult:
     """NaN reproduced by the in-place rerun: exit 16 with a checkpoint; the relaunch on "another
     device" (``STALWART_DEVICE_ID``) does not reproduce it: persistent error, exit 17 (the end)."""
     res, save = new_result(plan), ctx.save_dir(plan)
-    args = _error_injection("persistent_error", plan)
+    # Megatron's flow (the peer replay would decide in the first launch: ``peer_persistent``).
+    args = [*_error_injection("persistent_error", plan), "--no-rerun-peer-replay"]
     first = ctx.launch(
         plan, "1-device-a", ctx.spec(save, args, env={"STALWART_DEVICE_ID": "chaos-device-a"})
     )
@@ -122,7 +123,8 @@ def spiky_loss(ctx: Context, plan: FaultPlan) -> FaultResult:
 
 def silent_corruption(ctx: Context, plan: FaultPlan) -> FaultResult:
     """One bit of one weight flips on one rank (``--inject-fault bitflip``): nothing errors, but
-    the replica check before the next save finds the diverged weights, exits 17 without saving;
+    the replica fingerprints (inside the step of the next checked iteration, before its optimizer
+    step, or before the next save) find the diverged weights, exit 17 without saving;
     the relaunch resumes from the last checkpoint, which was checked when it was written."""
     res, save = new_result(plan), ctx.save_dir(plan)
     check = ["--check-weight-hash-across-dp-replicas-interval", str(ctx.save_interval)]
@@ -134,7 +136,9 @@ def silent_corruption(ctx: Context, plan: FaultPlan) -> FaultResult:
     detect(
         res,
         plan.kind,
-        record.get("reason") == "replica_mismatch" and plan.iteration <= caught_at,
+        # Caught inside the step of the flipped iteration itself (the in-step fingerprint of the
+        # weights: exit_reason counts the completed iterations, K - 1) or by a later check.
+        record.get("reason") == "replica_mismatch" and plan.iteration - 1 <= caught_at,
         f"exit reason {record}",
     )
     res.check(

@@ -19,6 +19,8 @@ class ChaosFault(enum.Enum):
     PERSISTENT_NAN = "persistent_nan"
     SPIKY_LOSS = "spiky_loss"
     SILENT_CORRUPTION = "silent_corruption"
+    PEER_PERSISTENT = "peer_persistent"
+    GRAD_CORRUPTION = "grad_corruption"
     HANG = "hang"
     SIGKILL = "sigkill"
     SIGTERM_LAUNCHER = "sigterm_launcher"
@@ -73,6 +75,18 @@ EXPECTED: dict[ChaosFault, Expectation] = {
         "replica check: weight fingerprints differ across DP replicas (before the next save)",
         "exit 17 without saving, relaunch from the last (checked) checkpoint",
         EXIT_VALIDATION_FAILED,
+        True,
+    ),
+    ChaosFault.PEER_PERSISTENT: Expectation(
+        "peer replay: reproducible in place, not on a peer replica, in the same launch",
+        "exit 17 + pre-iteration checkpoint + suspect_devices.json, relaunch elsewhere",
+        EXIT_VALIDATION_FAILED,
+        True,
+    ),
+    ChaosFault.GRAD_CORRUPTION: Expectation(
+        "replica fingerprint of the all-reduced gradients inside the step (gated), rerun",
+        "continue (no exit): transient corruption of that rank, the rerun's gradients",
+        EXIT_OK,
         True,
     ),
     ChaosFault.HANG: Expectation(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from stalwart.cli.arg_types import Float
 from stalwart.cli.train_flags import group
 from stalwart.reliability.faults import FAULT_PHASES, FaultKind
 from stalwart.reliability.inprocess.config import RestartGranularity
@@ -86,7 +87,23 @@ def rerun_flags(p: argparse.ArgumentParser) -> None:
         "--check-weight-hash-across-dp-replicas-interval",
         type=int,
         default=0,
-        help="compare replicas' weights every N iterations and before saves (default: 0 = off)",
+        help="compare replicas' weights every N iterations and before saves, and inside the "
+        "step their all-reduced gradients (a mismatch is rerun and attributed) (default: 0 = off)",
+    )
+    g.add_argument(
+        "--check-weight-hash-sample-fraction",
+        type=Float(ge=0.0, le=1.0),
+        default=0.0,
+        help="every iteration, fingerprint this fraction of the parameters and their all-reduced "
+        "gradients inside the step, each every ceil(1/F) iterations (default: 0 = off)",
+    )
+    g.add_argument(
+        "--rerun-peer-replay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="attribute a rejection the in-place rerun reproduces by replaying it on a peer "
+        "data-parallel replica in the same launch; --no-rerun-peer-replay: exit 16 and rerun "
+        "after a relaunch, as Megatron (default: on)",
     )
 
 

@@ -274,14 +274,16 @@ def check_combinations(config: RunConfig) -> None:
         raise ValueError("--log-progress needs --save (progress.txt is written there)")
     if config.faults.inject_fault and not config.checkpoint.save:
         raise ValueError("--inject-fault needs --save (the fired-once marker lives there)")
-    if (
-        config.rerun.check_weight_hash_across_dp_replicas_interval
-        and config.training.use_torch_fsdp2
-    ):
-        raise ValueError(
-            "--check-weight-hash-across-dp-replicas-interval compares replicated weights; with "
-            "--use-torch-fsdp2 every rank holds a different shard (use it with DDP)"
-        )
+    for flag, value in (
+        ("--check-weight-hash-across-dp-replicas-interval",
+         config.rerun.check_weight_hash_across_dp_replicas_interval),
+        ("--check-weight-hash-sample-fraction", config.rerun.check_weight_hash_sample_fraction),
+    ):  # fmt: skip
+        if value and config.training.use_torch_fsdp2:
+            raise ValueError(
+                f"{flag} compares replicated weights; with --use-torch-fsdp2 every rank holds "
+                "a different shard (use it with DDP)"
+            )
     if config.model.bf16_residual_connection and not config.training.bf16:
         raise ValueError(
             "--bf16-residual-connection needs --bf16 (the norms read the bf16 stream under bf16 "

@@ -18,12 +18,23 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _device_for(group: ProcessGroup | None) -> torch.device:
-    """Tensors for a collective must live where the backend expects them (CPU for gloo)."""
+def device_for(group: ProcessGroup | None) -> torch.device:
+    """Tensors for a collective must live where the backend expects them (CPU for gloo; the
+    CPU too without a process group)."""
+    if not is_initialized():
+        return torch.device("cpu")
     backend = dist.get_backend(group)
     if backend == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_device_for = device_for
+
+
+def world_size(group: ProcessGroup | None = None) -> int:
+    """Ranks in ``group`` (1 without a process group)."""
+    return dist.get_world_size(group) if is_initialized() else 1
 
 
 def all_reduce_floats(

@@ -39,7 +39,7 @@ from stalwart.loop import GuardedStep, RngState, StepResult
 from stalwart.loop.microbatches import ForwardStep, as_output
 from stalwart.observability.train_log import MAIN_LOSS_KEY
 from stalwart.reliability.rerun import RerunDataIterator, RerunState
-from stalwart.reliability.rerun.verdict_file import apply_verdict, record_verdict
+from stalwart.reliability.rerun.verdict_file import apply_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +123,9 @@ class FrameworkStep:
         finally:
             self._feed.queue.clear()
         if result.verdict.exit:
+            # A diagnosis (the rerun from a checkpoint's, or the peer replay's) rides on the
+            # verdict; the shell's leave() writes rerun_verdict.json from it.
             self._failed = list(batches) if result.verdict.checkpoint else None
-            if self.loaded_path is not None:  # the diagnosis of the rerun from that checkpoint
-                record_verdict(self.machine, self.loaded_path, write=self.shell.rank == 0)
         else:
             self.iteration += 1
             self._failed = None

@@ -35,7 +35,10 @@ logger = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
-    """Anything with ``state_dict()`` / ``load_state_dict(state)`` (torchtitan's contract)."""
+    """Anything with ``state_dict()`` / ``load_state_dict(state)`` (torchtitan's contract).
+
+    A part may also define ``after_load(checkpoint_path)``: :meth:`Checkpointer.load` calls it
+    once every part is restored (the rerun machine applies ``rerun_verdict.json`` there)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -149,7 +152,9 @@ class Checkpointer:
         iteration: int | None = None,
     ) -> LoadedCheckpoint | None:
         """Restore the newest checkpoint into the model, optimizer and every part not in
-        ``skip`` (e.g. ``{"rng"}`` for ``--no-load-rng``). None when there is none."""
+        ``skip`` (e.g. ``{"rng"}`` for ``--no-load-rng``), then call each such part's
+        ``after_load(path)`` if it has one (the rerun machine's raises ``SuspectDeviceError``
+        on a device ``rerun_verdict.json`` names). None when there is none."""
         loaded = self.manager.load(
             self.model,
             self.optimizer,
@@ -181,6 +186,10 @@ class Checkpointer:
             for name, part in self.per_rank.items():
                 if name not in skip and name in per_rank:
                     _load_part(loaded.path, name, part, per_rank[name])
+        for name, part in {**self.common, **self.per_rank}.items():
+            after_load = getattr(part, "after_load", None)  # e.g. the rerun machine's verdict
+            if name not in skip and callable(after_load):
+                after_load(loaded.path)
         return loaded
 
     def maybe_finalize(self) -> int | None:

@@ -27,6 +27,8 @@ that draws random numbers, reads the data iterator or changes parameters (``eval
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +52,7 @@ from stalwart.loop.plans import EagerPlan, GraphPlan, PlanParts
 from stalwart.loop.precision import NullLossScaler
 from stalwart.observability.timers import FORWARD_BACKWARD, OPTIMIZER
 from stalwart.reliability.exit import Agreed, IterationAgreement
+from stalwart.reliability.replica_check import replicas_agree
 from stalwart.reliability.rerun import (
     GradCheckState,
     RerunDataIterator,
@@ -57,6 +60,8 @@ from stalwart.reliability.rerun import (
     RerunVerdict,
     register_grad_check_hook,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -138,7 +143,7 @@ class GuardedStep:
         self.agreement = agreement
         self.timers = timers or NO_TIMERS
         self.observer = observer
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params, self.param_names = _trained_parameters(model)
         device = self.params[0].device if self.params else torch.device("cpu")
         buffer = machine.check_buffer(device) if machine.checks.any else machine.buffer
         gate_group = dp_group if dp_group is not None else _world()
@@ -170,6 +175,10 @@ class GuardedStep:
     def _grad_checks(self, group: dist.ProcessGroup | None) -> GradCheckState | None:
         """Per-bucket gradient checks: DDP's comm hook (before its all-reduce), else after the
         backward (single rank, FSDP2's local shards)."""
+        if not isinstance(self.model, DistributedDataParallel) and _world_size(group) > 1:
+            # FSDP2: the checked gradient shards are already reduced, not this rank's own
+            # values; a peer cannot replay them (the loss checks stay local).
+            self.machine.local_grad_checks = False
         if not self.machine.checks.grads:
             return None
         if isinstance(self.model, DistributedDataParallel):
@@ -203,8 +212,10 @@ class GuardedStep:
             self.runners.optimizer.join()  # a rerun pass must not race an overlapped step
             if passes:
                 self._lookahead.forget()  # the machine dropped it: the pass is rerun
-            with self._rerun_span(passes):
+            with self._rerun_span(passes), self.machine.replay_context():
                 reported = self._pass(n, first=passes == 0)
+            # Replica fingerprints of this pass, gated like the checks (device work only).
+            self.machine.record_replicas(iteration, self.params, self.param_names)
             passes += 1
             stepped, losses = None, None
             if self.runners.optimizer.gated and self.machine.can_gate_step():
@@ -215,7 +226,7 @@ class GuardedStep:
                     self.runners.optimizer.join()  # the next pass reads the stepped weights
                     self._lookahead.launch(iteration + 1, n)
         self.runners.optimizer.join()
-        verdict = self.machine.verdict()
+        verdict = self._safe_to_save(self.machine.verdict())
         agreed = self.agreement.finish() if self.agreement is not None else Agreed()
         if losses is None and reported:
             losses = average_reported(reported, self.dp_group)
@@ -226,6 +237,27 @@ class GuardedStep:
         return StepResult(
             losses or {}, stepped.grad_norm, stepped.num_zeros, stepped.skipped, verdict, agreed
         )
+
+    def _safe_to_save(self, verdict: RerunVerdict) -> RerunVerdict:
+        """A diagnosis that saves the pre-iteration state saves it from every replica (DCP
+        writes each replicated tensor from one rank, maybe the suspect's). The step was skipped
+        on every rank, so the copies are what the last accepted step left; this proves it:
+        parameters and optimizer state compared bitwise across the group (one gather). On a
+        mismatch nothing is saved (the relaunch resumes the last checkpoint)."""
+        if not (verdict.checkpoint and verdict.diagnosis is not None):
+            return verdict
+        try:
+            same = replicas_agree(self.model, self.optimizer, self.machine.process_group)
+        except (ValueError, TypeError):  # FSDP2 shards: no replica to compare with
+            return verdict
+        if same:
+            return verdict
+        logger.error(
+            "the replicas' parameters or optimizer state differ: not saving the pre-iteration "
+            "state of the diagnosed iteration (resume from the last checkpoint)"
+        )
+        diagnosis = dataclasses.replace(verdict.diagnosis, checkpoint_iteration=None)
+        return dataclasses.replace(verdict, checkpoint=False, diagnosis=diagnosis)
 
     def _rerun_span(self, passes: int) -> contextlib.AbstractContextManager[Any]:
         """A replay of the iteration is the goodput ledger's rerun time."""
@@ -363,6 +395,16 @@ def _in_regions(fb: Callable[..., Reported], observer: Any) -> Callable[..., Rep
             return fb(**kwargs)
 
     return timed
+
+
+def _trained_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
+    """The parameters that train and their names (DDP: the inner module's names)."""
+    named = [(n, p) for n, p in getattr(model, "module", model).named_parameters()]
+    return [p for _, p in named if p.requires_grad], [n for n, p in named if p.requires_grad]
+
+
+def _world_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def _world() -> dist.ProcessGroup | None:

@@ -58,7 +58,11 @@ from typing import Any
 from stalwart.distributed import collectives
 from stalwart.reliability.agreement import Agreed, ExitProbe, IterationAgreement
 from stalwart.reliability.replica_check import ReplicaCheckResult
-from stalwart.reliability.rerun.types import EXIT_CODE_FAILED_ON_RESULT_VALIDATION, RerunVerdict
+from stalwart.reliability.rerun.types import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    Diagnosis,
+    RerunVerdict,
+)
 from stalwart.reliability.signals import DistributedSignalHandler, parse_exit_signal
 
 logger = logging.getLogger(__name__)
@@ -187,13 +191,17 @@ class ExitInputs:
 
 @dataclass(frozen=True)
 class ExitDecision:
-    """What to do now: ``save`` a checkpoint (or not), then ``exit`` (or not), and why."""
+    """What to do now: ``save`` a checkpoint (or not), then ``exit`` (or not), and why.
+
+    ``diagnosis``: a finished attribution (suspect devices) that :func:`leave` records in
+    ``<save>/rerun_verdict.json`` for the launcher."""
 
     save: SaveKind = SaveKind.NONE
     exit: bool = False
     reason: ExitReason | None = None
     detail: str = ""
     exit_code: int = EXIT_CODE_GRACEFUL
+    diagnosis: Diagnosis | None = None
 
 
 def _every(interval: int | None, iteration: int) -> bool:
@@ -259,19 +267,23 @@ def _validation_exit(iteration: int, inputs: ExitInputs, can_save: bool) -> Exit
         detail = f"iteration {iteration}: {replica.describe()}"
         return ExitDecision(
             SaveKind.NONE, True, ExitReason.REPLICA_MISMATCH, detail,
-            EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+            EXIT_CODE_FAILED_ON_RESULT_VALIDATION, replica.diagnosis(iteration),
         )  # fmt: skip
     verdict = inputs.rerun
     if not verdict.exit:
         return None
-    detail = f"rerun state machine exit code {verdict.exit_code}"
+    reason, detail = ExitReason.RERUN, f"rerun state machine exit code {verdict.exit_code}"
+    if verdict.replica_detail:  # the step's replica fingerprints: a replica mismatch
+        reason, detail = ExitReason.REPLICA_MISMATCH, verdict.replica_detail
+    if verdict.diagnosis is not None and verdict.diagnosis.suspects:
+        detail += "; suspect " + ", ".join(s.describe() for s in verdict.diagnosis.suspects)
     save = SaveKind.NONE
     if verdict.checkpoint:
         if can_save:
             save = SaveKind.PERSISTENT
         else:
             detail += " (it needs a checkpoint to resume from but --save is not set)"
-    return ExitDecision(save, True, ExitReason.RERUN, detail, verdict.exit_code)
+    return ExitDecision(save, True, reason, detail, verdict.exit_code, verdict.diagnosis)
 
 
 def _signal_decision(
@@ -430,13 +442,18 @@ def leave(
 ) -> int:
     """Act on an exit decision: the one place that records and waits. Returns the exit code.
 
-    Logs :func:`exit_message`, writes ``exit_reason.json`` on rank 0 (when ``save_dir`` is set)
-    and waits at a barrier, so that no rank leaves (and a launcher kills the others on a
-    non-zero code) before rank 0 has written why. Finalize a pending async save before.
+    Logs :func:`exit_message`, writes ``exit_reason.json`` (and ``rerun_verdict.json`` when
+    the decision carries a diagnosis) on rank 0 (when ``save_dir`` is set) and waits at a
+    barrier, so that no rank leaves (and a launcher kills the others on a non-zero code) before
+    rank 0 has written why. Finalize a pending async save before.
     """
     reason = decision.reason or ExitReason.FINISHED
     log(exit_message(decision, iteration))
     if save_dir and rank == 0:
+        if decision.diagnosis is not None:
+            from stalwart.reliability.rerun.verdict_file import write_verdict
+
+            write_verdict(os.fspath(save_dir), decision.diagnosis)
         write_exit_reason(save_dir, reason, iteration, decision.detail, decision.exit_code)
     collectives.barrier()
     return decision.exit_code

@@ -17,6 +17,11 @@ Kinds, fired on rank R when the trainer calls ``maybe_inject(N, rank, phase)``:
 * ``bitflip``: silent data corruption: flips one bit of one weight on that rank only (through the
   ``corrupt_weights`` callback the trainer provides), so its replica drifts from the others
   without any error; ``--check-weight-hash-across-dp-replicas-interval`` must catch it.
+* ``grad_corruption``: finite silent corruption of that rank's gradient: after the backward of
+  iteration N (phase ``backward``: the gradients are all-reduced, the optimizer has not stepped)
+  one high mantissa bit of one gradient element flips on that rank only (the ``corrupt_grads``
+  callback). No check sees it; the replica fingerprints of the step must. With
+  ``--inject-fault-repeat`` it fires at every pass of iteration N (a persistent fault).
 
 Once per job: before firing, the injector atomically creates
 ``<marker_dir>/.stalwart_fault_fired_<kind>_<iteration>_<rank>`` (O_CREAT|O_EXCL) and keeps an
@@ -49,7 +54,7 @@ MARKER_PREFIX = ".stalwart_fault_fired_"
 # ``commit``: on rank 0 inside the checkpoint commit window (every rank's shards written, before
 # the marker, rename and tracker update; N is the checkpoint's iteration). ``hang`` with
 # ``--inject-fault-hang-seconds`` there widens the window so that a test can kill the job in it.
-FAULT_PHASES: tuple[str, ...] = ("step", "eval", "checkpointing", "commit")
+FAULT_PHASES: tuple[str, ...] = ("step", "eval", "checkpointing", "commit", "backward")
 
 
 class FaultKind(Enum):
@@ -60,6 +65,7 @@ class FaultKind(Enum):
     SIGKILL = "sigkill"
     SIGTERM = "sigterm"
     BITFLIP = "bitflip"
+    GRAD_CORRUPTION = "grad_corruption"
 
 
 class InjectedFault(RuntimeError):
@@ -153,6 +159,7 @@ class FaultInjector:
         # The bitflip fault needs the model; the owner of the weights sets this (keeps this
         # module free of torch).
         self.corrupt_weights: Callable[[], str] | None = None
+        self.corrupt_grads: Callable[[], str] | None = None  # grad_corruption, likewise
         if self.marker_dir is None:
             logger.warning(
                 "fault injection without a marker directory: a restarted job fires again"
@@ -221,6 +228,12 @@ class FaultInjector:
             if self.corrupt_weights is None:
                 raise RuntimeError("--inject-fault bitflip: no corrupt_weights callback was set")
             logger.error("FAULT INJECTION: %s", self.corrupt_weights())
+        elif self.kind is FaultKind.GRAD_CORRUPTION:
+            if self.corrupt_grads is None:
+                raise RuntimeError(
+                    "--inject-fault grad_corruption: no corrupt_grads callback was set"
+                )
+            logger.error("FAULT INJECTION: %s", self.corrupt_grads())
 
     def _hang(self) -> None:
         deadline = None if self.hang_seconds is None else time.monotonic() + self.hang_seconds
@@ -239,12 +252,23 @@ def build_fault_injector(
         raise ValueError(
             f"--inject-fault-rank: {config.inject_fault_rank} is not a rank of a world of size {world_size}"
         )
+    kind = parse_fault_kind(config.inject_fault)
+    # The gradients exist only after the backward: that kind fires there (the default phase
+    # "step" means "where the kind fires"; any other phase is refused, not silently changed).
+    phase = config.inject_fault_phase
+    if kind is FaultKind.GRAD_CORRUPTION:
+        if phase not in ("step", "backward"):
+            raise ValueError(
+                "--inject-fault-phase: grad_corruption fires after the backward (backward); "
+                f"got {phase}"
+            )
+        phase = "backward"
     return FaultInjector(
-        config.inject_fault,
+        kind,
         config.inject_fault_iteration,
         config.inject_fault_rank,
         marker_dir,
         hang_seconds=config.inject_fault_hang_seconds,
-        phase=config.inject_fault_phase,
+        phase=phase,
         repeat=config.inject_fault_repeat,
     )

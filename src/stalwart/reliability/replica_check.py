@@ -38,10 +38,10 @@ In a hand-written DDP loop (collective: every rank calls it at the same iteratio
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
@@ -120,6 +120,22 @@ def _fingerprint_one(param: torch.Tensor, chunk_words: int) -> torch.Tensor:
     return total
 
 
+def tensor_fingerprints(
+    tensors: Sequence[torch.Tensor], *, chunk_words: int = DEFAULT_CHUNK_WORDS
+) -> torch.Tensor:
+    """One fingerprint per tensor (the same function as :func:`parameter_fingerprints`), as a
+    1-D int64 tensor on the first tensor's device, without a host sync (gradients, optimizer
+    state). Raises ``TypeError`` for a dtype other than fp32, fp64, bf16 or fp16."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    for t in tensors:
+        if t.dtype not in _WORD_VIEWS:
+            allowed = ", ".join(str(d) for d in _WORD_VIEWS)
+            raise TypeError(f"cannot fingerprint a tensor of dtype {t.dtype}; supported: {allowed}")
+    device = tensors[0].device
+    return torch.stack([_fingerprint_one(t, chunk_words).to(device) for t in tensors])
+
+
 def parameter_fingerprints(
     module: nn.Module, *, chunk_words: int = DEFAULT_CHUNK_WORDS
 ) -> torch.Tensor:
@@ -162,6 +178,26 @@ class ReplicaCheckResult:
     # two replicas, or a tie, nothing tells which side is right).
     reference_ranks: list[int] = dataclasses.field(default_factory=list)
     has_majority: bool = True
+    # (node, device) of each mismatched rank, gathered after a mismatch (empty otherwise).
+    identities: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    subject: str = "weights"  # what was compared ("weights and gradients" inside the step)
+
+    def diagnosis(self, iteration: int) -> Any:
+        """The ``rerun_verdict.json`` record when a strict majority names the disagreeing
+        ranks (``replica_corruption``; a relaunch from the last checkpoint refuses their
+        devices), else None (two replicas, or a tie: nothing tells which one is right)."""
+        if self.consistent or not self.has_majority or not self.identities:
+            return None
+        from stalwart.reliability.rerun.types import Diagnosis, DiagnosisSource, Suspect
+
+        suspects = tuple(
+            Suspect(rank, node, device)
+            for rank, (node, device) in zip(self.mismatched_ranks, self.identities, strict=True)
+        )
+        return Diagnosis(
+            iteration, "replica_corruption", suspects, self.describe(),
+            DiagnosisSource.REPLICA_CHECK,
+        )  # fmt: skip
 
     def describe(self) -> str:
         """One-line summary naming the disagreeing ranks and up to five parameters."""
@@ -178,7 +214,7 @@ class ReplicaCheckResult:
                 f"ranks {self.mismatched_ranks}"
             )
         return (
-            f"replica weights differ: {who}; "
+            f"replica {self.subject} differ: {who}; "
             f"{len(self.mismatched_parameters)} parameter(s) differ: {params}"
         )
 
@@ -259,6 +295,15 @@ def check_replica_consistency(
     # Deliberate sync: the decision needs the gathered fingerprints on the host, once per check.
     rows = torch.stack(gathered).tolist()
     result = decide_replica_consistency(rows, [name for name, _ in named])
+    if not result.consistent:  # the same on every rank: all of them gather (rare path)
+        from stalwart.distributed.collectives import all_gather_objects
+        from stalwart.reliability.rerun.types import device_identity
+
+        everyone = cast(
+            "list[tuple[str, str]]", all_gather_objects(device_identity(), process_group)
+        )
+        identities = [(str(everyone[r][0]), str(everyone[r][1])) for r in result.mismatched_ranks]
+        result = dataclasses.replace(result, identities=identities)
     if process_group is None:
         return result
     # Report global ranks: a group-local index does not identify the faulty node.
@@ -267,6 +312,42 @@ def check_replica_consistency(
         mismatched_ranks=[dist.get_global_rank(process_group, r) for r in result.mismatched_ranks],
         reference_ranks=[dist.get_global_rank(process_group, r) for r in result.reference_ranks],
     )
+
+
+def replicas_agree(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    process_group: ProcessGroup | None = None,
+) -> bool:
+    """Whether every rank of the group holds bitwise the same parameters and optimizer state
+    (floating-point tensors of ``optimizer.state``), e.g. before saving from any replica.
+
+    Collective (one all-gather of one int64 per tensor, one deliberate read); True without a
+    group. Raises ``ValueError`` for DTensor (sharded) parameters, as the replica check does.
+    """
+    named = _validated_parameters(module)
+    if not collectives_initialized() or dist.get_world_size(process_group) == 1:
+        return True
+    tensors: list[torch.Tensor] = [p.detach() for _, p in named]
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                tensors += [
+                    v
+                    for _, v in sorted(state.items(), key=lambda kv: str(kv[0]))
+                    if isinstance(v, torch.Tensor) and v.dtype in _WORD_VIEWS
+                ]
+    local = tensor_fingerprints([t.to(tensors[0].device) for t in tensors])
+    local = local.to(_comm_device(process_group, local.device))
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather(gathered, local, group=process_group)
+    # Deliberate sync: a save decision (rare path).
+    return bool(all(torch.equal(g, gathered[0]) for g in gathered))
+
+
+def collectives_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 class ReplicaConsistencyChecker:
@@ -330,9 +411,25 @@ def flip_parameter_bit(module: nn.Module, name: str | None = None, bit: int | No
     if not named:
         raise ValueError("flip_parameter_bit: the module has no parameters")
     name = name if name is not None else next(iter(named))
-    param = named[name]
-    int_dtype, _ = _WORD_VIEWS[param.dtype]
-    word, default_bit = _DEFAULT_FLIP[param.dtype]
+    return _flip_bit(named[name].data, bit, name)
+
+
+def flip_gradient_bit(module: nn.Module, name: str | None = None, bit: int | None = None) -> str:
+    """Flip one bit of element 0 of the gradient of parameter ``name`` (default: the first with
+    a gradient), in place: a finite silent corruption of this replica's (all-reduced) gradient
+    (``--inject-fault grad_corruption``). Returns a description of what was flipped."""
+    named = {n: p for n, p in _validated_parameters(module) if p.grad is not None}
+    if not named:
+        raise ValueError("flip_gradient_bit: no parameter has a gradient")
+    name = name if name is not None else next(iter(named))
+    grad = named[name].grad
+    assert grad is not None
+    return "gradient: " + _flip_bit(grad, bit, name)
+
+
+def _flip_bit(tensor: torch.Tensor, bit: int | None, name: str) -> str:
+    int_dtype, _ = _WORD_VIEWS[tensor.dtype]
+    word, default_bit = _DEFAULT_FLIP[tensor.dtype]
     if bit is None:
         bit = default_bit
     else:
@@ -341,7 +438,7 @@ def flip_parameter_bit(module: nn.Module, name: str | None = None, bit: int | No
     if not 0 <= bit < width:
         raise ValueError(f"bit must be in [0, {width}), got {bit}")
     with torch.no_grad():
-        words = param.data.view(-1).view(int_dtype)
+        words = tensor.view(-1).view(int_dtype)
         # The top bit as a signed constant of the word type.
         mask = (1 << bit) if bit < width - 1 else -(1 << bit)
         words[word : word + 1].bitwise_xor_(

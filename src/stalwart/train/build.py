@@ -53,7 +53,7 @@ from stalwart.observability.goodput import (
 from stalwart.observability.progress_log import NullProgressLog, ProgressLog, make_progress_log
 from stalwart.reliability.exit import IterationAgreement
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
-from stalwart.reliability.replica_check import flip_parameter_bit
+from stalwart.reliability.replica_check import flip_gradient_bit, flip_parameter_bit
 from stalwart.reliability.rerun import RerunStateMachine
 from stalwart.reliability.signals import DataLoaderWorkerSignalGuard, DistributedSignalHandler
 
@@ -271,8 +271,9 @@ def build_model(
     """The GPT (same initial weights on every rank) and its DDP/FSDP2 wrapper."""
     seed_everything(config.training.seed)  # identical initial weights on every rank
     raw_model = GPT(config.model).to(ctx.device)
-    if isinstance(faults, FaultInjector):  # --inject-fault bitflip corrupts this rank's weights
+    if isinstance(faults, FaultInjector):  # bitflip / grad_corruption: this rank's copy only
         faults.corrupt_weights = functools.partial(flip_parameter_bit, raw_model)
+        faults.corrupt_grads = functools.partial(flip_gradient_bit, raw_model)
     if config.training.compile:
         # In place (nn.Module.compile): parameter names and checkpoints stay unchanged. Under a
         # full-iteration graph Inductor's own CUDA graphs are off (they cannot nest).

@@ -51,16 +51,26 @@ class StepObserver:
         self.straggler = straggler
         self.dumper = dumper
         self.memory_release: Any = None
+        self.faults: Any = None  # an injector firing after the backward (grad_corruption)
+        self._rank = 0
+        self._iteration = 0
 
-    def with_memory_release(self, release: Any) -> StepObserver | None:
-        """The observer the step calls (None when nothing observes): these probes, and
-        ``--empty-unused-memory-level``'s release after each forward-backward."""
-        if isinstance(release, NullMemoryRelease) and not self.enabled:
+    def with_memory_release(
+        self, release: Any, faults: Any = None, rank: int = 0
+    ) -> StepObserver | None:
+        """The observer the step calls (None when nothing observes): these probes,
+        ``--empty-unused-memory-level``'s release after each forward-backward, and a fault
+        injector of the ``backward`` phase (``--inject-fault grad_corruption``)."""
+        after_backward = getattr(faults, "phase", None) == "backward"
+        if isinstance(release, NullMemoryRelease) and not self.enabled and not after_backward:
             return None
         self.memory_release = release
+        self.faults, self._rank = (faults if after_backward else None), rank
         return self
 
     def after_forward_backward(self) -> None:
+        if self.faults is not None:  # the gradients are all-reduced, the step not taken yet
+            self.faults.maybe_inject(self._iteration, self._rank, "backward")
         if self.memory_release is not None:
             self.memory_release.after_forward_backward()
 
@@ -77,6 +87,7 @@ class StepObserver:
         )
 
     def begin_iteration(self, iteration: int) -> None:
+        self._iteration = iteration
         self.dumper.begin_iteration(iteration)
 
     def on_microbatch(self, index: int, is_last: bool) -> None:

@@ -44,7 +44,6 @@ from stalwart.reliability.exit import (
 from stalwart.reliability.hang.sections import Section, build_section_monitor
 from stalwart.reliability.replica_check import ReplicaConsistencyChecker
 from stalwart.reliability.rerun import RerunDataIterator, resolve_iterations_to_skip
-from stalwart.reliability.rerun.verdict_file import apply_verdict, record_verdict
 from stalwart.train import build
 from stalwart.train.forward_step import gpt_forward_step
 from stalwart.train.manual_gc import make_manual_gc
@@ -187,7 +186,7 @@ class Trainer:
             lookahead=config.graphs.cuda_graph_speculative_launch,
             agreement=self.agreement,
             timers=self.timers,
-            observer=self.observer.with_memory_release(self.memory_release),
+            observer=self.observer.with_memory_release(self.memory_release, self.faults, ctx.rank),
             log_num_zeros=config.log.log_num_zeros_in_grad,
             goodput=self.ledger,
         )
@@ -402,9 +401,7 @@ class Trainer:
         self.sections.maybe_update_timeouts(
             closing=True, async_save=self.config.checkpoint.async_save
         )
-        if reason is ExitReason.RERUN:
-            if self.loaded_path is not None:  # the diagnosis of a rerun from that checkpoint
-                record_verdict(self.machine, self.loaded_path, write=self.ctx.is_main)
+        if reason is ExitReason.RERUN:  # a diagnosis goes to rerun_verdict.json in leave()
             self.event(EventKind.RERUN, decision.detail)
         self.event(
             EventKind.EXIT, f"{reason.value}: {decision.detail} (exit code {decision.exit_code})"
@@ -459,9 +456,10 @@ class Trainer:
         if cfg.finetune:
             self.print(f"finetuning from {loaded.path}: weights loaded, starting at iteration 0")
             return
+        # The machine's after_load applied rerun_verdict.json: a settled rerun trains on, a
+        # suspect device was refused (SuspectDeviceError).
         self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
         self._resume_schedule(loaded.common.get("scheduler"), not cfg.no_load_optim)
-        apply_verdict(self.machine, loaded.path)  # a settled rerun: train on, or refuse the device
         self.ledger.resumed(self.state.iteration)
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
 

@@ -40,6 +40,21 @@ from stalwart.reliability.rerun.config import (
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.machine import RerunStateMachine
+from stalwart.reliability.rerun.peer import (
+    PeerPlan,
+    PeerReport,
+    PeerRequest,
+    ReplayDeterminism,
+    decide_peer_outcome,
+    plan_peer_replay,
+)
+from stalwart.reliability.rerun.replicas import (
+    REPLICA_MESSAGE,
+    ReplicaAttribution,
+    ReplicaGate,
+    ReplicaSchedule,
+    attribute_replicas,
+)
 from stalwart.reliability.rerun.rng import RngStateTracker, capture_rng_state, restore_rng_state
 from stalwart.reliability.rerun.stats import QuickStats, compare_floats
 from stalwart.reliability.rerun.tracker import read_iterations_to_skip
@@ -48,11 +63,14 @@ from stalwart.reliability.rerun.types import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
     CheckConfig,
+    Diagnosis,
+    DiagnosisSource,
     RerunDiagnostic,
     RerunMode,
     RerunState,
     RerunValidationStatus,
     RerunVerdict,
+    Suspect,
     device_identity,
 )
 
@@ -68,12 +86,22 @@ __all__ = [
     "NAN_GRAD_MESSAGE",
     "NAN_LOSS_MESSAGE",
     "NAN_RULE",
+    "REPLICA_MESSAGE",
     "SPIKY_LOSS_MESSAGE",
     "CheckConfig",
     "CheckSpec",
     "DeviceRule",
+    "Diagnosis",
+    "DiagnosisSource",
     "GradCheckState",
+    "PeerPlan",
+    "PeerReport",
+    "PeerRequest",
     "QuickStats",
+    "ReplayDeterminism",
+    "ReplicaAttribution",
+    "ReplicaGate",
+    "ReplicaSchedule",
     "RerunConfig",
     "RerunDataIterator",
     "RerunDiagnostic",
@@ -85,18 +113,22 @@ __all__ = [
     "RerunVerdict",
     "RngStateTracker",
     "RuleKind",
+    "Suspect",
     "ValidationBuffer",
+    "attribute_replicas",
     "bucket_layout",
     "capture_rng_state",
     "check_grad_norm",
     "check_grads",
     "check_loss",
     "compare_floats",
+    "decide_peer_outcome",
     "device_identity",
     "grad_check_comm_hook",
     "host_predicate",
     "local_grad_norm",
     "make_state_machine",
+    "plan_peer_replay",
     "read_iterations_to_skip",
     "register_grad_check_hook",
     "resolve_iterations_to_skip",

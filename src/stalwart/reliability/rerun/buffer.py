@@ -374,6 +374,11 @@ class ValidationBuffer:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(self.gate, op=dist.ReduceOp.MAX, group=group)
 
+    def raise_gate(self, flag: torch.Tensor) -> None:
+        """Also skip the step when ``flag`` (a device bool or 0/1, the same on every rank, e.g.
+        the replica fingerprint comparison) is set; device work only."""
+        self.gate.copy_(torch.maximum(self.gate, flag.to(self.gate.dtype)))
+
     # ------------------------------------------------------------------------ pass control
     def begin(self, inject_mask: list[bool], *, adopt_ahead: bool = False) -> None:
         """Machine hook before a pass: clear the written flags, upload the mask on change.

@@ -40,6 +40,11 @@ GRAD_TOLERANCE = 1e-3
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
+def is_grad_message(message: str) -> bool:
+    """Whether ``message`` is one of the gradient checks' (per bucket, before the all-reduce)."""
+    return _GRAD_WHERE in message
+
+
 def grad_message(kind: str, bucket: int | None) -> str:
     """Megatron's gradient check message (``kind``: NaN, Inf or large), naming the bucket when
     there is more than one."""

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.machine import Agreement, RerunStateMachine
+from stalwart.reliability.rerun.replicas import ReplicaGate, ReplicaSchedule
 from stalwart.reliability.rerun.tracker import read_iterations_to_skip
 from stalwart.reliability.rerun.types import CheckConfig, RerunDiagnostic, RerunMode
 
@@ -39,9 +40,19 @@ class RerunConfig:
         iterations_to_skip: ``--iterations-to-skip``: iterations the loop skips, numbered from 1
             like the training log, the tracker file and Megatron's flag.
         spiky_loss_factor / large_grads_factor: threshold factors over the sampled max (10).
-        check_weight_hash_across_dp_replicas_interval: every N iterations (0: never, also
-            before every save when on) compare fingerprints of the weights across
-            data-parallel replicas; a mismatch exits 17 without saving.
+        check_weight_hash_across_dp_replicas_interval: every N iterations (0: never) compare
+            fingerprints across data-parallel replicas: inside the step, of the all-reduced
+            gradients and the weights before the optimizer step (gated: a mismatch is rerun
+            and attributed, ``stalwart.reliability.rerun.replicas``), and of the weights after
+            it (also before every save; a mismatch exits 17 without saving).
+        check_weight_hash_sample_fraction: ``--check-weight-hash-sample-fraction``: every
+            iteration, fingerprint this fraction of the parameters (weights and gradients, a
+            seeded random partition: every parameter every ceil(1/fraction) iterations) inside
+            the step, as above; 0: off.
+        rerun_peer_replay: ``--rerun-peer-replay`` / ``--no-rerun-peer-replay``: attribute a
+            rejection that reproduces in place by replaying it on a peer replica within the
+            launch (``stalwart.reliability.rerun.peer``); used when the group has more than
+            one rank, else (and when off) Megatron's exit 16 and relaunch.
     """
 
     rerun_mode: RerunMode | str = RerunMode.VALIDATE_RESULTS
@@ -58,6 +69,8 @@ class RerunConfig:
     spiky_loss_factor: float = 10.0
     large_grads_factor: float = 10.0
     check_weight_hash_across_dp_replicas_interval: int = 0
+    check_weight_hash_sample_fraction: float = 0.0
+    rerun_peer_replay: bool = True
 
     def __post_init__(self) -> None:
         self.rerun_mode = RerunMode.parse(self.rerun_mode)
@@ -85,6 +98,11 @@ class RerunConfig:
                 "--check-weight-hash-across-dp-replicas-interval must be >= 0 (0: off); got "
                 f"{self.check_weight_hash_across_dp_replicas_interval}"
             )
+        fraction = self.check_weight_hash_sample_fraction
+        if isinstance(fraction, bool) or not (0.0 <= fraction <= 1.0):  # NaN fails too
+            raise ValueError(
+                f"--check-weight-hash-sample-fraction must be in [0, 1] (0: off); got {fraction!r}"
+            )
         for name, value in (  # not flags: fields a hand-written loop sets
             ("RerunConfig.spiky_loss_factor", self.spiky_loss_factor),
             ("RerunConfig.large_grads_factor", self.large_grads_factor),
@@ -110,6 +128,14 @@ class RerunConfig:
     @property
     def injection_type(self) -> RerunDiagnostic:
         return RerunDiagnostic.parse(self.error_injection_type)
+
+    @property
+    def replica_schedule(self) -> ReplicaSchedule:
+        """Which parameters the step fingerprints at which iteration."""
+        return ReplicaSchedule(
+            self.check_weight_hash_across_dp_replicas_interval,
+            self.check_weight_hash_sample_fraction,
+        )
 
     @property
     def checks(self) -> CheckConfig:
@@ -177,6 +203,12 @@ def make_state_machine(
             else [i - 1 for i in config.error_injection_iterations]
         ),
     )
+    schedule = config.replica_schedule
+    replicas = (
+        ReplicaGate(schedule, process_group)
+        if schedule.enabled and config.mode is RerunMode.VALIDATE_RESULTS
+        else None
+    )
     return RerunStateMachine(
         mode=config.mode,
         error_injector=injector,
@@ -187,4 +219,6 @@ def make_state_machine(
         checks=config.checks,
         agreement=agreement,
         device=device,
+        peer_replay=config.rerun_peer_replay,
+        replicas=replicas,
     )

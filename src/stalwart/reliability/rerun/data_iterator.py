@@ -45,11 +45,21 @@ class RerunDataIterator(Generic[T]):
         self._pulled = 0  # items taken from the iterable
         self._committed = 0  # items of accepted iterations
         self._current = 0  # items served (first time) in the current iteration
+        self._served: list[T] | None = None  # another rank's items, for a peer replay
 
     def __iter__(self) -> RerunDataIterator[T]:
         return self
 
     def __next__(self) -> T:
+        if self._served is not None:
+            if self.replay_pos >= len(self._served):
+                raise RuntimeError(
+                    "RerunDataIterator: the peer replay consumed more micro-batches than the "
+                    "replayed rank recorded (control flow must be deterministic)"
+                )
+            item = self._served[self.replay_pos]
+            self.replay_pos += 1
+            return item
         if self.replaying:
             if self.replay_pos >= len(self.saved_microbatches):
                 raise RuntimeError(
@@ -74,11 +84,19 @@ class RerunDataIterator(Generic[T]):
         """Replay this iteration's micro-batches from the first one."""
         self.replaying = True
         self.replay_pos = 0
+        self._served = None
+
+    def serve(self, items: list[T]) -> None:
+        """Serve ``items`` (another rank's recorded micro-batches, for a peer replay) until the
+        next :meth:`rewind` or :meth:`advance`; this iteration's own record is kept."""
+        self._served = list(items)
+        self.replay_pos = 0
 
     def advance(self) -> None:
         """Start a new iteration: stop replaying and drop the buffer; peeked items come next."""
         self.replaying = False
         self.replay_pos = 0
+        self._served = None
         self.saved_microbatches = []
         self._current = 0
         self._prefetched, self._ahead = self._prefetched + self._ahead, []
@@ -120,6 +138,6 @@ class RerunDataIterator(Generic[T]):
             for _ in range(position - self._pulled):
                 self._pull()
         self.saved_microbatches, self._ahead, self._prefetched = [], [], []
-        self.replaying, self.replay_pos = False, 0
+        self.replaying, self.replay_pos, self._served = False, 0, None
         self._pulled = self._committed = position
         self._current = 0

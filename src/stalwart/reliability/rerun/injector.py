@@ -8,6 +8,9 @@ reported as rejected), so the reruns perform real comparisons:
   different device (``$STALWART_DEVICE_ID`` changed) the value is clean;
 * ``correct_result``: every run is corrupted, wherever it runs.
 
+A peer replay (``stalwart.reliability.rerun.peer``) of an injected call follows the same rules
+on the peer's device: the injecting rank ships its pending injection with the replay's inputs.
+
 Decisions are made on the host with the injector's own seeded ``random.Random``; the global
 Python RNG is never touched, so enabling injection does not change training randomness.
 """
@@ -92,6 +95,22 @@ class RerunErrorInjector:
         if kind is RerunDiagnostic.PERSISTENT_ERROR:
             return identity == injected_on
         return True
+
+    def injection_for(self, key: CallKey) -> tuple[RerunDiagnostic, Identity] | None:
+        """The pending injection of ``key`` (its type and where it was injected), if any: what
+        a peer needs to replay the injected call faithfully."""
+        if self.pending is None or self.pending[0] != key:
+            return None
+        return self.pending[1], self.pending[2]
+
+    @staticmethod
+    def corrupts_replay(kind: RerunDiagnostic, injected_on: Identity, here: Identity) -> bool:
+        """Whether a peer's replay (on ``here``) of a call injected on ``injected_on`` observes
+        the corruption: a correct result everywhere, a persistent error only on the device it
+        was injected on, a transient error never (the in-place rerun was already clean)."""
+        if kind is RerunDiagnostic.CORRECT_RESULT:
+            return True
+        return kind is RerunDiagnostic.PERSISTENT_ERROR and tuple(here) == tuple(injected_on)
 
     def is_pending_for(self, key: CallKey | None) -> bool:
         return self.pending is not None and self.pending[0] == key

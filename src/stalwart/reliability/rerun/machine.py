@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,19 +38,20 @@ from stalwart.reliability.rerun.checks import CheckRows
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.passes import Ahead, Records, Saved
+from stalwart.reliability.rerun.peer import PeerPlan, ReplayDeterminism
+from stalwart.reliability.rerun.peer_flow import PeerReplayMixin
 from stalwart.reliability.rerun.reading import read_values
 from stalwart.reliability.rerun.recording import RecordingMixin
+from stalwart.reliability.rerun.replicas import ReplicaGate, ReplicaMixin
 from stalwart.reliability.rerun.rng import RngStateTracker, restore_rng_state
 from stalwart.reliability.rerun.stats import LargeValueTracker
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
-    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
-    EXIT_CODE_RESUME_TO_DISAMBIGUATE,
     CallKey,
     CheckConfig,
+    Diagnosis,
     RerunMode,
     RerunState,
-    RerunVerdict,
 )
 from stalwart.reliability.rerun.verdicts import Event, EventMixin
 
@@ -59,7 +61,7 @@ Agreement = Callable[[list[bool]], list[bool]]
 """Element-wise OR of per-rank flags across ranks (one collective)."""
 
 
-class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
+class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin, ReplicaMixin):
     """Instance-scoped rerun state machine (no singleton); see the module docstring for the loop.
 
     Args:
@@ -75,6 +77,13 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
             ``process_group``); a loop may pass one that carries its exit inputs along.
         device: where :attr:`buffer` lives, once a device check needs it (default: the device
             of the first device check). No check, no buffer: nothing is computed or read.
+        peer_replay: attribute a rejection that reproduces in place by replaying it on a peer
+            replica in the same launch (``stalwart.reliability.rerun.peer``; needs more than one
+            rank in ``process_group``, every one a data-parallel replica); off: Megatron's
+            exit 16 and rerun after the relaunch.
+        replay_determinism: the settings of the peer replay's pass (:class:`ReplayDeterminism`).
+        replicas: fingerprints compared across replicas inside the step
+            (``stalwart.reliability.rerun.replicas``; the step calls :meth:`record_replicas`).
     """
 
     REPORTING_INTERVAL_ITERATIONS = 2
@@ -92,6 +101,9 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
         checks: CheckConfig | None = None,
         agreement: Agreement | None = None,
         device: torch.device | str | None = None,
+        peer_replay: bool = False,
+        replay_determinism: ReplayDeterminism | None = None,
+        replicas: ReplicaGate | None = None,
     ) -> None:
         self.mode = RerunMode.parse(mode)
         self.injector = error_injector or RerunErrorInjector()
@@ -129,7 +141,27 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
         self._iteration_set = False
         self._host_checks = False
         self._check_rows = CheckRows()
+        self._init_attribution(peer_replay, replay_determinism, replicas)
         logger.info("RerunStateMachine initialized in mode %s", self.mode.value)
+
+    def _init_attribution(
+        self,
+        peer_replay: bool,
+        replay_determinism: ReplayDeterminism | None,
+        replicas: ReplicaGate | None,
+    ) -> None:
+        """The state of the peer replay and the replica fingerprints (stalwart's attribution)."""
+        self.peer_replay = peer_replay
+        self.replay_determinism = replay_determinism or ReplayDeterminism()
+        self.local_grad_checks = True  # False: gradient checks see reduced shards (FSDP2)
+        self.replicas = replicas
+        self.last_attribution_seconds: float | None = None
+        self._peer_plan: PeerPlan | None = None
+        self._pending_diagnosis: Diagnosis | None = None
+        self._final_pass = False
+        self._rejected_at: float | None = None
+        self._replica_originals: list[list[int]] | None = None
+        self._replica_detail = ""
 
     # ----------------------------------------------------------------- identity / configuration
     @property
@@ -259,6 +291,8 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
             return self._start_rerun_from_checkpoint(iteration)
         if state is RerunState.RERUNNING_FROM_CHECKPOINT:
             return self._after_rerun_from_checkpoint(iterators)
+        if state is RerunState.REPLAYING_ON_PEER:
+            return self._after_peer_replay(iterators)
         raise RuntimeError(f"should_run_forward_backward called in state {state.name}")
 
     def allows_step_before_validation(self) -> bool:
@@ -277,30 +311,6 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
         verdict = self.verdict()
         return verdict.checkpoint, verdict.exit, verdict.exit_code
 
-    def verdict(self) -> RerunVerdict:
-        """The iteration's outcome once its passes are done (logs the exit message once)."""
-        if self.mode is not RerunMode.VALIDATE_RESULTS:
-            return RerunVerdict()
-        state = self.state
-        if state is RerunState.RERUNNING_IN_PLACE:
-            self._log0("Exiting now. The job can be resumed from a previous checkpoint.")
-            return RerunVerdict(EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
-        if state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
-            self._log0(
-                "Saving a checkpoint and exiting now. Please resume the job from this checkpoint "
-                "to rerun the last iteration on a different GPU and establish a diagnostic."
-            )
-            return RerunVerdict(EXIT_CODE_RESUME_TO_DISAMBIGUATE, checkpoint=True)
-        if state is RerunState.RERUNNING_FROM_CHECKPOINT:
-            self._log0("Exiting now. A checkpoint at the last iteration already exists.")
-            return RerunVerdict(EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
-        if state is RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT:
-            self._log0(
-                "Exiting now. Please resume the job from the same checkpoint on another GPU."
-            )
-            return RerunVerdict(EXIT_CODE_RESUME_TO_DISAMBIGUATE)
-        return RerunVerdict()
-
     def _start_iteration(
         self, iterators: list[RerunDataIterator[Any]], iteration: int | None
     ) -> bool:
@@ -309,6 +319,7 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
         elif not self._iteration_set:
             self.iteration += 1
         self._iteration_set = False
+        self._rejected_at = None
         for it in iterators:
             it.advance()
         if self.mode is VALIDATE and not self._announced:
@@ -341,11 +352,15 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
             self._saved_results = {rec.key: v for rec, v in items}
             self._begin_rerun(iterators)
             return True
+        replica, items = self._split_replica(items)
         rejected = self._first_rejection(items)
-        (any_rejected,) = self._agree([rejected])
+        (any_rejected,) = self._agree([rejected or replica])
         if not any_rejected:
             self._accept(iterators)
             return False
+        if replica and self.replicas is not None:
+            self._replica_originals = self.replicas.host_rows()
+        self._rejected_at = time.monotonic()
         self._log0(
             f"Need to rerun iteration {self.iteration + 1} to check the result is reproducible"
         )
@@ -358,20 +373,37 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
             self._record_stats(items)
             self._accept(iterators)
             return False
-        ckpt, fatal, _cont = self._agree(list(self._first_rerun_verdict(items)))
+        if self._final_pass:  # the clean pass after a correct result reproduced on a peer
+            self._final_pass = False
+            self._accept(iterators)
+            return False
+        _, items = self._split_replica(items)
+        if self._replica_originals is not None and self._replica_exit(iterators):
+            return False
+        local = self._first_rerun_verdict(items)
+        reproduced = self.event is not None and self.event.suspicious is not None
+        ckpt, fatal, _cont, anyone = self._agree([*local, reproduced])
         # Fatal beats non-fatal on every rank: a "continue" never overrides a fatal request.
+        # A reproduced rejection is attributed on a peer replica when there is one.
+        peer = anyone and not fatal and self._peer_replay_possible()
+        if peer and self._begin_peer_replay(iterators, reproduced):
+            return True
         if ckpt or fatal:
-            self._restore_state()
-            for it in iterators:
-                it.rewind()
-            self._awaiting_exit = True
-            if ckpt:
-                self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
+            self._exit_after_rerun(iterators, checkpoint=ckpt)
             return False
         self._log0("Continuing normal execution because the failed validation was not fatal")
         self._finish_event()
         self._accept(iterators)
         return False
+
+    def _exit_after_rerun(self, iterators: list[RerunDataIterator[Any]], checkpoint: bool) -> None:
+        """Back to the iteration's start, then exit (saving first when ``checkpoint``)."""
+        self._restore_state()
+        for it in iterators:
+            it.rewind()
+        self._awaiting_exit = True
+        if checkpoint:
+            self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
 
     def _start_rerun_from_checkpoint(self, iteration: int | None) -> bool:
         if iteration is not None and iteration != self.iteration:
@@ -392,6 +424,7 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
             self._awaiting_exit = True
             return False
         if fatal:
+            self._pending_diagnosis = self._checkpoint_diagnosis()
             self._awaiting_exit = True
             return False
         self._log0("Continuing normal execution because the failed validation was not fatal")
@@ -423,6 +456,8 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin):
         return out
 
     def _inject_decision(self, key: CallKey) -> bool:
+        if self.state is RerunState.REPLAYING_ON_PEER:
+            return self.mode is VALIDATE and self._peer_corrupts(key)
         if self.mode is not VALIDATE or not self.injector.enabled:
             return False
         if self.state is RerunState.INITIAL_RUN:

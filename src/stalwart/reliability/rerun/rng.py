@@ -63,3 +63,33 @@ def restore_rng_state(state: dict[str, Any], extra: RngStateTracker | None = Non
         torch.cuda.set_rng_state_all(state["cuda"])
     if extra is not None and state.get("extra"):
         extra.restore(state["extra"])
+
+
+def portable_rng_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`capture_rng_state` snapshot another rank can adopt (to replay this rank's pass).
+
+    The CUDA part keeps only this process's current device generator: a peer sets it on *its*
+    current device (``get_rng_state_all`` lists every visible device, indexed by device, which
+    differs between ranks). Tensors are CPU byte tensors already.
+    """
+    portable = {k: v for k, v in state.items() if k != "cuda"}
+    cuda = state.get("cuda")
+    portable["cuda_current"] = (
+        cuda[torch.cuda.current_device()]
+        if cuda is not None and torch.cuda.is_initialized()
+        else None
+    )
+    return portable
+
+
+def adopt_rng_state(state: dict[str, Any], extra: RngStateTracker | None = None) -> None:
+    """Set every generator from another rank's :func:`portable_rng_state` (its CUDA generator
+    state on this process's current device)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    cuda = state.get("cuda_current")
+    if cuda is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(cuda)
+    if extra is not None and state.get("extra"):
+        extra.restore(state["extra"])

@@ -31,6 +31,7 @@ _SKIP_STATUSES = frozenset(
         RerunValidationStatus.RERUN_DISABLED,
         RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE,
         RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE,
+        RerunValidationStatus.PEER_REPLAY_REPRODUCIBLE,  # the second rerun, on a peer
     }
 )
 
@@ -124,7 +125,7 @@ def read_iterations_to_skip(tracker_path: str) -> list[int]:
 
     An iteration is skipped when the same (rank, iteration) was reported twice with a status
     meaning "the bad result is real" (``rerun_disabled``, ``first_rerun_reproducible``,
-    ``second_rerun_reproducible``), in any jobs; it is *not* skipped when several ranks reported it
+    ``second_rerun_reproducible``, ``peer_replay_reproducible``), in any jobs; it is *not* skipped when several ranks reported it
     within one job (a systemic or application problem, not bad data). A missing or unreadable
     file yields ``[]``; unreadable lines (not UTF-8, not in the format) are skipped, and their
     number is logged once.

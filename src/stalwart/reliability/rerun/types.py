@@ -88,7 +88,12 @@ class RerunDiagnostic(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11
 
 
 class RerunState(enum.Enum):
-    """The six states of the machine (values as in Megatron)."""
+    """The machine's states: Megatron's six (same values) and the peer replay.
+
+    ``REPLAYING_ON_PEER`` (stalwart): after an in-place rerun reproduced a rejection on rank r,
+    every rank runs one more pass in which a peer replica replays rank r's micro-batches with
+    r's RNG state (``stalwart.reliability.rerun.peer``). It is never checkpointed.
+    """
 
     NOT_RUNNING_YET = 0
     INITIAL_RUN = 1
@@ -96,6 +101,7 @@ class RerunState(enum.Enum):
     WILL_RERUN_FROM_CHECKPOINT = 3
     RERUNNING_FROM_CHECKPOINT = 4
     RERUNNING_AGAIN_FROM_CHECKPOINT = 5
+    REPLAYING_ON_PEER = 6
 
 
 class RerunValidationStatus(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11)
@@ -107,6 +113,12 @@ class RerunValidationStatus(str, enum.Enum):  # noqa: UP042 (StrEnum needs Pytho
     FIRST_RERUN_REPRODUCIBLE = "first_rerun_reproducible"
     SECOND_RERUN_NOT_REPRODUCIBLE = "second_rerun_not_reproducible"
     SECOND_RERUN_REPRODUCIBLE = "second_rerun_reproducible"
+    # stalwart: the replay of a rank's iteration on a peer replica (written by that rank, with
+    # the peer's node and device: where the value was computed).
+    PEER_REPLAY_NOT_REPRODUCIBLE = "peer_replay_not_reproducible"
+    PEER_REPLAY_REPRODUCIBLE = "peer_replay_reproducible"
+    # stalwart: replica fingerprints differed; the rank whose copy disagreed.
+    REPLICA_MISMATCH = "replica_mismatch"
 
 
 def device_identity() -> Identity:
@@ -152,13 +164,61 @@ class CheckConfig:
         return self.nan_and_inf or self.spiky_loss or self.large_grads
 
 
+class DiagnosisSource(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11)
+    """How a diagnosis was reached (the ``source`` of ``rerun_verdict.json``)."""
+
+    PEER_REPLAY = "peer_replay"  # in the same launch, on a peer replica
+    RERUN_FROM_CHECKPOINT = "rerun_from_checkpoint"  # Megatron's: after an exit 16 and relaunch
+    REPLICA_CHECK = "replica_check"  # replica fingerprints: a majority vote or a replay
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A rank named by a diagnosis and where it computed (global rank, node, device)."""
+
+    rank: int
+    node: str
+    device: str
+
+    @property
+    def identity(self) -> Identity:
+        return self.node, self.device
+
+    def describe(self) -> str:
+        return f"rank {self.rank} ({self.node}/{self.device})"
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A finished attribution, recorded in ``<save>/rerun_verdict.json`` by ``leave``.
+
+    ``iteration``: completed iterations when it was reached (the failed iteration is logged as
+    ``iteration + 1``); ``diagnosis``: ``persistent_error``, ``correct_result`` or
+    ``replica_corruption``; ``suspects``: the ranks whose device is to be excluded (empty for a
+    correct result); ``checkpoint_iteration``: the checkpoint the relaunch resumes (None: the
+    latest one in the save directory).
+    """
+
+    iteration: int
+    diagnosis: str
+    suspects: tuple[Suspect, ...]
+    message: str
+    source: DiagnosisSource
+    checkpoint_iteration: int | None = None
+
+
 @dataclass(frozen=True)
 class RerunVerdict:
     """What the machine asks of the loop after an iteration: nothing, or exit with ``exit_code``
-    (16 or 17), after saving a checkpoint of the completed iterations when ``checkpoint``."""
+    (16 or 17), after saving a checkpoint of the completed iterations when ``checkpoint``.
+
+    ``diagnosis``: set when the exit ends an attribution (the verdict file's content);
+    ``replica_detail``: set when replica fingerprints differ (the exit is a replica mismatch)."""
 
     exit_code: int = 0
     checkpoint: bool = False
+    diagnosis: Diagnosis | None = None
+    replica_detail: str = ""
 
     @property
     def exit(self) -> bool:

@@ -1,20 +1,34 @@
-"""The path forward after the rerun machine's diagnosis: ``rerun_verdict.json``.
+"""The path forward after a diagnosis: ``<save>/rerun_verdict.json``, the launcher's record of
+the suspect devices.
 
 Megatron's protocol ends a persistent error with exit 17 and leaves the checkpoint marked "rerun
 this iteration from here on another GPU": every later launch resumes it, reruns the iteration
-and exits 17 again, so the operator has no way to continue on good hardware. Here the diagnosis
-is recorded next to the checkpoint's tracker, in ``<root>/rerun_verdict.json``::
+and exits 17 again, so the operator has no way to continue on good hardware. Here every finished
+attribution is recorded next to the checkpoint tracker (``stalwart.reliability.exit.leave``
+writes it, rank 0), whichever flow reached it::
 
     {"checkpoint": "iter_0000003", "iteration": 3, "diagnosis": "persistent_error",
-     "suspects": [["node7", "3"]], "message": "...", "time": "2026-...Z"}
+     "suspects": [["node7", "3"]], "suspect_ranks": [5], "source": "peer_replay",
+     "message": "...", "time": "2026-...Z"}
 
-(``iteration`` counts completed iterations: the failed iteration is logged as ``iteration + 1``;
-``suspects`` are the (node, device) identities that reproduced the bad value in place.) A later
-launch that resumes that checkpoint (still marked for the rerun) then:
+* ``source``: ``peer_replay`` (diagnosed in the launch that met the fault, on a peer replica),
+  ``rerun_from_checkpoint`` (Megatron's: after an exit 16 and a relaunch elsewhere) or
+  ``replica_check`` (replica fingerprints: a majority vote, or a copy that changed in a rerun);
+* ``diagnosis``: ``persistent_error``, ``correct_result`` or ``replica_corruption``;
+* ``iteration`` counts completed iterations (the failed iteration is logged as ``iteration +
+  1``); ``checkpoint`` is the checkpoint to resume (saved at ``iteration`` when the diagnosis
+  saved one, else the latest complete one);
+* ``suspects`` are the (node, device) identities to exclude, ``suspect_ranks`` their ranks in
+  the launch that found them.
 
-* on a suspect device (any rank; ``STALWART_DEVICE_ID`` simulates devices): is refused before
-  training with one line and exit code 16 (``SuspectDeviceError``: schedule it elsewhere);
-* elsewhere: drops the rerun mark and trains on from the checkpoint, past the failed iteration;
+A later launch that resumes a checkpoint of that save directory (:func:`apply_verdict`, called
+after loading; ``Checkpointer.load`` does it for a registered machine):
+
+* any rank on a suspect device (``STALWART_DEVICE_ID`` simulates devices), while the resumed
+  checkpoint is not past ``iteration``: refused before training with one line and exit code 16
+  (``SuspectDeviceError``: schedule it elsewhere);
+* elsewhere: a checkpoint marked for the rerun of the diagnosed iteration drops the mark and
+  trains on from the checkpoint, past the failed iteration;
 * after a ``correct_result`` diagnosis (the value was reproduced on another device, so the
   hardware is fine and the run itself produces it): trains on as well; if the same check fails
   again, the machine diagnoses it afresh (skip it with ``--iterations-to-skip``).
@@ -22,10 +36,10 @@ launch that resumes that checkpoint (still marked for the rerun) then:
 The file is plain JSON checked field by field (reading it runs nothing); an unreadable or
 unrelated file changes nothing (the old behaviour: the rerun from the checkpoint).
 
-Example (in a loop; both calls are collective)::
+Example (``leave`` writes the file; a hand-written loop that loads without ``Checkpointer``)::
 
-    record_verdict(machine, "/ckpt/iter_0000003", write=rank == 0)   # at the exit-17 diagnosis
-    apply_verdict(machine, "/ckpt/iter_0000003")                      # after loading that checkpoint
+    loaded = manager.load(model, optimizer)
+    apply_verdict(machine, loaded.path)      # collective; raises SuspectDeviceError (exit 16)
 """
 
 from __future__ import annotations
@@ -35,14 +49,14 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, cast
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from stalwart.distributed import collectives
 from stalwart.reliability.rerun.types import (
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+    Diagnosis,
     Identity,
-    RerunDiagnostic,
     RerunState,
     device_identity,
 )
@@ -50,7 +64,10 @@ from stalwart.reliability.rerun.types import (
 logger = logging.getLogger(__name__)
 
 VERDICT_FILENAME = "rerun_verdict.json"
-_DIAGNOSES = (RerunDiagnostic.PERSISTENT_ERROR.value, RerunDiagnostic.CORRECT_RESULT.value)
+SUSPECTS_FILENAME = "suspect_devices.json"
+_DIAGNOSES = ("persistent_error", "correct_result", "replica_corruption")
+_EXCLUDING = ("persistent_error", "replica_corruption")  # diagnoses that name bad devices
+_SOURCES = ("peer_replay", "rerun_from_checkpoint", "replica_check")
 
 
 class SuspectDeviceError(ValueError):
@@ -63,68 +80,97 @@ class SuspectDeviceError(ValueError):
 class RerunVerdict:
     """The content of ``rerun_verdict.json`` (see module docstring)."""
 
-    checkpoint: str
+    checkpoint: str | None
     iteration: int
     diagnosis: str
     suspects: list[Identity]
     message: str
     time: str
+    source: str = "rerun_from_checkpoint"
+    suspect_ranks: list[int] = field(default_factory=list)
 
 
-def record_verdict(machine: Any, checkpoint_path: str, *, write: bool) -> RerunVerdict | None:
-    """After the rerun from ``checkpoint_path`` diagnosed the event (the exit-17 path): the
-    verdict, written next to the checkpoint's tracker when ``write`` (rank 0). Collective
-    whenever the machine is in that state (the same on every rank); None otherwise."""
-    if machine.state is not RerunState.RERUNNING_FROM_CHECKPOINT:
-        return None
-    event = machine.event
-    mine = (
-        machine.diagnosis.value if machine.diagnosis is not None else None,
-        list(event.suspicious) if event is not None and event.suspicious else None,
-        event.message if event is not None else "",
-    )
-    gathered = cast(
-        "list[tuple[str | None, list[str] | None, str]]",
-        collectives.all_gather_objects(mine, machine.process_group),
-    )
-    diagnoses = {d for d, _, _ in gathered if d in _DIAGNOSES}
-    if not diagnoses:
-        return None
-    diagnosis = min(diagnoses, key=_DIAGNOSES.index)  # a persistent error on any rank wins
-    suspects = [(str(s[0]), str(s[1])) for d, s, _ in gathered if d == diagnosis and s is not None]
-    verdict = RerunVerdict(
-        checkpoint=os.path.basename(os.path.normpath(checkpoint_path)),
-        iteration=int(machine.iteration),
-        diagnosis=diagnosis,
-        suspects=suspects if diagnosis == RerunDiagnostic.PERSISTENT_ERROR.value else [],
-        message=next((m for d, _, m in gathered if d == diagnosis), ""),
+def verdict_of(diagnosis: Diagnosis, checkpoint: str | None) -> RerunVerdict:
+    """The file's content for ``diagnosis`` (``checkpoint``: the name of the one to resume)."""
+    return RerunVerdict(
+        checkpoint=checkpoint,
+        iteration=int(diagnosis.iteration),
+        diagnosis=diagnosis.diagnosis,
+        suspects=[s.identity for s in diagnosis.suspects],
+        message=diagnosis.message,
         time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        source=diagnosis.source.value,
+        suspect_ranks=[s.rank for s in diagnosis.suspects],
     )
-    if write:
-        _write(os.path.dirname(os.path.normpath(checkpoint_path)), verdict)
-    return verdict
 
 
-def _write(root: str, verdict: RerunVerdict) -> None:
+def write_verdict(root: str, diagnosis: Diagnosis) -> str | None:
+    """Write ``<root>/rerun_verdict.json`` and, when the diagnosis names suspects,
+    ``<root>/suspect_devices.json`` (:func:`suspect_devices`) atomically (rank 0 only); the
+    verdict's path, or None when it could not be written (logged: the exit must go on)."""
+    from stalwart.checkpoint.layout import iteration_dir_name, read_tracker
+
+    resumed = diagnosis.checkpoint_iteration
+    if resumed is None:
+        with contextlib.suppress(Exception):  # an unreadable tracker: no checkpoint named
+            resumed = read_tracker(root)
+    checkpoint = iteration_dir_name(resumed) if resumed is not None else None
+    verdict = verdict_of(diagnosis, checkpoint)
     path = os.path.join(root, VERDICT_FILENAME)
+    if not _write_json(path, asdict(verdict)):
+        return None
+    suspects_path = os.path.join(root, SUSPECTS_FILENAME)
+    if verdict.suspects:
+        _write_json(suspects_path, suspect_devices(diagnosis, checkpoint))
+    else:  # a later diagnosis without suspects: an older list no longer describes this run
+        with contextlib.suppress(OSError):
+            os.unlink(suspects_path)
+    where = ", ".join(f"{n}/{d}" for n, d in verdict.suspects) or "no device"
+    logger.warning(
+        "rerun verdict %s (%s) for iteration %d (suspect: %s) written to %s: a launch on other "
+        "hardware trains on from %s; the suspect devices are refused",
+        verdict.diagnosis, verdict.source, verdict.iteration + 1, where, path,
+        checkpoint or "the latest checkpoint",
+    )  # fmt: skip
+    return path
+
+
+def suspect_devices(diagnosis: Diagnosis, checkpoint: str | None) -> dict[str, Any]:
+    """The launcher's record of the devices to exclude (``<save>/suspect_devices.json``)::
+
+        {"iteration": 3, "diagnosis": "persistent_error", "source": "peer_replay",
+         "checkpoint": "iter_0000003",
+         "suspects": [{"rank": 1, "host": "node7", "device": "3"}]}
+
+    A scheduler reads it to place the relaunch elsewhere (it is written only when a diagnosis
+    names suspects; the launch itself enforces the exclusion from ``rerun_verdict.json``)."""
+    return {
+        "iteration": int(diagnosis.iteration),
+        "diagnosis": diagnosis.diagnosis,
+        "source": diagnosis.source.value,
+        "checkpoint": checkpoint,
+        "suspects": [
+            {"rank": s.rank, "host": s.node, "device": s.device} for s in diagnosis.suspects
+        ],
+    }
+
+
+def _write_json(path: str, content: dict[str, Any]) -> bool:
+    """Atomic write (temp file, fsync, rename); False (logged) when it failed: the exit goes on."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(asdict(verdict), f, indent=2)
+            json.dump(content, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:  # the diagnosis is logged anyway; the exit must go on
+    except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        logger.error("cannot write the rerun verdict %s: %s", path, exc.strerror or exc)
-        return
-    where = ", ".join(f"{n}/{d}" for n, d in verdict.suspects) or "no device"
-    logger.warning(
-        "rerun verdict %s for %s (suspect: %s) written to %s: a launch on other hardware "
-        "trains on from this checkpoint; the suspect device is refused",
-        verdict.diagnosis, verdict.checkpoint, where, path,
-    )  # fmt: skip
+        logger.error("cannot write %s: %s", path, exc.strerror or exc)
+        return False
+    return True
 
 
 def read_verdict(root: str) -> tuple[RerunVerdict | None, str]:
@@ -138,57 +184,85 @@ def read_verdict(root: str) -> tuple[RerunVerdict | None, str]:
     except (OSError, ValueError, RecursionError) as exc:
         return None, f"{path} unreadable ({type(exc).__name__})"
     try:
-        suspects = [(s[0], s[1]) for s in raw["suspects"]]
-        verdict = RerunVerdict(raw["checkpoint"], raw["iteration"], raw["diagnosis"],
-                               suspects, str(raw.get("message", "")), str(raw.get("time", "")))  # fmt: skip
+        verdict = RerunVerdict(
+            raw["checkpoint"], raw["iteration"], raw["diagnosis"],
+            [(s[0], s[1]) for s in raw["suspects"]], str(raw.get("message", "")),
+            str(raw.get("time", "")), raw.get("source", "rerun_from_checkpoint"),
+            list(raw.get("suspect_ranks", [])),
+        )  # fmt: skip
     except (TypeError, KeyError, IndexError):
         return None, f"{path} is not a rerun verdict"
-    valid = (
-        isinstance(verdict.checkpoint, str)
-        and isinstance(verdict.iteration, int)
-        and verdict.diagnosis in _DIAGNOSES
-        and all(isinstance(n, str) and isinstance(d, str) for n, d in verdict.suspects)
+    return (verdict, "") if _valid(verdict) else (None, f"{path} is not a rerun verdict")
+
+
+def _valid(v: RerunVerdict) -> bool:
+    return (
+        (v.checkpoint is None or isinstance(v.checkpoint, str))
+        and isinstance(v.iteration, int)
+        and not isinstance(v.iteration, bool)
+        and v.diagnosis in _DIAGNOSES
+        and v.source in _SOURCES
+        and all(isinstance(n, str) and isinstance(d, str) for n, d in v.suspects)
+        and all(isinstance(r, int) and not isinstance(r, bool) for r in v.suspect_ranks)
     )
-    return (verdict, "") if valid else (None, f"{path} is not a rerun verdict")
+
+
+def _loaded_iteration(checkpoint_path: str) -> int | None:
+    from stalwart.checkpoint.layout import parse_iteration_dir_name
+
+    return parse_iteration_dir_name(os.path.basename(os.path.normpath(checkpoint_path)))
 
 
 def apply_verdict(machine: Any, checkpoint_path: str) -> RerunVerdict | None:
-    """After loading ``checkpoint_path``: act on its verdict (see module docstring). Collective
-    whenever the loaded state awaits the rerun from this checkpoint; returns the verdict applied.
+    """After loading ``checkpoint_path``: act on the verdict of its save directory (see module
+    docstring). Collective (one all-reduce; every rank calls it after the same load); returns
+    the verdict applied.
 
     Raises:
         SuspectDeviceError: some rank runs on a suspect device (raised on every rank).
     """
-    if machine.state is not RerunState.WILL_RERUN_FROM_CHECKPOINT:
-        return None
     root = os.path.dirname(os.path.normpath(checkpoint_path))
     verdict, problem = read_verdict(root)
-    if problem:
+    marked = machine.state is RerunState.WILL_RERUN_FROM_CHECKPOINT
+    if problem and marked:
         logger.warning("%s; rerunning the iteration as the checkpoint asks", problem)
-    applies = (
-        verdict is not None
-        and verdict.checkpoint == os.path.basename(os.path.normpath(checkpoint_path))
+    name = os.path.basename(os.path.normpath(checkpoint_path))
+    loaded = _loaded_iteration(checkpoint_path)
+    settles = (  # the verdict is about the iteration this checkpoint reruns
+        marked
+        and verdict is not None
+        and verdict.checkpoint == name
         and verdict.iteration == machine.iteration
     )
-    here = device_identity()
-    suspect = applies and verdict is not None and here in verdict.suspects
-    not_applying, any_suspect = collectives.all_reduce_any(
-        [not applies, suspect], machine.process_group
+    excludes = (  # the run has not got past the iteration that found the suspects
+        verdict is not None
+        and verdict.diagnosis in _EXCLUDING
+        and (settles or (loaded is not None and loaded <= verdict.iteration))
     )
-    if not_applying or verdict is None:
+    here = device_identity()
+    suspect = bool(excludes and verdict is not None and here in verdict.suspects)
+    unsettled, any_suspect, any_excludes = collectives.all_reduce_any(
+        [marked and not settles, suspect, excludes], machine.process_group
+    )
+    if verdict is None or (unsettled and not any_excludes):
         return None
     if any_suspect:
         who = f"this rank's device {here[0]}/{here[1]}" if suspect else "another rank's device"
         raise SuspectDeviceError(
             f"rerun verdict {os.path.join(root, VERDICT_FILENAME)}: {who} produced the "
-            f"persistent error at iteration {verdict.iteration + 1}; resume "
+            f"{verdict.diagnosis.replace('_', ' ')} at iteration {verdict.iteration + 1}; resume "
             f"{checkpoint_path} on other hardware"
         )
-    machine.forget_rerun_from_checkpoint()
-    if machine.rank == 0:
-        logger.warning(
-            "rerun verdict %s for iteration %d (%s): this launch does not run on a suspect "
-            "device; training on from %s",
-            verdict.diagnosis, verdict.iteration + 1, verdict.message, checkpoint_path,
-        )  # fmt: skip
-    return verdict
+    if unsettled:
+        return None  # a mark the verdict is not about: the rerun from the checkpoint
+    if settles or any_excludes:
+        if marked:
+            machine.forget_rerun_from_checkpoint()
+        if machine.rank == 0:
+            logger.warning(
+                "rerun verdict %s for iteration %d (%s): this launch does not run on a suspect "
+                "device; training on from %s",
+                verdict.diagnosis, verdict.iteration + 1, verdict.message, checkpoint_path,
+            )  # fmt: skip
+        return verdict
+    return None

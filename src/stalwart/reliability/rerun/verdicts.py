@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -25,12 +25,18 @@ from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.stats import LargeValueTracker, QuickStats
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    EXIT_CODE_RESUME_TO_DISAMBIGUATE,
     CallKey,
+    Diagnosis,
+    DiagnosisSource,
     Identity,
     RerunDiagnostic,
     RerunMode,
     RerunState,
     RerunValidationStatus,
+    RerunVerdict,
+    Suspect,
     device_identity,
 )
 
@@ -41,6 +47,8 @@ _DEVICE_INDEX = re.compile(r"(?:[a-z]+:)?(\d+)")
 machine_logger = logging.getLogger("stalwart.reliability.rerun.machine")
 
 STATE_DICT_VERSION = 1
+# Diagnoses a rerun from a checkpoint can reach, the one that wins first.
+_DIAGNOSES = (RerunDiagnostic.PERSISTENT_ERROR.value, RerunDiagnostic.CORRECT_RESULT.value)
 
 
 @dataclass
@@ -72,6 +80,8 @@ class EventMixin:
     stats: dict[str, QuickStats]
     last_report: str | None
     _saved_results: dict[CallKey, float]
+    _pending_diagnosis: Diagnosis | None
+    _replica_detail: str
     REPORTING_INTERVAL_ITERATIONS: int
 
     @property
@@ -183,6 +193,68 @@ class EventMixin:
             )
         return False, ev.fatal, not ev.fatal
 
+    def verdict(self) -> RerunVerdict:
+        """The iteration's outcome once its passes are done (logs the exit message once).
+
+        An exit that ends an attribution carries its :class:`Diagnosis` (``rerun_verdict.json``;
+        ``stalwart.reliability.exit.leave`` writes it)."""
+        if self.mode is not RerunMode.VALIDATE_RESULTS:
+            return RerunVerdict()
+        state, diagnosis, replica = self.state, self._pending_diagnosis, self._replica_detail
+        if state is RerunState.RERUNNING_IN_PLACE:
+            self._log0("Exiting now. The job can be resumed from a previous checkpoint.")
+            return RerunVerdict(EXIT_CODE_FAILED_ON_RESULT_VALIDATION, False, diagnosis, replica)
+        if state is RerunState.WILL_RERUN_FROM_CHECKPOINT and diagnosis is not None:
+            self._log0(
+                f"Saving a checkpoint and exiting now: {diagnosis.diagnosis} diagnosed in this "
+                "launch; a relaunch without the suspect devices trains on from it."
+            )
+            return RerunVerdict(EXIT_CODE_FAILED_ON_RESULT_VALIDATION, True, diagnosis, replica)
+        if state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
+            self._log0(
+                "Saving a checkpoint and exiting now. Please resume the job from this checkpoint "
+                "to rerun the last iteration on a different GPU and establish a diagnostic."
+            )
+            return RerunVerdict(EXIT_CODE_RESUME_TO_DISAMBIGUATE, checkpoint=True)
+        if state is RerunState.RERUNNING_FROM_CHECKPOINT:
+            self._log0("Exiting now. A checkpoint at the last iteration already exists.")
+            return RerunVerdict(EXIT_CODE_FAILED_ON_RESULT_VALIDATION, diagnosis=diagnosis)
+        if state is RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT:
+            self._log0(
+                "Exiting now. Please resume the job from the same checkpoint on another GPU."
+            )
+            return RerunVerdict(EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+        return RerunVerdict()
+
+    def _checkpoint_diagnosis(self) -> Diagnosis | None:
+        """The diagnosis of the rerun from a checkpoint (collective: every rank calls it once
+        the ranks agreed on the fatal exit). A persistent error on any rank wins."""
+        ev = self.event
+        mine = (
+            self.diagnosis.value if self.diagnosis is not None else None,
+            list(ev.suspicious) if ev is not None and ev.suspicious else None,
+            ev.message if ev is not None else "",
+            self.rank,
+        )
+        gathered = cast(
+            "list[tuple[str | None, list[str] | None, str, int]]",
+            collectives.all_gather_objects(mine, self.process_group),
+        )
+        found = {d for d, _, _, _ in gathered if d in _DIAGNOSES}
+        if not found:
+            return None
+        kind = min(found, key=_DIAGNOSES.index)
+        suspects = tuple(
+            Suspect(rank, str(s[0]), str(s[1]))
+            for d, s, _, rank in gathered
+            if d == kind == RerunDiagnostic.PERSISTENT_ERROR.value and s is not None
+        )
+        message = next((m for d, _, m, _ in gathered if d == kind), "")
+        return Diagnosis(
+            self.iteration, kind, suspects, message, DiagnosisSource.RERUN_FROM_CHECKPOINT,
+            self.iteration,
+        )  # fmt: skip
+
     def _finish_event(self) -> None:
         """A non-fatal event is over: forget it and its injection so injection can continue."""
         self.event = None
@@ -194,6 +266,8 @@ class EventMixin:
         self._finish_event()
         self.state = RerunState.NOT_RUNNING_YET
         self._awaiting_exit = False
+        self._pending_diagnosis = None
+        self._replica_detail = ""
 
     # ------------------------------------------------------------------------------ logging
     def _describe(self, message: str) -> str:
@@ -303,6 +377,14 @@ class EventMixin:
         self.state = state
         self.iteration = int(sd["iteration"])
         self._awaiting_exit = False
+
+    def after_load(self, checkpoint_path: str) -> None:
+        """After its checkpoint was loaded (``Checkpointer.load`` calls it; collective): apply
+        the save directory's ``rerun_verdict.json`` (refuse a suspect device with
+        ``SuspectDeviceError``, or drop a settled rerun mark and train on)."""
+        from stalwart.reliability.rerun.verdict_file import apply_verdict
+
+        apply_verdict(self, checkpoint_path)
 
     def _load_device_windows(self, windows: dict[str, Any]) -> None:
         """Overridden by the machine (it owns the buffer)."""
