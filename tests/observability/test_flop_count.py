@@ -76,3 +76,19 @@ def test_per_iteration_scales_and_rejects_bad_sizes() -> None:
     assert counted.per_iteration(num_microbatches=4, data_parallel_size=2) == 80.0
     with pytest.raises(ValueError, match="must be >= 1"):
         counted.per_iteration(num_microbatches=0)
+
+
+def test_grouped_query_attention_counts_per_query_head() -> None:
+    """The kernel that reads shared key/value heads (bf16) counts what the repeated heads
+    (fp32) count: torch's own formula asserts equal heads and failed on the GPU's flash path."""
+    from stalwart.models.functional import causal_attention
+
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    counts = []
+    for dtype in (torch.float32, torch.bfloat16):
+        qq, kk, vv = (t.to(dtype).requires_grad_() for t in (q, k, v))
+        counts.append(
+            flop_count.count_flops(lambda: causal_attention(qq, kk, vv, 0.0).sum().backward())
+        )
+    # 2 (fwd) + 5 (bwd) [b*h*s*s*d] matmul-FLOP units: 7 * 2 * 2*4*16*16*8 = 229376
+    assert counts == [229376, 229376]

@@ -157,3 +157,24 @@ def test_grad_corruption_fires_after_the_backward_and_refuses_another_phase(
     assert getattr(build("step"), "phase", None) == "backward"  # the default: where it fires
     with pytest.raises(ValueError, match="--inject-fault-phase: grad_corruption fires after"):
         build("eval")
+
+
+def test_replay_determinism_pins_sdpa_backends_and_restores() -> None:
+    """A named SDPA backend is pinned inside the block (a pybind enum: looked up by attribute,
+    which failed on the H200 with "SDPBackend is not subscriptable"); deterministic algorithms
+    are on inside and restored after; a wrong name is one line listing the allowed ones."""
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+    from stalwart.reliability.rerun import ReplayDeterminism
+
+    q = torch.randn(1, 2, 8, 4)
+    with ReplayDeterminism(sdpa_backends=("math",)).applied():
+        assert torch.are_deterministic_algorithms_enabled()
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert not torch.are_deterministic_algorithms_enabled()
+    bad = ReplayDeterminism(sdpa_backends=("warp",))
+    with pytest.raises(ValueError, match=r"sdpa_backends: \['warp'\].*allowed: .*math"):
+        bad.applied().__enter__()
+    assert not torch.are_deterministic_algorithms_enabled()

@@ -64,7 +64,8 @@ class CountedFlops:
 
 
 def flop_counter() -> Any:
-    """torch's ``FlopCounterMode``, also counting the CPU attention kernel.
+    """torch's ``FlopCounterMode``, also counting the CPU attention kernel and grouped-query
+    attention.
 
     torch's registry knows the CUDA attention kernels (flash, memory-efficient, cuDNN) but not
     ``_scaled_dot_product_flash_attention_for_cpu`` (what ``scaled_dot_product_attention`` runs
@@ -74,24 +75,45 @@ def flop_counter() -> Any:
 
     mapping: dict[Any, Any] = {}
     aten = torch.ops.aten
-    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if forward is not None:
-        mapping[forward] = _sdpa_forward
-    if backward is not None:
-        mapping[backward] = _sdpa_backward
+    # The CUDA kernels are mapped too: torch's formulas assert that key and value have the
+    # query's heads, which grouped-query attention through the flash kernel does not have.
+    for name in SDPA_KERNELS:
+        forward = getattr(aten, name, None)
+        backward = getattr(aten, name + "_backward", None)
+        if forward is not None:
+            mapping[forward] = _sdpa_forward
+        if backward is not None:
+            mapping[backward] = _sdpa_backward
     return fc.FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+SDPA_KERNELS = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def _query_heads(query: Any, kv: Any) -> Any:
+    """``kv``'s shape ``[b, groups, s, d]`` counted with the query's heads: grouped-query
+    attention reads each key/value head for several query heads; the work is per query head."""
+    if len(kv) == 4 and len(query) == 4 and kv[1] != query[1]:
+        return (kv[0], query[1], kv[2], kv[3])
+    return kv
 
 
 def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
     from torch.utils.flop_counter import sdpa_flop_count
 
-    return int(sdpa_flop_count(query, key, value))  # shapes: the counter passes shapes
+    # shapes: the counter passes shapes
+    return int(sdpa_flop_count(query, _query_heads(query, key), _query_heads(query, value)))
 
 
 def _sdpa_backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
     from torch.utils.flop_counter import sdpa_backward_flop_count
 
+    key, value = _query_heads(query, key), _query_heads(query, value)
     return int(sdpa_backward_flop_count(grad, query, key, value))
 
 

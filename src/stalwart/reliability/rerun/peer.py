@@ -102,12 +102,14 @@ class ReplayDeterminism:
 def _sdpa_kernel(names: tuple[str, ...]) -> contextlib.AbstractContextManager[Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    try:
-        backends = [SDPBackend[name.upper()] for name in names]
-    except KeyError:
-        allowed = ", ".join(b.name for b in SDPBackend if b.name != "ERROR")
-        raise ValueError(f"ReplayDeterminism.sdpa_backends: {names} (allowed: {allowed})") from None
-    return sdpa_kernel(backends)
+    # SDPBackend is a pybind11 enum: members by attribute (not subscriptable, not iterable).
+    members = {k.lower(): v for k, v in vars(SDPBackend).items() if isinstance(v, SDPBackend)}
+    members.pop("error", None)
+    unknown = [name for name in names if name.lower() not in members]
+    if unknown:
+        allowed = ", ".join(sorted(members))
+        raise ValueError(f"ReplayDeterminism.sdpa_backends: {unknown} (allowed: {allowed})")
+    return sdpa_kernel([members[name.lower()] for name in names])
 
 
 @dataclass(frozen=True)
