@@ -67,7 +67,7 @@ def test_campaign_covers_every_fault_kind_and_passes(tmp_path: Path, capsys) -> 
     recoverable runs bitwise equal to the fault-free run, the rest with their documented code."""
     out = tmp_path / "chaos.json"
     argv = ["--work-dir", str(tmp_path / "w"), "--json", str(out), "--iterations", "9",
-            "--save-interval", "3", "--seed", "1", "--jobs", "2"]  # fmt: skip
+            "--save-interval", "3", "--seed", "1", "--jobs", "3"]  # fmt: skip
     code = main_chaos(argv)
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
