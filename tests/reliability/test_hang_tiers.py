@@ -70,8 +70,15 @@ def _run_worker(tmp_path: Path, mode: str, env: dict[str, str] | None = None) ->
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     started = time.monotonic()
     proc.wait(timeout=30)
+    elapsed = time.monotonic() - started
     assert proc.returncode == -9
-    return time.monotonic() - started, save / "ft_logs"
+    # The monitor writes its report last, after the kill: on a loaded machine the test can see
+    # the worker gone before the monitor's last lines and its report are on disk.
+    report = save / "ft_logs" / "ft_hang_rank3.json"
+    deadline = time.monotonic() + 15.0
+    while not report.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return elapsed, save / "ft_logs"
 
 
 def test_soft_tier_writes_its_dump_and_the_fault_record_before_the_kill(tmp_path) -> None:
