@@ -202,6 +202,8 @@ class ValidationBuffer:
     :meth:`update_gate` sets it from the pass's device verdicts, max-reduced across ranks.
     """
 
+    state: torch.Tensor  # rows: values, LARGE verdicts
+
     def __init__(
         self,
         device: torch.device | str,
