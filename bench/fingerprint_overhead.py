@@ -40,13 +40,16 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from check_overhead import Variant  # the trainer stepped in place, as check_overhead does
 from stalwart.cli.args import parse_train_args
 from stalwart.config.run import build_run_config
 from stalwart.distributed.process_group import DistributedContext
+from stalwart.reliability.rerun import ReplicaGate
 from stalwart.train.trainer import Trainer
 
 from bench_utils import percentile, sync
@@ -63,21 +66,17 @@ def variant_flags(sample_fraction: float) -> dict[str, list[str]]:
     }
 
 
-class Stepper:
-    """One trainer stepped by its guarded step, counting its iterations and fingerprints."""
+@dataclass
+class Stepper(Variant):
+    """One trainer stepped by its guarded step (``check_overhead.Variant``), counting its
+    fingerprints."""
 
-    def __init__(self, name: str, trainer: Trainer) -> None:
-        self.name, self.trainer, self.iteration = name, trainer, 0
-        self.gate = trainer.machine.replicas
+    gate: ReplicaGate | None = field(init=False)
+    recorded_at_start: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.gate = self.trainer.machine.replicas
         self.recorded_at_start = self.gate.num_recorded if self.gate is not None else 0
-
-    def run(self, iters: int) -> None:
-        t = self.trainer
-        for _ in range(iters):
-            t.scheduler.set_iteration(self.iteration)
-            if t.step.run(self.iteration).verdict.exit:
-                raise RuntimeError(f"{self.name}: the rerun state machine asked to exit")
-            self.iteration += 1
 
     def fingerprint_count(self) -> dict[str, Any]:
         """How many fingerprints the gate recorded (one per iteration, or the figure is void)
