@@ -40,6 +40,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,7 +111,14 @@ def build(name: str, flags: list[str], mode: str, args: argparse.Namespace) -> S
 
 def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
-    steppers = [build(n, f, mode, args) for n, f in variant_flags(args.sample_fraction).items()]
+    steppers: list[Stepper] = []
+    try:
+        for name, flags in variant_flags(args.sample_fraction).items():
+            steppers.append(build(name, flags, mode, args))
+    except Exception:
+        for s in steppers:  # the next mode gets the device's memory back
+            s.trainer.close()
+        raise
     for s in steppers:  # warm-up: allocator, autotuning, graph capture
         s.run(args.warmup)
     times: dict[str, list[float]] = {s.name: [] for s in steppers}
@@ -208,14 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         torch.cuda.set_device(0)
         args.device = "cuda:0"
-    results = []
+    results: list[dict[str, Any]] = []
+    failed = []
     for mode in args.modes.split(","):
-        results.append(measure(mode, args))
+        try:
+            results.append(measure(mode, args))
+        except Exception:  # one GPU call measures every mode it can: the failure is reported
+            failed.append(mode)
+            print(f"\n{args.preset} / {mode}: Error\n{traceback.format_exc()}", flush=True)
+            continue
         print_result(results[-1])
         if args.json:  # after every mode: a run cut short keeps what it measured
             with open(args.json, "w") as fh:
                 json.dump({"torch": torch.__version__, "results": results}, fh, indent=1)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
