@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,9 +25,6 @@ from stalwart.reliability.rerun.buffer import (
 from stalwart.reliability.rerun.core import MachineCore
 from stalwart.reliability.rerun.stats import LargeValueTracker, compare_floats, host_float
 from stalwart.reliability.rerun.types import CallKey, RerunMode, RerunState
-
-if TYPE_CHECKING:
-    pass
 
 
 class RecordingMixin(MachineCore):
