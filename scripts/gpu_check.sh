@@ -86,6 +86,13 @@ step replica_check 120 python3 bench/replica_check.py --preset gpt2-124m --devic
 # The in-step sampled fingerprint of weights + all-reduced gradients (issue 15: <= 0.5%).
 step replica_sampled 180 python3 bench/replica_check.py --preset gpt2-124m --device cuda --bf16 \
   --sample-fraction 0.01 --iters 100 --json "$WORK/replica_sampled.json"
+# The same fingerprint (sampled 1% and full) against it truly off, side by side in one process,
+# under full-iteration graphs (tight spread) then eager, variants rotating per round (~110 s).
+step bench_fingerprint 150 python3 bench/fingerprint_overhead.py --device cuda --bf16 \
+  --preset gpt2-124m --json "$WORK/fingerprint_overhead.json"
+# Opt-in (gpu_tests runs it too): the peer replay's determinism test alone.
+[[ " ${STEPS:-} " == *" peer_replay_gpu "* ]] && step peer_replay_gpu 120 python3 -m pytest -q -s \
+  -rfs -m gpu -p no:cacheprovider tests/gpu/test_peer_replay_gpu.py
 
 # Library-level graph benchmark (bench/graphs.py): every variant but the torch.compile ones
 # (those take minutes to compile: STEPS=bench_graphs_compiled).
@@ -141,6 +148,8 @@ for f in "$WORK"/train_diverge_*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "Unexpected result|reproducible|exit reason" "$f" | cut -c1-220 | tail -4; }
 done
 [ -f "$WORK/bench_checks.log" ] && { echo "== bench_checks"; grep -E "^\||^- |^[a-z0-9-]+ / " "$WORK/bench_checks.log"; }
+[ -f "$WORK/bench_fingerprint.log" ] && { echo "== bench_fingerprint"; grep -E "^\||^- |^[a-z0-9-]+ / |Error" "$WORK/bench_fingerprint.log"; }
+[ -f "$WORK/peer_replay_gpu.log" ] && { echo "== peer_replay_gpu"; grep -E "replay under|^FAILED|^ERROR|passed|failed|Error" "$WORK/peer_replay_gpu.log" | cut -c1-300; }
 [ -f "$WORK/bench_speculative.log" ] && { echo "== bench_speculative"; grep -E "^\||^- |^round" "$WORK/bench_speculative.log"; }
 for f in "$WORK"/bench_graphs*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "^\||^- " "$f"; }

@@ -4,7 +4,12 @@ the training pass within the machine's tolerances (loss exact, gradients 0.1%).
 
 And, on two GPUs, the peer replay under full-iteration CUDA graphs (NCCL, DDP).
 
-Run by ``scripts/gpu_check.sh`` (step ``gpu_tests``) on the device machine; prints the figures.
+On one GPU, from the repository root (prints the figures; the two-GPU test skips):
+
+    PYTHONPATH=src python3 -m pytest -q -s -rfs -m gpu -p no:cacheprovider tests/gpu/test_peer_replay_gpu.py
+
+(``scripts/gpu_check.sh``: step ``gpu_tests`` with every GPU test, or ``peer_replay_gpu`` alone.)
+The CPU form of the comparison (toy sizes, no mark) runs in ``make test``.
 """
 
 from __future__ import annotations
@@ -21,15 +26,15 @@ from stalwart.reliability.rerun import ReplayDeterminism, capture_rng_state, res
 
 from train_utils import run_cli
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+# The same comparison on CPU at toy sizes: the code path (RNG capture and restore, both settings
+# applied and undone, the SDPA pin) runs in every `make test`; the figures are the GPU's.
+TOY = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 16,
+       "vocab_size": 256}  # fmt: skip
 
 
 def _pass(model: GPT, tokens: torch.Tensor) -> tuple[float, list[float]]:
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
         out = model(tokens[:, :-1], tokens[:, 1:])
     assert isinstance(out, dict)
     out["loss"].backward()
@@ -37,12 +42,15 @@ def _pass(model: GPT, tokens: torch.Tensor) -> tuple[float, list[float]]:
     return out["loss"].item(), norms
 
 
-@pytest.mark.parametrize("preset", ["gpt2-124m"])
-def test_clean_replay_under_replay_determinism_is_within_tolerance(preset: str) -> None:
+def _compare_replays(
+    preset: str, device: str, batch: int, **overrides: object
+) -> list[tuple[ReplayDeterminism, float, float]]:
+    """A training pass, then its replay under each setting from the same RNG state:
+    ``(settings, replay loss - training loss, worst relative gradient-norm difference)``."""
     torch.manual_seed(0)
-    config = preset_model_config(preset)
-    model = GPT(config).cuda()
-    tokens = torch.randint(0, config.vocab_size, (8, config.seq_length + 1), device="cuda")
+    config = preset_model_config(preset, **overrides)
+    model = GPT(config).to(device)
+    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_length + 1), device=device)
     _pass(model, tokens)  # warm-up: kernels chosen, caches filled
     rng = capture_rng_state()
     loss, norms = _pass(model, tokens)  # the training pass, training settings
@@ -50,19 +58,34 @@ def test_clean_replay_under_replay_determinism_is_within_tolerance(preset: str) 
     for settings in (ReplayDeterminism(), ReplayDeterminism(sdpa_backends=("flash_attention",))):
         restore_rng_state(rng)
         with settings.applied():
-            results.append((settings, *_pass(model, tokens)))
-    assert not torch.are_deterministic_algorithms_enabled()  # restored after the replay
-    for settings, replay_loss, replay_norms in results:
+            replay_loss, replay_norms = _pass(model, tokens)
+        assert len(replay_norms) == len(norms) > 0
         worst = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(norms, replay_norms))
         print(
-            f"{preset} replay under {settings}: loss {loss!r} vs {replay_loss!r}, worst "
-            f"relative gradient-norm difference {worst:.3e} over {len(norms)} tensors"
+            f"{preset} on {device}, replay under {settings}: loss {loss!r} vs {replay_loss!r}, "
+            f"worst relative gradient-norm difference {worst:.3e} over {len(norms)} tensors"
         )
+        results.append((settings, replay_loss - loss, worst))
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after the replay
+    return results
+
+
+@pytest.mark.parametrize("preset", ["gpt2-124m"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_clean_replay_under_replay_determinism_is_within_tolerance(preset: str) -> None:
+    for settings, loss_difference, worst in _compare_replays(preset, "cuda", 8):
         if not settings.sdpa_backends:  # the default: what the machine compares with
-            assert replay_loss == loss  # the loss check's tolerance is 0
+            assert loss_difference == 0  # the loss check's tolerance is 0
             assert worst <= 1e-3  # the gradient checks' 0.1%
 
 
+def test_clean_replay_on_cpu_is_exact() -> None:
+    for _settings, loss_difference, worst in _compare_replays("tiny", "cpu", 2, **TOY):
+        assert loss_difference == 0 and worst == 0  # CPU kernels are deterministic
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_peer_replay_under_full_iteration_graphs_on_two_gpus(tmp_path: Path) -> None:
     """``persistent_error`` on rank 1 after capture (iteration 15): the peer (rank 0) replays

@@ -103,6 +103,32 @@ def test_sampled_schedule_covers_every_parameter_every_n_iterations() -> None:
         RerunConfig(check_weight_hash_sample_fraction=1.5)
 
 
+def test_gate_fingerprints_one_column_per_weight_and_gradient_even_without_gradients() -> None:
+    """A parameter without a gradient gets a zero gradient column (the labels stay aligned);
+    the others' columns are their exact fingerprints; a world of one gathers its own row."""
+    import torch
+
+    from stalwart.reliability.replica_check import tensor_fingerprints
+    from stalwart.reliability.rerun import ReplicaGate
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    params[0].grad = torch.randn(4, 3)
+    gate = ReplicaGate(ReplicaSchedule(interval=1))
+    fp = gate.fingerprints(0, params, ["a", "b"])
+    assert fp is not None and fp.dtype == torch.int64
+    assert gate.columns == ["a", "b", "a.grad", "b.grad"] and gate.weight_columns == 2
+    assert fp[:2].tolist() == tensor_fingerprints([p.detach() for p in params]).tolist()
+    assert fp[2].item() == tensor_fingerprints([params[0].grad])[0].item() != 0
+    assert fp[3].item() == 0
+    params[1].grad = torch.zeros(5)  # an all-zero gradient fingerprints as zero too
+    assert gate.fingerprints(0, params)[3].item() == 0  # type: ignore[index]
+    assert gate.gather(fp).tolist() == [fp.tolist()] and gate.num_recorded == 1
+    params[0].grad = None
+    params[1].grad = None
+    assert gate.fingerprints(0, params)[2:].tolist() == [0, 0]  # type: ignore[index]
+
+
 def test_verdict_writes_the_launchers_suspect_list_and_drops_a_stale_one(tmp_path: Path) -> None:
     suspect = Suspect(5, "node7", "3")
     persistent = Diagnosis(3, "persistent_error", (suspect,), "m", DiagnosisSource.PEER_REPLAY, 3)

@@ -45,6 +45,25 @@ def test_fingerprints_shape_dtype_and_determinism() -> None:
     assert not torch.equal(fa, parameter_fingerprints(_model(seed=4)))
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 22])
+def test_fingerprint_is_the_documented_sum(dtype: torch.dtype, chunk: int) -> None:
+    """The exact value: sum of unsigned word i times (2 i + 1), modulo 2**64, as an int64
+    (computed here in Python integers), whatever the chunking; an empty tensor is zero."""
+    from stalwart.reliability.replica_check import tensor_fingerprints
+
+    torch.manual_seed(1)
+    tensors = [torch.randn(5, 3).to(dtype), torch.randn(7).to(dtype), torch.empty(0, dtype=dtype)]
+    bits = 16 if dtype in (torch.bfloat16, torch.float16) else 32
+    expected = []
+    for t in tensors:
+        words = t.contiguous().view(-1).view(torch.int16 if bits == 16 else torch.int32).tolist()
+        total = sum((w % (1 << bits)) * (2 * i + 1) for i, w in enumerate(words)) % (1 << 64)
+        expected.append(total - (1 << 64) if total >= 1 << 63 else total)
+    assert tensor_fingerprints(tensors, chunk_words=chunk).tolist() == expected
+    assert expected[-1] == 0
+
+
 def test_fingerprints_independent_of_chunking() -> None:
     model = _model()
     reference = parameter_fingerprints(model)

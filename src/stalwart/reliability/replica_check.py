@@ -110,13 +110,16 @@ def _fingerprint_one(param: torch.Tensor, chunk_words: int) -> torch.Tensor:
     int_dtype, mask = _WORD_VIEWS[param.dtype]
     # contiguous() gives the canonical element order, so layout differences cannot hide changes.
     words = param.detach().contiguous().view(-1).view(int_dtype)
-    total = torch.zeros((), dtype=torch.int64, device=words.device)
+    total: torch.Tensor | None = None  # no zeros-then-add for a one-chunk tensor: fewer kernels
     for start in range(0, words.numel(), chunk_words):
         chunk = words[start : start + chunk_words].to(torch.int64).bitwise_and_(mask)
         end = start + chunk.numel()
         # Odd, distinct weights 2i+1: no change of a word can vanish modulo 2**64.
         weight = torch.arange(2 * start + 1, 2 * end + 1, 2, dtype=torch.int64, device=words.device)
-        total += chunk.mul_(weight).sum()  # int64 wraps modulo 2**64: order-independent
+        part = chunk.mul_(weight).sum()  # int64 wraps modulo 2**64: order-independent
+        total = part if total is None else total.add_(part)
+    if total is None:  # an empty tensor
+        return torch.zeros((), dtype=torch.int64, device=words.device)
     return total
 
 

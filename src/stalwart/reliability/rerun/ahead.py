@@ -5,29 +5,13 @@ Split from ``machine.py`` to keep files small; mixed into ``RerunStateMachine``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-from stalwart.reliability.rerun.buffer import ValidationBuffer
-from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.passes import Ahead, Records, Saved
-from stalwart.reliability.rerun.rng import RngStateTracker, capture_rng_state, restore_rng_state
+from stalwart.reliability.rerun.core import MachineCore
+from stalwart.reliability.rerun.passes import Ahead, Saved
+from stalwart.reliability.rerun.rng import capture_rng_state, restore_rng_state
 
 
-class AheadMixin:
-    """Look-ahead support; the machine provides the state used here."""
-
-    injector: RerunErrorInjector
-    rng: RngStateTracker
-    state_save_func: Callable[[], Any] | None
-    _records: Records
-    _reading: Records
-    _ahead: Ahead | None
-    _buffer: ValidationBuffer | None
-    _buffers: list[ValidationBuffer]
-
-    def allows_step_before_validation(self) -> bool:
-        raise NotImplementedError
+class AheadMixin(MachineCore):
+    """Look-ahead support (a part of the machine: ``core.MachineCore``)."""
 
     def can_gate_step(self) -> bool:
         """Whether the optimizer step may be enqueued before this pass is read, gated on the

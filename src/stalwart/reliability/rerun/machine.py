@@ -12,6 +12,10 @@ Per iteration the loop does (see :meth:`RerunStateMachine.should_run_forward_bac
 step and the next iteration launched before the read). Recording never syncs. The second call
 of ``should_run_forward_backward`` reads every recorded value in one deliberate host sync and
 agrees with the other ranks in one collective before changing state.
+
+The machine's parts live in their own modules, each a subclass of ``core.MachineCore`` (the
+state they share, declared once): ``recording``, ``ahead``, ``verdicts``, ``peer_flow`` and
+``replicas``; this module holds the constructor, the public API and the state transitions.
 """
 
 from __future__ import annotations
@@ -31,29 +35,25 @@ from stalwart.reliability.rerun.ahead import AheadMixin
 from stalwart.reliability.rerun.buffer import (
     INF_RULE,
     NAN_RULE,
-    ValidationBuffer,
-    ValidationRecord,
 )
 from stalwart.reliability.rerun.checks import CheckRows
+from stalwart.reliability.rerun.core import VALIDATE
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
 from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.passes import Ahead, Records, Saved
-from stalwart.reliability.rerun.peer import PeerPlan, ReplayDeterminism
+from stalwart.reliability.rerun.passes import Records
+from stalwart.reliability.rerun.peer import ReplayDeterminism
 from stalwart.reliability.rerun.peer_flow import PeerReplayMixin
 from stalwart.reliability.rerun.reading import read_values
 from stalwart.reliability.rerun.recording import RecordingMixin
 from stalwart.reliability.rerun.replicas import ReplicaGate, ReplicaMixin
-from stalwart.reliability.rerun.rng import RngStateTracker, restore_rng_state
-from stalwart.reliability.rerun.stats import LargeValueTracker
+from stalwart.reliability.rerun.rng import RngStateTracker
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
-    CallKey,
     CheckConfig,
-    Diagnosis,
     RerunMode,
     RerunState,
 )
-from stalwart.reliability.rerun.verdicts import Event, EventMixin
+from stalwart.reliability.rerun.verdicts import EventMixin
 
 logger = logging.getLogger(__name__)
 
@@ -123,19 +123,19 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         self.state = RerunState.NOT_RUNNING_YET
         self.iteration = -1
         self.diagnosis = None
-        self.event: Event | None = None
+        self.event = None
         self.stats = {}
-        self.last_report: str | None = None
+        self.last_report = None
         self._records = Records()  # where new records go (the pass begun ahead, if any)
         self._reading = self._records  # the pass the next read evaluates
-        self._ahead: Ahead | None = None
-        self._buffer: ValidationBuffer | None = None
-        self._buffers: list[ValidationBuffer] = []
-        self._windows_to_load: dict[str, Any] = {}
+        self._ahead = None
+        self._buffer = None
+        self._buffers = []
+        self._windows_to_load = {}
         self.device = torch.device(device) if device is not None else None
-        self._saved: Saved | None = None
-        self._saved_results: dict[CallKey, float] = {}
-        self._large: dict[str, LargeValueTracker] = {}
+        self._saved = None
+        self._saved_results = {}
+        self._large = {}
         self._awaiting_exit = False
         self._announced = False
         self._iteration_set = False
@@ -155,27 +155,15 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         self.replay_determinism = replay_determinism or ReplayDeterminism()
         self.local_grad_checks = True  # False: gradient checks see reduced shards (FSDP2)
         self.replicas = replicas
-        self.last_attribution_seconds: float | None = None
-        self._peer_plan: PeerPlan | None = None
-        self._pending_diagnosis: Diagnosis | None = None
+        self.last_attribution_seconds = None
+        self._peer_plan = None
+        self._pending_diagnosis = None
         self._final_pass = False
-        self._rejected_at: float | None = None
-        self._replica_originals: list[list[int]] | None = None
+        self._rejected_at = None
+        self._replica_originals = None
         self._replica_detail = ""
 
-    # ----------------------------------------------------------------- identity / configuration
-    @property
-    def rank(self) -> int:
-        return dist.get_rank() if collectives.is_initialized() else 0
-
-    @property
-    def group_rank(self) -> int:
-        return dist.get_rank(self.process_group) if collectives.is_initialized() else 0
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size(self.process_group) if collectives.is_initialized() else 1
-
+    # ------------------------------------------------------------------------- configuration
     def get_mode(self) -> RerunMode:
         return self.mode
 
@@ -193,30 +181,6 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         """
         self.iteration = int(iteration)
         self._iteration_set = True
-
-    @property
-    def buffer(self) -> ValidationBuffer | None:
-        """The machine's one device check buffer (None before the first device check)."""
-        return self._buffer
-
-    def check_buffer(self, device: torch.device) -> ValidationBuffer:
-        """The device check buffer, created on ``device`` on first use."""
-        if self._buffer is None:
-            self._buffer = ValidationBuffer(device, name="", may_inject=self.injector.enabled)
-            self._buffers.insert(0, self._buffer)
-            if self._windows_to_load:
-                self._buffer.load_tracker_state(self._windows_to_load)
-                self._windows_to_load = {}
-        elif self._buffer.device != torch.device(device):
-            raise ValueError(
-                f"device checks on {device} but the rerun machine's buffer is on "
-                f"{self._buffer.device}: record all checks on one device"
-            )
-        return self._buffer
-
-    def attach_buffer(self, buffer: ValidationBuffer) -> None:
-        """Also read ``buffer`` (slots declared with ``add_check``) in the per-iteration sync."""
-        self._buffers.append(buffer)
 
     def register_generator(
         self, name: str, get: Callable[[], Any], set: Callable[[Any], object]
@@ -396,15 +360,6 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         self._accept(iterators)
         return False
 
-    def _exit_after_rerun(self, iterators: list[RerunDataIterator[Any]], checkpoint: bool) -> None:
-        """Back to the iteration's start, then exit (saving first when ``checkpoint``)."""
-        self._restore_state()
-        for it in iterators:
-            it.rewind()
-        self._awaiting_exit = True
-        if checkpoint:
-            self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
-
     def _start_rerun_from_checkpoint(self, iteration: int | None) -> bool:
         if iteration is not None and iteration != self.iteration:
             logger.warning(
@@ -433,12 +388,6 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         return False
 
     # ------------------------------------------------------------------------------ helpers
-    def _accept(self, iterators: list[RerunDataIterator[Any]]) -> None:
-        """The iteration is done: its data is consumed for good (checkpoints resume after it)."""
-        self.state = RerunState.NOT_RUNNING_YET
-        for it in iterators:
-            it.commit()
-
     def _sanitize(self, data_iterator: Any) -> list[RerunDataIterator[Any]]:
         if data_iterator is None:
             return []
@@ -455,54 +404,5 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
                 raise TypeError("data iterator is not wrapped with RerunDataIterator")
         return out
 
-    def _inject_decision(self, key: CallKey) -> bool:
-        if self.state is RerunState.REPLAYING_ON_PEER:
-            return self.mode is VALIDATE and self._peer_corrupts(key)
-        if self.mode is not VALIDATE or not self.injector.enabled:
-            return False
-        if self.state is RerunState.INITIAL_RUN:
-            return self.injector.maybe_inject(key, self.iteration, self.rank, self._identity())
-        if self.state in _RERUNS:
-            return self.injector.should_corrupt(key, self.state, self._identity())
-        return False
 
-    def _enter(self, state: RerunState) -> None:
-        """Start a pass: new state, empty records, buffers cleared with their injection masks."""
-        self.state = state
-        self._records = self._reading = Records()
-        self._begin_buffers(adopt_ahead=False)
-
-    def _begin_buffers(self, adopt_ahead: bool) -> None:
-        for buf in self._buffers:
-            buf.set_gate_policy(gate_non_fatal=self.mode is VALIDATE)
-            buf.begin([self._inject_decision(k) for k in buf.keys], adopt_ahead=adopt_ahead)
-
-    def _begin_rerun(self, iterators: list[RerunDataIterator[Any]]) -> None:
-        self.discard_ahead(restore_rng=False)  # the rerun restores this iteration's own state
-        self._restore_state()
-        for it in iterators:
-            it.rewind()
-        self._enter(RerunState.RERUNNING_IN_PLACE)
-
-    def _restore_state(self) -> None:
-        if self._saved is None:
-            return
-        restore_rng_state(self._saved.rng, self.rng)
-        if self._saved.extra is not None and self.state_restore_func is not None:
-            self.state_restore_func(self._saved.extra)
-        if self._buffer is not None:
-            self._buffer.restore_trackers(self._saved.trackers)
-
-    def _load_device_windows(self, windows: dict[str, Any]) -> None:
-        if self._buffer is not None:
-            self._buffer.load_tracker_state(windows)
-        else:  # applied when the first device check creates the buffer
-            self._windows_to_load = dict(windows)
-
-    def _read(self) -> list[tuple[ValidationRecord, float]]:
-        return read_values(self._reading.pending, self._buffers)
-
-
-VALIDATE = RerunMode.VALIDATE_RESULTS
-_RERUNS = (RerunState.RERUNNING_IN_PLACE, RerunState.RERUNNING_FROM_CHECKPOINT)
 __all__ = ["INF_RULE", "NAN_RULE", "Agreement", "RerunStateMachine"]

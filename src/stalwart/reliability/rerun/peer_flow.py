@@ -10,26 +10,22 @@ import math
 import time
 from typing import Any
 
-import torch.distributed as dist
-
 from stalwart.distributed import collectives
-from stalwart.reliability.rerun.buffer import ValidationRecord, evaluate_comparison
+from stalwart.reliability.rerun.buffer import evaluate_comparison
 from stalwart.reliability.rerun.checks import is_grad_message
+from stalwart.reliability.rerun.core import Items, MachineCore
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
 from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.passes import Saved
 from stalwart.reliability.rerun.peer import (
     PeerOutcome,
     PeerPlan,
     PeerReport,
     PeerRequest,
-    ReplayDeterminism,
     decide_peer_outcome,
     plan_peer_replay,
     to_cpu,
 )
-from stalwart.reliability.rerun.rng import RngStateTracker, adopt_rng_state, portable_rng_state
-from stalwart.reliability.rerun.tracker import TrackerFile
+from stalwart.reliability.rerun.rng import adopt_rng_state, portable_rng_state
 from stalwart.reliability.rerun.types import (
     CallKey,
     Diagnosis,
@@ -43,63 +39,10 @@ from stalwart.reliability.rerun.types import (
 )
 
 logger = logging.getLogger("stalwart.reliability.rerun.machine")
-Items = list[tuple[ValidationRecord, float]]
 
 
-class PeerReplayMixin:
-    """Peer replay states; the machine provides the state used here."""
-
-    state: RerunState
-    iteration: int
-    event: Any
-    diagnosis: RerunDiagnostic | None
-    injector: RerunErrorInjector
-    tracker: TrackerFile | None
-    rng: RngStateTracker
-    process_group: dist.ProcessGroup | None
-    peer_replay: bool
-    replay_determinism: ReplayDeterminism
-    local_grad_checks: bool
-    last_attribution_seconds: float | None
-    _saved: Saved | None
-    _peer_plan: PeerPlan | None
-    _pending_diagnosis: Diagnosis | None
-    _final_pass: bool
-    _rejected_at: float | None
-    _awaiting_exit: bool
-
-    @property
-    def rank(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def group_rank(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def world_size(self) -> int:
-        raise NotImplementedError
-
-    def _restore_state(self) -> None:
-        raise NotImplementedError
-
-    def _enter(self, state: RerunState) -> None:
-        raise NotImplementedError
-
-    def _read(self) -> Items:
-        raise NotImplementedError
-
-    def _finish_event(self) -> None:
-        raise NotImplementedError
-
-    def _log0(self, message: str) -> None:
-        raise NotImplementedError
-
-    def _describe(self, message: str) -> str:
-        raise NotImplementedError
-
-    def _log_failure(self, message: str, fatal: bool) -> None:
-        raise NotImplementedError
+class PeerReplayMixin(MachineCore):
+    """Peer replay states (a part of the machine: ``core.MachineCore``)."""
 
     # ----------------------------------------------------------------------------- public
     def replay_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -119,6 +62,7 @@ class PeerReplayMixin:
 
     def _peer_request(self, iterators: list[RerunDataIterator[Any]]) -> PeerRequest:
         ev = self.event
+        assert ev is not None  # only a rank whose rejection reproduced asks
         injection = self.injector.injection_for(ev.key)
         return PeerRequest(
             rank=self.group_rank,
@@ -153,7 +97,7 @@ class PeerReplayMixin:
             for it, items in zip(iterators, mine.batches, strict=True):
                 it.serve(items)
         pairs = ", ".join(
-            f"rank {self._global(s)} on rank {self._global(p)} ({identities[p][0]}/{identities[p][1]})"
+            f"rank {self._global_rank(s)} on rank {self._global_rank(p)} ({identities[p][0]}/{identities[p][1]})"
             for s, p in plan.peers.items()
         )
         self._log0(f"Replaying iteration {self.iteration + 1} on a peer replica: {pairs}")
@@ -239,7 +183,7 @@ class PeerReplayMixin:
         where = (
             "a peer"
             if report is None
-            else f"rank {self._global(report.peer)} "
+            else f"rank {self._global_rank(report.peer)} "
             + (f"({report.peer_identity[0]}/{report.peer_identity[1]})")
         )
         value = math.nan if report is None else report.value
@@ -284,9 +228,4 @@ class PeerReplayMixin:
 
     def _suspect(self, plan: PeerPlan, group_rank: int) -> Suspect:
         node, device = plan.requests[group_rank].identity
-        return Suspect(self._global(group_rank), node, device)
-
-    def _global(self, group_rank: int) -> int:
-        if self.process_group is None or not collectives.is_initialized():
-            return group_rank
-        return dist.get_global_rank(self.process_group, group_rank)
+        return Suspect(self._global_rank(group_rank), node, device)

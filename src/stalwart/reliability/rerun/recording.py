@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -22,30 +22,13 @@ from stalwart.reliability.rerun.buffer import (
     as_scalar,
     host_predicate,
 )
-from stalwart.reliability.rerun.passes import Records
+from stalwart.reliability.rerun.core import MachineCore
 from stalwart.reliability.rerun.stats import LargeValueTracker, compare_floats, host_float
-from stalwart.reliability.rerun.types import CallKey, CheckConfig, RerunMode, RerunState
-
-if TYPE_CHECKING:
-    from stalwart.reliability.rerun.checks import CheckRows
+from stalwart.reliability.rerun.types import CallKey, RerunMode, RerunState
 
 
-class RecordingMixin:
-    """Recording of validation calls; the machine provides the state used here."""
-
-    mode: RerunMode
-    state: RerunState
-    checks: CheckConfig
-    _records: Records
-    _host_checks: bool
-    _large: dict[str, LargeValueTracker]
-    _check_rows: CheckRows
-
-    def check_buffer(self, device: torch.device) -> ValidationBuffer:
-        raise NotImplementedError
-
-    def _inject_decision(self, key: CallKey) -> bool:
-        raise NotImplementedError
+class RecordingMixin(MachineCore):
+    """Recording of validation calls (a part of the machine: ``core.MachineCore``)."""
 
     def validate_result(
         self,

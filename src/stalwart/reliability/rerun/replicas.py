@@ -43,6 +43,17 @@ import torch.distributed as dist
 
 from stalwart.distributed import collectives
 from stalwart.reliability.replica_check import decide_replica_consistency, tensor_fingerprints
+from stalwart.reliability.rerun.buffer import NAN_RULE, is_rejected
+from stalwart.reliability.rerun.core import Items, MachineCore
+from stalwart.reliability.rerun.types import (
+    Diagnosis,
+    DiagnosisSource,
+    RerunMode,
+    RerunState,
+    RerunValidationStatus,
+    Suspect,
+    device_identity,
+)
 
 logger = logging.getLogger("stalwart.reliability.rerun.machine")
 
@@ -181,17 +192,14 @@ class ReplicaGate:
         label = [names[i] if names is not None else f"parameter {i}" for i in due]
         self.columns = label + [f"{n}.grad" for n in label]
         weights = [params[i].detach() for i in due]
-        grads = [params[i].grad for i in due]
-        present = [g for g in grads if g is not None]
-        grad_fp = (
-            tensor_fingerprints(present) if present else weights[0].new_zeros(0, dtype=torch.int64)
-        )
-        if len(present) < len(grads):  # keep one column per parameter
-            full = torch.zeros(len(grads), dtype=torch.int64, device=grad_fp.device)
-            full[[i for i, g in enumerate(grads) if g is not None]] = grad_fp
-            grad_fp = full
+        # A missing gradient fingerprints as an empty tensor: a zero in its column, with no
+        # index built on the host (device work only, whatever the gradients).
+        grads = [
+            g if (g := params[i].grad) is not None else w[:0]
+            for i, w in zip(due, weights, strict=True)
+        ]
         self.weight_columns = len(due)
-        return torch.cat([tensor_fingerprints(weights), grad_fp.to(weights[0].device)])
+        return torch.cat([tensor_fingerprints(weights), tensor_fingerprints(grads)])
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's vector, ``[world, k]`` (device work; gloo gathers on the CPU)."""
@@ -253,32 +261,9 @@ def describe_attribution(
     )
 
 
-class ReplicaMixin:
-    """The machine's side of the replica fingerprints; mixed into ``RerunStateMachine``."""
-
-    mode: Any
-    state: Any
-    iteration: int
-    tracker: Any
-    process_group: dist.ProcessGroup | None
-    replicas: ReplicaGate | None
-    _replica_originals: list[list[int]] | None
-    _final_pass: bool
-    _pending_diagnosis: Any
-    _replica_detail: str
-
-    def check_on_device(
-        self,
-        value: torch.Tensor,
-        rule: Any,
-        message: str,
-        tolerance: float = 0.0,
-        fatal: bool = True,
-    ) -> None:
-        raise NotImplementedError
-
-    def check_buffer(self, device: torch.device) -> Any:
-        raise NotImplementedError
+class ReplicaMixin(MachineCore):
+    """The machine's side of the replica fingerprints (a part of the machine:
+    ``core.MachineCore``)."""
 
     def record_replicas(
         self,
@@ -289,9 +274,6 @@ class ReplicaMixin:
         """After a pass and before its optimizer step: fingerprint what the schedule says,
         gather across the group and record the comparison as a device check that also raises
         the skip gate. Device work and one device all-gather; nothing read on the host."""
-        from stalwart.reliability.rerun.buffer import NAN_RULE
-        from stalwart.reliability.rerun.types import RerunMode, RerunState
-
         gate = self.replicas
         if gate is None or self.mode is not RerunMode.VALIDATE_RESULTS or self._final_pass:
             return
@@ -306,10 +288,8 @@ class ReplicaMixin:
         self.check_buffer(value.device).raise_gate(torch.isnan(value))
 
     @staticmethod
-    def _split_replica(items: list[Any]) -> tuple[bool, list[Any]]:
+    def _split_replica(items: Items) -> tuple[bool, Items]:
         """(whether the replica check of this pass rejected, the other records)."""
-        from stalwart.reliability.rerun.buffer import is_rejected
-
         ours = [(rec, v) for rec, v in items if rec.key[1] == REPLICA_MESSAGE]
         rest = [(rec, v) for rec, v in items if rec.key[1] != REPLICA_MESSAGE]
         return any(is_rejected(rec, v) for rec, v in ours), rest
@@ -317,8 +297,6 @@ class ReplicaMixin:
     def _replica_attribution(self) -> tuple[ReplicaAttribution, list[Any]]:
         """After the in-place rerun of a mismatch: the attribution and every rank's identity
         (one gather; every rank is here since the mismatch was the same on all)."""
-        from stalwart.reliability.rerun.types import RerunValidationStatus, device_identity
-
         assert self.replicas is not None and self._replica_originals is not None
         originals, self._replica_originals = self._replica_originals, None
         reruns = self.replicas.host_rows()
@@ -328,7 +306,7 @@ class ReplicaMixin:
         rows = originals if attribution.kind == "transient" else reruns
         self._replica_detail = f"iteration {self.iteration + 1}: {self.replicas.describe(rows)}"
         line += f" ({self._replica_detail})"
-        rank = dist.get_rank(self.process_group) if collectives.is_initialized() else 0
+        rank = self.group_rank
         if rank == 0:
             logger.error(line)
         if rank in attribution.suspects and self.tracker is not None:
@@ -351,12 +329,9 @@ class ReplicaMixin:
         self._exit_after_rerun(iterators, checkpoint=save)
         return True
 
-    def _exit_after_rerun(self, iterators: list[Any], checkpoint: bool) -> None:
-        raise NotImplementedError
-
-    def _replica_diagnosis(self, attribution: ReplicaAttribution, identities: list[Any]) -> Any:
-        from stalwart.reliability.rerun.types import Diagnosis, DiagnosisSource, Suspect
-
+    def _replica_diagnosis(
+        self, attribution: ReplicaAttribution, identities: list[Any]
+    ) -> Diagnosis:
         suspects = tuple(
             Suspect(self._global_rank(r), *identities[r]) for r in attribution.suspects
         )
@@ -365,8 +340,3 @@ class ReplicaMixin:
             self.iteration, "replica_corruption", suspects, REPLICA_MESSAGE,
             DiagnosisSource.REPLICA_CHECK, saved,
         )  # fmt: skip
-
-    def _global_rank(self, group_rank: int) -> int:
-        if self.process_group is None or not collectives.is_initialized():
-            return group_rank
-        return dist.get_global_rank(self.process_group, group_rank)

@@ -11,19 +11,15 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
-import torch.distributed as dist
-
 from stalwart.distributed import collectives
 from stalwart.distributed.launch_env import env_int
 from stalwart.reliability.rerun.buffer import (
-    ValidationBuffer,
     ValidationRecord,
     evaluate_comparison,
     is_rejected,
 )
-from stalwart.reliability.rerun.injector import RerunErrorInjector
+from stalwart.reliability.rerun.core import MachineCore
 from stalwart.reliability.rerun.stats import LargeValueTracker, QuickStats
-from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
@@ -63,38 +59,8 @@ class Event:
     suspicious: Identity | None = None
 
 
-class EventMixin:
-    """Verdicts, logging and checkpoint state; mixed into ``RerunStateMachine``."""
-
-    mode: RerunMode
-    state: RerunState
-    iteration: int
-    event: Event | None
-    diagnosis: RerunDiagnostic | None
-    injector: RerunErrorInjector
-    tracker: TrackerFile | None
-    process_group: dist.ProcessGroup | None
-    _large: dict[str, LargeValueTracker]
-    _awaiting_exit: bool
-    _buffer: ValidationBuffer | None
-    stats: dict[str, QuickStats]
-    last_report: str | None
-    _saved_results: dict[CallKey, float]
-    _pending_diagnosis: Diagnosis | None
-    _replica_detail: str
-    REPORTING_INTERVAL_ITERATIONS: int
-
-    @property
-    def rank(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def group_rank(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def world_size(self) -> int:
-        raise NotImplementedError
+class EventMixin(MachineCore):
+    """Verdicts, logging and checkpoint state (a part of the machine: ``core.MachineCore``)."""
 
     # ------------------------------------------------------------------------------ verdicts
     def _first_rejection(self, items: list[tuple[ValidationRecord, float]]) -> bool:
@@ -386,10 +352,6 @@ class EventMixin:
 
         apply_verdict(self, checkpoint_path)
 
-    def _load_device_windows(self, windows: dict[str, Any]) -> None:
-        """Overridden by the machine (it owns the buffer)."""
-        del windows
-
     # --------------------------------------------------------------- disabled mode and stats
     def _apply_without_rerun(self, items: list[tuple[ValidationRecord, float]]) -> None:
         """Disabled-mode semantics: fatal rejections raise RuntimeError, others warn."""
@@ -434,9 +396,6 @@ class EventMixin:
         for message, qs in sorted(self.stats.items()):
             lines.append(f"  From validation call '{message}': {qs.print_stats()}")
         return "\n".join(lines)
-
-    def _identity(self) -> Identity:
-        return device_identity()
 
 
 def _jsonable(value: Any) -> Any:
