@@ -27,6 +27,7 @@ import collections
 import contextlib
 import json
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -106,18 +107,24 @@ def profile_variant(trainer: Trainer, args: argparse.Namespace) -> dict[str, Any
         with profile(activities=activities) as prof, count_host_reads(sites, not cuda):
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")  # counts the step's implicit syncs
+            t0 = time.perf_counter()
             try:
                 run_iterations(trainer, it, args.iters)
             finally:
                 if cuda:  # before the explicit sync below, which would warn too
                     torch.cuda.set_sync_debug_mode(0)
+            host_ms = (time.perf_counter() - t0) * 1e3  # the steps' host time (no final drain)
             if cuda:
                 torch.cuda.synchronize()
     events = prof.events()
     aten = [e for e in events if e.name.startswith("aten::")]
     top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
     kernels = [e for e in events if e.device_type.name == "CUDA"]
+    runtime = [e for e in events if e.device_type.name == "CPU" and e.name.startswith("cuda")]
     n = args.iters
+    kernel_us: collections.Counter[str] = collections.Counter()
+    for k in kernels:  # device time by kernel name: what the checks add inside a graph
+        kernel_us[k.name[:80]] += k.time_range.elapsed_us()
     return {
         "aten_ops": len(aten) / n,
         "top_level_ops": len(top) / n,
@@ -126,7 +133,83 @@ def profile_variant(trainer: Trainer, args: argparse.Namespace) -> dict[str, Any
         "host_read_sites": {k: v / n for k, v in sites.most_common()},
         "sync_warnings": sum("synchroniz" in str(w.message) for w in caught) / n if cuda else None,
         "top_ops": {k: v / n for k, v in collections.Counter(e.name for e in top).most_common()},
+        "kernel_us": {k: v / n for k, v in kernel_us.most_common()},
+        "kernel_counts": {
+            k: v / n for k, v in collections.Counter(e.name[:80] for e in kernels).most_common()
+        },
+        "host_ms": host_ms / n,
+        "idle": device_idle(kernels, n, top + runtime) if cuda else None,
     }
+
+
+def device_idle(kernels: list[Any], iters: int, top_ops: list[Any], top: int = 8) -> dict:
+    """The device's idle time between the first and last kernel of the profiled iterations (per
+    iteration), and the largest gaps with the kernels around them and the host op dispatched
+    last before the device resumed: where the host stalls it."""
+    spans = sorted((k.time_range.start, k.time_range.end, k.name[:50]) for k in kernels)
+    if not spans:
+        return {"idle_us": 0.0, "gaps": []}
+    host = sorted((e.time_range.start, e.name) for e in top_ops)
+
+    def host_op_before(t: float) -> str:
+        names = [name for start, name in host if start <= t]
+        return " < ".join(names[-3:])
+
+    gaps, end, last = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gap = start - end
+            gaps.append(
+                (gap, last, name + (f" [host: {host_op_before(start)}]" if gap > 5 else ""))
+            )
+        if stop > end:
+            end, last = stop, name
+    idle = sum(g for g, _, _ in gaps)
+    small = sum(g for g, _, _ in gaps if g < 5)
+    return {
+        "idle_us": idle / iters,
+        "idle_small_gaps_us": small / iters,  # gaps under 5 us: kernel boundaries
+        "span_us": (end - spans[0][0]) / iters,
+        "gaps": sorted(gaps, reverse=True)[:top],
+    }
+
+
+def host_profile(trainer: Trainer, start: int, args: argparse.Namespace, label: str) -> None:
+    """The Python functions the steps spend host time in (cProfile, after the profiled run)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run_iterations(trainer, start, args.iters)
+    prof.disable()
+    print(f"\n[{label}] host functions by own time, {args.iters} iterations:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
+def host_busy(trainer: Trainer, start: int, args: argparse.Namespace) -> dict[str, float]:
+    """Unprofiled: wall ms per iteration and the part of it the host spends waiting in the
+    machine's read (``Event.synchronize``); the rest is host work. Host work close to the wall
+    time means the host, not the device, sets the pace."""
+    original = torch.cuda.Event.synchronize
+    waited = [0.0]
+
+    def timed(self: Any) -> None:
+        t = time.perf_counter()
+        original(self)
+        waited[0] += time.perf_counter() - t
+
+    iters = 5 * args.iters
+    torch.cuda.synchronize()
+    torch.cuda.Event.synchronize = timed  # type: ignore[method-assign]
+    try:
+        t0 = time.perf_counter()
+        run_iterations(trainer, start, iters)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        torch.cuda.Event.synchronize = original  # type: ignore[method-assign]
+    return {"wall_ms": wall * 1e3 / iters, "wait_ms": waited[0] * 1e3 / iters}
 
 
 def measure(preset: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -136,6 +219,10 @@ def measure(preset: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         out["params"] = sum(1 for p in trainer.step.params)
         try:
             out[variant] = profile_variant(trainer, args)
+            if args.device.startswith("cuda"):
+                out[variant]["busy"] = host_busy(trainer, 10**5 + 10**4, args)
+            if args.cprofile:
+                host_profile(trainer, 10**5, args, f"{preset}/{mode}/{variant}")
         finally:
             trainer.close()
     return out
@@ -165,6 +252,40 @@ def print_result(r: dict[str, Any], verbose: bool, top: int) -> None:
         diff = {k: on["top_ops"].get(k, 0) - off["top_ops"].get(k, 0) for k in names}
         diff = {k: d for k, d in sorted(diff.items(), key=lambda kv: -abs(kv[1])) if d}
         print(f"  top-level ops added: {dict(list(diff.items())[:top])}")
+        print(
+            f"  host ms / iteration (profiled): off {off['host_ms']:.2f}, checks {on['host_ms']:.2f}"
+        )
+        if on["kernels"] is not None:
+            _print_kernel_diff(off, on, top)
+            for name in VARIANTS:
+                busy = r[name]["busy"]
+                print(
+                    f"  {name} unprofiled: {busy['wall_ms']:.3f} ms / iteration, host waiting "
+                    f"{busy['wait_ms']:.3f} ms of it (host work {busy['wall_ms'] - busy['wait_ms']:.3f})"
+                )
+            for name in VARIANTS:
+                idle = r[name]["idle"]
+                print(
+                    f"  {name}: device span {idle['span_us']:.1f} us / iteration, idle "
+                    f"{idle['idle_us']:.1f} us (of it gaps < 5 us: {idle['idle_small_gaps_us']:.1f})"
+                )
+                for gap, before, after in idle["gaps"]:
+                    print(f"    gap {gap:8.1f} us after {before} | before {after}")
+
+
+def _print_kernel_diff(off: dict[str, Any], on: dict[str, Any], top: int) -> None:
+    """Kernels whose device time or count differs between the variants (per iteration)."""
+    names = set(on["kernel_us"]) | set(off["kernel_us"])
+    rows = []
+    for k in names:
+        dt = on["kernel_us"].get(k, 0.0) - off["kernel_us"].get(k, 0.0)
+        dn = on["kernel_counts"].get(k, 0.0) - off["kernel_counts"].get(k, 0.0)
+        if dn or abs(dt) > 1.0:
+            rows.append((dt, dn, k))
+    total = sum(on["kernel_us"].values()) - sum(off["kernel_us"].values())
+    print(f"  device time added: {total:+.1f} us / iteration; by kernel (us, count):")
+    for dt, dn, k in sorted(rows, key=lambda r: -abs(r[0]))[:top]:
+        print(f"    {dt:+8.1f} us {dn:+5.1f}  {k}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", default="", help="more trainer flags for every variant")
     parser.add_argument("--top", type=int, default=25, help="ops listed by -v")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--cprofile", action="store_true", help="also the host functions")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.device == "cuda":

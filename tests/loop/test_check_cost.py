@@ -27,11 +27,11 @@ from stalwart.reliability.rerun import (
 )
 
 NUM_MICROBATCHES = 4
-# Measured on CPU (torch 2.13): 33 extra ops per iteration of 4 micro-batches: 2 per loss (its
-# value, its written flags), ~9 for the gradient norms of all buckets, ~9 for the gate, the
-# read, the look-ahead snapshot and the gated step's own. Before (per-check and per-tensor ops):
-# 173 with 3 tensors, 194 with 24; the bucket checks 386 ops for 12 buckets.
-MAX_EXTRA_OPS = 40
+# Measured on CPU (torch 2.13): 21 extra ops per iteration of 4 micro-batches: one stack and
+# one write for all losses of a pass, ~5 for the gradient norms (one bucket), ~6 for the gate,
+# the read, the look-ahead snapshot and the gated step's own. Before: 33 (a value and a written
+# flag per record, 9 for the gate); before that 173 with 3 tensors, 194 with 24.
+MAX_EXTRA_OPS = 24
 
 
 class _Count(TorchDispatchMode):
@@ -111,7 +111,8 @@ def test_bucket_checks_cost_the_same_for_any_bucket_count() -> None:
     one, buckets_one = _bucket_check_ops(3, bucket_bytes=1 << 20)
     many, buckets_many = _bucket_check_ops(24, bucket_bytes=2 * 16 * 4)
     assert (buckets_one, buckets_many) == (1, 12)
-    assert one == many <= 24, (one, many)  # measured: 20
+    # One bucket takes a shorter path (one float64 reduction of the norms): measured 12 and 15.
+    assert one <= many <= 16, (one, many)
 
 
 def test_bucket_checks_name_the_bucket_and_gate_the_step() -> None:

@@ -27,6 +27,7 @@ from stalwart.reliability.rerun import (
     read_iterations_to_skip,
     restore_rng_state,
 )
+from stalwart.reliability.rerun.buffer import UNWRITTEN
 
 INF, NAN = math.inf, math.nan
 
@@ -221,6 +222,47 @@ def test_validation_buffer_clean_and_unwritten_slots() -> None:
         while sm.should_run_forward_backward(iteration=it):
             buf.record(s0, torch.tensor(float(it)))
         assert sm.should_checkpoint_and_exit() == (False, False, 0)
+
+
+def test_a_slot_written_last_pass_only_neither_gates_nor_is_read() -> None:
+    """A slot holds UNWRITTEN from each pass's start: its NaN of the last pass is gone (no gate,
+    no verdict), whether the gate counts injections or not."""
+    for may_inject in (True, False):
+        buf = ValidationBuffer("cpu", may_inject=may_inject)
+        s0, s1 = buf.add_check("a", torch.isnan), buf.add_check("b", torch.isinf)
+        sm = RerunStateMachine(mode="validate_results")
+        sm.attach_buffer(buf)
+        assert sm.should_run_forward_backward(iteration=0)
+        buf.record(s0, torch.tensor(1.0))
+        buf.record(s1, torch.tensor(2.0))
+        buf.update_gate()
+        assert float(buf.gate) == 0.0
+        assert not sm.should_run_forward_backward(iteration=0)
+        assert sm.should_run_forward_backward(iteration=1)
+        buf.values[s1] = math.inf  # left over from a pass that wrote it; this one does not
+        buf.begin([False, False])
+        buf.record(s0, torch.tensor(3.0))
+        buf.update_gate()
+        assert float(buf.gate) == 0.0 and float(buf.values[s1]) == UNWRITTEN
+        assert not sm.should_run_forward_backward(iteration=1)
+        assert sm.should_checkpoint_and_exit() == (False, False, 0)
+
+
+def test_gate_takes_the_verdicts_the_read_takes() -> None:
+    """NaN in a NaN slot and Inf in an Inf slot gate the step; NaN in an Inf-only slot or a
+    non-fatal slot under the fatal-only policy does not."""
+    cases = [("nan", torch.isnan, math.nan, True, True), ("inf", torch.isinf, math.inf, True, True),
+             ("inf-only", torch.isinf, math.nan, True, False),
+             ("nan-only", torch.isnan, math.inf, True, False),
+             ("non-fatal", torch.isnan, math.nan, False, False)]  # fmt: skip
+    for name, func, value, fatal, gated in cases:
+        buf = ValidationBuffer("cpu", may_inject=False)
+        slot = buf.add_check(name, func, fatal=fatal)
+        buf.set_gate_policy(gate_non_fatal=False)
+        buf.begin([False])
+        buf.record(slot, torch.tensor(value))
+        buf.update_gate()
+        assert float(buf.gate) == (1.0 if gated else 0.0), name
 
 
 def test_state_dict_ignored_when_world_size_changed(caplog: Any) -> None:

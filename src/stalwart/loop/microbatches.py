@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from stalwart.observability.timers import (
     NullTimer,
 )
 from stalwart.reliability.rerun import GradCheckState, RerunStateMachine
+from stalwart.reliability.rerun.checks import CheckRows, record_loss_run
 
 ForwardStep = Callable[[Any, nn.Module], "torch.Tensor | dict[str, torch.Tensor]"]
 """``forward_step(batch, model)``: the loss (a tensor), or a dict whose ``"loss"`` is
@@ -116,6 +117,7 @@ class MicroBatches:
     compute_weights: Any = NO_COMPUTE_WEIGHTS
     # A framework's backward (Lightning's ``manual_backward``: it prepares DDP's reducer first).
     backward: Callable[[torch.Tensor], None] | None = None
+    _check_rows: CheckRows = field(default_factory=CheckRows, repr=False)
 
     def __call__(
         self,
@@ -132,8 +134,9 @@ class MicroBatches:
             self._zero_grad()
         if first == 0:
             self.compute_weights.refresh()  # the weights changed since the last pass
+        losses: list[torch.Tensor] = []
         reported = [
-            self._one(data_iterator, index, num_microbatches, forward_only)
+            self._one(data_iterator, index, num_microbatches, forward_only, losses, stop)
             for index in range(first, stop)
         ]
         if stop == num_microbatches and not forward_only:
@@ -143,7 +146,13 @@ class MicroBatches:
         return reported
 
     def _one(
-        self, data: Iterator[Any], index: int, num_microbatches: int, forward_only: bool
+        self,
+        data: Iterator[Any],
+        index: int,
+        num_microbatches: int,
+        forward_only: bool,
+        losses: list[torch.Tensor],
+        stop: int,
     ) -> dict[str, torch.Tensor]:
         is_last = index == num_microbatches - 1
         # Evaluation is not training compute (and must not replace a training graph's regions).
@@ -162,8 +171,9 @@ class MicroBatches:
             batch_timer.stop()
             with self.autocast():
                 output = as_output(self.forward_step(batch, self.model))
-            if not forward_only or self.check_eval_losses:
-                self.machine.check_loss(output["loss"].detach())
+            self._check_losses(
+                losses, output["loss"], flush=index == stop - 1, forward_only=forward_only
+            )
             forward_timer.stop()
             if not forward_only:
                 backward_timer.start()
@@ -175,6 +185,19 @@ class MicroBatches:
                 self.compute_weights.accumulate()
                 backward_timer.stop()
         return {k: v.detach() for k, v in output.items()}
+
+    def _check_losses(
+        self, losses: list[torch.Tensor], loss: torch.Tensor, flush: bool, forward_only: bool
+    ) -> None:
+        """Megatron checks each loss in its loss function; the span's losses are recorded in
+        one call after the last forward instead (the same slots, verdicts and order: still
+        before the last backward, where DDP's hook records the gradient checks), a few device
+        ops per pass instead of a write per micro-batch."""
+        if forward_only and not self.check_eval_losses:
+            return
+        losses.append(loss.detach())
+        if flush:
+            record_loss_run(self.machine, losses, self.machine.checks, self._check_rows)
 
     def _zero_grad(self) -> None:
         if self.zero_grad == "none_grads":

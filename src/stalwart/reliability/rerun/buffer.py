@@ -6,8 +6,9 @@ the state machine reads all recorded values of an iteration in one deliberate sy
 Two kinds of records:
 
 * Device checks (NaN, Inf, unexpectedly large) are written into the :class:`ValidationBuffer`
-  with device ops only, so they work inside a captured CUDA graph: two ops per call (the value,
-  its written flag) whatever the number of checks of the value (:meth:`ValidationBuffer.record_run`).
+  with device ops only, so they work inside a captured CUDA graph: one op per call (the value;
+  a slot not written in the pass holds :data:`UNWRITTEN`) whatever the number of checks of the
+  value (:meth:`ValidationBuffer.record_run`).
   The buffer turns the pass's rejections into a skip gate on the device (fused AdamW's
   ``found_inf``: the optimizer step is then enqueued before the host read and skips itself),
   NaN/Inf verdicts computed from all values at once; the read takes the same verdicts.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -38,6 +40,10 @@ from stalwart.reliability.rerun.types import CallKey
 F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_LARGE_SAMPLES = 100  # Megatron's sampling window of is_unexpectedly_large
+# The value of a buffer slot not written in the current pass: -DBL_MAX, finite (so never a
+# NaN/Inf verdict) and out of reach of any value converted from a float32/bfloat16 scalar. A
+# marker in the values themselves instead of a flag per slot: a record is one device write.
+UNWRITTEN = -sys.float_info.max
 
 
 def host_predicate(func: F) -> F:
@@ -185,18 +191,28 @@ class ValidationBuffer:
     or allocated on the first record of a key (:meth:`slot_for`, what the machine's
     ``check_loss``/``check_grad_norm`` use; the warm-up passes before a capture allocate them).
     :meth:`record` only performs device ops on preallocated tensors, so a captured graph writes
-    its values, written flags and LARGE verdicts on every replay (NaN/Inf verdicts are taken
+    its values and LARGE verdicts on every replay (NaN/Inf verdicts are taken
     from the values by the gate and the read). The machine clears the buffer before each pass,
     sets the error-injection mask, and reads it in its one per-iteration sync.
+
+    ``may_inject=False`` promises that no slot's error-injection flag is ever set (the rerun
+    machine passes whether its injector is enabled); the gate then skips that term.
 
     ``gate`` (float32, 1.0 = skip) is what fused AdamW reads as ``found_inf``:
     :meth:`update_gate` sets it from the pass's device verdicts, max-reduced across ranks.
     """
 
+    state: torch.Tensor  # rows: values, LARGE verdicts
+
     def __init__(
-        self, device: torch.device | str, name: str = "graph", capacity: int = 256
+        self,
+        device: torch.device | str,
+        name: str = "graph",
+        capacity: int = 256,
+        may_inject: bool = True,
     ) -> None:
         self.name = name
+        self.may_inject = may_inject  # False: no slot is ever injected (two gate ops fewer)
         self.device = torch.device(device)
         self._allocate_tensors(capacity)
         self.gate = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -218,29 +234,47 @@ class ValidationBuffer:
     def _allocate_tensors(self, capacity: int, old: ValidationBuffer | None = None) -> None:
         """The device tensors (copied from their smaller versions when growing).
 
-        ``state`` rows: values, written flags, LARGE verdicts (float64, read in one copy);
-        ``is_nan`` / ``is_inf``: the slot's rule, for the gate's verdicts of NaN/Inf checks.
+        ``state`` rows: values (:data:`UNWRITTEN` until written in the pass), LARGE verdicts
+        (float64, read in one copy); ``is_nan`` / ``is_inf``: the slot's rule, for the gate's
+        verdicts of NaN/Inf checks.
         """
 
-        def grown(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
-            new = torch.zeros(shape, dtype=dtype, device=self.device)
+        def grown(
+            shape: tuple[int, ...], dtype: torch.dtype, name: str, fill: float = 0.0
+        ) -> torch.Tensor:
+            new = torch.full(shape, fill, dtype=dtype, device=self.device)
             if old is not None:
                 prev: torch.Tensor = getattr(old, name)
                 new[..., : prev.shape[-1]].copy_(prev)
             return new
 
-        self.state = grown((3, capacity), torch.float64, "state")
+        old_capacity = 0 if old is None else int(old.state.shape[-1])
+        self.state = grown((2, capacity), torch.float64, "state")
+        self.state[0, old_capacity:].fill_(UNWRITTEN)
         self.inject = grown((capacity,), torch.bool, "inject")
         self.in_gate = grown((capacity,), torch.float64, "in_gate")
         self.is_nan = grown((capacity,), torch.bool, "is_nan")
         self.is_inf = grown((capacity,), torch.bool, "is_inf")
-        self.values, self.written, self.rejected = self.state.unbind(0)
-        self._runs: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # NaN / Inf slots and all slots that count for the gate: kept from the rules and the
+        # gate policy (off the hot path), so the gate takes a few ops per pass.
+        self.nan_gate = grown((capacity,), torch.bool, "nan_gate")
+        self.inf_gate = grown((capacity,), torch.bool, "inf_gate")
+        self.counted = grown((capacity,), torch.bool, "counted")
+        self.values, self.rejected = self.state.unbind(0)
+        self._runs: dict[tuple[int, int, int], torch.Tensor] = {}
         self._prefixes: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _gate_inputs(self) -> tuple[torch.Tensor, ...]:
-        return (self.values, self.is_nan, self.is_inf, self.inject, self.rejected, self.written,
-                self.in_gate)  # fmt: skip
+        return (self.values, self.nan_gate, self.inf_gate, self.inject, self.rejected,
+                self.counted)  # fmt: skip
+
+    def _update_gate_masks(self) -> None:
+        """The gate's masks from the slot rules and ``in_gate`` (in place: a captured graph
+        keeps their addresses). Eager only; called when a slot or the policy changes."""
+        counted = self.in_gate.bool()
+        torch.logical_and(self.is_nan, counted, out=self.nan_gate)
+        torch.logical_and(self.is_inf, counted, out=self.inf_gate)
+        self.counted.copy_(counted)
 
     # ------------------------------------------------------------------------------ slots
     def add_check(
@@ -287,6 +321,7 @@ class ValidationBuffer:
         kind = None if rule is None else rule.kind
         if kind is RuleKind.NAN or kind is RuleKind.INF:
             (self.is_nan if kind is RuleKind.NAN else self.is_inf)[slot] = True
+        self._update_gate_masks()
         self._slots[key] = slot
         if rule is not None and rule.kind is RuleKind.LARGE:
             self._has_large = True
@@ -310,23 +345,21 @@ class ValidationBuffer:
         """Write a one-element tensor into ``slot`` (device ops only).
 
         NaN/Inf verdicts are taken from the values where they are needed (the gate, the read),
-        so a record is two writes; a LARGE rule also updates its sampling window here.
+        so a record is one write; a LARGE rule also updates its sampling window here.
         """
         v = value.detach()
         self.record_run(slot, 1, v.reshape(()) if v.dim() else v)
 
     def record_run(self, start: int, width: int, values: torch.Tensor) -> None:
         """Write element ``i`` of ``values`` (0-d or 1-d, ``m`` elements) into the ``width``
-        consecutive slots from ``start + i * width``: two device ops for the whole run, plus the
+        consecutive slots from ``start + i * width``: one device op for the whole run, plus the
         sampling-window update of each LARGE slot. ``values`` must not require grad."""
         m = values.numel()
         run = self._runs.get((start, m, width))
         if run is None:  # views cached per run (a capture then slices nothing)
-            end = start + m * width
-            run = (self.values[start:end].view(m, width), self.written[start:end])
+            run = self.values[start : start + m * width].view(m, width)
             self._runs[(start, m, width)] = run
-        run[0].copy_(values.reshape(m, 1) if values.dim() else values)
-        run[1].fill_(1.0)
+        run.copy_(values.reshape(m, 1) if values.dim() else values)
         for slot in range(start, start + m * width):
             rule = self.rules[slot]
             if rule is not None and rule.kind is RuleKind.LARGE:
@@ -366,11 +399,18 @@ class ValidationBuffer:
         if views is None:  # cached per slot count (a capture then slices nothing)
             views = tuple(t[:n] for t in self._gate_inputs())
             self._prefixes[n] = views
-        v, is_nan, is_inf, inject, large, written, in_gate = views
-        hit = torch.where(is_nan, v.isnan(), v.isinf().logical_and_(is_inf)).logical_or_(inject)
+        v, nan_gate, inf_gate, inject, large, counted = views
+        # An unwritten slot holds UNWRITTEN, which is finite: no NaN/Inf verdict.
+        hit = torch.where(nan_gate, v.isnan(), v.isinf().logical_and_(inf_gate))
+        extra = None
+        if self.may_inject:  # fixed for the buffer's life: a captured gate stays right
+            extra = inject.logical_and(counted)
         if self._has_large:
-            hit = hit.logical_or_(large)
-        self.gate.copy_(hit.logical_and_(written).logical_and_(in_gate).any())
+            large_hit = large.bool().logical_and_(counted)
+            extra = large_hit if extra is None else extra.logical_or_(large_hit)
+        if extra is not None:  # stale flags of slots this pass did not write do not count
+            hit = hit.logical_or_(extra.logical_and_(v != UNWRITTEN))
+        self.gate.copy_(hit.any())
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(self.gate, op=dist.ReduceOp.MAX, group=group)
 
@@ -381,15 +421,18 @@ class ValidationBuffer:
 
     # ------------------------------------------------------------------------ pass control
     def begin(self, inject_mask: list[bool], *, adopt_ahead: bool = False) -> None:
-        """Machine hook before a pass: clear the written flags, upload the mask on change.
+        """Machine hook before a pass: mark every slot unwritten, upload the mask on change.
 
         ``adopt_ahead``: the pass was begun by :meth:`begin_ahead` (its writes may have landed):
         nothing is cleared.
         """
         begun, self._begun_ahead = self._begun_ahead, False
         if not (adopt_ahead and begun):
-            self.written.zero_()
+            self.values.fill_(UNWRITTEN)
         if inject_mask != self.inject_host:
+            # An injection the machine did not announce (a peer replaying a suspect's shipped
+            # injection with its own injector off): eager gates count it from now on.
+            self.may_inject = self.may_inject or any(inject_mask)
             n = len(inject_mask)
             self.inject[:n].copy_(torch.tensor(inject_mask, dtype=torch.bool))
             self.inject_host = list(inject_mask)
@@ -401,6 +444,7 @@ class ValidationBuffer:
         wanted = [spec.fatal or gate_non_fatal for spec in self.specs]
         if wanted != self._gate_host and wanted:
             self.in_gate[: len(wanted)].copy_(torch.tensor(wanted, dtype=torch.float64))
+            self._update_gate_masks()
         self._gate_host = wanted
 
     def snapshot(self) -> None:
@@ -424,9 +468,9 @@ class ValidationBuffer:
         self._snapshot = (self._pinned, self._pinned_event)
 
     def begin_ahead(self) -> None:
-        """Begin the next pass now (clear written flags, device work only), for a launch that
+        """Begin the next pass now (every slot unwritten, device work only), for a launch that
         precedes the machine's own :meth:`begin`; the injection mask stays as it is."""
-        self.written.zero_()
+        self.values.fill_(UNWRITTEN)
         self._begun_ahead = True
 
     def drop_ahead(self) -> None:
@@ -434,7 +478,7 @@ class ValidationBuffer:
         self._begun_ahead = False
 
     def take_snapshot(self) -> list[float] | None:
-        """Host values, written flags and verdicts of the last :meth:`snapshot` (consumed)."""
+        """Host values and LARGE verdicts of the last :meth:`snapshot` (consumed)."""
         if self._snapshot is None:
             return None
         host, event = self._snapshot

@@ -119,6 +119,26 @@ def record_loss_checks(
         sm.check_all_on_device(loss, (wanted,))
 
 
+def record_loss_run(
+    sm: DeviceChecker, losses: Sequence[torch.Tensor], checks: CheckConfig, rows: CheckRows
+) -> None:
+    """:func:`record_loss_checks` of each loss of ``losses`` (one per micro-batch, in order) in
+    one call: the same slots, messages and verdicts as one call per loss, and one stack plus
+    one device write in all instead of one per micro-batch. ``losses`` should be
+    detached (each is a host dispatch less)."""
+    wanted = rows.loss(checks)
+    if not wanted or not losses:
+        return
+    for loss in losses:
+        if loss.numel() != 1:
+            raise ValueError(f"a loss to check must be a scalar; got shape {tuple(loss.shape)}")
+    flat = [x if x.dim() == 0 else x.reshape(()) for x in losses]
+    if any(x.dtype != flat[0].dtype for x in flat):
+        flat = [x.double() for x in flat]
+    values = flat[0] if len(flat) == 1 else torch.stack(flat)
+    sm.check_all_on_device(values, [wanted] * len(flat))
+
+
 def record_grad_checks(
     sm: DeviceChecker,
     norm: torch.Tensor,
@@ -136,7 +156,7 @@ def record_bucket_checks(
     sm: DeviceChecker, norms: torch.Tensor, checks: CheckConfig, rows: CheckRows
 ) -> None:
     """:func:`record_grad_checks` of every bucket's norm (``norms[b]``), in one call: the same
-    slots, messages and verdicts as one call per bucket, two device writes in all."""
+    slots, messages and verdicts as one call per bucket, one device write in all."""
     n = norms.numel()
     wanted = [rows.grads(checks, b if n > 1 else None) for b in range(n)]
     if wanted and wanted[0]:
@@ -247,7 +267,16 @@ class GradCheckState:
     def check_after_backward(self) -> None:
         """Without DDP: check the local gradients now (after backward, before any step)."""
         params = [p for p in self.params if p.grad is not None]
-        self.add_grads(params, [p.grad for p in params])  # type: ignore[misc]
+        grads = [_local(p.grad) for p in params]  # type: ignore[arg-type]
+        if self.num_buckets == 1 and self._sum_sq is None and grads:
+            # One bucket, one call: the float64 norm of the per-tensor norms in one reduction
+            # (the same value as the buckets' sum of squares, a few kernels fewer per pass).
+            norms = torch._foreach_norm(grads)
+            if all(n.dtype == norms[0].dtype for n in norms):
+                total = torch.linalg.vector_norm(torch.stack(norms), dtype=torch.float64)
+                record_bucket_checks(self.sm, total.reshape(1), self.sm.checks, self._rows)
+                return
+        self.add_grads(params, grads)
         self.finish()
 
 

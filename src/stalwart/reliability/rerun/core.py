@@ -132,7 +132,7 @@ class MachineCore:
     def check_buffer(self, device: torch.device) -> ValidationBuffer:
         """The device check buffer, created on ``device`` on first use."""
         if self._buffer is None:
-            self._buffer = ValidationBuffer(device, name="")
+            self._buffer = ValidationBuffer(device, name="", may_inject=self.injector.enabled)
             self._buffers.insert(0, self._buffer)
             if self._windows_to_load:
                 self._buffer.load_tracker_state(self._windows_to_load)

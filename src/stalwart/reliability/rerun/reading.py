@@ -11,6 +11,7 @@ import math
 import torch
 
 from stalwart.reliability.rerun.buffer import (
+    UNWRITTEN,
     DeviceRule,
     RuleKind,
     ValidationBuffer,
@@ -51,7 +52,7 @@ def read_values(
         n = len(b.specs)
         snapshot = snapshots[id(b)]
         if snapshot is None:
-            snapshot, pos = host[pos : pos + 3 * n], pos + 3 * n
+            snapshot, pos = host[pos : pos + 2 * n], pos + 2 * n
         items += _buffer_items(b, snapshot, n)
     return items
 
@@ -74,10 +75,10 @@ def _device_verdict(
 def _buffer_items(
     b: ValidationBuffer, flat: list[float], n: int
 ) -> list[tuple[ValidationRecord, float]]:
-    vals, written, rejected = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
+    vals, rejected = flat[:n], flat[n : 2 * n]
     items = []
     for i in range(n):
-        if written[i] > 0.5:
+        if vals[i] != UNWRITTEN:
             injected = b.inject_host[i]
             value = math.nan if injected else vals[i]
             verdict = _device_verdict(b.rules[i], value, rejected[i], injected)

@@ -77,9 +77,9 @@ class RecordingMixin(MachineCore):
         self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
     ) -> None:
         """Record ``checks[i]`` of element ``i`` of ``values`` (0-d or 1-d), in that order, as
-        :meth:`check_on_device` calls would: the same slots and verdicts, but two device ops for
-        all of them (one write of the values, one of the written flags) once their slots are
-        allocated, whatever the number of checks. Device ops only, never a sync."""
+        :meth:`check_on_device` calls would: the same slots and verdicts, but one device op
+        for all of them (a write of the values) once their slots are allocated, whatever the
+        number of checks. Device ops only, never a sync."""
         if values.requires_grad:
             values = values.detach()
         if self._host_checks:  # evaluation: resolved on the host, the buffer stays untouched
@@ -116,6 +116,7 @@ class RecordingMixin(MachineCore):
         slot = buffer.slot_for(key, spec, rule)
         if self._inject_decision(key):
             buffer.inject[slot] = True
+            buffer.may_inject = True
             buffer.inject_host[slot] = True
         return slot
 
