@@ -27,11 +27,8 @@ median of the per-round ratios to ``off``; targets (issue 14): eager <= 1% at gp
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +39,7 @@ from stalwart.config.run import build_run_config
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.train.trainer import Trainer
 
-from bench_utils import percentile, sync
+from bench_utils import add_step_args, close_all, paired_rows, pin_device, rotated_windows
 
 VARIANTS = {
     "off": ["--rerun-mode", "disabled", "--no-check-for-nan-in-loss-and-grad"],
@@ -89,42 +86,19 @@ def measure(preset: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     variants = [build(preset, mode, name, args) for name in VARIANTS]
     for v in variants:  # warm-up: allocator, autotuning, graph capture
         v.run(args.warmup)
-    times: dict[str, list[float]] = {v.name: [] for v in variants}
-    for r in range(args.rounds):
-        order = variants[r % len(variants) :] + variants[: r % len(variants)]
-        for v in order:
-            sync(device)
-            start = time.perf_counter()
-            v.run(args.iters)
-            sync(device)
-            times[v.name].append((time.perf_counter() - start) * 1e3 / args.iters)
+    times = rotated_windows(variants, args.rounds, args.iters, device)
     used = {v.name: (v.trainer.step.num_used, v.trainer.step.num_launched) for v in variants}
-    for v in variants:
-        v.trainer.close()
-    del variants
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    close_all(variants, device)
     return summarize(preset, mode, times, used)
 
 
 def summarize(
     preset: str, mode: str, times: dict[str, list[float]], used: dict[str, tuple[int, int]]
 ) -> dict[str, Any]:
-    base = times["off"]
-    rows = []
-    for name, t in times.items():
-        paired = [a / b for a, b in zip(t, base, strict=True)]
-        rows.append(
-            {
-                "variant": name,
-                "median_ms": statistics.median(t),
-                "p10_ms": percentile(t, 0.1),
-                "p90_ms": percentile(t, 0.9),
-                "ratio": statistics.median(paired),
-                "lookahead_used_of_launched": used[name],
-            }
-        )
+    rows = paired_rows(times)
+    for row in rows:
+        name = row["variant"]
+        row["lookahead_used_of_launched"] = used[name]
     target = TARGETS.get((mode, preset), TARGETS.get((mode, None)))
     cost = next(r["ratio"] for r in rows if r["variant"] == "checks") - 1
     return {"preset": preset, "mode": mode, "rows": rows, "cost": cost, "target": target}
@@ -150,20 +124,11 @@ def print_result(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--presets", default="tiny,small,gpt2-124m")
     parser.add_argument("--modes", default="eager,graphed")
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--num-microbatches", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=10, help="iterations per timed window")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=15, help="untimed iterations per variant")
-    parser.add_argument("--extra", default="", help="more trainer flags for every variant")
-    parser.add_argument("--json", default=None)
+    add_step_args(parser, iters=10, rounds=6, warmup=15)
     args = parser.parse_args(argv)
-    if args.device == "cuda":
-        torch.cuda.set_device(0)
-        args.device = "cuda:0"
+    pin_device(args)
     results = []
     for preset in args.presets.split(","):
         for mode in args.modes.split(","):

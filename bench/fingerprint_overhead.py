@@ -35,11 +35,8 @@ multiple of ceil(1/F) (the defaults: 10 x 10 for F = 0.01): the mean then covers
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +50,7 @@ from stalwart.distributed.process_group import DistributedContext
 from stalwart.reliability.rerun import ReplicaGate
 from stalwart.train.trainer import Trainer
 
-from bench_utils import percentile, sync
+from bench_utils import add_step_args, close_all, paired_rows, pin_device, rotated_windows
 
 MODES = {"graphed": ["--cuda-graph-impl", "full_iteration", "--optimizer-cuda-graph"], "eager": []}
 TARGET = 0.005  # issue 15: the sampled fingerprint, per iteration, at gpt2-124m on the H200
@@ -121,22 +118,9 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         raise
     for s in steppers:  # warm-up: allocator, autotuning, graph capture
         s.run(args.warmup)
-    times: dict[str, list[float]] = {s.name: [] for s in steppers}
-    for r in range(args.rounds):
-        order = steppers[r % len(steppers) :] + steppers[: r % len(steppers)]
-        for s in order:
-            sync(device)
-            start = time.perf_counter()
-            s.run(args.iters)
-            sync(device)
-            times[s.name].append((time.perf_counter() - start) * 1e3 / args.iters)
+    times = rotated_windows(steppers, args.rounds, args.iters, device)
     counts = {s.name: s.fingerprint_count() for s in steppers}
-    for s in steppers:
-        s.trainer.close()
-    del steppers
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    close_all(steppers, device)
     for name, c in counts.items():  # the work measured must have run, every iteration
         if name != "off" and c["recorded"] != c["iterations"]:
             raise RuntimeError(f"{name}: {c['recorded']} fingerprints in {c['iterations']} steps")
@@ -146,23 +130,10 @@ def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 def summarize(
     mode: str, times: dict[str, list[float]], counts: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Any]:
-    base = times["off"]
-    rows = []
-    for name, t in times.items():
-        ratios = [a / b for a, b in zip(t, base, strict=True)]
-        rows.append(
-            {
-                "variant": name,
-                "median_ms": statistics.median(t),
-                "p10_ms": percentile(t, 0.1),
-                "p90_ms": percentile(t, 0.9),
-                "ratio": statistics.median(ratios),
-                "ratio_mean": statistics.fmean(ratios),
-                "ratio_p10": percentile(ratios, 0.1),
-                "ratio_p90": percentile(ratios, 0.9),
-                "fingerprints": counts[name],
-            }
-        )
+    rows = paired_rows(times)
+    for row in rows:
+        name = row["variant"]
+        row["fingerprints"] = counts[name]
     cost = {r["variant"]: r["ratio"] - 1 for r in rows}
     return {
         "preset": args.preset,
@@ -201,21 +172,12 @@ def print_result(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--preset", default="gpt2-124m")
     parser.add_argument("--modes", default="graphed,eager")
-    parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--sample-fraction", type=float, default=0.01)
-    parser.add_argument("--num-microbatches", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=10, help="iterations per timed window")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=10, help="untimed iterations per variant")
-    parser.add_argument("--extra", default="", help="more trainer flags for every variant")
-    parser.add_argument("--json", default=None)
+    add_step_args(parser, iters=10, rounds=10, warmup=10)
     args = parser.parse_args(argv)
-    if args.device == "cuda":
-        torch.cuda.set_device(0)
-        args.device = "cuda:0"
+    pin_device(args)
     results: list[dict[str, Any]] = []
     failed = []
     for mode in args.modes.split(","):
