@@ -39,6 +39,9 @@ CATEGORIES = (
 )
 
 
+TOP_KERNELS = 15
+
+
 def category(name: str) -> str:
     """Which part of the floor a kernel belongs to (first matching pattern; else ``other``)."""
     return next((label for label, pattern in CATEGORIES if pattern.search(name)), "other")
@@ -79,6 +82,7 @@ def kernel_summary(events: Iterable[Any], iters: int, device_type: str) -> dict[
     want = DeviceType.CUDA if device_type == "cuda" else DeviceType.CPU
     total_us, intervals = 0.0, []
     by_category: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
     count = 0
     for event in events:
         # GPU-side user annotations (record_function ranges, torch.compile's own) span kernels.
@@ -94,6 +98,9 @@ def kernel_summary(events: Iterable[Any], iters: int, device_type: str) -> dict[
         count += 1
         label = category(event.name)
         by_category[label] = by_category.get(label, 0.0) + duration
+        named = by_name.setdefault(event.name, [0.0, 0.0])
+        named[0] += duration
+        named[1] += 1
     if want == DeviceType.CPU:
         busy_us = total_us
     else:
@@ -104,6 +111,11 @@ def kernel_summary(events: Iterable[Any], iters: int, device_type: str) -> dict[
         "busy_ms": busy_us / per,
         "num_kernels": count / max(iters, 1),
         "by_category": {k: v / per for k, v in sorted(by_category.items())},
+        # The kernels that cost most (ms and launches per iteration): where fusion would pay.
+        "top_kernels": [
+            {"name": name[:100], "ms": us / per, "count": n / max(iters, 1)}
+            for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+        ],
         "source": "cuda kernels" if want == DeviceType.CUDA else "cpu ops (self time)",
     }
 
@@ -243,6 +255,11 @@ def print_floor(result: dict[str, Any]) -> None:
             f"| {'' if above is None else f'{above:.2f}'} | {f['busy_ms']:.2f} "
             f"| {f['num_kernels']:.0f} | {cats} |"
         )
+    for r in rows:
+        top = r["floor"].get("top_kernels", [])[:8]
+        if top:
+            listed = "; ".join(f"{k['name'][:60]} {k['ms']:.2f} ms x{k['count']:.0f}" for k in top)
+            print(f"- {r['variant']} top kernels: {listed}")
 
 
 def print_gaps(result: dict[str, Any]) -> None:

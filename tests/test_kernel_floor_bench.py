@@ -75,6 +75,11 @@ def test_kernel_summary_sums_kernels_and_merges_overlaps() -> None:
     assert summary["busy_ms"] == pytest.approx(0.9 / 2)  # the union: 0-800 and 1000-1100
     assert summary["num_kernels"] == 1.5
     assert summary["by_category"] == pytest.approx({"gemm": 0.3, "triton": 0.15, "other": 0.05})
+    assert [k["name"] for k in summary["top_kernels"]] == [
+        "sm90_xmma_gemm_bf16bf16", "triton_per_fused_native_layer_norm_0",
+        "void at::native::vectorized_elementwise_kernel",
+    ]  # fmt: skip
+    assert summary["top_kernels"][0] == {"name": "sm90_xmma_gemm_bf16bf16", "ms": 0.3, "count": 0.5}
 
 
 def test_kernel_floor_smoke_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
