@@ -280,6 +280,12 @@ def test_trainer_wires_the_flags_into_its_step() -> None:
         assert trainer.raw_model.config.bf16_residual_connection
         result = trainer.step.run(0, launch_next=False)
         assert torch.isfinite(result.losses["lm loss"]) and weights.copies
+        from stalwart.observability.memory import MemoryMonitor
+
+        monitor = next(p for p in trainer.log.providers if isinstance(p, MemoryMonitor))
+        assert monitor.estimate is not None  # the theoretical report counts the copies
+        copies = sum(p.numel() for p in weights.masters)
+        assert monitor.estimate.breakdown["compute_weight_copies"] == 2 * copies
         two_ranks = DistributedContext(world_size=2, backend="gloo")
         with pytest.raises(ValueError, match="--bf16-compute-weights is not supported with 2"):
             build.build_compute_weights(config, trainer.raw_model, two_ranks)
