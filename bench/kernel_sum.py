@@ -163,7 +163,8 @@ def idle_gaps(
     Walks the device work in start order (two streams overlapping count once) and collects
     every gap between busy stretches. Per iteration: ``idle_ms`` (all gaps), ``small_ms`` /
     ``num_small`` (gaps under ``gap_us``: a replay's per-kernel boundaries), ``large_ms`` /
-    ``num_large`` (the device waited for the host); ``largest``: the ``top`` largest gaps,
+    ``num_large`` (the device waited for the host), ``large_ms_by_launcher`` (the large gaps
+    by the host call that ended them); ``largest``: the ``top`` largest gaps,
     each with ``us``, ``before`` / ``after`` (the device work around it), ``launched_by`` (the
     host call whose correlation id is the next kernel's: ``cudaGraphLaunch`` means a replay
     was queued late, ``cudaLaunchKernel`` an eager op) and ``host`` (host events running in
@@ -187,6 +188,12 @@ def idle_gaps(
     small = [g for g, _, _ in gaps if g < gap_us]
     large = [g for g, _, _ in gaps if g >= gap_us]
     n = max(iters, 1)
+    by_launcher: dict[str, float] = {}
+    for us, _, after in gaps:
+        if us >= gap_us:
+            launcher = runtime.get(getattr(after, "id", None)) if device_type == "cuda" else None
+            key = launcher.name if launcher is not None else "unknown"
+            by_launcher[key] = by_launcher.get(key, 0.0) + us / 1e3 / n
     largest = []
     for us, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
         start = _interval(before)[1]
@@ -205,6 +212,7 @@ def idle_gaps(
         "num_small": len(small) / n,
         "large_ms": sum(large) / 1e3 / n,
         "num_large": len(large) / n,
+        "large_ms_by_launcher": dict(sorted(by_launcher.items(), key=lambda kv: -kv[1])),
         "largest": largest,
     }
 
@@ -282,6 +290,10 @@ def print_gaps(result: dict[str, Any]) -> None:
             f"| {g['num_large']:.1f} |"
         )
     for r in rows:
+        ended = r["floor"]["gaps"].get("large_ms_by_launcher", {})
+        if ended:
+            listed = ", ".join(f"{name} {ms:.2f} ms" for name, ms in ended.items())
+            print(f"- {r['variant']}: large gaps ended by {listed}")
         for gap in r["floor"]["gaps"]["largest"]:
             host = ", ".join(gap["host"]) or "python (no op)"
             print(f"- {r['variant']}: {gap['us']:.0f} us after {gap['before']!r}, before "

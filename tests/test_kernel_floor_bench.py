@@ -53,6 +53,7 @@ def test_idle_gaps_split_small_and_large_and_name_the_host_work() -> None:
     assert gaps["idle_ms"] == pytest.approx(1000.5 / 1e3 / 2)
     assert gaps["small_ms"] == pytest.approx(0.5 / 1e3 / 2) and gaps["num_small"] == 0.5
     assert gaps["large_ms"] == pytest.approx(1.0 / 2) and gaps["num_large"] == 0.5
+    assert gaps["large_ms_by_launcher"] == pytest.approx({"cudaGraphLaunch": 0.5})
     (largest, small) = gaps["largest"]
     assert largest == {
         "us": 1000.0, "before": "flash_bwd", "after": "triton_red_fused_sum_1",
