@@ -110,6 +110,21 @@ step bench_graphs 300 python3 bench/graphs.py --variants \
 #   STEPS="kernel_floor kernel_floor_tests train_kernel_floor" BUDGET=330 OUT=... bash scripts/gpu_check.sh
 [[ " ${STEPS:-} " == *" kernel_floor "* ]] && step kernel_floor 240 python3 bench/kernel_floor.py \
   --presets small,gpt2-124m --budget-s 200 --trainer-iters 0 --json "$WORK/kernel_floor.json"
+# The whole kernel-floor table in two calls of <= 540 s (each alone: STEPS=<one>, BUDGET=540):
+# every variant at gpt2-124m and the trainer's TFLOP/s there (--trainer-iters 150, all checks),
+# then every variant at small and tiny. A 5-minute probe: the best set against all three at
+# gpt2-124m (does the launch ahead explain the idle time?), with the device idle gaps, then the
+# ingredients' GPU tests in what is left:
+#   STEPS="kernel_floor_probe kernel_floor_tests" BUDGET=300 OUT=... bash scripts/gpu_check.sh
+[[ " ${STEPS:-} " == *" kernel_floor_gpt2 "* ]] && step kernel_floor_gpt2 530 python3 \
+  bench/kernel_floor.py --presets gpt2-124m --budget-s 490 --trainer-iters 150 \
+  --trainer-timeout-s 150 --json "$WORK/kernel_floor_gpt2.json"
+[[ " ${STEPS:-} " == *" kernel_floor_small_tiny "* ]] && step kernel_floor_small_tiny 530 python3 \
+  bench/kernel_floor.py --presets small,tiny --budget-s 490 --trainer-iters 0 \
+  --json "$WORK/kernel_floor_small_tiny.json"
+[[ " ${STEPS:-} " == *" kernel_floor_probe "* ]] && step kernel_floor_probe 240 python3 \
+  bench/kernel_floor.py --presets gpt2-124m --variants reduce_overhead,weights_residual,all,today \
+  --rounds 4 --budget-s 200 --trainer-iters 0 --json "$WORK/kernel_floor_probe.json"
 [[ " ${STEPS:-} " == *" kernel_floor_tests "* ]] && step kernel_floor_tests 120 python3 -m pytest \
   -q -s -rfs -m gpu -p no:cacheprovider tests/gpu/test_kernel_floor_gpu.py
 [[ " ${STEPS:-} " == *" train_kernel_floor "* ]] && step train_kernel_floor 90 "${TRAIN[@]}" \
@@ -154,7 +169,10 @@ done
 for f in "$WORK"/bench_graphs*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "^\||^- " "$f"; }
 done
-[ -f "$WORK/kernel_floor.log" ] && { echo "== kernel_floor"; grep -E "^\||^- |^kernel floor|^[a-z0-9-]+ \(base" "$WORK/kernel_floor.log"; }
+for f in "$WORK"/kernel_floor.log "$WORK"/kernel_floor_gpt2.log "$WORK"/kernel_floor_small_tiny.log \
+  "$WORK"/kernel_floor_probe.log; do
+  [ -f "$f" ] && { echo "== $f"; grep -E "^\||^- |^kernel floor|^device idle|^[a-z0-9-]+ \(base|^trainer|^\{\"preset" "$f" | cut -c1-400; }
+done
 [ -f "$WORK/kernel_floor_tests.log" ] && grep -E "^FAILED|^ERROR|passed|failed" "$WORK/kernel_floor_tests.log" | tail -6
 [ -f "$WORK/gpu_tests.log" ] && grep -E "^FAILED|^ERROR|passed|failed|SKIPPED|eager|graph" "$WORK/gpu_tests.log" | tail -16
 cat "$WORK/summary.txt"

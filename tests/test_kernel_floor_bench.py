@@ -16,13 +16,51 @@ import kernel_floor  # type: ignore[import-not-found]
 import kernel_sum  # type: ignore[import-not-found]
 
 
-def _kernel(name: str, start: float, end: float, annotation: bool = False) -> SimpleNamespace:
+def _kernel(
+    name: str, start: float, end: float, annotation: bool = False, cid: int = 0
+) -> SimpleNamespace:
     return SimpleNamespace(
         name=name,
         device_type=DeviceType.CUDA,
         time_range=SimpleNamespace(start=start, end=end),
         is_user_annotation=annotation,
+        id=cid,
     )
+
+
+def _host(name: str, start: float, end: float, cid: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(
+        name=name, device_type=DeviceType.CPU, time_range=SimpleNamespace(start=start, end=end),
+        id=cid, cpu_parent=None,
+    )  # fmt: skip
+
+
+def test_idle_gaps_split_small_and_large_and_name_the_host_work() -> None:
+    """A replay's per-kernel boundaries are small gaps; the device waiting for a late
+    ``cudaGraphLaunch`` after a host read is a large one, attributed to both."""
+    events = [
+        _kernel("sm90_gemm", 0.0, 100.0, cid=1),
+        _kernel("triton_poi_fused_add_0", 100.5, 200.0, cid=2),  # 0.5 us: a graph node boundary
+        _kernel("flash_bwd", 150.0, 260.0, cid=3),  # a second stream: no gap
+        _kernel("## Call CompiledFxGraph ##", 0.0, 2000.0, annotation=True),  # not device work
+        _kernel("triton_red_fused_sum_1", 1260.0, 1300.0, cid=4),  # 1000 us after flash_bwd
+        _host("aten::_local_scalar_dense", 190.0, 310.0),
+        _host("cudaStreamSynchronize", 200.0, 300.0, cid=9),
+        _host("cudaGraphLaunch", 1250.0, 1259.0, cid=4),
+        _host("aten::mm", 2000.0, 2100.0),  # after the gap: not named
+    ]
+    gaps = kernel_sum.idle_gaps(events, iters=2, device_type="cuda", gap_us=5.0)
+    assert gaps["idle_ms"] == pytest.approx(1000.5 / 1e3 / 2)
+    assert gaps["small_ms"] == pytest.approx(0.5 / 1e3 / 2) and gaps["num_small"] == 0.5
+    assert gaps["large_ms"] == pytest.approx(1.0 / 2) and gaps["num_large"] == 0.5
+    assert gaps["large_ms_by_launcher"] == pytest.approx({"cudaGraphLaunch": 0.5})
+    (largest, small) = gaps["largest"]
+    assert largest == {
+        "us": 1000.0, "before": "flash_bwd", "after": "triton_red_fused_sum_1",
+        "launched_by": "cudaGraphLaunch",
+        "host": ["aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaGraphLaunch"],
+    }  # fmt: skip
+    assert small["us"] == 0.5 and small["before"] == "sm90_gemm"
 
 
 def test_kernel_summary_sums_kernels_and_merges_overlaps() -> None:
@@ -38,6 +76,11 @@ def test_kernel_summary_sums_kernels_and_merges_overlaps() -> None:
     assert summary["busy_ms"] == pytest.approx(0.9 / 2)  # the union: 0-800 and 1000-1100
     assert summary["num_kernels"] == 1.5
     assert summary["by_category"] == pytest.approx({"gemm": 0.3, "triton": 0.15, "other": 0.05})
+    assert [k["name"] for k in summary["top_kernels"]] == [
+        "sm90_xmma_gemm_bf16bf16", "triton_per_fused_native_layer_norm_0",
+        "void at::native::vectorized_elementwise_kernel",
+    ]  # fmt: skip
+    assert summary["top_kernels"][0] == {"name": "sm90_xmma_gemm_bf16bf16", "ms": 0.3, "count": 0.5}
 
 
 def test_kernel_floor_smoke_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -51,3 +94,9 @@ def test_kernel_floor_smoke_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_
         assert row["median_ms"] > 0 and row["min_ms"] <= row["median_ms"] <= row["max_ms"]
         assert row["floor"]["kernel_ms"] > 0 and row["floor"]["wall_ms"] == row["median_ms"]
     assert rows["today"]["vs_baseline"] > 0 and rows["weights_residual"]["vs_today"] > 0
+    assert "device idle, tiny" in text
+    assert rows["today"]["launched_per_iter"] == 1.0  # the guarded step launches ahead
+    assert "launched_per_iter" not in rows["plain_eager"]
+    assert (
+        rows["today"]["floor"]["gaps"]["idle_ms"] >= 0 and rows["today"]["floor"]["gaps"]["largest"]
+    )

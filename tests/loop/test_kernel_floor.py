@@ -280,8 +280,47 @@ def test_trainer_wires_the_flags_into_its_step() -> None:
         assert trainer.raw_model.config.bf16_residual_connection
         result = trainer.step.run(0, launch_next=False)
         assert torch.isfinite(result.losses["lm loss"]) and weights.copies
+        from stalwart.observability.memory import MemoryMonitor
+
+        monitor = next(p for p in trainer.log.providers if isinstance(p, MemoryMonitor))
+        assert monitor.estimate is not None  # the theoretical report counts the copies
+        copies = sum(p.numel() for p in weights.masters)
+        assert monitor.estimate.breakdown["compute_weight_copies"] == 2 * copies
         two_ranks = DistributedContext(world_size=2, backend="gloo")
         with pytest.raises(ValueError, match="--bf16-compute-weights is not supported with 2"):
             build.build_compute_weights(config, trainer.raw_model, two_ranks)
     finally:
         trainer.close()
+
+
+def test_first_micro_batch_copies_into_the_fp32_grads_except_a_tied_weight() -> None:
+    """``accumulate(overwrite=True)`` writes a pass's first bf16 gradients over the fp32 ones
+    (their old values are never read) but still adds into the tied embedding, whose lookup
+    gradient autograd put there first; a weight shared by two Linears is added to as well."""
+    torch.manual_seed(0)
+    model = GPT(_config())
+    weights = ComputeWeights(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    direct = [names[id(p)] for p, d in zip(weights.masters, weights.direct, strict=True) if d]
+    assert direct == ["word_embeddings.weight"]
+    batch = _batches(1, model.config)[0]
+
+    def first_micro_batch(stale: float, overwrite: bool) -> dict[str, torch.Tensor]:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, stale)
+        weights.refresh()
+        with torch.autocast("cpu", dtype=torch.bfloat16), weights.using():
+            model(batch["ids"], batch["labels"])["loss"].backward()
+        weights.accumulate(overwrite=overwrite)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+
+    added = first_micro_batch(0.0, overwrite=False)
+    copied = first_micro_batch(7.0, overwrite=True)
+    for name in {names[id(p)] for p in weights.masters}:
+        if name == "word_embeddings.weight":
+            torch.testing.assert_close(copied[name] - 7.0, added[name], rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(copied[name], added[name]), name
+    shared = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    shared[1].weight = shared[0].weight
+    assert ComputeWeights(shared).direct == [True, False, True, False]  # weight, bias, ...

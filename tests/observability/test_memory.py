@@ -186,3 +186,89 @@ def test_llama_counts_and_selective_recompute() -> None:
     t, h, kv, heads = 8 * 1024, 768, 4 * 64, 12
     # RoPE outputs (bf16 q and k) and the fp32 logsumexp are recomputed, per layer.
     assert plain - saved == 12 * (2 * t * (h + kv) + 4 * 8 * heads * 1024)
+
+
+def _with(cfg: GPTConfig, **overrides: object) -> GPTConfig:
+    return GPTConfig(**{**cfg.__dict__, **overrides})
+
+
+FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def test_compute_weight_parameters_are_the_models_slots() -> None:
+    from stalwart.loop import ComputeWeights
+    from stalwart.observability.memory import compute_weight_parameters
+
+    for cfg in (DENSE, MOE, _with(DENSE, untie_embeddings_and_output_weights=True)):
+        weights = ComputeWeights(GPT(cfg))
+        assert compute_weight_parameters(cfg) == sum(p.numel() for p in weights.masters)
+    assert compute_weight_parameters(DENSE) == 1920 - 32 - 5 * 16  # no positions, no norms
+
+
+def test_compute_weights_replace_the_autocast_copies_and_outlive_recompute() -> None:
+    """Persistent bf16 copies of the 1808 slot parameters instead of autocast's 2 bytes for all
+    1920; full recompute no longer drops the recomputed layers' copies; the copies' bf16
+    gradients are a moment of their own (2 bytes per slot parameter)."""
+    slots = 1920 - 32 - 5 * 16
+    plain = theoretical_memory(DENSE, 2, 1, workspace_bytes=0)
+    copies = theoretical_memory(DENSE, 2, 1, workspace_bytes=0, compute_weights=True)
+    assert copies.weights_optimizer_bytes == plain.weights_optimizer_bytes - 2 * (1920 - slots)
+    assert copies.breakdown["compute_weight_copies"] == 2 * slots
+    assert "autocast_weight_copies" not in copies.breakdown
+    assert copies.breakdown["activation_compute_weight_grads_moment"] == 2 * slots
+    assert copies.activation_bytes == max(plain.activation_bytes, 2 * slots)
+    full = _with(DENSE, **FULL)
+    plain_full = theoretical_memory(full, 2, 1, workspace_bytes=0)
+    copies_full = theoretical_memory(full, 2, 1, workspace_bytes=0, compute_weights=True)
+    layer_params = (1920 - 128 - 32 - 16) // 2
+    assert copies_full.weights_optimizer_bytes == copies.weights_optimizer_bytes
+    assert copies_full.weights_optimizer_bytes - plain_full.weights_optimizer_bytes == (
+        2 * slots - (2 * 1920 - 2 * 2 * layer_params)
+    )
+    with pytest.raises(ValueError, match="needs --bf16"):
+        theoretical_memory(DENSE, 2, 1, bf16=False, compute_weights=True)
+
+
+def test_bf16_residual_halves_the_stream_a_recomputed_unit_keeps() -> None:
+    t, h = 8, 8
+    full, full_bf16 = _with(DENSE, **FULL), _with(DENSE, bf16_residual_connection=True, **FULL)
+    a = activation_breakdown(full, 2, bf16=True)
+    b = activation_breakdown(full_bf16, 2, bf16=True)
+    assert a["layers.recompute_inputs"] - b["layers.recompute_inputs"] == 2 * (4 - 2) * t * h
+    assert b["head"] == a["head"]  # CUDA: the final norm saves the fp32 upcast of its input
+    # Without autocast the stream is fp32 whatever the flag.
+    assert activation_breakdown(full_bf16, 2, bf16=False) == activation_breakdown(full, 2, False)
+
+
+def test_bf16_residual_on_cpu_changes_the_estimate_as_autocast_saves() -> None:
+    """On CPU autocast runs the norms in bf16: each of the 2L+1 norms saves a bf16 input. The
+    estimate moves by what the model really saves for backward (measured with saved-tensor
+    hooks), 2 bytes per element of each norm's [t, h] input."""
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=32,
+                    vocab_size=128)  # fmt: skip
+    bf16 = _with(cfg, bf16_residual_connection=True)
+
+    def saved(model_cfg: GPTConfig) -> int:
+        torch.manual_seed(0)
+        model, seen, total = GPT(model_cfg), set(), [0]
+        ids = torch.randint(0, 128, (4, 32))
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            key = (x.untyped_storage().data_ptr(), x.dtype)
+            if key not in seen:
+                seen.add(key)
+                total[0] += x.untyped_storage().nbytes()
+            return x
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)
+        with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids, ids)
+        return total[0]
+
+    def estimate(model_cfg: GPTConfig) -> float:
+        est = theoretical_memory(model_cfg, 4, 1, workspace_bytes=0, fused_rms_norm=False)
+        return est.activation_bytes
+
+    expected = 5 * 2 * (4 * 32) * 64  # 5 norms x (4 - 2) bytes x [t = 128, h = 64]
+    assert saved(cfg) - saved(bf16) == expected
+    assert estimate(cfg) - estimate(bf16) == expected

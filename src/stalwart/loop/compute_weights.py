@@ -10,7 +10,10 @@ instead
 * lets the model's layers run on them: the copies are swapped into the modules for each
   micro-batch's forward and backward (a recomputed layer's second forward sees them too);
 * after each micro-batch's backward adds their bf16 gradients into the fp32 parameters' ``.grad``
-  (one foreach add), so gradient accumulation stays in fp32.
+  (one foreach add), so gradient accumulation stays in fp32; after a pass's first micro-batch,
+  whose fp32 gradients are zero, it copies them in instead (``accumulate(overwrite=True)``: the
+  same values, without reading the zeros), except into a parameter that also receives gradients
+  directly (tied embeddings' lookup), which is still added to.
 
 Numerics are autocast's: the copy rounds as autocast's cast does, and adding a bf16 gradient into
 fp32 is the exact conversion followed by the same fp32 add. Only the order of the fp32 additions
@@ -53,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -89,12 +92,44 @@ def _foreach_add(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_add_(dst, src)
 
 
+def _foreach_copy_then_add(
+    copy_dst: list[torch.Tensor],
+    copy_src: list[torch.Tensor],
+    add_dst: list[torch.Tensor],
+    add_src: list[torch.Tensor],
+) -> None:
+    torch._foreach_copy_(copy_dst, copy_src)
+    if add_dst:
+        torch._foreach_add_(add_dst, add_src)
+
+
+def _pick(tensors: list[torch.Tensor], flags: list[bool], want: bool) -> list[torch.Tensor]:
+    return [t for t, flag in zip(tensors, flags, strict=True) if flag is want]
+
+
+def _used_elsewhere(model: nn.Module, slots: list[Slot]) -> list[bool]:
+    """Per slot: whether its parameter also gets gradients some other way: registered outside the
+    slots (a tied weight: the module holding it uses the fp32 parameter itself, so autograd adds
+    into its ``.grad``), or in several slots (their gradients add up)."""
+    slot_keys = {(id(module), name) for module, name, _ in slots}
+    direct = {
+        id(param)
+        for module in model.modules()
+        for name, param in module._parameters.items()
+        if param is not None and (id(module), name) not in slot_keys
+    }
+    seen: set[int] = set()
+    for _, _, param in slots:
+        if id(param) in seen:
+            direct.add(id(param))
+        seen.add(id(param))
+    return [id(param) in direct for _, _, param in slots]
+
+
 class _Foreach:
     """A foreach function, compiled on first use when asked; eager after a compile failure."""
 
-    def __init__(
-        self, func: Callable[[list[torch.Tensor], list[torch.Tensor]], None], compiled: bool
-    ) -> None:
+    def __init__(self, func: Callable[..., None], compiled: bool) -> None:
         self._eager = func
         self._func: Callable[..., Any] = func
         if compiled:
@@ -104,12 +139,12 @@ class _Foreach:
             )
         self.compiled = compiled
 
-    def __call__(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    def __call__(self, *lists: list[torch.Tensor]) -> None:
         if not self.compiled:
-            self._eager(dst, src)
+            self._eager(*lists)
             return
         try:
-            self._func(dst, src)
+            self._func(*lists)
         except Exception as err:  # an Inductor/Triton failure must not stop training
             logger.warning(
                 "compiling the bf16 compute-weight foreach step failed (%s: %s); using eager "
@@ -118,7 +153,7 @@ class _Foreach:
                 str(err)[:200],
             )
             self.compiled = False
-            self._eager(dst, src)
+            self._eager(*lists)
 
 
 class ComputeWeights:
@@ -156,14 +191,17 @@ class ComputeWeights:
         self.dtype = dtype
         device = self.masters[0].device
         on_cuda = device.type == "cuda"
-        self._copy = _Foreach(_foreach_copy, on_cuda if compiled is None else compiled)
-        self._add = _Foreach(_foreach_add, on_cuda if compiled is None else compiled)
+        compile_them = on_cuda if compiled is None else compiled
+        self._copy = _Foreach(_foreach_copy, compile_them)
+        self._add = _Foreach(_foreach_add, compile_them)
+        self._first = _Foreach(_foreach_copy_then_add, compile_them)
+        self.direct = _used_elsewhere(model, self.slots)
         self.copies: list[nn.Parameter] = []
 
     @property
     def compiled(self) -> bool:
-        """Whether the foreach copy and add run compiled (False after a compile failure)."""
-        return self._copy.compiled and self._add.compiled
+        """Whether the foreach steps run compiled (False after a compile failure)."""
+        return self._copy.compiled and self._add.compiled and self._first.compiled
 
     def refresh(self) -> None:
         """Copy the fp32 parameters into the compute copies (once per pass, before its first
@@ -191,23 +229,38 @@ class ComputeWeights:
             for (module, name, _), value in zip(self.slots, previous):
                 _swap(module, name, value)
 
-    def accumulate(self) -> None:
+    def accumulate(self, overwrite: bool = False) -> None:
         """Add the copies' gradients into the fp32 parameters' ``.grad`` and clear them (after
-        each micro-batch's backward). A parameter without ``.grad`` gets a zero one first."""
-        pairs = [(m, c.grad) for m, c in zip(self.masters, self.copies) if c.grad is not None]
-        if not pairs:
+        each micro-batch's backward). A parameter without ``.grad`` gets a zero one first.
+
+        ``overwrite``: the fp32 gradients are zero (or None) since the pass began, i.e. this is
+        its first micro-batch: the copies' gradients are copied in (adding to zero is exact, so
+        the values are the same, without reading the zeros), except into parameters that also
+        get gradients directly (:attr:`direct`), which are added to as always.
+        """
+        triples = [
+            (m, c.grad, direct and overwrite)
+            for m, c, direct in zip(self.masters, self.copies, self.direct)
+            if c.grad is not None
+        ]
+        if not triples:
             return
-        for master, _ in pairs:
-            if master.grad is None:
-                master.grad = torch.zeros_like(master)
-        main = [m.grad for m, _ in pairs]
-        grads = [g for _, g in pairs]
-        if len(pairs) == len(self.copies):
-            self._add(main, grads)  # type: ignore[arg-type]
-        else:  # some copy unused in this micro-batch: another list length, do not recompile
-            _foreach_add(main, grads)  # type: ignore[arg-type]
-        for copy in self.copies:
-            copy.grad = None
+        for master, _, summed_into in triples:
+            if master.grad is None:  # (a copied-into gradient need not be zeroed first)
+                fresh = overwrite and not summed_into
+                master.grad = torch.empty_like(master) if fresh else torch.zeros_like(master)
+        fp32 = [cast(torch.Tensor, m.grad) for m, _, _ in triples]
+        bf16 = [cast(torch.Tensor, g) for _, g, _ in triples]
+        full = len(triples) == len(self.copies)  # else another list length: do not recompile
+        if overwrite:
+            flags = [a for _, _, a in triples]
+            copied = _pick(fp32, flags, False), _pick(bf16, flags, False)
+            summed = _pick(fp32, flags, True), _pick(bf16, flags, True)
+            (self._first if full else _foreach_copy_then_add)(*copied, *summed)
+        else:
+            (self._add if full else _foreach_add)(fp32, bf16)
+        for copy_param in self.copies:
+            copy_param.grad = None
 
     def release(self) -> None:
         """Drop the copies (they are made again by the next :meth:`refresh`)."""
@@ -237,7 +290,7 @@ class NullComputeWeights:
     def using(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def accumulate(self) -> None:
+    def accumulate(self, overwrite: bool = False) -> None:
         pass
 
     def release(self) -> None:

@@ -182,7 +182,8 @@ class MicroBatches:
                     scaled.backward()
                 else:
                     self.backward(scaled)
-                self.compute_weights.accumulate()
+                # The first micro-batch's fp32 gradients were zeroed above (or by the graph).
+                self.compute_weights.accumulate(overwrite=index == 0)
                 backward_timer.stop()
         return {k: v.detach() for k, v in output.items()}
 

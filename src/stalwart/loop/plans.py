@@ -174,6 +174,12 @@ class GraphPlan:
             parts.optimizer, parts.params, clip_grad=parts.clip_grad,
             machine=parts.micro_batches.machine, gate=eager.gate,
         )  # fmt: skip
+        logger.info(
+            "--cuda-graph-include-optimizer: one graph per iteration, and no speculative launch "
+            "of the next iteration: the device idles while the host reads the checks and "
+            "queues the next replay (on one GPU that costs more than a second graph; "
+            "docs/benchmarks.md, the kernel floor's device idle table)"
+        )
         graph = FullIterationGraph(
             with_optimizer_step(_capturable(parts.micro_batches), optimizer),
             context=context,

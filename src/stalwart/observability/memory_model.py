@@ -62,6 +62,21 @@ Activation recompute (``stalwart.models.recompute``):
         workspace_bytes = 64 MiB by default: the cuBLAS and cuBLASLt workspaces (32 MiB each on
         Hopper) that the caching allocator holds after the first matmul; pass 0 for CPU
 
+bf16 compute weights (``--bf16-compute-weights``, ``stalwart.loop.ComputeWeights``) and the bf16
+residual stream (``--bf16-residual-connection``):
+
+    compute weights: the autocast copies are replaced by persistent bf16 copies of the slot
+        parameters C (`compute_weight_parameters`: every Linear's weight and bias, the experts,
+        and the output layer's use of tied embeddings; not the lookup, positions, norms, the MoE
+        router): 2*C
+        instead of 2*n, and full recompute does not drop them (they outlive the pass). Their
+        bf16 gradients (2*C) live from the backward until the micro-batch's fp32 add: a moment
+        at the end of each backward, when the activations are freed (compared, not added)
+    bf16 residual: the stream between layers is bf16, so a recomputed unit keeps 2*t*h, and its
+        backward moment's hidden-state gradient is 2*t*h; the norms' saved inputs stay fp32 on
+        CUDA (autocast runs LayerNorm/RMSNorm in fp32 and saves the fp32 copy of a bf16 input:
+        ``norms_upcast``), and are bf16 (2h) on CPU, whose autocast runs the norms in bf16
+
 Assumes torch >= 2.5 for grouped-query attention (older torch repeats the key/value heads:
 2*e*t*(h - kv) more per layer). Not counted: the CUDA context, allocator fragmentation (compare with
 ``mem-max-allocated-bytes``, not reserved), and the math SDPA backend (CPU with dropout) which
@@ -129,6 +144,8 @@ class GPTShape(Protocol):
     def recompute_method(self) -> RecomputeMethod | None: ...
     @property
     def recompute_num_layers(self) -> int | None: ...
+    @property
+    def bf16_residual_connection(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -213,15 +230,40 @@ def _expert_slots(cfg: GPTShape, tokens: int) -> int:
     return cfg.num_experts * capacity
 
 
-def _norm_saved(cfg: GPTShape, fused_rms_norm: bool) -> float:
-    """Bytes per token a norm saves for backward (its fp32 input plus statistics)."""
+def compute_weight_parameters(cfg: GPTShape) -> int:
+    """Parameters with a bf16 compute copy under ``--bf16-compute-weights``
+    (``stalwart.models.GPT.compute_weight_slots``): all but the input lookup of untied
+    embeddings, learned positions, the norms and the MoE routers (the tied embedding's copy is
+    the output's)."""
+    h = cfg.hidden_size
+    lookup = cfg.vocab_size * h if cfg.untie_embeddings_and_output_weights else 0
+    positions = (
+        cfg.seq_length * h
+        if cfg.position_embedding_type is PositionEmbeddingType.LEARNED_ABSOLUTE
+        else 0
+    )
+    norms = (2 * cfg.num_layers + 1) * _norm_parameters(cfg)
+    routers = cfg.num_layers * h * cfg.num_experts  # fp32, outside autocast (0 when dense)
+    return count_parameters(cfg) - lookup - positions - norms - routers
+
+
+def _residual_bytes(cfg: GPTShape, bf16: bool) -> float:
+    """Bytes per element of the residual stream between layers (2: ``--bf16-residual-connection``)."""
+    return 2.0 if bf16 and cfg.bf16_residual_connection else 4.0
+
+
+def _norm_saved(cfg: GPTShape, fused_rms_norm: bool, input_bytes: float = 4.0) -> float:
+    """Bytes per token a norm saves for backward (its input, fp32 unless the norm runs on a bf16
+    stream without upcasting, plus statistics)."""
     h = cfg.hidden_size
     if cfg.normalization is Normalization.LAYER_NORM:
-        return 4.0 * h + 8
-    return 4.0 * h + 4 if fused_rms_norm else 8.0 * h + 4
+        return input_bytes * h + 8
+    return input_bytes * h + 4 if fused_rms_norm else (input_bytes + 4.0) * h + 4
 
 
-def _layer_bytes(cfg: GPTShape, b: int, e: float, fused_rms_norm: bool) -> tuple[float, float]:
+def _layer_bytes(
+    cfg: GPTShape, b: int, e: float, fused_rms_norm: bool, norm_input: float = 4.0
+) -> tuple[float, float]:
     """(attention part, MLP part) saved by one layer without full recompute."""
     h, s = cfg.hidden_size, cfg.seq_length
     f = cfg.ffn_hidden_size or 4 * h
@@ -240,7 +282,7 @@ def _layer_bytes(cfg: GPTShape, b: int, e: float, fused_rms_norm: bool) -> tuple
         core = e * (h * rope + 2 * h) * t + lse
     if cfg.recompute_granularity is RecomputeGranularity.SELECTIVE:
         core, qkv_out = 0.0, e * (h + 2 * kv) * t  # the recomputed core keeps its q, k, v inputs
-    norms = 2 * _norm_saved(cfg, fused_rms_norm)
+    norms = 2 * _norm_saved(cfg, fused_rms_norm, norm_input)
     attn = t * (norms + e * h + e * h) + qkv_out + core + mask
     per_row = e * (h + f1 + f + (f if cfg.swiglu else 0))
     if cfg.num_experts > 0:
@@ -252,14 +294,26 @@ def _layer_bytes(cfg: GPTShape, b: int, e: float, fused_rms_norm: bool) -> tuple
     return attn, mlp + mask
 
 
+def _norm_input_bytes(cfg: GPTShape, bf16: bool, norms_upcast: bool) -> float:
+    return 4.0 if norms_upcast else _residual_bytes(cfg, bf16)
+
+
 def activation_breakdown(
-    cfg: GPTShape, micro_batch_size: int, bf16: bool, fused_rms_norm: bool = True
+    cfg: GPTShape,
+    micro_batch_size: int,
+    bf16: bool,
+    fused_rms_norm: bool = True,
+    norms_upcast: bool | None = None,
 ) -> dict[str, float]:
-    """Named activation terms in bytes at the loss-backward moment (module docstring)."""
+    """Named activation terms in bytes at the loss-backward moment (module docstring).
+    ``norms_upcast`` (default ``fused_rms_norm``, i.e. CUDA): autocast runs the norms in fp32."""
     h, s, b = cfg.hidden_size, cfg.seq_length, micro_batch_size
     e = 2.0 if bf16 else 4.0
     t = float(b * s)
-    attn, mlp = _layer_bytes(cfg, b, e, fused_rms_norm)
+    norm_input = _norm_input_bytes(
+        cfg, bf16, fused_rms_norm if norms_upcast is None else norms_upcast
+    )
+    attn, mlp = _layer_bytes(cfg, b, e, fused_rms_norm, norm_input)
     units = layer_units(cfg)  # type: ignore[arg-type]
     kept = sum(u.stop - u.start for u in units if not u.recompute)
     recomputed = sum(1 for u in units if u.recompute)
@@ -269,38 +323,47 @@ def activation_breakdown(
         "layers.attention": kept * attn,
         "layers.mlp": kept * mlp,
         "embedding": 16 * t + mask,
-        "head": t * _norm_saved(cfg, fused_rms_norm) + e * t * h + 4 * t * v,
+        "head": t * _norm_saved(cfg, fused_rms_norm, norm_input) + e * t * h + 4 * t * v,
         "loss_backward_transient": 8 * t * v,
     }
     if recomputed:
-        terms["layers.recompute_inputs"] = recomputed * 4.0 * t * h
+        terms["layers.recompute_inputs"] = recomputed * _residual_bytes(cfg, bf16) * t * h
     return terms
 
 
 def _recompute_backward_bytes(
-    cfg: GPTShape, micro_batch_size: int, bf16: bool, fused_rms_norm: bool, embedding: float
+    cfg: GPTShape,
+    micro_batch_size: int,
+    bf16: bool,
+    fused_rms_norm: bool,
+    embedding: float,
+    norm_input: float = 4.0,
+    compute_weights: bool = False,
 ) -> float:
     """The largest backward moment of a recomputed unit (0 without full recompute).
 
     While unit ``u`` is recomputed and backwarded, the units before it still hold what they kept
-    (their input, or their activations), the later ones are done.
+    (their input, or their activations), the later ones are done. The recompute casts the
+    unit's weights again (autocast), unless compute weights already hold them.
     """
     units: tuple[LayerUnit, ...] = layer_units(cfg)  # type: ignore[arg-type]
     if not any(u.recompute for u in units):
         return 0.0
     e = 2.0 if bf16 else 4.0
-    attn, mlp = _layer_bytes(cfg, micro_batch_size, e, fused_rms_norm)
+    attn, mlp = _layer_bytes(cfg, micro_batch_size, e, fused_rms_norm, norm_input)
     t = micro_batch_size * cfg.seq_length
-    stored_input = 4.0 * t * cfg.hidden_size
+    stream = _residual_bytes(cfg, bf16) * t * cfg.hidden_size
+    stored_input = stream
     f = cfg.ffn_hidden_size or 4 * cfg.hidden_size
     rows = _expert_slots(cfg, t) if cfg.num_experts > 0 else t
-    # The hidden-state gradient (fp32) and the widest one in the layer (fc1's output gradient).
-    grads = 4.0 * t * cfg.hidden_size + e * rows * (2 * f if cfg.swiglu else f)
+    # The hidden-state gradient (the stream's dtype) and the widest one in the layer (fc1's).
+    grads = stream + e * rows * (2 * f if cfg.swiglu else f)
     before, worst = 0.0, 0.0
     for u in units:
         size = u.stop - u.start
         if u.recompute:
-            copies = 2.0 * size * layer_parameters(cfg) if bf16 else 0.0
+            recast = bf16 and not compute_weights
+            copies = 2.0 * size * layer_parameters(cfg) if recast else 0.0
             moment = before + stored_input + size * (attn + mlp) + copies + grads
             worst = max(worst, moment)
         before += stored_input if u.recompute else size * (attn + mlp)
@@ -316,6 +379,8 @@ def theoretical_memory(
     num_parameters: int | None = None,
     workspace_bytes: float = CUDA_WORKSPACE_BYTES,
     fused_rms_norm: bool = True,
+    compute_weights: bool = False,
+    norms_upcast: bool | None = None,
 ) -> MemoryEstimate:
     """Estimate one rank's peak memory for the reference GPT trained with AdamW.
 
@@ -329,34 +394,46 @@ def theoretical_memory(
         workspace_bytes: fixed library workspaces (cuBLAS/cuBLASLt on CUDA; 0 on CPU).
         fused_rms_norm: RMSNorm saves only its input and rstd (torch's fused CUDA kernel); False
             for the composite CPU implementation.
+        compute_weights: ``--bf16-compute-weights`` (persistent bf16 copies; needs ``bf16``).
+        norms_upcast: autocast runs the norms in fp32 (default ``fused_rms_norm``: CUDA); with
+            ``bf16_residual_connection`` and False (CPU) the norms save their bf16 inputs.
     """
+    if compute_weights and not bf16:
+        raise ValueError("--bf16-compute-weights needs --bf16 (bf16 autocast)")
     if micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
     if dp_size < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
     n = num_parameters if num_parameters is not None else count_parameters(config)
     bpp = bytes_per_parameter(dp_size, sharded_optimizer, bf16)
-    acts = activation_breakdown(config, micro_batch_size, bf16, fused_rms_norm)
+    upcast = fused_rms_norm if norms_upcast is None else norms_upcast
+    acts = activation_breakdown(config, micro_batch_size, bf16, fused_rms_norm, upcast)
     units = layer_units(config)  # type: ignore[arg-type]
     recomputed_params = layer_parameters(config) * sum(
         u.stop - u.start for u in units if u.recompute
     )
-    copies_dropped = 2.0 * recomputed_params if bf16 else 0.0
     adam = 8.0 / dp_size if sharded_optimizer else 8.0
-    breakdown = {
-        "params_fp32": 4.0 * n,
-        "grads_fp32": 4.0 * n,
-        "adam_states": adam * n,
-        "autocast_weight_copies": (2.0 if bf16 else 0.0) * n - copies_dropped,
-        **{f"activation.{k}": val for k, val in acts.items()},
-    }
-    weights = bpp * n - copies_dropped
+    breakdown = {"params_fp32": 4.0 * n, "grads_fp32": 4.0 * n, "adam_states": adam * n}
+    copies = compute_weight_parameters(config) if compute_weights else 0
+    if compute_weights:  # persistent copies of the slot parameters, in place of autocast's
+        breakdown["compute_weight_copies"] = 2.0 * copies
+        weights = bpp * n - 2.0 * n + 2.0 * copies
+        bpp = weights / n if n else bpp
+    else:
+        copies_dropped = 2.0 * recomputed_params if bf16 else 0.0
+        breakdown["autocast_weight_copies"] = (2.0 if bf16 else 0.0) * n - copies_dropped
+        weights = bpp * n - copies_dropped
+    breakdown |= {f"activation.{k}": val for k, val in acts.items()}
+    norm_input = _norm_input_bytes(config, bf16, upcast)
     backward_unit = _recompute_backward_bytes(
-        config, micro_batch_size, bf16, fused_rms_norm, acts["embedding"]
-    )
+        config, micro_batch_size, bf16, fused_rms_norm, acts["embedding"], norm_input,
+        compute_weights,
+    )  # fmt: skip
     if backward_unit:
         breakdown["activation_recompute_backward_moment"] = backward_unit
-    activation = max(sum(acts.values()), backward_unit)
+    if compute_weights:  # the copies' bf16 gradients before each micro-batch's fp32 add
+        breakdown["activation_compute_weight_grads_moment"] = 2.0 * copies
+    activation = max(sum(acts.values()), backward_unit, 2.0 * copies)
     optimizer_transient = 4.0 * n / (dp_size if sharded_optimizer else 1)
     breakdown["optimizer_step_transient"] = optimizer_transient
     breakdown["library_workspaces"] = workspace_bytes

@@ -159,6 +159,7 @@ def build_probes(
         bf16=config.training.bf16,
         workspace_bytes=0 if ctx.device.type == "cpu" else CUDA_WORKSPACE_BYTES,
         fused_rms_norm=ctx.device.type == "cuda",  # torch's fused RMSNorm kernel is CUDA-only
+        compute_weights=config.training.bf16_compute_weights,
     )
     memory = MemoryMonitor(
         ctx.device,
