@@ -363,13 +363,18 @@ def trainer_variant(args: argparse.Namespace, results: list[dict[str, Any]]) -> 
     return min(rows, key=lambda r: r["median_ms"])["variant"] if rows else "all"
 
 
+def trainer_flags(args: argparse.Namespace, name: str) -> list[str]:
+    """The variant's flags for a real ``stalwart train`` run: ``--trainer-iters`` iterations,
+    throughput logged every ``--trainer-log-interval``, all checks on."""
+    flags = variant_flags(args.trainer_preset, name, args)
+    flags[flags.index("--train-iters") + 1] = str(args.trainer_iters)
+    flags[flags.index("--log-interval") + 1] = str(args.trainer_log_interval)
+    return [*flags, "--log-throughput", *ALL_CHECKS]
+
+
 def run_trainer(args: argparse.Namespace, name: str, timeout: float) -> dict[str, Any]:
     """``stalwart train`` with all checks on; TFLOP/s from the last log intervals."""
-    flags = variant_flags(args.trainer_preset, name, args)
-    flags = [f for f in flags if f not in ("--log-interval", str(10**6))]  # ours below
-    flags[flags.index("--train-iters") + 1] = str(args.trainer_iters)
-    flags += ["--log-interval", str(args.trainer_log_interval), "--log-throughput", *ALL_CHECKS]
-    cmd = [sys.executable, "-m", "stalwart", "train", *flags]
+    cmd = [sys.executable, "-m", "stalwart", "train", *trainer_flags(args, name)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     result: dict[str, Any] = {
         "preset": args.trainer_preset,

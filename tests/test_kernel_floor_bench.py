@@ -100,3 +100,16 @@ def test_kernel_floor_smoke_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_
     assert (
         rows["today"]["floor"]["gaps"]["idle_ms"] >= 0 and rows["today"]["floor"]["gaps"]["largest"]
     )
+
+
+def test_trainer_run_flags_parse_with_its_iterations_and_log_interval() -> None:
+    """The trainer's TFLOP/s run replaces the bench's placeholder values (a filter on them once
+    dropped --train-iters' value: "unrecognized arguments: 1234" on the H200)."""
+    from stalwart.cli.args import parse_train_args
+
+    args = kernel_floor._parser().parse_args(["--device", "cpu", "--trainer-iters", "150"])
+    flags = kernel_floor.trainer_flags(args, "weights_residual")
+    parsed = parse_train_args(flags)
+    assert parsed.train_iters == 150 and parsed.log_interval == 25 and parsed.seed == 1234
+    assert "--bf16-compute-weights" in flags and "--check-for-large-grads" in flags
+    kernel_floor.config_of(flags)  # the whole run config builds
