@@ -386,6 +386,8 @@ class Timers:
         group: process group for aggregation and barriers (None: world).
     Raises:
         ValueError: naming ``--timing-log-level`` or ``--timing-log-option``.
+        TypeError: ``mode`` is not a :class:`TimingMode` (a string would silently time on the
+            host clock: parse it once, ``TimingMode("events")``).
     """
 
     def __init__(
@@ -397,6 +399,8 @@ class Timers:
         group: ProcessGroup | None = None,
     ) -> None:
         validate_timing_flags(log_level, log_option)
+        if not isinstance(mode, TimingMode):
+            raise TypeError(f"Timers mode must be a TimingMode, got {mode!r}")
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device())
