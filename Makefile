@@ -34,10 +34,13 @@ typecheck: $(STAMP)
 
 # Two workers on CI's two cores: much of the suite waits on its own subprocesses (torchrun
 # rendezvous, hang timeouts, held commits), which the other worker fills. PYTEST_WORKERS=0 runs
-# it in one process.
+# it in one process. worksteal: a worker that runs out of tests takes half of the other's queue,
+# so the run does not end on one worker's backlog of slow tests.
 PYTEST_WORKERS ?= 2
+PYTEST_DIST ?= worksteal
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu" --timeout=600 -n $(PYTEST_WORKERS) --durations=25 tests
+	$(BIN)/python -m pytest -q -m "not gpu" --timeout=600 -n $(PYTEST_WORKERS) \
+		$(if $(filter-out 0,$(PYTEST_WORKERS)),--dist $(PYTEST_DIST)) --durations=25 tests
 
 test: lint typecheck unit
 

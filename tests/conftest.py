@@ -1,7 +1,21 @@
 """Shared test fixtures: makes tests/ importable for helpers such as dist_utils."""
 
+from __future__ import annotations
+
 import os
 import sys
+from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def two_rank_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``--save`` of the fault-free 12-iteration tiny job on 2 gloo ranks (seed 3, global batch
+    8, checkpoints every 3), trained once per test session: read it, never write into it."""
+    from shared_runs import build_two_rank_reference, shared_run
+
+    return shared_run(tmp_path_factory, "two-rank-reference", build_two_rank_reference) / "ckpt"

@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in fresh processes (spawn) and collect each rank's result.
+"""Run a function on N gloo ranks in fresh processes (forkserver) and collect each rank's result.
 
 Usage in a test::
 
@@ -26,11 +26,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Ranks are forked from a fork server that has imported torch and stalwart once per test process
+# (and never ran a torch op or started a thread): each rank is still a fresh process, without
+# the ~4 s of CPU a spawned interpreter spends importing torch again.
+PRELOAD = ["torch", "torch.distributed", "numpy", "stalwart.train.trainer",
+           "stalwart.checkpoint", "stalwart.loop", "stalwart.reliability.rerun"]  # fmt: skip
+
+
+def _context() -> Any:
+    # STALWART_TEST_START_METHOD=spawn: the old way, to compare or to rule the fork server out.
+    method = os.environ.get("STALWART_TEST_START_METHOD", "forkserver")
+    ctx = mp.get_context(method)
+    if method != "forkserver":
+        return ctx
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first rank)
+    return ctx
+
+
 def _worker(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple, queue: Any
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    args: tuple,
+    queue: Any,
+    environ: dict[str, str],
 ) -> None:
     import torch.distributed as dist
 
+    # The parent's environment now, as a spawned rank would see it (not the server's at start).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -55,11 +81,14 @@ def run_distributed(
     fn: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout_s: float = 120.0
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, fn, world_size, port, args, queue), daemon=False)
+        ctx.Process(
+            target=_worker, args=(r, fn, world_size, port, args, queue, environ), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -44,10 +44,9 @@ def _exit_reason(save: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    save = tmp_path_factory.mktemp("reference") / "ckpt"
-    _ok(run_cli([*COMMON, "--save", str(save), "--save-interval", "3"], nproc=2))
-    return save
+def reference(two_rank_reference: Path) -> Path:
+    """COMMON's job without faults, checkpointed every 3 (shared with the other torchrun tests)."""
+    return two_rank_reference
 
 
 def _first_hang_report(save: Path) -> tuple[Path, dict]:

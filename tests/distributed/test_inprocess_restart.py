@@ -32,11 +32,10 @@ def _per_rank(save: Path, rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> Path:
-    """A fault-free run (no in-process restart) to compare against bitwise."""
-    save = tmp_path_factory.mktemp("inprocess") / "baseline"
-    _ok(run_cli([*COMMON, "--save", str(save)], nproc=2, env=ENV))
-    return save
+def baseline(two_rank_reference: Path) -> Path:
+    """COMMON's job without faults or in-process restart, to compare against bitwise (the
+    session's shared 2-rank reference run)."""
+    return two_rank_reference
 
 
 def test_exception_in_rank1_restarts_in_process_and_matches_fault_free_run(

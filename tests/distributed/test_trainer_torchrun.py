@@ -17,9 +17,8 @@ def _ok(proc) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_two_ranks_resume_exact_and_reshard_to_one(tmp_path) -> None:
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    _ok(run_cli([*COMMON, "--save", str(straight)], nproc=2))
+def test_two_ranks_resume_exact_and_reshard_to_one(tmp_path, two_rank_reference) -> None:
+    straight, split = two_rank_reference, tmp_path / "split"  # COMMON's job, uninterrupted
     _ok(run_cli([*COMMON, "--save", str(split), "--exit-interval", "6"], nproc=2))
     assert (split / "latest_checkpointed_iteration.txt").read_text() == "6\n"
     shutil.copytree(split, tmp_path / "reshard")

@@ -7,14 +7,18 @@ from dataclasses import dataclass, field
 from stalwart.config.checks import bounds, check_fields
 from stalwart.observability.memory_release import validate_empty_unused_memory_level
 from stalwart.observability.profiler import validate_profile_window
-from stalwart.observability.timers import validate_timing_flags
+from stalwart.observability.timers import TimingMode, validate_timing_flags
 
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class ObservabilityConfig:
-    """Where metrics go and which optional probes run. Everything here is off by default."""
+    """Where metrics go and which optional probes run. Everything here is off by default.
+
+    Frozen; ``timing_mode`` is a :class:`TimingMode` from construction on (``"sync"`` or
+    ``"events"`` is converted once, here, with the flag named on anything else).
+    """
 
     metrics_file: str | None = None
     run_dir: str | None = None
@@ -25,7 +29,7 @@ class ObservabilityConfig:
     wandb_mode: str | None = None
     timing_log_level: int = 0
     timing_log_option: str = "minmax"
-    timing_mode: str = "sync"
+    timing_mode: TimingMode = TimingMode.SYNC
     log_straggler: bool = False
     straggler_threshold: float = field(default=1.2, metadata=bounds(gt=1.0))
     straggler_minmax_count: int = field(default=1, metadata=bounds(ge=1))
@@ -53,6 +57,8 @@ class ObservabilityConfig:
     profile_dir: str | None = None
 
     def __post_init__(self) -> None:
+        # The one conversion of the mode (a frozen dataclass sets it through object.__setattr__).
+        object.__setattr__(self, "timing_mode", parse_timing_mode(self.timing_mode))
         check_fields(self)
         validate_timing_flags(self.timing_log_level, self.timing_log_option)
         if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
@@ -62,6 +68,15 @@ class ObservabilityConfig:
             validate_profile_window(
                 self.profile_step_start, self.profile_step_end, self.profile_ranks
             )
-        if self.timing_mode not in ("sync", "events"):
-            raise ValueError(f"--timing-mode: got {self.timing_mode!r}, allowed: sync, events")
         validate_empty_unused_memory_level(self.empty_unused_memory_level)
+
+
+def parse_timing_mode(value: TimingMode | str) -> TimingMode:
+    """``--timing-mode``: a :class:`TimingMode` or its value; ``ValueError`` naming the flag."""
+    if isinstance(value, TimingMode):
+        return value
+    try:
+        return TimingMode(value)
+    except ValueError:
+        allowed = ", ".join(m.value for m in TimingMode)
+        raise ValueError(f"--timing-mode: got {value!r}, allowed: {allowed}") from None

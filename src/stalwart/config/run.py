@@ -63,11 +63,11 @@ _MODEL_FLAGS = {
 }
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class GraphConfig:
     """CUDA-graph flags (validated against the rest by ``stalwart.graphs.check_graph_config``).
 
-    Modes are enums (strings from the CLI are converted once, here).
+    Frozen; modes are enums (strings from the CLI are converted once, here).
     """
 
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
@@ -83,13 +83,15 @@ class GraphConfig:
     def __post_init__(self) -> None:
         allowed = (CudaGraphImpl.NONE, CudaGraphImpl.FULL_ITERATION)
         try:
-            self.cuda_graph_impl = CudaGraphImpl(self.cuda_graph_impl)
+            impl = CudaGraphImpl(self.cuda_graph_impl)
         except ValueError:
-            self.cuda_graph_impl = None  # type: ignore[assignment]
-        if self.cuda_graph_impl not in allowed:
+            impl = None
+        if impl not in allowed:
             raise ValueError(
                 f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"
             )
+        # The one conversion (a frozen dataclass sets it through object.__setattr__).
+        object.__setattr__(self, "cuda_graph_impl", impl)
         check_fields(self)  # after the conversion: the fields hold enums from here on
         if self.cuda_graph_include_optimizer and not self.full_iteration:
             raise ValueError(
@@ -125,9 +127,11 @@ class GraphConfig:
         )
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class RunConfig:
-    """The whole run: one field per component."""
+    """The whole run: one field per component. Frozen: values one component's flags set from
+    another's are derived before it is built (`derive_combinations`), and `check_combinations`
+    only checks; ``dataclasses.replace`` makes a changed copy."""
 
     preset: str
     model: GPTConfig
@@ -239,6 +243,11 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         if getattr(ns, "exit_on_interrupt", None) is not None
         else interrupt_handling_default(os.environ, sys.stdin, sys.stdout),
     )
+    log, rerun = derive_combinations(
+        training,
+        _pick(ns, LogConfig, {"progress_bar": "log_progress_bar"}),
+        _pick(ns, RerunConfig),
+    )
     config = RunConfig(
         preset=ns.preset,
         model=model,
@@ -246,9 +255,9 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         optim=_pick(ns, OptimizerConfig),
         training=training,
         checkpoint=checkpoint,
-        log=_pick(ns, LogConfig, {"progress_bar": "log_progress_bar"}),
+        log=log,
         obs=_pick(ns, ObservabilityConfig),
-        rerun=_pick(ns, RerunConfig),
+        rerun=rerun,
         ft=FaultToleranceConfig(**ft_kwargs),
         exit=exit_config,
         faults=_pick(ns, FaultInjectionConfig),
@@ -259,15 +268,26 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     return config
 
 
+def derive_combinations(
+    training: TrainingConfig, log: LogConfig, rerun: RerunConfig
+) -> tuple[LogConfig, RerunConfig]:
+    """The values one component's flags set from another's, before `RunConfig` is built.
+
+    Pure: returns new configs (``dataclasses.replace``), the arguments are left as they were.
+    """
+    if log.log_progress_bar is True:
+        log = dataclasses.replace(log, log_progress_bar=None)  # default: only on a TTY
+    if training.fp16 and rerun.check_for_nan_in_loss_and_grad:
+        # Overflow NaN/Inf is expected with dynamic loss scaling (Megatron turns the check off too).
+        rerun = dataclasses.replace(rerun, check_for_nan_in_loss_and_grad=False)
+    return log, rerun
+
+
 def check_combinations(config: RunConfig) -> None:
-    """Cross-component rules (each component validated its own fields already)."""
-    if config.log.log_progress_bar is True:
-        config.log.log_progress_bar = None  # default: only on a TTY
+    """Cross-component rules (each component validated its own fields already): raises
+    ``ValueError`` naming the flags, changes nothing."""
     config.ft.check_exit_signal(config.exit.signal_enum)
     _check_timeout_hierarchy(config)
-    if config.training.fp16 and config.rerun.check_for_nan_in_loss_and_grad:
-        # Overflow NaN/Inf is expected with dynamic loss scaling (Megatron turns the check off too).
-        config.rerun.check_for_nan_in_loss_and_grad = False
     if config.inprocess.inprocess_restart and not config.checkpoint.save:
         raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
     if config.obs.log_progress and not config.checkpoint.save:

@@ -36,7 +36,7 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class OptimizerConfig:
     """AdamW and learning-rate schedule (``--lr``, ``--min-lr``, ``--lr-warmup-iters``, ...)."""
 
@@ -61,8 +61,8 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.lr_decay_style, str):
             allowed = ", ".join(s.value for s in LRDecayStyle)
-            try:
-                self.lr_decay_style = LRDecayStyle(self.lr_decay_style)
+            try:  # the one conversion (frozen: through object.__setattr__)
+                object.__setattr__(self, "lr_decay_style", LRDecayStyle(self.lr_decay_style))
             except ValueError:
                 raise ValueError(
                     f"--lr-decay-style: got {self.lr_decay_style!r}, allowed: {allowed}"
@@ -76,7 +76,7 @@ class OptimizerConfig:
         )
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class TrainingConfig:
     """Batch sizes, iterations, precision, evaluation and devices."""
 
@@ -125,7 +125,7 @@ class TrainingConfig:
         )
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class DataConfig:
     """Where training tokens come from (``--data-path``; none = the embedded stdlib corpus)."""
 
@@ -141,7 +141,7 @@ class DataConfig:
         if isinstance(self.data_path, list | tuple):
             # One path stays a string (as before); a blend is checked for its syntax now.
             paths = [str(p) for p in self.data_path]
-            self.data_path = paths[0] if len(paths) == 1 else paths
+            object.__setattr__(self, "data_path", paths[0] if len(paths) == 1 else paths)
         parse_data_blend(self.data_path)
         _require(
             self.data_dtype in ("uint16", "uint32"),
@@ -149,7 +149,7 @@ class DataConfig:
         )
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
     """Checkpoint saving and loading (``--save``, ``--load``, ``--save-interval``, ...)."""
 

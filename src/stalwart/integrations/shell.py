@@ -47,7 +47,7 @@ from stalwart.observability.memory import MemoryMonitor
 from stalwart.observability.save_timing import SaveTiming
 from stalwart.observability.sinks import build_sinks
 from stalwart.observability.straggler import StragglerIdle, make_straggler_detector
-from stalwart.observability.timers import INTERVAL_TIME, Timers, TimingMode
+from stalwart.observability.timers import INTERVAL_TIME, Timers
 from stalwart.observability.train_log import LogConfig, TensorOrScalar, TrainingLog
 from stalwart.reliability.exit import (
     ExitConfig,
@@ -177,7 +177,7 @@ class TrainingShell:
     def _build_observability(self) -> None:
         cfg, obs, run_dir = self.config, self.config.obs, self.config.artefact_dir
         self.timers = Timers(
-            obs.timing_log_level, obs.timing_log_option, mode=TimingMode(obs.timing_mode),
+            obs.timing_log_level, obs.timing_log_option, mode=obs.timing_mode,
             device=self.device,
         )  # fmt: skip
         self.sink = build_sinks(

@@ -46,7 +46,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +64,14 @@ from stalwart.observability.goodput_records import (
     goodput_line,
     read_ledger,
     summarize,
+)
+from stalwart.observability.goodput_session import (
+    anchored_clock,
+    high_water_mark,
+    launcher_start_time,
+    previous_end,
+    process_start_time,
+    torchrun_restart_count,
 )
 
 if TYPE_CHECKING:  # the ledger itself is standard-library only (the CLI reads it without torch)
@@ -86,48 +93,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_FLUSH_INTERVAL_S = 5.0
-_ITERATION_BUCKETS = (Bucket.PRODUCTIVE, Bucket.LOST_WORK, Bucket.COMPILE, Bucket.RERUN)
-
-
-def process_start_time(pid: int | None = None) -> float | None:
-    """Wall-clock start of process ``pid`` (default: this one), or None when unknown.
-
-    Linux: ``/proc/<pid>/stat`` start ticks against ``CLOCK_BOOTTIME`` (10 ms resolution; psutil's
-    ``create_time`` rounds the boot time to whole seconds). Elsewhere: psutil, if installed.
-    """
-    pid = os.getpid() if pid is None else pid
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-        return time.time() - age
-    except (OSError, ValueError, IndexError, AttributeError):
-        pass
-    try:
-        import psutil
-
-        return float(psutil.Process(pid).create_time())
-    except Exception:  # psutil missing, or the process is gone
-        return None
-
-
-def launcher_start_time() -> float | None:
-    """When this session started: torchrun's process (this worker's parent) for torchrun's
-    first round of workers, else this process (a restarted worker: the time before it is the
-    previous session's downtime)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and torchrun_restart_count() == 0:
-        parent = process_start_time(os.getppid())
-        if parent is not None:
-            return parent
-    return process_start_time()
-
-
-def torchrun_restart_count() -> int:
-    """``TORCHELASTIC_RESTART_COUNT`` (0 outside torchrun or when malformed)."""
-    try:
-        return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), 0)
-    except ValueError:
-        return 0
 
 
 def straggler_idle_seconds(compute_ms: Sequence[float], num_iterations: int) -> float:
@@ -192,7 +157,7 @@ class GoodputLedger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.flush_interval_s = flush_interval_s
         self._print = print_fn
-        self._clock = clock or _anchored_clock()
+        self._clock = clock or anchored_clock()
         self._lock = threading.RLock()
         self._session = f"{socket.gethostname()}-{os.getpid()}-{attempt}-{os.urandom(4).hex()}"
         self._stack: list[Bucket] = []
@@ -205,7 +170,7 @@ class GoodputLedger:
         prior = read_ledger(self.path)
         self._fd = self._open_append()
         self._totals = dict(summarize(prior).seconds) if prior.records else empty_seconds()
-        self._hwm = _high_water_mark(prior)
+        self._hwm = high_water_mark(prior)
         start = launcher_start if launcher_start is not None else launcher_start_time()
         self._bucket, self._t0 = self._begin(prior, start, restart_count, attempt)
 
@@ -227,7 +192,7 @@ class GoodputLedger:
         and start of this session's first interval."""
         now = self._clock()
         start = now if start is None or start > now else start
-        last_t, finished, hang_at = _previous_end(prior)
+        last_t, finished, hang_at = previous_end(prior)
         restarts = torchrun_restart_count() if restart_count is None else restart_count
         session: dict[str, Any] = {"launcher_start": round(start, 6), "pid": os.getpid()}
         session.update(host=socket.gethostname(), restart_count=restarts, attempt=attempt)
@@ -471,43 +436,3 @@ def make_goodput_ledger(
     if not enabled or run_dir is None or rank != 0:
         return NullGoodputLedger()
     return GoodputLedger(run_dir, **kwargs)
-
-
-def _anchored_clock() -> Callable[[], float]:
-    wall0, mono0 = time.time(), time.monotonic()
-    return lambda: wall0 + (time.monotonic() - mono0)
-
-
-def _high_water_mark(prior: LedgerFile) -> int:
-    """The highest iteration completed since the last finished session (0 when none)."""
-    hwm = 0
-    for record in prior.records:
-        if isinstance(record, Marker) and record.kind is RecordKind.END:
-            if record.get("reason") == FINISHED:
-                hwm = 0  # a relaunch after a finished job is a new segment
-        elif isinstance(record, Span) and record.bucket in _ITERATION_BUCKETS:
-            hwm = max(hwm, record.iteration or 0)
-    return hwm
-
-
-def _previous_end(prior: LedgerFile) -> tuple[float | None, bool, float | None]:
-    """(time of the last record, whether the last session ended ``finished``, the first hang
-    detection after that time)."""
-    last_t: float | None = None
-    finished = False
-    for record in prior.records:
-        if isinstance(record, Span):
-            last_t = record.t1 if last_t is None else max(last_t, record.t1)
-        elif record.kind in (RecordKind.END, RecordKind.SESSION):
-            last_t = record.t if last_t is None else max(last_t, record.t)
-            finished = record.kind is RecordKind.END and record.get("reason") == FINISHED
-    hangs = [
-        r.t
-        for r in prior.records
-        if isinstance(r, Marker)
-        and r.kind is RecordKind.FAULT
-        and r.get("cause") == "hang"
-        and last_t is not None
-        and r.t > last_t
-    ]
-    return last_t, finished, min(hangs, default=None)

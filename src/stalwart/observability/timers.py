@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import enum
 import time
-import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,6 +34,31 @@ import torch.distributed as dist
 
 from stalwart.distributed import collectives
 
+# The standard names live in timer_names and are re-exported from here, as before.
+from stalwart.observability.timer_names import (  # noqa: F401
+    ALL_GRADS_SYNC,
+    BACKWARD_COMPUTE,
+    BATCH_GENERATOR,
+    EVALUATE,
+    FORWARD_BACKWARD,
+    FORWARD_COMPUTE,
+    INTERVAL_TIME,
+    LOAD_CHECKPOINT,
+    OPTIMIZER,
+    OPTIMIZER_CLIP_MAIN_GRAD,
+    OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS,
+    OPTIMIZER_COPY_TO_MAIN_GRAD,
+    OPTIMIZER_COUNT_ZEROS,
+    OPTIMIZER_INNER_STEP,
+    OPTIMIZER_UNSCALE_AND_CHECK_INF,
+    PARAMS_ALL_GATHER,
+    SAVE_CHECKPOINT,
+    SAVE_CHECKPOINT_NON_PERSISTENT,
+    STANDARD_TIMER_LEVELS,
+    TIMER_PARENTS,
+    TRAINING_TIMERS,
+)
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -42,82 +66,6 @@ if TYPE_CHECKING:
 
 MAX_LOG_LEVEL = 2
 LOG_OPTIONS = ("max", "minmax", "all")
-
-# Standard timer names (Megatron spelling) and the level at which each one is real.
-INTERVAL_TIME = "interval-time"
-SAVE_CHECKPOINT = "save-checkpoint"
-SAVE_CHECKPOINT_NON_PERSISTENT = "save-checkpoint-non-persistent"
-LOAD_CHECKPOINT = "load-checkpoint"
-EVALUATE = "evaluate"
-FORWARD_BACKWARD = "forward-backward"
-ALL_GRADS_SYNC = "all-grads-sync"
-PARAMS_ALL_GATHER = "params-all-gather"
-OPTIMIZER_COPY_TO_MAIN_GRAD = "optimizer-copy-to-main-grad"
-OPTIMIZER_UNSCALE_AND_CHECK_INF = "optimizer-unscale-and-check-inf"
-OPTIMIZER_CLIP_MAIN_GRAD = "optimizer-clip-main-grad"
-OPTIMIZER_COUNT_ZEROS = "optimizer-count-zeros"
-OPTIMIZER_INNER_STEP = "optimizer-inner-step"
-OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS = "optimizer-copy-main-to-model-params"
-OPTIMIZER = "optimizer"
-BATCH_GENERATOR = "batch-generator"
-FORWARD_COMPUTE = "forward-compute"
-BACKWARD_COMPUTE = "backward-compute"
-
-STANDARD_TIMER_LEVELS: Mapping[str, int] = types.MappingProxyType(
-    {
-        INTERVAL_TIME: 0,
-        SAVE_CHECKPOINT: 0,
-        SAVE_CHECKPOINT_NON_PERSISTENT: 0,
-        LOAD_CHECKPOINT: 0,
-        EVALUATE: 0,
-        FORWARD_BACKWARD: 1,
-        ALL_GRADS_SYNC: 1,
-        PARAMS_ALL_GATHER: 1,
-        OPTIMIZER_COPY_TO_MAIN_GRAD: 1,
-        OPTIMIZER_UNSCALE_AND_CHECK_INF: 1,
-        OPTIMIZER_CLIP_MAIN_GRAD: 1,
-        OPTIMIZER_COUNT_ZEROS: 1,
-        OPTIMIZER_INNER_STEP: 1,
-        OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS: 1,
-        OPTIMIZER: 1,
-        BATCH_GENERATOR: 2,
-        FORWARD_COMPUTE: 2,
-        BACKWARD_COMPUTE: 2,
-    }
-)
-
-# Which standard timer runs inside which (``--timing-log-level 2`` times both): a breakdown must
-# stack a parent's own time, not the parent on top of its children.
-TIMER_PARENTS: Mapping[str, str] = types.MappingProxyType(
-    {
-        BATCH_GENERATOR: FORWARD_BACKWARD,
-        FORWARD_COMPUTE: FORWARD_BACKWARD,
-        BACKWARD_COMPUTE: FORWARD_BACKWARD,
-        OPTIMIZER_COPY_TO_MAIN_GRAD: OPTIMIZER,
-        OPTIMIZER_UNSCALE_AND_CHECK_INF: OPTIMIZER,
-        OPTIMIZER_CLIP_MAIN_GRAD: OPTIMIZER,
-        OPTIMIZER_COUNT_ZEROS: OPTIMIZER,
-        OPTIMIZER_INNER_STEP: OPTIMIZER,
-        OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS: OPTIMIZER,
-    }
-)
-
-# The per-iteration timers the training log reports, in Megatron's order (level filtered at use).
-TRAINING_TIMERS: tuple[str, ...] = (
-    FORWARD_BACKWARD,
-    ALL_GRADS_SYNC,
-    PARAMS_ALL_GATHER,
-    OPTIMIZER_COPY_TO_MAIN_GRAD,
-    OPTIMIZER_UNSCALE_AND_CHECK_INF,
-    OPTIMIZER_CLIP_MAIN_GRAD,
-    OPTIMIZER_COUNT_ZEROS,
-    OPTIMIZER_INNER_STEP,
-    OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS,
-    OPTIMIZER,
-    BATCH_GENERATOR,
-    FORWARD_COMPUTE,
-    BACKWARD_COMPUTE,
-)
 
 # Fold finished CUDA event pairs once this many are pending, so long intervals stay bounded.
 _MAX_PENDING_EVENTS = 64
@@ -386,6 +334,8 @@ class Timers:
         group: process group for aggregation and barriers (None: world).
     Raises:
         ValueError: naming ``--timing-log-level`` or ``--timing-log-option``.
+        TypeError: ``mode`` is not a :class:`TimingMode` (a string would silently time on the
+            host clock: parse it once, ``TimingMode("events")``).
     """
 
     def __init__(
@@ -397,6 +347,8 @@ class Timers:
         group: ProcessGroup | None = None,
     ) -> None:
         validate_timing_flags(log_level, log_option)
+        if not isinstance(mode, TimingMode):
+            raise TypeError(f"Timers mode must be a TimingMode, got {mode!r}")
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device())

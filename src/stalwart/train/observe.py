@@ -34,7 +34,7 @@ from stalwart.observability.straggler import (
     StragglerIdle,
     make_straggler_detector,
 )
-from stalwart.observability.timers import Timers, TimingMode
+from stalwart.observability.timers import Timers
 from stalwart.observability.train_log import TrainingLog
 
 logger = logging.getLogger("stalwart.train")
@@ -220,7 +220,7 @@ def build_observability(
     timers = Timers(
         obs.timing_log_level,
         obs.timing_log_option,
-        mode=TimingMode(obs.timing_mode),
+        mode=obs.timing_mode,
         device=ctx.device,
     )
     sink = build_sinks(

@@ -11,8 +11,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,33 +53,11 @@ from stalwart.train.resume_checks import (
     upgrade_common_layout,
 )
 from stalwart.train.schedule import LRScheduler
+from stalwart.train.trainer_parts import ConfigPart, TrainOutcome, params_norm, then_release
 
 logger = logging.getLogger("stalwart.train")
 
 TrainState = LoopState  # iteration (completed) and consumed samples
-
-
-@dataclass
-class TrainOutcome:
-    """How ``train()`` ended: the process exit code and why."""
-
-    exit_code: int
-    reason: ExitReason
-    iteration: int
-    detail: str = ""
-
-
-class _ConfigPart:
-    """The run's config in the checkpoint (read back by ``check_model_matches`` and export)."""
-
-    def __init__(self, config: RunConfig) -> None:
-        self.config = config
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.config.to_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        del state  # the config given now wins
 
 
 class Trainer:
@@ -203,7 +180,7 @@ class Trainer:
                 "train_state": self.state,
                 "data": self.train_data,
                 "scheduler": self.scheduler,
-                "config": _ConfigPart(self.config),
+                "config": ConfigPart(self.config),
             },
             per_rank={"rng": RngState(self.machine.rng), "rerun": self.machine},
             check_common=lambda common: check_model_matches(common, current, logger.warning),
@@ -332,7 +309,7 @@ class Trainer:
         self.profiler.on_iteration_end(it)
         self.manual_gc.on_iteration_end(it)
         is_log = it % cfg.log.log_interval == 0 or it == 1
-        norm = _params_norm(self.model) if cfg.log.log_params_norm and is_log else None
+        norm = params_norm(self.model) if cfg.log.log_params_norm and is_log else None
         self.log.on_iteration(
             it,
             losses=result.losses or {"lm loss": torch.tensor(float("nan"))},
@@ -364,7 +341,7 @@ class Trainer:
             data,
             cfg.training.eval_iters,
             num_microbatches=self.data.num_microbatches,
-            each_iteration=lambda: _then(
+            each_iteration=lambda: then_release(
                 self.sections.step_section(is_eval=True), self.memory_release.after_eval_step
             ),
         )
@@ -482,20 +459,6 @@ class Trainer:
 
     def _tokens_so_far(self) -> float:
         return float(self.state.consumed_samples * self.config.model.seq_length)
-
-
-@contextlib.contextmanager
-def _then(section: Any, release: Callable[[], None]) -> Iterator[None]:
-    """An eval step's watchdog section, then ``--empty-unused-memory-level``'s release."""
-    with section:
-        yield
-    release()
-
-
-def _params_norm(model: torch.nn.Module) -> torch.Tensor:
-    """L2 norm of all parameters (device tensor, ``--log-params-norm``)."""
-    norms = torch._foreach_norm([p.detach() for p in model.parameters()])
-    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def run_training(config: RunConfig, ctx: DistributedContext) -> TrainOutcome:
