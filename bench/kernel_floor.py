@@ -363,13 +363,19 @@ def trainer_variant(args: argparse.Namespace, results: list[dict[str, Any]]) -> 
     return min(rows, key=lambda r: r["median_ms"])["variant"] if rows else "all"
 
 
+def trainer_flags(args: argparse.Namespace, name: str) -> list[str]:
+    """The ``stalwart train`` flags of the trainer run: the variant's, all checks on, logged."""
+    flags = variant_flags(args.trainer_preset, name, args)
+    at = flags.index("--log-interval")  # ours below (its value 10**6 is --train-iters' too)
+    del flags[at : at + 2]
+    flags[flags.index("--train-iters") + 1] = str(args.trainer_iters)
+    logging = ["--log-interval", str(args.trainer_log_interval), "--log-throughput"]
+    return [*flags, *logging, *ALL_CHECKS]
+
+
 def run_trainer(args: argparse.Namespace, name: str, timeout: float) -> dict[str, Any]:
     """``stalwart train`` with all checks on; TFLOP/s from the last log intervals."""
-    flags = variant_flags(args.trainer_preset, name, args)
-    flags = [f for f in flags if f not in ("--log-interval", str(10**6))]  # ours below
-    flags[flags.index("--train-iters") + 1] = str(args.trainer_iters)
-    flags += ["--log-interval", str(args.trainer_log_interval), "--log-throughput", *ALL_CHECKS]
-    cmd = [sys.executable, "-m", "stalwart", "train", *flags]
+    cmd = [sys.executable, "-m", "stalwart", "train", *trainer_flags(args, name)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     result: dict[str, Any] = {
         "preset": args.trainer_preset,

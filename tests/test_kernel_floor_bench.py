@@ -100,3 +100,14 @@ def test_kernel_floor_smoke_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_
     assert (
         rows["today"]["floor"]["gaps"]["idle_ms"] >= 0 and rows["today"]["floor"]["gaps"]["largest"]
     )
+
+
+def test_trainer_run_keeps_every_flag_value() -> None:
+    """The trainer's flags parse: its iterations and seed survive dropping the bench's own
+    logging interval (the same value as the bench's --train-iters)."""
+    from stalwart.cli.args import parse_train_args
+
+    args = kernel_floor._parser().parse_args(["--device", "cpu", "--trainer-iters", "150"])
+    flags = kernel_floor.trainer_flags(args, "all")
+    ns = parse_train_args(flags)
+    assert (ns.train_iters, ns.seed, ns.log_interval) == (150, 1234, args.trainer_log_interval)
