@@ -62,11 +62,12 @@ step train_resume_graphs_to_eager 120 "${TRAIN[@]}" --train-iters 40 --load "$SC
 step train_llama_graphs 150 "${TRAIN[@]}" --preset llama-tiny --cuda-graph-impl full_iteration \
   --optimizer-cuda-graph --recompute-granularity full --recompute-method uniform \
   --recompute-num-layers 1 --metrics-file "$WORK/llama_graphs_metrics.jsonl"
-# A real divergence (huge LR, bf16): the machine finds Inf/NaN, reruns, finds it reproducible,
-# saves and exits 16. With the speculative launch (default) the next iteration was already
-# launched when the fault is read; without it (--no-...) the run must end the same way.
+# A real divergence (the largest LR --lr accepts, no warm-up, bf16): the machine finds Inf/NaN,
+# reruns, finds it reproducible, saves and exits 16 (rc 16 expected). With the speculative
+# launch (default) the next iteration was already launched when the fault is read; without it
+# (--no-...) the run must end the same way.
 DIVERGE=(--cuda-graph-impl full_iteration --optimizer-cuda-graph --cuda-graph-warmup-steps 1
-  --lr 1e4 --lr-warmup-iters 200 --train-iters 60 --log-interval 1)
+  --lr 10 --lr-warmup-iters 1 --train-iters 60 --log-interval 1)
 step train_diverge_speculative 120 "${TRAIN[@]}" "${DIVERGE[@]}" --save "$SCRATCH/div_spec"
 step train_diverge_plain 120 "${TRAIN[@]}" "${DIVERGE[@]}" --no-cuda-graph-speculative-launch \
   --save "$SCRATCH/div_plain"
