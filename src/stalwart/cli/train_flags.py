@@ -240,6 +240,13 @@ def optimizer_flags(p: argparse.ArgumentParser) -> None:
         "--clip-grad", type=float, default=1.0, help="gradient norm clip (default: 1.0; 0 = off)"
     )
     g.add_argument(
+        "--clip-grad-in-optimizer",
+        action="store_true",
+        help="apply the --clip-grad factor inside the fused AdamW step (its grad_scale) instead "
+        "of a separate pass over the gradients; the same norm, parameters equal to float32 "
+        "rounding (one rank or DDP; not with --use-torch-fsdp2)",
+    )
+    g.add_argument(
         "--lr-decay-style",
         default=LRDecayStyle.COSINE.value,
         choices=tuple(s.value for s in LRDecayStyle),

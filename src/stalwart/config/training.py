@@ -47,6 +47,9 @@ class OptimizerConfig:
     adam_beta2: float = field(default=0.95, metadata=bounds(ge=0, lt=1))
     adam_eps: float = field(default=1e-8, metadata=bounds(gt=0, le=1))
     clip_grad: float = field(default=1.0, metadata=bounds(ge=0))  # 0 disables
+    # --clip-grad-in-optimizer: the clip factor rides on the fused AdamW step's grad_scale
+    # instead of a separate pass over the gradients (stalwart.graphs.clip_in_optimizer_step).
+    clip_grad_in_optimizer: bool = False
     lr_warmup_iters: int = field(default=0, metadata=bounds(ge=0))
     lr_decay_iters: int | None = field(default=None, metadata=bounds(gt=0))
     # With --train-samples the schedule counts samples.
@@ -68,6 +71,10 @@ class OptimizerConfig:
                     f"--lr-decay-style: got {self.lr_decay_style!r}, allowed: {allowed}"
                 ) from None
         check_fields(self)
+        _require(
+            self.clip_grad > 0 or not self.clip_grad_in_optimizer,
+            "--clip-grad-in-optimizer needs --clip-grad > 0 (with 0 there is no clipping to fuse)",
+        )
         _require(self.min_lr <= self.lr, f"--min-lr must be in [0, --lr] (got {self.min_lr})")
         _require(
             not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),

@@ -39,6 +39,7 @@ from stalwart.graphs import (
     GraphSettings,
     RecomputeGranularity,
     check_graph_config,
+    clip_in_optimizer_step,
     make_capturable_adamw,
 )
 from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler
@@ -68,7 +69,15 @@ def seed_everything(seed: int) -> None:
 
 
 def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices decay, biases/LayerNorm/position vectors do not (GPT-2 convention)."""
+    """AdamW; matrices decay, biases/LayerNorm/position vectors do not (GPT-2 convention).
+    With ``--clip-grad-in-optimizer`` the clip factor is the fused step's ``grad_scale``."""
+    optimizer = _adamw(model, config)
+    if config.optim.clip_grad_in_optimizer:
+        clip_in_optimizer_step(optimizer)
+    return optimizer
+
+
+def _adamw(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     o = config.optim
