@@ -12,7 +12,11 @@ For each preset, in one process, side by side:
   (``--cuda-graph-include-optimizer``), ``bf16_weights`` (``--bf16-compute-weights``),
   ``bf16_residual`` (``--bf16-residual-connection``), ``weights_residual`` (both), ``all``
   (all three), ``weights_residual_clip`` (the best set with ``--clip-grad-in-optimizer``: the
-  clip factor in the fused AdamW step's ``grad_scale``, no separate pass over the gradients).
+  clip factor in the fused AdamW step's ``grad_scale``, no separate pass over the gradients),
+  ``weights_residual_nomix`` (the best set with ``--inductor-config
+  triton.mix_order_reduction=False``: no eager fp32 ``sum(dim=0)`` finishing each LayerNorm
+  weight/bias gradient), ``weights_residual_split64`` (mix-order reduction in splits of 64 rows:
+  4x fewer partial sums) and ``weights_residual_clip_nomix`` (clip in the step, no mix-order).
 
 Every variant is built and warmed up first (compile, capture), then they take turns in windows of
 ``--iters`` iterations timed from a device sync to a device sync (the order rotates every round).
@@ -76,6 +80,9 @@ BASES = {
     "graph": ["--cuda-graph-impl", "full_iteration", "--optimizer-cuda-graph"],
     "eager": [],
 }
+BEST = ["--bf16-compute-weights", "--bf16-residual-connection"]
+NO_MIX_ORDER = ["--inductor-config", "triton.mix_order_reduction=False"]
+SPLIT_64 = ["--inductor-config", "triton.mix_order_reduction_split_size=64"]
 INGREDIENTS = {
     "today": [],
     "optimizer_in_graph": ["--cuda-graph-include-optimizer"],
@@ -88,11 +95,14 @@ INGREDIENTS = {
         "--cuda-graph-include-optimizer",
     ],
     # The best set with the clip factor inside the fused AdamW step (one pass over the grads less).
-    "weights_residual_clip": [
-        "--bf16-compute-weights",
-        "--bf16-residual-connection",
-        "--clip-grad-in-optimizer",
-    ],
+    "weights_residual_clip": [*BEST, "--clip-grad-in-optimizer"],
+    # The best set without Inductor's mix-order reduction: the LayerNorm backward's weight and
+    # bias sums are Triton kernels again instead of a fused kernel + an eager fp32 sum(dim=0)
+    # per weight and bias (the 200 aten reduce kernels per iteration at gpt2-124m).
+    "weights_residual_nomix": [*BEST, *NO_MIX_ORDER],
+    # ... or with it, in fewer, larger splits (the final eager sums read 4x fewer partials).
+    "weights_residual_split64": [*BEST, *SPLIT_64],
+    "weights_residual_clip_nomix": [*BEST, "--clip-grad-in-optimizer", *NO_MIX_ORDER],
 }
 BASELINES = ("reduce_overhead", "plain_eager")
 # Priority order: the baseline, the best set (the target's ratio; built even when compiles eat

@@ -169,3 +169,46 @@ def test_the_trainer_installs_the_scale() -> None:
     argv = ["--preset", "tiny", "--use-cpu"]
     plain = build.build_optimizer(GPT(CFG), build_run_config(parse_train_args(argv), argv))
     assert clip_scale_of(plain) is None
+
+
+# ---------------------------------------------------------------- --inductor-config (issue 19)
+@pytest.mark.parametrize(
+    ("items", "needle"),
+    [
+        (["triton.mix_order_reduction"], "--inductor-config takes KEY=VALUE"),
+        (["no_such_option=1"], "--inductor-config no_such_option: not an Inductor option"),
+        (["triton.mix_order_reduction=__import__('os')"], "must be a Python literal"),
+        (["triton.mix_order_reduction=1"], "Inductor's option is a bool"),
+        (["triton.mix_order_reduction=[1]"], "only bool, int, float, str or None"),
+        (["triton.cudagraphs=True"], "set by stalwart itself"),
+        (["max_autotune=True", "max_autotune=False"], "given twice"),
+    ],
+)
+def test_inductor_config_refuses_bad_input(items: list[str], needle: str) -> None:
+    argv = ["--preset", "tiny", "--compile"]
+    for item in items:
+        argv += ["--inductor-config", item]
+    with pytest.raises(ValueError, match=needle):
+        build_run_config(parse_train_args(argv), argv)
+
+
+def test_inductor_config_needs_compile() -> None:
+    argv = ["--preset", "tiny", "--inductor-config", "triton.mix_order_reduction=False"]
+    with pytest.raises(ValueError, match=r"^--inductor-config needs --compile"):
+        build_run_config(parse_train_args(argv), argv)
+
+
+def test_inductor_config_reaches_the_model_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.distributed.process_group import DistributedContext
+    from stalwart.reliability.faults import NullFaultInjector
+    from stalwart.train import build
+
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(GPT, "compile", lambda self, **kw: seen.append(kw))
+    argv = ["--preset", "tiny", "--use-cpu", "--compile",
+            "--inductor-config", "triton.mix_order_reduction=False",
+            "--inductor-config", "triton.mix_order_reduction_split_size=64"]  # fmt: skip
+    config = build_run_config(parse_train_args(argv), argv)
+    build.build_model(config, DistributedContext(), NullFaultInjector())
+    assert seen == [{"dynamic": False, "options": {
+        "triton.mix_order_reduction": False, "triton.mix_order_reduction_split_size": 64}}]  # fmt: skip

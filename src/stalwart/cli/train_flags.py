@@ -143,6 +143,18 @@ def data_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _compile_flags(g: Any) -> None:
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    g.add_argument(
+        "--inductor-config",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="with --compile: an Inductor option of the model's torch.compile (repeatable; a "
+        "Python literal of the option's type, e.g. triton.mix_order_reduction=False)",
+    )
+
+
 def _precision_flags(g: Any) -> None:
     g.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision")
     g.add_argument("--fp16", action="store_true", help="float16 with dynamic loss scaling")
@@ -202,7 +214,7 @@ def training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation")
     g.add_argument("--use-cpu", action="store_true", help="train on CPU even if CUDA is present")
     g.add_argument("--use-torch-fsdp2", action="store_true", help="shard with FSDP2, not DDP")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    _compile_flags(g)
     g.add_argument(
         "--distributed-timeout-minutes",
         type=float,

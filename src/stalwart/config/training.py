@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from stalwart.checkpoint import CheckpointManager
 from stalwart.config.checks import SEED_MAX, bounds, check_fields
+from stalwart.config.inductor import parse_inductor_options
 from stalwart.data.blend import parse_data_blend
 
 # Absurd values are refused up front: an lr of 1e3 or a timeout of a year is a typo, and it would
@@ -109,6 +110,8 @@ class TrainingConfig:
     use_cpu: bool = False
     use_torch_fsdp2: bool = False
     compile: bool = False
+    # --inductor-config KEY=VALUE (repeatable): options of the model's torch.compile.
+    inductor_config: list[str] | None = None
     distributed_timeout_minutes: float = field(
         default=10.0, metadata=bounds(gt=0, le=DISTRIBUTED_TIMEOUT_MAX_MINUTES)
     )
@@ -126,6 +129,11 @@ class TrainingConfig:
             "--bf16-compute-weights needs --bf16 (the forward runs under bf16 autocast on the "
             "copies)",
         )
+        _require(
+            self.compile or not self.inductor_config,
+            "--inductor-config needs --compile (they are options of the model's torch.compile)",
+        )
+        parse_inductor_options(self.inductor_config)  # ValueError naming the flag
         _require(
             self.min_loss_scale <= self.initial_loss_scale,
             "--min-loss-scale must be <= --initial-loss-scale",

@@ -160,16 +160,14 @@ def clip_for_step(
     optimizer: torch.optim.Optimizer,
     params: Sequence[torch.Tensor],
     max_norm: float,
-    norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Clip for the next ``optimizer.step()`` without a host sync; return the pre-clip norm.
 
     With :func:`clip_in_optimizer_step` installed the step's ``grad_scale`` gets
     ``1 / clip_coefficient`` (1.0 when ``max_norm`` is 0: no clipping); else the gradients are
-    multiplied in place (:func:`clip_grads_`; nothing when ``max_norm`` is 0). ``norm``: the
-    pre-clip norm when the caller computed it already (else :func:`grad_norm`).
+    multiplied in place (:func:`clip_grads_`; nothing when ``max_norm`` is 0).
     """
-    total = grad_norm(params) if norm is None else norm
+    total = grad_norm(params)
     scale = clip_scale_of(optimizer)
     if scale is not None:
         if max_norm > 0:

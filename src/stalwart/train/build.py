@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from stalwart.config.inductor import parse_inductor_options
 from stalwart.config.run import RunConfig
 from stalwart.data import (
     MicroBatchIterator,
@@ -286,8 +287,11 @@ def build_model(
     if config.training.compile:
         # In place (nn.Module.compile): parameter names and checkpoints stay unchanged. Under a
         # full-iteration graph Inductor's own CUDA graphs are off (they cannot nest).
-        options = {"triton.cudagraphs": False} if config.graphs.full_iteration else None
-        raw_model.compile(dynamic=False, options=options)
+        # --inductor-config: the user's per-compile Inductor options (checked by the config).
+        options = parse_inductor_options(config.training.inductor_config)
+        if config.graphs.full_iteration:
+            options["triton.cudagraphs"] = False
+        raw_model.compile(dynamic=False, options=options or None)
     model = wrap_model(raw_model, config, ctx)
     seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
     return raw_model, model
