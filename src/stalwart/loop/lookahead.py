@@ -84,6 +84,15 @@ class LookAhead:
     def pending(self) -> Launched | None:
         return self._launched
 
+    def prefetch(self, num_microbatches: int) -> None:
+        """Read the micro-batches a :meth:`launch` would take now, ahead of it (host work only:
+        the data iterator builds and pins them; nothing is consumed, so nothing changes if no
+        launch follows). Called before this pass's optimizer step is queued: the device is
+        still busy with the pass, while the step is too short to hide the batch building that
+        would otherwise sit between it and the launch."""
+        if self._launched is None and self._ready() and self._machine.can_begin_ahead():
+            self._data.peek(1 if self._splittable else num_microbatches)
+
     def launch(self, iteration: int, num_microbatches: int) -> bool:
         """Queue ``iteration``'s first work now (after this pass's gated step was enqueued and
         joined, before the machine reads this pass). Returns whether it launched."""

@@ -219,10 +219,13 @@ class GuardedStep:
             passes += 1
             stepped, losses = None, None
             if self.runners.optimizer.gated and self.machine.can_gate_step():
+                ahead = launch_next and self.lookahead_enabled and passes == 1
+                if ahead:
+                    self._lookahead.prefetch(n)  # while the device still runs the pass
                 stepped = self._optimizer_step(gated=True)
                 # The launch may overwrite a graph's outputs: average this pass's values first.
                 losses = average_reported(reported, self.dp_group)
-                if launch_next and self.lookahead_enabled and passes == 1:
+                if ahead:
                     self.runners.optimizer.join()  # the next pass reads the stepped weights
                     self._lookahead.launch(iteration + 1, n)
         self.runners.optimizer.join()
