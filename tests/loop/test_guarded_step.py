@@ -174,8 +174,21 @@ def test_the_next_batches_are_read_before_the_optimizer_step_is_queued(graphed: 
         return step(*args, **kwargs)
 
     ahead.step.optimizer.step = logged_step  # type: ignore[method-assign]
+    begin_ahead = ahead.machine.begin_ahead
+
+    def logged_begin(*args: Any, **kwargs: Any) -> Any:
+        events.append("begin ahead")
+        return begin_ahead(*args, **kwargs)
+
+    ahead.machine.begin_ahead = logged_begin  # type: ignore[method-assign]
     _same_results(ahead.train(), plain.train())
     _same_params(ahead, plain)
+    # A graph's launch is staged (the next pass begun, its inputs loaded) before the step and
+    # only replayed after it; an eager launch runs its micro-batch after the step.
+    order = [e for e in events if e != "pull"]
+    per_iter = ["begin ahead", "step"] if graphed else ["step", "begin ahead"]
+    assert order == per_iter * (NUM_ITERS - 1) + ["step"], order
+    events[:] = [e for e in events if e != "begin ahead"]
     per_launch = NUM_MICROBATCHES if graphed else 1
     # Iteration 0 pulls its own batches, then the launch's; every later step comes after
     # the next launch's batches were pulled.
