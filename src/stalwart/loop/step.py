@@ -166,7 +166,7 @@ class GuardedStep:
         self.lookahead_enabled = lookahead and allows and self.runners.optimizer.gated
         self._lookahead = LookAhead(
             machine, data, self._forward_backward, self.runners.splittable,
-            self.runners.lookahead_ready,
+            self.runners.lookahead_ready, _staged_in_regions(self.runners.stage_pass, observer),
         )  # fmt: skip
         self._closed = False
 
@@ -243,10 +243,14 @@ class GuardedStep:
             passes += 1
             stepped, losses = None, None
             if self.runners.optimizer.gated and self.machine.can_gate_step():
-                stepped = self._optimizer_step(gated=True)
-                # The launch may overwrite a graph's outputs: average this pass's values first.
+                ahead = launch_next and self.lookahead_enabled and passes == 1
+                # The launch may overwrite a graph's outputs: average this pass's values first
+                # (and, like the launch's host work, before the short step).
                 losses = average_reported(reported, self.dp_group)
-                if launch_next and self.lookahead_enabled and passes == 1:
+                if ahead:
+                    self._lookahead.prepare(iteration + 1, n)  # the device runs the pass
+                stepped = self._optimizer_step(gated=True)
+                if ahead:
                     self.runners.optimizer.join()  # the next pass reads the stepped weights
                     self._lookahead.launch(iteration + 1, n)
         self.runners.optimizer.join()
@@ -426,6 +430,26 @@ def _in_regions(fb: Callable[..., Reported], observer: Any) -> Callable[..., Rep
             return fb(**kwargs)
 
     return timed
+
+
+def _staged_in_regions(
+    stage: Callable[..., Callable[[], Reported]] | None, observer: Any
+) -> Callable[..., Callable[[], Reported]] | None:
+    """A graph's ``stage_pass`` whose returned call runs inside the observer's region."""
+    region = getattr(observer, "iteration_region", None)
+    if stage is None or region is None:
+        return stage
+
+    def staged(**kwargs: Any) -> Callable[[], Reported]:
+        fire = stage(**kwargs)
+
+        def run() -> Reported:
+            with region():
+                return fire()
+
+        return run
+
+    return staged
 
 
 def _trained_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:
