@@ -18,6 +18,7 @@ seed, data and dropout draws), and the final parameters are compared:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -287,8 +288,14 @@ def test_trainer_wires_the_flags_into_its_step() -> None:
         copies = sum(p.numel() for p in weights.masters)
         assert monitor.estimate.breakdown["compute_weight_copies"] == 2 * copies
         two_ranks = DistributedContext(world_size=2, backend="gloo")
-        with pytest.raises(ValueError, match="--bf16-compute-weights is not supported with 2"):
-            build.build_compute_weights(config, trainer.raw_model, two_ranks)
+        # DDP: the step reduces the gradients itself (tests/distributed/test_compute_weights_ddp);
+        # FSDP2: refused, naming its own equivalent.
+        assert build.build_compute_weights(config, trainer.raw_model, two_ranks) is not None
+        fsdp2 = dataclasses.replace(
+            config, training=dataclasses.replace(config.training, use_torch_fsdp2=True)
+        )
+        with pytest.raises(ValueError, match=r"--use-torch-fsdp2: .*MixedPrecisionPolicy"):
+            build.build_compute_weights(fsdp2, trainer.raw_model, two_ranks)
     finally:
         trainer.close()
 

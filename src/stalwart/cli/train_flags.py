@@ -163,7 +163,7 @@ def _precision_flags(g: Any) -> None:
         action="store_true",
         help="with --bf16: Linear layers run on bf16 copies of the fp32 weights made once per "
         "iteration (not autocast casts per micro-batch); their grads are added into the fp32 "
-        "grads after each micro-batch (one rank only)",
+        "grads after each micro-batch (one rank or DDP; not with --use-torch-fsdp2)",
     )
     g.add_argument(
         "--bf16-residual-connection",

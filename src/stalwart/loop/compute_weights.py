@@ -161,7 +161,9 @@ class ComputeWeights:
 
     Args:
         model: the unwrapped model (not DDP/FSDP: their gradient hooks sit on the fp32
-            parameters, which the forward no longer uses). Build it on its final device; the
+            parameters, which the forward no longer uses; a ``GuardedStep`` given the DDP model
+            reduces the gradients itself, `stalwart.loop.data_parallel_grads`; FSDP2 is
+            refused). Build it on its final device; the
             parameters must not be replaced afterwards (loading a state dict copies in place).
         dtype: the compute dtype (the autocast dtype of the forward).
         slots: where copies go (default: :func:`compute_weight_slots`).

@@ -44,6 +44,7 @@ from stalwart.graphs import (
     make_capturable_adamw,
 )
 from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler
+from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
 from stalwart.models import GPT
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
 from stalwart.observability.goodput import (
@@ -300,14 +301,12 @@ def build_model(
 def build_compute_weights(
     config: RunConfig, raw_model: GPT, ctx: DistributedContext
 ) -> ComputeWeights | None:
-    """``--bf16-compute-weights``: bf16 copies of the GPT's matmul weights (one rank only)."""
+    """``--bf16-compute-weights``: bf16 copies of the GPT's matmul weights (one rank, or DDP:
+    the guarded step then reduces the fp32 gradients itself; not with FSDP2)."""
     if not config.training.bf16_compute_weights:
         return None
-    if ctx.is_distributed:
-        raise ValueError(
-            f"--bf16-compute-weights is not supported with {ctx.world_size} ranks: DDP/FSDP2 "
-            "reduce the gradients of the fp32 parameters, which the forward no longer uses"
-        )
+    if ctx.is_distributed and config.training.use_torch_fsdp2:
+        raise ValueError(FSDP2_COMPUTE_WEIGHTS_MESSAGE)
     return ComputeWeights(raw_model, dtype=torch.bfloat16)
 
 
