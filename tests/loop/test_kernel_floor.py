@@ -150,7 +150,16 @@ def test_bf16_compute_weights_equal_autocast_bitwise(overrides: dict[str, Any]) 
     assert seen and set(seen) == {torch.bfloat16}
     _assert_params(copies, plain)
     assert copies.compute_weights is not None
-    assert {c.dtype for c in copies.compute_weights.copies} == {torch.bfloat16}
+    weights = copies.compute_weights
+    assert [c.dtype for c in weights.copies] == weights.copy_dtypes
+    assert set(weights.copy_dtypes) == {torch.bfloat16, torch.float32}
+    # The norms' gradients join the one foreach add too (fp32 copies swapped in the same way).
+    norms = {id(p) for m in copies.model.modules() if isinstance(m, nn.LayerNorm | nn.RMSNorm)
+             for p in m.parameters()}  # fmt: skip
+    fp32_masters = {
+        id(m) for m, d in zip(weights.masters, weights.copy_dtypes) if d == torch.float32
+    }
+    assert norms and norms <= fp32_masters
     # Outside a micro-batch the modules hold their fp32 parameters again.
     assert {p.dtype for p in copies.model.parameters()} == {torch.float32}
     assert copies.model.output_compute_weight is None
@@ -285,7 +294,7 @@ def test_trainer_wires_the_flags_into_its_step() -> None:
 
         monitor = next(p for p in trainer.log.providers if isinstance(p, MemoryMonitor))
         assert monitor.estimate is not None  # the theoretical report counts the copies
-        copies = sum(p.numel() for p in weights.masters)
+        copies = sum(c.numel() for c in weights.copies if c.dtype == torch.bfloat16)
         assert monitor.estimate.breakdown["compute_weight_copies"] == 2 * copies
         two_ranks = DistributedContext(world_size=2, backend="gloo")
         # DDP: the step reduces the gradients itself (tests/distributed/test_compute_weights_ddp);
