@@ -340,3 +340,24 @@ def test_first_micro_batch_copies_into_the_fp32_grads_except_a_tied_weight() -> 
     shared = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     shared[1].weight = shared[0].weight
     assert ComputeWeights(shared).direct == [True, False, True, False]  # weight, bias, ...
+
+
+def test_norm_and_position_grads_skip_autograd_accumulation() -> None:
+    """With the fp32 copies of the norms and position embeddings only the word embeddings'
+    lookup gradient is still added by autograd (``AccumulateGrad``): at most one add per
+    micro-batch instead of one per norm weight, norm bias and position table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    job = Job(_config(), weights=True)
+    job.step.run(0, launch_next=False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        job.step.run(1, launch_next=False)
+
+    def under_accumulate_grad(event: Any) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and "AccumulateGrad" not in parent.name:
+            parent = parent.cpu_parent
+        return parent is not None
+
+    adds = [e for e in prof.events() if e.name == "aten::add_" and under_accumulate_grad(e)]
+    assert len(adds) <= MICRO  # the word embeddings only (5 norms x 2 + positions without)
