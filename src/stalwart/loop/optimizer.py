@@ -57,9 +57,9 @@ def grad_norm_and_clip(
     separate pass; the norm is computed the same way (``torch._foreach_norm``, then the norm of
     the norms), so the logged value is unchanged.
     """
-    if optimizer is not None and clip_scale_of(innermost(optimizer)) is not None:
-        grads = [p for p in parameters if p.grad is not None]
-        return clip_for_step(innermost(optimizer), grads, clip_grad)
+    with_grads = [p for p in parameters if p.grad is not None]
+    if optimizer is not None and with_grads and clip_scale_of(innermost(optimizer)) is not None:
+        return clip_for_step(innermost(optimizer), with_grads, clip_grad)
     max_norm = clip_grad if clip_grad > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
     full_tensor = getattr(norm, "full_tensor", None)  # FSDP2: a replicated DTensor
