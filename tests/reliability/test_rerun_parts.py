@@ -267,7 +267,7 @@ def test_gate_takes_the_verdicts_the_read_takes() -> None:
 
 def test_paired_gate_equals_the_general_gate_and_is_used_only_when_exact() -> None:
     """Values checked for NaN and Inf together (how the loss and grad checks record) take the
-    three-op "any value not finite" gate; it gates exactly as the general one. A NaN-only slot
+    two-op "any value not finite" gate; it gates exactly as the general one. A NaN-only slot
     written alone, a LARGE slot or a possible injection keeps the general gate."""
     values = [1.0, -2.0, math.nan, math.inf, -math.inf, UNWRITTEN]
     rows = (("nan", torch.isnan), ("inf", torch.isinf))

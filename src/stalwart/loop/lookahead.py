@@ -92,23 +92,25 @@ class LookAhead:
     def pending(self) -> Launched | None:
         return self._launched
 
-    def prepare(self, iteration: int, num_microbatches: int) -> None:
+    def prepare(self, iteration: int, num_microbatches: int) -> bool:
         """The launch's host work, ahead of it: called before this pass's optimizer step is
         queued, while the device still runs the pass (the step is too short to hide it, so
         between the step and the launch the device would idle). Reads the micro-batches a
         :meth:`launch` takes (the data iterator builds and pins them; nothing is consumed);
         with a graph (``stage_pass``) also begins the next pass and queues its input copies,
-        so the launch is one replay. Nothing changes if no launch follows (:meth:`discard`)."""
+        so the launch is one replay. Nothing changes if no launch follows (:meth:`discard`).
+        Returns whether the launch was staged."""
         if self._launched is not None or self._staged is not None or not self._can_launch():
-            return
+            return False
         count = 1 if self._splittable else num_microbatches
         if self._stage_pass is None:
             self._data.peek(count)
-            return
+            return False
         self._machine.begin_ahead(iteration)
         batches = self._data.peek(count)
         fire = self._stage_pass(data_iterator=iter(batches), num_microbatches=num_microbatches)
         self._staged = (iteration, num_microbatches, list(batches), fire)
+        return True
 
     def _can_launch(self) -> bool:
         return self._ready() and self._machine.can_begin_ahead()

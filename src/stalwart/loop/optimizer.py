@@ -91,7 +91,7 @@ class OptimizerRunner(Protocol):
 
     gated: bool  # can step before the read, skipping itself on the device
 
-    def step(self, *, gated: bool) -> Stepped: ...
+    def step(self, *, gated: bool, overlap: bool = True) -> Stepped: ...
 
     def join(self) -> None: ...
 
@@ -124,9 +124,9 @@ class EagerOptimizer:
             # torch's fused optimizers read this attribute (the GradScaler API): 1.0 = skip.
             innermost(optimizer).found_inf = self.gate  # type: ignore[attr-defined]
 
-    def step(self, *, gated: bool) -> Stepped:
+    def step(self, *, gated: bool, overlap: bool = True) -> Stepped:
         """``gated``: the device decides from the gate (before the read); otherwise the host
-        decided to step and the gate is cleared first."""
+        decided to step and the gate is cleared first. ``overlap`` is for graphed steps."""
         if not gated and self.gate is not None:
             self.gate.zero_()
         found_inf = None if gated else self.loss_scaler.unscale_and_check(self.params)
@@ -164,8 +164,10 @@ class GraphedOptimizer:
         self.graph = graph
         self.gated = graph.skip_gate is not None
 
-    def step(self, *, gated: bool) -> Stepped:
-        return Stepped(self.graph.step(gated=gated, overlap=gated))
+    def step(self, *, gated: bool, overlap: bool = True) -> Stepped:
+        """A gated step replays on the second stream (``overlap``) unless told not to: when
+        the next replay is queued right after it, the two-stream handoff only adds waits."""
+        return Stepped(self.graph.step(gated=gated, overlap=gated and overlap))
 
     def join(self) -> None:
         self.graph.join()

@@ -137,7 +137,7 @@ class InGraphOptimizer:
         self.optimizer.step()
 
     # ------------------------------------------------------------------ OptimizerRunner
-    def step(self, *, gated: bool) -> Stepped:
+    def step(self, *, gated: bool, overlap: bool = True) -> Stepped:
         """The graph's step (``gated``: it was enqueued with the pass), or an eager one when
         this pass held it: gated on the device, or host-decided (the gate cleared)."""
         if self._in_pass:

@@ -247,9 +247,8 @@ class GuardedStep:
                 # The launch may overwrite a graph's outputs: average this pass's values first
                 # (and, like the launch's host work, before the short step).
                 losses = average_reported(reported, self.dp_group)
-                if ahead:
-                    self._lookahead.prepare(iteration + 1, n)  # the device runs the pass
-                stepped = self._optimizer_step(gated=True)
+                staged = ahead and self._lookahead.prepare(iteration + 1, n)  # device busy
+                stepped = self._optimizer_step(gated=True, overlap=not staged)
                 if ahead:
                     self.runners.optimizer.join()  # the next pass reads the stepped weights
                     self._lookahead.launch(iteration + 1, n)
@@ -318,11 +317,11 @@ class GuardedStep:
         timer.stop()
         return reported
 
-    def _optimizer_step(self, gated: bool) -> Stepped:
+    def _optimizer_step(self, gated: bool, overlap: bool = True) -> Stepped:
         timer = self.timers(OPTIMIZER)
         timer.start()
         try:
-            return self.runners.optimizer.step(gated=gated)
+            return self.runners.optimizer.step(gated=gated, overlap=overlap)
         finally:
             timer.stop()
 
