@@ -132,11 +132,14 @@ class RankExits:
         return self.stdout + self.stderr
 
 
-def _cli_rank(argv: list[str], environ: dict[str, str], out_path: str, err_path: str) -> None:
+def _cli_rank(
+    argv: list[str], environ: dict[str, str], cwd: str, out_path: str, err_path: str
+) -> None:
     # The rank's stdout and stderr go to files at the descriptor level, as a torchrun worker's
     # go to torchrun's, so C-level output (gloo, faulthandler) is kept too.
     os.environ.clear()
     os.environ.update(environ)
+    os.chdir(cwd)  # the caller's, not the fork server's
     for path, fd in ((out_path, 1), (err_path, 2)):
         file_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file_fd, fd)
@@ -183,7 +186,7 @@ def run_cli_on_ranks(
                     "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0"}  # fmt: skip
         environ = {**base, **torchrun} if world_size > 1 else base
-        procs.append(ctx.Process(target=_cli_rank, args=(argv, environ, *paths[rank])))
+        procs.append(ctx.Process(target=_cli_rank, args=(argv, environ, os.getcwd(), *paths[rank])))
     for p in procs:
         p.start()
     first_failure = 0

@@ -238,14 +238,17 @@ def test_correct_result_diagnosed_by_peer_replay_then_skipped(tmp_path: Path) ->
     """As the automatic-restart test above, in one launch: the peer reproduces the value (a
     correct result: exit 17, the iteration saved), the relaunch skips exactly that iteration."""
     save, tracker = tmp_path / "ckpt", tmp_path / "tracker.txt"
-    proc = _torchrun(_injected("correct_result", save, tracker, peer=True), restarts=1)
-    log = _log(proc)
-    assert proc.returncode == 0, log[-4000:]
-    assert _worker_exit_codes(proc) == [17], log[-4000:]
-    assert "Correct result (but possible application error)" in log
+    args = _injected("correct_result", save, tracker, peer=True)
+    # Two launches, not a torchrun restart (the test above covers those): the same relaunch.
+    first = _ranks(args, tmp_path / "fault")
+    assert first.codes == [17, 17], first.log[-4000:]
+    assert "Correct result (but possible application error)" in first.log
     assert _statuses(tracker) == [
         (1, "initial_run"), (1, "first_rerun_reproducible"), (1, "peer_replay_reproducible")
     ]  # fmt: skip
-    assert f"Will skip these iterations from tracker file: [{BAD + 1}]" in log
-    assert f"skipping iteration {BAD + 1} (--iterations-to-skip)" in log
+    second = _ranks(args, tmp_path / "relaunch")
+    assert second.codes == [0, 0], second.log[-4000:]
+    assert f"Will skip these iterations from tracker file: [{BAD + 1}]" in second.log
+    assert f"skipping iteration {BAD + 1} (--iterations-to-skip)" in second.log
+    assert "exiting program at iteration 4" in second.log
     assert not (save / "suspect_devices.json").exists()
