@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -110,3 +112,98 @@ def run_distributed(
     if errors:
         raise AssertionError("distributed body failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+class RankExits:
+    """What `run_cli_on_ranks` saw: each rank's process exit code and its output.
+
+    ``returncode``: 0 when every rank exited 0, else the first failing rank's code (the root
+    cause torchrun reports). ``stdout``/``stderr``: every rank's stream, rank 0 first.
+    """
+
+    def __init__(self, codes: list[int], first_failure: int, outs: list[str], errs: list[str]):
+        self.codes = codes
+        self.returncode = first_failure
+        self.stdout = "".join(outs)
+        self.stderr = "".join(errs)
+
+    @property
+    def log(self) -> str:
+        return self.stdout + self.stderr
+
+
+def _cli_rank(
+    argv: list[str], environ: dict[str, str], cwd: str, out_path: str, err_path: str
+) -> None:
+    # The rank's stdout and stderr go to files at the descriptor level, as a torchrun worker's
+    # go to torchrun's, so C-level output (gloo, faulthandler) is kept too.
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)  # the caller's, not the fork server's
+    for path, fd in ((out_path, 1), (err_path, 2)):
+        file_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file_fd, fd)
+        os.close(file_fd)
+    from stalwart.cli.main import main
+
+    raise SystemExit(main(argv))  # the process exit code, as `python -m stalwart` gives it
+
+
+def run_cli_on_ranks(
+    argv: list[str],
+    log_dir: str | os.PathLike[str],
+    *,
+    world_size: int = 2,
+    env: dict[str, str] | None = None,
+    unset: tuple[str, ...] = (),
+    timeout_s: float = 180.0,
+    grace_s: float = 30.0,
+) -> RankExits:
+    """``stalwart <argv>`` on ``world_size`` ranks, each a fresh process forked from the fork
+    server (torch already imported), with torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``: the CLI initialises the group itself).
+
+    For launches that test the CLI on several ranks, not torchrun itself (no restarts, no
+    signals to a launcher): a torchrun launch costs ~4 s of CPU per process importing torch.
+    As torchrun does, once a rank has failed the others get ``grace_s`` to exit before they
+    are killed (their code is then -9); past ``timeout_s`` every rank left is killed.
+    ``log_dir/rank<N>.out|.err`` keep the output; ``unset``: variables of this process's
+    environment the ranks do not inherit. ``world_size=1``: one process without torchrun's
+    variables, as ``python -m stalwart`` runs (a fresh process, without its torch import).
+    """
+    ctx = _context()
+    port = free_port()
+    inherited = {k: v for k, v in os.environ.items() if k not in unset}
+    base = {**inherited, "OMP_NUM_THREADS": "1", **(env or {})}
+    os.makedirs(log_dir, exist_ok=True)
+    paths = [
+        (os.path.join(log_dir, f"rank{r}.out"), os.path.join(log_dir, f"rank{r}.err"))
+        for r in range(world_size)
+    ]
+    procs = []
+    for rank in range(world_size):
+        torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                    "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0"}  # fmt: skip
+        environ = {**base, **torchrun} if world_size > 1 else base
+        procs.append(ctx.Process(target=_cli_rank, args=(argv, environ, os.getcwd(), *paths[rank])))
+    for p in procs:
+        p.start()
+    first_failure = 0
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed and not first_failure:
+                first_failure = int(failed[0])
+                deadline = min(deadline, time.monotonic() + grace_s)
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    codes = [int(p.exitcode if p.exitcode is not None else -9) for p in procs]
+    first_failure = first_failure or next((c for c in codes if c != 0), 0)
+    outs, errs = ([Path(pair[i]).read_text(errors="replace") for pair in paths] for i in (0, 1))
+    return RankExits(codes, first_failure, outs, errs)

@@ -34,13 +34,18 @@ def shared_run(factory: pytest.TempPathFactory, name: str, build: Callable[[Path
 
 # The fault-free 2-rank job that the torchrun fault tests compare against (checkpoints at 3, 6,
 # 9 and 12): tests/distributed/test_ft_torchrun.py, test_trainer_torchrun.py and
-# test_inprocess_restart.py each trained their own copy of it.
+# test_inprocess_restart.py each trained their own copy of it. Its 2 ranks are forked from the
+# fork server (no torchrun): the torchrun runs that end bitwise equal to it also check that the
+# two launches train alike.
 REFERENCE_ARGS = ["--train-iters", "12", "--seed", "3", "--global-batch-size", "8",
                   "--save-interval", "3"]  # fmt: skip
 
 
 def build_two_rank_reference(path: Path) -> None:
-    from train_utils import TINY_FLAGS, run_cli
+    from dist_utils import run_cli_on_ranks
+    from train_utils import TINY_FLAGS
 
-    proc = run_cli(["train", *TINY_FLAGS, *REFERENCE_ARGS, "--save", str(path / "ckpt")], nproc=2)
+    proc = run_cli_on_ranks(
+        ["train", *TINY_FLAGS, *REFERENCE_ARGS, "--save", str(path / "ckpt")], path / "logs"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,6 +2,8 @@
 
 Every scenario trains the same 12-iteration job and must end bitwise equal to one uninterrupted
 reference run (checkpointed every 3 iterations, so intermediate iterations compare too).
+Launches that need no torchrun (no restart, no signal to the launcher: the resumes, the exits)
+run the CLI on ranks forked from the test's fork server (``run_cli_on_ranks``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 from ft_utils import LiveRun, logged_iterations, read_tracker
 
+from dist_utils import run_cli_on_ranks
 from train_utils import TINY_FLAGS, assert_params_equal, load_params, run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -107,7 +110,7 @@ def test_sigterm_to_torchrun_saves_exits_signal_and_resume_is_exact(tmp_path, re
     assert TORCHRUN_SIGKILL not in out and exit_s < 15.0, (exit_s, out[-3000:])
     print(f"SIGTERM to job end: {exit_s:.2f} s (torchrun allows 30 s)")
 
-    proc = run_cli([*COMMON, "--save", str(save)], nproc=2)
+    proc = run_cli_on_ranks([*COMMON, "--save", str(save)], tmp_path / "launch1")
     _ok(proc)
     assert f"at iteration {stopped}" in proc.stdout
     assert logged_iterations(proc.stdout) == list(range(stopped + 1, 13))
@@ -137,7 +140,7 @@ def test_sigkill_during_async_save_resumes_from_previous_complete(tmp_path, refe
     assert read_tracker(save) == 4
     assert not (save / "iter_0000008").exists()
 
-    proc = run_cli([*COMMON, "--save", str(save)], nproc=2)
+    proc = run_cli_on_ranks([*COMMON, "--save", str(save)], tmp_path / "launch2")
     _ok(proc)
     assert f"{save / 'iter_0000004'} at iteration 4" in proc.stdout
     assert not list(save.glob("*.tmp-*"))  # the next save removed the partial one
@@ -155,7 +158,7 @@ def test_interval_phase_and_duration_exits_agree_and_lose_nothing(tmp_path, refe
                 (["--exit-duration-in-mins", "0.001"], "duration", 9)]  # fmt: skip
     start = 0
     for extra, reason, iteration in expected:
-        proc = run_cli([*base, *extra], nproc=2)
+        proc = run_cli_on_ranks([*base, *extra], tmp_path / reason)
         _ok(proc)  # a rank that disagreed would hang in the save or exit non-zero
         assert logged_iterations(proc.stdout) == list(range(start + 1, iteration + 1))
         record = _exit_reason(save)
@@ -172,8 +175,8 @@ def test_learned_timeouts_are_written_reloaded_and_used(tmp_path, reference) -> 
     save = tmp_path / "ckpt"
     ft = ["--enable-ft", "--calc-ft-timeouts", "--ft-num-warmup-iters", "1",
           "--ft-timeouts", "setup=60,step=100,checkpointing=90,out_of_section=60"]  # fmt: skip
-    _ok(run_cli([*COMMON, "--save", str(save), *ft, "--save-interval", "4",
-                 "--exit-interval", "8"], nproc=2))  # fmt: skip
+    _ok(run_cli_on_ranks([*COMMON, "--save", str(save), *ft, "--save-interval", "4",
+                 "--exit-interval", "8"], tmp_path / "launch4"))  # fmt: skip
     state_path = save / "ft_state.json"
     state = json.loads(state_path.read_text())
     assert "checkpointing" in state["calculated_sections"]
@@ -199,7 +202,9 @@ def test_learned_timeouts_are_written_reloaded_and_used(tmp_path, reference) -> 
 def test_unwritable_save_dir_fails_on_both_ranks_before_training(tmp_path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    proc = run_cli([*COMMON, "--save", str(blocker / "ckpt")], nproc=2, timeout=90)
+    proc = run_cli_on_ranks(
+        [*COMMON, "--save", str(blocker / "ckpt")], tmp_path / "launch5", timeout_s=90
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("stalwart train: error")]
     assert len(errors) == 2 and all("--save" in e and "not writable" in e for e in errors), errors

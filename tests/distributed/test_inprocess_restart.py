@@ -1,4 +1,9 @@
-"""In-process restart on 2 gloo ranks under torchrun: resume exactness, bounded retries, async save."""
+"""In-process restart on 2 gloo ranks: resume exactness, bounded retries, async save.
+
+The ranks run the CLI forked from the test's fork server with torchrun's environment
+(``run_cli_on_ranks``: no torch import per process); the fallback to a torchrun restart runs
+under torchrun.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import pytest
 
 from stalwart.checkpoint.safe_state import read_state_file
 
+from dist_utils import run_cli_on_ranks
 from train_utils import TINY_FLAGS, assert_params_equal, load_params, run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -42,8 +48,8 @@ def test_exception_in_rank1_restarts_in_process_and_matches_fault_free_run(
     tmp_path, baseline
 ) -> None:
     save = tmp_path / "faulty"
-    proc = run_cli([*COMMON, "--save", str(save), *FAULT, "--inject-fault-iteration", "6"],
-                   nproc=2, env=ENV)  # fmt: skip
+    args = [*COMMON, "--save", str(save), *FAULT, "--inject-fault-iteration", "6"]
+    proc = run_cli_on_ranks(args, tmp_path / "logs", env=ENV)
     _ok(proc)
     out = _out(proc)
     # The log names the attempt, the failing rank, the iteration and the cause.
@@ -64,8 +70,9 @@ def test_restart_rebuilds_dataloader_workers_and_stays_exact(tmp_path, baseline)
     """With ``--num-workers 2`` the restart closes the old workers (their read-ahead belongs to the
     failed attempt) and starts new ones at the checkpoint's position: still bitwise equal."""
     save = tmp_path / "workers"
-    proc = run_cli([*COMMON, "--save", str(save), *FAULT, "--inject-fault-iteration", "6",
-                    "--num-workers", "2"], nproc=2, env=ENV)  # fmt: skip
+    args = [*COMMON, "--save", str(save), *FAULT, "--inject-fault-iteration", "6",
+            "--num-workers", "2"]  # fmt: skip
+    proc = run_cli_on_ranks(args, tmp_path / "logs", env=ENV)
     _ok(proc)
     assert "in-process restart attempt 1: process group rebuilt" in _out(proc)
     assert_params_equal(load_params(baseline), load_params(save))
@@ -75,7 +82,7 @@ def test_async_save_in_flight_is_completed_or_discarded(tmp_path, baseline) -> N
     save = tmp_path / "async"
     # The fault fires one iteration after the async save of iteration 4 started.
     args = [*COMMON, "--save", str(save), "--async-save", *FAULT, "--inject-fault-iteration", "5"]
-    proc = run_cli(args, nproc=2, env=ENV)
+    proc = run_cli_on_ranks(args, tmp_path / "logs", env=ENV)
     _ok(proc)
     out = _out(proc)
     discarded = "discarding in-flight async checkpoint" in out
@@ -91,10 +98,10 @@ def test_repeatable_fault_stops_retrying_with_nonzero_exit(tmp_path) -> None:
     save = tmp_path / "repeat"
     args = [*COMMON, "--save", str(save), *FAULT, "--inject-fault-iteration", "6",
             "--inject-fault-repeat", "--inprocess-max-iterations", "3"]  # fmt: skip
-    proc = run_cli(args, nproc=2, env=ENV)
+    proc = run_cli_on_ranks(args, tmp_path / "logs", env=ENV)
     out = _out(proc)
     assert proc.returncode != 0, out[-4000:]
-    assert "exitcode: 75" in out  # EXIT_CODE_INPROCESS_GAVE_UP, for the launcher
+    assert proc.returncode == 75, proc.codes  # EXIT_CODE_INPROCESS_GAVE_UP, for the launcher
     assert "in-process restart attempt 2: rank 1 failed at iteration 6" in out
     assert "in-process restart attempt 3" not in out  # the same fault twice: no third attempt
     assert "giving up: the same fault happened twice" in out
@@ -105,7 +112,7 @@ def test_hang_is_caught_by_the_soft_timeout_and_recovered_in_process(tmp_path, b
     args = [*COMMON, "--save", str(save), "--inprocess-restart", "--inprocess-soft-timeout", "6",
             "--inprocess-hard-timeout", "60", "--inprocess-heartbeat-interval", "0.5",
             "--inject-fault", "hang", "--inject-fault-rank", "1", "--inject-fault-iteration", "6"]  # fmt: skip
-    proc = run_cli(args, nproc=2, env=ENV)
+    proc = run_cli_on_ranks(args, tmp_path / "logs", env=ENV)
     _ok(proc)
     out = _out(proc)
     # Every rank stalls with the hung one (DDP); the first watchdog to fire reports it.

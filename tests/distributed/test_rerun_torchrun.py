@@ -15,6 +15,8 @@ How "a different GPU" is simulated on one machine (``$STALWART_DEVICE_ID``):
 
 torchrun restarts on any non-zero exit and itself exits 1 when out of restarts, so the rerun exit
 codes are read from ``exit_reason.json`` and from torchrun's per-worker ``exitcode`` lines.
+Launches without restarts run the CLI on ranks forked from the test's fork server
+(``run_cli_on_ranks``), which gives every rank's own exit code.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import pytest
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.train.trainer import run_training
 
+from dist_utils import RankExits, run_cli_on_ranks
 from train_utils import REPO, TINY_FLAGS, assert_params_equal, load_params, make_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -63,6 +66,14 @@ def _torchrun(
         [*launcher, *program, "train", *TRAIN, *args],
         capture_output=True, text=True, env=full_env, timeout=240, cwd=REPO,
     )  # fmt: skip
+
+
+def _ranks(args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> RankExits:
+    """A launch without restarts: the CLI on 2 ranks forked from the fork server (the same
+    training, exit codes and logs as under torchrun, without ~4 s of CPU per process importing
+    torch); the launches that test torchrun's restarts stay on torchrun."""
+    argv = ["train", *TRAIN, *args]
+    return run_cli_on_ranks(argv, log_dir, env=env, unset=("STALWART_DEVICE_ID",), timeout_s=240)
 
 
 def _injected(kind: str, save: Path, tracker: Path, *, peer: bool = False) -> list[str]:
@@ -100,9 +111,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """Fault-free 2-rank run (checkpoints at 2 and 4), in report_determinism_stats mode: every
     iteration is replayed, which must change nothing and print the determinism statistics."""
     save = tmp_path_factory.mktemp("reference")
-    proc = _torchrun(["--save", str(save), "--save-interval", "2", "--rerun-mode", "report_stats"])
-    assert proc.returncode == 0, _log(proc)[-4000:]
-    return save, _log(proc)
+    run = _ranks(["--save", str(save), "--save-interval", "2", "--rerun-mode", "report_stats"],
+                 save.parent / "reference-logs")  # fmt: skip
+    assert run.codes == [0, 0], run.log[-4000:]
+    return save, run.log
 
 
 def test_determinism_stats_are_printed_by_rank_0(reference: tuple[Path, str]) -> None:
@@ -136,9 +148,9 @@ def test_persistent_error_restart_same_device_then_other_device(
     assert_params_equal(load_params(save, BAD), load_params(reference[0], BAD))
     shutil.copytree(save, tmp_path / "copy")
 
-    proc = _torchrun(args, env={"STALWART_DEVICE_ID": "gpu-b"})  # the job moved elsewhere
-    log = _log(proc)
-    assert _worker_exit_codes(proc) == [17], proc.stderr[-3000:]
+    run = _ranks(args, tmp_path / "gpu-b", env={"STALWART_DEVICE_ID": "gpu-b"})  # moved elsewhere
+    log = run.log
+    assert run.codes == [17, 17], log[-3000:]
     assert "Possible persistent error!" in log
     assert "A checkpoint at the last iteration already exists" in log
     assert _statuses(tracker)[-1] == (1, "second_rerun_not_reproducible")
@@ -147,14 +159,14 @@ def test_persistent_error_restart_same_device_then_other_device(
     assert verdict["diagnosis"] == "persistent_error" and verdict["iteration"] == BAD
     assert [d for _, d in verdict["suspects"]] == ["cpu:1"]  # rank 1's device of the first launch
 
-    proc = _torchrun(args)  # back on the suspect devices: refused before training, exit 16
-    assert _worker_exit_codes(proc) == [16], proc.stderr[-3000:]
-    assert f"cpu:1 produced the persistent error at iteration {BAD + 1}" in _log(proc)
-    assert "iteration        3/" not in _log(proc)
+    run = _ranks(args, tmp_path / "suspect")  # back on the suspect devices: refused, exit 16
+    assert run.codes == [16, 16], run.log[-3000:]
+    assert f"cpu:1 produced the persistent error at iteration {BAD + 1}" in run.log
+    assert "iteration        3/" not in run.log
 
-    proc = _torchrun(["--save", str(save)], env={"STALWART_DEVICE_ID": "gpu-c"})  # good hardware
-    assert proc.returncode == 0, _log(proc)[-4000:]
-    assert "training on from" in _log(proc) and _exit_code(save) == 0
+    run = _ranks(["--save", str(save)], tmp_path / "gpu-c", env={"STALWART_DEVICE_ID": "gpu-c"})
+    assert run.codes == [0, 0], run.log[-4000:]  # good hardware
+    assert "training on from" in run.log and _exit_code(save) == 0
     assert_params_equal(load_params(save, 4), load_params(reference[0], 4))
 
     # Resuming that 2-rank checkpoint on 1 rank ignores the rerun state (world size changed).
@@ -197,9 +209,9 @@ def test_persistent_error_diagnosed_by_peer_replay_in_one_launch(
     save, tracker = tmp_path / "ckpt", tmp_path / "tracker.txt"
     args = _injected("persistent_error", save, tracker, peer=True)
 
-    proc = _torchrun(args)
-    log = _log(proc)
-    assert _worker_exit_codes(proc) == [17], proc.stderr[-3000:]
+    run = _ranks(args, tmp_path / "peer")
+    log = run.log
+    assert run.codes == [17, 17], log[-3000:]
     assert "Replaying iteration 3 on a peer replica: rank 1 on rank 0" in log
     assert "Peer replay verdict" in log and "persistent error on rank 1" in log
     assert _statuses(tracker) == [
@@ -216,9 +228,9 @@ def test_persistent_error_diagnosed_by_peer_replay_in_one_launch(
 
     # (A relaunch on the suspect devices is refused by the same verdict file and code as in the
     # exit-16 flow above, tested there.)
-    proc = _torchrun(["--save", str(save)], env={"STALWART_DEVICE_ID": "gpu-c"})  # good hardware
-    assert proc.returncode == 0, _log(proc)[-4000:]
-    assert "training on from" in _log(proc) and _exit_code(save) == 0
+    run = _ranks(["--save", str(save)], tmp_path / "gpu-c", env={"STALWART_DEVICE_ID": "gpu-c"})
+    assert run.codes == [0, 0], run.log[-4000:]  # good hardware
+    assert "training on from" in run.log and _exit_code(save) == 0
     assert_params_equal(load_params(save, 4), load_params(reference[0], 4))
 
 
@@ -226,14 +238,17 @@ def test_correct_result_diagnosed_by_peer_replay_then_skipped(tmp_path: Path) ->
     """As the automatic-restart test above, in one launch: the peer reproduces the value (a
     correct result: exit 17, the iteration saved), the relaunch skips exactly that iteration."""
     save, tracker = tmp_path / "ckpt", tmp_path / "tracker.txt"
-    proc = _torchrun(_injected("correct_result", save, tracker, peer=True), restarts=1)
-    log = _log(proc)
-    assert proc.returncode == 0, log[-4000:]
-    assert _worker_exit_codes(proc) == [17], log[-4000:]
-    assert "Correct result (but possible application error)" in log
+    args = _injected("correct_result", save, tracker, peer=True)
+    # Two launches, not a torchrun restart (the test above covers those): the same relaunch.
+    first = _ranks(args, tmp_path / "fault")
+    assert first.codes == [17, 17], first.log[-4000:]
+    assert "Correct result (but possible application error)" in first.log
     assert _statuses(tracker) == [
         (1, "initial_run"), (1, "first_rerun_reproducible"), (1, "peer_replay_reproducible")
     ]  # fmt: skip
-    assert f"Will skip these iterations from tracker file: [{BAD + 1}]" in log
-    assert f"skipping iteration {BAD + 1} (--iterations-to-skip)" in log
+    second = _ranks(args, tmp_path / "relaunch")
+    assert second.codes == [0, 0], second.log[-4000:]
+    assert f"Will skip these iterations from tracker file: [{BAD + 1}]" in second.log
+    assert f"skipping iteration {BAD + 1} (--iterations-to-skip)" in second.log
+    assert "exiting program at iteration 4" in second.log
     assert not (save / "suspect_devices.json").exists()

@@ -15,7 +15,8 @@ import torch
 from stalwart.checkpoint import CheckpointManager
 from stalwart.models import GPT
 
-from train_utils import TINY_FLAGS, assert_params_equal, make_config, run_cli
+from dist_utils import run_cli_on_ranks
+from train_utils import TINY_FLAGS, assert_params_equal, make_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -37,7 +38,9 @@ def test_fsdp2_two_ranks_recompute_is_bitwise(tmp_path: Path) -> None:
     runs = {}
     for name, extra in {"plain": [], "full": FULL}.items():
         save = tmp_path / name
-        proc = run_cli([*COMMON, "--use-torch-fsdp2", *extra, "--save", str(save)], nproc=2)
+        proc = run_cli_on_ranks(
+            [*COMMON, "--use-torch-fsdp2", *extra, "--save", str(save)], tmp_path / f"{name}-logs"
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         runs[name] = _params(save)
     assert_params_equal(runs["plain"], runs["full"])

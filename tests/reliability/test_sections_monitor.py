@@ -166,7 +166,8 @@ def test_monitor_exits_when_worker_dies(tmp_path: Path) -> None:
 def test_absurd_ft_state_is_rejected_in_one_line_and_the_job_runs(tmp_path: Path) -> None:
     """A parseable ft_state.json with 1 ms learned timeouts must not make the watchdog kill the
     job it guards (on main the monitor killed every attempt during setup)."""
-    from train_utils import TINY_FLAGS, run_cli
+    from dist_utils import run_cli_on_ranks
+    from train_utils import TINY_FLAGS
 
     save = tmp_path / "ckpt"
     save.mkdir()
@@ -175,7 +176,8 @@ def test_absurd_ft_state_is_rejected_in_one_line_and_the_job_runs(tmp_path: Path
         json.dumps({"version": 1, "timeouts": absurd, "calculated_sections": sorted(absurd)})
     )
     args = ["train", *TINY_FLAGS, "--train-iters", "3", "--save", str(save), "--enable-ft"]
-    proc = run_cli([*args, "--ft-num-warmup-iters", "1"])
+    # One fresh process forked from the fork server (no torch import), as `python -m stalwart`.
+    proc = run_cli_on_ranks([*args, "--ft-num-warmup-iters", "1"], tmp_path / "logs", world_size=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if "rejected learned timeouts" in line]
     assert len(lines) == 1, proc.stderr
