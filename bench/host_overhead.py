@@ -54,7 +54,7 @@ TESTS_GRAPHS = Path(__file__).resolve().parents[1] / "tests" / "graphs"
 GRAPH_FLAGS = ["--cuda-graph-impl", "full_iteration", "--optimizer-cuda-graph",
                "--bf16-compute-weights", "--bf16-residual-connection"]  # fmt: skip
 CPU_MODEL = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2",
-             "--seq-length", "64"]  # fmt: skip
+             "--seq-length", "64", "--vocab-size", "256"]  # fmt: skip
 VARIANTS = ("before", "after")
 
 
@@ -108,22 +108,30 @@ class Variant:
     trainer: Trainer
     iteration: int = 0
 
-    def run(self, iters: int) -> None:
+    def run(self, iters: int, losses: list[dict[str, torch.Tensor]] | None = None) -> None:
+        """``iters`` iterations; ``losses``: collects each one's reported values (tests)."""
         t = self.trainer
         for _ in range(iters):
             t.scheduler.set_iteration(self.iteration)
-            if t.step.run(self.iteration).verdict.exit:
+            result = t.step.run(self.iteration, launch_next=True)
+            if result.verdict.exit:
                 raise RuntimeError(f"{self.name}: the rerun state machine asked to exit")
+            if losses is not None:
+                losses.append(result.losses)
             self.iteration += 1
 
 
-def build_variant(name: str, args: argparse.Namespace) -> Variant:
+def build_variant(
+    name: str, args: argparse.Namespace, losses: list[dict[str, torch.Tensor]] | None = None
+) -> Variant:
+    """The trainer as ``name`` has it, stepped through ``--warmup`` iterations (eager, then the
+    capture; on the fake backend the last that compute anything)."""
     flags = trainer_flags(args)
     config = build_run_config(parse_train_args(flags), flags)
     with variant_build(name, args.device):
         trainer = Trainer(config, DistributedContext(device=torch.device(args.device)))
     variant = Variant(name, trainer)
-    variant.run(args.warmup)  # eager warm-up, capture (the fake: the body once)
+    variant.run(args.warmup, losses)
     if trainer.step.num_launched == 0:
         raise RuntimeError(f"{name}: no iteration was launched ahead after the warm-up")
     return variant

@@ -148,26 +148,29 @@ class MicroBatchIterator:
     def batches_at(self, consumed: int, count: int) -> list[dict[str, torch.Tensor]]:
         """``[batch_at(consumed + m * step) for m in range(count)]`` (equal values, shapes and
         dtypes), built at once: the tensors of all ``count`` micro-batches are contiguous views
-        of one (pinned) ``[2, count, mbs, seq]`` buffer. Pure, as `batch_at`."""
+        of one (pinned) buffer, the inputs of every micro-batch, then their labels. Pure, as
+        `batch_at`."""
         mbs, step = self.micro_batch_size, self.samples_per_micro_batch_step
         starts = consumed + self.dp_rank * mbs + step * np.arange(count, dtype=np.int64)
         samples = (starts[:, None] + np.arange(mbs, dtype=np.int64)).reshape(-1)
-        tokens = torch.from_numpy(self._windows(self._dataset_indices(samples)))
-        tokens = tokens.view(count, mbs, -1)
-        buffer = torch.empty(
-            (2, count, mbs, tokens.shape[-1] - 1), dtype=torch.int64, pin_memory=self.pin_memory
-        )
-        ids, labels = buffer.unbind(0)
-        ids.copy_(tokens[..., :-1])
-        labels.copy_(tokens[..., 1:])
+        windows = self._windows(self._dataset_indices(samples))  # [count * mbs, seq + 1]
+        seq = windows.shape[1] - 1
+        buffer = torch.empty((2 * count, mbs, seq), dtype=torch.int64, pin_memory=self.pin_memory)
+        # Filled through NumPy (no torch op per slice); inputs first, then the labels.
+        host = buffer.numpy().reshape(2, count * mbs, seq)
+        host[0] = windows[:, :-1]
+        host[1] = windows[:, 1:]
+        views = buffer.unbind(0)
         return [
-            {"input_ids": i, "labels": t}
-            for i, t in zip(ids.unbind(0), labels.unbind(0), strict=True)
+            {"input_ids": i, "labels": t} for i, t in zip(views[:count], views[count:], strict=True)
         ]
 
     def _dataset_indices(self, samples: np.ndarray) -> np.ndarray:
         """`global_sample_index` of every global sample in ``samples`` (vectorised per epoch)."""
         n = len(self.dataset)
+        first = int(samples.min()) // n
+        if int(samples.max()) // n == first:  # the usual case: one epoch
+            return self._epoch_order(first)[samples - first * n]
         epochs = samples // n
         out = np.empty_like(samples)
         for epoch in np.unique(epochs):

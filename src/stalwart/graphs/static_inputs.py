@@ -32,7 +32,7 @@ def signature_of(obj: Any) -> Hashable:
     signature because a graph freezes them at capture. Raises ``ValueError`` for other types.
     """
     if isinstance(obj, torch.Tensor):
-        return ("tensor", tuple(obj.shape), str(obj.dtype))
+        return ("tensor", obj.shape, obj.dtype)  # torch.Size is a tuple; dtypes hash
     if isinstance(obj, Mapping):
         return ("dict", tuple((key, signature_of(value)) for key, value in obj.items()))
     if isinstance(obj, (list, tuple)):
