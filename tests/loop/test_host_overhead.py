@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
+from stalwart.loop import PassValues, average_reported, with_means
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import host_overhead  # type: ignore[import-not-found]
-
-from stalwart.loop import PassValues, average_reported, with_means
 
 WARMUP = 4  # 3 eager warm-up iterations, then the capture (the fake runs its body once)
 
