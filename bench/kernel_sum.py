@@ -116,6 +116,14 @@ def kernel_summary(events: Iterable[Any], iters: int, device_type: str) -> dict[
             {"name": name[:100], "ms": us / per, "count": n / max(iters, 1)}
             for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
         ],
+        # The "other" kernels (aten's own: reductions, pointwise, foreach, optimizer) with their
+        # template arguments (which reduction, which dtypes): what an eager op or a fallback
+        # left outside Inductor's kernels.
+        "other_kernels": [
+            {"name": name[:400], "ms": us / per, "count": n / max(iters, 1)}
+            for name, (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])
+            if category(name) == "other"
+        ][:TOP_KERNELS],
         "source": "cuda kernels" if want == DeviceType.CUDA else "cpu ops (self time)",
     }
 
@@ -268,6 +276,9 @@ def print_floor(result: dict[str, Any]) -> None:
         if top:
             listed = "; ".join(f"{k['name'][:60]} {k['ms']:.2f} ms x{k['count']:.0f}" for k in top)
             print(f"- {r['variant']} top kernels: {listed}")
+    for r in rows:
+        for k in r["floor"].get("other_kernels", [])[:5]:
+            print(f"- {r['variant']} other: {k['ms']:.2f} ms x{k['count']:.0f} {k['name']}")
 
 
 def print_gaps(result: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ def test_check_overhead_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path
     out = tmp_path / "result.json"
     argv = ["--device", "cpu", "--presets", "tiny", "--modes", "eager", "--iters", "2",
             "--rounds", "1", "--warmup", "1", "--num-microbatches", "2", "--extra", TINY,
-            "--json", str(out)]  # fmt: skip
+            "--min-window-ms", "0", "--json", str(out)]  # fmt: skip
     assert check_overhead.main(argv) == 0
     text = capsys.readouterr().out
     assert "| off |" in text and "| checks |" in text and "checks cost" in text

@@ -89,7 +89,7 @@ def test_kernel_floor_smoke_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_
     text = capsys.readouterr().out
     assert "| weights_residual |" in text and "kernel floor, tiny" in text
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"][0]["rows"]}
-    assert set(rows) == {"plain_eager", "today", "weights_residual"}
+    assert set(rows) == {"plain_eager", "today", "weights_residual", "weights_residual_clip"}
     for row in rows.values():
         assert row["median_ms"] > 0 and row["min_ms"] <= row["median_ms"] <= row["max_ms"]
         assert row["floor"]["kernel_ms"] > 0 and row["floor"]["wall_ms"] == row["median_ms"]

@@ -122,6 +122,14 @@ CASES = {
         "#not a comment",
     ],
     "scheduler flags": ["--override-opt-param-scheduler", "--lr-decay-iters", "50"],
+    "observability modes (enums)": [
+        "--timing-mode",
+        "events",
+        "--timing-log-option",
+        "all",
+        "--wandb-mode",
+        "offline",
+    ],
 }
 
 

@@ -1,6 +1,7 @@
 """Issue 14: a built run config is never changed afterwards (cross-component values are derived
-before it is built, the combination checks only check), and ``--timing-mode`` is a `TimingMode`
-from the CLI/TOML boundary to the timers."""
+before it is built, the combination checks only check), and the modes (``--timing-mode``,
+``--timing-log-option``, ``--wandb-mode``) are enums from the CLI/TOML boundary to the components,
+which refuse a plain string."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from stalwart.config.run import build_run_config, check_combinations, derive_com
 from stalwart.config.training import TrainingConfig
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.models import GPT
-from stalwart.observability.timers import Timers, TimingMode
+from stalwart.observability.sinks import WandbMode, WandbSink, build_sinks
+from stalwart.observability.timers import Timers, TimingLogOption, TimingMode
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.rerun import RerunConfig
 
@@ -58,18 +60,63 @@ def test_derive_combinations_is_pure_and_check_combinations_changes_nothing() ->
     assert config.rerun.check_for_nan_in_loss_and_grad is True and config.log.log_progress_bar
 
 
+MODE_FLAGS = {
+    "--timing-mode": "sync, events",
+    "--timing-log-option": "max, minmax, all",
+    "--wandb-mode": "online, offline, disabled",
+}
+
+
+@pytest.mark.parametrize("flag", MODE_FLAGS)
 @pytest.mark.parametrize("how", ["flag", "toml"])
-def test_a_bad_timing_mode_exits_2_naming_the_flag(how: str, tmp_path, capsys) -> None:
+def test_a_bad_mode_exits_2_naming_the_flag(how: str, flag: str, tmp_path, capsys) -> None:
     if how == "flag":
-        extra = ["--timing-mode", "bogus"]
+        extra = [flag, "bogus"]
     else:
         toml = tmp_path / "run.toml"
-        toml.write_text('timing_mode = "bogus"\n')
+        toml.write_text(f'{flag[2:].replace("-", "_")} = "bogus"\n')
         extra = ["--config", str(toml)]
     assert main(["train", *TINY_FLAGS, *extra, "--save", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--timing-mode" in err and "bogus" in err, err
+    assert len(err.splitlines()) == 1 and flag in err and "bogus" in err, err
+    assert all(value in err for value in MODE_FLAGS[flag].split(", ")), err
     assert "Traceback" not in err and not (tmp_path / "ckpt").exists()
+
+
+def test_the_config_parses_each_mode_once_naming_the_flag() -> None:
+    obs = ObservabilityConfig(timing_log_option="all", wandb_mode="offline")
+    assert obs.timing_log_option is TimingLogOption.ALL and obs.wandb_mode is WandbMode.OFFLINE
+    assert ObservabilityConfig().wandb_mode is None
+    assert ObservabilityConfig().timing_log_option is TimingLogOption.MINMAX
+    for field, flag in (
+        ("timing_log_option", "--timing-log-option"),
+        ("wandb_mode", "--wandb-mode"),
+    ):
+        allowed = MODE_FLAGS[flag]
+        with pytest.raises(ValueError, match=f"^{flag}: got 'bogus', allowed: {allowed}$"):
+            ObservabilityConfig(**{field: "bogus"})
+
+
+def test_log_option_and_wandb_mode_are_enums_from_the_flag_to_the_components() -> None:
+    from stalwart.train.observe import build_observability
+
+    config = make_config("--timing-log-option", "all", "--wandb-mode", "disabled")
+    assert config.obs.timing_log_option is TimingLogOption.ALL
+    assert config.obs.wandb_mode is WandbMode.DISABLED
+    assert config.to_dict()["obs"]["timing_log_option"] == "all"  # printed as the flag's value
+    assert config.to_dict()["obs"]["wandb_mode"] == "disabled"
+    timers, sink, *_ = build_observability(
+        config, DistributedContext(), 0.0, GPT(config.model), None
+    )
+    sink.close()
+    assert timers.log_option is TimingLogOption.ALL
+    # A string would print min/max for a typo, or reach wandb unchecked: the components refuse it.
+    with pytest.raises(TypeError, match="TimingLogOption"):
+        Timers(0, "all")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="WandbMode"):
+        build_sinks(rank=0, wandb_project="p", wandb_mode="disabled")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="WandbMode"):
+        WandbSink("p", mode="disabled")  # type: ignore[arg-type]
 
 
 def test_timing_mode_is_an_enum_from_the_flag_to_the_timers() -> None:
@@ -88,4 +135,4 @@ def test_timing_mode_is_an_enum_from_the_flag_to_the_timers() -> None:
     assert timers.mode is TimingMode.EVENTS and timers.log_level == 1
     # A string would silently time on the host clock: the component refuses it.
     with pytest.raises(TypeError, match="TimingMode"):
-        Timers(0, "max", mode="events")  # type: ignore[arg-type]
+        Timers(0, TimingLogOption.MAX, mode="events")  # type: ignore[arg-type]

@@ -20,9 +20,9 @@ class _RecSink(NullSink):
 
 
 def _body(rank: int, world_size: int) -> dict[str, object]:
-    from stalwart.observability.timers import Timers
+    from stalwart.observability.timers import Timers, TimingLogOption
 
-    timers = Timers(0, "max")
+    timers = Timers(0, TimingLogOption.MAX)
     t = timers("fb")
     t.start(barrier=True)
     time.sleep(0.02 if rank == 0 else 0.15)  # rank 1 is the straggler
@@ -35,7 +35,7 @@ def _body(rank: int, world_size: int) -> dict[str, object]:
     names = ["fb", "only-r1"]
     out: dict[str, object] = {}
     for option in ("max", "minmax", "all"):
-        timers.log_option = option
+        timers.log_option = TimingLogOption(option)
         out[option] = timers.log(names, reset=False)
     sink = _RecSink()
     timers.write(names, sink, iteration=3, reset=False)

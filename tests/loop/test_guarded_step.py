@@ -154,6 +154,51 @@ def test_lookahead_gives_the_same_run_bitwise_with_each_pass_launched_once(graph
     assert all(torch.equal(a, b) for a, b in zip(ahead.seen, plain.seen, strict=True))
 
 
+@pytest.mark.parametrize("graphed", [False, True])
+def test_the_next_batches_are_read_before_the_optimizer_step_is_queued(graphed: bool) -> None:
+    """The launch's micro-batches are built while the device still runs the pass (before the
+    short optimizer step), not between the step and the launch; the run stays the same."""
+    events: list[str] = []
+    ahead, plain = Run(lookahead=True, graphed=graphed), Run(lookahead=False, graphed=graphed)
+
+    def logged(items: list[dict[str, torch.Tensor]]) -> Any:
+        for item in items:
+            events.append("pull")
+            yield item
+
+    ahead.data.iterable = logged(_batches())
+    step = ahead.step.optimizer.step
+
+    def logged_step(*args: Any, **kwargs: Any) -> Any:
+        events.append("step")
+        return step(*args, **kwargs)
+
+    ahead.step.optimizer.step = logged_step  # type: ignore[method-assign]
+    begin_ahead = ahead.machine.begin_ahead
+
+    def logged_begin(*args: Any, **kwargs: Any) -> Any:
+        events.append("begin ahead")
+        return begin_ahead(*args, **kwargs)
+
+    ahead.machine.begin_ahead = logged_begin  # type: ignore[method-assign]
+    _same_results(ahead.train(), plain.train())
+    _same_params(ahead, plain)
+    # A graph's launch is staged (the next pass begun, its inputs loaded) before the step and
+    # only replayed after it; an eager launch runs its micro-batch after the step.
+    order = [e for e in events if e != "pull"]
+    per_iter = ["begin ahead", "step"] if graphed else ["step", "begin ahead"]
+    assert order == per_iter * (NUM_ITERS - 1) + ["step"], order
+    events[:] = [e for e in events if e != "begin ahead"]
+    per_launch = NUM_MICROBATCHES if graphed else 1
+    # Iteration 0 pulls its own batches, then the launch's; every later step comes after
+    # the next launch's batches were pulled.
+    steps = [i for i, e in enumerate(events) if e == "step"]
+    pulls_before = [events[:i].count("pull") for i in steps]
+    own = [NUM_MICROBATCHES * (k + 1) for k in range(NUM_ITERS)]
+    expected = [o + (per_launch if k + 1 < NUM_ITERS else 0) for k, o in enumerate(own)]
+    assert pulls_before == expected, events
+
+
 def _rerun_values(caplog: pytest.LogCaptureFixture) -> list[str]:
     """The rerun's result as the machine's verdict logs it ("nan != <rerun value>")."""
     found = re.findall(r"\(nan != ([^)]+)\)", caplog.text)

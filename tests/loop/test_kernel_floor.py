@@ -18,6 +18,7 @@ seed, data and dropout draws), and the final parameters are compared:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,16 @@ def test_bf16_compute_weights_equal_autocast_bitwise(overrides: dict[str, Any]) 
     assert seen and set(seen) == {torch.bfloat16}
     _assert_params(copies, plain)
     assert copies.compute_weights is not None
-    assert {c.dtype for c in copies.compute_weights.copies} == {torch.bfloat16}
+    weights = copies.compute_weights
+    assert [c.dtype for c in weights.copies] == weights.copy_dtypes
+    assert set(weights.copy_dtypes) == {torch.bfloat16, torch.float32}
+    # The norms' gradients join the one foreach add too (fp32 copies swapped in the same way).
+    norms = {id(p) for m in copies.model.modules() if isinstance(m, nn.LayerNorm | nn.RMSNorm)
+             for p in m.parameters()}  # fmt: skip
+    fp32_masters = {
+        id(m) for m, d in zip(weights.masters, weights.copy_dtypes) if d == torch.float32
+    }
+    assert norms and norms <= fp32_masters
     # Outside a micro-batch the modules hold their fp32 parameters again.
     assert {p.dtype for p in copies.model.parameters()} == {torch.float32}
     assert copies.model.output_compute_weight is None
@@ -284,11 +294,17 @@ def test_trainer_wires_the_flags_into_its_step() -> None:
 
         monitor = next(p for p in trainer.log.providers if isinstance(p, MemoryMonitor))
         assert monitor.estimate is not None  # the theoretical report counts the copies
-        copies = sum(p.numel() for p in weights.masters)
+        copies = sum(c.numel() for c in weights.copies if c.dtype == torch.bfloat16)
         assert monitor.estimate.breakdown["compute_weight_copies"] == 2 * copies
         two_ranks = DistributedContext(world_size=2, backend="gloo")
-        with pytest.raises(ValueError, match="--bf16-compute-weights is not supported with 2"):
-            build.build_compute_weights(config, trainer.raw_model, two_ranks)
+        # DDP: the step reduces the gradients itself (tests/distributed/test_compute_weights_ddp);
+        # FSDP2: refused, naming its own equivalent.
+        assert build.build_compute_weights(config, trainer.raw_model, two_ranks) is not None
+        fsdp2 = dataclasses.replace(
+            config, training=dataclasses.replace(config.training, use_torch_fsdp2=True)
+        )
+        with pytest.raises(ValueError, match=r"--use-torch-fsdp2: .*MixedPrecisionPolicy"):
+            build.build_compute_weights(fsdp2, trainer.raw_model, two_ranks)
     finally:
         trainer.close()
 
@@ -324,3 +340,24 @@ def test_first_micro_batch_copies_into_the_fp32_grads_except_a_tied_weight() -> 
     shared = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     shared[1].weight = shared[0].weight
     assert ComputeWeights(shared).direct == [True, False, True, False]  # weight, bias, ...
+
+
+def test_norm_and_position_grads_skip_autograd_accumulation() -> None:
+    """With the fp32 copies of the norms and position embeddings only the word embeddings'
+    lookup gradient is still added by autograd (``AccumulateGrad``): at most one add per
+    micro-batch instead of one per norm weight, norm bias and position table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    job = Job(_config(), weights=True)
+    job.step.run(0, launch_next=False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        job.step.run(1, launch_next=False)
+
+    def under_accumulate_grad(event: Any) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and "AccumulateGrad" not in parent.name:
+            parent = parent.cpu_parent
+        return parent is not None
+
+    adds = [e for e in prof.events() if e.name == "aten::add_" and under_accumulate_grad(e)]
+    assert len(adds) <= MICRO  # the word embeddings only (5 norms x 2 + positions without)

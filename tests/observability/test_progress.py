@@ -20,11 +20,11 @@ CHILD = textwrap.dedent(
     import logging, sys, time
     import torch
     from stalwart.observability.sinks import NullSink
-    from stalwart.observability.timers import INTERVAL_TIME, Timers
+    from stalwart.observability.timers import INTERVAL_TIME, TimingLogOption, Timers
     from stalwart.observability.train_log import LogConfig, TrainingLog
 
     logging.basicConfig(level=logging.INFO, format="INFO %(message)s")
-    timers = Timers(0, "max")
+    timers = Timers(0, TimingLogOption.MAX)
     log = TrainingLog(LogConfig(log_interval=10, log_timestamp=False), train_iters=40,
                       sink=NullSink(), timers=timers, rank=0, world_size=1, seq_length=128)
     assert log._progress.enabled  # auto: stdout is a terminal

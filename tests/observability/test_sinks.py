@@ -64,8 +64,13 @@ def test_build_sinks_rank_and_nothing_configured(tmp_path: Path) -> None:
     sink = build_sinks(rank=0, tensorboard_dir=str(tmp_path))
     assert isinstance(sink, TensorBoardSink)
     sink.close()
-    with pytest.raises(ValueError, match="--wandb-mode"):
-        build_sinks(rank=0, wandb_project="p", wandb_mode="sometimes")
+    # The CLI/config parse --wandb-mode once; a string reaching the component is refused on
+    # every rank (rank 1 too), before wandb is imported.
+    for rank in (0, 1):
+        with pytest.raises(TypeError, match="WandbMode"):
+            build_sinks(rank=rank, wandb_project="p", wandb_mode="offline")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="WandbMode"):
+        WandbSink("p", mode="offline")  # type: ignore[arg-type]
 
 
 def test_missing_optional_dependencies_have_clear_messages(

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from stalwart.observability.sinks import NullSink
-from stalwart.observability.timers import INTERVAL_TIME, Timer, Timers, TimingMode
+from stalwart.observability.timers import (
+    INTERVAL_TIME,
+    Timer,
+    Timers,
+    TimingLogOption,
+    TimingMode,
+)
 from stalwart.observability.train_log import LogConfig, TrainingLog
 
 pytestmark = [
@@ -27,7 +33,7 @@ def _work(x: torch.Tensor, n: int = 20) -> torch.Tensor:
 def test_events_timer_does_not_block_and_measures_device_time() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     x = torch.randn(2048, 2048, device=device)
-    timers = Timers(0, "max", mode=TimingMode.EVENTS, device=device)
+    timers = Timers(0, TimingLogOption.MAX, mode=TimingMode.EVENTS, device=device)
     t = timers("fb")
     assert isinstance(t, Timer)
     _work(x)  # warm-up
@@ -41,7 +47,7 @@ def test_events_timer_does_not_block_and_measures_device_time() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     events_s = t.elapsed()
-    ref = Timers(0, "max", mode=TimingMode.SYNC, device=device)("fb")
+    ref = Timers(0, TimingLogOption.MAX, mode=TimingMode.SYNC, device=device)("fb")
     for _ in range(3):
         ref.start()
         _work(x)
@@ -52,7 +58,7 @@ def test_events_timer_does_not_block_and_measures_device_time() -> None:
 
 
 def test_events_timer_host_sleep() -> None:
-    t = Timers(0, "max", mode=TimingMode.EVENTS)("idle")
+    t = Timers(0, TimingLogOption.MAX, mode=TimingMode.EVENTS)("idle")
     t.start()
     time.sleep(0.05)
     t.stop()
@@ -65,7 +71,7 @@ def test_training_log_non_log_iterations_do_not_sync() -> None:
     skips = [torch.tensor(i == 2, device=device) for i in range(1, 7)]
     norm = torch.tensor(1.25, device=device)
     lines: list[str] = []
-    timers = Timers(0, "minmax", mode=TimingMode.EVENTS, device=device)
+    timers = Timers(0, TimingLogOption.MINMAX, mode=TimingMode.EVENTS, device=device)
     log = TrainingLog(
         LogConfig(log_interval=5, tensorboard_log_interval=1000, log_timestamp=False),
         train_iters=6,

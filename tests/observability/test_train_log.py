@@ -13,7 +13,7 @@ import torch
 
 from stalwart.observability.progress import ProgressBar
 from stalwart.observability.sinks import NullSink
-from stalwart.observability.timers import INTERVAL_TIME, Timers
+from stalwart.observability.timers import INTERVAL_TIME, Timers, TimingLogOption
 from stalwart.observability.train_log import (
     IntervalInfo,
     LogConfig,
@@ -67,7 +67,9 @@ def make_log(
     rank: int = 0,
     **cfg: Any,
 ) -> tuple[TrainingLog, Timers]:
-    timers = Timers(0, "minmax", device=torch.device("cpu"))  # CPU: no cuda.synchronize
+    timers = Timers(
+        0, TimingLogOption.MINMAX, device=torch.device("cpu")
+    )  # CPU: no cuda.synchronize
     config = LogConfig(**{"log_interval": 3, "log_timestamp": False, **cfg})
     log = TrainingLog(
         config,
@@ -191,7 +193,7 @@ def test_validation_block_exact() -> None:
 
 def test_timestamp_throughput_and_first_line_format() -> None:
     lines: list[str] = []
-    timers = Timers(0, "minmax")
+    timers = Timers(0, TimingLogOption.MINMAX)
     config = LogConfig(log_interval=5, log_throughput=True)
     log = TrainingLog(
         config,

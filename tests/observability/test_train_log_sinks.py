@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stalwart.observability.sinks import FanOutSink, MetricSink, TensorBoardSink
-from stalwart.observability.timers import FORWARD_BACKWARD, INTERVAL_TIME, Timers
+from stalwart.observability.timers import FORWARD_BACKWARD, INTERVAL_TIME, Timers, TimingLogOption
 from stalwart.observability.train_log import LogConfig, TrainingLog
 
 # Megatron's key names and units, grouped by a "<group>/" prefix (one TensorBoard section each).
@@ -33,7 +33,7 @@ EXPECTED_GROUPS = {"optimizer", "batch", "loss", "throughput", "timers"}
 
 
 def _drive(sink: MetricSink) -> None:
-    timers = Timers(1, "max")
+    timers = Timers(1, TimingLogOption.MAX)
     config = LogConfig(
         log_interval=2,
         log_timers_to_tensorboard=True,
@@ -154,16 +154,18 @@ def test_wandb_run_continues_across_restarts(
         import wandb  # noqa: F401
     except Exception as exc:  # pragma: no cover - depends on the environment
         pytest.skip(f"wandb cannot be imported: {exc}")
-    from stalwart.observability.sinks import WandbSink
+    from stalwart.observability.sinks import WandbMode, WandbSink
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     id_file = tmp_path / "run" / "wandb_run_id.txt"
     ids = []
     for _ in range(2):  # a first start and a restart
-        sink = WandbSink("p", save_dir=str(tmp_path), mode="offline", resume_file=str(id_file))
+        sink = WandbSink(
+            "p", save_dir=str(tmp_path), mode=WandbMode.OFFLINE, resume_file=str(id_file)
+        )
         ids.append(sink._run.id)
         sink.close()
     assert ids[0] == ids[1] == id_file.read_text().strip()
-    other = WandbSink("p", save_dir=str(tmp_path), mode="offline")
+    other = WandbSink("p", save_dir=str(tmp_path), mode=WandbMode.OFFLINE)
     assert other._run.id != ids[0]
     other.close()

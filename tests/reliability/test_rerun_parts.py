@@ -265,6 +265,38 @@ def test_gate_takes_the_verdicts_the_read_takes() -> None:
         assert float(buf.gate) == (1.0 if gated else 0.0), name
 
 
+def test_paired_gate_equals_the_general_gate_and_is_used_only_when_exact() -> None:
+    """Values checked for NaN and Inf together (how the loss and grad checks record) take the
+    two-op "any value not finite" gate; it gates exactly as the general one. A NaN-only slot
+    written alone, a LARGE slot or a possible injection keeps the general gate."""
+    values = [1.0, -2.0, math.nan, math.inf, -math.inf, UNWRITTEN]
+    rows = (("nan", torch.isnan), ("inf", torch.isinf))
+    for a in values:
+        for b in values:
+            gates = []
+            for paired in (True, False):
+                buf = ValidationBuffer("cpu", may_inject=False)
+                slots = [buf.add_check(f"{name}{i}", f) for i in range(2) for name, f in rows]
+                buf.begin([False] * 4)
+                buf.record_run(slots[0], 2, torch.tensor([a, b], dtype=torch.float64))
+                if not paired:  # the same values, one slot at a time: the general gate
+                    buf._paired.clear()
+                    buf._unpaired.update(slots)
+                assert buf._paired_gate(4) is paired
+                buf.update_gate()
+                gates.append(float(buf.gate))
+            finite = all(math.isfinite(x) for x in (a, b))
+            assert gates == [0.0 if finite else 1.0] * 2, (a, b, gates)
+    buf = ValidationBuffer("cpu", may_inject=False)
+    nan_only = buf.add_check("nan only", torch.isnan)
+    buf.begin([False])
+    buf.record(nan_only, torch.tensor(math.inf))  # a NaN check of an Inf: not rejected
+    assert not buf._paired_gate(1)
+    buf.update_gate()
+    assert float(buf.gate) == 0.0
+    assert not ValidationBuffer("cpu", may_inject=True)._paired_gate(0)
+
+
 def test_state_dict_ignored_when_world_size_changed(caplog: Any) -> None:
     sm = RerunStateMachine(mode="validate_results")
     sd = sm.state_dict()

@@ -72,7 +72,7 @@ def convert_checkpoint(path: str) -> None:
 
 
 def _update_format(metadata_path: str) -> None:
-    from stalwart.checkpoint.manager import FORMAT_VERSION
+    from stalwart.checkpoint.commit import FORMAT_VERSION
 
     try:
         with open(metadata_path, encoding="utf-8") as f:

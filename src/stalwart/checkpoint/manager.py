@@ -20,6 +20,7 @@ from rank 0, ``rank_XXXXX.json`` from each rank); once all ranks agree that thei
 rank 0 writes the ``COMPLETE`` marker, renames the directory to ``iter_N`` and only then
 atomically advances ``latest_checkpointed_iteration.txt``. A crash at any point leaves the tracker
 on the previous complete checkpoint; leftover tmp directories are removed by the next save.
+The steps themselves are `stalwart.checkpoint.commit.SaveSteps`; this class decides when.
 
 One job per directory: rank 0 holds a `SaveDirLock` on ``--save`` (and on an explicit
 ``--non-persistent-ckpt-dir``) from ``check_writable`` (or the first save) to ``close``; leftover
@@ -39,20 +40,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from stalwart.checkpoint import dcp_io, layout
+from stalwart.checkpoint.commit import PendingSave, SaveSteps
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.checkpoint.loading import (
     CheckpointLocator,
@@ -65,18 +64,6 @@ from stalwart.checkpoint.lock import SaveDirLocks
 from stalwart.distributed import collectives
 
 logger = logging.getLogger("stalwart.checkpoint")
-
-FORMAT_VERSION = "stalwart-dcp-v2"  # v1: common.pt/rank_*.pt pickles (convert --trust-pickle)
-
-
-@dataclass
-class _PendingSave:
-    iteration: int
-    root: str
-    tmp_path: str
-    non_persistent: bool
-    future: concurrent.futures.Future | None
-    started: float
 
 
 class CheckpointManager:
@@ -131,19 +118,28 @@ class CheckpointManager:
         self._np_dir = non_persistent_dir or (
             os.path.join(save_dir, layout.NON_PERSISTENT_SUBDIR) if save_dir else None
         )
-        self._before_commit = before_commit
         self._locks = SaveDirLocks(self._roots(), job_id)
-        self._keep_last = keep_last
         self._fallback = fallback
         self._group = process_group
         self._rank, self._world_size, self._src = dcp_io.group_rank_info(process_group)
-        self._pending: _PendingSave | None = None
+        self._pending: PendingSave | None = None
         self._closed = False
         self._ckpt_group: Any = None
         self._async: dcp_io.AsyncWriter | None = None
         if async_save:
             self._ckpt_group = dcp_io.new_checkpoint_group(process_group)
             self._async = dcp_io.AsyncWriter(self._ckpt_group, logger)
+        self._steps = SaveSteps(
+            self._rank,
+            self._world_size,
+            self._src,
+            process_group,
+            self._locks,
+            keep_last,
+            async_save,
+            before_commit,
+            logger,
+        )
 
     # ------------------------------------------------------------------ checks
     def check_writable(self) -> None:
@@ -203,26 +199,26 @@ class CheckpointManager:
             raise ValueError(f"checkpoint save requested but {flags} is not set")
         self.finalize()
         started = time.monotonic()
-        tmp = self._begin(root, iteration)
-        self._write_small_files(tmp, iteration, common, per_rank, non_persistent)
+        tmp = self._steps.begin(root, iteration)
+        self._steps.write_small_files(tmp, iteration, common, per_rank, non_persistent)
         state = dcp_io.gather_state(model, optimizer, for_save=True)
-        pending = _PendingSave(iteration, root, tmp, non_persistent, None, started)
+        pending = PendingSave(iteration, root, tmp, non_persistent, None, started)
         if self._async is None:
             try:
                 dcp_io.save_sync(state, tmp, self._group)
             except Exception as exc:
-                self._discard(pending)
+                self._steps.discard(pending)
                 raise CheckpointError(
                     layout.save_failure_message(
                         f"saving checkpoint into {tmp}", root, dcp_io.describe_failure(exc)
                     )
                 ) from exc
-            self._commit(pending)
+            self._steps.commit(pending)
             return
         try:
             pending.future = self._async.start(state, tmp)
         except Exception as exc:
-            self._discard(pending)
+            self._steps.discard(pending)
             raise CheckpointError(
                 f"starting async checkpoint save into {tmp} failed: {dcp_io.describe_failure(exc)}"
             ) from exc
@@ -234,75 +230,6 @@ class CheckpointManager:
                 tmp,
                 time.monotonic() - started,
             )
-
-    def _begin(self, root: str, iteration: int) -> str:
-        """Rank 0 removes stale tmp dirs and creates this save's tmp dir; all ranks get its path."""
-        decision: tuple[str | None, str | None] = (None, None)
-        if self._rank == 0:
-            try:
-                refused = self._locks.acquire()
-                if refused is not None:
-                    raise CheckpointError(refused)
-                self._locks.check_held()  # leftovers are deleted only while this job holds it
-                os.makedirs(root, exist_ok=True)
-                for stale in layout.list_tmp_dirs(root):
-                    logger.info("removing leftover partial checkpoint %s", stale)
-                    layout.remove_checkpoint_dir(stale)
-                # Random suffix: after an in-process restart the same process may save the same
-                # iteration within a second while the aborted attempt's writer still runs.
-                token = f"{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
-                created = os.path.join(root, layout.tmp_dir_name(iteration, token))
-                os.makedirs(created)
-                decision = (created, None)
-            except CheckpointError as exc:
-                decision = (None, str(exc))
-            except OSError as exc:
-                decision = (None, f"cannot create checkpoint directory under {root}: {exc}")
-        path, error = cast(
-            "tuple[str | None, str | None]",
-            collectives.broadcast_object(decision, self._src, self._group),
-        )
-        if error is not None or path is None:
-            raise CheckpointError(error or "checkpoint directory was not created")
-        return str(path)
-
-    def _write_small_files(
-        self,
-        tmp: str,
-        iteration: int,
-        common: dict[str, Any],
-        per_rank: dict[str, Any],
-        non_persistent: bool,
-    ) -> None:
-        """Write common.json + metadata.json (rank 0) and this rank's file; agree on success."""
-        problem = None
-        try:
-            os.makedirs(tmp, exist_ok=True)
-            if self._rank == 0:
-                layout.write_state_fsynced(common, os.path.join(tmp, layout.COMMON_FILENAME))
-                facts = self._facts(iteration, non_persistent)
-                layout.write_text_atomic(
-                    os.path.join(tmp, layout.METADATA_FILENAME), json.dumps(facts, indent=2) + "\n"
-                )
-            layout.write_state_fsynced(
-                per_rank, os.path.join(tmp, layout.rank_filename(self._rank))
-            )
-        except Exception as exc:  # report any failure (an unstorable value included) to every rank
-            problem = f"rank {self._rank} could not write into {tmp}: {exc}"
-        if collectives.all_reduce_any([problem is not None], self._group)[0]:
-            self._discard(_PendingSave(iteration, "", tmp, non_persistent, None, 0.0))
-            raise CheckpointError(problem or f"another rank failed writing into {tmp}")
-
-    def _facts(self, iteration: int, non_persistent: bool) -> dict[str, Any]:
-        return {
-            "format": FORMAT_VERSION,
-            "iteration": iteration,
-            "world_size": self._world_size,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "torch_version": torch.__version__,
-            "non_persistent": non_persistent,
-            "async_save": self._async is not None,
-        }
 
     # ---------------------------------------------------------------- finalize
     def maybe_finalize(self, blocking: bool = False) -> int | None:
@@ -331,7 +258,7 @@ class CheckpointManager:
             if not done:  # never commit or delete under a writer that is still running
                 concurrent.futures.wait([pending.future])
             self._pending = None
-            self._discard(pending)
+            self._steps.discard(pending)
             cause = pending.future.exception() if failed else None
             summary = (
                 dcp_io.describe_failure(cause) if cause is not None else "failed on another rank"
@@ -342,58 +269,12 @@ class CheckpointManager:
                 )
             ) from cause
         self._pending = None
-        self._commit(pending)
+        self._steps.commit(pending)
         return pending.iteration
 
     def finalize(self) -> None:
         """Blocking :meth:`maybe_finalize`: call before exit and before loading."""
         self.maybe_finalize(blocking=True)
-
-    def _commit(self, pending: _PendingSave) -> None:
-        """Rank 0 publishes the checkpoint; every rank learns the outcome (one broadcast)."""
-        error = None
-        if self._rank == 0:
-            try:
-                self._publish(pending)
-            except Exception as exc:
-                error = f"committing checkpoint {pending.tmp_path} failed: {exc}"
-        outcome = collectives.broadcast_object(error, self._src, self._group)
-        if outcome is not None:
-            raise CheckpointError(str(outcome))
-        if self._rank == 0:
-            kind = "non-persistent checkpoint" if pending.non_persistent else "checkpoint"
-            logger.info(
-                "saved %s iteration %d to %s in %.2fs",
-                kind,
-                pending.iteration,
-                os.path.join(pending.root, layout.iteration_dir_name(pending.iteration)),
-                time.monotonic() - pending.started,
-            )
-
-    def _publish(self, pending: _PendingSave) -> None:
-        """Marker → rename → tracker → retention. Only rank 0 runs this, under the lock."""
-        if self._before_commit is not None:
-            self._before_commit(pending.iteration)
-        self._locks.check_held()
-        root, iteration = pending.root, pending.iteration
-        layout.write_marker(pending.tmp_path, self._facts(iteration, pending.non_persistent))
-        final = os.path.join(root, layout.iteration_dir_name(iteration))
-        replaced = None
-        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): move old aside
-            replaced = pending.tmp_path + "-replaced"
-            os.replace(final, replaced)
-        os.replace(pending.tmp_path, final)
-        layout.fsync_dir(root)
-        layout.write_tracker_atomic(root, iteration)
-        if replaced is not None:
-            layout.remove_checkpoint_dir(replaced)
-        keep = 1 if pending.non_persistent else self._keep_last
-        if keep is not None:
-            layout.apply_retention(root, keep, pending.non_persistent, logger)
-
-    def _discard(self, pending: _PendingSave) -> None:
-        if self._rank == 0:
-            layout.remove_checkpoint_dir(pending.tmp_path)
 
     # -------------------------------------------------------------------- load
     def _locator(self) -> CheckpointLocator:

@@ -143,6 +143,18 @@ def data_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _compile_flags(g: Any) -> None:
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    g.add_argument(
+        "--inductor-config",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="with --compile: an Inductor option of the model's torch.compile (repeatable; a "
+        "Python literal of the option's type, e.g. triton.mix_order_reduction=False)",
+    )
+
+
 def _precision_flags(g: Any) -> None:
     g.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision")
     g.add_argument("--fp16", action="store_true", help="float16 with dynamic loss scaling")
@@ -151,7 +163,7 @@ def _precision_flags(g: Any) -> None:
         action="store_true",
         help="with --bf16: Linear layers run on bf16 copies of the fp32 weights made once per "
         "iteration (not autocast casts per micro-batch); their grads are added into the fp32 "
-        "grads after each micro-batch (one rank only)",
+        "grads after each micro-batch (one rank or DDP; not with --use-torch-fsdp2)",
     )
     g.add_argument(
         "--bf16-residual-connection",
@@ -202,7 +214,7 @@ def training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation")
     g.add_argument("--use-cpu", action="store_true", help="train on CPU even if CUDA is present")
     g.add_argument("--use-torch-fsdp2", action="store_true", help="shard with FSDP2, not DDP")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    _compile_flags(g)
     g.add_argument(
         "--distributed-timeout-minutes",
         type=float,
@@ -238,6 +250,13 @@ def optimizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument(
         "--clip-grad", type=float, default=1.0, help="gradient norm clip (default: 1.0; 0 = off)"
+    )
+    g.add_argument(
+        "--clip-grad-in-optimizer",
+        action="store_true",
+        help="apply the --clip-grad factor inside the fused AdamW step (its grad_scale) instead "
+        "of a separate pass over the gradients; the same norm, parameters equal to float32 "
+        "rounding (one rank or DDP; not with --use-torch-fsdp2)",
     )
     g.add_argument(
         "--lr-decay-style",

@@ -26,7 +26,9 @@ import enum
 import math
 import types
 import typing
-from typing import Any, Union
+from typing import Any, TypeVar, Union
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 # Every integer flag is a count, size, interval, iteration or rank: 2**53 is the largest integer a
 # float holds exactly (beyond it, LR schedules and throughput figures lose meaning).
@@ -116,6 +118,21 @@ def flag_of(field: dataclasses.Field[Any]) -> str:
     """The flag that sets ``field``: its metadata's ``flag``, else ``--<name-with-dashes>``."""
     meta = field.metadata.get("stalwart", {})
     return str(meta.get("flag") or "--" + field.name.replace("_", "-"))
+
+
+def parse_enum(value: object, cls: type[_E], flag: str) -> _E:
+    """``value`` as a member of ``cls`` (a member, or its value as the CLI/TOML gives it).
+
+    Raises:
+        ValueError: ``"<flag>: got 'x', allowed: a, b"`` for anything else.
+    """
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(str(m.value) for m in cls)
+        raise ValueError(f"{flag}: got {value!r}, allowed: {allowed}") from None
 
 
 def check_fields(config: object) -> None:

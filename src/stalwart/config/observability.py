@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stalwart.config.checks import bounds, check_fields
+from stalwart.config.checks import bounds, check_fields, parse_enum
 from stalwart.observability.memory_release import validate_empty_unused_memory_level
 from stalwart.observability.profiler import validate_profile_window
-from stalwart.observability.timers import TimingMode, validate_timing_flags
-
-WANDB_MODES = ("online", "offline", "disabled")
+from stalwart.observability.sinks import WandbMode
+from stalwart.observability.timers import TimingLogOption, TimingMode, validate_timing_flags
 
 
 @dataclass(kw_only=True, frozen=True)
 class ObservabilityConfig:
     """Where metrics go and which optional probes run. Everything here is off by default.
 
-    Frozen; ``timing_mode`` is a :class:`TimingMode` from construction on (``"sync"`` or
-    ``"events"`` is converted once, here, with the flag named on anything else).
+    Frozen; the modes are enums from construction on: ``timing_mode`` a :class:`TimingMode`,
+    ``timing_log_option`` a :class:`TimingLogOption`, ``wandb_mode`` a :class:`WandbMode` (or
+    None). A value from the CLI or TOML (``"events"``) is converted once, here, with the flag
+    named on anything else.
     """
 
     metrics_file: str | None = None
@@ -26,9 +27,9 @@ class ObservabilityConfig:
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
-    wandb_mode: str | None = None
+    wandb_mode: WandbMode | None = None
     timing_log_level: int = 0
-    timing_log_option: str = "minmax"
+    timing_log_option: TimingLogOption = TimingLogOption.MINMAX
     timing_mode: TimingMode = TimingMode.SYNC
     log_straggler: bool = False
     straggler_threshold: float = field(default=1.2, metadata=bounds(gt=1.0))
@@ -57,13 +58,16 @@ class ObservabilityConfig:
     profile_dir: str | None = None
 
     def __post_init__(self) -> None:
-        # The one conversion of the mode (a frozen dataclass sets it through object.__setattr__).
+        # The one conversion of each mode (a frozen dataclass sets it through object.__setattr__).
         object.__setattr__(self, "timing_mode", parse_timing_mode(self.timing_mode))
-        check_fields(self)
+        option = parse_enum(self.timing_log_option, TimingLogOption, "--timing-log-option")
+        object.__setattr__(self, "timing_log_option", option)
+        if self.wandb_mode is not None:
+            object.__setattr__(
+                self, "wandb_mode", parse_enum(self.wandb_mode, WandbMode, "--wandb-mode")
+            )
+        check_fields(self)  # after the conversions: the fields hold enums from here on
         validate_timing_flags(self.timing_log_level, self.timing_log_option)
-        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
-            allowed = ", ".join(WANDB_MODES)
-            raise ValueError(f"--wandb-mode: got {self.wandb_mode!r}, allowed: {allowed}")
         if self.profile:
             validate_profile_window(
                 self.profile_step_start, self.profile_step_end, self.profile_ranks
@@ -73,10 +77,4 @@ class ObservabilityConfig:
 
 def parse_timing_mode(value: TimingMode | str) -> TimingMode:
     """``--timing-mode``: a :class:`TimingMode` or its value; ``ValueError`` naming the flag."""
-    if isinstance(value, TimingMode):
-        return value
-    try:
-        return TimingMode(value)
-    except ValueError:
-        allowed = ", ".join(m.value for m in TimingMode)
-        raise ValueError(f"--timing-mode: got {value!r}, allowed: {allowed}") from None
+    return parse_enum(value, TimingMode, "--timing-mode")

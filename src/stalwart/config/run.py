@@ -304,6 +304,11 @@ def check_combinations(config: RunConfig) -> None:
                 f"{flag} compares replicated weights; with --use-torch-fsdp2 every rank holds "
                 "a different shard (use it with DDP)"
             )
+    if config.optim.clip_grad_in_optimizer and config.training.use_torch_fsdp2:
+        raise ValueError(
+            "--clip-grad-in-optimizer is not supported with --use-torch-fsdp2 (the fused step's "
+            "grad_scale is a plain tensor; FSDP2's gradients are sharded DTensors)"
+        )
     if config.model.bf16_residual_connection and not config.training.bf16:
         raise ValueError(
             "--bf16-residual-connection needs --bf16 (the norms read the bf16 stream under bf16 "

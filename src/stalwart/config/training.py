@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from stalwart.checkpoint import CheckpointManager
 from stalwart.config.checks import SEED_MAX, bounds, check_fields
+from stalwart.config.inductor import parse_inductor_options
 from stalwart.data.blend import parse_data_blend
 
 # Absurd values are refused up front: an lr of 1e3 or a timeout of a year is a typo, and it would
@@ -47,6 +48,9 @@ class OptimizerConfig:
     adam_beta2: float = field(default=0.95, metadata=bounds(ge=0, lt=1))
     adam_eps: float = field(default=1e-8, metadata=bounds(gt=0, le=1))
     clip_grad: float = field(default=1.0, metadata=bounds(ge=0))  # 0 disables
+    # --clip-grad-in-optimizer: the clip factor rides on the fused AdamW step's grad_scale
+    # instead of a separate pass over the gradients (stalwart.graphs.clip_in_optimizer_step).
+    clip_grad_in_optimizer: bool = False
     lr_warmup_iters: int = field(default=0, metadata=bounds(ge=0))
     lr_decay_iters: int | None = field(default=None, metadata=bounds(gt=0))
     # With --train-samples the schedule counts samples.
@@ -68,6 +72,10 @@ class OptimizerConfig:
                     f"--lr-decay-style: got {self.lr_decay_style!r}, allowed: {allowed}"
                 ) from None
         check_fields(self)
+        _require(
+            self.clip_grad > 0 or not self.clip_grad_in_optimizer,
+            "--clip-grad-in-optimizer needs --clip-grad > 0 (with 0 there is no clipping to fuse)",
+        )
         _require(self.min_lr <= self.lr, f"--min-lr must be in [0, --lr] (got {self.min_lr})")
         _require(
             not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
@@ -102,6 +110,8 @@ class TrainingConfig:
     use_cpu: bool = False
     use_torch_fsdp2: bool = False
     compile: bool = False
+    # --inductor-config KEY=VALUE (repeatable): options of the model's torch.compile.
+    inductor_config: list[str] | None = None
     distributed_timeout_minutes: float = field(
         default=10.0, metadata=bounds(gt=0, le=DISTRIBUTED_TIMEOUT_MAX_MINUTES)
     )
@@ -119,6 +129,11 @@ class TrainingConfig:
             "--bf16-compute-weights needs --bf16 (the forward runs under bf16 autocast on the "
             "copies)",
         )
+        _require(
+            self.compile or not self.inductor_config,
+            "--inductor-config needs --compile (they are options of the model's torch.compile)",
+        )
+        parse_inductor_options(self.inductor_config)  # ValueError naming the flag
         _require(
             self.min_loss_scale <= self.initial_loss_scale,
             "--min-loss-scale must be <= --initial-loss-scale",

@@ -202,6 +202,14 @@ class FullIterationGraph:
     # ----------------------------------------------------------------- public API
     def __call__(self, **kwargs: Any) -> Any:
         """Run one iteration (eager warm-up, capture + replay, or replay); see class docstring."""
+        return self.stage(**kwargs)()
+
+    def stage(self, **kwargs: Any) -> Callable[[], Any]:
+        """Load one iteration's micro-batches into the static inputs now; the returned call
+        runs it (what ``__call__`` does in one go). Lets a loop queue the input copies early
+        (e.g. before a short optimizer step) and the replay later; stream order keeps the
+        copies after the previous replay that read the inputs. Nothing else may call the graph
+        of this mode between the two."""
         if "data_iterator" not in kwargs or "num_microbatches" not in kwargs:
             raise TypeError(
                 "FullIterationGraph needs keyword arguments data_iterator and num_microbatches"
@@ -217,7 +225,7 @@ class FullIterationGraph:
         stage.chunked = isinstance(kwargs["data_iterator"], list)
         static = stage.inputs.load(batches, batch_signature)
         stage.kwargs = dict(kwargs)
-        return self._execute(stage, mode, static)
+        return lambda: self._execute(stage, mode, static)
 
     def rerun_last(self, *, forward_only: bool = False) -> Any:
         """Run the last iteration of a mode again on the same static inputs (rerun attribution).

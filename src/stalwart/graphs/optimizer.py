@@ -103,6 +103,83 @@ def clip_grads_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor
     return total
 
 
+_CLIP_IN_STEP = "_stalwart_clip_in_step"  # marks a grad_scale installed by clip_in_optimizer_step
+
+
+def clip_in_optimizer_step(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """Let clipping ride on the fused Adam/AdamW step instead of a separate pass over the grads.
+
+    Installs a float32 device scalar as the optimizer's ``grad_scale`` (the GradScaler API: the
+    fused kernel divides every gradient by it as it reads it, and writes the divided gradient
+    back). From then on :func:`clip_for_step` (used by :class:`OptimizerGraph`, the guarded
+    step's eager optimizer and the optimizer inside the full-iteration graph) writes
+    ``1 / clip_coefficient`` into it instead of multiplying the gradients: one read-modify-write
+    of every gradient less per step (issue 19: ~0.25 ms per iteration at gpt2-124m on the H200).
+    The norm is the same tensor as before; parameters agree with the separate clip to float32
+    rounding (``g / (1 / c)`` instead of ``g * c``), and bitwise when no clipping happens (the
+    scale is exactly 1.0). Composes with ``found_inf`` (a skipped step leaves everything alone).
+    Call once, before any capture (the scalar's address is captured). Returns the scalar.
+
+    Raises ``ValueError`` unless every param group is fused Adam/AdamW.
+
+    Example::
+
+        >>> p = torch.nn.Parameter(torch.ones(3))
+        >>> opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+        >>> scale = clip_in_optimizer_step(opt)
+        >>> p.grad = torch.full((3,), 4.0)
+        >>> clip_for_step(opt, [p], 1.0)  # the pre-clip norm; the step will divide by it
+        tensor(6.9282)
+        >>> opt.step(); round(float(p.grad.norm()), 4)  # the step left the clipped grads
+        1.0
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)  # a framework's wrapper: the torch one
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or not all(
+        g.get("fused", False) for g in inner.param_groups
+    ):
+        raise ValueError(
+            "clipping inside the optimizer step (--clip-grad-in-optimizer) needs fused "
+            f"Adam/AdamW (its grad_scale); got {type(inner).__name__} with fused="
+            f"{[g.get('fused') for g in inner.param_groups]}"
+        )
+    device = inner.param_groups[0]["params"][0].device
+    scale = torch.ones((), dtype=torch.float32, device=device)
+    inner.grad_scale = scale  # type: ignore[attr-defined]
+    setattr(inner, _CLIP_IN_STEP, scale)
+    return scale
+
+
+def clip_scale_of(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The scalar :func:`clip_in_optimizer_step` installed (None: clipping is a separate pass)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    scale = getattr(inner, _CLIP_IN_STEP, None)
+    return scale if scale is not None and getattr(inner, "grad_scale", None) is scale else None
+
+
+def clip_for_step(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    max_norm: float,
+) -> torch.Tensor:
+    """Clip for the next ``optimizer.step()`` without a host sync; return the pre-clip norm.
+
+    With :func:`clip_in_optimizer_step` installed the step's ``grad_scale`` gets
+    ``1 / clip_coefficient`` (1.0 when ``max_norm`` is 0: no clipping); else the gradients are
+    multiplied in place (:func:`clip_grads_`; nothing when ``max_norm`` is 0).
+    """
+    total = grad_norm(params)
+    scale = clip_scale_of(optimizer)
+    if scale is not None:
+        if max_norm > 0:
+            scale.copy_(torch.reciprocal(clip_coefficient(total, max_norm)))
+        else:
+            scale.fill_(1.0)
+    elif max_norm > 0:
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, clip_coefficient(total, max_norm))
+    return total
+
+
 def check_skip_gate(optimizer: torch.optim.Optimizer, gate: torch.Tensor) -> None:
     """Raise ``ValueError`` unless ``gate`` can act as the optimizer's device-side skip flag."""
     if gate.dtype != torch.float32 or gate.numel() != 1:
@@ -210,7 +287,9 @@ class OptimizerGraph:
         return self._capture()
 
     def _body(self) -> torch.Tensor | None:
-        norm = clip_grads_(self._params, self.clip_grad) if self.clip_grad > 0 else None
+        norm = None
+        if self.clip_grad > 0:  # a separate pass, or the step's grad_scale (clip_in_optimizer_step)
+            norm = clip_for_step(self.optimizer, self._params, self.clip_grad)
         self.optimizer.step()
         return norm
 

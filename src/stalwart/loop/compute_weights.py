@@ -31,7 +31,10 @@ Which parameters get a copy: the model's ``compute_weight_slots()`` when it has 
 (``stalwart.models.GPT``: Linear and MoE expert weights and biases, and the output layer's use of
 tied embeddings), else every ``nn.Linear``'s weight and bias. A slot is ``(module, attribute,
 parameter)``: the attribute is a parameter of the module, or a plain attribute (default ``None``)
-that the module's forward reads instead of ``parameter`` when set.
+that the module's forward reads instead of ``parameter`` when set. The model's
+``fp32_grad_slots()`` (GPT: the norms and the learned position embeddings) get fp32 copies: no
+precision change, but their gradients join the same one foreach add per micro-batch instead of
+one autograd accumulation kernel per parameter.
 
 Example (the step runs the forward under bf16 autocast, as it must)::
 
@@ -161,11 +164,19 @@ class ComputeWeights:
 
     Args:
         model: the unwrapped model (not DDP/FSDP: their gradient hooks sit on the fp32
-            parameters, which the forward no longer uses). Build it on its final device; the
+            parameters, which the forward no longer uses; a ``GuardedStep`` given the DDP model
+            reduces the gradients itself, `stalwart.loop.data_parallel_grads`; FSDP2 is
+            refused). Build it on its final device; the
             parameters must not be replaced afterwards (loading a state dict copies in place).
         dtype: the compute dtype (the autocast dtype of the forward).
         slots: where copies go (default: :func:`compute_weight_slots`).
         compiled: compile the foreach copy and add (default: on CUDA).
+        fp32_slots: slots whose copies keep the parameter's dtype (autocast runs them in fp32:
+            norms, position embeddings): their gradients join the same one foreach add per
+            micro-batch instead of one autograd accumulation per parameter (issue 19: ~200
+            small add kernels per iteration at gpt2-124m); numerics unchanged (the same fp32
+            additions). Default: the model's ``fp32_grad_slots()`` when ``slots`` is None and
+            the model defines it, else none.
     """
 
     def __init__(
@@ -175,12 +186,18 @@ class ComputeWeights:
         dtype: torch.dtype = torch.bfloat16,
         slots: list[Slot] | None = None,
         compiled: bool | None = None,
+        fp32_slots: list[Slot] | None = None,
     ) -> None:
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"ComputeWeights dtype must be bfloat16 or float16, got {dtype}")
         self.slots = list(compute_weight_slots(model) if slots is None else slots)
         if not self.slots:
             raise ValueError("ComputeWeights: the model has no Linear layer to make copies of")
+        if fp32_slots is None:
+            own = getattr(model, "fp32_grad_slots", None)
+            fp32_slots = list(own()) if slots is None and callable(own) else []
+        self.copy_dtypes = [dtype] * len(self.slots) + [torch.float32] * len(fp32_slots)
+        self.slots += fp32_slots
         self.masters = [param for _, _, param in self.slots]
         for param in self.masters:
             if param.dtype != torch.float32 or type(param) is not nn.Parameter:
@@ -208,8 +225,8 @@ class ComputeWeights:
         micro-batch; device work only, so it can be captured)."""
         if not self.copies:
             self.copies = [
-                nn.Parameter(torch.empty_like(m, dtype=self.dtype, requires_grad=False))
-                for m in self.masters
+                nn.Parameter(torch.empty_like(m, dtype=copy_dtype, requires_grad=False))
+                for m, copy_dtype in zip(self.masters, self.copy_dtypes, strict=True)
             ]
         with torch.no_grad():
             self._copy([c.detach() for c in self.copies], [m.detach() for m in self.masters])

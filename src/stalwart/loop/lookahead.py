@@ -5,6 +5,9 @@ read of the checks. Reading right after the step stalls the device while the hos
 next iteration. The look-ahead queues the next iteration's first work first (eager: its first
 micro-batch, forward and backward; a full-iteration graph: its whole forward-backward replay),
 then lets the machine read, so the device works through the read. One launcher for both plans.
+The launch's host work comes before this pass's optimizer step is queued (:meth:`LookAhead.prepare`:
+the next micro-batches are read; a graph's next pass is begun and its inputs are copied), while
+the device still runs the pass: queued after the step, which is short, it left the device idle.
 
 What keeps this exact (same losses, grad norms and parameters as without it):
 
@@ -61,6 +64,8 @@ class LookAhead:
         forward_backward: the plan's pass function.
         splittable: eager: launch one micro-batch; otherwise the whole pass.
         ready: whether a launch may happen now (a graph: once captured).
+        stage_pass: a graph's input loading (``Runners.stage_pass``): :meth:`prepare` then
+            begins the next pass and queues its input copies, and :meth:`launch` only replays.
     """
 
     def __init__(
@@ -70,13 +75,16 @@ class LookAhead:
         forward_backward: Callable[..., Reported],
         splittable: bool,
         ready: Callable[[], bool],
+        stage_pass: Callable[..., Callable[[], Reported]] | None = None,
     ) -> None:
         self._machine = machine
         self._data = data
         self._fb = forward_backward
         self._splittable = splittable
         self._ready = ready
+        self._stage_pass = stage_pass
         self._launched: Launched | None = None
+        self._staged: tuple[int, int, list[Any], Callable[[], Reported]] | None = None
         self.num_launched = 0
         self.num_used = 0
 
@@ -84,10 +92,42 @@ class LookAhead:
     def pending(self) -> Launched | None:
         return self._launched
 
+    def prepare(self, iteration: int, num_microbatches: int) -> bool:
+        """The launch's host work, ahead of it: called before this pass's optimizer step is
+        queued, while the device still runs the pass (the step is too short to hide it, so
+        between the step and the launch the device would idle). Reads the micro-batches a
+        :meth:`launch` takes (the data iterator builds and pins them; nothing is consumed);
+        with a graph (``stage_pass``) also begins the next pass and queues its input copies,
+        so the launch is one replay. Nothing changes if no launch follows (:meth:`discard`).
+        Returns whether the launch was staged."""
+        if self._launched is not None or self._staged is not None or not self._can_launch():
+            return False
+        count = 1 if self._splittable else num_microbatches
+        if self._stage_pass is None:
+            self._data.peek(count)
+            return False
+        self._machine.begin_ahead(iteration)
+        batches = self._data.peek(count)
+        fire = self._stage_pass(data_iterator=iter(batches), num_microbatches=num_microbatches)
+        self._staged = (iteration, num_microbatches, list(batches), fire)
+        return True
+
+    def _can_launch(self) -> bool:
+        return self._ready() and self._machine.can_begin_ahead()
+
     def launch(self, iteration: int, num_microbatches: int) -> bool:
         """Queue ``iteration``'s first work now (after this pass's gated step was enqueued and
         joined, before the machine reads this pass). Returns whether it launched."""
-        if self._launched is not None or not self._ready() or not self._machine.can_begin_ahead():
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            if staged[:2] != (iteration, num_microbatches):
+                raise RuntimeError(f"launch of {(iteration, num_microbatches)} after staging "
+                                   f"{staged[:2]}")  # fmt: skip
+            reported = staged[3]()
+            self._launched = Launched(iteration, num_microbatches, staged[2], reported)
+            self.num_launched += 1
+            return True
+        if self._launched is not None or not self._can_launch():
             return False
         count = 1 if self._splittable else num_microbatches
         self._machine.begin_ahead(iteration)
@@ -119,11 +159,12 @@ class LookAhead:
         """Drop the launched work (the peeked batches stay first in line). Returns whether
         there was any."""
         launched, self._launched = self._launched, None
-        if launched is None:
+        staged, self._staged = self._staged, None
+        if launched is None and staged is None:
             return False
         self._machine.discard_ahead(restore_rng=restore_rng)
         return True
 
     def forget(self) -> None:
         """The machine already dropped the pass begun ahead (a rerun): forget the work too."""
-        self._launched = None
+        self._launched = self._staged = None

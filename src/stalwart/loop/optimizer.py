@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from stalwart.graphs import OptimizerGraph
+from stalwart.graphs import OptimizerGraph, clip_for_step, clip_scale_of
 from stalwart.loop.microbatches import NO_TIMERS
 from stalwart.loop.precision import NullLossScaler
 from stalwart.observability.timers import (
@@ -45,8 +45,21 @@ def reads_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(inner, _GATEABLE) and all(g.get("fused", False) for g in inner.param_groups)
 
 
-def grad_norm_and_clip(parameters: list[nn.Parameter], clip_grad: float) -> torch.Tensor:
-    """Global L2 norm of the gradients (device tensor); clip to ``clip_grad`` when > 0."""
+def grad_norm_and_clip(
+    parameters: list[nn.Parameter],
+    clip_grad: float,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> torch.Tensor:
+    """Global L2 norm of the gradients (device tensor); clip to ``clip_grad`` when > 0.
+
+    When ``optimizer`` carries :func:`stalwart.graphs.clip_in_optimizer_step`'s scale, the clip
+    factor goes into it (the fused step divides the gradients as it reads them) instead of a
+    separate pass; the norm is computed the same way (``torch._foreach_norm``, then the norm of
+    the norms), so the logged value is unchanged.
+    """
+    with_grads = [p for p in parameters if p.grad is not None]
+    if optimizer is not None and with_grads and clip_scale_of(innermost(optimizer)) is not None:
+        return clip_for_step(innermost(optimizer), with_grads, clip_grad)
     max_norm = clip_grad if clip_grad > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
     full_tensor = getattr(norm, "full_tensor", None)  # FSDP2: a replicated DTensor
@@ -78,7 +91,7 @@ class OptimizerRunner(Protocol):
 
     gated: bool  # can step before the read, skipping itself on the device
 
-    def step(self, *, gated: bool) -> Stepped: ...
+    def step(self, *, gated: bool, overlap: bool = True) -> Stepped: ...
 
     def join(self) -> None: ...
 
@@ -111,14 +124,14 @@ class EagerOptimizer:
             # torch's fused optimizers read this attribute (the GradScaler API): 1.0 = skip.
             innermost(optimizer).found_inf = self.gate  # type: ignore[attr-defined]
 
-    def step(self, *, gated: bool) -> Stepped:
+    def step(self, *, gated: bool, overlap: bool = True) -> Stepped:
         """``gated``: the device decides from the gate (before the read); otherwise the host
-        decided to step and the gate is cleared first."""
+        decided to step and the gate is cleared first. ``overlap`` is for graphed steps."""
         if not gated and self.gate is not None:
             self.gate.zero_()
         found_inf = None if gated else self.loss_scaler.unscale_and_check(self.params)
         self.timers(OPTIMIZER_CLIP_MAIN_GRAD).start()
-        norm = grad_norm_and_clip(self.params, self.clip_grad)
+        norm = grad_norm_and_clip(self.params, self.clip_grad, self.optimizer)
         self.timers(OPTIMIZER_CLIP_MAIN_GRAD).stop()
         zeros = None
         if self.log_num_zeros:
@@ -151,8 +164,10 @@ class GraphedOptimizer:
         self.graph = graph
         self.gated = graph.skip_gate is not None
 
-    def step(self, *, gated: bool) -> Stepped:
-        return Stepped(self.graph.step(gated=gated, overlap=gated))
+    def step(self, *, gated: bool, overlap: bool = True) -> Stepped:
+        """A gated step replays on the second stream (``overlap``) unless told not to: when
+        the next replay is queued right after it, the two-stream handoff only adds waits."""
+        return Stepped(self.graph.step(gated=gated, overlap=gated and overlap))
 
     def join(self) -> None:
         self.graph.join()

@@ -29,7 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from stalwart.graphs import check_optimizer_graphable, clip_coefficient, grad_norm
+from stalwart.graphs import (
+    check_optimizer_graphable,
+    clip_coefficient,
+    clip_scale_of,
+    grad_norm,
+)
 from stalwart.loop.microbatches import Reported
 from stalwart.loop.optimizer import Stepped, grad_norm_and_clip, reads_found_inf
 from stalwart.reliability.rerun import RerunStateMachine
@@ -94,7 +99,12 @@ class InGraphOptimizer:
             coefficient = torch.where(
                 held, torch.ones_like(norm), clip_coefficient(norm, self.clip_grad)
             )
-            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coefficient)
+            scale = clip_scale_of(self.optimizer)
+            if scale is not None:  # clip_in_optimizer_step: the fused step divides by it
+                scale.copy_(torch.reciprocal(coefficient))
+            else:
+                grads = [p.grad for p in self.params if p.grad is not None]
+                torch._foreach_mul_(grads, coefficient)
         self.optimizer.step()
         self._norm = norm
 
@@ -127,7 +137,7 @@ class InGraphOptimizer:
         self.optimizer.step()
 
     # ------------------------------------------------------------------ OptimizerRunner
-    def step(self, *, gated: bool) -> Stepped:
+    def step(self, *, gated: bool, overlap: bool = True) -> Stepped:
         """The graph's step (``gated``: it was enqueued with the pass), or an eager one when
         this pass held it: gated on the device, or host-decided (the gate cleared)."""
         if self._in_pass:
@@ -140,7 +150,7 @@ class InGraphOptimizer:
             self.step_gate.copy_(self.gate)
         else:
             self.step_gate.zero_()
-        norm = grad_norm_and_clip(self.params, self.clip_grad)
+        norm = grad_norm_and_clip(self.params, self.clip_grad, self.optimizer)
         self.optimizer.step()
         return Stepped(norm)
 

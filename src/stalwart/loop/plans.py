@@ -81,6 +81,9 @@ class Runners:
     checks_eval_on_host: bool = False
     close: Callable[[], None] = lambda: None
     capture_state: Callable[[], Hashable] = lambda: None  # changes when a graph is captured
+    # A graph: load a pass's inputs now, return the call that runs it (the look-ahead queues
+    # the next pass's input copies before the optimizer step, the replay after it).
+    stage_pass: Callable[..., Callable[[], Reported]] | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,7 @@ class GraphPlan:
             checks_eval_on_host=graph is not None,
             close=context.teardown,
             capture_state=_capture_state(graph, optimizer_graph),
+            stage_pass=graph.stage if graph is not None else None,
         )
 
     def _build_in_graph(self, parts: PlanParts, context: GraphContext) -> Runners:

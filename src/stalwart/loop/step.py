@@ -31,7 +31,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.loop.compute_weights import NO_COMPUTE_WEIGHTS, ComputeWeights
+from stalwart.loop.data_parallel_grads import ReducedGradChecks
 from stalwart.loop.lookahead import LookAhead
 from stalwart.loop.microbatches import (
     NO_TIMERS,
@@ -98,7 +99,9 @@ class GuardedStep:
         autocast: factory of the forward's autocast context (e.g. bf16).
         compute_weights: :class:`stalwart.loop.ComputeWeights`: bf16 copies of the matmul
             weights made once per pass, fp32 gradients accumulated per micro-batch (needs
-            ``autocast`` to their dtype; not with a DDP-wrapped model).
+            ``autocast`` to their dtype). With a DDP-wrapped model the micro-batches run on
+            ``model.module`` and the step averages the gradients itself after the pass
+            (`stalwart.loop.data_parallel_grads`); not with FSDP2.
         lookahead: launch the next iteration before the read when possible.
         dp_group: the data-parallel group (reported values, the gate's max-reduction).
         agreement: the machine's :class:`IterationAgreement`, to return the exit inputs.
@@ -147,14 +150,9 @@ class GuardedStep:
         device = self.params[0].device if self.params else torch.device("cpu")
         buffer = machine.check_buffer(device) if machine.checks.any else machine.buffer
         gate_group = dp_group if dp_group is not None else _world()
-        _check_compute_weights(compute_weights, model, autocast)
-        micro_batches = MicroBatches(
-            model, forward_step, machine, device, self.loss_scaler,
-            autocast or contextlib.nullcontext,
-            grad_checks=self._grad_checks(gate_group), gate_group=gate_group,
-            timers=self.timers, observer=observer, backward=backward,
-            compute_weights=compute_weights or NO_COMPUTE_WEIGHTS,
-        )  # fmt: skip
+        micro_batches = self._micro_batches(
+            forward_step, device, gate_group, autocast, compute_weights, backward
+        )
         eager_optimizer = EagerOptimizer(
             optimizer, self.params, clip_grad=clip_grad,
             gate=buffer.gate if buffer is not None else None,
@@ -168,13 +166,39 @@ class GuardedStep:
         self.lookahead_enabled = lookahead and allows and self.runners.optimizer.gated
         self._lookahead = LookAhead(
             machine, data, self._forward_backward, self.runners.splittable,
-            self.runners.lookahead_ready,
+            self.runners.lookahead_ready, _staged_in_regions(self.runners.stage_pass, observer),
         )  # fmt: skip
         self._closed = False
 
-    def _grad_checks(self, group: dist.ProcessGroup | None) -> GradCheckState | None:
+    def _micro_batches(
+        self,
+        forward_step: ForwardStep,
+        device: torch.device,
+        gate_group: dist.ProcessGroup | None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+        compute_weights: ComputeWeights | None,
+        backward: Callable[[torch.Tensor], None] | None,
+    ) -> MicroBatches:
+        _check_compute_weights(compute_weights, self.model, autocast)
+        # DDP under compute copies: the micro-batches run on the unwrapped module (DDP's hooks
+        # sit on the fp32 parameters the forward no longer uses) and the pass's end reduces.
+        reduced = compute_weights is not None and isinstance(self.model, DistributedDataParallel)
+        runs_on = cast(nn.Module, self.model.module) if reduced else self.model
+        return MicroBatches(
+            runs_on, forward_step, self.machine, device,
+            self.loss_scaler, autocast or contextlib.nullcontext,
+            grad_checks=self._grad_checks(gate_group, reduced), gate_group=gate_group,
+            timers=self.timers, observer=self.observer, backward=backward,
+            compute_weights=compute_weights or NO_COMPUTE_WEIGHTS,
+        )  # fmt: skip
+
+    def _grad_checks(self, group: dist.ProcessGroup | None, reduced: bool) -> GradCheckState | None:
         """Per-bucket gradient checks: DDP's comm hook (before its all-reduce), else after the
-        backward (single rank, FSDP2's local shards)."""
+        backward (single rank, FSDP2's local shards). ``reduced`` (DDP with compute copies):
+        after the backward, followed by the all-reduce DDP's reducer would have done."""
+        if reduced:
+            assert isinstance(self.model, DistributedDataParallel)
+            return ReducedGradChecks(self.machine, self.model, group)
         if not isinstance(self.model, DistributedDataParallel) and _world_size(group) > 1:
             # FSDP2: the checked gradient shards are already reduced, not this rank's own
             # values; a peer cannot replay them (the loss checks stay local).
@@ -219,10 +243,13 @@ class GuardedStep:
             passes += 1
             stepped, losses = None, None
             if self.runners.optimizer.gated and self.machine.can_gate_step():
-                stepped = self._optimizer_step(gated=True)
-                # The launch may overwrite a graph's outputs: average this pass's values first.
+                ahead = launch_next and self.lookahead_enabled and passes == 1
+                # The launch may overwrite a graph's outputs: average this pass's values first
+                # (and, like the launch's host work, before the short step).
                 losses = average_reported(reported, self.dp_group)
-                if launch_next and self.lookahead_enabled and passes == 1:
+                staged = ahead and self._lookahead.prepare(iteration + 1, n)  # device busy
+                stepped = self._optimizer_step(gated=True, overlap=not staged)
+                if ahead:
                     self.runners.optimizer.join()  # the next pass reads the stepped weights
                     self._lookahead.launch(iteration + 1, n)
         self.runners.optimizer.join()
@@ -290,11 +317,11 @@ class GuardedStep:
         timer.stop()
         return reported
 
-    def _optimizer_step(self, gated: bool) -> Stepped:
+    def _optimizer_step(self, gated: bool, overlap: bool = True) -> Stepped:
         timer = self.timers(OPTIMIZER)
         timer.start()
         try:
-            return self.runners.optimizer.step(gated=gated)
+            return self.runners.optimizer.step(gated=gated, overlap=overlap)
         finally:
             timer.stop()
 
@@ -370,18 +397,25 @@ def _check_compute_weights(
     weights: ComputeWeights | None, model: nn.Module, autocast: Callable[..., Any] | None
 ) -> None:
     """Compute copies need the forward under autocast (their matmuls take the activations in
-    the copies' dtype) and the fp32 parameters' ``.grad`` filled by them, not by DDP's hooks."""
+    the copies' dtype) and the fp32 parameters' ``.grad`` filled by them, not by FSDP2's
+    hooks (DDP's reduction the step does itself)."""
     if weights is None:
         return
     if autocast is None:
         raise ValueError(
             "GuardedStep(compute_weights=...) needs autocast= to the copies' dtype (--bf16)"
         )
-    if isinstance(model, DistributedDataParallel) or hasattr(model, "set_requires_gradient_sync"):
-        raise ValueError(
-            "--bf16-compute-weights is not supported with data parallelism (DDP/FSDP2 reduce "
-            "the gradients of the fp32 parameters, which the forward no longer uses)"
-        )
+    if hasattr(model, "set_requires_gradient_sync"):
+        raise ValueError(FSDP2_COMPUTE_WEIGHTS_MESSAGE)
+
+
+FSDP2_COMPUTE_WEIGHTS_MESSAGE = (
+    "--bf16-compute-weights is not supported with --use-torch-fsdp2: FSDP2 reduces the sharded "
+    "fp32 parameters' gradients in its own hooks, which the copies bypass. FSDP2's equivalent "
+    "is its MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) "
+    "(fully_shard(..., mp_policy=...): bf16 parameters gathered from the fp32 shards, fp32 "
+    "gradient reduction); the reference trainer's --use-torch-fsdp2 runs under bf16 autocast"
+)
 
 
 def _in_regions(fb: Callable[..., Reported], observer: Any) -> Callable[..., Reported]:
@@ -395,6 +429,26 @@ def _in_regions(fb: Callable[..., Reported], observer: Any) -> Callable[..., Rep
             return fb(**kwargs)
 
     return timed
+
+
+def _staged_in_regions(
+    stage: Callable[..., Callable[[], Reported]] | None, observer: Any
+) -> Callable[..., Callable[[], Reported]] | None:
+    """A graph's ``stage_pass`` whose returned call runs inside the observer's region."""
+    region = getattr(observer, "iteration_region", None)
+    if stage is None or region is None:
+        return stage
+
+    def staged(**kwargs: Any) -> Callable[[], Reported]:
+        fire = stage(**kwargs)
+
+        def run() -> Reported:
+            with region():
+                return fire()
+
+        return run
+
+    return staged
 
 
 def _trained_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:

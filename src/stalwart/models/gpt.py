@@ -147,6 +147,22 @@ class GPT(nn.Module):
             slots.append((self, "output_compute_weight", tied))
         return slots
 
+    def fp32_grad_slots(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """Parameters that stay fp32 under autocast but whose per-micro-batch gradient
+        accumulation goes through ``ComputeWeights``' one foreach add with the bf16 copies'
+        (fp32 copies, swapped in the same way): every norm's weight and bias and the learned
+        position embeddings. The word embeddings stay direct (their lookup gradient is a dense
+        ``[vocab, hidden]`` tensor either way)."""
+        slots: list[tuple[nn.Module, str, nn.Parameter]] = []
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+                slots += [(module, n, p) for n, p in module.named_parameters(recurse=False)]
+        if self.position_embeddings is not None:
+            slots.append(
+                (self.position_embeddings, "weight", self.position_embeddings.weight)  # type: ignore[arg-type]
+            )
+        return slots
+
     def _run_layers(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The layers, unit by unit; a recomputed unit keeps only its input for backward."""
         aux_losses: list[torch.Tensor] = []

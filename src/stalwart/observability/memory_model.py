@@ -370,6 +370,47 @@ def _recompute_backward_bytes(
     return embedding + worst
 
 
+def _check_estimate_args(
+    micro_batch_size: int, dp_size: int, bf16: bool, compute_weights: bool
+) -> None:
+    if compute_weights and not bf16:
+        raise ValueError("--bf16-compute-weights needs --bf16 (bf16 autocast)")
+    if micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
+    if dp_size < 1:
+        raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
+
+
+def _weight_terms(
+    config: GPTShape,
+    n: int,
+    dp_size: int,
+    sharded_optimizer: bool,
+    bf16: bool,
+    compute_weight_copies: int | None,
+) -> tuple[float, float, dict[str, float]]:
+    """The weights-and-optimizer bytes, bytes per parameter and their named terms.
+
+    ``compute_weight_copies``: the parameters with persistent bf16 copies
+    (``--bf16-compute-weights``, in place of autocast's), None without them.
+    """
+    bpp = bytes_per_parameter(dp_size, sharded_optimizer, bf16)
+    adam = 8.0 / dp_size if sharded_optimizer else 8.0
+    terms = {"params_fp32": 4.0 * n, "grads_fp32": 4.0 * n, "adam_states": adam * n}
+    if compute_weight_copies is not None:
+        terms["compute_weight_copies"] = 2.0 * compute_weight_copies
+        weights = bpp * n - 2.0 * n + 2.0 * compute_weight_copies
+        return weights, (weights / n if n else bpp), terms
+    units = layer_units(config)  # type: ignore[arg-type]
+    recomputed_params = layer_parameters(config) * sum(
+        u.stop - u.start for u in units if u.recompute
+    )
+    # Recomputed units cast their weights again inside the recompute: not held across the pass.
+    copies_dropped = 2.0 * recomputed_params if bf16 else 0.0
+    terms["autocast_weight_copies"] = (2.0 if bf16 else 0.0) * n - copies_dropped
+    return bpp * n - copies_dropped, bpp, terms
+
+
 def theoretical_memory(
     config: GPTShape,
     micro_batch_size: int,
@@ -398,31 +439,14 @@ def theoretical_memory(
         norms_upcast: autocast runs the norms in fp32 (default ``fused_rms_norm``: CUDA); with
             ``bf16_residual_connection`` and False (CPU) the norms save their bf16 inputs.
     """
-    if compute_weights and not bf16:
-        raise ValueError("--bf16-compute-weights needs --bf16 (bf16 autocast)")
-    if micro_batch_size < 1:
-        raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
-    if dp_size < 1:
-        raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
+    _check_estimate_args(micro_batch_size, dp_size, bf16, compute_weights)
     n = num_parameters if num_parameters is not None else count_parameters(config)
-    bpp = bytes_per_parameter(dp_size, sharded_optimizer, bf16)
     upcast = fused_rms_norm if norms_upcast is None else norms_upcast
     acts = activation_breakdown(config, micro_batch_size, bf16, fused_rms_norm, upcast)
-    units = layer_units(config)  # type: ignore[arg-type]
-    recomputed_params = layer_parameters(config) * sum(
-        u.stop - u.start for u in units if u.recompute
-    )
-    adam = 8.0 / dp_size if sharded_optimizer else 8.0
-    breakdown = {"params_fp32": 4.0 * n, "grads_fp32": 4.0 * n, "adam_states": adam * n}
     copies = compute_weight_parameters(config) if compute_weights else 0
-    if compute_weights:  # persistent copies of the slot parameters, in place of autocast's
-        breakdown["compute_weight_copies"] = 2.0 * copies
-        weights = bpp * n - 2.0 * n + 2.0 * copies
-        bpp = weights / n if n else bpp
-    else:
-        copies_dropped = 2.0 * recomputed_params if bf16 else 0.0
-        breakdown["autocast_weight_copies"] = (2.0 if bf16 else 0.0) * n - copies_dropped
-        weights = bpp * n - copies_dropped
+    weights, bpp, breakdown = _weight_terms(
+        config, n, dp_size, sharded_optimizer, bf16, copies if compute_weights else None
+    )
     breakdown |= {f"activation.{k}": val for k, val in acts.items()}
     norm_input = _norm_input_bytes(config, bf16, upcast)
     backward_unit = _recompute_backward_bytes(

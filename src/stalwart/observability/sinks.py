@@ -16,6 +16,7 @@ Optional dependencies (``tensorboard``, ``wandb``) are imported when a sink is c
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import math
@@ -28,7 +29,21 @@ from stalwart.observability.metric_names import VS_SAMPLES_SUFFIX, grouped_name
 logger = logging.getLogger(__name__)
 _TAIL_CHUNK = 1 << 20
 
-WANDB_MODES = ("online", "offline", "disabled")
+
+class WandbMode(enum.Enum):
+    """``--wandb-mode``: what ``wandb.init(mode=...)`` receives."""
+
+    ONLINE = "online"
+    OFFLINE = "offline"
+    DISABLED = "disabled"
+
+
+def _check_wandb_mode(mode: object) -> None:
+    # A string would reach wandb unchecked: the caller parses it once, ``WandbMode("offline")``.
+    if mode is not None and not isinstance(mode, WandbMode):
+        raise TypeError(f"the W&B mode must be a WandbMode or None, got {mode!r}")
+
+
 # Keys ending in VS_SAMPLES_SUFFIX use consumed samples as their x-axis (Megatron's "vs samples").
 
 
@@ -109,8 +124,8 @@ class TensorBoardSink:
 class WandbSink:
     """A Weights & Biases run (``--wandb-project``, ``--wandb-exp-name``, ``--wandb-save-dir``).
 
-    ``mode`` (``--wandb-mode``) is ``online`` | ``offline`` | ``disabled``; ``None`` lets wandb read
-    ``WANDB_MODE`` from the environment. W&B needs a monotonic step, so the sink does not pass
+    ``mode`` (``--wandb-mode``) is a :class:`WandbMode` (a string raises ``TypeError``); ``None``
+    lets wandb read ``WANDB_MODE`` from the environment. W&B needs a monotonic step, so the sink does not pass
     ``step=`` to W&B: it logs each call as one row with an explicit x-axis column, ``iteration`` for
     ordinary keys and ``samples`` for ``"... vs samples"`` keys (declared with ``define_metric``).
 
@@ -129,13 +144,12 @@ class WandbSink:
         exp_name: str | None = None,
         save_dir: str | None = None,
         config: Mapping[str, Any] | None = None,
-        mode: str | None = None,
+        mode: WandbMode | None = None,
         resume_file: str | None = None,
         grouped: bool = True,
     ) -> None:
         self._tag = grouped_name if grouped else _flat_name
-        if mode is not None and mode not in WANDB_MODES:
-            raise ValueError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}, got {mode!r}")
+        _check_wandb_mode(mode)
         if not project:
             raise ValueError("--wandb-project must be a non-empty string")
         try:
@@ -152,7 +166,7 @@ class WandbSink:
             name=exp_name,
             dir=save_dir,
             config=dict(config or {}),
-            mode=cast(Any, mode),  # validated above; wandb's stub wants a Literal
+            mode=cast(Any, None if mode is None else mode.value),  # wandb's stub wants a Literal
             id=run_id,
             resume="allow" if run_id else None,
         )
@@ -350,7 +364,7 @@ def build_sinks(
     wandb_project: str | None = None,
     wandb_exp_name: str | None = None,
     wandb_save_dir: str | None = None,
-    wandb_mode: str | None = None,
+    wandb_mode: WandbMode | None = None,
     wandb_resume_file: str | None = None,
     config: Mapping[str, Any] | None = None,
 ) -> MetricSink:
@@ -358,11 +372,11 @@ def build_sinks(
 
     One back-end is returned as is; TensorBoard + W&B are wrapped in a :class:`FanOutSink`.
     ``wandb_save_dir`` defaults to ``<tensorboard_dir>/wandb`` when TensorBoard is on, else cwd.
+
+    Raises:
+        TypeError: ``wandb_mode`` is not a :class:`WandbMode` (or None), on every rank.
     """
-    if wandb_mode is not None and wandb_mode not in WANDB_MODES:
-        raise ValueError(
-            f"--wandb-mode must be one of {', '.join(WANDB_MODES)}, got {wandb_mode!r}"
-        )
+    _check_wandb_mode(wandb_mode)
     if rank != 0:
         return NullSink()
     children: list[MetricSink] = []

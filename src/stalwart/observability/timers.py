@@ -65,7 +65,6 @@ if TYPE_CHECKING:
     from stalwart.observability.sinks import MetricSink
 
 MAX_LOG_LEVEL = 2
-LOG_OPTIONS = ("max", "minmax", "all")
 
 # Fold finished CUDA event pairs once this many are pending, so long intervals stay bounded.
 _MAX_PENDING_EVENTS = 64
@@ -78,18 +77,37 @@ class TimingMode(enum.Enum):
     EVENTS = "events"
 
 
-def validate_timing_flags(log_level: int, log_option: str) -> None:
-    """Raise ``ValueError`` naming the flag when ``--timing-log-level``/``-option`` is invalid."""
+class TimingLogOption(enum.Enum):
+    """``--timing-log-option``: which figures across ranks the timer text shows."""
+
+    MAX = "max"
+    MINMAX = "minmax"
+    ALL = "all"
+
+
+def _check_log_option(log_option: object) -> None:
+    # A string would silently print min/max for anything but a known value: parse it once.
+    if not isinstance(log_option, TimingLogOption):
+        raise TypeError(
+            f"the timers' log option must be a TimingLogOption, got {log_option!r} "
+            "(parse it once: TimingLogOption('max'))"
+        )
+
+
+def validate_timing_flags(log_level: int, log_option: TimingLogOption) -> None:
+    """Check ``--timing-log-level``/``--timing-log-option`` as a config holds them.
+
+    Raises:
+        ValueError: naming ``--timing-log-level`` when the level is not 0-2.
+        TypeError: ``log_option`` is not a :class:`TimingLogOption`.
+    """
     if isinstance(log_level, bool) or not isinstance(log_level, int):
         raise ValueError(
             f"--timing-log-level must be an integer 0-{MAX_LOG_LEVEL}, got {log_level!r}"
         )
     if not 0 <= log_level <= MAX_LOG_LEVEL:
         raise ValueError(f"--timing-log-level must be one of 0, 1, 2, got {log_level}")
-    if log_option not in LOG_OPTIONS:
-        raise ValueError(
-            f"--timing-log-option must be one of {', '.join(LOG_OPTIONS)}, got {log_option!r}"
-        )
+    _check_log_option(log_option)
 
 
 class TimerLike(Protocol):
@@ -284,14 +302,19 @@ class TimerReport:
                 out[name] = (min(values), max(values))
         return out
 
-    def format(self, log_option: str) -> str | None:
-        """Megatron's text for ``max`` / ``minmax`` / ``all``; None when nothing was timed."""
-        if log_option == "all":
+    def format(self, log_option: TimingLogOption) -> str | None:
+        """Megatron's text for ``MAX`` / ``MINMAX`` / ``ALL``; None when nothing was timed.
+
+        Raises:
+            TypeError: ``log_option`` is not a :class:`TimingLogOption`.
+        """
+        _check_log_option(log_option)
+        if log_option is TimingLogOption.ALL:
             return self._format_all()
         pairs = self.min_max()
         if not pairs:
             return None
-        if log_option == "max":
+        if log_option is TimingLogOption.MAX:
             text = "max time across ranks (ms):"
             for name, (_, hi) in pairs.items():
                 text += "\n    " + (name + " ").ljust(48, ".") + f": {hi:.2f}"
@@ -328,20 +351,21 @@ class Timers:
 
     Args:
         log_level: ``--timing-log-level`` (0-2). Timers above it are the shared :class:`NullTimer`.
-        log_option: ``--timing-log-option``: ``max`` | ``minmax`` | ``all``.
+        log_option: ``--timing-log-option``, a :class:`TimingLogOption`.
         mode: :class:`TimingMode`; ``EVENTS`` needs a CUDA ``device`` (else it uses the host clock).
         device: device whose work is timed; default: the current CUDA device if any, else CPU.
         group: process group for aggregation and barriers (None: world).
     Raises:
-        ValueError: naming ``--timing-log-level`` or ``--timing-log-option``.
+        ValueError: naming ``--timing-log-level``.
         TypeError: ``mode`` is not a :class:`TimingMode` (a string would silently time on the
-            host clock: parse it once, ``TimingMode("events")``).
+            host clock: parse it once, ``TimingMode("events")``), or ``log_option`` is not a
+            :class:`TimingLogOption`.
     """
 
     def __init__(
         self,
         log_level: int = 0,
-        log_option: str = "minmax",
+        log_option: TimingLogOption = TimingLogOption.MINMAX,
         mode: TimingMode = TimingMode.SYNC,
         device: torch.device | None = None,
         group: ProcessGroup | None = None,

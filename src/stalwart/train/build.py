@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from stalwart.config.inductor import parse_inductor_options
 from stalwart.config.run import RunConfig
 from stalwart.data import (
     MicroBatchIterator,
@@ -39,9 +40,11 @@ from stalwart.graphs import (
     GraphSettings,
     RecomputeGranularity,
     check_graph_config,
+    clip_in_optimizer_step,
     make_capturable_adamw,
 )
 from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler
+from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
 from stalwart.models import GPT
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
 from stalwart.observability.goodput import (
@@ -68,7 +71,15 @@ def seed_everything(seed: int) -> None:
 
 
 def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices decay, biases/LayerNorm/position vectors do not (GPT-2 convention)."""
+    """AdamW; matrices decay, biases/LayerNorm/position vectors do not (GPT-2 convention).
+    With ``--clip-grad-in-optimizer`` the clip factor is the fused step's ``grad_scale``."""
+    optimizer = _adamw(model, config)
+    if config.optim.clip_grad_in_optimizer:
+        clip_in_optimizer_step(optimizer)
+    return optimizer
+
+
+def _adamw(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     o = config.optim
@@ -280,8 +291,11 @@ def build_model(
     if config.training.compile:
         # In place (nn.Module.compile): parameter names and checkpoints stay unchanged. Under a
         # full-iteration graph Inductor's own CUDA graphs are off (they cannot nest).
-        options = {"triton.cudagraphs": False} if config.graphs.full_iteration else None
-        raw_model.compile(dynamic=False, options=options)
+        # --inductor-config: the user's per-compile Inductor options (checked by the config).
+        options = parse_inductor_options(config.training.inductor_config)
+        if config.graphs.full_iteration:
+            options["triton.cudagraphs"] = False
+        raw_model.compile(dynamic=False, options=options or None)
     model = wrap_model(raw_model, config, ctx)
     seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
     return raw_model, model
@@ -290,14 +304,12 @@ def build_model(
 def build_compute_weights(
     config: RunConfig, raw_model: GPT, ctx: DistributedContext
 ) -> ComputeWeights | None:
-    """``--bf16-compute-weights``: bf16 copies of the GPT's matmul weights (one rank only)."""
+    """``--bf16-compute-weights``: bf16 copies of the GPT's matmul weights (one rank, or DDP:
+    the guarded step then reduces the fp32 gradients itself; not with FSDP2)."""
     if not config.training.bf16_compute_weights:
         return None
-    if ctx.is_distributed:
-        raise ValueError(
-            f"--bf16-compute-weights is not supported with {ctx.world_size} ranks: DDP/FSDP2 "
-            "reduce the gradients of the fp32 parameters, which the forward no longer uses"
-        )
+    if ctx.is_distributed and config.training.use_torch_fsdp2:
+        raise ValueError(FSDP2_COMPUTE_WEIGHTS_MESSAGE)
     return ComputeWeights(raw_model, dtype=torch.bfloat16)
 
 

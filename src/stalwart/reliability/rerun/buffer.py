@@ -15,169 +15,45 @@ Two kinds of records:
 * Any other rejection function is evaluated on the host at the read (``ValidationRecord`` with a
   device tensor or a float), with the conventions below.
 
-Rejection and comparison functions are called with host values. ``torch.isnan`` / ``torch.isinf``
-are evaluated with :mod:`math`; callables marked with :func:`host_predicate` (such as
-``RerunStateMachine.is_unexpectedly_large`` and ``compare_floats``) receive Python floats; any other
-callable receives 0-d CPU float64 tensors (Megatron compatibility), never device tensors.
+The rules, specs and records, and how a rejection is evaluated on the host, are in
+:mod:`stalwart.reliability.rerun.rules` (re-exported here).
 """
 
 from __future__ import annotations
 
-import enum
-import functools
 import math
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stalwart.reliability.rerun.rules import (
+    DEFAULT_LARGE_SAMPLES,
+    INF_RULE,
+    NAN_RULE,
+    UNWRITTEN,
+    CheckSpec,
+    DeviceCheck,
+    DeviceRule,
+    RuleKind,
+    ValidationRecord,
+    as_scalar,
+    device_rule_of,
+    evaluate_comparison,
+    evaluate_rejection,
+    host_predicate,
+    is_rejected,
+)
 from stalwart.reliability.rerun.stats import compare_floats
 from stalwart.reliability.rerun.types import CallKey
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-DEFAULT_LARGE_SAMPLES = 100  # Megatron's sampling window of is_unexpectedly_large
-# The value of a buffer slot not written in the current pass: -DBL_MAX, finite (so never a
-# NaN/Inf verdict) and out of reach of any value converted from a float32/bfloat16 scalar. A
-# marker in the values themselves instead of a flag per slot: a record is one device write.
-UNWRITTEN = -sys.float_info.max
-
-
-def host_predicate(func: F) -> F:
-    """Mark a rejection or comparison function as taking Python floats instead of tensors."""
-    func.accepts_host_float = True  # type: ignore[attr-defined]
-    return func
-
-
-host_predicate(compare_floats)
-
-
-def _accepts_host(func: Callable[..., Any]) -> bool:
-    if getattr(func, "accepts_host_float", False):
-        return True
-    inner = func.func if isinstance(func, functools.partial) else None
-    return bool(inner is not None and getattr(inner, "accepts_host_float", False))
-
-
-def evaluate_rejection(func: Callable[..., Any] | None, value: float) -> bool:
-    """Apply a rejection function to a host value (never touches a device)."""
-    if func is None:
-        return False
-    if func is torch.isnan:
-        return math.isnan(value)
-    if func is torch.isinf:
-        return math.isinf(value)
-    if _accepts_host(func):
-        return bool(func(value))
-    return bool(func(torch.tensor(value, dtype=torch.float64)))
-
-
-def evaluate_comparison(func: Callable[..., Any], initial: float, rerun: float) -> float:
-    """Apply a comparison function to two host values; NaN is treated as a mismatch."""
-    if _accepts_host(func):
-        out = float(func(initial, rerun))
-    else:
-        t = functools.partial(torch.tensor, dtype=torch.float64)
-        out = float(func(t(initial), t(rerun)))
-    return math.inf if math.isnan(out) else out
-
-
-class RuleKind(enum.Enum):
-    """A rejection the device can evaluate."""
-
-    NAN = "nan"
-    INF = "inf"
-    LARGE = "large"  # |v| >= threshold x the max of the first num_samples values of a context
-
-
-@dataclass(frozen=True)
-class DeviceRule:
-    """A device-evaluated rejection (see :class:`RuleKind`)."""
-
-    kind: RuleKind
-    context: str = ""
-    threshold: float = 0.0
-    num_samples: int = DEFAULT_LARGE_SAMPLES
-
-
-NAN_RULE = DeviceRule(RuleKind.NAN)
-INF_RULE = DeviceRule(RuleKind.INF)
-
-
-@dataclass(frozen=True)
-class DeviceCheck:
-    """One device check of a value: its rule, message, rerun tolerance and fatality."""
-
-    rule: DeviceRule
-    message: str
-    tolerance: float = 0.0
-    fatal: bool = True
-
-
-def device_rule_of(func: Callable[..., Any] | None) -> DeviceRule | None:
-    """The device rule equal to a Megatron-style rejection function, or None (host only).
-
-    ``torch.isnan``, ``torch.isinf`` and ``functools.partial(sm.is_unexpectedly_large,
-    threshold=..., context=...)`` (without ``resample``) have device equivalents.
-    """
-    if func is torch.isnan:
-        return NAN_RULE
-    if func is torch.isinf:
-        return INF_RULE
-    if isinstance(func, functools.partial) and getattr(func.func, "__name__", "") == (
-        "is_unexpectedly_large"
-    ):
-        kw = func.keywords
-        if "threshold" in kw and "context" in kw and not kw.get("resample", False):
-            samples = int(kw.get("num_samples", DEFAULT_LARGE_SAMPLES))
-            return DeviceRule(RuleKind.LARGE, str(kw["context"]), float(kw["threshold"]), samples)
-    return None
-
-
-@dataclass(frozen=True)
-class CheckSpec:
-    """What a validation call checks and how a rerun is compared with the initial run."""
-
-    message: str
-    rejection_func: Callable[..., Any] | None
-    comparison_func: Callable[..., Any] = compare_floats
-    tolerance: float = 0.0
-    fatal: bool = True
-
-
-@dataclass
-class ValidationRecord:
-    """One validation call of the current run, before its value is read.
-
-    ``rejected`` is the device's verdict for buffer slots (None: evaluate ``spec`` on the host).
-    """
-
-    key: CallKey
-    spec: CheckSpec
-    value: torch.Tensor | float
-    injected: bool = False
-    rejected: bool | None = None
-
-
-def is_rejected(record: ValidationRecord, value: float) -> bool:
-    """The record's verdict: the device's when it has one, else the host rejection function."""
-    if record.injected:
-        return True
-    if record.rejected is not None:
-        return record.rejected
-    return evaluate_rejection(record.spec.rejection_func, value)
-
-
-def as_scalar(result: torch.Tensor | float) -> torch.Tensor | float:
-    """Detached float64 0-d copy of a one-element tensor (device op only), or a Python float."""
-    if isinstance(result, torch.Tensor):
-        if result.numel() != 1:
-            raise ValueError(f"validation results must be scalars; got shape {tuple(result.shape)}")
-        return result.detach().reshape(()).to(torch.float64, copy=True)
-    return float(result)
+__all__ = [
+    "DEFAULT_LARGE_SAMPLES", "INF_RULE", "NAN_RULE", "UNWRITTEN", "CheckSpec", "DeviceCheck",
+    "DeviceRule", "RuleKind", "ValidationBuffer", "ValidationRecord", "as_scalar",
+    "device_rule_of", "evaluate_comparison", "evaluate_rejection", "host_predicate",
+    "is_rejected",
+]  # fmt: skip
 
 
 def _capturing(device: torch.device) -> bool:
@@ -224,6 +100,12 @@ class ValidationBuffer:
         self._gate_non_fatal = True
         self._has_large = False  # a LARGE slot exists (its verdicts then count for the gate)
         self._slots: dict[CallKey, int] = {}
+        # Slots whose value is always written together with both a NaN and an Inf check of it
+        # (a run of width >= 2 covering both rules), and slots ever written otherwise: when
+        # every slot is paired, counted and neither injected nor LARGE, the gate is "any value
+        # not finite" (:meth:`_paired_gate`), two device ops instead of six.
+        self._paired: set[int] = set()
+        self._unpaired: set[int] = set()
         self._trackers: dict[str, torch.Tensor] = {}  # context -> [count, max] (float64)
         # Look-ahead support: values read ahead, and a pass already begun.
         self._snapshot: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
@@ -260,13 +142,14 @@ class ValidationBuffer:
         self.nan_gate = grown((capacity,), torch.bool, "nan_gate")
         self.inf_gate = grown((capacity,), torch.bool, "inf_gate")
         self.counted = grown((capacity,), torch.bool, "counted")
+        self._zeros = torch.zeros(capacity, dtype=torch.float64, device=self.device)
         self.values, self.rejected = self.state.unbind(0)
         self._runs: dict[tuple[int, int, int], torch.Tensor] = {}
         self._prefixes: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _gate_inputs(self) -> tuple[torch.Tensor, ...]:
         return (self.values, self.nan_gate, self.inf_gate, self.inject, self.rejected,
-                self.counted)  # fmt: skip
+                self.counted, self._zeros)  # fmt: skip
 
     def _update_gate_masks(self) -> None:
         """The gate's masks from the slot rules and ``in_gate`` (in place: a captured graph
@@ -359,11 +242,33 @@ class ValidationBuffer:
         if run is None:  # views cached per run (a capture then slices nothing)
             run = self.values[start : start + m * width].view(m, width)
             self._runs[(start, m, width)] = run
+            self._note_pairs(start, m, width)
         run.copy_(values.reshape(m, 1) if values.dim() else values)
         for slot in range(start, start + m * width):
             rule = self.rules[slot]
             if rule is not None and rule.kind is RuleKind.LARGE:
                 self._record_large(slot, rule, values.reshape(-1)[(slot - start) // width])
+
+    def _note_pairs(self, start: int, m: int, width: int) -> None:
+        """Classify the slots of a new run: paired when each value's slots hold both a NaN and
+        an Inf check (off the hot path: once per run)."""
+        for i in range(m):
+            group = range(start + i * width, start + (i + 1) * width)
+            kinds = {rule.kind for rule in (self.rules[s] for s in group) if rule is not None}
+            paired = {RuleKind.NAN, RuleKind.INF} <= kinds
+            (self._paired if paired else self._unpaired).update(group)
+
+    def _paired_gate(self, n: int) -> bool:
+        """Whether the gate of the first ``n`` slots is exactly "some value is not finite":
+        every slot counts, is written only in NaN+Inf pairs (a NaN-only slot holding an Inf
+        would otherwise differ), and no slot is injected or LARGE."""
+        if self.may_inject or self._has_large or not all(self._gate_host[:n]):
+            return False
+        return (
+            not self._unpaired
+            and len(self._paired) >= n
+            and all(s in self._paired for s in range(n))
+        )
 
     def _record_large(self, slot: int, rule: DeviceRule, value: torch.Tensor) -> None:
         """The LARGE verdict of ``slot``, in call order (its window depends on earlier values)."""
@@ -399,8 +304,15 @@ class ValidationBuffer:
         if views is None:  # cached per slot count (a capture then slices nothing)
             views = tuple(t[:n] for t in self._gate_inputs())
             self._prefixes[n] = views
-        v, nan_gate, inf_gate, inject, large, counted = views
+        v, nan_gate, inf_gate, inject, large, counted, zeros = views
         # An unwritten slot holds UNWRITTEN, which is finite: no NaN/Inf verdict.
+        if self._paired_gate(n):
+            # sum(v * 0) is NaN exactly when some value is NaN or +-Inf (Inf * 0 is NaN): one
+            # dot product and one compare, where isfinite alone is four elementwise kernels.
+            total = torch.dot(v, zeros)
+            torch.ne(total, total, out=self.gate)
+            self._reduce_gate(group)
+            return
         hit = torch.where(nan_gate, v.isnan(), v.isinf().logical_and_(inf_gate))
         extra = None
         if self.may_inject:  # fixed for the buffer's life: a captured gate stays right
@@ -411,6 +323,9 @@ class ValidationBuffer:
         if extra is not None:  # stale flags of slots this pass did not write do not count
             hit = hit.logical_or_(extra.logical_and_(v != UNWRITTEN))
         self.gate.copy_(hit.any())
+        self._reduce_gate(group)
+
+    def _reduce_gate(self, group: dist.ProcessGroup | None) -> None:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(self.gate, op=dist.ReduceOp.MAX, group=group)
 

@@ -269,11 +269,12 @@ class GradCheckState:
         params = [p for p in self.params if p.grad is not None]
         grads = [_local(p.grad) for p in params]  # type: ignore[arg-type]
         if self.num_buckets == 1 and self._sum_sq is None and grads:
-            # One bucket, one call: the float64 norm of the per-tensor norms in one reduction
-            # (the same value as the buckets' sum of squares, a few kernels fewer per pass).
+            # One bucket, one call: the norm of the per-tensor norms in one reduction, in their
+            # dtype as the clip computes it (fp32 grads: Megatron's fp32 norm; a few kernels
+            # fewer per pass than the buckets' sums of squares). The record widens it exactly.
             norms = torch._foreach_norm(grads)
             if all(n.dtype == norms[0].dtype for n in norms):
-                total = torch.linalg.vector_norm(torch.stack(norms), dtype=torch.float64)
+                total = torch.linalg.vector_norm(torch.stack(norms))
                 record_bucket_checks(self.sm, total.reshape(1), self.sm.checks, self._rows)
                 return
         self.add_grads(params, grads)

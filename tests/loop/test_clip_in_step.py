@@ -1,0 +1,214 @@
+"""Clipping inside the fused AdamW step (``--clip-grad-in-optimizer``, issue 19) on CPU.
+
+``clip_in_optimizer_step`` puts ``1 / clip_coefficient`` into fused AdamW's ``grad_scale``
+(the kernel divides each gradient by it as it reads it) instead of a separate multiply over all
+gradients. A tiny GPT trains under ``GuardedStep`` with and without it on every optimizer path
+(eager gated step, the optimizer graph's body, the step inside the full-iteration graph; the
+graphs on the fake backend, in eager warm-up: the very functions a capture records), same seed
+and data, and the runs are compared:
+
+* the logged gradient norms: bitwise equal in the first iteration (same gradients), within
+  1e-5 relative after it;
+* parameters within 2e-6 absolute after 3 iterations with clipping active (``g / (1 / c)`` and
+  ``g * c`` differ by float32 rounding; Adam normalises the step, so this is lr-relative);
+  bitwise when the norm stays under ``--clip-grad`` (the scale is exactly 1.0);
+* a step the device rejects (NaN loss, ``found_inf``) leaves everything untouched with the
+  scale installed too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from stalwart.cli.args import parse_train_args
+from stalwart.config.run import build_run_config
+from stalwart.graphs import clip_in_optimizer_step, clip_scale_of, make_capturable_adamw
+from stalwart.loop import EagerPlan, GraphPlan, GuardedStep
+from stalwart.models import GPT, GPTConfig
+from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))
+from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
+
+ITERS, MICRO, EAGER_FOREVER = 3, 2, 10**6
+CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=64)
+
+
+def _batches(n: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_length + 1), generator=gen)
+        out.append({"ids": tokens[:, :-1], "labels": tokens[:, 1:]})
+    return out
+
+
+def _plan(path: str) -> EagerPlan | GraphPlan:
+    if path == "eager":
+        return EagerPlan()
+    if path == "optimizer_graph":
+        return GraphPlan(full_iteration=False, context=FakeGraphContext(),
+                         optimizer_warmup_steps=EAGER_FOREVER)  # fmt: skip
+    return GraphPlan(context=FakeGraphContext(), warmup_steps=EAGER_FOREVER,
+                     optimizer_in_graph=True)  # fmt: skip
+
+
+class Job:
+    def __init__(self, path: str, *, fused_clip: bool, clip: float = 0.5, nan_call: int = -1):
+        torch.manual_seed(0)
+        self.model = GPT(CFG)
+        self.optimizer = make_capturable_adamw(
+            list(self.model.parameters()), lr=1e-2, device=torch.device("cpu"), fused=True
+        )
+        if fused_clip:
+            clip_in_optimizer_step(self.optimizer)
+        self.calls, self.nan_call = 0, nan_call
+        self.step = GuardedStep(
+            model=self.model, optimizer=self.optimizer, forward_step=self._forward,
+            machine=RerunConfig().build("cpu"), data=RerunDataIterator(_batches(4 * ITERS * MICRO)),
+            num_microbatches=MICRO, plan=_plan(path), clip_grad=clip, lookahead=False,
+            autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        )  # fmt: skip
+
+    def _forward(self, batch: dict[str, torch.Tensor], model: nn.Module) -> Any:
+        out = model(batch["ids"], batch["labels"])
+        if self.calls == self.nan_call:
+            out["loss"] = out["loss"] * float("nan")
+        self.calls += 1
+        return out
+
+    def train(self, iters: int = ITERS) -> list[Any]:
+        results = []
+        for it in range(iters):
+            results.append(self.step.run(it, launch_next=False))
+            if results[-1].verdict.exit:
+                break
+        return results
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+PATHS = ["eager", "optimizer_graph", "optimizer_in_graph"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_clip_in_step_matches_the_separate_clip(path: str) -> None:
+    separate, fused = Job(path, fused_clip=False), Job(path, fused_clip=True)
+    a, b = separate.train(), fused.train()
+    assert float(a[0].grad_norm) > 0.5  # clipping really happened
+    assert torch.equal(a[0].grad_norm, b[0].grad_norm)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(y.losses["lm loss"], x.losses["lm loss"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(y.grad_norm, x.grad_norm, rtol=1e-5, atol=0)
+    for x, y in zip(separate.params(), fused.params(), strict=True):
+        torch.testing.assert_close(y, x, rtol=0, atol=2e-6)
+    scale = clip_scale_of(fused.optimizer)
+    assert scale is not None and float(scale) > 1.0  # the last step divided by it
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_clip_in_step_is_bitwise_when_nothing_is_clipped(path: str) -> None:
+    separate, fused = Job(path, fused_clip=False, clip=1e6), Job(path, fused_clip=True, clip=1e6)
+    a, b = separate.train(), fused.train()
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.grad_norm, y.grad_norm)
+    for x, y in zip(separate.params(), fused.params(), strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("path", ["eager", "optimizer_in_graph"])
+def test_a_rejected_step_touches_nothing_with_the_scale(path: str) -> None:
+    """Iteration 2's first forward is NaN: the gated step (found_inf) skips on the device, the
+    rerun is clean and the job exits; the parameters are those after iteration 1."""
+    rejected = Job(path, fused_clip=True, nan_call=2 * MICRO)
+    results = rejected.train()
+    assert results[-1].verdict.exit
+    clean = Job(path, fused_clip=True)
+    clean.train(iters=2)
+    for x, y in zip(rejected.params(), clean.params(), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_clip_in_optimizer_step_needs_fused_adamw() -> None:
+    p = nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="needs fused Adam/AdamW"):
+        clip_in_optimizer_step(torch.optim.AdamW([p], lr=0.1, foreach=True))
+    with pytest.raises(ValueError, match="needs fused Adam/AdamW"):
+        clip_in_optimizer_step(torch.optim.SGD([p], lr=0.1))
+    plain = torch.optim.AdamW([p], lr=0.1, fused=True)
+    assert clip_scale_of(plain) is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--clip-grad", "0"], "--clip-grad-in-optimizer needs --clip-grad > 0"),
+        (["--use-torch-fsdp2"], "--clip-grad-in-optimizer is not supported with --use-torch"),
+    ],
+)
+def test_the_flag_refuses_what_it_cannot_fuse(flags: list[str], needle: str) -> None:
+    argv = ["--preset", "tiny", "--clip-grad-in-optimizer", *flags]
+    with pytest.raises(ValueError, match="^" + needle):
+        build_run_config(parse_train_args(argv), argv)
+
+
+def test_the_trainer_installs_the_scale() -> None:
+    from stalwart.train import build
+
+    argv = ["--preset", "tiny", "--use-cpu", "--clip-grad-in-optimizer"]
+    config = build_run_config(parse_train_args(argv), argv)
+    optimizer = build.build_optimizer(GPT(CFG), config)
+    assert clip_scale_of(optimizer) is not None
+    argv = ["--preset", "tiny", "--use-cpu"]
+    plain = build.build_optimizer(GPT(CFG), build_run_config(parse_train_args(argv), argv))
+    assert clip_scale_of(plain) is None
+
+
+# ---------------------------------------------------------------- --inductor-config (issue 19)
+@pytest.mark.parametrize(
+    ("items", "needle"),
+    [
+        (["triton.mix_order_reduction"], "--inductor-config takes KEY=VALUE"),
+        (["no_such_option=1"], "--inductor-config no_such_option: not an Inductor option"),
+        (["triton.mix_order_reduction=__import__('os')"], "must be a Python literal"),
+        (["triton.mix_order_reduction=1"], "Inductor's option is a bool"),
+        (["triton.mix_order_reduction=[1]"], "only bool, int, float, str or None"),
+        (["triton.cudagraphs=True"], "set by stalwart itself"),
+        (["max_autotune=True", "max_autotune=False"], "given twice"),
+    ],
+)
+def test_inductor_config_refuses_bad_input(items: list[str], needle: str) -> None:
+    argv = ["--preset", "tiny", "--compile"]
+    for item in items:
+        argv += ["--inductor-config", item]
+    with pytest.raises(ValueError, match=needle):
+        build_run_config(parse_train_args(argv), argv)
+
+
+def test_inductor_config_needs_compile() -> None:
+    argv = ["--preset", "tiny", "--inductor-config", "triton.mix_order_reduction=False"]
+    with pytest.raises(ValueError, match=r"^--inductor-config needs --compile"):
+        build_run_config(parse_train_args(argv), argv)
+
+
+def test_inductor_config_reaches_the_model_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.distributed.process_group import DistributedContext
+    from stalwart.reliability.faults import NullFaultInjector
+    from stalwart.train import build
+
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(GPT, "compile", lambda self, **kw: seen.append(kw))
+    argv = ["--preset", "tiny", "--use-cpu", "--compile",
+            "--inductor-config", "triton.mix_order_reduction=False",
+            "--inductor-config", "triton.mix_order_reduction_split_size=64"]  # fmt: skip
+    config = build_run_config(parse_train_args(argv), argv)
+    build.build_model(config, DistributedContext(), NullFaultInjector())
+    assert seen == [{"dynamic": False, "options": {
+        "triton.mix_order_reduction": False, "triton.mix_order_reduction_split_size": 64}}]  # fmt: skip
