@@ -119,3 +119,40 @@ def test_bad_iterator_args() -> None:
         MicroBatchIterator(_dataset(), 0, 0, 1, seed=0)
     with pytest.raises(ValueError, match="dp_rank"):
         MicroBatchIterator(_dataset(), 1, 2, 2, seed=0)
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5])
+def test_chunked_iteration_is_the_same_stream(chunk: int) -> None:
+    """An iteration's micro-batches built at once (one buffer; views of it) are the same values,
+    shapes and dtypes, across epochs, ranks and a resume in the middle of a chunk."""
+    for rank in (0, 1):
+        plain = MicroBatchIterator(_dataset(), 3, rank, 2, seed=4)
+        chunked = MicroBatchIterator(_dataset(), 3, rank, 2, seed=4, chunk_microbatches=chunk)
+        for step in range(30):  # 180 samples: several epochs of 37
+            a, b = next(plain), next(chunked)
+            for key in ("input_ids", "labels"):
+                assert torch.equal(a[key], b[key]) and b[key].is_contiguous()
+                assert (a[key].dtype, a[key].shape) == (b[key].dtype, b[key].shape)
+            if step == 7:  # resume both at the plain one's position (mid-chunk)
+                state = plain.state_dict(unconsumed_microbatches=1)
+                plain.load_state_dict(state)
+                chunked.load_state_dict(state)
+        assert plain.state_dict() == chunked.state_dict()
+
+
+def test_a_chunk_is_one_buffer() -> None:
+    it = MicroBatchIterator(_dataset(), 4, 0, 1, seed=1, chunk_microbatches=3)
+    batches = [next(it) for _ in range(3)]
+    storages = {t.untyped_storage().data_ptr() for b in batches for t in b.values()}
+    assert len(storages) == 1 and it.consumed_samples == 12
+    assert batches[0]["input_ids"].untyped_storage().nbytes() == 2 * 3 * 4 * SEQ * 8
+    assert next(it)["input_ids"].untyped_storage().data_ptr() not in storages  # the next chunk
+    with pytest.raises(ValueError, match="chunk_microbatches"):
+        MicroBatchIterator(_dataset(), 4, 0, 1, seed=1, chunk_microbatches=0)
+
+
+def test_windows_gather_checks_the_range() -> None:
+    ds = _dataset(5)
+    assert np.array_equal(ds.windows(np.array([4, 0])), np.stack([ds.window(4), ds.window(0)]))
+    with pytest.raises(IndexError, match="sample index 5"):
+        ds.windows(np.array([1, 5]))

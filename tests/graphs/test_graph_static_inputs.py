@@ -60,3 +60,51 @@ def test_signature_difference_names_the_change() -> None:
     c = InputSignature(4, signature_of([_batch(0)] * 4), (("seq_length", 8),))
     assert "num_microbatches changed from 4 to 2" in a.difference(b)
     assert "static arguments changed" in a.difference(c)
+
+
+def _chunk(seed: int, count: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches as ``MicroBatchIterator(chunk_microbatches=count)`` builds them."""
+    whole = torch.randint(0, 100, (2 * count, 2, 4), generator=torch.Generator().manual_seed(seed))
+    views = whole.unbind(0)
+    return [{"tokens": t, "labels": lab} for t, lab in zip(views[:count], views[count:])]
+
+
+def test_one_buffer_of_micro_batches_loads_with_one_copy() -> None:
+    static = StaticInputs(torch.device("cpu"))
+    out = static.load(_chunk(0))
+    assert static.coalesced
+    ptrs = static.data_ptrs()
+    copies = []
+    original = torch.Tensor.copy_
+
+    def counted(self: torch.Tensor, src: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
+        copies.append(src.shape)
+        return original(self, src, *a, **k)  # type: ignore[arg-type]
+
+    for seed in (1, 2):
+        batches = _chunk(seed)
+        torch.Tensor.copy_ = counted  # type: ignore[method-assign]
+        try:
+            assert static.load(batches) is out
+        finally:
+            torch.Tensor.copy_ = original  # type: ignore[method-assign]
+        assert static.data_ptrs() == ptrs
+        for got, want in zip(out, batches):
+            assert all(torch.equal(got[k], want[k]) and got[k].is_contiguous() for k in want)
+    assert copies == [(2 * 3 * 2 * 4,)] * 2  # the whole buffer, once per load
+
+
+def test_batches_not_in_one_buffer_still_load_exactly() -> None:
+    static = StaticInputs(torch.device("cpu"))
+    out = static.load(_chunk(0))
+    separate = [{k: v.clone() for k, v in b.items()} for b in _chunk(3)]  # same signature
+    static.load(separate)
+    shuffled = _chunk(4)
+    shuffled[0], shuffled[1] = shuffled[1], shuffled[0]  # one buffer, another layout
+    for batches in (separate, shuffled):
+        static.load(batches)
+        for got, want in zip(out, batches):
+            assert all(torch.equal(got[k], want[k]) for k in want)
+    partial = StaticInputs(torch.device("cpu"))
+    partial.load(_chunk(0)[:2])  # views not covering their buffer: copied one by one
+    assert not partial.coalesced

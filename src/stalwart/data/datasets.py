@@ -54,6 +54,16 @@ class TokenDataset:
         start = index * self.seq_length
         return np.asarray(self.tokens[start : start + self.seq_length + 1], dtype=np.int64)
 
+    def windows(self, indices: np.ndarray) -> np.ndarray:
+        """``np.stack([window(i) for i in indices])`` in one gather (``[len, seq + 1]`` int64)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= self._len):
+            bad = indices[(indices < 0) | (indices >= self._len)][0]
+            raise IndexError(f"sample index {int(bad)} out of range [0, {self._len})")
+        offsets = np.arange(self.seq_length + 1, dtype=np.int64)
+        gathered = self.tokens[indices[:, None] * self.seq_length + offsets]
+        return np.asarray(gathered, dtype=np.int64)
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         w = torch.from_numpy(self.window(index))
         return w[:-1], w[1:]

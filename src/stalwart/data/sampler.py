@@ -46,6 +46,14 @@ class MicroBatchIterator:
     The only progress state is ``consumed_samples`` (global samples consumed by all DP ranks);
     see the module docstring for the exact order. ``pin_memory=True`` pins each batch (needs an
     accelerator build of torch).
+
+    ``chunk_microbatches`` (the trainer: the iteration's micro-batch count): build that many
+    micro-batches at once when the next one is not built yet (`batches_at`): one gather of their
+    windows and one pinned buffer holding all their inputs and labels, of which each micro-batch's
+    tensors are contiguous views, so a graph's static inputs load a whole iteration with one
+    host-to-device copy (``stalwart.graphs.StaticInputs``). The batches and the state are the
+    same as with ``1`` (one micro-batch built per ``next``); only the built-ahead part of a chunk
+    is not yet consumed.
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class MicroBatchIterator:
         shuffle: bool = True,
         consumed_samples: int = 0,
         pin_memory: bool = False,
+        chunk_microbatches: int = 1,
     ) -> None:
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
             raise ValueError(f"--micro-batch-size must be an integer, got {micro_batch_size!r}")
@@ -75,7 +84,13 @@ class MicroBatchIterator:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        if isinstance(chunk_microbatches, bool) or not isinstance(chunk_microbatches, int):
+            raise ValueError(f"chunk_microbatches must be an integer, got {chunk_microbatches!r}")
+        if chunk_microbatches < 1:
+            raise ValueError(f"chunk_microbatches must be >= 1, got {chunk_microbatches}")
         self.pin_memory = pin_memory
+        self.chunk_microbatches = chunk_microbatches
+        self._chunk: tuple[int, list[dict[str, torch.Tensor]]] | None = None  # (start, batches)
         self._consumed = 0
         self._epoch_cache: tuple[int, np.ndarray] | None = None
         self.consumed_samples = consumed_samples
@@ -130,13 +145,71 @@ class MicroBatchIterator:
             out = {k: v.pin_memory() for k, v in out.items()}
         return out
 
+    def batches_at(self, consumed: int, count: int) -> list[dict[str, torch.Tensor]]:
+        """``[batch_at(consumed + m * step) for m in range(count)]`` (equal values, shapes and
+        dtypes), built at once: the tensors of all ``count`` micro-batches are contiguous views
+        of one (pinned) buffer, the inputs of every micro-batch, then their labels. Pure, as
+        `batch_at`."""
+        mbs, step = self.micro_batch_size, self.samples_per_micro_batch_step
+        starts = consumed + self.dp_rank * mbs + step * np.arange(count, dtype=np.int64)
+        samples = (starts[:, None] + np.arange(mbs, dtype=np.int64)).reshape(-1)
+        windows = self._windows(self._dataset_indices(samples))  # [count * mbs, seq + 1]
+        seq = windows.shape[1] - 1
+        buffer = torch.empty((2 * count, mbs, seq), dtype=torch.int64, pin_memory=self.pin_memory)
+        # Filled through NumPy (no torch op per slice); inputs first, then the labels.
+        host = buffer.numpy().reshape(2, count * mbs, seq)
+        host[0] = windows[:, :-1]
+        host[1] = windows[:, 1:]
+        views = buffer.unbind(0)
+        return [
+            {"input_ids": i, "labels": t} for i, t in zip(views[:count], views[count:], strict=True)
+        ]
+
+    def _dataset_indices(self, samples: np.ndarray) -> np.ndarray:
+        """`global_sample_index` of every global sample in ``samples`` (vectorised per epoch)."""
+        n = len(self.dataset)
+        first = int(samples.min()) // n
+        if int(samples.max()) // n == first:  # the usual case: one epoch
+            return self._epoch_order(first)[samples - first * n]
+        epochs = samples // n
+        out = np.empty_like(samples)
+        for epoch in np.unique(epochs):
+            where = epochs == epoch
+            out[where] = self._epoch_order(int(epoch))[samples[where] % n]
+        return out
+
+    def _windows(self, indices: np.ndarray) -> np.ndarray:
+        """The int64 windows of dataset ``indices``, ``[len(indices), seq + 1]``."""
+        gather = getattr(self.dataset, "windows", None)
+        if callable(gather):
+            return np.asarray(gather(indices), dtype=np.int64)
+        return np.stack([self.dataset.window(int(i)) for i in indices])
+
     def __iter__(self) -> MicroBatchIterator:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        out = self.batch_at(self._consumed)
-        self._consumed += self.samples_per_micro_batch_step
+        step = self.samples_per_micro_batch_step
+        if self.chunk_microbatches == 1:
+            out = self.batch_at(self._consumed)
+        else:
+            out = self._from_chunk(self._consumed, step)
+        self._consumed += step
         return out
+
+    def _from_chunk(self, consumed: int, step: int) -> dict[str, torch.Tensor]:
+        """The micro-batch at ``consumed`` from the built chunk, building the next one when it
+        does not hold it (a moved position, e.g. a resume, simply misses)."""
+        if self._chunk is not None:
+            start, batches = self._chunk
+            index, rest = divmod(consumed - start, step)
+            if rest == 0 and 0 <= index < len(batches):
+                if index == len(batches) - 1:
+                    self._chunk = None  # served whole: the buffer lives on in the batches only
+                return batches[index]
+        batches = self.batches_at(consumed, self.chunk_microbatches)
+        self._chunk = (consumed, batches)
+        return batches[0]
 
     def state_dict(self, unconsumed_microbatches: int = 0) -> dict[str, Any]:
         """Checkpointable state; only ``consumed_samples`` is progress, the rest is validated.

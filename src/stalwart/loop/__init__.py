@@ -10,7 +10,14 @@ from __future__ import annotations
 from stalwart.loop.checkpointing import Checkpointer, LoopState, RngState, Stateful
 from stalwart.loop.compute_weights import ComputeWeights, NullComputeWeights
 from stalwart.loop.lookahead import LookAhead
-from stalwart.loop.microbatches import ForwardStep, MicroBatches, average_reported, to_device
+from stalwart.loop.microbatches import (
+    ForwardStep,
+    MicroBatches,
+    PassValues,
+    average_reported,
+    to_device,
+    with_means,
+)
 from stalwart.loop.optimizer import reads_found_inf
 from stalwart.loop.plans import EagerPlan, GraphPlan, Plan, graph_warmup_steps
 from stalwart.loop.precision import DynamicLossScaler, NullLossScaler, autocast_context
@@ -29,6 +36,7 @@ __all__ = [
     "MicroBatches",
     "NullComputeWeights",
     "NullLossScaler",
+    "PassValues",
     "Plan",
     "RngState",
     "Stateful",
@@ -38,4 +46,5 @@ __all__ = [
     "graph_warmup_steps",
     "reads_found_inf",
     "to_device",
+    "with_means",
 ]

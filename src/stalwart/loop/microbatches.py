@@ -215,17 +215,54 @@ class MicroBatches:
             buffer.update_gate(self.gate_group)
 
 
+class PassValues(list[dict[str, torch.Tensor]]):
+    """A whole pass's reported values with their means over the micro-batches already computed
+    on the device (``means[i]`` is key ``keys[i]``'s), by :func:`with_means` inside the captured
+    function: replaying the graph computes them, so no host op averages them per iteration."""
+
+    def __init__(self, reported: Reported, keys: tuple[str, ...], means: torch.Tensor) -> None:
+        super().__init__(reported)
+        self.keys, self.means = keys, means
+
+
+def _reported_keys(reported: Reported) -> list[str]:
+    return [k for k in reported[0] if k != "loss"] or ["loss"]
+
+
+def _means(reported: Reported, keys: list[str]) -> torch.Tensor:
+    return torch.stack([torch.stack([r[k].float() for r in reported]).mean() for k in keys])
+
+
+def with_means(forward_backward: Callable[..., Reported]) -> Callable[..., Reported]:
+    """``forward_backward`` returning :class:`PassValues` (the means computed in the same call:
+    inside a graph's capture, so every replay computes them on the device)."""
+
+    def body(**kwargs: Any) -> Reported:
+        reported = forward_backward(**kwargs)
+        if not reported:
+            return reported
+        keys = _reported_keys(reported)
+        return PassValues(reported, tuple(keys), _means(reported, keys))
+
+    return body
+
+
 def average_reported(
     reported: Reported, group: dist.ProcessGroup | None = None
 ) -> dict[str, torch.Tensor]:
     """Mean over micro-batches and data-parallel ranks of every reported value except ``loss``
     (``loss`` itself when nothing else is reported).
 
-    One all-reduce of a stacked device tensor (asynchronous on NCCL: no host sync).
+    One all-reduce of a stacked device tensor (asynchronous on NCCL: no host sync). A
+    :class:`PassValues` brings its means: they are copied (a graph's outputs are overwritten by
+    its next replay), not computed again; the values are the same.
     """
-    keys = [k for k in reported[0] if k != "loss"] or ["loss"]
-    stacked = torch.stack([torch.stack([r[k].float() for r in reported]).mean() for k in keys])
+    if isinstance(reported, PassValues):
+        keys, stacked = list(reported.keys), reported.means.clone()
+    else:
+        keys = _reported_keys(reported)
+        stacked = _means(reported, keys)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(stacked, group=group)
         stacked = stacked / dist.get_world_size(group)
-    return {k: stacked[i] for i, k in enumerate(keys)}
+    return dict(zip(keys, stacked.unbind(0), strict=True))

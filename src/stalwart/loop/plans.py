@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.graphs import FullIterationGraph, GraphContext, GraphMode, OptimizerGraph, StagePhase
-from stalwart.loop.microbatches import NO_TIMERS, MicroBatches, Reported
+from stalwart.loop.microbatches import NO_TIMERS, MicroBatches, Reported, with_means
 from stalwart.loop.optimizer import EagerOptimizer, GraphedOptimizer, OptimizerRunner
 from stalwart.loop.optimizer_in_graph import InGraphOptimizer, around_passes, with_optimizer_step
 
@@ -110,7 +110,10 @@ class GraphPlan:
     (:func:`stalwart.graphs.make_capturable_adamw`); with ``fused=True`` it is gated.
     ``optimizer_in_graph``: clip + the fused AdamW step inside the full-iteration graph instead
     (``optimizer_graph`` is then not used; no look-ahead launch: see
-    ``stalwart.loop.optimizer_in_graph``).
+    ``stalwart.loop.optimizer_in_graph``). ``means_in_graph``: the reported values' means over
+    the micro-batches are computed inside the full-iteration graph (``stalwart.loop.with_means``),
+    not by host ops after every replay (the same values; off: the baseline of
+    ``bench/host_overhead.py``).
     """
 
     full_iteration: bool = True
@@ -119,6 +122,7 @@ class GraphPlan:
     context: GraphContext | None = None
     optimizer_warmup_steps: int = 2  # eager steps before the optimizer graph is captured
     optimizer_in_graph: bool = False
+    means_in_graph: bool = True
 
     def build(self, parts: PlanParts) -> Runners:
         device = parts.micro_batches.device
@@ -131,7 +135,7 @@ class GraphPlan:
         if self.full_iteration:
             # Inside the capture no host timer or dump hook may run; the step times the call.
             graph = FullIterationGraph(
-                _capturable(parts.micro_batches),
+                self._captured_pass(parts.micro_batches),
                 context=context,
                 warmup_steps=graph_warmup_steps(parts.model, self.warmup_steps),
                 grad_params=parts.params,
@@ -185,7 +189,7 @@ class GraphPlan:
             "docs/benchmarks.md, the kernel floor's device idle table)"
         )
         graph = FullIterationGraph(
-            with_optimizer_step(_capturable(parts.micro_batches), optimizer),
+            with_optimizer_step(self._captured_pass(parts.micro_batches), optimizer),
             context=context,
             warmup_steps=graph_warmup_steps(parts.model, self.warmup_steps),
             grad_params=parts.params,
@@ -200,6 +204,10 @@ class GraphPlan:
             close=context.teardown,
             capture_state=_capture_state(graph, None),
         )
+
+    def _captured_pass(self, micro_batches: MicroBatches) -> Callable[..., Reported]:
+        captured = _capturable(micro_batches)
+        return with_means(captured) if self.means_in_graph else captured
 
 
 def _capturable(micro_batches: MicroBatches) -> MicroBatches:

@@ -150,8 +150,10 @@ def _build_data(
 
 
 def build_sampler(
-    config: RunConfig, ctx: DistributedContext, train_ds: SampleSource
+    config: RunConfig, ctx: DistributedContext, train_ds: SampleSource, num_microbatches: int = 1
 ) -> MicroBatchIterator | WorkerMicroBatchIterator:
+    """The training micro-batches; without workers an iteration's ``num_microbatches`` are built
+    at once into one pinned buffer (one host-to-device copy into a graph's static inputs)."""
     pin = ctx.device.type == "cuda"
     workers = config.data.num_workers
     source = MicroBatchIterator(
@@ -162,6 +164,7 @@ def build_sampler(
         seed=config.training.seed,
         shuffle=config.data.shuffle,
         pin_memory=pin and workers == 0,  # with workers, the DataLoader pins in this process
+        chunk_microbatches=num_microbatches if workers == 0 else 1,
     )
     if workers == 0:
         return source

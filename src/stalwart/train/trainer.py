@@ -112,7 +112,7 @@ class Trainer:
             on_close(handler.release)
         self.agreement = config.exit.build(handler, self.started)
         self.machine = build.build_machine(config, ctx, self.loss_scaler, self.agreement)
-        self.sampler = build.build_sampler(config, ctx, self.data.train)
+        self.sampler = build.build_sampler(config, ctx, self.data.train, self.data.num_microbatches)
         on_close(getattr(self.sampler, "close", lambda: None))
         self.train_data: RerunDataIterator[Any] = RerunDataIterator(self.sampler)
         flops = self.flops_per_iteration = num_floating_point_operations(
