@@ -72,6 +72,28 @@ def test_a_sigkilled_holder_is_stale_and_taken_over(holder) -> None:
     assert not (save / LOCK_FILENAME).exists()
 
 
+def test_a_sigkilled_holder_nobody_reaped_yet_is_stale_and_taken_over(holder) -> None:
+    """A zombie (killed, its parent not waiting for it yet: a launcher killed with its workers,
+    an init that reaps late) holds nothing: the next job takes the lock over at once."""
+    from stalwart.checkpoint.lock import SaveDirLock
+
+    save, proc = holder
+    proc.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _state(proc.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _state(proc.pid) == "Z"  # not reaped: os.kill(pid, 0) still succeeds
+    lock = SaveDirLock(str(save), flag="--save")
+    lock.acquire()
+    assert json.loads((save / LOCK_FILENAME).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
 def _foreign(save: Path, **fields: object) -> None:
     save.mkdir(parents=True, exist_ok=True)
     record = {"host": "other-node", "pid": 4242, "job": None, "token": "t",

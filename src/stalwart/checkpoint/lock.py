@@ -62,13 +62,27 @@ def current_job_id() -> str | None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process of this host. A zombie is not: a killed job's
+    process whose parent has not reaped it (its launcher was killed too, and the init that
+    inherited it reaps late, or never in some containers) holds nothing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # exists, owned by someone else
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no procfs (not Linux), or it just went away
+        return False
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")".
+    end = stat.rfind(b")")
+    return end >= 0 and stat[end + 2 : end + 3] == b"Z"
 
 
 def describe_holder(record: dict[str, Any]) -> str:
