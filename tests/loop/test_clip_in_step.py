@@ -35,6 +35,7 @@ from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))
 from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
+from poisoned_forward import PoisonedForward  # type: ignore[import-not-found]
 
 ITERS, MICRO, EAGER_FOREVER = 3, 2, 10**6
 CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=64)
@@ -68,20 +69,13 @@ class Job:
         )
         if fused_clip:
             clip_in_optimizer_step(self.optimizer)
-        self.calls, self.nan_call = 0, nan_call
+        self.forward = PoisonedForward(nan_call)
         self.step = GuardedStep(
-            model=self.model, optimizer=self.optimizer, forward_step=self._forward,
+            model=self.model, optimizer=self.optimizer, forward_step=self.forward,
             machine=RerunConfig().build("cpu"), data=RerunDataIterator(_batches(4 * ITERS * MICRO)),
             num_microbatches=MICRO, plan=_plan(path), clip_grad=clip, lookahead=False,
             autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
         )  # fmt: skip
-
-    def _forward(self, batch: dict[str, torch.Tensor], model: nn.Module) -> Any:
-        out = model(batch["ids"], batch["labels"])
-        if self.calls == self.nan_call:
-            out["loss"] = out["loss"] * float("nan")
-        self.calls += 1
-        return out
 
     def train(self, iters: int = ITERS) -> list[Any]:
         results = []

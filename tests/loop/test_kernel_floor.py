@@ -36,6 +36,7 @@ from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))
 from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
+from poisoned_forward import PoisonedForward  # type: ignore[import-not-found]
 
 ITERS, MICRO, EAGER_FOREVER = 3, 2, 10**6
 
@@ -76,23 +77,16 @@ class Job:
             plan = GraphPlan(
                 context=FakeGraphContext(), warmup_steps=EAGER_FOREVER, optimizer_in_graph=True
             )
-        self.calls, self.nan_call = 0, nan_call
+        self.forward = PoisonedForward(nan_call)
         self.compute_weights = ComputeWeights(self.model) if weights else None
         self.machine = RerunConfig().build("cpu")
         self.step = GuardedStep(
-            model=self.model, optimizer=optimizer, forward_step=self._forward,
+            model=self.model, optimizer=optimizer, forward_step=self.forward,
             machine=self.machine, data=RerunDataIterator(_batches(4 * ITERS * MICRO, cfg)),
             num_microbatches=MICRO, plan=plan, clip_grad=0.5, lookahead=False,
             autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
             compute_weights=self.compute_weights,
         )  # fmt: skip
-
-    def _forward(self, batch: dict[str, torch.Tensor], model: nn.Module) -> Any:
-        out = model(batch["ids"], batch["labels"])
-        if self.calls == self.nan_call:
-            out["loss"] = out["loss"] * float("nan")
-        self.calls += 1
-        return out
 
     def train(self, *, exits: bool = False) -> list[Any]:
         torch.manual_seed(7)  # dropout draws start from the same state in every job
@@ -195,7 +189,9 @@ def test_optimizer_in_graph_skips_a_rejected_step_on_the_device() -> None:
     eager, graphed = Job(cfg, nan_call=nan_call), Job(cfg, in_graph=True, nan_call=nan_call)
     a, b = eager.train(exits=True), graphed.train(exits=True)
     assert len(a) == len(b) == 3 and a[-1].verdict == b[-1].verdict
-    assert graphed.calls == eager.calls == 4 * MICRO  # the rejected pass was run again
+    assert (
+        graphed.forward.calls == eager.forward.calls == 4 * MICRO
+    )  # the rejected pass was run again
     assert graphed.step.runners.optimizer._in_pass is False  # the rerun's step was held
     _assert_params(graphed, eager)
     clean = Job(cfg, in_graph=True)
