@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_only import GPU_ONLY  # type: ignore[import-not-found]
 from stalwart.graphs import (
     GraphContext,
     OptimizerGraph,
@@ -26,10 +27,7 @@ from stalwart.graphs import (
 )
 from stalwart.models import GPT, GPTConfig
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = GPU_ONLY
 
 # gpt2-124m's LayerNorm shape (8 x 1024 rows, 768 wide): Inductor applies mix-order reduction
 # only from rows x hidden >= 5 * 2**20 (and rows >= 4096, rows >= 2 x hidden).
