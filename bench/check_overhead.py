@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", default="tiny,small,gpt2-124m")
     parser.add_argument("--modes", default="eager,graphed")
     add_step_args(parser, iters=10, rounds=6, warmup=15)
-    parser.add_argument("--min-window-ms", type=float, default=400.0,
+    parser.add_argument("--min-window-ms", type=float, default=1000.0,
                         help="raise --iters so each timed window lasts at least this long")  # fmt: skip
     args = parser.parse_args(argv)
     pin_device(args)

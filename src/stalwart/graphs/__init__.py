@@ -37,6 +37,7 @@ from stalwart.graphs.full_iteration import (
     output_tensors,
 )
 from stalwart.graphs.optimizer import (
+    GradNormSource,
     OptimizerGraph,
     check_optimizer_graphable,
     clip_coefficient,
@@ -47,6 +48,7 @@ from stalwart.graphs.optimizer import (
     grad_norm,
     make_capturable_adamw,
     set_learning_rate,
+    shared_norm,
 )
 from stalwart.graphs.pool import (
     CaptureErrorMode,
@@ -61,6 +63,7 @@ __all__ = [
     "CaptureFailurePolicy",
     "CudaGraphImpl",
     "FullIterationGraph",
+    "GradNormSource",
     "GraphContext",
     "GraphMode",
     "GraphSettings",
@@ -85,6 +88,7 @@ __all__ = [
     "make_capturable_adamw",
     "output_tensors",
     "set_learning_rate",
+    "shared_norm",
     "signature_of",
     "supports_generator_registration",
 ]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -78,6 +79,30 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
             group["lr"] = lr
 
 
+class GradNormSource(Protocol):
+    """Where the clip may find the global gradient norm already computed in this pass.
+
+    :class:`stalwart.reliability.rerun.GradCheckState` is one: its gradient check after the
+    backward computes exactly :func:`grad_norm` (same kernels, same order), so the clip need not
+    read every gradient a second time.
+    """
+
+    def norm_of(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The norm of ``params``' gradients, bitwise what :func:`grad_norm` would return, as
+        a device tensor the next pass overwrites; None when it was not computed for exactly
+        these parameters in this order (the order of the sum decides the rounding)."""
+        ...
+
+
+def shared_norm(
+    source: GradNormSource | None, params: Sequence[torch.Tensor]
+) -> torch.Tensor | None:
+    """``source.norm_of`` of the parameters that have gradients (None without a source)."""
+    if source is None:
+        return None
+    return source.norm_of([p for p in params if p.grad is not None])
+
+
 def grad_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """Global L2 norm of the gradients as a device tensor (foreach, no host sync)."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -92,12 +117,15 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (total_norm + _CLIP_EPS), max=1.0)
 
 
-def clip_grads_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grads_(
+    params: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor | None = None
+) -> torch.Tensor:
     """Clip gradients in place to ``max_norm`` without a host sync; return the pre-clip norm.
 
     Always multiplies (by 1.0 when under the limit) so the captured kernel sequence is fixed.
+    ``total``: the norm already computed (:class:`GradNormSource`); else it is computed.
     """
-    total = grad_norm(params)
+    total = grad_norm(params) if total is None else total
     grads = [p.grad for p in params if p.grad is not None]
     torch._foreach_mul_(grads, clip_coefficient(total, max_norm))
     return total
@@ -160,14 +188,16 @@ def clip_for_step(
     optimizer: torch.optim.Optimizer,
     params: Sequence[torch.Tensor],
     max_norm: float,
+    total: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Clip for the next ``optimizer.step()`` without a host sync; return the pre-clip norm.
 
     With :func:`clip_in_optimizer_step` installed the step's ``grad_scale`` gets
     ``1 / clip_coefficient`` (1.0 when ``max_norm`` is 0: no clipping); else the gradients are
-    multiplied in place (:func:`clip_grads_`; nothing when ``max_norm`` is 0).
+    multiplied in place (:func:`clip_grads_`; nothing when ``max_norm`` is 0). ``total``: the
+    norm already computed (:class:`GradNormSource`), returned as given; else it is computed.
     """
-    total = grad_norm(params)
+    total = grad_norm(params) if total is None else total
     scale = clip_scale_of(optimizer)
     if scale is not None:
         if max_norm > 0:
@@ -217,6 +247,10 @@ class OptimizerGraph:
     tensor (overwritten by the next call) when ``clip_grad > 0``, else None.
     Skipping an iteration (rejected by validation) means simply not calling ``step``, or, with
     ``skip_gate``, letting the device skip it (``step(gated=True)``; see the module docstring).
+    ``clip_params``: the parameters whose gradients are clipped, in the order their norms are
+    summed (default: the optimizer's, group by group); ``grad_norm_source``
+    (:class:`GradNormSource`): the clip takes the norm the forward-backward's gradient check
+    already computed for exactly those parameters (captured as a read of its tensor).
     """
 
     def __init__(
@@ -228,6 +262,8 @@ class OptimizerGraph:
         warmup_steps: int = 2,
         on_capture_failure: CaptureFailurePolicy = CaptureFailurePolicy.FAIL,
         skip_gate: torch.Tensor | None = None,
+        grad_norm_source: GradNormSource | None = None,
+        clip_params: Sequence[torch.Tensor] | None = None,
     ) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
             raise ValueError(
@@ -242,12 +278,15 @@ class OptimizerGraph:
             # torch's Adam/AdamW.step passes this attribute to the fused kernel (GradScaler API).
             optimizer.found_inf = skip_gate  # type: ignore[attr-defined]
         self.skip_gate = skip_gate
+        self.grad_norm_source = grad_norm_source
         self.optimizer = optimizer
         self.clip_grad = float(clip_grad)
         self.warmup_steps = warmup_steps
         self.on_capture_failure = on_capture_failure
         self._context = context
-        self._params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if clip_params is None:
+            clip_params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._params = [p for p in clip_params if p.requires_grad]
         self._graph: object | None = None
         self._norm: torch.Tensor | None = None
         self.phase = StagePhase.WARMUP
@@ -289,7 +328,10 @@ class OptimizerGraph:
     def _body(self) -> torch.Tensor | None:
         norm = None
         if self.clip_grad > 0:  # a separate pass, or the step's grad_scale (clip_in_optimizer_step)
-            norm = clip_for_step(self.optimizer, self._params, self.clip_grad)
+            shared = shared_norm(self.grad_norm_source, self._params)
+            norm = clip_for_step(self.optimizer, self._params, self.clip_grad, total=shared)
+            if shared is not None:  # the next pass overwrites it; the caller logs this one
+                norm = norm.clone()
         self.optimizer.step()
         return norm
 

@@ -16,7 +16,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from stalwart.graphs import OptimizerGraph, clip_for_step, clip_scale_of
+from stalwart.graphs import (
+    GradNormSource,
+    OptimizerGraph,
+    clip_for_step,
+    clip_grads_,
+    clip_scale_of,
+    shared_norm,
+)
 from stalwart.loop.microbatches import NO_TIMERS
 from stalwart.loop.precision import NullLossScaler
 from stalwart.observability.timers import (
@@ -49,17 +56,27 @@ def grad_norm_and_clip(
     parameters: list[nn.Parameter],
     clip_grad: float,
     optimizer: torch.optim.Optimizer | None = None,
+    norm_source: GradNormSource | None = None,
 ) -> torch.Tensor:
     """Global L2 norm of the gradients (device tensor); clip to ``clip_grad`` when > 0.
 
     When ``optimizer`` carries :func:`stalwart.graphs.clip_in_optimizer_step`'s scale, the clip
     factor goes into it (the fused step divides the gradients as it reads them) instead of a
     separate pass; the norm is computed the same way (``torch._foreach_norm``, then the norm of
-    the norms), so the logged value is unchanged.
+    the norms), so the logged value is unchanged. ``norm_source``: the norm the gradient check
+    already computed is used (the same value, bitwise) and the returned norm is its copy.
     """
     with_grads = [p for p in parameters if p.grad is not None]
+    shared = shared_norm(norm_source, with_grads) if with_grads else None
     if optimizer is not None and with_grads and clip_scale_of(innermost(optimizer)) is not None:
-        return clip_for_step(innermost(optimizer), with_grads, clip_grad)
+        norm = clip_for_step(innermost(optimizer), with_grads, clip_grad, total=shared)
+        return norm if shared is None else norm.clone()
+    if shared is not None:
+        # torch's clip_grad_norm_ without its norm pass: the same coefficient and multiply;
+        # no multiply at all without clipping (it would multiply by exactly 1.0).
+        if clip_grad > 0:
+            clip_grads_(with_grads, clip_grad, total=shared)
+        return shared.clone()  # the next pass's check overwrites ``shared``
     max_norm = clip_grad if clip_grad > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
     full_tensor = getattr(norm, "full_tensor", None)  # FSDP2: a replicated DTensor
@@ -111,6 +128,7 @@ class EagerOptimizer:
         loss_scaler: NullLossScaler,
         log_num_zeros: bool = False,
         timers: Any = NO_TIMERS,
+        norm_source: GradNormSource | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.params = params
@@ -118,6 +136,10 @@ class EagerOptimizer:
         self.loss_scaler = loss_scaler
         self.log_num_zeros = log_num_zeros
         self.timers = timers
+        # The check's norm is of the gradients as the backward left them: with loss scaling the
+        # clip sees them unscaled, so it computes its own.
+        scaled = loss_scaler.dynamic or loss_scaler.scale != 1.0
+        self.norm_source = None if scaled else norm_source
         self.gate = gate if gate is not None and reads_found_inf(optimizer) else None
         self.gated = self.gate is not None and not loss_scaler.dynamic and not log_num_zeros
         if self.gate is not None:
@@ -131,7 +153,7 @@ class EagerOptimizer:
             self.gate.zero_()
         found_inf = None if gated else self.loss_scaler.unscale_and_check(self.params)
         self.timers(OPTIMIZER_CLIP_MAIN_GRAD).start()
-        norm = grad_norm_and_clip(self.params, self.clip_grad, self.optimizer)
+        norm = grad_norm_and_clip(self.params, self.clip_grad, self.optimizer, self.norm_source)
         self.timers(OPTIMIZER_CLIP_MAIN_GRAD).stop()
         zeros = None
         if self.log_num_zeros:

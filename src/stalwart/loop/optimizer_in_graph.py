@@ -30,10 +30,12 @@ import torch
 from torch import nn
 
 from stalwart.graphs import (
+    GradNormSource,
     check_optimizer_graphable,
     clip_coefficient,
     clip_scale_of,
     grad_norm,
+    shared_norm,
 )
 from stalwart.loop.microbatches import Reported
 from stalwart.loop.optimizer import Stepped, grad_norm_and_clip, reads_found_inf
@@ -51,6 +53,7 @@ class InGraphOptimizer:
         clip_grad: global gradient-norm clip (0: none; the norm is still computed).
         machine: the rerun machine (whether a pass may be gated on the device).
         gate: the machine's skip gate (None: no checks, nothing gates the step).
+        norm_source: where the pass's gradient check left the norm (the clip then reuses it).
     """
 
     gated = True
@@ -63,6 +66,7 @@ class InGraphOptimizer:
         clip_grad: float,
         machine: RerunStateMachine,
         gate: torch.Tensor | None,
+        norm_source: GradNormSource | None = None,
     ) -> None:
         check_optimizer_graphable(optimizer)
         if not reads_found_inf(optimizer):
@@ -74,6 +78,7 @@ class InGraphOptimizer:
         device = params[0].device
         self.optimizer, self.params, self.clip_grad = optimizer, params, float(clip_grad)
         self.machine, self.gate = machine, gate
+        self.norm_source = norm_source
         self.step_gate = torch.zeros((), dtype=torch.float32, device=device)
         self.hold = torch.ones((), dtype=torch.float32, device=device)
         # torch's fused Adam/AdamW read this attribute (the GradScaler API): 1.0 = skip.
@@ -94,7 +99,9 @@ class InGraphOptimizer:
         held = self.hold > 0
         gate = self.hold if self.gate is None else torch.maximum(self.gate, self.hold)
         self.step_gate.copy_(gate)
-        norm = grad_norm(self.params)
+        shared = shared_norm(self.norm_source, self.params)
+        # A copy of the check's norm: the step's norm is read after the next pass overwrote it.
+        norm = grad_norm(self.params) if shared is None else shared.clone()
         if self.clip_grad > 0:
             coefficient = torch.where(
                 held, torch.ones_like(norm), clip_coefficient(norm, self.clip_grad)
@@ -150,7 +157,7 @@ class InGraphOptimizer:
             self.step_gate.copy_(self.gate)
         else:
             self.step_gate.zero_()
-        norm = grad_norm_and_clip(self.params, self.clip_grad, self.optimizer)
+        norm = grad_norm_and_clip(self.params, self.clip_grad, self.optimizer, self.norm_source)
         self.optimizer.step()
         return Stepped(norm)
 

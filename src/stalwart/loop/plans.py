@@ -151,6 +151,8 @@ class GraphPlan:
                 clip_grad=parts.clip_grad,
                 warmup_steps=self.optimizer_warmup_steps,
                 skip_gate=gate,
+                grad_norm_source=parts.eager_optimizer.norm_source,
+                clip_params=parts.params,  # the eager step's order: the same norm, bitwise
             )
             optimizer = GraphedOptimizer(optimizer_graph)
         return Runners(
@@ -180,7 +182,7 @@ class GraphPlan:
             )
         optimizer = InGraphOptimizer(
             parts.optimizer, parts.params, clip_grad=parts.clip_grad,
-            machine=parts.micro_batches.machine, gate=eager.gate,
+            machine=parts.micro_batches.machine, gate=eager.gate, norm_source=eager.norm_source,
         )  # fmt: skip
         logger.info(
             "--cuda-graph-include-optimizer: one graph per iteration, and no speculative launch "

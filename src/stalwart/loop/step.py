@@ -157,6 +157,7 @@ class GuardedStep:
             optimizer, self.params, clip_grad=clip_grad,
             gate=buffer.gate if buffer is not None else None,
             loss_scaler=self.loss_scaler, log_num_zeros=log_num_zeros, timers=self.timers,
+            norm_source=micro_batches.grad_checks,  # the clip reuses the check's norm
         )  # fmt: skip
         parts = PlanParts(model, optimizer, self.params, micro_batches, eager_optimizer, clip_grad)
         self.runners = (plan or EagerPlan()).build(parts)

@@ -241,6 +241,10 @@ class GradCheckState:
         # must not copy from the host.
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
         self._rows = CheckRows()
+        # The one-bucket check's global norm, written in place every pass (a captured graph
+        # keeps its address), and the parameters it is the norm of (None: not shareable).
+        self._norm_out: torch.Tensor | None = None
+        self._norm_params: list[torch.nn.Parameter] | None = None
 
     def add_grads(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         """Accumulate squared norms of ``grads`` (of ``params``) into their buckets."""
@@ -274,11 +278,50 @@ class GradCheckState:
             # fewer per pass than the buckets' sums of squares). The record widens it exactly.
             norms = torch._foreach_norm(grads)
             if all(n.dtype == norms[0].dtype for n in norms):
-                total = torch.linalg.vector_norm(torch.stack(norms))
+                total = self._total_like(norms[0])
+                torch.linalg.vector_norm(torch.stack(norms), out=total)
+                self._norm_params = params if self._shareable(params, grads, total) else None
                 record_bucket_checks(self.sm, total.reshape(1), self.sm.checks, self._rows)
                 return
+        self._norm_params = None
         self.add_grads(params, grads)
         self.finish()
+
+    def _total_like(self, norm: torch.Tensor) -> torch.Tensor:
+        """The persistent 0-d tensor of the one-bucket norm (allocated in an eager pass)."""
+        out = self._norm_out
+        if out is None or out.dtype != norm.dtype or out.device != norm.device:
+            out = self._norm_out = torch.empty((), dtype=norm.dtype, device=norm.device)
+        return out
+
+    def _shareable(
+        self,
+        params: list[torch.nn.Parameter],
+        grads: list[torch.Tensor],
+        total: torch.Tensor,
+    ) -> bool:
+        """Whether ``total`` is bitwise the clip's norm: float32 (the clip computes in float32),
+        one rank's own full gradients (no process group, no DTensor shards)."""
+        if total.dtype != torch.float32 or self.process_group is not None:
+            return False
+        return all(g is p.grad for g, p in zip(grads, params, strict=True))
+
+    def norm_of(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The global L2 norm of ``params``' gradients as the last check computed it, or None.
+
+        Without DDP the check after the backward computes, for float32 gradients in one
+        bucket, exactly what the clip computes (``torch._foreach_norm``, then the norm of the
+        stacked norms: :func:`stalwart.graphs.grad_norm`), so the clip can take it instead of
+        reading every gradient again (a :class:`stalwart.graphs.GradNormSource`). The tensor is
+        rewritten in place by the next pass's check (stream-ordered); None when the last check
+        took another path or checked other parameters (identity and order compared).
+        """
+        checked = self._norm_params
+        if checked is None or len(checked) != len(params):
+            return None
+        if any(a is not b for a, b in zip(checked, params, strict=True)):
+            return None
+        return self._norm_out
 
 
 def check_grads(
