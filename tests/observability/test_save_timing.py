@@ -67,7 +67,9 @@ def test_save_is_timed_apart_and_shown_in_the_next_line(tmp_path) -> None:
     lines, records, timers = _run(tmp_path, timed=True)
     second = next(line for line in lines if "iteration        5/" in line)
     per_iteration = float(ELAPSED.findall(second)[0])
-    assert per_iteration < (STEP_S * 1000) * 1.8  # the 250 ms save is not in it
+    # The 250 ms save is not in it: with it, the interval's 4 iterations would average
+    # 10 + 250 / 4 = 72.5 ms; the bound sits halfway (a loaded CI machine stretches the sleeps).
+    assert per_iteration < (STEP_S + SAVE_S / 8) * 1000
     blocking = float(re.search(r"save blocking \(ms\): ([\d.]+)", second).group(1))
     total = float(re.search(r"save total \(ms\): ([\d.]+)", second).group(1))
     assert SAVE_S * 1000 <= blocking < SAVE_S * 1000 + 100 and total == blocking
