@@ -14,8 +14,8 @@ import math
 from typing import Any
 
 import torch
+from tiny_jobs import OpCount  # type: ignore[import-not-found]
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stalwart.loop import GuardedStep
 from stalwart.reliability.rerun import (
@@ -33,16 +33,6 @@ NUM_MICROBATCHES = 4
 # step's own. Before the clip reused the norm: 21; before that 33 (a value and a written flag
 # per record, 9 for the gate); before that 173 with 3 tensors, 194 with 24.
 MAX_EXTRA_OPS = 17
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _step(layers: int, checked: bool) -> GuardedStep:
@@ -71,7 +61,7 @@ def _step(layers: int, checked: bool) -> GuardedStep:
 def _ops_per_iteration(step: GuardedStep, iters: int = 2) -> tuple[float, collections.Counter]:
     for it in range(2):  # warm-up: slots, views and index tensors are made once
         step.run(it)
-    count = _Count()
+    count = OpCount()
     with count:
         for it in range(2, 2 + iters):
             assert not step.run(it).verdict.exit
@@ -97,7 +87,7 @@ def _bucket_check_ops(num_params: int, bucket_bytes: int) -> tuple[int, int]:
     counts = []
     for it in range(2):
         sm.should_run_forward_backward(iteration=it)
-        count = _Count()
+        count = OpCount()
         with count:
             state.check_after_backward()
             assert sm.buffer is not None

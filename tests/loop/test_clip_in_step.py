@@ -29,35 +29,15 @@ from torch import nn
 from stalwart.cli.args import parse_train_args
 from stalwart.config.run import build_run_config
 from stalwart.graphs import clip_in_optimizer_step, clip_scale_of, make_capturable_adamw
-from stalwart.loop import EagerPlan, GraphPlan, GuardedStep
-from stalwart.models import GPT, GPTConfig
+from stalwart.loop import GuardedStep
+from stalwart.models import GPT
 from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))
-from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
 from poisoned_forward import PoisonedForward  # type: ignore[import-not-found]
+from tiny_jobs import CFG, OPTIMIZER_PATHS, optimizer_plan, token_batches  # type: ignore[import-not-found]
 
-ITERS, MICRO, EAGER_FOREVER = 3, 2, 10**6
-CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=64)
-
-
-def _batches(n: int) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(n):
-        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_length + 1), generator=gen)
-        out.append({"ids": tokens[:, :-1], "labels": tokens[:, 1:]})
-    return out
-
-
-def _plan(path: str) -> EagerPlan | GraphPlan:
-    if path == "eager":
-        return EagerPlan()
-    if path == "optimizer_graph":
-        return GraphPlan(full_iteration=False, context=FakeGraphContext(),
-                         optimizer_warmup_steps=EAGER_FOREVER)  # fmt: skip
-    return GraphPlan(context=FakeGraphContext(), warmup_steps=EAGER_FOREVER,
-                     optimizer_in_graph=True)  # fmt: skip
+ITERS, MICRO = 3, 2
 
 
 class Job:
@@ -72,8 +52,8 @@ class Job:
         self.forward = PoisonedForward(nan_call)
         self.step = GuardedStep(
             model=self.model, optimizer=self.optimizer, forward_step=self.forward,
-            machine=RerunConfig().build("cpu"), data=RerunDataIterator(_batches(4 * ITERS * MICRO)),
-            num_microbatches=MICRO, plan=_plan(path), clip_grad=clip, lookahead=False,
+            machine=RerunConfig().build("cpu"), data=RerunDataIterator(token_batches(4 * ITERS * MICRO)),
+            num_microbatches=MICRO, plan=optimizer_plan(path), clip_grad=clip, lookahead=False,
             autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
         )  # fmt: skip
 
@@ -89,7 +69,7 @@ class Job:
         return [p.detach().clone() for p in self.model.parameters()]
 
 
-PATHS = ["eager", "optimizer_graph", "optimizer_in_graph"]
+PATHS = OPTIMIZER_PATHS
 
 
 @pytest.mark.parametrize("path", PATHS)

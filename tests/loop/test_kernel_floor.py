@@ -37,6 +37,7 @@ from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))
 from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
 from poisoned_forward import PoisonedForward  # type: ignore[import-not-found]
+from tiny_jobs import token_batches  # type: ignore[import-not-found]
 
 ITERS, MICRO, EAGER_FOREVER = 3, 2, 10**6
 
@@ -46,15 +47,6 @@ def _config(**overrides: Any) -> GPTConfig:
         num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=64
     )
     return GPTConfig(**(base | overrides))
-
-
-def _batches(n: int, cfg: GPTConfig) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(n):
-        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=gen)
-        out.append({"ids": tokens[:, :-1], "labels": tokens[:, 1:]})
-    return out
 
 
 class Job:
@@ -82,7 +74,7 @@ class Job:
         self.machine = RerunConfig().build("cpu")
         self.step = GuardedStep(
             model=self.model, optimizer=optimizer, forward_step=self.forward,
-            machine=self.machine, data=RerunDataIterator(_batches(4 * ITERS * MICRO, cfg)),
+            machine=self.machine, data=RerunDataIterator(token_batches(4 * ITERS * MICRO, cfg)),
             num_microbatches=MICRO, plan=plan, clip_grad=0.5, lookahead=False,
             autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
             compute_weights=self.compute_weights,
@@ -215,7 +207,7 @@ def test_bf16_residual_stream_within_tolerance() -> None:
     plain = GPT(_config())
     bf16 = GPT(_config(bf16_residual_connection=True))
     bf16.load_state_dict(plain.state_dict())
-    batch = _batches(1, plain.config)[0]
+    batch = token_batches(1, plain.config)[0]
     dtypes: list[torch.dtype] = []
     bf16.layers[0].register_forward_hook(lambda _m, _i, out: dtypes.append(out[0].dtype))
     losses, grads = [], []
@@ -315,7 +307,7 @@ def test_first_micro_batch_copies_into_the_fp32_grads_except_a_tied_weight() -> 
     names = {id(p): n for n, p in model.named_parameters()}
     direct = [names[id(p)] for p, d in zip(weights.masters, weights.direct, strict=True) if d]
     assert direct == ["word_embeddings.weight"]
-    batch = _batches(1, model.config)[0]
+    batch = token_batches(1, model.config)[0]
 
     def first_micro_batch(stale: float, overwrite: bool) -> dict[str, torch.Tensor]:
         for p in model.parameters():

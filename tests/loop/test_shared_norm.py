@@ -12,57 +12,26 @@ Per iteration the shared run calls ``_foreach_norm`` once instead of twice.
 
 from __future__ import annotations
 
-import collections
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from tiny_jobs import (  # type: ignore[import-not-found]
+    CFG,
+    OPTIMIZER_PATHS,
+    OpCount,
+    optimizer_plan,
+    token_batches,
+)
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stalwart.graphs import clip_in_optimizer_step, make_capturable_adamw
-from stalwart.loop import EagerPlan, GraphPlan, GuardedStep
+from stalwart.loop import GuardedStep
 from stalwart.loop.precision import DynamicLossScaler
-from stalwart.models import GPT, GPTConfig
+from stalwart.models import GPT
 from stalwart.reliability.rerun import GradCheckState, RerunConfig, RerunDataIterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))
-from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
-
-ITERS, MICRO, EAGER_FOREVER = 3, 2, 10**6
-CFG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=64)
-PATHS = ["eager", "optimizer_graph", "optimizer_in_graph"]
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _batches(n: int) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(n):
-        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_length + 1), generator=gen)
-        out.append({"ids": tokens[:, :-1], "labels": tokens[:, 1:]})
-    return out
-
-
-def _plan(path: str) -> EagerPlan | GraphPlan:
-    if path == "eager":
-        return EagerPlan()
-    if path == "optimizer_graph":
-        return GraphPlan(full_iteration=False, context=FakeGraphContext(),
-                         optimizer_warmup_steps=EAGER_FOREVER)  # fmt: skip
-    return GraphPlan(context=FakeGraphContext(), warmup_steps=EAGER_FOREVER,
-                     optimizer_in_graph=True)  # fmt: skip
+ITERS, MICRO = 3, 2
 
 
 def _train(path: str, *, fused_clip: bool = False) -> tuple[list[Any], list[torch.Tensor], int]:
@@ -76,11 +45,11 @@ def _train(path: str, *, fused_clip: bool = False) -> tuple[list[Any], list[torc
         clip_in_optimizer_step(optimizer)
     step = GuardedStep(
         model=model, optimizer=optimizer, forward_step=lambda b, m: m(b["ids"], labels=b["labels"]),
-        machine=RerunConfig().build("cpu"), data=RerunDataIterator(_batches(4 * ITERS * MICRO)),
-        num_microbatches=MICRO, plan=_plan(path), clip_grad=0.5, lookahead=False,
+        machine=RerunConfig().build("cpu"), data=RerunDataIterator(token_batches(4 * ITERS * MICRO)),
+        num_microbatches=MICRO, plan=optimizer_plan(path), clip_grad=0.5, lookahead=False,
     )  # fmt: skip
     results = [step.run(it, launch_next=False) for it in range(ITERS - 1)]
-    count = _Count()
+    count = OpCount()
     with count:
         results.append(step.run(ITERS - 1, launch_next=False))
     step.close()
@@ -93,7 +62,7 @@ def _train(path: str, *, fused_clip: bool = False) -> tuple[list[Any], list[torc
 
 
 @pytest.mark.parametrize("fused_clip", [False, True], ids=["separate_clip", "clip_in_step"])
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", OPTIMIZER_PATHS)
 def test_shared_norm_is_bitwise_the_clips_own(
     path: str, fused_clip: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
