@@ -143,6 +143,11 @@ class TrainingConfig:
         )
         parse_inductor_options(self.inductor_config)  # ValueError naming the flag
         _require(
+            not self.eval_interval or self.eval_iters > 0,
+            f"--eval-interval {self.eval_interval} needs --eval-iters >= 1 (with 0 every "
+            "evaluation is empty)",
+        )
+        _require(
             self.manual_gc or (not self.manual_gc_interval and self.manual_gc_eval),
             "--manual-gc-interval and --no-manual-gc-eval need --manual-gc (without it Python's "
             "automatic collector runs and they would do nothing)",
