@@ -153,11 +153,6 @@ class TrainingConfig:
             "automatic collector runs and they would do nothing)",
         )
         _require(
-            not (self.bf16_compute_weights and self.use_torch_fsdp2),
-            "--bf16-compute-weights is not supported with --use-torch-fsdp2 (FSDP2 reduces the "
-            "sharded fp32 gradients in its own hooks, which the bf16 copies bypass; use --bf16)",
-        )
-        _require(
             self.min_loss_scale <= self.initial_loss_scale,
             "--min-loss-scale must be <= --initial-loss-scale",
         )
