@@ -159,3 +159,23 @@ def test_output_path_checks_accept_what_can_be_written(tmp_path: Path) -> None:
     (tmp_path / "m.jsonl").write_text("")
     check_output_file("--metrics-file", str(tmp_path / "m.jsonl"))  # appended to
     check_output_dir("--dump-dir", None)  # unset
+
+
+def test_report_output_that_is_a_directory_is_one_line_and_leaves_nothing(
+    capsys: pytest.CaptureFixture[str], files: Path
+) -> None:
+    from stalwart.cli.report import main_report
+
+    (files / "run").mkdir()
+    assert main_report([str(files / "run"), "-o", str(files / "a_dir"), "--no-png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--output" in err and len(err.splitlines()) == 1, err
+    assert not (files / "a_dir.tmp").exists()  # found: a 5 MB temporary file was left
+
+
+def test_paths_docstring_example_runs() -> None:
+    import doctest
+
+    import stalwart.config.paths
+
+    assert doctest.testmod(stalwart.config.paths).failed == 0
