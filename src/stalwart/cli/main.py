@@ -81,6 +81,26 @@ def _check_before_start(config: RunConfig) -> None:
     device = choose_device(env_int("LOCAL_RANK", 0), config.training.use_cpu)
     local_world = env_int("LOCAL_WORLD_SIZE", world, minimum=1)
     check_run_fits(config, device, world_size=world, local_world_size=local_world)
+    _check_output_paths(config)
+
+
+def _check_output_paths(config: RunConfig) -> None:
+    """Directories and files the run will write: a file where a directory belongs (or the
+    reverse) is one line now, not a traceback from the sink that opens it mid-run."""
+    from stalwart.config.paths import check_output_dir, check_output_file
+
+    obs = config.obs
+    if config.checkpoint.save is not None and not config.checkpoint.save.strip():
+        raise ValueError("--save is empty (it takes a directory)")
+    for flag, value in (
+        ("--run-dir", obs.run_dir),
+        ("--tensorboard-dir", obs.tensorboard_dir),
+        ("--wandb-save-dir", obs.wandb_save_dir),
+        ("--dump-dir", obs.dump_dir),
+        ("--profile-dir", obs.profile_dir),
+    ):
+        check_output_dir(flag, value)
+    check_output_file("--metrics-file", obs.metrics_file)
 
 
 def main_train(argv: list[str]) -> int:

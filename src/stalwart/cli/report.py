@@ -40,6 +40,13 @@ def main_report(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad usage; keep it a return code
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    from stalwart.config.paths import check_output_file
+
+    try:  # before any work: a directory as --output left a 5 MB <output>.tmp behind
+        check_output_file("--output", args.output)
+    except ValueError as exc:
+        print(f"stalwart report: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         path = write_report(
             args.run_dir,

@@ -309,6 +309,13 @@ def check_combinations(config: RunConfig) -> None:
             "--clip-grad-in-optimizer is not supported with --use-torch-fsdp2 (the fused step's "
             "grad_scale is a plain tensor; FSDP2's gradients are sharded DTensors)"
         )
+    if config.training.bf16_compute_weights and config.training.use_torch_fsdp2:
+        # Refused here for any world size (the builder refuses it again for FSDP2 across ranks):
+        # a run that starts on one rank must not change meaning when it scales out.
+        raise ValueError(
+            "--bf16-compute-weights is not supported with --use-torch-fsdp2 (FSDP2 reduces the "
+            "sharded fp32 gradients in its own hooks, which the bf16 copies bypass; use --bf16)"
+        )
     if config.model.bf16_residual_connection and not config.training.bf16:
         raise ValueError(
             "--bf16-residual-connection needs --bf16 (the norms read the bf16 stream under bf16 "

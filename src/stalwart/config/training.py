@@ -77,6 +77,14 @@ class OptimizerConfig:
             "--clip-grad-in-optimizer needs --clip-grad > 0 (with 0 there is no clipping to fuse)",
         )
         _require(self.min_lr <= self.lr, f"--min-lr must be in [0, --lr] (got {self.min_lr})")
+        for unit, warmup, decay in (
+            ("iters", self.lr_warmup_iters, self.lr_decay_iters),
+            ("samples", self.lr_warmup_samples, self.lr_decay_samples),
+        ):  # warm-up past the end of decay: the peak LR is never reached, then drops to --min-lr
+            _require(
+                decay is None or warmup <= decay,
+                f"--lr-warmup-{unit} ({warmup}) must be <= --lr-decay-{unit} ({decay})",
+            )
         _require(
             not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
             "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
@@ -134,6 +142,16 @@ class TrainingConfig:
             "--inductor-config needs --compile (they are options of the model's torch.compile)",
         )
         parse_inductor_options(self.inductor_config)  # ValueError naming the flag
+        _require(
+            not self.eval_interval or self.eval_iters > 0,
+            f"--eval-interval {self.eval_interval} needs --eval-iters >= 1 (with 0 every "
+            "evaluation is empty)",
+        )
+        _require(
+            self.manual_gc or (not self.manual_gc_interval and self.manual_gc_eval),
+            "--manual-gc-interval and --no-manual-gc-eval need --manual-gc (without it Python's "
+            "automatic collector runs and they would do nothing)",
+        )
         _require(
             self.min_loss_scale <= self.initial_loss_scale,
             "--min-loss-scale must be <= --initial-loss-scale",

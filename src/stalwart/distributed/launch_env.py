@@ -78,7 +78,9 @@ def check_launch_env(environ: Mapping[str, str] | None = None) -> None:
     # A rank must be below its world size when the launcher announced one (a plain process
     # with LOCAL_RANK=3 picking GPU 3 stays allowed).
     world = env_int("WORLD_SIZE", 0, minimum=1, environ=env)
-    env_int("RANK", 0, maximum=world - 1 if world else _MAX_RANKS, environ=env)
+    # RANK without WORLD_SIZE is a world of one: any other rank would run quietly as a non-zero
+    # rank (no rank-0 logs, no summary) of a job that does not exist.
+    env_int("RANK", 0, maximum=world - 1 if world else 0, environ=env)
     local_world = env_int("LOCAL_WORLD_SIZE", 0, minimum=1, environ=env)
     env_int("LOCAL_RANK", 0, maximum=local_world - 1 if local_world else _MAX_RANKS, environ=env)
     env_int("TORCHELASTIC_RESTART_COUNT", 0, maximum=1 << 31, environ=env)

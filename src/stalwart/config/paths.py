@@ -1,0 +1,65 @@
+"""Output paths named by flags, checked before anything is allocated or written.
+
+A directory flag (``--tensorboard-dir``) must name a directory or a path that can become one;
+a file flag (``--metrics-file``) must not name a directory. The check only looks (``stat``):
+nothing is created, so a refused run leaves no trace. ``ValueError`` names the flag and what is
+wrong, in one line.
+
+    >>> check_output_dir("--tensorboard-dir", "/")
+    >>> check_output_file("--metrics-file", "/")
+    Traceback (most recent call last):
+    ...
+    ValueError: --metrics-file '/' is a directory (it names a file to write)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _check_ancestors(flag: str, path: Path) -> None:
+    """The nearest existing ancestor of ``path`` must be a writable directory."""
+    for parent in path.absolute().parents:
+        if not parent.exists():
+            continue
+        if not parent.is_dir():
+            raise ValueError(f"{flag} {str(path)!r}: {str(parent)!r} is a file, not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {str(path)!r}: {str(parent)!r} is not writable")
+        return
+
+
+def check_output_dir(flag: str, value: str | None) -> None:
+    """``value`` (None: unset) names a directory that exists or can be created."""
+    if value is None:
+        return
+    if not value.strip():
+        raise ValueError(f"{flag} is empty (it takes a directory)")
+    path = Path(value)
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{flag} {value!r} is a file, not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {value!r} is not writable")
+        return
+    _check_ancestors(flag, path)
+
+
+def check_output_file(flag: str, value: str | None) -> None:
+    """``value`` (None: unset) names a file that can be written (created or appended)."""
+    if value is None:
+        return
+    if not value.strip():
+        raise ValueError(f"{flag} is empty (it takes a file path)")
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"{flag} {value!r} is a directory (it names a file to write)")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {value!r} is not writable")
+        return
+    _check_ancestors(flag, path)
+
+
+__all__ = ["check_output_dir", "check_output_file"]
