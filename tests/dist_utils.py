@@ -31,8 +31,12 @@ def free_port() -> int:
 # Ranks are forked from a fork server that has imported torch and stalwart once per test process
 # (and never ran a torch op or started a thread): each rank is still a fresh process, without
 # the ~4 s of CPU a spawned interpreter spends importing torch again.
+# torch.distributed.checkpoint is imported lazily by stalwart (on the first save or load): most
+# forked ranks save, so the server imports it once for all of them.
 PRELOAD = ["torch", "torch.distributed", "numpy", "stalwart.train.trainer",
-           "stalwart.checkpoint", "stalwart.loop", "stalwart.reliability.rerun"]  # fmt: skip
+           "stalwart.checkpoint", "stalwart.loop", "stalwart.reliability.rerun",
+           "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+           "stalwart.checkpoint.dcp_readers"]  # fmt: skip
 
 
 def _context() -> Any:

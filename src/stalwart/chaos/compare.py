@@ -17,13 +17,17 @@ import torch
 
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.dcp_io import MODEL_KEY
-from stalwart.checkpoint.dcp_safe import SafeEmptyStateDictLoadPlanner, SafeFileSystemReader
 from stalwart.checkpoint.safe_state import read_state_file
 
 
 def load_dcp_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Every tensor of a DCP checkpoint directory, nested as saved (``{"model": ..., "optim": ...}``)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from stalwart.checkpoint.dcp_readers import (
+        SafeEmptyStateDictLoadPlanner,
+        SafeFileSystemReader,
+    )
 
     state: dict[str, Any] = {}
     _load_state_dict(

@@ -4,6 +4,11 @@ Newer keyword arguments (``no_dist``, ``async_stager``, ``allow_partial_load``) 
 ``DefaultStager``/``StagingOptions`` staging API are feature-detected, so the same code runs on
 torch 2.4 through 2.13, with or without an initialised process group. Loads read through
 `stalwart.checkpoint.dcp_safe` (no pickle from the checkpoint runs code).
+
+``torch.distributed.checkpoint`` is imported inside the functions that save, load or gather
+state, never at module import: it costs ~1.5 s per process (most of it ``torch.distributed.tensor``),
+which every launch that never touches a checkpoint (a run without ``--save``, a CLI error, a
+tool) would pay.
 """
 
 from __future__ import annotations
@@ -19,18 +24,9 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 from torch.optim import Optimizer
 
-from stalwart.checkpoint.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
 from stalwart.checkpoint.optimizer_state import (
     canonical_learning_rates,
     keep_optimizer_implementation,
@@ -126,6 +122,8 @@ def gather_state(
     way it was, so the run goes on exactly as without the save (and the resume, finding no state,
     leaves the optimizer fresh, see :func:`load_into`).
     """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     if optimizer is None:
         return {MODEL_KEY: get_model_state_dict(model)}
     had_state = bool(optimizer.state)
@@ -140,6 +138,12 @@ def apply_state(
     model: nn.Module, optimizer: Optimizer | None, state: dict[str, Any], strict: bool
 ) -> None:
     """Push a loaded :func:`gather_state` dict back into the model (and optimizer)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
     options = StateDictOptions(strict=strict)
     if optimizer is None:
         set_model_state_dict(model, state[MODEL_KEY], options=options)
@@ -156,6 +160,8 @@ def apply_state(
 
 def save_sync(state: dict[str, Any], path: str, group: Any) -> None:
     """Blocking DCP save of ``state`` into directory ``path`` (collective when a group exists)."""
+    import torch.distributed.checkpoint as dcp
+
     with _quiet_single_process(), _dcp_errors_as_runtime_error():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path), **_dist_kwargs(dcp.save, group))
 
@@ -167,6 +173,10 @@ def load_into(state: dict[str, Any], path: str, group: Any, strict: bool) -> Non
     optimizer step: torch initialises it for the load) is dropped from ``state`` first, so the
     load leaves those parameters as the saving job had them: without state.
     """
+    import torch.distributed.checkpoint as dcp
+
+    from stalwart.checkpoint.dcp_readers import SafeFileSystemReader, SafeLoadPlanner
+
     reader = SafeFileSystemReader(path)
     prune_unsaved_optimizer_state(state, reader.read_metadata().state_dict_metadata)
     kwargs = _dist_kwargs(dcp.load, group)
@@ -256,6 +266,8 @@ class AsyncWriter:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "stalwart-ckpt")
 
     def _choose_mode(self) -> StagingMode:
+        import torch.distributed.checkpoint as dcp
+
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         except ImportError:
@@ -276,6 +288,8 @@ class AsyncWriter:
 
     def start(self, state: dict[str, Any], path: str) -> concurrent.futures.Future:
         """Stage ``state`` to host memory (blocking), then write it to ``path`` in the background."""
+        import torch.distributed.checkpoint as dcp
+
         writer = dcp.FileSystemWriter(path)
         if self._executor is not None:
             staged = _host_copy(state, self._pin)
