@@ -13,6 +13,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose: torch.distributed.nn.functional binds
+# ``group=group.WORLD`` as a default argument of its ten collectives, which captures the default
+# group alive at its import. torch.distributed.checkpoint imports it (through fsdp); imported
+# first at a save, after the group exists, it would hold that group forever, so an in-process
+# restart could never free a failed attempt's gloo group and its peers' pending collectives
+# would never return (the W16 hang). Imported here, it captures None (~10 ms).
+import torch.distributed.nn  # noqa: F401
+
 from stalwart.distributed.launch_env import env_int
 
 

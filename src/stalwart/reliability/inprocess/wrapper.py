@@ -19,7 +19,9 @@ Cycle of one failed attempt, on every rank::
 On gloo, aborting a process group does not interrupt a collective already waiting in it; the
 collective returns when the peer's sockets close, which happens when the failing rank's finalize
 drops its last reference to its group. A rank whose failure leaves it blocked forever (a peer hung
-with the GIL held) is killed by its own hard timeout, and the launcher restarts the job.
+with the GIL held) is killed by its own hard timeout, and the launcher restarts the job. Nothing
+may keep a failed attempt's group alive past its finalize: see the import of
+``torch.distributed.nn`` in `stalwart.distributed.process_group` (imported before any group).
 """
 
 from __future__ import annotations
