@@ -19,7 +19,7 @@ import torch.distributed as dist
 # first at a save, after the group exists, it would hold that group forever, so an in-process
 # restart could never free a failed attempt's gloo group and its peers' pending collectives
 # would never return (the W16 hang). Imported here, it captures None (~10 ms).
-import torch.distributed.nn  # noqa: F401
+import torch.distributed.nn
 
 from stalwart.distributed.launch_env import env_int
 
