@@ -31,9 +31,11 @@ def free_port() -> int:
 # Ranks are forked from a fork server that has imported torch and stalwart once per test process
 # (and never ran a torch op or started a thread): each rank is still a fresh process, without
 # the ~4 s of CPU a spawned interpreter spends importing torch again.
+# torch._dynamo: DDP's constructor imports it (~2 s of CPU, sympy included), so every rank that
+# trains would pay it; measured per forked `stalwart train` rank: 1.8 -> 0.6 CPU s.
 # torch.distributed.checkpoint is imported lazily by stalwart (on the first save or load): most
-# forked ranks save, so the server imports it once for all of them.
-PRELOAD = ["torch", "torch.distributed", "numpy", "stalwart.train.trainer",
+# forked ranks save, so the server imports it once for all of them (~0.1 s after torch._dynamo).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "stalwart.train.trainer",
            "stalwart.checkpoint", "stalwart.loop", "stalwart.reliability.rerun",
            "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
            "stalwart.checkpoint.dcp_readers"]  # fmt: skip

@@ -1,6 +1,26 @@
-"""`python -m stalwart ...` (so that `torchrun ... -m stalwart train` works)."""
+"""`python -m stalwart ...` (so that `torchrun ... -m stalwart train` works), and the ``stalwart``
+console script (`run`)."""
+
+import gc
 
 from stalwart.cli.main import main
 
+
+def run() -> int:
+    """`stalwart.cli.main.main` as a whole process: the exit code, then a cheap interpreter exit.
+
+    A trainer process holds ~300k objects from torch's import graph (torch._dynamo, which DDP
+    imports, and sympy); the interpreter's shutdown walks them for cycles several times: ~1.3 s
+    of CPU per process, in every rank of every launch. One collection now finalises the job's
+    own cyclic garbage (files, handles: nothing is left for the shutdown to find), then
+    ``gc.freeze()`` moves what is left out of the collector's sight; the atexit handlers still
+    run and what they free is still collected.
+    """
+    code = main()
+    gc.collect()
+    gc.freeze()
+    return code
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run())
