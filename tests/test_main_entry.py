@@ -16,4 +16,3 @@ def test_run_returns_mains_code_and_freezes_the_collector(monkeypatch) -> None:
         assert gc.get_freeze_count() > before
     finally:
         gc.unfreeze()
-
