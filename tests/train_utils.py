@@ -58,7 +58,7 @@ def cli_command(
 ) -> list[str]:
     """The ``stalwart`` command line (under torchrun when ``nproc > 1`` or ``torchrun_args``)."""
     if nproc > 1 or torchrun_args:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        return [sys.executable, "-m", "stalwart.distributed.torchrun", "--standalone",
                 "--nproc-per-node", str(nproc), *(torchrun_args or []),
                 "-m", "stalwart", *args]  # fmt: skip
     return [sys.executable, "-m", "stalwart", *args]

@@ -46,15 +46,15 @@ WRAPPER = (
     "import os, sys\n"
     "os.environ['STALWART_DEVICE_ID'] = "
     "f\"gpu{os.environ['LOCAL_RANK']}-restart{os.environ['TORCHELASTIC_RESTART_COUNT']}\"\n"
-    "from stalwart.cli.main import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
+    "from stalwart.__main__ import run\n"
+    "sys.exit(run())\n"
 )
 
 
 def _torchrun(
     args: list[str], *, restarts: int = 0, env: dict[str, str] | None = None, wrapper: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    launcher = [sys.executable, "-m", "stalwart.distributed.torchrun", "--standalone",
                 "--nproc-per-node", "2", "--max-restarts", str(restarts)]  # fmt: skip
     program = ["--no-python", sys.executable, "-c", WRAPPER] if wrapper else ["-m", "stalwart"]
     inherited = {k: v for k, v in os.environ.items() if k != "STALWART_DEVICE_ID"}

@@ -43,7 +43,8 @@ class LaunchSpec:
 
 
 def torchrun_command(spec: LaunchSpec) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    """torchrun through `stalwart.distributed.torchrun` (torchrun itself, with a cheap exit)."""
+    return [sys.executable, "-m", "stalwart.distributed.torchrun", "--standalone",
             "--nproc-per-node", str(spec.nproc), "--max-restarts", str(spec.max_restarts),
             "--monitor-interval", "0.2", "-m", "stalwart", "train", *spec.train_args]  # fmt: skip
 
