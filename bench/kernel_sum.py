@@ -196,6 +196,14 @@ def idle_gaps(
     small = [g for g, _, _ in gaps if g < gap_us]
     large = [g for g, _, _ in gaps if g >= gap_us]
     n = max(iters, 1)
+    origin = _interval(work[0])[0] if work else 0.0
+    span_us = max((_interval(e)[1] for e in work), default=origin) - origin
+    # The first iteration starts on a drained device (the sync before the profile): its gaps
+    # are the window's start, not the steady state. ``steady``: the large gaps after it.
+    first_us = span_us / n
+    steady = [
+        g for g, before, _ in gaps if g >= gap_us and _interval(before)[1] - origin > first_us
+    ]
     by_launcher: dict[str, float] = {}
     for us, _, after in gaps:
         if us >= gap_us:
@@ -208,6 +216,7 @@ def idle_gaps(
         launcher = runtime.get(getattr(after, "id", None)) if device_type == "cuda" else None
         largest.append({
             "us": round(us, 1),
+            "at_ms": round((start - origin) / 1e3, 2),
             "before": before.name[:80],
             "after": after.name[:80],
             "launched_by": launcher.name if launcher is not None else None,
@@ -221,6 +230,8 @@ def idle_gaps(
         "large_ms": sum(large) / 1e3 / n,
         "num_large": len(large) / n,
         "large_ms_by_launcher": dict(sorted(by_launcher.items(), key=lambda kv: -kv[1])),
+        "span_ms": span_us / 1e3 / n,
+        "steady_large_ms": sum(steady) / 1e3 / max(n - 1, 1) if n > 1 else None,
         "largest": largest,
     }
 
@@ -231,6 +242,7 @@ def kernel_floor(
     device: torch.device,
     wall_ms: float | None,
     gap_us: float = 5.0,
+    top: int = 5,
 ) -> dict[str, Any]:
     """:func:`kernel_summary` of ``run(iters)``, with ``wall_ms`` (the unprofiled median per
     iteration: the profiler slows the host), ``above_kernels_ms = wall_ms - kernel_ms`` and
@@ -239,7 +251,7 @@ def kernel_floor(
     events = profile_events(run, iters, device)
     summary = kernel_summary(events, iters, device.type)
     summary["profiled_wall_ms"] = (time.perf_counter() - start) * 1e3 / max(iters, 1)
-    summary["gaps"] = idle_gaps(events, iters, device.type, gap_us=gap_us)
+    summary["gaps"] = idle_gaps(events, iters, device.type, gap_us=gap_us, top=top)
     if wall_ms is not None:
         summary["wall_ms"] = wall_ms
         summary["above_kernels_ms"] = wall_ms - summary["kernel_ms"]
@@ -289,16 +301,19 @@ def print_gaps(result: dict[str, Any]) -> None:
     gap_us = rows[0]["floor"]["gaps"]["gap_us"]
     print(f"\ndevice idle, {result['preset']} (ms per iteration; large: gaps >= {gap_us:g} us)")
     print(
-        "| variant | launched ahead / iter | idle | small gaps | n small | large gaps | n large |"
+        "| variant | launched ahead / iter | device span | idle | small gaps | n small "
+        "| large gaps | n large | large after the first iteration |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = r["floor"]["gaps"]
         ahead = r.get("launched_per_iter")
+        steady = g.get("steady_large_ms")
         print(
-            f"| {r['variant']} | {'' if ahead is None else f'{ahead:.2f}'} | {g['idle_ms']:.2f} "
+            f"| {r['variant']} | {'' if ahead is None else f'{ahead:.2f}'} "
+            f"| {g.get('span_ms', 0.0):.2f} | {g['idle_ms']:.2f} "
             f"| {g['small_ms']:.2f} | {g['num_small']:.0f} | {g['large_ms']:.2f} "
-            f"| {g['num_large']:.1f} |"
+            f"| {g['num_large']:.1f} | {'' if steady is None else f'{steady:.2f}'} |"
         )
     for r in rows:
         ended = r["floor"]["gaps"].get("large_ms_by_launcher", {})
@@ -307,5 +322,6 @@ def print_gaps(result: dict[str, Any]) -> None:
             print(f"- {r['variant']}: large gaps ended by {listed}")
         for gap in r["floor"]["gaps"]["largest"]:
             host = ", ".join(gap["host"]) or "python (no op)"
-            print(f"- {r['variant']}: {gap['us']:.0f} us after {gap['before']!r}, before "
+            print(f"- {r['variant']}: {gap['us']:.0f} us at {gap.get('at_ms', 0.0):.1f} ms, "
+                  f"after {gap['before']!r}, before "
                   f"{gap['after']!r} (launched by {gap['launched_by']}); host: {host}")  # fmt: skip

@@ -166,6 +166,13 @@ def _precision_flags(g: Any) -> None:
         "grads after each micro-batch (one rank or DDP; not with --use-torch-fsdp2)",
     )
     g.add_argument(
+        "--gradient-accumulation-fusion",
+        action="store_true",
+        help="with --bf16-compute-weights: the weight-gradient GEMMs add into the fp32 grads "
+        "(fp32 output on CUDA) and the embedding lookup adds its rows into them, instead of a "
+        "bf16 grad per micro-batch and an add (Megatron's flag)",
+    )
+    g.add_argument(
         "--bf16-residual-connection",
         action="store_true",
         help="with --bf16: keep the residual stream in bf16 instead of fp32 (Megatron's "

@@ -109,6 +109,9 @@ class TrainingConfig:
     # --bf16-compute-weights: the Linear layers run on bf16 copies of the fp32 weights made once
     # per iteration; gradients accumulate into fp32 per micro-batch (stalwart.loop.ComputeWeights).
     bf16_compute_weights: bool = False
+    # --gradient-accumulation-fusion: the compute copies' weight gradients go straight into the
+    # fp32 grads (stalwart.models.fused_grad); needs bf16_compute_weights.
+    gradient_accumulation_fusion: bool = False
     initial_loss_scale: float = field(default=2.0**16, metadata=bounds(gt=0))
     min_loss_scale: float = field(default=1.0, metadata=bounds(gt=0))
     loss_scale_window: int = field(default=1000, metadata=bounds(gt=0))
@@ -136,6 +139,11 @@ class TrainingConfig:
             self.bf16 or not self.bf16_compute_weights,
             "--bf16-compute-weights needs --bf16 (the forward runs under bf16 autocast on the "
             "copies)",
+        )
+        _require(
+            self.bf16_compute_weights or not self.gradient_accumulation_fusion,
+            "--gradient-accumulation-fusion needs --bf16-compute-weights (it fuses the copies' "
+            "gradient accumulation into the fp32 grads)",
         )
         _require(
             self.compile or not self.inductor_config,

@@ -64,6 +64,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from stalwart.models.fused_grad import fp32_wgrad_supported
+
 logger = logging.getLogger(__name__)
 
 Slot = tuple[nn.Module, str, nn.Parameter]
@@ -177,6 +179,13 @@ class ComputeWeights:
             small add kernels per iteration at gpt2-124m); numerics unchanged (the same fp32
             additions). Default: the model's ``fp32_grad_slots()`` when ``slots`` is None and
             the model defines it, else none.
+        fuse_grad_accumulation: Megatron's ``--gradient-accumulation-fusion``
+            (`stalwart.models.fused_grad`): a slot whose module has a ``<attribute>_main_grad``
+            hook (`stalwart.models.fused_grad.Linear`, the GPT's tied output layer) adds its
+            weight gradient into the fp32 ``.grad`` in its backward, and the model's
+            ``fused_grad_direct_uses()`` (the GPT's lookup) likewise; those gradients skip the
+            bf16 copy and the foreach add. A parameter that autograd also accumulates into
+            directly is not fused (autograd may replace its ``.grad``). Raises if no slot can.
     """
 
     def __init__(
@@ -187,6 +196,7 @@ class ComputeWeights:
         slots: list[Slot] | None = None,
         compiled: bool | None = None,
         fp32_slots: list[Slot] | None = None,
+        fuse_grad_accumulation: bool = False,
     ) -> None:
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"ComputeWeights dtype must be bfloat16 or float16, got {dtype}")
@@ -213,6 +223,9 @@ class ComputeWeights:
         self._add = _Foreach(_foreach_add, compile_them)
         self._first = _Foreach(_foreach_copy_then_add, compile_them)
         self.direct = _used_elsewhere(model, self.slots)
+        self.fused, self.fused_uses = _fusion_plan(model, self.slots, self.copy_dtypes,
+                                                   fuse_grad_accumulation)  # fmt: skip
+        self.fp32_gemm = fuse_grad_accumulation and fp32_wgrad_supported(device, dtype)
         self.copies: list[nn.Parameter] = []
 
     @property
@@ -240,11 +253,28 @@ class ComputeWeights:
         previous = [
             _swap(module, name, copy) for (module, name, _), copy in zip(self.slots, self.copies)
         ]
+        hooks = self._fusion_hooks() if torch.is_grad_enabled() else []
+        for module, attribute, grad in hooks:
+            object.__setattr__(module, attribute, grad)
+            object.__setattr__(module, "fp32_wgrad", self.fp32_gemm)
         try:
             yield
         finally:
             for (module, name, _), value in zip(self.slots, previous):
                 _swap(module, name, value)
+            for module, attribute, _ in hooks:
+                object.__setattr__(module, attribute, None)
+
+    def _fusion_hooks(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """``(module, attribute, fp32 grad)`` for every fused slot and direct use; allocates a
+        missing ``.grad`` (zero: the fused ops add into it)."""
+        targets = [(m, f"{n}_main_grad", p) for (m, n, p), f in zip(self.slots, self.fused) if f]
+        hooks = []
+        for module, attribute, param in targets + self.fused_uses:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            hooks.append((module, attribute, param.grad))
+        return hooks
 
     def accumulate(self, overwrite: bool = False) -> None:
         """Add the copies' gradients into the fp32 parameters' ``.grad`` and clear them (after
@@ -257,8 +287,8 @@ class ComputeWeights:
         """
         triples = [
             (m, c.grad, direct and overwrite)
-            for m, c, direct in zip(self.masters, self.copies, self.direct)
-            if c.grad is not None
+            for m, c, direct, fused in zip(self.masters, self.copies, self.direct, self.fused)
+            if c.grad is not None and not fused
         ]
         if not triples:
             return
@@ -268,7 +298,8 @@ class ComputeWeights:
                 master.grad = torch.empty_like(master) if fresh else torch.zeros_like(master)
         fp32 = [cast(torch.Tensor, m.grad) for m, _, _ in triples]
         bf16 = [cast(torch.Tensor, g) for _, g, _ in triples]
-        full = len(triples) == len(self.copies)  # else another list length: do not recompile
+        # Else another list length: do not recompile.
+        full = len(triples) == len(self.copies) - sum(self.fused)
         if overwrite:
             flags = [a for _, _, a in triples]
             copied = _pick(fp32, flags, False), _pick(bf16, flags, False)
@@ -296,6 +327,38 @@ def _swap(module: nn.Module, name: str, value: Any) -> Any:
     # object.__setattr__: a Parameter assigned through nn.Module.__setattr__ would be registered.
     object.__setattr__(module, name, value)
     return previous
+
+
+def _fusion_plan(
+    model: nn.Module, slots: list[Slot], dtypes: list[torch.dtype], fuse: bool
+) -> tuple[list[bool], list[Slot]]:
+    """Which slots add their gradient into the fp32 ``.grad`` themselves, and the model's
+    direct uses that do (see ``fuse_grad_accumulation``)."""
+    if not fuse:
+        return [False] * len(slots), []
+    own = getattr(model, "fused_grad_direct_uses", None)
+    uses: list[Slot] = list(own()) if callable(own) else []
+    covered = {id(p) for _, _, p in uses}
+    slot_keys = {(id(module), name) for module, name, _ in slots}
+    # Registered outside the slots and not fused: autograd accumulates into .grad directly.
+    plain_direct = {
+        id(param)
+        for module in model.modules()
+        for name, param in module._parameters.items()
+        if param is not None and (id(module), name) not in slot_keys and id(param) not in covered
+    }
+    fused = [
+        dtype != torch.float32
+        and hasattr(module, f"{name}_main_grad")
+        and id(param) not in plain_direct
+        for (module, name, param), dtype in zip(slots, dtypes, strict=True)
+    ]
+    if not any(fused):
+        raise ValueError(
+            "gradient accumulation fusion: no compute-weight slot has a fused-gradient hook (use "
+            "stalwart.models.fused_grad.Linear for the model's Linear layers)"
+        )
+    return fused, uses
 
 
 class NullComputeWeights:

@@ -11,6 +11,7 @@ from torch import nn
 
 from stalwart.models.config import GPTConfig, Normalization, RecomputeGranularity
 from stalwart.models.functional import apply_rotary, causal_attention, mlp_activation
+from stalwart.models.fused_grad import Linear
 from stalwart.models.moe import MoEMLP
 from stalwart.models.recompute import recomputed
 
@@ -41,8 +42,8 @@ class CausalSelfAttention(nn.Module):
         self.recompute_core = config.recompute_granularity is RecomputeGranularity.SELECTIVE
         kv_size = self.num_groups * self.head_dim
         h, bias = config.hidden_size, config.add_bias_linear
-        self.qkv = nn.Linear(h, h + 2 * kv_size, bias=bias)
-        self.proj = nn.Linear(h, h, bias=bias)
+        self.qkv = Linear(h, h + 2 * kv_size, bias=bias)
+        self.proj = Linear(h, h, bias=bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
@@ -83,8 +84,8 @@ class DenseMLP(nn.Module):
         super().__init__()
         self.swiglu = config.swiglu
         fc1_out = 2 * config.ffn_size if config.swiglu else config.ffn_size
-        self.fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
-        self.fc2 = nn.Linear(config.ffn_size, config.hidden_size, bias=config.add_bias_linear)
+        self.fc1 = Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
+        self.fc2 = Linear(config.ffn_size, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return self.fc2(mlp_activation(self.fc1(x), self.swiglu)), None

@@ -16,6 +16,7 @@ from torch import nn
 from stalwart.models.blocks import TransformerBlock, make_norm
 from stalwart.models.config import GPTConfig
 from stalwart.models.functional import rotary_tables
+from stalwart.models.fused_grad import Linear, embedding_accumulating, linear_accumulating
 from stalwart.models.moe import MoEMLP, MoERouter
 from stalwart.models.recompute import layer_units, recomputed
 
@@ -57,6 +58,12 @@ class GPT(nn.Module):
     # The output layer's weight for tied embeddings while bf16 compute weights are swapped in
     # (``stalwart.loop.ComputeWeights``); None: the word embeddings' own (fp32) weight.
     output_compute_weight: torch.Tensor | None = None
+    # Gradient accumulation fusion (``stalwart.models.fused_grad``), set by ComputeWeights for
+    # one micro-batch: the fp32 gradients the tied output layer's and the lookup's gradients
+    # are added into (None: the plain ops).
+    output_compute_weight_main_grad: torch.Tensor | None = None
+    embedding_main_grad: torch.Tensor | None = None
+    fp32_wgrad: bool = False
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -74,9 +81,9 @@ class GPT(nn.Module):
         self.embedding_dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.final_layernorm = make_norm(config)
-        self.output_layer: nn.Linear | None = None
+        self.output_layer: Linear | None = None
         if config.untie_embeddings_and_output_weights:
-            self.output_layer = nn.Linear(h, config.vocab_size, bias=False)
+            self.output_layer = Linear(h, config.vocab_size, bias=False)
         self._units = layer_units(config)
         self._init_weights()
 
@@ -103,7 +110,12 @@ class GPT(nn.Module):
                 f"input_ids must be [batch, s] with s <= --seq-length={self.config.seq_length}, "
                 f"got shape {tuple(input_ids.shape)}"
             )
-        x = self.word_embeddings(input_ids)
+        if self.embedding_main_grad is None:
+            x = self.word_embeddings(input_ids)
+        else:
+            x = embedding_accumulating(
+                input_ids, self.word_embeddings.weight, self.embedding_main_grad
+            )
         if self.position_embeddings is not None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             x = x + self.position_embeddings(positions)
@@ -111,7 +123,7 @@ class GPT(nn.Module):
             x = x.to(torch.bfloat16)
         x, aux_losses = self._run_layers(self.embedding_dropout(x))
         x = self.final_layernorm(x)
-        logits = F.linear(x, self._output_weight())
+        logits = self._logits(x)
         if labels is None:
             return logits
         lm_loss = F.cross_entropy(
@@ -125,6 +137,24 @@ class GPT(nn.Module):
         else:
             out["loss"] = lm_loss
         return out
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.output_layer is not None:
+            return self.output_layer(x)
+        target = self.output_compute_weight_main_grad
+        if target is None:
+            return F.linear(x, self._output_weight())
+        return linear_accumulating(x, self._output_weight(), None, target, self.fp32_wgrad)
+
+    def fused_grad_direct_uses(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """The uses of a parameter outside ``compute_weight_slots()`` that can add their
+        gradient into its fp32 ``.grad`` themselves (gradient accumulation fusion): the word
+        embeddings' lookup, through ``embedding_main_grad`` (its rows are added in place of a
+        dense ``[vocab, hidden]`` gradient). ``(module, attribute, parameter)``:
+        ``ComputeWeights`` sets ``module.<attribute>`` to the parameter's ``.grad`` for each
+        micro-batch."""
+        weight: nn.Parameter = self.word_embeddings.weight  # type: ignore[assignment]
+        return [(self, "embedding_main_grad", weight)]
 
     def _output_weight(self) -> torch.Tensor:
         if self.output_layer is not None:

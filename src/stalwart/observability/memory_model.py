@@ -422,6 +422,7 @@ def theoretical_memory(
     fused_rms_norm: bool = True,
     compute_weights: bool = False,
     norms_upcast: bool | None = None,
+    grad_accumulation_fusion: bool = False,
 ) -> MemoryEstimate:
     """Estimate one rank's peak memory for the reference GPT trained with AdamW.
 
@@ -438,6 +439,8 @@ def theoretical_memory(
         compute_weights: ``--bf16-compute-weights`` (persistent bf16 copies; needs ``bf16``).
         norms_upcast: autocast runs the norms in fp32 (default ``fused_rms_norm``: CUDA); with
             ``bf16_residual_connection`` and False (CPU) the norms save their bf16 inputs.
+        grad_accumulation_fusion: ``--gradient-accumulation-fusion``: the copies' weight
+            gradients go straight into the fp32 grads (no bf16 gradient moment).
     """
     _check_estimate_args(micro_batch_size, dp_size, bf16, compute_weights)
     n = num_parameters if num_parameters is not None else count_parameters(config)
@@ -449,15 +452,14 @@ def theoretical_memory(
     )
     breakdown |= {f"activation.{k}": val for k, val in acts.items()}
     norm_input = _norm_input_bytes(config, bf16, upcast)
-    backward_unit = _recompute_backward_bytes(
-        config, micro_batch_size, bf16, fused_rms_norm, acts["embedding"], norm_input,
-        compute_weights,
-    )  # fmt: skip
+    backward_unit = _recompute_backward_bytes(config, micro_batch_size, bf16, fused_rms_norm,
+                                              acts["embedding"], norm_input, compute_weights)  # fmt: skip
     if backward_unit:
         breakdown["activation_recompute_backward_moment"] = backward_unit
-    if compute_weights:  # the copies' bf16 gradients before each micro-batch's fp32 add
-        breakdown["activation_compute_weight_grads_moment"] = 2.0 * copies
-    activation = max(sum(acts.values()), backward_unit, 2.0 * copies)
+    grads_moment = 0.0 if grad_accumulation_fusion else 2.0 * copies  # bf16 grads before the add
+    if grads_moment:
+        breakdown["activation_compute_weight_grads_moment"] = grads_moment
+    activation = max(sum(acts.values()), backward_unit, grads_moment)
     optimizer_transient = 4.0 * n / (dp_size if sharded_optimizer else 1)
     breakdown["optimizer_step_transient"] = optimizer_transient
     breakdown["library_workspaces"] = workspace_bytes

@@ -310,7 +310,11 @@ def build_compute_weights(
         return None
     if ctx.is_distributed and config.training.use_torch_fsdp2:
         raise ValueError(FSDP2_COMPUTE_WEIGHTS_MESSAGE)
-    return ComputeWeights(raw_model, dtype=torch.bfloat16)
+    return ComputeWeights(
+        raw_model,
+        dtype=torch.bfloat16,
+        fuse_grad_accumulation=config.training.gradient_accumulation_fusion,
+    )
 
 
 def build_machine(

@@ -160,6 +160,7 @@ def build_probes(
         workspace_bytes=0 if ctx.device.type == "cpu" else CUDA_WORKSPACE_BYTES,
         fused_rms_norm=ctx.device.type == "cuda",  # torch's fused RMSNorm kernel is CUDA-only
         compute_weights=config.training.bf16_compute_weights,
+        grad_accumulation_fusion=config.training.gradient_accumulation_fusion,
     )
     memory = MemoryMonitor(
         ctx.device,
