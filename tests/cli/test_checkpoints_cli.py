@@ -101,6 +101,6 @@ def test_export_errors_exit_2_with_one_line(save, tmp_path, capsys, args, needle
 
 def test_missing_directory(tmp_path, capsys) -> None:
     assert main(["checkpoints", str(tmp_path / "nope")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
     assert main(["export", "--load", str(tmp_path), "--out", str(tmp_path / "w.pt")]) == 2
     assert "pass --iteration" in capsys.readouterr().err

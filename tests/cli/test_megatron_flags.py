@@ -91,11 +91,14 @@ def test_config_file_keys_follow_the_same_refusals(
     ("megatron", "ours"),
     [
         (["--enable-ft-package"], ["--enable-ft"]),
-        (["--moe-capacity-factor", "2.0"], ["--moe-expert-capacity-factor", "2.0"]),
+        (
+            ["--num-experts", "2", "--moe-capacity-factor", "2.0"],
+            ["--num-experts", "2", "--moe-expert-capacity-factor", "2.0"],
+        ),
     ],
 )
 def test_megatron_spelling_is_the_same_flag(megatron: list[str], ours: list[str]) -> None:
-    assert _run_config(*megatron) == _run_config(*ours) != _run_config()
+    assert _run_config(*megatron) == _run_config(*ours) != _run_config(*megatron[:-2])
 
 
 def test_inprocess_flags_reach_the_restarter() -> None:

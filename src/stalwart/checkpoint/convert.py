@@ -24,6 +24,7 @@ from typing import Any
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.checkpoint.safe_state import StateFormatError
+from stalwart.regular_file import open_regular
 
 
 def _legacy_dirs(path: str) -> list[str]:
@@ -75,7 +76,7 @@ def _update_format(metadata_path: str) -> None:
     from stalwart.checkpoint.commit import FORMAT_VERSION
 
     try:
-        with open(metadata_path, encoding="utf-8") as f:
+        with open_regular(metadata_path) as f:
             facts = json.load(f)
     except (OSError, ValueError):
         return

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from stalwart.checkpoint.errors import CheckpointError
+from stalwart.regular_file import open_regular
 
 # Modules whose dataclasses and enums a DCP ``.metadata`` may name (they differ across torch
 # versions; only data classes and enums of these modules are accepted, never a function).
@@ -121,7 +122,7 @@ def read_dcp_metadata(checkpoint_dir: str | os.PathLike[str], filename: str = ".
 
     path = os.path.join(os.fspath(checkpoint_dir), filename)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read(MAX_METADATA_BYTES + 1)
     except OSError as exc:
         raise CheckpointError(f"DCP metadata {path} unreadable: {exc.strerror or exc}") from None

@@ -32,6 +32,7 @@ import shutil
 from typing import Any
 
 from stalwart.checkpoint.errors import CheckpointError
+from stalwart.regular_file import open_regular
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "COMPLETE"
@@ -175,7 +176,7 @@ def read_tracker(root: str) -> int | None:
     """
     path = os.path.join(root, TRACKER_FILENAME)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             content = f.read(_TRACKER_MAX_BYTES + 1)
     except FileNotFoundError:
         return None
@@ -236,7 +237,7 @@ def written_as(path: str, non_persistent: bool) -> bool:
     """Whether the ``COMPLETE`` marker of ``path`` says a save of this kind (persistent or
     non-persistent) wrote it: retention deletes only those (an unreadable marker: never)."""
     try:
-        with open(os.path.join(path, COMPLETE_MARKER), "rb") as f:
+        with open_regular(os.path.join(path, COMPLETE_MARKER)) as f:
             facts = json.loads(f.read(1 << 16))
     except (OSError, ValueError):
         return False

@@ -43,6 +43,7 @@ import time
 from typing import Any
 
 from stalwart.checkpoint.errors import CheckpointError
+from stalwart.regular_file import open_regular
 
 logger = logging.getLogger("stalwart.checkpoint")
 
@@ -130,7 +131,7 @@ class SaveDirLock:
     def _read(self, path: str | None = None) -> dict[str, Any] | None:
         """The record at ``path`` (default: the lock); None when absent; {} when unreadable."""
         try:
-            with open(path or self.path, "rb") as f:
+            with open_regular(path or self.path) as f:
                 record = json.loads(f.read(1 << 16))
         except FileNotFoundError:
             return None

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from stalwart.regular_file import open_regular
+
 TAG = "__stalwart__"
 # Bigger files are refused before they are parsed (this state is kilobytes; tensors go to DCP).
 MAX_STATE_BYTES = 1 << 30
@@ -256,6 +258,6 @@ def read_state_file(path: str) -> Any:
         StateFormatError: as :func:`loads_state`, or the file is too large.
         OSError: the file cannot be read.
     """
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         data = f.read(MAX_STATE_BYTES + 1)
     return loads_state(data, path)

@@ -114,7 +114,10 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     parser = build_train_parser()
     pre, _ = parser.parse_known_args(argv)
     defaults: dict[str, Any] = {}
-    if pre.config:
+    given = [a for a in argv if a == "--config" or a.startswith("--config=")]
+    if len(given) > 1:  # argparse keeps the last: the other file would be ignored without a word
+        parser.error("--config given twice (one file; flags on the command line win)")
+    if pre.config is not None:
         try:
             defaults = toml_defaults(pre.config, lambda: build_train_parser(raise_errors=True))
         except ValueError as exc:

@@ -69,6 +69,9 @@ def _use_cpu(device: str) -> bool:
 def _work_dir(value: str | None) -> Path:
     if value is None:
         return Path(tempfile.mkdtemp(prefix="stalwart-chaos-"))
+    from stalwart.config.paths import check_output_dir
+
+    check_output_dir("--work-dir", value)  # a file there was a traceback
     path = Path(value)
     if path.exists() and any(path.iterdir()):
         raise ValueError(f"--work-dir: {value} exists and is not empty")
@@ -85,7 +88,11 @@ def main_chaos(argv: list[str]) -> int:
         ns = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help (0) or a bad flag (2, one line already printed)
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    from stalwart.config.paths import check_output_file
+
     try:
+        if not ns.faults.strip():  # an unset shell variable: not a request for every fault
+            raise ValueError("--faults is empty; allowed: all or a comma-separated list")
         faults = parse_faults(ns.faults)
         validate_shape(ns.iterations, ns.save_interval, ns.nproc_per_node)
         use_cpu = _use_cpu(ns.device)
@@ -93,6 +100,8 @@ def main_chaos(argv: list[str]) -> int:
             raise ValueError(f"--timeout: must be > 0, got {ns.timeout}")
         if not 1 <= ns.jobs <= 64:
             raise ValueError(f"--jobs: must be between 1 and 64, got {ns.jobs}")
+        # --json is written after the whole campaign: a directory there was a traceback then.
+        check_output_file("--json", ns.json)
         work = _work_dir(ns.work_dir)
     except ValueError as exc:
         sys.stderr.write(f"stalwart chaos: error: {exc}\n")

@@ -32,6 +32,7 @@ import sys
 from typing import Any
 
 from stalwart.cli.args import OneLineErrorParser
+from stalwart.regular_file import open_regular
 
 EXIT_OK = 0
 EXIT_NOT_LOADABLE = 1
@@ -54,17 +55,22 @@ def _describe_tier(root: str, verify: bool) -> tuple[list[str], str | None]:
     (what a resume would load) when ``verify`` (None: loadable or nothing to load)."""
     from stalwart.checkpoint import CheckpointError, layout
 
+    tracker_problem: str | None = None
     try:
         tracker = layout.read_tracker(root)
         lines = [f"{root}: tracker names {tracker if tracker is not None else 'nothing'}"]
     except CheckpointError as exc:
         tracker, lines = None, [f"{root}: BROKEN tracker: {exc}"]
+        tracker_problem = str(exc)  # a resume refuses it
     try:
         entries = os.listdir(root)
     except OSError as exc:
         return [f"{root}: unreadable directory: {exc.strerror or exc}"], None
     names = sorted(n for n in entries if layout.parse_iteration_dir_name(n) is not None)
-    newest_problem: str | None = None
+    newest_problem = tracker_problem if verify else None
+    if verify and tracker is not None and layout.iteration_dir_name(tracker) not in names:
+        newest_problem = f"the tracked checkpoint {layout.iteration_dir_name(tracker)} is missing"
+        lines.append(f"  BROKEN: {newest_problem}")
     for name in names:
         path = os.path.join(root, name)
         iteration = layout.parse_iteration_dir_name(name)
@@ -88,7 +94,7 @@ def _metadata(path: str) -> dict[str, Any]:
     from stalwart.checkpoint import layout
 
     try:
-        with open(os.path.join(path, layout.METADATA_FILENAME), "rb") as f:
+        with open_regular(os.path.join(path, layout.METADATA_FILENAME)) as f:
             data = json.loads(f.read(1 << 20))
             return data if isinstance(data, dict) else {}
     except (OSError, ValueError, RecursionError):
@@ -151,8 +157,9 @@ def main_checkpoints(argv: list[str] | None = None) -> int:
         args = build_checkpoints_parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
-    if not os.path.isdir(args.save_dir):
-        print(f"stalwart checkpoints: error: {args.save_dir} is not a directory", file=sys.stderr)
+    problem = _not_a_directory("SAVE_DIR", args.save_dir)
+    if problem is not None:
+        print(f"stalwart checkpoints: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     roots = [args.save_dir]
     tier = os.path.join(args.save_dir, NON_PERSISTENT_SUBDIR)
@@ -167,6 +174,16 @@ def main_checkpoints(argv: list[str] | None = None) -> int:
     return EXIT_NOT_LOADABLE if broken else EXIT_OK
 
 
+def _not_a_directory(name: str, value: str) -> str | None:
+    """Why ``value`` (the argument ``name``) is not an existing directory; None when it is."""
+    if not value.strip():
+        return f"{name} is empty (it takes a --save directory)"
+    if os.path.isdir(value):
+        return None
+    what = "is not a directory" if os.path.exists(value) else "does not exist"
+    return f"{name} {value!r} {what} (it takes a --save directory)"
+
+
 def _main_convert(argv: list[str]) -> int:
     """``stalwart checkpoints convert --trust-pickle PATH``: 0 converted (or nothing to do)."""
     try:
@@ -176,6 +193,9 @@ def _main_convert(argv: list[str]) -> int:
     from stalwart.checkpoint import CheckpointError
     from stalwart.checkpoint.convert import convert_path
 
+    if not args.path.strip():
+        print("stalwart checkpoints convert: error: PATH is empty", file=sys.stderr)
+        return EXIT_USAGE
     try:
         done = convert_path(args.path, trust_pickle=args.trust_pickle)
     except (ValueError, OSError, CheckpointError) as exc:
@@ -228,6 +248,7 @@ def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
     state = {k: v.detach().to(cast) for k, v in model.state_dict().items()}
     payload = {"model": state, "model_config": model_config, "iteration": iteration,
                "source": os.path.abspath(path)}  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)  # torch.save does not
     tmp = f"{out}.tmp-{os.getpid()}"
     torch.save(payload, tmp)
     os.replace(tmp, out)  # never leave a half-written file under the final name
@@ -249,7 +270,13 @@ def main_export(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    from stalwart.config.paths import check_output_file
+
+    problem = _not_a_directory("--load", args.load)
     try:
+        if problem is not None:
+            raise ValueError(problem)
+        check_output_file("--out", args.out)  # before the model is built and loaded
         print(_export(args.load, args.iteration, args.out, args.dtype))
     except (ValueError, OSError, CheckpointError) as exc:
         print(f"stalwart export: error: {exc}", file=sys.stderr)

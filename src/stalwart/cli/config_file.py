@@ -51,6 +51,8 @@ class _KeyError(Exception):
 
 def read_toml(path: str) -> dict[str, Any]:
     """The parsed file; ValueError naming ``--config`` and the file when it cannot be read."""
+    if not path.strip():
+        raise ValueError("--config is empty (it takes a TOML file)")
     if os.path.exists(path) and not os.path.isfile(path):
         raise ValueError(f"--config: {path} is not a regular file")  # a FIFO would block
     try:
@@ -60,16 +62,23 @@ def read_toml(path: str) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ValueError(f"--config: file not found: {path}") from None
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        raise ValueError(f"--config: cannot read {path}: values nested too deeply") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"--config: cannot read {path}: {reason}") from None
 
 
-def _flatten(data: dict[str, Any]) -> list[tuple[str, Any]]:
+_MAX_TABLE_DEPTH = 8  # tables only group keys; deeper is not a config file
+
+
+def _flatten(data: dict[str, Any], path: str, depth: int = 0) -> list[tuple[str, Any]]:
+    if depth > _MAX_TABLE_DEPTH:
+        raise ValueError(f"--config {path}: tables nested deeper than {_MAX_TABLE_DEPTH} levels")
     items: list[tuple[str, Any]] = []
     for key, value in data.items():
         if isinstance(value, dict):
-            items.extend(_flatten(value))
+            items.extend(_flatten(value, path, depth + 1))
         else:
             items.append((key, value))
     return items
@@ -156,7 +165,7 @@ def toml_defaults(
     index = _option_index(parser)
     defaults: dict[str, Any] = {}
     seen: dict[str, str] = {}  # destination (or refused flag) -> the key that set it
-    for key, value in _flatten(data):
+    for key, value in _flatten(data, path):
         name = key.replace("-", "_")
         if name not in index:
             raise ValueError(f"--config {path}: unknown key {key!r} (keys are flag names)")

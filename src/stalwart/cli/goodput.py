@@ -42,10 +42,17 @@ def main_goodput(argv: list[str]) -> int:
     except SystemExit as exc:  # --help (0) or a bad flag (2, one line already printed)
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     run_dir = Path(ns.run_dir)
+    if not ns.run_dir.strip():  # Path("") is the working directory
+        sys.stderr.write("stalwart goodput: error: RUN_DIR is empty (it takes a run directory)\n")
+        return EXIT_USAGE
     if not run_dir.is_dir():
         sys.stderr.write(f"stalwart goodput: error: RUN_DIR {run_dir} is not a directory\n")
         return EXIT_USAGE
-    file = read_ledger(run_dir / GOODPUT_FILE)
+    ledger = run_dir / GOODPUT_FILE
+    if ledger.exists() and not ledger.is_file():  # a FIFO blocked the read forever
+        sys.stderr.write(f"stalwart goodput: error: {ledger} is not a regular file\n")
+        return EXIT_USAGE
+    file = read_ledger(ledger)
     if not file.exists:
         sys.stderr.write(
             f"stalwart goodput: error: no {GOODPUT_FILE} in {run_dir} (the trainer writes it to "

@@ -101,6 +101,20 @@ def _check_output_paths(config: RunConfig) -> None:
     ):
         check_output_dir(flag, value)
     check_output_file("--metrics-file", obs.metrics_file)
+    _check_cache_env(config)
+
+
+def _check_cache_env(config: RunConfig) -> None:
+    """``$STALWART_CACHE`` (the embedded corpus's cache) must name a usable directory when the
+    run reads the corpus: a file there made every start rebuild the corpus without a word. The
+    cache's own rule (an unwritable cache is skipped) stays for failures at run time."""
+    import os
+
+    from stalwart.config.paths import check_output_dir
+
+    value = os.environ.get("STALWART_CACHE")
+    if config.data.data_path is None and value:
+        check_output_dir("environment variable STALWART_CACHE", value)
 
 
 def main_train(argv: list[str]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from stalwart.cli.args import OneLineErrorParser
@@ -43,7 +44,12 @@ def main_report(argv: list[str] | None = None) -> int:
     from stalwart.config.paths import check_output_file
 
     try:  # before any work: a directory as --output left a 5 MB <output>.tmp behind
+        if not args.run_dir.strip():  # Path("") is the working directory: a report of it
+            raise ValueError("RUN_DIR is empty (it takes a run directory)")
         check_output_file("--output", args.output)
+        if args.metrics_file is not None and not os.path.isfile(args.metrics_file):
+            # Named explicitly: a report without its metrics is not the report asked for.
+            raise ValueError(f"--metrics-file {args.metrics_file!r} is not a readable file")
     except ValueError as exc:
         print(f"stalwart report: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -41,7 +41,9 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, help=f"vocabulary size {_PRESET}")
     g.add_argument("--hidden-dropout", type=float, help="dropout probability (default: 0.0)")
     g.add_argument(
-        "--num-experts", type=int, help="MoE experts per layer; 0: dense MLP (default: 0)"
+        "--num-experts",
+        type=Int(1),
+        help="MoE experts per layer, >= 1 (default: none, a dense MLP; Megatron's meaning)",
     )
     g.add_argument("--moe-router-topk", type=int, help="experts per token (default: 2)")
     g.add_argument(

@@ -34,6 +34,23 @@ def _known_options() -> dict[str, Any]:
     return inductor_config.get_config_copy()
 
 
+def _none_allowed(key: str, current: Any) -> bool:
+    """Whether the option takes None: its declared type (torch's config entry, where this torch
+    records it) says Optional; without a declared type, every option but a bool one (a None
+    reached torch.compile and failed there, a traceback after the model was built)."""
+    import typing
+
+    import torch._inductor.config as inductor_config
+
+    entry = getattr(inductor_config, "_config", {}).get(key)
+    declared = getattr(entry, "value_type", None)
+    if declared is None:
+        return not isinstance(current, bool)
+    if declared is Any or declared is object:
+        return True
+    return type(None) in typing.get_args(declared)
+
+
 def _value(key: str, text: str, current: Any) -> Any:
     try:
         value = ast.literal_eval(text)
@@ -43,8 +60,13 @@ def _value(key: str, text: str, current: Any) -> Any:
         ) from None
     if not isinstance(value, _LITERALS):
         raise ValueError(f"{FLAG} {key}: only bool, int, float, str or None values, got {text!r}")
-    if current is None or value is None:
+    if current is None:
         return value
+    if value is None:
+        if _none_allowed(key, current):
+            return value
+        kind = "True or False" if isinstance(current, bool) else f"a {type(current).__name__}"
+        raise ValueError(f"{FLAG} {key}: Inductor's option takes {kind} (not None), got {text!r}")
     if isinstance(current, bool) or isinstance(value, bool):
         if isinstance(current, bool) and isinstance(value, bool):
             return value

@@ -56,6 +56,8 @@ def check_output_file(flag: str, value: str | None) -> None:
     if path.is_dir():
         raise ValueError(f"{flag} {value!r} is a directory (it names a file to write)")
     if path.exists():
+        if not path.is_file():  # a FIFO blocks the first append until a reader comes
+            raise ValueError(f"{flag} {value!r} is not a regular file (it names a file to write)")
         if not os.access(path, os.W_OK):
             raise ValueError(f"{flag} {value!r} is not writable")
         return

@@ -45,6 +45,23 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "num_layers": 2,
 }
 
+_MOE_FLAGS = {
+    "moe_router_topk": "--moe-router-topk",
+    "moe_aux_loss_coeff": "--moe-aux-loss-coeff",
+    "moe_capacity_factor": "--moe-expert-capacity-factor",
+}
+
+
+def _check_moe_flags(ns: argparse.Namespace, num_experts: int) -> None:
+    """MoE settings on a dense model would be accepted and ignored: a different run than asked."""
+    given = [flag for dest, flag in _MOE_FLAGS.items() if getattr(ns, dest, None) is not None]
+    if given and num_experts == 0:
+        verb = "need" if len(given) > 1 else "needs"
+        raise ValueError(
+            f"{', '.join(given)} {verb} --num-experts N (>= 1); without it the MLP is dense"
+        )
+
+
 DEFAULT_TRAIN_ITERS = 100  # --train-iters without --train-samples
 
 _MODEL_FLAGS = {
@@ -218,6 +235,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     }
     overrides.update(architecture_overrides(ns))  # Llama switches and activation recompute
     model = preset_model_config(ns.preset, **overrides)
+    _check_moe_flags(ns, model.num_experts)
     if ns.micro_batch_size is None:
         ns.micro_batch_size = PRESET_MICRO_BATCH_SIZE[ns.preset]
     _check_sample_flags(ns)

@@ -188,6 +188,12 @@ class DataConfig:
             self.data_dtype in ("uint16", "uint32"),
             f"--data-dtype: got {self.data_dtype!r}, allowed: uint16, uint32",
         )
+        blend = parse_data_blend(self.data_path) or []
+        _require(  # else accepted and ignored: text files and the corpus are read as bytes
+            self.data_dtype == "uint16" or any(p.endswith(".bin") for _, p in blend),
+            f"--data-dtype {self.data_dtype} applies to .bin files only, and --data-path names "
+            "none (other files and the embedded corpus are read as bytes)",
+        )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -4,10 +4,16 @@ Data sources (``--data-path``): none -> the embedded stdlib corpus (bytes); ``*.
 little-endian array of ``--data-dtype`` (uint16 or uint32), memory-mapped; anything else -> a
 text/binary file read as bytes (uint8, vocabulary 256). Several sources, optionally weighted,
 are blended (`stalwart.data.blend`).
+
+A ``*.bin`` with a Megatron index beside it (``x.idx``: magic ``MMIDIDX\\x00\\x00``, a uint64
+version, then one byte naming the token dtype) must have the index's item size: the tokens of
+an int32 ``.bin`` read as uint16 would be a silently different run. Only those first 18 bytes are
+read. The ``.idx`` itself, or a Megatron path prefix without ``.bin``, is refused with a hint.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +24,10 @@ from stalwart.data.blend import BlendedDataset, SampleSource, parse_data_blend
 from stalwart.data.corpus import load_corpus
 
 _BIN_DTYPES = ("uint16", "uint32")
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+# Megatron's index dtype codes (its DType enum) -> numpy dtype.
+_IDX_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64",
+               7: "float32", 8: "uint16"}  # fmt: skip
 _MAX_CHECK_CHUNK = 1 << 24
 
 
@@ -75,6 +85,39 @@ def _bin_dtype(data_dtype: str) -> np.dtype:
     return np.dtype(data_dtype).newbyteorder("<")
 
 
+def _check_megatron_index(data_path: str, path: Path, data_dtype: str) -> None:
+    """A Megatron ``.idx`` beside the ``.bin`` must name a dtype of ``data_dtype``'s item size."""
+    from stalwart.regular_file import open_regular
+
+    try:
+        with open_regular(path.with_suffix(".idx")) as f:
+            head = f.read(len(_IDX_MAGIC) + 9)
+    except OSError:
+        return  # no index (or not a file): a plain token array
+    if len(head) < len(_IDX_MAGIC) + 9 or not head.startswith(_IDX_MAGIC):
+        return
+    code = head[-1]
+    name = _IDX_DTYPES.get(code)
+    if name is None:
+        raise ValueError(
+            f"--data-path {data_path!r}: its Megatron index names an unknown dtype code {code}"
+        )
+    kind = np.dtype(name)
+    if kind.kind not in "iu" or kind.itemsize != np.dtype(data_dtype).itemsize:
+        allowed = {2: "uint16", 4: "uint32"}.get(kind.itemsize) if kind.kind in "iu" else None
+        fix = f"pass --data-dtype {allowed}" if allowed else "allowed: uint16, uint32 token ids"
+        raise ValueError(
+            f"--data-path {data_path!r}: its Megatron index {path.with_suffix('.idx').name} says "
+            f"the tokens are {name}, not --data-dtype {data_dtype} ({fix})"
+        )
+
+
+def _missing_path_hint(data_path: str) -> str:
+    if os.path.isfile(f"{data_path}.bin"):  # Megatron's --data-path takes the prefix
+        return f"; a Megatron prefix? pass {data_path}.bin"
+    return ""
+
+
 def load_tokens(data_path: str | None, data_dtype: str = "uint16") -> np.ndarray:
     """Load the flat token array for ``--data-path`` (see module docstring).
 
@@ -86,7 +129,15 @@ def load_tokens(data_path: str | None, data_dtype: str = "uint16") -> np.ndarray
         return load_corpus().tokens
     path = Path(data_path)
     if not path.is_file():
-        raise ValueError(f"--data-path {data_path!r} does not exist or is not a regular file")
+        raise ValueError(
+            f"--data-path {data_path!r} does not exist or is not a regular file"
+            + _missing_path_hint(data_path)
+        )
+    if path.suffix == ".idx" and path.with_suffix(".bin").is_file():
+        raise ValueError(
+            f"--data-path {data_path!r} is a Megatron index, not tokens: pass "
+            f"{path.with_suffix('.bin')} (with --data-dtype of the index)"
+        )
     try:
         size = path.stat().st_size
         if path.suffix == ".bin":
@@ -96,6 +147,7 @@ def load_tokens(data_path: str | None, data_dtype: str = "uint16") -> np.ndarray
                     f"--data-path {data_path!r}: size {size} bytes is empty or not a multiple "
                     f"of --data-dtype {data_dtype} ({dtype.itemsize} bytes)"
                 )
+            _check_megatron_index(data_path, path, data_dtype)
             return np.memmap(path, dtype=dtype, mode="r")
         data = path.read_bytes()
     except OSError as exc:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.regular_file import open_regular
+
 GOODPUT_FILE = "goodput.jsonl"
 SCHEMA_VERSION = 1
 MAX_LINE_BYTES = 1 << 16  # a longer line is not a record this writer produced
@@ -198,7 +200,7 @@ def read_ledger(path: str | os.PathLike[str]) -> LedgerFile:
     """Read a ledger file (missing file: empty result). Never raises for bad content."""
     out = LedgerFile()
     try:
-        f = open(path, "rb")  # noqa: SIM115 (closed below; a directory or a FIFO raises here)
+        f = open_regular(path)  # closed below; a directory, a FIFO or a device raises here
     except OSError:
         return out
     out.exists = True

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from stalwart.distributed.launch_env import env_token
+from stalwart.regular_file import open_regular
 
 PROGRESS_FILE = "progress.txt"
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -121,7 +122,8 @@ class ProgressLog:
 
     def _lines(self) -> list[str]:
         try:
-            return self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+            with open_regular(self.path) as f:  # a FIFO planted there would block the save
+                return f.read().decode("utf-8", errors="replace").splitlines()
         except OSError:
             return []
 

@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from stalwart.regular_file import open_regular
+
 MAX_FILE_BYTES = 1 << 30
 
 
@@ -25,7 +27,7 @@ def read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     bad = 0
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read(MAX_FILE_BYTES)
     except OSError as exc:
         notes.append(f"{path.name}: unreadable ({exc.strerror or exc})")
@@ -50,7 +52,7 @@ def read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
 def read_json(path: Path, notes: list[str]) -> dict[str, Any] | None:
     """A JSON object file, or None with a note (unreadable, binary, not an object)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             obj = json.loads(f.read(MAX_FILE_BYTES))
     except (OSError, ValueError, RecursionError) as exc:
         notes.append(f"{path.name}: unreadable ({type(exc).__name__}), section skipped")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.observability.sinks import append_line
+from stalwart.regular_file import open_regular
 
 MANIFEST_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -127,9 +128,11 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, object]:
     """``<root>/run.json`` as a dict; empty when missing, unreadable, huge or not an object."""
     path = Path(root) / MANIFEST_FILE
     try:
-        if path.stat().st_size > 1 << 20:
+        with open_regular(path) as f:  # a FIFO would block; a device is refused
+            raw = f.read((1 << 20) + 1)
+        if len(raw) > 1 << 20:
             return {}
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

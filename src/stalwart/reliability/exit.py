@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.distributed import collectives
+from stalwart.regular_file import open_regular
 from stalwart.reliability.agreement import Agreed, ExitProbe, IterationAgreement
 from stalwart.reliability.replica_check import ReplicaCheckResult
 from stalwart.reliability.rerun.types import (
@@ -399,7 +400,7 @@ def read_exit_reason(save_dir: str | os.PathLike[str]) -> tuple[dict[str, Any] |
     JSON: reading it runs nothing."""
     path = Path(save_dir) / EXIT_REASON_FILENAME
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             record = json.loads(f.read(1 << 20))
     except FileNotFoundError:
         return None, f"no {EXIT_REASON_FILENAME}"

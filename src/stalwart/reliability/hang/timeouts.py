@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from stalwart.regular_file import open_regular
 from stalwart.reliability.hang.config import (
     _TIMEOUT_KEYS,
     FT_STATE_FILENAME,
@@ -129,7 +130,8 @@ def save_ft_state(path: str | os.PathLike[str], state: FtState, safety_factor: f
 
 def _read_ft_state(target: Path) -> tuple[dict[str, object], frozenset[str], dict[str, float]]:
     """Raw ``(timeouts, calculated sections, observed maxima)``; raises on a malformed file."""
-    data = json.loads(target.read_text(encoding="utf-8"))
+    with open_regular(target) as f:  # a FIFO planted there would block the start
+        data = json.loads(f.read(1 << 20).decode("utf-8"))
     raw = data["timeouts"]
     if not isinstance(raw, dict) or not isinstance(data["calculated_sections"], list):
         raise TypeError("'timeouts' must be an object and 'calculated_sections' a list")
@@ -150,7 +152,7 @@ def load_ft_state(path: str | os.PathLike[str]) -> FtState | None:
         return None
     try:
         raw, calculated, observed = _read_ft_state(target)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         logger.warning("stalwart-ft: ignoring unreadable %s (%s)", target, exc)
         return None
     usable = {k: float(v) for k, v in raw.items() if timeout_problem(v, 0.0) is None}  # type: ignore[arg-type]
@@ -175,7 +177,7 @@ def resolve_timeouts(
         return config.timeouts, frozenset()
     try:
         raw, calculated, _ = _read_ft_state(path)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         logger.warning("stalwart-ft: ignoring unreadable %s (%s)", path, exc)
         return config.timeouts, frozenset()
     learned: dict[str, float] = {}
