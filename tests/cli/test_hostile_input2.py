@@ -102,6 +102,9 @@ FOUND = [
     ([*T, "--data-path", "{d}/int32"], "a Megatron prefix? pass {d}/int32.bin"),
     # A FIFO as --metrics-file: accepted, then the first append blocked.
     ([*T, "--metrics-file", "{d}/fifo"], "--metrics-file '{d}/fifo' is not a regular file"),
+    # ... or planted in the run or save directory under a file the run appends to.
+    ([*T, "--run-dir", "{d}/run"], "--run-dir '{d}/run': goodput.jsonl is not a regular file"),
+    ([*T, "--save", "{d}/run"], "--save '{d}/run': goodput.jsonl is not a regular file"),
     # Poor messages: "error:  is not a directory".
     (["checkpoints", ""], "SAVE_DIR is empty"),
     (["checkpoints", "{d}/nope"], "SAVE_DIR '{d}/nope' does not exist"),

@@ -87,7 +87,10 @@ def _check_before_start(config: RunConfig) -> None:
 def _check_output_paths(config: RunConfig) -> None:
     """Directories and files the run will write: a file where a directory belongs (or the
     reverse) is one line now, not a traceback from the sink that opens it mid-run."""
-    from stalwart.config.paths import check_output_dir, check_output_file
+    from stalwart.config.paths import check_files_in, check_output_dir, check_output_file
+    from stalwart.observability.goodput_records import GOODPUT_FILE
+    from stalwart.observability.progress_log import PROGRESS_FILE
+    from stalwart.observability.run_dir import EVENTS_FILE, METRICS_FILE
 
     obs = config.obs
     if config.checkpoint.save is not None and not config.checkpoint.save.strip():
@@ -101,6 +104,9 @@ def _check_output_paths(config: RunConfig) -> None:
     ):
         check_output_dir(flag, value)
     check_output_file("--metrics-file", obs.metrics_file)
+    for flag, directory in (("--run-dir", obs.run_dir), ("--save", config.checkpoint.save)):
+        # The files the run appends to there (a planted FIFO would block the first append).
+        check_files_in(flag, directory, (PROGRESS_FILE, GOODPUT_FILE, METRICS_FILE, EVENTS_FILE))
     _check_cache_env(config)
 
 

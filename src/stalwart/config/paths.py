@@ -64,4 +64,17 @@ def check_output_file(flag: str, value: str | None) -> None:
     _check_ancestors(flag, path)
 
 
-__all__ = ["check_output_dir", "check_output_file"]
+def check_files_in(flag: str, directory: str | None, names: tuple[str, ...]) -> None:
+    """The files the run appends to inside ``directory`` (None: unset), where present, must be
+    regular files: a FIFO planted under such a name would block the first append forever."""
+    if directory is None or not directory.strip():
+        return
+    for name in names:
+        path = Path(directory) / name
+        if path.exists() and not path.is_file():
+            raise ValueError(
+                f"{flag} {directory!r}: {name} is not a regular file (the run appends to it)"
+            )
+
+
+__all__ = ["check_files_in", "check_output_dir", "check_output_file"]

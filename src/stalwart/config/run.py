@@ -241,13 +241,6 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     _check_sample_flags(ns)
     training = _pick(ns, TrainingConfig)
     checkpoint = _pick(ns, CheckpointConfig)
-    ft_kwargs: dict[str, Any] = {
-        "enable_ft": ns.enable_ft,
-        "calc_ft_timeouts": ns.calc_ft_timeouts,
-        "ft_num_warmup_iters": ns.ft_num_warmup_iters,
-    }
-    if ns.ft_timeouts:
-        ft_kwargs["timeouts"] = parse_ft_timeouts(ns.ft_timeouts)
     exit_config = ExitConfig(
         exit_signal_handler=ns.exit_signal_handler,
         exit_signal=ns.exit_signal,
@@ -276,7 +269,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         log=log,
         obs=_pick(ns, ObservabilityConfig),
         rerun=rerun,
-        ft=FaultToleranceConfig(**ft_kwargs),
+        ft=_ft_config(ns),
         exit=exit_config,
         faults=_pick(ns, FaultInjectionConfig),
         inprocess=_pick(ns, InProcessConfig),
@@ -284,6 +277,17 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     )
     check_combinations(config)
     return config
+
+
+def _ft_config(ns: argparse.Namespace) -> FaultToleranceConfig:
+    ft_kwargs: dict[str, Any] = {
+        "enable_ft": ns.enable_ft,
+        "calc_ft_timeouts": ns.calc_ft_timeouts,
+        "ft_num_warmup_iters": ns.ft_num_warmup_iters,
+    }
+    if ns.ft_timeouts:
+        ft_kwargs["timeouts"] = parse_ft_timeouts(ns.ft_timeouts)
+    return FaultToleranceConfig(**ft_kwargs)
 
 
 def derive_combinations(
