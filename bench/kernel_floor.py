@@ -113,16 +113,27 @@ INGREDIENTS = {
         *NO_MIX_ORDER,
         "--gradient-accumulation-fusion",
     ],
+    # ... and the output layer + loss as one op whose forward writes the logits' gradient in
+    # place (--cross-entropy-loss-fusion: one pass over the [tokens, vocab] logits less).
+    "weights_residual_clip_nomix_fused_ce": [
+        *BEST,
+        "--clip-grad-in-optimizer",
+        *NO_MIX_ORDER,
+        "--gradient-accumulation-fusion",
+        "--cross-entropy-loss-fusion",
+    ],
 }
 BASELINES = ("reduce_overhead", "plain_eager")
 # Priority order: the baseline, the best set (the target's ratio; built even when compiles eat
 # the budget: bf16 weights + bf16 residual, the clip in the step, no mix-order reduction,
-# gradient accumulation fusion, the optimizer in its own graph so the next iteration is
-# launched ahead), the bf16 weights + residual alone, today, all three (the optimizer in the graph: no launch ahead),
+# gradient accumulation fusion, the fused loss, the optimizer in its own graph so the next
+# iteration is launched ahead), the same without the fused loss, the bf16 weights + residual
+# alone, today, all three (the optimizer in the graph: no launch ahead),
 # then the single ingredients (those sharing a compiled model graph with an earlier variant
 # compile from the cache).
 DEFAULT_VARIANTS = (
-    "reduce_overhead,weights_residual_clip_nomix_fused,weights_residual,weights_residual_clip,"
+    "reduce_overhead,weights_residual_clip_nomix_fused_ce,weights_residual_clip_nomix_fused,"
+    "weights_residual,weights_residual_clip,"
     "today,all,optimizer_in_graph,bf16_weights,bf16_residual"
 )
 PRESET_WEIGHT = {"gpt2-124m": 3.0, "small": 2.0}  # budget shares (others 1)

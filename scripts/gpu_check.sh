@@ -126,8 +126,13 @@ step bench_graphs 300 python3 bench/graphs.py --variants \
 [[ " ${STEPS:-} " == *" kernel_floor_probe "* ]] && step kernel_floor_probe 240 python3 \
   bench/kernel_floor.py --presets gpt2-124m --variants reduce_overhead,weights_residual,all,today \
   --rounds 4 --budget-s 200 --trainer-iters 0 --json "$WORK/kernel_floor_probe.json"
-[[ " ${STEPS:-} " == *" kernel_floor_tests "* ]] && step kernel_floor_tests 120 python3 -m pytest \
-  -q -s -rfs -m gpu -p no:cacheprovider tests/gpu/test_kernel_floor_gpu.py
+[[ " ${STEPS:-} " == *" kernel_floor_tests "* ]] && step kernel_floor_tests 150 python3 -m pytest \
+  -q -s -rfs -m gpu -p no:cacheprovider tests/gpu/test_kernel_floor_gpu.py \
+  tests/gpu/test_cross_entropy_fusion_gpu.py
+# The fused output layer + loss alone against the compiled unfused one, and the loss kernel per
+# block configuration (--cross-entropy-loss-fusion; opt-in, ~1 min).
+[[ " ${STEPS:-} " == *" bench_cross_entropy "* ]] && step bench_cross_entropy 150 python3 \
+  bench/cross_entropy_fusion.py --kernel-only --json "$WORK/cross_entropy_fusion.json"
 [[ " ${STEPS:-} " == *" train_kernel_floor "* ]] && step train_kernel_floor 90 "${TRAIN[@]}" \
   --cuda-graph-impl full_iteration --cuda-graph-include-optimizer --bf16-compute-weights \
   --bf16-residual-connection --eval-interval 10 --eval-iters 6 \
@@ -170,6 +175,7 @@ done
 for f in "$WORK"/bench_graphs*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "^\||^- " "$f"; }
 done
+[ -f "$WORK/bench_cross_entropy.log" ] && { echo "== bench_cross_entropy"; grep -E "^\||^\{" "$WORK/bench_cross_entropy.log"; }
 for f in "$WORK"/kernel_floor.log "$WORK"/kernel_floor_gpt2.log "$WORK"/kernel_floor_small_tiny.log \
   "$WORK"/kernel_floor_probe.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "^\||^- |^kernel floor|^device idle|^[a-z0-9-]+ \(base|^trainer|^\{\"preset" "$f" | cut -c1-400; }

@@ -38,3 +38,16 @@ def test_check_ops_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     assert "| off |" in text and "| checks |" in text and "checks add" in text
     assert "host reads (checks): {'tolist at stalwart/reliability/rerun/buffer.py" in text
+
+
+def test_cross_entropy_fusion_runs_on_cpu(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import cross_entropy_fusion  # type: ignore[import-not-found]
+
+    out = tmp_path / "result.json"
+    assert cross_entropy_fusion.main(["--smoke", "--json", str(out)]) == 0
+    assert "| fused |" in capsys.readouterr().out
+    result = __import__("json").loads(out.read_text())
+    assert result["check"]["grad_w_rel"] < 1e-5 and result["check"]["loss_diff"] < 1e-5
+    assert [r["variant"] for r in result["rows"]] == ["unfused", "fused"]

@@ -129,6 +129,19 @@ def test_gradient_accumulation_fusion_in_the_graph_matches_eager() -> None:
 
 
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_fused_loss_in_the_graph_matches_eager(untie: bool) -> None:
+    """``--cross-entropy-loss-fusion`` (the Triton kernel) captured with the bf16 copies and
+    gradient accumulation fusion: losses within the rerun tolerance of the plain eager step."""
+    plain = Job(_config(untie_embeddings_and_output_weights=untie), floor=False)
+    cfg = _config(untie_embeddings_and_output_weights=untie, cross_entropy_loss_fusion=True)
+    fused = Job(cfg, floor=True, fuse=True)
+    a, b = plain.train(), fused.train()
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(y.losses["lm loss"], x.losses["lm loss"], rtol=1e-3, atol=0)
+    assert fused.step.runners.evaluate.phase(GraphMode.TRAINING) is StagePhase.CAPTURED
+
+
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
 def test_fused_gradients_match_the_copies_gradients(untie: bool) -> None:
     """One pass of 4 micro-batches, eager, the same seed and data: every fp32 gradient with the
     fusion is the unfused one up to bf16 rounding (the fused GEMM sums in fp32; the unfused

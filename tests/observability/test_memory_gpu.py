@@ -31,6 +31,8 @@ CASES = [
         {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     ),
     ("gpt2-124m", {"recompute_granularity": "selective"}),
+    pytest.param("gpt2-124m", {"cross_entropy_loss_fusion": True}, id="gpt2-124m-fused-loss"),
+    pytest.param("llama-150m", {"cross_entropy_loss_fusion": True}, id="llama-150m-fused-loss"),
 ]
 
 

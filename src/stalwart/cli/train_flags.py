@@ -180,6 +180,13 @@ def _precision_flags(g: Any) -> None:
         help="with --bf16: keep the residual stream in bf16 instead of fp32 (Megatron's "
         "default under bf16, whose fp32 residual option is this switch off)",
     )
+    g.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="the output layer and the cross entropy as one op whose forward writes the loss's "
+        "gradient over the logits in place (one pass over the [tokens, vocab] logits less, no "
+        "second tensor of that size; a Triton kernel on CUDA); Megatron's flag",
+    )
     g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="fp16 starting scale")
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16 scale floor")
     g.add_argument(

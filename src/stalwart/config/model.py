@@ -24,6 +24,7 @@ _PASS_THROUGH = {
     "recompute_method": "recompute_method",
     "recompute_num_layers": "recompute_num_layers",
     "bf16_residual_connection": "bf16_residual_connection",
+    "cross_entropy_loss_fusion": "cross_entropy_loss_fusion",
 }
 
 

@@ -338,6 +338,12 @@ def check_combinations(config: RunConfig) -> None:
             "--bf16-compute-weights is not supported with --use-torch-fsdp2 (FSDP2 reduces the "
             "sharded fp32 gradients in its own hooks, which the bf16 copies bypass; use --bf16)"
         )
+    if config.model.cross_entropy_loss_fusion and config.training.fp16:
+        raise ValueError(
+            "--cross-entropy-loss-fusion is not supported with --fp16 (the loss's gradient is "
+            "written in the forward, before the loss scale, and would underflow in fp16; use "
+            "--bf16)"
+        )
     if config.model.bf16_residual_connection and not config.training.bf16:
         raise ValueError(
             "--bf16-residual-connection needs --bf16 (the norms read the bf16 stream under bf16 "

@@ -8,6 +8,7 @@ from stalwart.models.config import (
     RecomputeMethod,
 )
 from stalwart.models.flops import num_floating_point_operations
+from stalwart.models.fused_cross_entropy import linear_cross_entropy
 from stalwart.models.gpt import GPT
 from stalwart.models.moe import MoEMLP, MoERouter
 from stalwart.models.presets import PRESET_MICRO_BATCH_SIZE, PRESETS, preset_model_config
@@ -26,6 +27,7 @@ __all__ = [
     "RecomputeGranularity",
     "RecomputeMethod",
     "layer_units",
+    "linear_cross_entropy",
     "num_floating_point_operations",
     "preset_model_config",
 ]

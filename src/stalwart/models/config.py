@@ -130,6 +130,9 @@ class GPTConfig:
     # bf16 autocast: half the residual traffic and saved residuals (Megatron's default under
     # --bf16; its --fp32-residual-connection is this switch off). Needs bf16 autocast.
     bf16_residual_connection: bool = False
+    # The output layer and the cross entropy as one op whose forward writes the loss's gradient
+    # over the logits (Megatron's --cross-entropy-loss-fusion; stalwart.models.fused_cross_entropy).
+    cross_entropy_loss_fusion: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
@@ -233,6 +236,7 @@ class GPTConfig:
             ("--untie-embeddings-and-output-weights", self.untie_embeddings_and_output_weights),
             ("--disable-bias-linear", self.add_bias_linear),
             ("--bf16-residual-connection", self.bf16_residual_connection),
+            ("--cross-entropy-loss-fusion", self.cross_entropy_loss_fusion),
         ):
             _require_bool(value, flag)
         _require_int(self.rotary_base, "--rotary-base", 1)

@@ -16,6 +16,7 @@ from torch import nn
 from stalwart.models.blocks import TransformerBlock, make_norm
 from stalwart.models.config import GPTConfig
 from stalwart.models.functional import rotary_tables
+from stalwart.models.fused_cross_entropy import linear_cross_entropy
 from stalwart.models.fused_grad import Linear, embedding_accumulating, linear_accumulating
 from stalwart.models.moe import MoEMLP, MoERouter
 from stalwart.models.recompute import layer_units, recomputed
@@ -123,12 +124,9 @@ class GPT(nn.Module):
             x = x.to(torch.bfloat16)
         x, aux_losses = self._run_layers(self.embedding_dropout(x))
         x = self.final_layernorm(x)
-        logits = self._logits(x)
         if labels is None:
-            return logits
-        lm_loss = F.cross_entropy(
-            logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-        )
+            return self._logits(x)
+        lm_loss = self._loss(x, labels)
         out = {"lm loss": lm_loss.detach()}
         if aux_losses:
             aux_sum = torch.stack(aux_losses).sum()
@@ -137,6 +135,22 @@ class GPT(nn.Module):
         else:
             out["loss"] = lm_loss
         return out
+
+    def _loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean token cross entropy (fp32) of the output layer on ``x``. Fused
+        (``cross_entropy_loss_fusion``) only where a backward follows: without one the forward
+        would write a gradient nobody reads."""
+        if not (self.config.cross_entropy_loss_fusion and torch.is_grad_enabled()):
+            logits = self._logits(x)
+            return F.cross_entropy(
+                logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+            )
+        if self.output_layer is not None:
+            target, fp32 = self.output_layer.weight_main_grad, self.output_layer.fp32_wgrad
+        else:
+            target, fp32 = self.output_compute_weight_main_grad, self.fp32_wgrad
+        weight = self._output_weight()
+        return linear_cross_entropy(x, weight, labels, main_grad=target, fp32_wgrad=fp32)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.output_layer is not None:

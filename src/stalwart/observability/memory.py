@@ -36,6 +36,10 @@ from pathlib import Path
 
 import torch
 
+from stalwart.observability.memory_megatron import (
+    megatron_activation_bytes,
+    megatron_bytes_per_parameter,
+)
 from stalwart.observability.memory_model import (
     CUDA_WORKSPACE_BYTES,
     MIB,
@@ -46,8 +50,6 @@ from stalwart.observability.memory_model import (
     compute_weight_parameters,
     count_parameters,
     layer_parameters,
-    megatron_activation_bytes,
-    megatron_bytes_per_parameter,
     theoretical_memory,
 )
 from stalwart.observability.sinks import MetricSink

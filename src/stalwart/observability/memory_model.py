@@ -40,6 +40,11 @@ stream and norm outputs are fp32 because the norms run in fp32):
                                 log-softmax output, fp32]
     loss backward transient   = 8t*V [grad of the log-probs + grad of the fp32 logits, alive
                                 together with the saved log-softmax output: the peak]
+    with --cross-entropy-loss-fusion the head saves e*t*V (the logits' gradient, written over
+        the logits in the forward) instead of 4t*V, and the transient is 2*e*t*h (the lm-head
+        input scaled by the loss's incoming gradient, and its gradient): no [t, V] tensor is
+        made in the backward (the CUDA kernel writes in place; the CPU path's fp32 temporaries,
+        in row chunks of 2^24 values, are not counted)
 
 Activation recompute (``stalwart.models.recompute``):
 
@@ -146,6 +151,8 @@ class GPTShape(Protocol):
     def recompute_num_layers(self) -> int | None: ...
     @property
     def bf16_residual_connection(self) -> bool: ...
+    @property
+    def cross_entropy_loss_fusion(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -179,11 +186,6 @@ def bytes_per_parameter(dp_size: int, sharded_optimizer: bool, bf16: bool) -> fl
     replicated = 4.0 + 4.0 + (2.0 if bf16 else 0.0)
     adam = 8.0
     return replicated + (adam / dp_size if sharded_optimizer else adam)
-
-
-def megatron_bytes_per_parameter(dp_size: int, distributed_optimizer: bool) -> float:
-    """Megatron's formula: 18 without the distributed optimizer, else 6 + 12/DP."""
-    return 6.0 + 12.0 / dp_size if distributed_optimizer else 18.0
 
 
 def _norm_parameters(cfg: GPTShape) -> int:
@@ -318,17 +320,32 @@ def activation_breakdown(
     kept = sum(u.stop - u.start for u in units if not u.recompute)
     recomputed = sum(1 for u in units if u.recompute)
     mask = t * h if cfg.dropout > 0 else 0.0
-    v = cfg.vocab_size
     terms = {
         "layers.attention": kept * attn,
         "layers.mlp": kept * mlp,
         "embedding": 16 * t + mask,
-        "head": t * _norm_saved(cfg, fused_rms_norm, norm_input) + e * t * h + 4 * t * v,
-        "loss_backward_transient": 8 * t * v,
+        "head": t * _norm_saved(cfg, fused_rms_norm, norm_input)
+        + e * t * h
+        + _loss_saved(cfg, e, t),
+        "loss_backward_transient": _loss_transient(cfg, e, t),
     }
     if recomputed:
         terms["layers.recompute_inputs"] = recomputed * _residual_bytes(cfg, bf16) * t * h
     return terms
+
+
+def _loss_saved(cfg: GPTShape, e: float, t: float) -> float:
+    """What the loss keeps for backward: the fp32 log-softmax output, or fused
+    (``cross_entropy_loss_fusion``) the logits' gradient written over the logits (compute dtype)."""
+    return (e if cfg.cross_entropy_loss_fusion else 4.0) * t * cfg.vocab_size
+
+
+def _loss_transient(cfg: GPTShape, e: float, t: float) -> float:
+    """The loss backward's transient: the log-probs' and fp32 logits' gradients; fused, only
+    the lm-head input scaled by the incoming gradient and its gradient (``[t, h]`` each)."""
+    if cfg.cross_entropy_loss_fusion:
+        return 2.0 * e * t * cfg.hidden_size
+    return 8.0 * t * cfg.vocab_size
 
 
 def _recompute_backward_bytes(
@@ -471,23 +488,3 @@ def theoretical_memory(
         bytes_per_parameter=bpp,
         breakdown=breakdown,
     )
-
-
-def megatron_activation_bytes(
-    cfg: GPTShape, micro_batch_size: int, sequence_parallel: bool = False
-) -> float:
-    """Megatron's ``compute_activation_memory`` (TP = PP = 1), for comparison only.
-
-    Megatron uses Korthikanti et al.'s selective formula ``s*b*h*(18 + 4f/h)`` per layer only with
-    sequence parallelism and selective recompute, and otherwise ``s*b*h*34`` per layer times
-    1.05, whatever the recompute setting (it overestimates full recompute).
-    """
-    s, b, h, v = cfg.seq_length, micro_batch_size, cfg.hidden_size, cfg.vocab_size
-    f = cfg.ffn_hidden_size or 4 * h
-    sbh = float(s * b * h)
-    embedding = 8.0 * s * b + sbh
-    if sequence_parallel and cfg.recompute_granularity is RecomputeGranularity.SELECTIVE:
-        per_layer = sbh * (18 + 4 * f / h)
-        return cfg.num_layers * per_layer + embedding + sbh * 4 * (1 + v / h)
-    per_layer = sbh * (10 + 24)
-    return (cfg.num_layers * per_layer + embedding + (s * b * v + sbh) * 2) * 1.05
