@@ -205,3 +205,28 @@ def test_fp16_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--cross-entropy-loss-fusion is not supported with --fp16" in err[0]
+
+
+def test_the_flag_reaches_the_model_and_dispatches_the_fused_op() -> None:
+    """The CLI flag -> the run config -> the GPT -> one fused op and no log-softmax (with a
+    backward to follow; without one the plain loss)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from train_utils import make_config  # type: ignore[import-not-found]
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    for flag, fused in ((["--cross-entropy-loss-fusion"], True), ([], False)):
+        model = GPT(make_config(*flag).model)
+        ids = torch.randint(0, 64, (2, 17))
+        with Ops() as ops:
+            model(ids[:, :-1], ids[:, 1:])["loss"].backward()
+        assert ("stalwart.linear_cross_entropy" in ops.names) is fused
+        assert ("aten._log_softmax" in ops.names) is not fused
