@@ -51,3 +51,10 @@ def test_cross_entropy_fusion_runs_on_cpu(
     result = __import__("json").loads(out.read_text())
     assert result["check"]["grad_w_rel"] < 1e-5 and result["check"]["loss_diff"] < 1e-5
     assert [r["variant"] for r in result["rows"]] == ["unfused", "fused"]
+
+
+def test_attention_backends_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import attention_backends  # type: ignore[import-not-found]
+
+    assert attention_backends.main(["--smoke"]) == 0
+    assert "| math |" in capsys.readouterr().out
