@@ -58,3 +58,28 @@ def test_attention_backends_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> N
 
     assert attention_backends.main(["--smoke"]) == 0
     assert "| math |" in capsys.readouterr().out
+
+
+def test_trace_gaps_reads_a_chrome_trace(tmp_path: Path) -> None:
+    """Busy time is the union of the device intervals; a gap lists the host ops inside it."""
+    import trace_gaps  # type: ignore[import-not-found]
+
+    def event(cat: str, name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        event("kernel", "gemm", 0, 100), event("kernel", "gemm", 50, 100),  # overlap: 0-150
+        event("gpu_memcpy", "Memcpy HtoD", 400, 50),  # a 250 us gap before it
+        event("kernel", "softmax", 460, 40),  # a 10 us gap: under --min-gap-us
+        event("cpu_op", "aten::item", 140, 200), event("cpu_op", "aten::add", 10, 20),
+    ]}  # fmt: skip
+    path = tmp_path / "trace.json"
+    path.write_text(__import__("json").dumps(trace))
+    result = trace_gaps.summarize(str(path), iterations=2, top=5, min_gap_us=20.0)
+    assert result["span_ms"] == pytest.approx(0.5 / 2)
+    assert result["busy_ms"] == pytest.approx(0.24 / 2)  # 150 + 50 + 40 us
+    assert result["idle_ms"] == pytest.approx(0.26 / 2)
+    (gap,) = result["top_gaps"]
+    assert gap["us"] == 250 and gap["before"] == "gemm" and gap["after"] == "Memcpy HtoD"
+    assert gap["host"] == ["aten::item"]
+    assert result["top_kernels_ms"][0] == ("gemm", pytest.approx(0.2 / 2))
