@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -172,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row['variant']} | {row['median_ms']:.3f} | {row['min_ms']:.3f}-"
               f"{row['max_ms']:.3f} | {ratio:.3f}x | {'' if peak is None else f'{peak:.0f}'} |")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -18,6 +18,7 @@ import collections
 import itertools
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -100,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- gap {g['us']:.0f} us at {g['at_ms']:.1f} ms after '{g['before']}' before "
               f"'{g['after']}'; host: {', '.join(g['host']) or 'none'}")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
