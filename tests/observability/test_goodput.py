@@ -425,7 +425,8 @@ def test_log_step_writes_the_open_interval(tmp_path) -> None:
 
 def test_a_watchdogs_hang_record_makes_the_failed_step_a_hang(tmp_path) -> None:
     """The peer of a hung rank: its collective fails when the watchdog aborts the process
-    group, after the watchdog (another process) appended its ``fault`` record."""
+    group, after the watchdog (another process) appended its ``fault`` record. Hang runs to
+    the detection; the second between it and the failure (the escalation) is restart."""
     clock = FakeClock()
     ledger = _ledger(tmp_path, clock)
     _train(ledger, clock, 1)
@@ -436,4 +437,5 @@ def test_a_watchdogs_hang_record_makes_the_failed_step_a_hang(tmp_path) -> None:
         clock.advance(1.0)
         raise RuntimeError("Connection closed by peer")
     s = ledger.close("fault").seconds
-    assert s[Bucket.HANG] == pytest.approx(11.0) and s[Bucket.LOST_WORK] == 0.0
+    assert s[Bucket.HANG] == pytest.approx(10.0) and s[Bucket.LOST_WORK] == 0.0
+    assert s[Bucket.RESTART] == pytest.approx(1.0)

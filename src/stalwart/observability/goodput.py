@@ -275,27 +275,33 @@ class GoodputLedger:
             self._switch(self._bucket)
 
     def _step_failed(self, handle: StepSpan) -> None:
-        """The iteration never completed: its time is lost work, or hang until detected when a
-        hang is reported (before, or right after: an in-process watchdog reports it from its
-        abort path). What follows, until the next first step, is restart downtime."""
+        """The iteration never completed: its time is lost work, or hang until the hang was
+        detected when one is reported (before, or right after: an in-process watchdog reports it
+        from its abort path). What follows the detection (the escalation: abort, kill, this rank
+        seeing its peer gone), until the next first step, is restart downtime."""
         now = self._clock()
         start = max(handle.started, self._t0)
         self._close_interval(start)
-        hung = self._hang_reported_at is not None and self._hang_reported_at >= handle.started
-        hung = hung or self._hang_in_file(since=handle.started)
-        self._failed = (start, now, Bucket.HANG if hung else Bucket.LOST_WORK)
-        self._bucket, self._t0 = Bucket.RESTART, now
+        detected = self._hang_detected_since(handle.started)
+        split = now if detected is None else min(max(detected, start), now)
+        self._failed = (start, split, Bucket.LOST_WORK if detected is None else Bucket.HANG)
+        self._bucket, self._t0 = Bucket.RESTART, split
 
-    def _hang_in_file(self, since: float) -> bool:
-        """Whether a hang watchdog (another process) recorded a hang since ``since``: a peer of
-        the hung rank fails when the watchdog aborts its process group (failure path only)."""
-        return any(
-            isinstance(r, Marker)
+    def _hang_detected_since(self, since: float) -> float | None:
+        """The first hang detection at or after ``since``: reported to this ledger, or recorded
+        in the file by a watchdog (another process; a peer of the hung rank fails when the
+        watchdog aborts its process group or kills the hung rank). Failure path only."""
+        times = [
+            r.t
+            for r in read_ledger(self.path).records
+            if isinstance(r, Marker)
             and r.kind is RecordKind.FAULT
             and r.get("cause") == "hang"
             and r.t >= since
-            for r in read_ledger(self.path).records
-        )
+        ]
+        if self._hang_reported_at is not None and self._hang_reported_at >= since:
+            times.append(self._hang_reported_at)
+        return min(times, default=None)
 
     def _write_failed(self) -> None:
         if self._failed is not None:
