@@ -160,4 +160,8 @@ def test_hang_kill_torchrun_restart(tmp_path) -> None:
     assert seventh - fifth - 2.0 <= s[Bucket.LOST_WORK] <= seventh - resumed + 2.0
     assert s[Bucket.RESTART] + s[Bucket.LOST_WORK] == pytest.approx(seventh - fault, abs=3.0)
     assert [x.restart_count for x in summary.sessions] == [0, 1]
-    assert [x.end_reason for x in summary.sessions] == [None, "finished"]
+    # Session 0 ends by a kill (no end record) or, when rank 0, the writer, sees its peer's
+    # connection drop before torchrun's SIGTERM reaches it, by its own "fault" record: a race
+    # between the launcher and gloo, both correct (one CI run of a clean clone saw "fault").
+    first, second = (x.end_reason for x in summary.sessions)
+    assert first in (None, "fault") and second == "finished"
