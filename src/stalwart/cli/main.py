@@ -108,6 +108,17 @@ def _check_output_paths(config: RunConfig) -> None:
         # The files the run appends to there (a planted FIFO would block the first append).
         check_files_in(flag, directory, (PROGRESS_FILE, GOODPUT_FILE, METRICS_FILE, EVENTS_FILE))
     _check_cache_env(config)
+    _check_compile_cache(config)
+
+
+def _check_compile_cache(config: RunConfig) -> None:
+    """``--compile``'s cache holds code the run executes: it must be the user's own directory
+    and not world-writable (`stalwart.graphs.compile_cache.check_cache_dir`)."""
+    location = config.compile_cache_location()
+    if location is not None:
+        from stalwart.graphs.compile_cache import check_cache_dir
+
+        check_cache_dir(*location)
 
 
 def _check_cache_env(config: RunConfig) -> None:

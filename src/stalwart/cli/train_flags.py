@@ -155,6 +155,14 @@ def _compile_flags(g: Any) -> None:
         help="with --compile: an Inductor option of the model's torch.compile (repeatable; a "
         "Python literal of the option's type, e.g. triton.mix_order_reduction=False)",
     )
+    g.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="with --compile: torch's persistent compile caches, so that a relaunch does not "
+        "compile again (default: <run dir>/compile_cache; must be yours and not "
+        "world-writable: it holds code the run executes)",
+    )
 
 
 def _precision_flags(g: Any) -> None:

@@ -165,6 +165,21 @@ class RunConfig:
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     graphs: GraphConfig = field(default_factory=GraphConfig)
 
+    def compile_cache_location(self) -> tuple[str, str] | None:
+        """(flag, directory) of ``--compile``'s persistent cache: ``--compile-cache-dir``, else
+        ``<run dir>/compile_cache``; None without ``--compile`` or without a run directory."""
+        from stalwart.graphs.compile_cache import DEFAULT_CACHE_DIRNAME
+
+        if not self.training.compile:
+            return None
+        if self.training.compile_cache_dir is not None:
+            return "--compile-cache-dir", self.training.compile_cache_dir
+        run_dir, flag = (self.obs.run_dir, "--run-dir") if self.obs.run_dir else (
+            self.checkpoint.save, "--save")  # fmt: skip
+        if not run_dir:
+            return None
+        return f"{flag}'s compile cache", os.path.join(run_dir, DEFAULT_CACHE_DIRNAME)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe nested dict (saved in checkpoints and printed by ``--print-config``)."""
         return _jsonable(dataclasses.asdict(self))

@@ -123,6 +123,8 @@ class TrainingConfig:
     compile: bool = False
     # --inductor-config KEY=VALUE (repeatable): options of the model's torch.compile.
     inductor_config: list[str] | None = None
+    # --compile-cache-dir: torch's persistent compile caches (default: <run dir>/compile_cache).
+    compile_cache_dir: str | None = None
     distributed_timeout_minutes: float = field(
         default=10.0, metadata=bounds(gt=0, le=DISTRIBUTED_TIMEOUT_MAX_MINUTES)
     )
@@ -150,6 +152,10 @@ class TrainingConfig:
             "--inductor-config needs --compile (they are options of the model's torch.compile)",
         )
         parse_inductor_options(self.inductor_config)  # ValueError naming the flag
+        _require(
+            self.compile or self.compile_cache_dir is None,
+            "--compile-cache-dir needs --compile (it holds what torch.compile compiled)",
+        )
         _require(
             not self.eval_interval or self.eval_iters > 0,
             f"--eval-interval {self.eval_interval} needs --eval-iters >= 1 (with 0 every "

@@ -26,6 +26,12 @@ from stalwart.graphs.checks import (
     graph_config_problems,
 )
 from stalwart.graphs.compile import compile_for_graph
+from stalwart.graphs.compile_cache import (
+    CompileCache,
+    CompileCounts,
+    NullCompileCache,
+    check_cache_dir,
+)
 from stalwart.graphs.full_iteration import (
     CaptureFailurePolicy,
     FullIterationGraph,
@@ -61,6 +67,8 @@ __all__ = [
     "GRAPHABLE_COMPILE_MODES",
     "CaptureErrorMode",
     "CaptureFailurePolicy",
+    "CompileCache",
+    "CompileCounts",
     "CudaGraphImpl",
     "FullIterationGraph",
     "GradNormSource",
@@ -69,12 +77,14 @@ __all__ = [
     "GraphSettings",
     "GraphSignatureError",
     "InputSignature",
+    "NullCompileCache",
     "OptimizerGraph",
     "RecomputeGranularity",
     "SignatureChangePolicy",
     "StagePhase",
     "StaticInputs",
     "ValidationBuffer",
+    "check_cache_dir",
     "check_graph_config",
     "check_optimizer_graphable",
     "clip_coefficient",

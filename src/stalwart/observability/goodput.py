@@ -54,6 +54,7 @@ from stalwart.observability.goodput_records import (
     FINISHED,
     GOODPUT_FILE,
     Bucket,
+    CompileSource,
     GoodputSummary,
     LedgerFile,
     Marker,
@@ -80,6 +81,7 @@ if TYPE_CHECKING:  # the ledger itself is standard-library only (the CLI reads i
 __all__ = [
     "GOODPUT_FILE",
     "Bucket",
+    "CompileSource",
     "GoodputLedger",
     "GoodputSummary",
     "NullGoodputLedger",
@@ -110,17 +112,18 @@ def straggler_idle_seconds(compute_ms: Sequence[float], num_iterations: int) -> 
 
 class StepSpan:
     """Handle of one :meth:`GoodputLedger.step`. ``reclassify`` moves the step's time to another
-    bucket (the iteration captured a CUDA graph); ``abandon`` too, and the iteration does not
-    count as done (the rerun state machine rejected it)."""
+    bucket (the iteration compiled, or captured a CUDA graph: ``source`` says which); ``abandon``
+    too, and the iteration does not count as done (the rerun state machine rejected it)."""
 
-    __slots__ = ("bucket", "completed", "iteration", "started")
+    __slots__ = ("bucket", "completed", "iteration", "source", "started")
 
     def __init__(self, iteration: int, bucket: Bucket, started: float) -> None:
         self.iteration, self.bucket, self.started = iteration, bucket, started
         self.completed = True
+        self.source: CompileSource | None = None
 
-    def reclassify(self, bucket: Bucket) -> None:
-        self.bucket = bucket
+    def reclassify(self, bucket: Bucket, source: CompileSource | None = None) -> None:
+        self.bucket, self.source = bucket, source
 
     def abandon(self, bucket: Bucket) -> None:
         self.bucket, self.completed = bucket, False
@@ -160,7 +163,8 @@ class GoodputLedger:
         self._clock = clock or anchored_clock()
         self._lock = threading.RLock()
         self._session = f"{socket.gethostname()}-{os.getpid()}-{attempt}-{os.urandom(4).hex()}"
-        self._stack: list[Bucket] = []
+        self._stack: list[tuple[Bucket, CompileSource | None]] = []
+        self._source: CompileSource | None = None  # the open interval's (compile spans)
         self._closed = False
         self._last_iteration: int | None = None
         self._idle_pending = 0.0
@@ -226,23 +230,29 @@ class GoodputLedger:
             # A full disk must not stop training; the reader says what is missing.
             logger.warning("goodput: cannot append to %s: %s", self.path, exc)
 
-    def _close_interval(self, now: float, bucket: Bucket | None = None) -> None:
-        """Write ``[t0, now]`` of the open interval (as ``bucket`` if given) and reopen at now."""
+    def _close_interval(
+        self, now: float, bucket: Bucket | None = None, source: CompileSource | None = None
+    ) -> None:
+        """Write ``[t0, now]`` of the open interval (as ``bucket``/``source`` if a bucket is
+        given) and reopen at now."""
         self._write_failed()  # a failed step's interval comes first (it ended at t0)
         if now > self._t0:
-            b = bucket or self._bucket
+            b, src = (bucket, source) if bucket is not None else (self._bucket, self._source)
             idle = 0.0
             if b is Bucket.PRODUCTIVE and self._idle_pending > 0:
                 idle = min(self._idle_pending, now - self._t0)
                 self._idle_pending -= idle
-            self._write(Span(b, self._t0, now, self._session, self._last_iteration, idle))
+            span = Span(b, self._t0, now, self._session, self._last_iteration, idle, source=src)
+            self._write(span)
         self._t0 = max(now, self._t0)
 
-    def _switch(self, bucket: Bucket, now: float | None = None) -> None:
+    def _switch(
+        self, bucket: Bucket, now: float | None = None, source: CompileSource | None = None
+    ) -> None:
         now = self._clock() if now is None else now
-        if bucket is not self._bucket:
+        if bucket is not self._bucket or source is not self._source:
             self._close_interval(now)
-            self._bucket = bucket
+            self._bucket, self._source = bucket, source
         elif now - self._t0 >= self.flush_interval_s:
             self._close_interval(now)
 
@@ -267,12 +277,12 @@ class GoodputLedger:
                 self._step_failed(handle)
             raise
         with self._lock:
-            if handle.bucket is not self._bucket:  # reclassified inside the block
-                self._close_interval(max(handle.started, self._t0))
-                self._close_interval(self._clock(), handle.bucket)
+            if handle.bucket is not self._bucket or handle.source is not self._source:
+                self._close_interval(max(handle.started, self._t0))  # reclassified in the block
+                self._close_interval(self._clock(), handle.bucket, handle.source)
             if handle.completed:
                 self._last_iteration = iteration
-            self._switch(self._bucket)
+            self._switch(self._bucket, source=self._source)
 
     def _step_failed(self, handle: StepSpan) -> None:
         """The iteration never completed: its time is lost work, or hang until the hang was
@@ -285,7 +295,7 @@ class GoodputLedger:
         detected = self._hang_detected_since(handle.started)
         split = now if detected is None else min(max(detected, start), now)
         self._failed = (start, split, Bucket.LOST_WORK if detected is None else Bucket.HANG)
-        self._bucket, self._t0 = Bucket.RESTART, split
+        self._bucket, self._t0, self._source = Bucket.RESTART, split, None
 
     def _hang_detected_since(self, since: float) -> float | None:
         """The first hang detection at or after ``since``: reported to this ledger, or recorded
@@ -310,17 +320,19 @@ class GoodputLedger:
             self._write(Span(bucket, start, end, self._session, self._last_iteration))
 
     @contextlib.contextmanager
-    def span(self, bucket: Bucket) -> Iterator[None]:
-        """Time the block as ``bucket`` (evaluation, checkpoint, rerun, compile, ...), then go
-        back to the bucket that was open before it. Spans nest."""
+    def span(self, bucket: Bucket, source: CompileSource | None = None) -> Iterator[None]:
+        """Time the block as ``bucket`` (evaluation, checkpoint, rerun, compile, ...; a compile
+        span's ``source`` says where its time went), then go back to the bucket that was open
+        before it. Spans nest."""
         with self._lock:
-            self._stack.append(self._bucket)
-            self._switch(bucket)
+            self._stack.append((self._bucket, self._source))
+            self._switch(bucket, source=source)
         try:
             yield
         finally:
             with self._lock:
-                self._switch(self._stack.pop())
+                previous, previous_source = self._stack.pop()
+                self._switch(previous, source=previous_source)
 
     def add_straggler_idle(self, seconds: float) -> None:
         """Move ``seconds`` of productive time to the straggler bucket (applied to the next
@@ -412,7 +424,9 @@ class NullGoodputLedger:
     ) -> contextlib.AbstractContextManager[StepSpan]:
         return self._null
 
-    def span(self, bucket: Bucket) -> contextlib.AbstractContextManager[Any]:
+    def span(
+        self, bucket: Bucket, source: CompileSource | None = None
+    ) -> contextlib.AbstractContextManager[Any]:
         return self._null
 
     def add_straggler_idle(self, seconds: float) -> None: ...

@@ -63,6 +63,28 @@ class Bucket(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11 everywhe
 _LABELS = {Bucket.LOST_WORK: "lost work", Bucket.STRAGGLER: "straggler wait"}
 
 
+class CompileSource(str, enum.Enum):  # noqa: UP042
+    """Where a ``compile`` span's time went (its ``src``; older ledgers have none)."""
+
+    COLD = "cold"  # Inductor compiled at least one graph (a cache miss or bypass)
+    WARM = "warm"  # Dynamo traced; every graph came from the persistent cache
+    CAPTURE = "capture"  # nothing compiled; the iteration captured a CUDA graph
+    SAVE = "save"  # writing the compile cache's artifacts file
+
+    @property
+    def label(self) -> str:
+        return _SOURCE_LABELS[self]
+
+
+_SOURCE_LABELS = {
+    CompileSource.COLD: "cold compile",
+    CompileSource.WARM: "warm cache load",
+    CompileSource.CAPTURE: "CUDA graph capture",
+    CompileSource.SAVE: "cache write",
+}
+UNATTRIBUTED = "unattributed"  # a compile span without a source (written by an older stalwart)
+
+
 class RecordKind(str, enum.Enum):  # noqa: UP042
     SESSION = "session"
     SPAN = "span"
@@ -80,6 +102,7 @@ class Span:
     iteration: int | None = None
     idle: float = 0.0
     gap: bool = False
+    source: CompileSource | None = None  # compile spans: where the time went
 
     @property
     def seconds(self) -> float:
@@ -94,6 +117,8 @@ class Span:
             out["idle"] = round(self.idle, 6)
         if self.gap:
             out["gap"] = True
+        if self.source is not None:
+            out["src"] = self.source.value
         return out
 
 
@@ -183,7 +208,16 @@ def _parse_span(obj: dict[str, Any], session: str) -> Span | None:
     idle = _finite(obj.get("idle", 0.0), 0.0)
     if idle is None or idle > t1 - t0 + 1e-6:
         return None
-    return Span(bucket, t0, t1, session, iteration, idle, obj.get("gap") is True)
+    gap = obj.get("gap") is True
+    return Span(bucket, t0, t1, session, iteration, idle, gap, _source(obj.get("src")))
+
+
+def _source(value: Any) -> CompileSource | None:
+    """A span's ``src`` (an unknown value reads as none: the seconds still count)."""
+    try:
+        return CompileSource(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -271,6 +305,8 @@ class GoodputSummary:
     first: float | None = None
     last: float | None = None
     excluded_s: float = 0.0  # between a finished job and its relaunch, not counted
+    # The compile bucket by source ("cold", "warm", "capture", "save", "unattributed"): seconds.
+    compile_sources: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def wall_s(self) -> float:
@@ -292,6 +328,7 @@ class GoodputSummary:
                 for b, s in self.seconds.items()
             },
             "excluded_s": round(self.excluded_s, 3),
+            "compile_sources": {k: round(v, 3) for k, v in self.compile_sources.items()},
             "first": self.first,
             "last": self.last,
             "sessions": [s.to_json() for s in self.sessions],
@@ -339,8 +376,28 @@ def summarize(ledger: LedgerFile | Iterable[Record]) -> GoodputSummary:
         )
     faults = [m for m in markers if m.kind is RecordKind.FAULT]
     return GoodputSummary(
-        seconds, sessions, faults, notes, first, last_t, excluded_s=max(covered - union, 0.0)
-    )
+        seconds, sessions, faults, notes, first, last_t, max(covered - union, 0.0),
+        compile_sources(spans),
+    )  # fmt: skip
+
+
+def compile_sources(spans: Iterable[Span]) -> dict[str, float]:
+    """The ``compile`` bucket's seconds by where they went (cold compile, warm cache load, ...)."""
+    out: dict[str, float] = {}
+    for span in spans:
+        if span.bucket is Bucket.COMPILE:
+            key = span.source.value if span.source is not None else UNATTRIBUTED
+            out[key] = out.get(key, 0.0) + span.seconds
+    return out
+
+
+def compile_line(summary: GoodputSummary) -> str | None:
+    """``compile: cold compile 38.0s, cache write 0.1s`` (None without compile time)."""
+    parts = []
+    for key, secs in sorted(summary.compile_sources.items(), key=lambda item: -item[1]):
+        label = CompileSource(key).label if key != UNATTRIBUTED else UNATTRIBUTED
+        parts.append(f"{label} {format_duration(secs)}")
+    return "compile: " + ", ".join(parts) if parts else None
 
 
 def _read_notes(file: LedgerFile) -> list[str]:
@@ -451,6 +508,9 @@ def format_table(summary: GoodputSummary) -> str:
         share = 100.0 * secs / wall if wall > 0 else 0.0
         lines.append(f"{bucket.label:<16}{secs:>12.1f}{share:>8.1f}%")
     lines.append(f"{'total':<16}{wall:>12.1f}{100.0 if wall else 0.0:>8.1f}%")
+    compiles = compile_line(summary)
+    if compiles is not None:
+        lines.append(compiles)
     if summary.excluded_s > 0.05:
         lines.append(
             f"(not counted: {summary.excluded_s:.1f} s between a finished job and a relaunch)"

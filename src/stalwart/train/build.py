@@ -36,8 +36,10 @@ from stalwart.data import (
 from stalwart.data.batch_schedule import BatchSchedule
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import (
+    CompileCache,
     CudaGraphImpl,
     GraphSettings,
+    NullCompileCache,
     RecomputeGranularity,
     check_graph_config,
     clip_in_optimizer_step,
@@ -299,6 +301,16 @@ def build_model(
     model = wrap_model(raw_model, config, ctx)
     seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
     return raw_model, model
+
+
+def build_compile_cache(config: RunConfig, rank: int) -> CompileCache | NullCompileCache:
+    """``--compile``'s persistent cache (``--compile-cache-dir``, else ``<run dir>/compile_cache``;
+    rank 0 writes its artifacts file), not yet open; the null cache without one."""
+    location = config.compile_cache_location()
+    if location is None:
+        return NullCompileCache()
+    flag, directory = location
+    return CompileCache(directory, writer=rank == 0, flag=flag)
 
 
 def build_compute_weights(

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from stalwart.config.run import RunConfig
 from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import DistributedContext, choose_device, init_distributed
+from stalwart.graphs.compile_cache import CompileCache, NullCompileCache
 from stalwart.reliability.inprocess.policy import FailureKind
 from stalwart.reliability.inprocess.store import RestartStore, StoreAddress
 from stalwart.reliability.inprocess.wrapper import (
@@ -19,20 +20,26 @@ from stalwart.reliability.inprocess.wrapper import (
     InProcessRestartExhausted,
     RestartOptions,
 )
+from stalwart.train.build import build_compile_cache
 from stalwart.train.trainer import Trainer, TrainOutcome
 
 
-def trainer_attempt(config: RunConfig) -> Callable[[Attempt], TrainOutcome]:
+def trainer_attempt(
+    config: RunConfig, compile_cache: CompileCache | NullCompileCache | None = None
+) -> Callable[[Attempt], TrainOutcome]:
     """The train function of one attempt: build a Trainer from ``config``, resume, train.
 
-    Nothing survives between attempts: the Trainer (model, optimizer, data position, rerun state
-    machine, timers, async checkpoint writer) is rebuilt and resumes from the newest complete
-    checkpoint. On a fault the wrapper first discards an in-flight async save without collectives
-    (abort), then closes the Trainer (finalize).
+    Nothing of an attempt survives it: the Trainer (model, optimizer, data position, rerun state
+    machine, timers, async checkpoint writer, CUDA graphs) is rebuilt and resumes from the newest
+    complete checkpoint. What outlives the attempts is ``compile_cache``, owned by the caller
+    (outside the restartable scope), and the compiled code Dynamo keeps on the model's code
+    objects: the rebuilt model passes the same guards, so a restarted attempt compiles nothing
+    and only re-captures its CUDA graphs. On a fault the wrapper first discards an in-flight
+    async save without collectives (abort), then closes the Trainer (finalize).
     """
 
     def body(attempt: Attempt) -> TrainOutcome:
-        trainer = Trainer(config, attempt.ctx, attempt=attempt.index)
+        trainer = Trainer(config, attempt.ctx, attempt=attempt.index, compile_cache=compile_cache)
         attempt.on_abort(functools.partial(_record_hang, attempt, trainer))
         attempt.on_abort(functools.partial(trainer.checkpointer.close, abort=True))
         attempt.before_process_group_abort(trainer.release_graphs)
@@ -74,10 +81,13 @@ def build_restarter(config: RunConfig) -> InProcessRestarter:
 
 
 def run_training_inprocess(config: RunConfig) -> tuple[int, TrainOutcome | None]:
-    """Train with in-process restart; (exit code, outcome or None when it gave up)."""
+    """Train with in-process restart; (exit code, outcome or None when it gave up). The compile
+    cache is opened once, outside the attempts, and passed to each."""
     restarter = build_restarter(config)
+    cache = build_compile_cache(config, env_int("RANK", 0))
     try:
-        outcome = restarter.run(trainer_attempt(config))
+        with cache:
+            outcome = restarter.run(trainer_attempt(config, cache))
     except InProcessRestartExhausted as exc:
         sys.stderr.write(f"stalwart train: {exc}\n")
         return exc.exit_code, None

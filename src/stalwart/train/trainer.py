@@ -19,6 +19,7 @@ import torch
 from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
 from stalwart.distributed.process_group import DistributedContext
+from stalwart.graphs.compile_cache import CompileBooking, CompileCache, NullCompileCache
 from stalwart.loop import (
     Checkpointer,
     GuardedStep,
@@ -28,7 +29,7 @@ from stalwart.loop import (
     autocast_context,
 )
 from stalwart.models import num_floating_point_operations
-from stalwart.observability.goodput import Bucket
+from stalwart.observability.goodput import Bucket, CompileSource
 from stalwart.observability.memory_release import make_memory_release
 from stalwart.observability.run_dir import EventKind, append_event
 from stalwart.observability.timers import INTERVAL_TIME
@@ -72,19 +73,32 @@ class Trainer:
     """
 
     def __init__(
-        self, config: RunConfig, ctx: DistributedContext, print_fn: Any = print, attempt: int = 0
+        self,
+        config: RunConfig,
+        ctx: DistributedContext,
+        print_fn: Any = print,
+        attempt: int = 0,
+        compile_cache: CompileCache | NullCompileCache | None = None,
     ) -> None:
+        """``compile_cache``: an open cache that outlives this trainer (an in-process restart's,
+        owned by the restart wrapper); None: the trainer opens its own and closes it."""
         self.ctx = ctx
         self.print = print_fn if ctx.is_main else (lambda *a, **k: None)
         self.started = time.monotonic()
         self._exit = contextlib.ExitStack()
         try:
-            self._build(config, ctx, attempt)
+            self._build(config, ctx, attempt, compile_cache)
         except BaseException:
             self._exit.close()
             raise
 
-    def _build(self, config: RunConfig, ctx: DistributedContext, attempt: int) -> None:
+    def _build(
+        self,
+        config: RunConfig,
+        ctx: DistributedContext,
+        attempt: int,
+        compile_cache: CompileCache | NullCompileCache | None,
+    ) -> None:
         """One line per part: each is built from its config, nothing is changed afterwards."""
         on_close = self._exit.callback
         build.check_graph_flags(config, ctx.device, ctx.world_size)  # before any set-up
@@ -102,6 +116,10 @@ class Trainer:
         on_close(self.sections.close)
         self.config, self.data = build.resolve_config(config, ctx)
         config = self.config
+        self.compile_cache = self._open_compile_cache(compile_cache)
+        self.compiles = CompileBooking(
+            self.compile_cache, self.ledger, enabled=config.training.compile
+        )
         self.raw_model, self.model = build.build_model(config, ctx, self.faults)
         self.optimizer = build.build_optimizer(self.model, config)
         t = config.training
@@ -142,8 +160,16 @@ class Trainer:
         self.batch_size = self.data.global_batch_size  # this iteration's (see _start_batch)
         self._num_microbatches: int | None = None
         self._saved_at: int | None = None
-        self._stepped = False
         self.progress = build.build_progress_log(config, ctx)  # --log-progress: progress.txt
+
+    def _open_compile_cache(
+        self, given: CompileCache | NullCompileCache | None
+    ) -> CompileCache | NullCompileCache:
+        if given is not None:
+            return given
+        cache = build.build_compile_cache(self.config, self.ctx.rank).open()
+        self._exit.callback(cache.close)
+        return cache
 
     def _build_step(self) -> GuardedStep:
         config, ctx = self.config, self.ctx
@@ -227,6 +253,7 @@ class Trainer:
             if committed is not None:
                 self.saves.finalized(committed)
             result = self._run_iteration()
+            self.compiles.save()  # after an iteration that compiled: the cache's artifacts
             if not result.verdict.exit:  # a rejected iteration is not done: nothing to log
                 self._after_iteration(result)
             decision = self._decide(result)
@@ -241,7 +268,8 @@ class Trainer:
             it, samples_after=self.state.consumed_samples + self.batch_size
         )
         self.profiler.on_iteration_start(it)
-        with self.ledger.step(it + 1, bucket=self._compile_bucket()) as span:
+        with self.ledger.step(it + 1) as span:
+            before = self.compiles.mark()
             with self.sections.step_section():
                 self.faults.maybe_inject(it + 1, self.ctx.rank, "step")
                 if it + 1 in self.iterations_to_skip:  # numbered like the log line
@@ -251,17 +279,12 @@ class Trainer:
                 result = self.step.run(it, num_microbatches=n, launch_next=self._plain_next(n))
                 self.memory_release.after_optimizer_step()
                 self.observer.end_iteration()
-            if self.step.capture_state != captures:
-                span.reclassify(Bucket.COMPILE)  # this iteration captured a CUDA graph
+            if self.step.capture_state != captures:  # this iteration captured a CUDA graph
+                span.reclassify(Bucket.COMPILE, CompileSource.CAPTURE)
+            self.compiles.book(span, before)  # it compiled: cold, or warm from the cache
             if result.verdict.exit:
                 span.abandon(Bucket.RERUN)  # rejected: its passes validated, nothing advanced
             return result
-
-    def _compile_bucket(self) -> Bucket | None:
-        """``--compile``: the session's first iteration compiles (goodput's compile time)."""
-        first = not self._stepped
-        self._stepped = True
-        return Bucket.COMPILE if first and self.config.training.compile else None
 
     def _plain_next(self, num_microbatches: int) -> bool:
         """Whether the next iteration may be launched ahead: it exists, is not skipped, has the
@@ -327,8 +350,12 @@ class Trainer:
 
     def run_evaluation(self) -> dict[str, float]:
         """Evaluate on the held-out split with validation checks in disabled mode."""
+        before = self.compiles.mark()
         with self.ledger.span(Bucket.EVALUATION):
-            return self._evaluate()
+            losses = self._evaluate()
+        self.compiles.book(None, before)  # the evaluation's own graphs go into the cache too
+        self.compiles.save()
+        return losses
 
     def _evaluate(self) -> dict[str, float]:
         cfg = self.config

@@ -1,0 +1,371 @@
+"""Warm restarts: torch's own persistent compile caches, in a directory the job owns.
+
+A relaunch after a fault is a new process: without a cache it compiles the model again (52-72 s
+of the first iteration at gpt2-124m with ``--compile`` on one H200). `CompileCache` points
+torch's caches at one directory for the life of a run:
+
+* the FX-graph cache (``torch._inductor.config.fx_graph_cache``) and the AOTAutograd cache
+  (``torch._functorch.config.enable_autograd_cache``), switched on, under ``<dir>/inductor``
+  (``TORCHINDUCTOR_CACHE_DIR`` while the cache is open, restored at close; Inductor's Triton
+  kernels and C++ libraries land there too);
+* torch's mega-cache (``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``, where
+  the running torch has them): ``<dir>/artifacts.bin``, every artifact this process compiled,
+  written atomically (temporary file, fsync, rename) after an iteration that compiled, by one
+  writer; loaded when the cache opens, so a directory that lost its ``inductor/`` entries (or a
+  copy of only the file) still starts warm. Without the API the file is neither written nor read.
+
+A warm relaunch still runs Dynamo's trace (its guards live in the process); AOTAutograd's trace
+and Inductor's code generation and compilation come from the cache. An in-process restart keeps
+even that: Dynamo keeps compiled code on the code objects of the model's class, and the rebuilt
+model (same class, shapes and flags) passes the same guards, so the restarted attempt compiles
+nothing. Open the cache outside the restartable scope and pass it in (`CompileCache` is the
+collaborator; nothing here is module state).
+
+Trust. Inductor's caches hold generated code that the process imports and runs (Python modules,
+shared libraries, pickled graphs), so a cache directory is code. It must be one this job's user
+wrote: `check_cache_dir` refuses a directory (or its ``inductor/`` or ``artifacts.bin``) that is
+a symbolic link, is owned by another user or is writable by everyone, in one line
+(``ValueError``); a new directory is created with mode 0700. The default lives under the run
+directory.
+
+    >>> import tempfile
+    >>> import torch
+    >>> cache = CompileCache(tempfile.mkdtemp())
+    >>> with cache:
+    ...     before = CompileCounts.read()
+    ...     fn = torch.compile(lambda x: (x * 2).sum(), backend="eager")
+    ...     _ = fn(torch.ones(3))
+    ...     compiled = CompileCounts.read().since(before)
+    ...     wrote = cache.save()                  # after the first compiled iteration
+    >>> compiled.frames
+    1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from stalwart.observability.goodput_records import Bucket, CompileSource
+
+logger = logging.getLogger("stalwart.compile_cache")
+
+INDUCTOR_DIR = "inductor"
+ARTIFACTS_FILE = "artifacts.bin"
+DEFAULT_CACHE_DIRNAME = "compile_cache"  # under the run directory
+_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class CompileCounts:
+    """torch's compile counters (``torch._dynamo.utils.counters``), or a difference of two reads.
+
+    ``frames``: frames Dynamo compiled; ``fx_*``: Inductor's FX-graph cache; ``aot_*``: the
+    AOTAutograd cache. A read is a few dictionary lookups (no device work).
+    """
+
+    frames: int = 0
+    fx_hits: int = 0
+    fx_misses: int = 0
+    aot_hits: int = 0
+    aot_misses: int = 0
+
+    @classmethod
+    def read(cls) -> CompileCounts:
+        from torch._dynamo.utils import counters
+
+        inductor, aot = counters["inductor"], counters["aot_autograd"]
+        return cls(
+            frames=int(counters["frames"]["ok"]),
+            fx_hits=int(inductor["fxgraph_cache_hit"]),
+            fx_misses=int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"]),
+            aot_hits=int(aot["autograd_cache_hit"]),
+            aot_misses=int(aot["autograd_cache_miss"] + aot["autograd_cache_bypass"]),
+        )
+
+    def since(self, earlier: CompileCounts) -> CompileCounts:
+        return CompileCounts(
+            self.frames - earlier.frames,
+            self.fx_hits - earlier.fx_hits,
+            self.fx_misses - earlier.fx_misses,
+            self.aot_hits - earlier.aot_hits,
+            self.aot_misses - earlier.aot_misses,
+        )
+
+    @property
+    def compiled(self) -> bool:
+        """Whether anything was compiled or loaded from the cache (Dynamo traced a frame)."""
+        return self.frames > 0 or self.fx_misses > 0 or self.fx_hits > 0
+
+    @property
+    def source(self) -> CompileSource:
+        """Warm when every Inductor graph came from the cache (at least one hit, no miss);
+        cold otherwise (a miss, or a backend that does not cache)."""
+        warm = self.fx_hits > 0 and self.fx_misses == 0
+        return CompileSource.WARM if warm else CompileSource.COLD
+
+    def fields(self) -> dict[str, int]:
+        """The ledger record's counters."""
+        return {"frames": self.frames, "fx_hit": self.fx_hits, "fx_miss": self.fx_misses,
+                "aot_hit": self.aot_hits, "aot_miss": self.aot_misses}  # fmt: skip
+
+
+def _problem(path: Path, what: str, *, directory: bool) -> str | None:
+    """Why ``path`` (if it exists) must not be used as a cache, or None."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        return f"{what} is a symbolic link"
+    if directory and not stat.S_ISDIR(info.st_mode):
+        return f"{what} is not a directory"
+    if not directory and not stat.S_ISREG(info.st_mode):
+        return f"{what} is not a regular file"
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return f"{what} is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+    if info.st_mode & stat.S_IWOTH:
+        return f"{what} is writable by every user (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def check_cache_dir(flag: str, directory: str | os.PathLike[str]) -> None:
+    """``ValueError`` (one line naming ``flag``) unless ``directory`` can hold a trusted cache:
+    it, its ``inductor/`` and its ``artifacts.bin`` are, where they exist, this user's, not
+    writable by everyone and not symbolic links; a missing directory needs a writable parent.
+    Only looks (``lstat``): nothing is created."""
+    text = os.fspath(directory)
+    if not text.strip():
+        raise ValueError(f"{flag} is empty (it takes a directory)")
+    root = Path(text)
+    why = "the cache holds generated code that the run executes; use a directory only you write"
+    for path, what, is_dir in (
+        (root, "it", True),
+        (root / INDUCTOR_DIR, INDUCTOR_DIR, True),
+        (root / ARTIFACTS_FILE, ARTIFACTS_FILE, False),
+    ):
+        problem = _problem(path, what, directory=is_dir)
+        if problem is not None:
+            raise ValueError(f"{flag} {text!r}: {problem} ({why})")
+    if not root.exists():
+        parent = next((p for p in root.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {text!r}: {str(parent)!r} is not a writable directory")
+
+
+class CompileCache:
+    """torch's compile caches in ``directory`` while open (see the module docstring).
+
+    ``writer``: whether this process writes ``artifacts.bin`` (one rank per job: the entries
+    under ``inductor/`` are written by every process with Inductor's own atomic writes).
+    ``flag`` names the setting in error messages. Use as a context manager, or ``open`` /
+    ``close``; ``close`` is idempotent.
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, writer: bool = True, flag: str = "compile cache"
+    ) -> None:
+        check_cache_dir(flag, directory)
+        self.directory = Path(directory).absolute()
+        self.writer = writer
+        self._stack: contextlib.ExitStack | None = None
+        self._saved_frames = -1  # Dynamo's frame count at the last save
+
+    @property
+    def inductor_dir(self) -> Path:
+        return self.directory / INDUCTOR_DIR
+
+    @property
+    def artifacts_file(self) -> Path:
+        return self.directory / ARTIFACTS_FILE
+
+    def open(self) -> CompileCache:
+        """Switch the caches on and point them here; load ``artifacts.bin`` if present."""
+        if self._stack is not None:
+            return self
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        for path in (self.directory, self.inductor_dir):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stack = contextlib.ExitStack()
+        stack.enter_context(inductor_config.patch(fx_graph_cache=True))
+        stack.enter_context(functorch_config.patch(enable_autograd_cache=True))
+        stack.callback(_restore_env, _ENV, os.environ.get(_ENV))
+        os.environ[_ENV] = str(self.inductor_dir)
+        self._stack = stack
+        self.load()
+        return self
+
+    def close(self) -> None:
+        """Restore torch's settings and ``TORCHINDUCTOR_CACHE_DIR`` (idempotent)."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def load(self) -> int:
+        """Hot-load ``artifacts.bin`` into the caches (``torch.compiler.load_cache_artifacts``);
+        returns the number of artifacts loaded (0: no file, no API, or an unreadable file)."""
+        import torch
+
+        loader = getattr(torch.compiler, "load_cache_artifacts", None)
+        if loader is None or not self.artifacts_file.is_file():
+            return 0
+        check_cache_dir("compile cache", self.directory)  # the file may be new since __init__
+        try:
+            data = self.artifacts_file.read_bytes()
+            info = loader(data)
+        except Exception as exc:  # a torn or foreign file must not stop a run: compile cold
+            logger.warning("compile cache: %s not loaded (%s)", self.artifacts_file, exc)
+            return 0
+        return _artifact_count(info)
+
+    def save(self) -> bool:
+        """Write every artifact compiled so far to ``artifacts.bin`` (atomic: a temporary file,
+        fsync, rename); nothing when not the writer, without the API, or when Dynamo compiled
+        nothing since the last save. Returns whether it wrote. Call after an iteration that
+        compiled, outside the timed step."""
+        import torch
+
+        frames = CompileCounts.read().frames
+        saver = getattr(torch.compiler, "save_cache_artifacts", None)
+        if not self.writer or saver is None or frames == self._saved_frames:
+            return False
+        self._saved_frames = frames
+        result = saver()
+        if result is None:  # nothing recorded (every graph came from in-memory caches)
+            return False
+        _write_atomic(self.artifacts_file, result[0])
+        return True
+
+    def __enter__(self) -> CompileCache:
+        return self.open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class NullCompileCache:
+    """No compile cache (``--compile`` off): the same surface, nothing happens."""
+
+    directory = None
+    writer = False
+
+    def open(self) -> NullCompileCache:
+        return self
+
+    def close(self) -> None: ...
+
+    def load(self) -> int:
+        return 0
+
+    def save(self) -> bool:
+        return False
+
+    def __enter__(self) -> NullCompileCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class CompileBooking:
+    """Books the iterations that compiled into the goodput ledger's ``compile`` bucket, with where
+    their time went (`CompileSource`), and writes the cache's artifacts after them.
+
+    Not enabled (``--compile`` off): no counter is read, nothing is booked. An iteration that
+    compiled nothing (the second iteration; an in-process restart's first, whose model reuses
+    the compiled code) stays productive or lost work. ``ledger`` is a goodput ledger (the null
+    one on other ranks).
+
+        booking = CompileBooking(cache, ledger, enabled=True)
+        with ledger.step(it) as span:
+            before = booking.mark()
+            train_step()
+            booking.book(span, before)
+        booking.save()                      # outside the step: its time is compile (cache write)
+    """
+
+    def __init__(
+        self, cache: CompileCache | NullCompileCache, ledger: Any, *, enabled: bool
+    ) -> None:
+        self.cache, self.ledger, self.enabled = cache, ledger, enabled
+        self._unsaved = False
+
+    def mark(self) -> CompileCounts | None:
+        """The counters before a step (None when not enabled)."""
+        return CompileCounts.read() if self.enabled else None
+
+    def book(self, span: Any, before: CompileCounts | None) -> CompileCounts | None:
+        """What compiled since ``before`` (None: nothing); reclassifies ``span`` (a `StepSpan`,
+        or None outside a step) to ``compile``, cold or warm."""
+        if before is None:
+            return None
+        compiled = CompileCounts.read().since(before)
+        if not compiled.compiled:
+            return None
+        self._unsaved = True
+        if span is not None:
+            span.reclassify(Bucket.COMPILE, compiled.source)
+        return compiled
+
+    def save(self) -> None:
+        """After a step that compiled: write the artifacts (booked as compile, cache write)."""
+        if self._unsaved:
+            self._unsaved = False
+            with self.ledger.span(Bucket.COMPILE, CompileSource.SAVE):
+                self.cache.save()
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _artifact_count(info: Any) -> int:
+    artifacts = getattr(info, "artifacts", None)
+    if isinstance(artifacts, dict):
+        return sum(len(v) for v in artifacts.values())
+    return 0 if info is None else 1
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` or its previous content, never a part (mode 0600)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+__all__ = [
+    "ARTIFACTS_FILE",
+    "DEFAULT_CACHE_DIRNAME",
+    "INDUCTOR_DIR",
+    "CompileBooking",
+    "CompileCache",
+    "CompileCounts",
+    "CompileSource",
+    "NullCompileCache",
+    "check_cache_dir",
+]
