@@ -1,0 +1,107 @@
+"""Warm restarts in the trainer: the compile cache's flags, and the goodput ledger's compile
+bucket across an in-process restart (the rebuilt model compiles nothing)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch import nn
+
+from stalwart.cli.main import main
+from stalwart.distributed.process_group import DistributedContext
+from stalwart.models import GPT
+from stalwart.observability.goodput import Bucket, CompileSource
+from stalwart.observability.goodput_records import Span, read_ledger, summarize
+from stalwart.reliability.inprocess.store import RestartStore
+from stalwart.reliability.inprocess.wrapper import InProcessRestarter, RestartOptions
+from stalwart.train.build import build_compile_cache
+from stalwart.train.inprocess import trainer_attempt
+
+from train_utils import TINY_FLAGS, make_config
+
+
+def _train_exit(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        raise SystemExit(main(["train", *TINY_FLAGS, "--train-iters", "1", *flags]))
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return int(info.value.code or 0), err
+
+
+def test_a_world_writable_compile_cache_dir_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o777)
+    code, err = _train_exit(capsys, "--compile", "--compile-cache-dir", str(cache))
+    assert code == 2
+    assert "--compile-cache-dir" in err and "writable by every user" in err, err
+    assert "generated code that the run executes" in err
+
+
+def test_the_default_cache_under_the_run_dir_is_checked_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "compile_cache").mkdir(parents=True)
+    (run_dir / "compile_cache").chmod(0o777)
+    code, err = _train_exit(capsys, "--compile", "--run-dir", str(run_dir))
+    assert code == 2 and "--run-dir's compile cache" in err, err
+
+
+def test_compile_cache_dir_without_compile_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _train_exit(capsys, "--compile-cache-dir", str(tmp_path))
+    assert code == 2 and "--compile-cache-dir needs --compile" in err, err
+
+
+def test_the_cache_location_follows_the_run_dir(tmp_path: Path) -> None:
+    assert make_config("--compile").compile_cache_location() is None  # nowhere to relaunch into
+    assert make_config("--save", str(tmp_path)).compile_cache_location() is None  # no --compile
+    flag, where = make_config("--compile", "--save", str(tmp_path)).compile_cache_location()  # type: ignore[misc]
+    assert where == os.path.join(tmp_path, "compile_cache") and flag.startswith("--save")
+    given = str(tmp_path / "mine")
+    config = make_config("--compile", "--save", str(tmp_path), "--compile-cache-dir", given)
+    assert config.compile_cache_location() == ("--compile-cache-dir", given)
+
+
+def _eager_compile(self: nn.Module, **kwargs: Any) -> None:
+    """Dynamo with the eager backend: the trainer's compile path at a fraction of Inductor's
+    CPU cost (what is measured here is whether Dynamo compiles, not what Inductor makes)."""
+    nn.Module.compile(self, backend="eager", dynamic=False)
+
+
+def test_an_inprocess_restart_books_no_compile_for_the_rebuilt_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(GPT, "compile", _eager_compile)
+    save = tmp_path / "run"
+    config = make_config(
+        "--compile", "--save", str(save), "--save-interval", "2", "--train-iters", "4",
+        "--log-interval", "1", "--inprocess-restart", "--inject-fault", "exception",
+        "--inject-fault-iteration", "3", "--inject-fault-rank", "0",
+    )  # fmt: skip
+    restarter = InProcessRestarter(
+        RestartOptions(heartbeat_interval=0.05, no_retry=(ValueError,)),
+        lambda store: DistributedContext(),
+        store=RestartStore.local(),
+        say=lambda line: None,
+    )
+    with build_compile_cache(config, 0) as cache:
+        outcome = restarter.run(trainer_attempt(config, cache))
+    assert outcome.exit_code == 0 and outcome.iteration == 4
+    ledger = read_ledger(save / "goodput.jsonl")
+    spans = [r for r in ledger.records if isinstance(r, Span)]
+    attempts = {s.session.rsplit("-", 2)[1] for s in spans}
+    assert attempts == {"0", "1"}, spans
+    compiles = [(s.session.rsplit("-", 2)[1], s.source) for s in spans if s.bucket is Bucket.COMPILE]
+    # Attempt 0's first iteration compiled (eager backend: no Inductor cache, so "cold");
+    # attempt 1 rebuilt the model, which reused Dynamo's code: its iterations are not compile.
+    assert compiles[0] == ("0", CompileSource.COLD) and {a for a, _ in compiles} == {"0"}, spans
+    assert any(s.bucket is Bucket.PRODUCTIVE and s.session.rsplit("-", 2)[1] == "1" for s in spans)
+    assert set(summarize(ledger).compile_sources) <= {"cold", "save"}
