@@ -136,7 +136,9 @@ def test_an_inprocess_restart_keeps_the_compiled_code(tmp_path: Path) -> None:
         assert restarter.run(lambda attempt: train(attempt, cache)) == 1
     assert seen[0].frames >= 1 and seen[1] == CompileCounts(), seen
     spans = [r for r in read_ledger(tmp_path / "goodput.jsonl").records if isinstance(r, Span)]
-    compiles = [(s.session.rsplit("-", 2)[1], s.source) for s in spans if s.bucket is Bucket.COMPILE]
+    compiles = [
+        (s.session.rsplit("-", 2)[1], s.source) for s in spans if s.bucket is Bucket.COMPILE
+    ]
     assert compiles == [("0", CompileSource.COLD)], spans  # attempt 0 only: attempt 1 is warm
     assert any(s.bucket is Bucket.PRODUCTIVE and s.session.rsplit("-", 2)[1] == "1" for s in spans)
     assert summarize(read_ledger(tmp_path / "goodput.jsonl")).compile_sources.keys() == {"cold"}
@@ -157,6 +159,11 @@ def test_the_cache_directory_must_be_the_users_own(tmp_path: Path) -> None:
     (planted / INDUCTOR_DIR).chmod(0o777)
     with pytest.raises(ValueError, match="inductor is writable by every user"):
         check_cache_dir("--compile-cache-dir", planted)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o775)  # umask 002: a group member could plant code
+    with pytest.raises(ValueError, match=r"writable by its group \(mode 775; chmod g-w\)"):
+        check_cache_dir("--compile-cache-dir", shared)
     link = tmp_path / "link"
     link.symlink_to(own)
     with pytest.raises(ValueError, match="symbolic link"):
@@ -183,15 +190,13 @@ def test_open_points_inductor_at_the_cache_and_close_restores(tmp_path: Path) ->
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with (
-        inductor_config.patch(fx_graph_cache=False),
-        CompileCache(tmp_path / "c") as cache,
-    ):
-        assert cache_dir() == str(tmp_path / "c" / INDUCTOR_DIR)
-        assert inductor_config.fx_graph_cache is True
-        assert not cache.save()  # nothing compiled since the cache opened: nothing written
-        assert not inductor_config.fx_graph_cache or True
-    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
+    with inductor_config.patch(fx_graph_cache=False):
+        with CompileCache(tmp_path / "c") as cache:
+            assert cache_dir() == str(tmp_path / "c" / INDUCTOR_DIR)
+            assert inductor_config.fx_graph_cache is True
+            assert not cache.save()  # nothing compiled since it opened: nothing written
+        assert inductor_config.fx_graph_cache is False  # restored
+        assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
 
 
 def test_a_torn_artifacts_file_starts_cold_without_failing(tmp_path: Path) -> None:

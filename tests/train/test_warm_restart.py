@@ -99,7 +99,9 @@ def test_an_inprocess_restart_books_no_compile_for_the_rebuilt_model(
     spans = [r for r in ledger.records if isinstance(r, Span)]
     attempts = {s.session.rsplit("-", 2)[1] for s in spans}
     assert attempts == {"0", "1"}, spans
-    compiles = [(s.session.rsplit("-", 2)[1], s.source) for s in spans if s.bucket is Bucket.COMPILE]
+    compiles = [
+        (s.session.rsplit("-", 2)[1], s.source) for s in spans if s.bucket is Bucket.COMPILE
+    ]
     # Attempt 0's first iteration compiled (eager backend: no Inductor cache, so "cold");
     # attempt 1 rebuilt the model, which reused Dynamo's code: its iterations are not compile.
     assert compiles[0] == ("0", CompileSource.COLD) and {a for a, _ in compiles} == {"0"}, spans

@@ -24,9 +24,10 @@ collaborator; nothing here is module state).
 Trust. Inductor's caches hold generated code that the process imports and runs (Python modules,
 shared libraries, pickled graphs), so a cache directory is code. It must be one this job's user
 wrote: `check_cache_dir` refuses a directory (or its ``inductor/`` or ``artifacts.bin``) that is
-a symbolic link, is owned by another user or is writable by everyone, in one line
-(``ValueError``); a new directory is created with mode 0700. The default lives under the run
-directory.
+a symbolic link, is owned by another user or is writable by its group or by everyone, in one
+line (``ValueError``); a new directory is created with mode 0700, the file with 0600. The
+default lives under the run directory. A cache copied from elsewhere becomes the copier's own:
+copy a run directory without its ``compile_cache/`` unless you trust whoever wrote it.
 
     >>> import tempfile
     >>> import torch
@@ -131,15 +132,19 @@ def _problem(path: Path, what: str, *, directory: bool) -> str | None:
         return f"{what} is not a regular file"
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
         return f"{what} is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
-    if info.st_mode & stat.S_IWOTH:
-        return f"{what} is writable by every user (mode {stat.S_IMODE(info.st_mode):o})"
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & stat.S_IWOTH:
+        return f"{what} is writable by every user (mode {mode:o})"
+    if mode & stat.S_IWGRP:  # a group member could plant code that this run executes
+        return f"{what} is writable by its group (mode {mode:o}; chmod g-w)"
     return None
 
 
 def check_cache_dir(flag: str, directory: str | os.PathLike[str]) -> None:
     """``ValueError`` (one line naming ``flag``) unless ``directory`` can hold a trusted cache:
     it, its ``inductor/`` and its ``artifacts.bin`` are, where they exist, this user's, not
-    writable by everyone and not symbolic links; a missing directory needs a writable parent.
+    writable by group or others and not symbolic links; a missing directory needs a writable
+    parent.
     Only looks (``lstat``): nothing is created."""
     text = os.fspath(directory)
     if not text.strip():
@@ -201,6 +206,7 @@ class CompileCache:
         stack.callback(_restore_env, _ENV, os.environ.get(_ENV))
         os.environ[_ENV] = str(self.inductor_dir)
         self._stack = stack
+        self._saved_frames = CompileCounts.read().frames  # save() writes after new compiles only
         self.load()
         return self
 
