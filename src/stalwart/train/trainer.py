@@ -86,19 +86,14 @@ class Trainer:
         self.print = print_fn if ctx.is_main else (lambda *a, **k: None)
         self.started = time.monotonic()
         self._exit = contextlib.ExitStack()
+        self.compile_cache = compile_cache  # opened by _build when None
         try:
-            self._build(config, ctx, attempt, compile_cache)
+            self._build(config, ctx, attempt)
         except BaseException:
             self._exit.close()
             raise
 
-    def _build(
-        self,
-        config: RunConfig,
-        ctx: DistributedContext,
-        attempt: int,
-        compile_cache: CompileCache | NullCompileCache | None,
-    ) -> None:
+    def _build(self, config: RunConfig, ctx: DistributedContext, attempt: int) -> None:
         """One line per part: each is built from its config, nothing is changed afterwards."""
         on_close = self._exit.callback
         build.check_graph_flags(config, ctx.device, ctx.world_size)  # before any set-up
@@ -116,10 +111,7 @@ class Trainer:
         on_close(self.sections.close)
         self.config, self.data = build.resolve_config(config, ctx)
         config = self.config
-        self.compile_cache = self._open_compile_cache(compile_cache)
-        self.compiles = CompileBooking(
-            self.compile_cache, self.ledger, enabled=config.training.compile
-        )
+        self.compiles = self._build_compile_booking()
         self.raw_model, self.model = build.build_model(config, ctx, self.faults)
         self.optimizer = build.build_optimizer(self.model, config)
         t = config.training
@@ -162,14 +154,13 @@ class Trainer:
         self._saved_at: int | None = None
         self.progress = build.build_progress_log(config, ctx)  # --log-progress: progress.txt
 
-    def _open_compile_cache(
-        self, given: CompileCache | NullCompileCache | None
-    ) -> CompileCache | NullCompileCache:
-        if given is not None:
-            return given
-        cache = build.build_compile_cache(self.config, self.ctx.rank).open()
-        self._exit.callback(cache.close)
-        return cache
+    def _build_compile_booking(self) -> CompileBooking:
+        """The compile cache (this trainer's own, opened here, unless one was given) and the
+        booking of compiling iterations into the goodput ledger."""
+        if self.compile_cache is None:
+            self.compile_cache = build.build_compile_cache(self.config, self.ctx.rank).open()
+            self._exit.callback(self.compile_cache.close)
+        return CompileBooking(self.compile_cache, self.ledger, enabled=self.config.training.compile)
 
     def _build_step(self) -> GuardedStep:
         config, ctx = self.config, self.ctx
