@@ -75,8 +75,8 @@ def last_session(run_dir: Path) -> dict[str, Any]:
     for span in compiles:
         key = span.source.value if span.source is not None else "unattributed"
         sources[key] = sources.get(key, 0.0) + span.seconds
-    first_step = min((s.t0 for s in mine if s.bucket is not Bucket.STARTUP and not s.gap),
-                     default=start)  # fmt: skip
+    before_steps = (Bucket.STARTUP, Bucket.RESTART, Bucket.HANG)  # a relaunch's start-up: restart
+    first_step = min((s.t0 for s in mine if s.bucket not in before_steps), default=start)
     return {
         "to_first_productive_s": max(s.t1 for s in compiles) - start if compiles else None,
         "startup_s": first_step - start,
