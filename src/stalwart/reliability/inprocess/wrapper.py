@@ -16,6 +16,10 @@ Cycle of one failed attempt, on every rank::
          first collective), call the train function again: it rebuilds everything from the
          config and resumes from the newest complete checkpoint.
 
+What must outlive the attempts (a compile cache: `stalwart.graphs.CompileCache`) is created by
+the caller outside :meth:`InProcessRestarter.run` and passed into the train function, never kept
+in module state; everything else is rebuilt by each attempt.
+
 On gloo, aborting a process group does not interrupt a collective already waiting in it; the
 collective returns when the peer's sockets close, which happens when the failing rank's finalize
 drops its last reference to its group. A rank whose failure leaves it blocked forever (a peer hung
