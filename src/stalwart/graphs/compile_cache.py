@@ -191,6 +191,9 @@ class CompileCache:
     def artifacts_file(self) -> Path:
         return self.directory / ARTIFACTS_FILE
 
+    def has_artifacts(self) -> bool:
+        return self.artifacts_file.is_file()
+
     def open(self) -> CompileCache:
         """Switch the caches on and point them here; load ``artifacts.bin`` if present."""
         if self._stack is not None:
@@ -280,6 +283,9 @@ class NullCompileCache:
     def save(self) -> bool:
         return False
 
+    def has_artifacts(self) -> bool:
+        return True
+
     def __enter__(self) -> NullCompileCache:
         return self
 
@@ -308,6 +314,7 @@ class CompileBooking:
     ) -> None:
         self.cache, self.ledger, self.enabled = cache, ledger, enabled
         self._unsaved = False
+        self._cold = False  # a graph compiled since the last save was not in the cache
 
     def mark(self) -> CompileCounts | None:
         """The counters before a step (None when not enabled)."""
@@ -322,16 +329,18 @@ class CompileBooking:
         if not compiled.compiled:
             return None
         self._unsaved = True
+        self._cold |= compiled.source is CompileSource.COLD
         if span is not None:
             span.reclassify(Bucket.COMPILE, compiled.source)
         return compiled
 
     def save(self) -> None:
-        """After a step that compiled: write the artifacts (booked as compile, cache write)."""
-        if self._unsaved:
-            self._unsaved = False
+        """After a step that compiled something new (or with no artifacts file yet): write the
+        artifacts, booked as compile (cache write). A warm relaunch writes nothing."""
+        if self._unsaved and (self._cold or not self.cache.has_artifacts()):
             with self.ledger.span(Bucket.COMPILE, CompileSource.SAVE):
                 self.cache.save()
+        self._unsaved = self._cold = False
 
 
 def _restore_env(name: str, value: str | None) -> None:
