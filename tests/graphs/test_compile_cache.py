@@ -205,3 +205,25 @@ def test_a_torn_artifacts_file_starts_cold_without_failing(tmp_path: Path) -> No
     (cache_dir / ARTIFACTS_FILE).write_bytes(b"\x00\x01torn")
     with CompileCache(cache_dir) as cache:
         assert cache.load() == 0
+
+
+def test_a_compiled_graph_is_progress_for_the_inprocess_watchdog() -> None:
+    """A cold compile takes longer than --inprocess-soft-timeout (52-72 s at gpt2-124m on an
+    H200, the default timeout is 60 s) but completes graph after graph: each one is progress."""
+    from stalwart.reliability.inprocess.monitor import AttemptMonitor, MonitorTimes
+
+    store = RestartStore.local()
+    times = MonitorTimes(soft_timeout=10.0, hard_timeout=20.0, heartbeat_interval=1.0,
+                         heartbeat_timeout=10.0)  # fmt: skip
+    monitor = AttemptMonitor(store, 0, times, main_thread_id=1, on_hard_timeout=lambda: None)
+    graphs = [0]
+    monitor.probe = lambda: None  # the first iteration has not completed
+    monitor.activity = lambda: graphs[0]
+    monitor._running = True  # as after start(), without the thread
+    monitor.reset(0.0)
+    for t in (8.0, 16.0, 24.0, 32.0):  # a graph compiled every 8 s: 32 s without an iteration
+        graphs[0] += 1
+        monitor.tick(t)
+    assert store.failure(0) is None
+    monitor.tick(43.0)  # then nothing for 11 s: a hang
+    assert store.failure(0) is not None

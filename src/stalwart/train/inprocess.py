@@ -11,7 +11,7 @@ import torch.distributed as dist
 from stalwart.config.run import RunConfig
 from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import DistributedContext, choose_device, init_distributed
-from stalwart.graphs.compile_cache import CompileCache, NullCompileCache
+from stalwart.graphs.compile_cache import CompileCache, CompileCounts, NullCompileCache
 from stalwart.reliability.inprocess.policy import FailureKind
 from stalwart.reliability.inprocess.store import RestartStore, StoreAddress
 from stalwart.reliability.inprocess.wrapper import (
@@ -44,7 +44,9 @@ def trainer_attempt(
         attempt.on_abort(functools.partial(trainer.checkpointer.close, abort=True))
         attempt.before_process_group_abort(trainer.release_graphs)
         attempt.on_finalize(trainer.close)
-        attempt.set_progress(lambda: trainer.state.iteration)
+        # A compiled graph is progress too: a cold compile is not a hang.
+        compiling = CompileCounts.read if config.training.compile else None
+        attempt.set_progress(lambda: trainer.state.iteration, activity=compiling)
         outcome = trainer.train()
         trainer.close()
         return outcome

@@ -81,6 +81,9 @@ class AttemptMonitor:
         self.on_hard_timeout = on_hard_timeout
         self.clock = clock
         self.probe: ProgressProbe = lambda: None
+        # Work that is progress without completing an iteration (a compiled graph: torch's
+        # compile counters); None: iterations only.
+        self.activity: Callable[[], object] = lambda: None
         self._lock = threading.Lock()
         self._running = False
         self._interrupt_pending = False
@@ -143,9 +146,9 @@ class AttemptMonitor:
             self._interrupt_main()
         self._check_progress(now)
 
-    def _read_progress(self) -> int | None:
+    def _read_progress(self) -> object:
         try:
-            return self.probe()
+            return self.probe(), self.activity()
         except Exception:
             return None
 

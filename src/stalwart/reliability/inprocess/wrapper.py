@@ -162,8 +162,16 @@ class Attempt:
     def on_finalize(self, fn: Callable[[], object]) -> None:
         self.finalize_callbacks.append(fn)
 
-    def set_progress(self, probe: ProgressProbe) -> None:
+    def set_progress(
+        self, probe: ProgressProbe, activity: Callable[[], object] | None = None
+    ) -> None:
+        """``probe``: completed iterations. ``activity``: a value that changes with other work
+        that is progress (torch's compile counters: a cold compile of a model's graphs can take
+        longer than the soft timeout, one graph at a time); the watchdog fires when neither
+        changed for the soft timeout."""
         self.monitor.probe = probe
+        if activity is not None:
+            self.monitor.activity = activity
 
 
 @dataclass
@@ -409,7 +417,7 @@ class InProcessRestarter:
             attempt.abort_callbacks.clear()
             attempt.finalize_callbacks.clear()
             attempt.pre_abort_callbacks.clear()
-            attempt.monitor.probe = lambda: None
+            attempt.monitor.probe = attempt.monitor.activity = lambda: None
             release_memory(self.device)  # gc.collect(): the attempt's groups are destroyed here
         self.store.set_rank_value(n, "released", "1")
         sample = sample_memory(self.device)
