@@ -113,7 +113,7 @@ def _check_output_paths(config: RunConfig) -> None:
 
 def _check_compile_cache(config: RunConfig) -> None:
     """``--compile``'s cache holds code the run executes: it must be the user's own directory
-    and not world-writable (`stalwart.graphs.compile_cache.check_cache_dir`)."""
+    and not writable by its group or others (`stalwart.graphs.compile_cache.check_cache_dir`)."""
     location = config.compile_cache_location()
     if location is not None:
         from stalwart.graphs.compile_cache import check_cache_dir

@@ -160,8 +160,8 @@ def _compile_flags(g: Any) -> None:
         default=None,
         metavar="DIR",
         help="with --compile: torch's persistent compile caches, so that a relaunch does not "
-        "compile again (default: <run dir>/compile_cache; must be yours and not "
-        "world-writable: it holds code the run executes)",
+        "compile again (default: <run dir>/compile_cache; must be yours and writable by you "
+        "only: it holds code the run executes)",
     )
 
 
