@@ -227,3 +227,27 @@ def test_a_compiled_graph_is_progress_for_the_inprocess_watchdog() -> None:
     assert store.failure(0) is None
     monitor.tick(43.0)  # then nothing for 11 s: a hang
     assert store.failure(0) is not None
+
+
+def test_compile_activity_changes_while_torch_compiles() -> None:
+    """Inside a compile (here: the backend, called by Dynamo) every read differs, so the
+    watchdog sees progress for the whole compile; outside it follows the counters."""
+    from stalwart.graphs.compile_cache import CompileActivity
+
+    activity = CompileActivity()
+    seen: list[object] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        seen.extend([activity.compiling, activity(), activity()])
+        return gm.forward
+
+    try:
+        fn = torch.compile(lambda x: x * 3 + 1, backend=backend)
+        fn(torch.ones(2))
+        assert seen[0] is True and seen[1] != seen[2], seen
+        assert not activity.compiling and activity() == activity()
+    finally:
+        activity.close()
+    from torch._dynamo.callback import callback_handler
+
+    assert activity._started not in callback_handler.start_callbacks  # removed

@@ -343,6 +343,56 @@ class CompileBooking:
         self._unsaved = self._cold = False
 
 
+class CompileActivity:
+    """Progress while torch compiles, for a watchdog that would take a long compile for a hang.
+
+    Calling it returns a value that changes at every call while a compile runs (torch's compile
+    start/end callbacks, ``torch._dynamo.callback_handler``: Dynamo's frames and AOTAutograd's
+    deferred backward), and torch's compile counters otherwise. Give it as the in-process
+    restart's ``activity`` (`stalwart.reliability.inprocess.Attempt.set_progress`): a cold
+    compile (52-72 s at gpt2-124m on an H200, longer than the default 60 s soft timeout) is not
+    a hang. A rank hung inside a compile is then caught by its peers' watchdogs (they wait for
+    it in a collective), not by its own. Without the callbacks (an older torch) it follows the
+    counters only. ``close`` removes the callbacks (idempotent).
+    """
+
+    def __init__(self) -> None:
+        self._active = 0
+        self._ticks = 0
+        self._handler: Any = None
+        try:
+            from torch._dynamo.callback import callback_handler
+        except ImportError:
+            return
+        if hasattr(callback_handler, "remove_start_callback"):
+            callback_handler.register_start_callback(self._started)
+            callback_handler.register_end_callback(self._ended)
+            self._handler = callback_handler
+
+    def _started(self, *args: object) -> None:
+        self._active += 1
+
+    def _ended(self, *args: object) -> None:
+        self._active = max(self._active - 1, 0)
+
+    @property
+    def compiling(self) -> bool:
+        return self._active > 0
+
+    def __call__(self) -> object:
+        if self._active > 0:
+            self._ticks += 1
+            return ("compiling", self._ticks)
+        return CompileCounts.read()
+
+    def close(self) -> None:
+        handler, self._handler = self._handler, None
+        if handler is not None:
+            with contextlib.suppress(ValueError):
+                handler.remove_start_callback(self._started)
+                handler.remove_end_callback(self._ended)
+
+
 def _restore_env(name: str, value: str | None) -> None:
     if value is None:
         os.environ.pop(name, None)
@@ -377,6 +427,7 @@ __all__ = [
     "ARTIFACTS_FILE",
     "DEFAULT_CACHE_DIRNAME",
     "INDUCTOR_DIR",
+    "CompileActivity",
     "CompileBooking",
     "CompileCache",
     "CompileCounts",

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from stalwart.config.run import RunConfig
 from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import DistributedContext, choose_device, init_distributed
-from stalwart.graphs.compile_cache import CompileCache, CompileCounts, NullCompileCache
+from stalwart.graphs.compile_cache import CompileActivity, CompileCache, NullCompileCache
 from stalwart.reliability.inprocess.policy import FailureKind
 from stalwart.reliability.inprocess.store import RestartStore, StoreAddress
 from stalwart.reliability.inprocess.wrapper import (
@@ -25,7 +25,9 @@ from stalwart.train.trainer import Trainer, TrainOutcome
 
 
 def trainer_attempt(
-    config: RunConfig, compile_cache: CompileCache | NullCompileCache | None = None
+    config: RunConfig,
+    compile_cache: CompileCache | NullCompileCache | None = None,
+    compiling: Callable[[], object] | None = None,
 ) -> Callable[[Attempt], TrainOutcome]:
     """The train function of one attempt: build a Trainer from ``config``, resume, train.
 
@@ -44,8 +46,7 @@ def trainer_attempt(
         attempt.on_abort(functools.partial(trainer.checkpointer.close, abort=True))
         attempt.before_process_group_abort(trainer.release_graphs)
         attempt.on_finalize(trainer.close)
-        # A compiled graph is progress too: a cold compile is not a hang.
-        compiling = CompileCounts.read if config.training.compile else None
+        # ``compiling`` (a CompileActivity): a running compile is progress, not a hang.
         attempt.set_progress(lambda: trainer.state.iteration, activity=compiling)
         outcome = trainer.train()
         trainer.close()
@@ -87,10 +88,14 @@ def run_training_inprocess(config: RunConfig) -> tuple[int, TrainOutcome | None]
     cache is opened once, outside the attempts, and passed to each."""
     restarter = build_restarter(config)
     cache = build_compile_cache(config, env_int("RANK", 0))
+    activity = CompileActivity() if config.training.compile else None
     try:
         with cache:
-            outcome = restarter.run(trainer_attempt(config, cache))
+            outcome = restarter.run(trainer_attempt(config, cache, activity))
     except InProcessRestartExhausted as exc:
         sys.stderr.write(f"stalwart train: {exc}\n")
         return exc.exit_code, None
+    finally:
+        if activity is not None:
+            activity.close()
     return outcome.exit_code, outcome
