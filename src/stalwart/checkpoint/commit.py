@@ -63,12 +63,13 @@ class SaveSteps:
     before_commit: Callable[[int], None] | None
     logger: logging.Logger
 
-    def begin(self, root: str, iteration: int) -> str:
-        """Rank 0 removes stale tmp dirs and creates this save's tmp dir; all ranks get its path."""
+    def begin(self, root: str, iteration: int, flag: str, own_root: bool) -> str:
+        """Rank 0 removes stale tmp dirs and creates this save's tmp dir; all ranks get its path.
+        ``flag`` names ``root``; ``own_root``: stalwart creates ``root`` (``<save>/non_persistent``)."""
         decision: tuple[str | None, str | None] = (None, None)
         if self.rank == 0:
             try:
-                decision = (self._create_tmp_dir(root, iteration), None)
+                decision = (self._create_tmp_dir(root, iteration, flag, own_root), None)
             except CheckpointError as exc:
                 decision = (None, str(exc))
             except OSError as exc:
@@ -81,15 +82,15 @@ class SaveSteps:
             raise CheckpointError(error or "checkpoint directory was not created")
         return str(path)
 
-    def _create_tmp_dir(self, root: str, iteration: int) -> str:
-        refused = self.locks.acquire()
+    def _create_tmp_dir(self, root: str, iteration: int, flag: str, own_root: bool) -> str:
+        refused = self.locks.acquire() or layout.link_problem(root, flag, own_root)
         if refused is not None:
             raise CheckpointError(refused)
         self.locks.check_held()  # leftovers are deleted only while this job holds it
         os.makedirs(root, exist_ok=True)
         for stale in layout.list_tmp_dirs(root):
             self.logger.info("removing leftover partial checkpoint %s", stale)
-            layout.remove_checkpoint_dir(stale)
+            layout.remove_checkpoint_dir(stale, self.logger)
         # Random suffix: after an in-process restart the same process may save the same
         # iteration within a second while the aborted attempt's writer still runs.
         token = f"{time.strftime('%Y%m%d%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
@@ -171,7 +172,7 @@ class SaveSteps:
         layout.fsync_dir(root)
         layout.write_tracker_atomic(root, iteration)
         if replaced is not None:
-            layout.remove_checkpoint_dir(replaced)
+            layout.remove_checkpoint_dir(replaced, self.logger)
         keep = 1 if pending.non_persistent else self.keep_last
         if keep is not None:
             layout.apply_retention(root, keep, pending.non_persistent, self.logger)
@@ -179,4 +180,4 @@ class SaveSteps:
     def discard(self, pending: PendingSave) -> None:
         """Rank 0 removes a save that will never be published."""
         if self.rank == 0:
-            layout.remove_checkpoint_dir(pending.tmp_path)
+            layout.remove_checkpoint_dir(pending.tmp_path, self.logger)

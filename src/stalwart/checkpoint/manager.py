@@ -154,6 +154,8 @@ class CheckpointManager:
         for directory, flag in self._roots():
             if directory is not None and problem is None:
                 problem = layout.probe_writable(directory, flag, self._rank)
+        if problem is None and self._rank == 0:
+            problem = self._link_problem()
         failed = collectives.all_reduce_any([problem is not None], self._group)[0]
         if failed:
             raise ValueError(
@@ -163,6 +165,21 @@ class CheckpointManager:
         outcome = collectives.broadcast_object(refused, self._src, self._group)
         if outcome is not None:
             raise ValueError(str(outcome))
+
+    def _where(self, non_persistent: bool) -> tuple[str, bool]:
+        """(the flag naming that root, whether stalwart creates the root itself: the default
+        ``<save>/non_persistent``)."""
+        own_root = non_persistent and not self._np_dir_explicit
+        return (
+            "--non-persistent-ckpt-dir" if non_persistent and not own_root else "--save"
+        ), own_root
+
+    def _link_problem(self) -> str | None:
+        for root, non_persistent in ((self._save_dir, False), (self._np_dir, True)):
+            problem = layout.link_problem(root, *self._where(non_persistent)) if root else None
+            if problem is not None:
+                return problem
+        return None
 
     def _roots(self) -> list[tuple[str | None, str]]:
         roots = [(self._save_dir, "--save")]
@@ -199,7 +216,7 @@ class CheckpointManager:
             raise ValueError(f"checkpoint save requested but {flags} is not set")
         self.finalize()
         started = time.monotonic()
-        tmp = self._steps.begin(root, iteration)
+        tmp = self._steps.begin(root, iteration, *self._where(non_persistent))
         self._steps.write_small_files(tmp, iteration, common, per_rank, non_persistent)
         state = dcp_io.gather_state(model, optimizer, for_save=True)
         pending = PendingSave(iteration, root, tmp, non_persistent, None, started)
