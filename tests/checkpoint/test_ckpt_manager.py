@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import logging
-
 import json
+import logging
 import os
 import time
 from typing import Any
