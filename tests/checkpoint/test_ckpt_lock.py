@@ -188,3 +188,55 @@ def test_released_when_training_raises(tmp_path: Path) -> None:
         trainer.checkpointer.manager._locks.check_held()
         raise RuntimeError("boom")
     assert not (save / LOCK_FILENAME).exists()
+
+
+def test_release_survives_any_os_error(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A --save that turned read-only (remounted, immutable) under a running job: the release
+    warns and the job's own error stays the one line it prints (issue 29, item 6)."""
+    import errno
+
+    from stalwart.checkpoint.lock import SaveDirLock
+
+    lock = SaveDirLock(str(tmp_path), flag="--save")
+    lock.acquire()
+
+    def read_only(path: str, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(os, "unlink", read_only)
+    lock.release()
+    assert "could not remove the lock" in caplog.text and "Read-only file system" in caplog.text
+
+
+def _chattr(flag: str, path: Path) -> bool:
+    try:
+        return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def test_a_save_dir_made_immutable_under_the_job_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from stalwart.checkpoint import lock as lock_module
+
+    save = tmp_path / "save"
+    save.mkdir()
+    if not _chattr("+i", save) or not _chattr("-i", save):
+        pytest.skip("chattr +i needs root on a filesystem with the immutable flag")
+    acquire = lock_module.SaveDirLock.acquire
+
+    def acquire_then_freeze(self: lock_module.SaveDirLock) -> None:
+        acquire(self)
+        _chattr("+i", save)  # the directory turns immutable once the job holds its lock
+
+    monkeypatch.setattr(lock_module.SaveDirLock, "acquire", acquire_then_freeze)
+    try:
+        code = main(["train", *TINY_FLAGS, "--train-iters", "4", "--save", str(save),
+                     "--save-interval", "2"])  # fmt: skip
+    finally:
+        _chattr("-i", save)
+    err = [line for line in capsys.readouterr().err.splitlines() if "WARNING" not in line]
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("stalwart train: "), err
+    assert "Operation not permitted" in err[0] and str(save) in err[0]

@@ -253,8 +253,15 @@ class SaveDirLock:
             atexit.unregister(self.release)
         record = self._read()
         if record is not None and record.get("token") == self._token:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # read-only or immutable now: the next job sees a stale lock
+                logger.warning(
+                    "could not remove the lock %s (%s); it expires %.0f s after its last "
+                    "heartbeat", self.path, exc.strerror or exc, self._stale_s,
+                )  # fmt: skip
 
 
 class SaveDirLocks:
