@@ -11,15 +11,17 @@ then ``os.link``: the link fails when the file exists, also on NFS) and refreshe
 * stale: its heartbeat is older than ``stale_s``, or it has no readable heartbeat, or its
   holder is provably dead (same host, boot and PID namespace, and that pid is gone or a
   zombie): taken over at once;
-* doubtful: the heartbeat is fresh, but the holder looks dead to a PID check that cannot be
-  trusted (another PID namespace or container with the same host name: its pid means nothing
-  here) or it is the same job (``$STALWART_JOB_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID``,
+* held: a fresh heartbeat from a live pid of this host's namespace; refused at once, the same
+  job included (a second SLURM step while the first still runs);
+* doubtful: the heartbeat is fresh, but its pid cannot be checked here (another PID namespace
+  or container with the same host name: its pid means nothing here) or it comes from another
+  host as the same job (``$STALWART_JOB_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID``,
   its default ``none`` excluded, else ``$SLURM_JOB_ID``: a relaunch, or a second step of that
   job still running). Acquire then watches the record: if it changes (the holder beats), the
   holder is alive and the lock is refused; if it stays unchanged until it is ``stale_s`` old
   (by this host's clock, and never longer than ``stale_s`` of watching), it is taken over.
   A fresh heartbeat always wins over a PID check or a job id;
-* held: anything else (a live job); refused at once.
+* held, too: a fresh heartbeat from another host and another job; refused at once.
 
 A relaunch of the same job gets the lock at once when the previous attempt exited in any
 way that runs Python's exit handlers (the manager releases on ``close``, an ``atexit`` hook on
@@ -116,9 +118,8 @@ def _process_identity() -> dict[str, str | None]:
     whether a recorded pid means a process here (None where /proc does not tell)."""
     boot: str | None = None
     pidns: str | None = None
-    with contextlib.suppress(OSError):
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read(64).strip() or None
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id", "rb") as f:
+        boot = f.read(64).decode("ascii", "replace").strip() or None
     with contextlib.suppress(OSError):
         pidns = os.readlink("/proc/self/ns/pid")
     return {"boot": boot, "pidns": pidns}
