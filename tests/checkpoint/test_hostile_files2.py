@@ -161,7 +161,7 @@ def test_verify_fails_a_tracker_that_a_resume_refuses(
     (tmp_path / layout.TRACKER_FILENAME).write_bytes(tracker)
     assert main(["checkpoints", str(tmp_path), "--verify"]) == 1
     assert needle in capsys.readouterr().out
-    assert main(["checkpoints", str(tmp_path)]) == 0  # listing alone reports, does not fail
+    assert main(["checkpoints", str(tmp_path)]) == 1  # listing alone too (issue 29, item 10)
 
 
 def test_devices_and_directories_are_refused_as_files(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import torch
 
-from stalwart.checkpoint import layout
+from stalwart.checkpoint import integrity, layout
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.checkpoint.lock import SaveDirLocks
 from stalwart.distributed import collectives
@@ -37,6 +37,7 @@ class PendingSave:
     non_persistent: bool
     future: concurrent.futures.Future | None
     started: float
+    facts: dict[str, Any] | None = None  # metadata.json's, repeated in the marker
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,9 @@ class SaveSteps:
             `stalwart.checkpoint.dcp_io.group_rank_info` gives them.
         locks: the save directories' locks; rank 0 must hold them to delete or publish.
         keep_last: ``--ckpt-keep-last`` for persistent saves (None: keep all).
-        async_save: recorded in each checkpoint's metadata.
+        async_save: recorded in each checkpoint's metadata; the async writer then writes the
+            checksum manifest on its background thread (rank 0), else the commit does.
+        checksums: write the checksum manifest (`stalwart.checkpoint.integrity`).
         before_commit: called with the iteration on rank 0 inside the commit window.
         logger: where the steps log.
     """
@@ -60,6 +63,7 @@ class SaveSteps:
     locks: SaveDirLocks
     keep_last: int | None
     async_save: bool
+    checksums: bool
     before_commit: Callable[[int], None] | None
     logger: logging.Logger
 
@@ -105,14 +109,15 @@ class SaveSteps:
         common: dict[str, Any],
         per_rank: dict[str, Any],
         non_persistent: bool,
-    ) -> None:
-        """Write common.json + metadata.json (rank 0) and this rank's file; agree on success."""
+    ) -> dict[str, Any]:
+        """Write common.json + metadata.json (rank 0) and this rank's file; agree on success.
+        Returns the facts of metadata.json (rank 0's are the ones written)."""
         problem = None
+        facts = self.facts(iteration, non_persistent)
         try:
             os.makedirs(tmp, exist_ok=True)
             if self.rank == 0:
                 layout.write_state_fsynced(common, os.path.join(tmp, layout.COMMON_FILENAME))
-                facts = self.facts(iteration, non_persistent)
                 layout.write_text_atomic(
                     os.path.join(tmp, layout.METADATA_FILENAME), json.dumps(facts, indent=2) + "\n"
                 )
@@ -122,6 +127,7 @@ class SaveSteps:
         if collectives.all_reduce_any([problem is not None], self.group)[0]:
             self.discard(PendingSave(iteration, "", tmp, non_persistent, None, 0.0))
             raise CheckpointError(problem or f"another rank failed writing into {tmp}")
+        return facts
 
     def facts(self, iteration: int, non_persistent: bool) -> dict[str, Any]:
         """The checkpoint's ``metadata.json`` (and ``COMPLETE`` marker) contents."""
@@ -157,12 +163,16 @@ class SaveSteps:
             )
 
     def _publish(self, pending: PendingSave) -> None:
-        """Marker → rename → tracker → retention. Only rank 0 runs this, under the lock."""
+        """Manifest (sync saves) → marker → rename → tracker → retention. Only rank 0 runs
+        this, under the lock."""
         if self.before_commit is not None:
             self.before_commit(pending.iteration)
         self.locks.check_held()
         root, iteration = pending.root, pending.iteration
-        layout.write_marker(pending.tmp_path, self.facts(iteration, pending.non_persistent))
+        if self.checksums and not self.async_save:
+            integrity.write_manifest(pending.tmp_path)
+        facts = pending.facts or self.facts(iteration, pending.non_persistent)
+        layout.write_marker(pending.tmp_path, facts, integrity.manifest_crc(pending.tmp_path))
         final = os.path.join(root, layout.iteration_dir_name(iteration))
         replaced = None
         if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): move old aside

@@ -248,9 +248,18 @@ def list_tmp_dirs(root: str) -> list[str]:
     return [os.path.join(root, n) for n in names if n.startswith("iter_") and TMP_INFIX in n]
 
 
-def write_marker(path: str, facts: dict[str, Any]) -> None:
+MARKER_MANIFEST_KEY = "manifest_crc32"  # the checksum manifest's own CRC-32 (see integrity)
+
+
+def marker_text(facts: dict[str, Any], manifest_crc: str | None = None) -> str:
+    """The ``COMPLETE`` marker of ``facts`` (``metadata.json``'s) and its manifest's CRC-32."""
+    body = facts if manifest_crc is None else {**facts, MARKER_MANIFEST_KEY: manifest_crc}
+    return json.dumps(body, sort_keys=True) + "\n"
+
+
+def write_marker(path: str, facts: dict[str, Any], manifest_crc: str | None = None) -> None:
     """Write the completeness marker of a fully written checkpoint directory."""
-    write_text_atomic(os.path.join(path, COMPLETE_MARKER), json.dumps(facts, sort_keys=True) + "\n")
+    write_text_atomic(os.path.join(path, COMPLETE_MARKER), marker_text(facts, manifest_crc))
 
 
 def written_as(path: str, non_persistent: bool) -> bool:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from stalwart.checkpoint import dcp_io, layout
+from stalwart.checkpoint import dcp_io, integrity, layout
 from stalwart.checkpoint.commit import PendingSave, SaveSteps
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.checkpoint.loading import (
@@ -85,6 +85,11 @@ class CheckpointManager:
             shards are written, before the marker); tests use it to act inside that window.
         job_id: this job's identity for the save-directory lock (default: from the launcher's
             environment, see `stalwart.checkpoint.lock`).
+        verify_on_load: ``--verify-checkpoint-on-load``: ``load`` also checks every file of the
+            chosen checkpoint against its checksum manifest (rank 0 reads it all once); a
+            mismatch makes it unusable (``fallback`` then tries the previous one).
+        checksums: write each checkpoint's checksum manifest (`stalwart.checkpoint.integrity`);
+            False only to measure its cost (``bench/checkpoint_save.py``).
 
     Raises:
         ValueError: naming the flags, for ``keep_last < 1`` or overlapping directories.
@@ -102,6 +107,8 @@ class CheckpointManager:
         process_group: Any = None,
         before_commit: Callable[[int], None] | None = None,
         job_id: str | None = None,
+        verify_on_load: bool = False,
+        checksums: bool = True,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(
@@ -120,6 +127,8 @@ class CheckpointManager:
         )
         self._locks = SaveDirLocks(self._roots(), job_id)
         self._fallback = fallback
+        self._verify_on_load = verify_on_load
+        self._checksums = checksums
         self._group = process_group
         self._rank, self._world_size, self._src = dcp_io.group_rank_info(process_group)
         self._pending: PendingSave | None = None
@@ -137,6 +146,7 @@ class CheckpointManager:
             self._locks,
             keep_last,
             async_save,
+            checksums,
             before_commit,
             logger,
         )
@@ -217,9 +227,9 @@ class CheckpointManager:
         self.finalize()
         started = time.monotonic()
         tmp = self._steps.begin(root, iteration, *self._where(non_persistent))
-        self._steps.write_small_files(tmp, iteration, common, per_rank, non_persistent)
+        facts = self._steps.write_small_files(tmp, iteration, common, per_rank, non_persistent)
         state = dcp_io.gather_state(model, optimizer, for_save=True)
-        pending = PendingSave(iteration, root, tmp, non_persistent, None, started)
+        pending = PendingSave(iteration, root, tmp, non_persistent, None, started, facts)
         if self._async is None:
             try:
                 dcp_io.save_sync(state, tmp, self._group)
@@ -233,7 +243,10 @@ class CheckpointManager:
             self._steps.commit(pending)
             return
         try:
-            pending.future = self._async.start(state, tmp)
+            # Rank 0 writes the manifest on the writer's background thread once DCP's write is
+            # done: DCP writes .metadata only after every rank's shards are written.
+            then = integrity.write_manifest if self._rank == 0 and self._checksums else None
+            pending.future = self._async.start(state, tmp, then=then)
         except Exception as exc:
             self._steps.discard(pending)
             raise CheckpointError(
@@ -295,7 +308,9 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------- load
     def _locator(self) -> CheckpointLocator:
-        return CheckpointLocator(self._load_dir, self._np_dir, self._fallback)
+        return CheckpointLocator(
+            self._load_dir, self._np_dir, self._fallback, verify_checksums=self._verify_on_load
+        )
 
     def latest_iteration(self) -> int | None:
         """Newest complete checkpoint that a tracker points at (persistent or non-persistent).
