@@ -9,18 +9,20 @@ the save-directory lock; every other rank learns the outcome in one collective.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
 from stalwart.checkpoint import integrity, layout
-from stalwart.checkpoint.errors import CheckpointError
+from stalwart.checkpoint.errors import CheckpointError, PeerLostError
 from stalwart.checkpoint.lock import SaveDirLocks
 from stalwart.distributed import collectives
 
@@ -149,7 +151,8 @@ class SaveSteps:
                 self._publish(pending)
             except Exception as exc:
                 error = f"committing checkpoint {pending.tmp_path} failed: {exc}"
-        outcome = collectives.broadcast_object(error, self.src, self.group)
+        with self.peer_loss(pending, "commit"):
+            outcome = collectives.broadcast_object(error, self.src, self.group)
         if outcome is not None:
             raise CheckpointError(str(outcome))
         if self.rank == 0:
@@ -186,6 +189,40 @@ class SaveSteps:
         keep = 1 if pending.non_persistent else self.keep_last
         if keep is not None:
             layout.apply_retention(root, keep, pending.non_persistent, self.logger)
+
+    @contextlib.contextmanager
+    def peer_loss(self, pending: PendingSave, step: str) -> Iterator[None]:
+        """Turn a collective that failed because a rank went away (gloo: "Connection closed by
+        peer") into one `PeerLostError` line: which rank, and what is kept on disk."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.world_size < 2 or isinstance(exc, CheckpointError):
+                raise
+            raise PeerLostError(self._peer_lost(pending, step, exc)) from exc
+
+    def _peer_lost(self, pending: PendingSave, step: str, exc: BaseException) -> str:
+        who = f"rank {1 - self.rank}" if self.world_size == 2 else "a peer rank"
+        cause = re.sub(
+            r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        )
+        cause = cause.split(". ")[0] or type(exc).__name__
+        kind = "non-persistent checkpoint" if pending.non_persistent else "checkpoint"
+        try:
+            kept = layout.read_tracker(pending.root)
+        except CheckpointError:
+            kept = None
+        if kept == pending.iteration:
+            saved = f"the {kind} of iteration {kept} was committed before"
+        elif kept is not None:
+            saved = f"the last committed {kind}, iteration {kept}, is kept"
+        else:
+            saved = "no checkpoint had been committed there yet"
+        return (
+            f"{who} went away during the {step} of {kind} iteration {pending.iteration} "
+            f"({cause}); {saved} in {pending.root} (its {layout.TRACKER_FILENAME}); "
+            "relaunch the job to resume from it"
+        )
 
     def discard(self, pending: PendingSave) -> None:
         """Rank 0 removes a save that will never be published."""

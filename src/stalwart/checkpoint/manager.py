@@ -242,23 +242,28 @@ class CheckpointManager:
                 ) from exc
             self._steps.commit(pending)
             return
+        self._start_async(pending, state)
+
+    def _start_async(self, pending: PendingSave, state: dict[str, Any]) -> None:
+        assert self._async is not None
+        # Rank 0 writes the manifest on the writer's background thread once DCP's write is
+        # done: DCP writes .metadata only after every rank's shards are written.
+        then = integrity.write_manifest if self._rank == 0 and self._checksums else None
         try:
-            # Rank 0 writes the manifest on the writer's background thread once DCP's write is
-            # done: DCP writes .metadata only after every rank's shards are written.
-            then = integrity.write_manifest if self._rank == 0 and self._checksums else None
-            pending.future = self._async.start(state, tmp, then=then)
+            pending.future = self._async.start(state, pending.tmp_path, then=then)
         except Exception as exc:
             self._steps.discard(pending)
             raise CheckpointError(
-                f"starting async checkpoint save into {tmp} failed: {dcp_io.describe_failure(exc)}"
+                f"starting async checkpoint save into {pending.tmp_path} failed: "
+                f"{dcp_io.describe_failure(exc)}"
             ) from exc
         self._pending = pending
         if self._rank == 0:
             logger.info(
                 "async checkpoint save of iteration %d started into %s (blocked %.2fs for staging)",
-                iteration,
-                tmp,
-                time.monotonic() - started,
+                pending.iteration,
+                pending.tmp_path,
+                time.monotonic() - pending.started,
             )
 
     # ---------------------------------------------------------------- finalize
@@ -281,7 +286,8 @@ class CheckpointManager:
         done = pending.future.done()
         failed = done and pending.future.exception() is not None
         # Deliberate sync: only while a save is in flight; all ranks must agree before the commit.
-        any_not_done, any_failed = collectives.all_reduce_any([not done, failed], self._group)
+        with self._steps.peer_loss(pending, "agreement on the write"):
+            any_not_done, any_failed = collectives.all_reduce_any([not done, failed], self._group)
         if any_not_done and not any_failed:
             return None
         if any_failed:
