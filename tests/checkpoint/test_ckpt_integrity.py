@@ -228,3 +228,21 @@ def test_checksums_off_writes_no_manifest(tmp_path: Path) -> None:
     path = tmp_path / layout.iteration_dir_name(1)
     assert not (path / integrity.MANIFEST_FILENAME).exists()
     assert integrity.check_checkpoint(str(path), checksums=True).note is not None
+
+
+def test_big_files_are_checked_block_by_block(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(integrity, "BLOCK_BYTES", 1024)  # the shard spans many blocks
+    model = make_model()
+    opt = make_optimizer(model)
+    manager = CheckpointManager(str(tmp_path))
+    manager.save(1, model, opt, {}, {})
+    manager.close()
+    path = tmp_path / layout.iteration_dir_name(1)
+    shard = path / "__0_0.distcp"
+    blocks = json.loads((path / integrity.MANIFEST_FILENAME).read_text())["files"][shard.name][1]
+    assert blocks.count("-") + 1 == -(-shard.stat().st_size // 1024) > 2
+    data = bytearray(shard.read_bytes())
+    data[2 * 1024 + 5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    problem = integrity.check_checkpoint(str(path), checksums=True).problem
+    assert problem == "file __0_0.distcp does not match its checksum (CRC-32 of its 64 MiB block 2)"

@@ -22,6 +22,7 @@ says their files were not checked.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -40,7 +41,10 @@ MARKER_KEY = layout.MARKER_MANIFEST_KEY  # in the COMPLETE marker: the manifest'
 _MAX_MANIFEST_BYTES = 64 << 20  # ~1M files; a bigger one is refused before it is parsed
 _MAX_MARKER_BYTES = 1 << 16
 _CHUNK = 8 << 20
+BLOCK_BYTES = 64 << 20  # one CRC-32 per 64 MiB block of a file: blocks are hashed in parallel
+_MAX_THREADS = 8
 _CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{8}(-[0-9a-f]{8})*$")
 _UNLISTED = frozenset({MANIFEST_FILENAME, layout.COMPLETE_MARKER})
 
 
@@ -54,13 +58,43 @@ class CheckResult:
 
 
 def crc32_file(path: str) -> tuple[int, str]:
-    """(size, CRC-32 as 8 hex digits) of a regular file, read in 8 MiB chunks."""
-    crc, size = 0, 0
+    """(size, CRC-32 as 8 hex digits) of a small regular file (the manifest itself)."""
     with open_regular(path) as f:
-        while chunk := f.read(_CHUNK):
+        data = f.read()
+    return len(data), f"{zlib.crc32(data):08x}"
+
+
+def _block_crc(path: str, offset: int, length: int) -> int:
+    crc = 0
+    with open_regular(path) as f:
+        f.seek(offset)
+        while length > 0 and (chunk := f.read(min(_CHUNK, length))):
             crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, f"{crc:08x}"
+            length -= len(chunk)
+    return crc
+
+
+def digests(paths: list[str]) -> dict[str, tuple[int, str]]:
+    """``{path: (size, digest)}``: the digest is the CRC-32 of each 64 MiB block of the file,
+    as 8 hex digits joined by ``-``. Blocks of every file are hashed on up to 8 threads
+    (``zlib.crc32`` releases the GIL), so one big shard does not take one core's time.
+
+    Raises:
+        OSError: a file is missing, unreadable or not a regular file.
+    """
+    sizes = {}
+    for path in paths:
+        with open_regular(path) as f:
+            sizes[path] = os.fstat(f.fileno()).st_size
+    blocks = [(p, off, min(BLOCK_BYTES, n - off)) for p, n in sizes.items()
+              for off in range(0, max(n, 1), BLOCK_BYTES)]  # fmt: skip
+    threads = max(1, min(_MAX_THREADS, os.cpu_count() or 1, len(blocks)))
+    with concurrent.futures.ThreadPoolExecutor(threads, "stalwart-crc") as pool:
+        crcs = list(pool.map(lambda b: _block_crc(*b), blocks))
+    joined: dict[str, list[str]] = {p: [] for p in paths}
+    for (path, _, _), crc in zip(blocks, crcs, strict=True):
+        joined[path].append(f"{crc:08x}")
+    return {p: (sizes[p], "-".join(joined[p])) for p in paths}
 
 
 def _listed_files(path: str) -> list[str]:
@@ -78,11 +112,11 @@ def _listed_files(path: str) -> list[str]:
 def write_manifest(path: str) -> None:
     """Write ``<path>/checksums.json`` over every file of the checkpoint directory ``path``
     (run once every rank's files are written, before the marker)."""
-    files = {}
-    for rel in _listed_files(path):
-        size, crc = crc32_file(os.path.join(path, rel))
-        files[rel] = [size, crc]
-    body = {"format": MANIFEST_FORMAT, "algorithm": "crc32", "files": files}
+    names = _listed_files(path)
+    found = digests([os.path.join(path, rel) for rel in names])
+    files = {rel: list(found[os.path.join(path, rel)]) for rel in names}
+    body = {"format": MANIFEST_FORMAT, "algorithm": "crc32", "block_bytes": BLOCK_BYTES,
+            "files": files}  # fmt: skip
     text = json.dumps(body, indent=0, sort_keys=True) + "\n"
     layout.write_text_atomic(os.path.join(path, MANIFEST_FILENAME), text)
 
@@ -209,7 +243,8 @@ def _entry_ok(value: Any) -> bool:
         and not isinstance(value[0], bool)
         and value[0] >= 0
         and isinstance(value[1], str)
-        and _CRC_RE.match(value[1]) is not None
+        and _DIGEST_RE.match(value[1]) is not None
+        and value[1].count("-") + 1 == max(1, -(-value[0] // BLOCK_BYTES))
     )
 
 
@@ -219,18 +254,25 @@ def _check_files_against(path: str, entries: dict[str, tuple[int, str]] | str) -
     unlisted = sorted(set(_listed_files(path)) - set(entries))
     if unlisted:
         return f"file {unlisted[0]} is not in {MANIFEST_FILENAME} (not written by this save)"
-    for rel, (size, crc) in sorted(entries.items()):
-        full = os.path.join(path, rel)
+    for rel in sorted(entries):
         try:
-            if not stat.S_ISREG(os.lstat(full).st_mode):
+            if not stat.S_ISREG(os.lstat(os.path.join(path, rel)).st_mode):
                 return f"{rel} is not a regular file"
-            actual = crc32_file(full)
         except FileNotFoundError:
             return f"file {rel} is missing (listed in {MANIFEST_FILENAME})"
         except OSError as exc:
             return f"file {rel} is unreadable: {exc.strerror or exc}"
+    try:
+        found = digests([os.path.join(path, rel) for rel in sorted(entries)])
+    except OSError as exc:
+        return f"a file is unreadable: {exc.strerror or exc}"
+    for rel, (size, digest) in sorted(entries.items()):
+        actual = found[os.path.join(path, rel)]
         if actual[0] != size:
             return f"file {rel} has {actual[0]} bytes, {MANIFEST_FILENAME} says {size}"
-        if actual[1] != crc:
-            return f"file {rel} does not match its checksum (crc32 {actual[1]}, expected {crc})"
+        if actual[1] != digest:
+            block = next(
+                i for i, (a, b) in enumerate(zip(actual[1].split("-"), digest.split("-"))) if a != b
+            )
+            return f"file {rel} does not match its checksum (CRC-32 of its 64 MiB block {block})"
     return None
