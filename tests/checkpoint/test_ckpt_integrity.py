@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -165,6 +166,15 @@ def _manifest_attack(path: Path, how: str) -> None:
         _rewrite_manifest(
             path, lambda files: {**files, "../iter_0000001/common.json": files["common.json"]}
         )
+    elif how == "fifo":
+        manifest.unlink()
+        os.mkfifo(manifest)  # would hang a plain open()
+    elif how == "marker_without_key":
+        facts = json.loads((path / "metadata.json").read_text())
+        layout.write_marker(str(path), facts)  # the manifest stays, the marker forgets it
+    elif how == "planted_subdir":
+        (path / "sub").mkdir()
+        (path / "sub" / "x.json").write_text("{}")
     elif how == "linked_file":
         (path / "common.json").rename(path / "common.real")
         (path / "common.json").symlink_to(path / "common.real")
@@ -182,7 +192,18 @@ def _rewrite_manifest(path: Path, change) -> None:
 
 @pytest.mark.parametrize(
     "how",
-    ["truncated", "huge", "binary", "deleted", "planted_file", "escaping_entry", "linked_file"],
+    [
+        "truncated",
+        "huge",
+        "binary",
+        "deleted",
+        "fifo",
+        "marker_without_key",
+        "planted_file",
+        "planted_subdir",
+        "escaping_entry",
+        "linked_file",
+    ],
 )
 def test_manifest_attacks_are_one_line_refusals(save: Path, how: str, capsys) -> None:
     _manifest_attack(save / ITER_2, how)
