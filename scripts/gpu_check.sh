@@ -152,7 +152,7 @@ step bench_gpt2 200 "${BENCH[@]}" --preset gpt2-124m --suite baseline,timers,dum
 step bench_dumps 120 "${BENCH[@]}" --preset gpt2-124m --suite dumps --json "$WORK/bench_dumps.json"
 # Every preset (llama-* included) x recompute none/selective/full x bf16/fp32: 30 measurements.
 step memory 420 python3 bench/memory_check.py --device cuda --json "$WORK/memory.json"
-step ckpt_save 150 python3 bench/checkpoint_save.py --preset gpt2-124m --device cuda --json "$WORK/ckpt_save.json"
+step ckpt_save 200 python3 bench/checkpoint_save.py --preset gpt2-124m --device cuda --json "$WORK/ckpt_save.json"
 
 echo "== total $(( $(date +%s) - start ))s" | tee -a "$WORK/summary.txt"
 tar czf "$OUT/gpu_check.tgz" -C "$WORK" .
