@@ -22,6 +22,7 @@ step, which a discarded launch could not undo; the machine's read follows the re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -163,6 +164,9 @@ class InGraphOptimizer:
 
     def join(self) -> None:
         """Nothing to join: the step is on the pass's stream."""
+
+    def on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the pass's stream
 
     def close(self) -> None:
         pass

@@ -248,11 +248,12 @@ class GuardedStep:
                 # The launch may overwrite a graph's outputs: average this pass's values first
                 # (and, like the launch's host work, before the short step).
                 losses = average_reported(reported, self.dp_group)
-                staged = ahead and self._lookahead.prepare(iteration + 1, n)  # device busy
+                # The launch's work is the next iteration's forward-backward: its timer.
+                staged = ahead and self._timed_ahead(self._lookahead.prepare, iteration + 1, n)
                 stepped = self._optimizer_step(gated=True, overlap=not staged)
                 if ahead:
                     self.runners.optimizer.join()  # the next pass reads the stepped weights
-                    self._lookahead.launch(iteration + 1, n)
+                    self._timed_ahead(self._lookahead.launch, iteration + 1, n)
         self.runners.optimizer.join()
         verdict = self._safe_to_save(self.machine.verdict())
         agreed = self.agreement.finish() if self.agreement is not None else Agreed()
@@ -318,13 +319,26 @@ class GuardedStep:
         timer.stop()
         return reported
 
+    def _timed_ahead(self, work: Callable[[int, int], bool], iteration: int, n: int) -> bool:
+        """Part of the next iteration's pass queued now (the look-ahead): timed in
+        ``forward-backward``, which its own ``_pass`` then does not time again (that pass only
+        takes the launched work). A log interval's sum is then every pass's work once."""
+        timer = self.timers(FORWARD_BACKWARD)
+        timer.start()
+        try:
+            return work(iteration, n)
+        finally:
+            timer.stop()
+
     def _optimizer_step(self, gated: bool, overlap: bool = True) -> Stepped:
         timer = self.timers(OPTIMIZER)
         timer.start()
         try:
             return self.runners.optimizer.step(gated=gated, overlap=overlap)
         finally:
-            timer.stop()
+            # A step overlapped on a second stream: a device timer's end event goes there.
+            with self.runners.optimizer.on_step_stream():
+                timer.stop()
 
     # ----------------------------------------------------------------------- between steps
     def settle(self) -> None:
