@@ -35,7 +35,8 @@ Usage in your own loop (rank 0 writes; every other rank gets the null ledger)::
     >>> abs(summary.wall_s - (summary.last - summary.first)) < 1e-3
     True
 
-Hot-path cost: two ``time.monotonic()`` calls and a lock per step; a ``write`` per closed interval.
+Hot-path cost: two ``time.monotonic()`` calls and a lock per step; a ``write`` per closed interval
+(an accepted step writes nothing of its own: its interval runs on into what follows it).
 Disabled: :class:`NullGoodputLedger` (same methods, nothing happens).
 """
 
@@ -113,10 +114,11 @@ class StepSpan:
     bucket (the iteration captured a CUDA graph); ``abandon`` too, and the iteration does not
     count as done (the rerun state machine rejected it)."""
 
-    __slots__ = ("bucket", "completed", "iteration", "started")
+    __slots__ = ("bucket", "completed", "iteration", "started", "started_in")
 
     def __init__(self, iteration: int, bucket: Bucket, started: float) -> None:
         self.iteration, self.bucket, self.started = iteration, bucket, started
+        self.started_in = bucket  # the bucket the step's own time is held under until it ends
         self.completed = True
 
     def reclassify(self, bucket: Bucket) -> None:
@@ -167,6 +169,11 @@ class GoodputLedger:
         self._hang_reported_at: float | None = None
         self._failed: tuple[float, float, Bucket] | None = None
         self._summary: GoodputSummary | None = None
+        # The open step and its own intervals closed before it ended (a nested span, a flush),
+        # held until it ends: they take its final bucket (a rejected iteration's first pass is
+        # not productive).
+        self._step: StepSpan | None = None
+        self._pieces: list[tuple[float, float]] = []
         prior = read_ledger(self.path)
         self._fd = self._open_append()
         self._totals = dict(summarize(prior).seconds) if prior.records else empty_seconds()
@@ -231,12 +238,22 @@ class GoodputLedger:
         self._write_failed()  # a failed step's interval comes first (it ended at t0)
         if now > self._t0:
             b = bucket or self._bucket
-            idle = 0.0
-            if b is Bucket.PRODUCTIVE and self._idle_pending > 0:
-                idle = min(self._idle_pending, now - self._t0)
-                self._idle_pending -= idle
-            self._write(Span(b, self._t0, now, self._session, self._last_iteration, idle))
+            step = self._step
+            if step is not None and b is step.started_in:
+                if self._t0 < step.started:  # before the step: not the step's
+                    self._write_span(b, self._t0, min(step.started, now))
+                if now > step.started:  # the step's bucket is known at its end
+                    self._pieces.append((max(self._t0, step.started), now))
+            else:
+                self._write_span(b, self._t0, now)
         self._t0 = max(now, self._t0)
+
+    def _write_span(self, bucket: Bucket, t0: float, t1: float) -> None:
+        idle = 0.0
+        if bucket is Bucket.PRODUCTIVE and self._idle_pending > 0:
+            idle = min(self._idle_pending, t1 - t0)
+            self._idle_pending -= idle
+        self._write(Span(bucket, t0, t1, self._session, self._last_iteration, idle))
 
     def _switch(self, bucket: Bucket, now: float | None = None) -> None:
         now = self._clock() if now is None else now
@@ -260,6 +277,7 @@ class GoodputLedger:
             now = self._clock()
             self._switch(chosen, now)
             handle = StepSpan(iteration, chosen, now)
+            self._step, self._pieces = handle, []
         try:
             yield handle
         except BaseException:
@@ -267,12 +285,20 @@ class GoodputLedger:
                 self._step_failed(handle)
             raise
         with self._lock:
-            if handle.bucket is not self._bucket:  # reclassified inside the block
-                self._close_interval(max(handle.started, self._t0))
-                self._close_interval(self._clock(), handle.bucket)
+            if handle.bucket is not handle.started_in:  # reclassified or abandoned
+                self._close_interval(self._clock())
             if handle.completed:
                 self._last_iteration = iteration
+            self._end_step(handle.bucket)
             self._switch(self._bucket)
+
+    def _end_step(self, bucket: Bucket) -> None:
+        """Write the step's held intervals as ``bucket``, its final one (``reclassify``,
+        ``abandon``); its nested spans (rerun) are written already. An accepted step's open
+        interval stays open: it goes on into what follows the step, as one interval."""
+        pieces, self._pieces, self._step = self._pieces, [], None
+        for t0, t1 in pieces:
+            self._write_span(bucket, t0, t1)
 
     def _step_failed(self, handle: StepSpan) -> None:
         """The iteration never completed: its time is lost work, or hang until the hang was
@@ -282,6 +308,7 @@ class GoodputLedger:
         now = self._clock()
         start = max(handle.started, self._t0)
         self._close_interval(start)
+        self._end_step(Bucket.LOST_WORK)  # its intervals before the failure: the step failed
         detected = self._hang_detected_since(handle.started)
         split = now if detected is None else min(max(detected, start), now)
         self._failed = (start, split, Bucket.LOST_WORK if detected is None else Bucket.HANG)
@@ -353,6 +380,9 @@ class GoodputLedger:
             seconds = dict(self._totals)
             if self._failed is not None:
                 add_span(seconds, Span(self._failed[2], self._failed[0], self._failed[1], ""))
+            held = self._step.started_in if self._step is not None else Bucket.PRODUCTIVE
+            for t0, t1 in self._pieces:  # held: as if the step is accepted
+                add_span(seconds, Span(held, t0, t1, ""))
             add_span(seconds, Span(self._bucket, self._t0, max(self._clock(), self._t0), ""))
         return GoodputSummary(seconds, [], [], [])
 
@@ -379,6 +409,8 @@ class GoodputLedger:
                 self._closed = True
                 now = self._clock()
                 self._close_interval(now)
+                if self._step is not None:  # closed from inside a step: it did not end
+                    self._end_step(Bucket.LOST_WORK)
                 fields = {"reason": reason, "detail": detail[:500], "it": self._last_iteration}
                 fields = {k: v for k, v in fields.items() if v not in (None, "")}
                 self._write(Marker(RecordKind.END, now, self._session, fields))
