@@ -229,3 +229,20 @@ def test_bad_rerun_flags_exit_2_with_one_line(
     err = capsys.readouterr().err.strip()
     assert needle in err and "Traceback" not in err
     assert len(err.splitlines()) == 1, err
+
+
+def test_an_iteration_to_skip_is_logged_as_skipped_not_as_a_nan_iteration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--iterations-to-skip 2``: its line counts one skipped iteration, no NaN iteration, and
+    shows no loss (it printed ``lm loss: NAN`` and ``number of nan iterations: 1``)."""
+    outcome, _ = _train(["--train-iters", "3", "--seed", "5", "--log-interval", "1",
+                         "--iterations-to-skip", "2"])  # fmt: skip
+    assert (outcome.exit_code, outcome.iteration) == (0, 3)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln]
+    by_it = {int(ln.split(" iteration ")[1].split("/")[0]): ln for ln in lines if "/" in ln}
+    assert "number of skipped iterations:   1 | number of nan iterations:   0 |" in by_it[2]
+    assert "lm loss" not in by_it[2] and "NAN" not in by_it[2]
+    for it in (1, 3):
+        assert "number of skipped iterations:   0 | number of nan iterations:   0 |" in by_it[it]
+        assert "lm loss: " in by_it[it]

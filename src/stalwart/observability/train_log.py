@@ -19,7 +19,10 @@ take part in the log-step collectives (interval-time barrier, timer all_gather, 
 Differences from Megatron (deliberate): every log line resets the interval (including the first
 iteration's line), timers and losses are averaged over the iterations actually in the interval,
 "nan iterations" counts every iteration with a non-finite loss (not only skipped ones), negative
-and undefined averages are printed (an interval with no advanced iteration prints ``NAN``).
+and undefined averages are printed (an interval with no advanced iteration prints ``NAN``). An
+iteration skipped by ``--iterations-to-skip`` (``losses={}``) is one of the "skipped iterations"
+(Megatron's dummy step skips the log; its counter then misses it), never a NaN one, and adds no
+loss: an interval of only such iterations prints none.
 
 Units: the dashboards (sink) get Megatron's keys and units: ``iteration-time`` and
 ``<timer>-time`` in seconds, plus ``world-size``; the sinks group them by a ``<group>/`` prefix
@@ -171,6 +174,8 @@ class TrainingLog:
         self._device: torch.device | None = None
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: torch.Tensor | None = None  # [advanced, skipped, nan], int64, on device
+        # Iterations skipped without a pass (--iterations-to-skip: no loss at all), on the host.
+        self._skipped_without_pass = 0
         self._iters_in_interval = 0
         self._logged_once = False
         self._consumed_samples = 0
@@ -195,7 +200,10 @@ class TrainingLog:
         """Record the iteration just completed (1-based ``iteration``); log/write when due.
 
         Collective at log steps (every rank must call with the same ``iteration``). Tensors may live
-        on the training device; nothing is read from it except at log/sink steps.
+        on the training device; nothing is read from it except at log/sink steps. ``losses``
+        empty with ``skipped=True``: an iteration skipped without a pass (``--iterations-to-skip``,
+        as Megatron's dummy step): counted as skipped, not as a NaN iteration, and averaged into
+        no loss (an interval of only such iterations prints no loss).
         """
         self._accumulate(losses, skipped)
         self._iters_in_interval += 1
@@ -227,6 +235,9 @@ class TrainingLog:
         self, losses: Mapping[str, TensorOrScalar], skipped: torch.Tensor | bool
     ) -> None:
         """Device-side only: add losses of advanced iterations and bump the three counters."""
+        if not losses and skipped is True:
+            self._skipped_without_pass += 1  # no loss to check; the device is not touched
+            return
         device = self._ensure_state(losses)
         counts = self._counts
         assert counts is not None
@@ -271,9 +282,9 @@ class TrainingLog:
         named.update({f"cur:{k}": v for k, v in i.losses.items()})
         if interval:
             named.update({f"sum:{k}": v for k, v in self._sums.items()})
-            assert self._counts is not None
             for idx, name in enumerate(("advanced", "skipped", "nan")):
-                named[f"count:{name}"] = self._counts[idx]
+                counts = self._counts  # None: only iterations skipped without a pass so far
+                named[f"count:{name}"] = counts[idx] if counts is not None else 0
         device = self._device or torch.device("cpu")
         tensor_names = [k for k, v in named.items() if isinstance(v, torch.Tensor)]
         out: dict[str, float | None] = {
@@ -335,10 +346,13 @@ class TrainingLog:
         fields: Sequence[LogField],
     ) -> IntervalSummary:
         advanced = int(values.get("count:advanced") or 0)
+        without_pass = self._skipped_without_pass
         averages = {
             k: (values[f"sum:{k}"] or 0.0) / advanced if advanced > 0 else math.nan
             for k in self._sums
         }
+        if without_pass == self._iters_in_interval:
+            averages = {}  # only --iterations-to-skip: no loss was computed, none is shown
         throughput = None
         if self.config.log_throughput and self.flops_per_iteration is not None and elapsed_ms > 0:
             throughput = self.flops_per_iteration / (elapsed_ms / 1000.0 * 1e12 * self.world_size)
@@ -352,7 +366,7 @@ class TrainingLog:
             elapsed_ms=elapsed_ms,
             global_batch_size=global_batch_size,
             loss_averages=averages,
-            skipped=int(values.get("count:skipped") or 0),
+            skipped=int(values.get("count:skipped") or 0) + without_pass,
             nan=int(values.get("count:nan") or 0),
             learning_rate=values.get("lr"),
             throughput=throughput,
@@ -415,6 +429,7 @@ class TrainingLog:
             acc.zero_()
         if self._counts is not None:
             self._counts.zero_()
+        self._skipped_without_pass = 0
         self._iters_in_interval = 0
         self._logged_once = True
 

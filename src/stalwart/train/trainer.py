@@ -312,7 +312,7 @@ class Trainer:
         norm = params_norm(self.model) if cfg.log.log_params_norm and is_log else None
         self.log.on_iteration(
             it,
-            losses=result.losses or {"lm loss": torch.tensor(float("nan"))},
+            losses=result.losses,  # empty: skipped without a pass (--iterations-to-skip)
             learning_rate=self.scheduler.last_lr,
             global_batch_size=self.batch_size,
             consumed_samples=self.state.consumed_samples,
