@@ -136,7 +136,7 @@ def test_correct_result_then_tracker_skips_that_iteration(
     assert _train(args)[0].exit_code == 16
     monkeypatch.setenv(DEVICE_ID_ENV, "gpu-b")
     assert _train(args)[0].exit_code == 17
-    assert "Correct result (but possible application error)" in caplog.text
+    assert "Correct result (but possible Application error)" in caplog.text
     assert _statuses(tracker) == [
         "initial_run", "first_rerun_reproducible", "second_rerun_reproducible"
     ]  # fmt: skip
