@@ -246,3 +246,25 @@ def test_an_iteration_to_skip_is_logged_as_skipped_not_as_a_nan_iteration(
     for it in (1, 3):
         assert "number of skipped iterations:   0 | number of nan iterations:   0 |" in by_it[it]
         assert "lm loss: " in by_it[it]
+
+
+def test_large_grads_injected_through_the_cli_is_not_fatal_and_training_continues(
+    tmp_path: Path, reference: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--check-for-large-grads`` alone: the iteration's first validation call is the gradient
+    check, so the injection lands there. Non-fatal: rerun, continue, the tracker names it, the
+    parameters equal the fault-free run's (the replayed pass's gradients were applied)."""
+    caplog.set_level(logging.INFO)
+    save, tracker = tmp_path / "ckpt", tmp_path / "tracker.txt"
+    args = _inject(
+        "transient_error", save, tracker, "--no-check-for-nan-in-loss-and-grad",
+        "--check-for-large-grads",
+    )  # fmt: skip
+    outcome, params = _train(args)
+    assert (outcome.exit_code, outcome.iteration) == (0, 6)
+    assert "Continuing normal execution because the failed validation was not fatal" in caplog.text
+    text = tracker.read_text()
+    assert "large grads" in text and _statuses(tracker) == [
+        "initial_run", "first_rerun_not_reproducible"
+    ]  # fmt: skip
+    assert_params_equal(params, load_params(reference, 6))
