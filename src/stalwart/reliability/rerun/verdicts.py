@@ -236,11 +236,21 @@ class EventMixin(MachineCore):
         self._replica_detail = ""
 
     # ------------------------------------------------------------------------------ logging
-    def _describe(self, message: str) -> str:
+    def _where(self) -> tuple[str, str, str]:
+        """(node, device index, the device id in parentheses when it is not the index):
+        Megatron's lines name a CUDA device index; a simulated or CPU device id follows."""
         node, device = device_identity()
+        digits = _DEVICE_INDEX.fullmatch(device)
+        index = digits.group(1) if digits else str(env_int("LOCAL_RANK", 0))
+        return node, index, f" (device {device})" if device != index else ""
+
+    def _describe(self, message: str) -> str:
+        """Megatron's form of the other messages (disabled mode's ``Unexpected result``):
+        ``Rank R, node N, device D, iteration I: {message}``."""
+        node, index, where = self._where()
         return (
-            f"Rank {self.rank}, node {node}, device {device}, "
-            f"iteration {self.iteration + 1}: {message}"
+            f"Rank {self.rank}, node {node}, device {index}, "
+            f"iteration {self.iteration + 1}: {message}{where}"
         )
 
     def _log_failure(self, message: str, fatal: bool, detail: str = "") -> None:
@@ -248,10 +258,7 @@ class EventMixin(MachineCore):
         (ERROR when fatal, else WARNING; a message ending in "!" gives Megatron's "!!", e.g.
         ``Possible transient error!!``). D is the device index (a simulated or CPU device
         id follows in parentheses); ``detail`` (what was seen) follows after a space."""
-        node, device = device_identity()
-        digits = _DEVICE_INDEX.fullmatch(device)
-        index = digits.group(1) if digits else str(env_int("LOCAL_RANK", 0))
-        where = f" (device {device})" if device != index else ""
+        node, index, where = self._where()
         line = (
             f"Rank {self.rank}, node {node}, device {index}, iteration #{self.iteration + 1}: "
             f"{message}!{where}"
