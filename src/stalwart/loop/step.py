@@ -109,7 +109,9 @@ class GuardedStep:
             An observer with ``iteration_region()`` times every forward-backward call (its
             communication), one with ``graph_safe()`` keeps its compute regions in a graph.
         goodput: a :class:`stalwart.observability.goodput.GoodputLedger`: rerun passes go to
-            its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``).
+            its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``); the look-ahead's
+            work is booked with the iteration it belongs to (``ledger.ahead``), a dropped
+            launch as lost work.
         backward: ``backward(scaled_loss)`` instead of ``scaled_loss.backward()``: a framework's
             own (Lightning's ``manual_backward``, which prepares DDP's reducer first).
     """
@@ -236,6 +238,8 @@ class GuardedStep:
         while self.machine.should_run_forward_backward(self.data, iteration=iteration):
             self.runners.optimizer.join()  # a rerun pass must not race an overlapped step
             if passes:
+                if self._lookahead.pending is not None:
+                    self._dropped_ahead()
                 self._lookahead.forget()  # the machine dropped it: the pass is rerun
             with self._rerun_span(passes), self.machine.replay_context():
                 reported = self._pass(n, first=passes == 0)
@@ -326,9 +330,20 @@ class GuardedStep:
         timer = self.timers(FORWARD_BACKWARD)
         timer.start()
         try:
-            return work(iteration, n)
+            with self._ahead_span():  # the goodput ledger books it with the next iteration
+                return work(iteration, n)
         finally:
             timer.stop()
+
+    def _ahead_span(self) -> contextlib.AbstractContextManager[Any]:
+        ahead = getattr(self._goodput, "ahead", None)
+        return ahead() if ahead is not None else contextlib.nullcontext()
+
+    def _dropped_ahead(self) -> None:
+        """A launch was dropped (it is computed again): the ledger's lost work."""
+        drop = getattr(self._goodput, "drop_ahead", None)
+        if drop is not None:
+            drop()
 
     def _optimizer_step(self, gated: bool, overlap: bool = True) -> Stepped:
         timer = self.timers(OPTIMIZER)
@@ -344,7 +359,8 @@ class GuardedStep:
     def settle(self) -> None:
         """Drop the next iteration's launched work (every RNG back to its start; its data is
         served again next) and order later work after the optimizer step. Idempotent."""
-        self._lookahead.discard(restore_rng=True)
+        if self._lookahead.discard(restore_rng=True):
+            self._dropped_ahead()
         self.runners.optimizer.join()
 
     def skip(self, iteration: int, num_microbatches: int | None = None) -> StepResult:

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stalwart.observability.goodput_held import HeldIntervals
 from stalwart.observability.goodput_records import (
     FINISHED,
     GOODPUT_FILE,
@@ -169,11 +170,9 @@ class GoodputLedger:
         self._hang_reported_at: float | None = None
         self._failed: tuple[float, float, Bucket] | None = None
         self._summary: GoodputSummary | None = None
-        # The open step and its own intervals closed before it ended (a nested span, a flush),
-        # held until it ends: they take its final bucket (a rejected iteration's first pass is
-        # not productive).
-        self._step: StepSpan | None = None
-        self._pieces: list[tuple[float, float]] = []
+        # The open step's time and the look-ahead's work, held until their bucket is known
+        # (a rejected iteration's first pass is not productive).
+        self._held = HeldIntervals()
         prior = read_ledger(self.path)
         self._fd = self._open_append()
         self._totals = dict(summarize(prior).seconds) if prior.records else empty_seconds()
@@ -238,14 +237,8 @@ class GoodputLedger:
         self._write_failed()  # a failed step's interval comes first (it ended at t0)
         if now > self._t0:
             b = bucket or self._bucket
-            step = self._step
-            if step is not None and b is step.started_in:
-                if self._t0 < step.started:  # before the step: not the step's
-                    self._write_span(b, self._t0, min(step.started, now))
-                if now > step.started:  # the step's bucket is known at its end
-                    self._pieces.append((max(self._t0, step.started), now))
-            else:
-                self._write_span(b, self._t0, now)
+            for t0, t1 in self._held.split(b, self._t0, now):  # the rest is held
+                self._write_span(b, t0, t1)
         self._t0 = max(now, self._t0)
 
     def _write_span(self, bucket: Bucket, t0: float, t1: float) -> None:
@@ -277,7 +270,7 @@ class GoodputLedger:
             now = self._clock()
             self._switch(chosen, now)
             handle = StepSpan(iteration, chosen, now)
-            self._step, self._pieces = handle, []
+            self._held.begin_step(handle)
         try:
             yield handle
         except BaseException:
@@ -296,9 +289,28 @@ class GoodputLedger:
         """Write the step's held intervals as ``bucket``, its final one (``reclassify``,
         ``abandon``); its nested spans (rerun) are written already. An accepted step's open
         interval stays open: it goes on into what follows the step, as one interval."""
-        pieces, self._pieces, self._step = self._pieces, [], None
-        for t0, t1 in pieces:
+        for t0, t1 in self._held.end_step():
             self._write_span(bucket, t0, t1)
+
+    @contextlib.contextmanager
+    def ahead(self) -> Iterator[None]:
+        """Time the block as part of the *next* :meth:`step`: the look-ahead runs the next
+        iteration's first work inside this one. It takes that step's final bucket (a rejected
+        iteration's launched first micro-batch is ``rerun``), or ``lost_work`` when dropped
+        first (:meth:`drop_ahead`, :meth:`close`). Nothing is written here."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held.ran_ahead(max(start, self._t0), self._clock())
+
+    def drop_ahead(self) -> None:
+        """The work timed by :meth:`ahead` was discarded (it is computed again): lost work."""
+        with self._lock:
+            self._close_interval(self._clock())
+            for t0, t1 in self._held.drop_ahead():
+                self._write_span(Bucket.LOST_WORK, t0, t1)
 
     def _step_failed(self, handle: StepSpan) -> None:
         """The iteration never completed: its time is lost work, or hang until the hang was
@@ -380,8 +392,9 @@ class GoodputLedger:
             seconds = dict(self._totals)
             if self._failed is not None:
                 add_span(seconds, Span(self._failed[2], self._failed[0], self._failed[1], ""))
-            held = self._step.started_in if self._step is not None else Bucket.PRODUCTIVE
-            for t0, t1 in self._pieces:  # held: as if the step is accepted
+            step = self._held.step
+            held = step.started_in if step is not None else self._bucket
+            for t0, t1 in self._held.provisional():  # held: as if the step is accepted
                 add_span(seconds, Span(held, t0, t1, ""))
             add_span(seconds, Span(self._bucket, self._t0, max(self._clock(), self._t0), ""))
         return GoodputSummary(seconds, [], [], [])
@@ -409,8 +422,10 @@ class GoodputLedger:
                 self._closed = True
                 now = self._clock()
                 self._close_interval(now)
-                if self._step is not None:  # closed from inside a step: it did not end
+                if self._held.step is not None:  # closed from inside a step: it did not end
                     self._end_step(Bucket.LOST_WORK)
+                for t0, t1 in self._held.drop_ahead():  # launched ahead, never used
+                    self._write_span(Bucket.LOST_WORK, t0, t1)
                 fields = {"reason": reason, "detail": detail[:500], "it": self._last_iteration}
                 fields = {k: v for k, v in fields.items() if v not in (None, "")}
                 self._write(Marker(RecordKind.END, now, self._session, fields))
@@ -446,6 +461,11 @@ class NullGoodputLedger:
 
     def span(self, bucket: Bucket) -> contextlib.AbstractContextManager[Any]:
         return self._null
+
+    def ahead(self) -> contextlib.AbstractContextManager[Any]:
+        return self._null
+
+    def drop_ahead(self) -> None: ...
 
     def add_straggler_idle(self, seconds: float) -> None: ...
     def resumed(self, iteration: int) -> None: ...
