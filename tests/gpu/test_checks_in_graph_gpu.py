@@ -32,7 +32,10 @@ ITERS = 9
 SPIKE_IT = 6  # 0-based: logged iteration 7, after warm-up (2) and capture (iteration 3)
 CHECKS = {
     "spiky_loss": (CheckConfig(nan_and_inf=True, spiky_loss=True, large_samples=4), "Spiky loss"),
-    "large_grads": (CheckConfig(nan_and_inf=True, large_grads=True, large_samples=2), "large grads"),
+    "large_grads": (
+        CheckConfig(nan_and_inf=True, large_grads=True, large_samples=2),
+        "large grads",
+    ),
 }
 
 

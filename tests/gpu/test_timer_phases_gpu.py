@@ -99,7 +99,9 @@ def _run(graphed: bool, lookahead: bool, mode: TimingMode) -> dict[str, float]:
 @pytest.mark.parametrize("mode", [TimingMode.EVENTS, TimingMode.SYNC], ids=lambda m: m.value)
 @pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "no-lookahead"])
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphs"])
-def test_each_timer_holds_its_device_delay(graphed: bool, lookahead: bool, mode: TimingMode) -> None:
+def test_each_timer_holds_its_device_delay(
+    graphed: bool, lookahead: bool, mode: TimingMode
+) -> None:
     ms = _run(graphed, lookahead, mode)
     assert FB_MS * 0.95 <= ms[FORWARD_BACKWARD] < FB_MS + 0.5 * OPT_MS, ms
     assert OPT_MS * 0.95 <= ms[OPTIMIZER] < OPT_MS + 0.5 * FB_MS, ms

@@ -14,8 +14,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
 from stalwart.distributed.process_group import DistributedContext
