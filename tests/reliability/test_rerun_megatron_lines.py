@@ -7,7 +7,7 @@ replay reads the ranks' streams. The peer replay's line had one "!" and read ``d
 iteration 4:``.
 
 Megatron's functional-test regex, ``Rank N, node ..., device N: Possible ... error!!``, omits the
-iteration (B10) and so matches neither Megatron's own lines nor these.
+iteration, so it matches no line that carries it (``log_failure``'s included).
 """
 
 from __future__ import annotations
