@@ -445,8 +445,9 @@ def test_a_watchdogs_hang_record_makes_the_failed_step_a_hang(tmp_path) -> None:
 def test_a_step_is_held_until_it_ends_and_ahead_work_is_the_next_steps(tmp_path, flush_s) -> None:
     """Step 1 (1 s) runs 0.25 s of step 2's work ahead; step 2 (1 s, with a 0.5 s nested rerun
     span) is abandoned: its own time and the work run ahead for it are ``rerun``. Step 3 runs
-    0.25 s ahead for step 4, which is dropped (lost work); step 4's run ahead at the close is
-    lost work too. The same with flushes (closes) in between: nothing moves."""
+    0.25 s ahead for step 4, which is dropped: it stays with step 3 (productive; a clean run has
+    no lost work); so does step 4's run ahead at the close. Step 5 runs ahead for step 6, which
+    is abandoned as a capture (compile). The same with flushes (closes) in between."""
     clock = FakeClock()
     ledger = _ledger(tmp_path, clock, flush_interval_s=flush_s)
     ledger.resumed(0)
@@ -472,13 +473,23 @@ def test_a_step_is_held_until_it_ends_and_ahead_work_is_the_next_steps(tmp_path,
         clock.advance(0.5)
         with ledger.ahead():
             clock.advance(0.25)
+        clock.advance(0.25)
+    with ledger.step(5) as span:
+        clock.advance(0.5)
+        span.reclassify(Bucket.COMPILE)
+    ledger.drop_ahead()
+    with ledger.step(6):
+        clock.advance(0.5)
+        with ledger.ahead():
+            clock.advance(0.25)
     summary = ledger.close()
     s = summary.seconds
-    assert s[Bucket.PRODUCTIVE] == pytest.approx(0.75 + 0.1 + 0.75 + 0.5)
+    assert s[Bucket.PRODUCTIVE] == pytest.approx(0.75 + 0.1 + 1.0 + 0.75 + 0.75)
     assert s[Bucket.RERUN] == pytest.approx(0.25 + 1.0)
-    assert s[Bucket.LOST_WORK] == pytest.approx(0.25 + 0.25)
-    assert sum(s.values()) == pytest.approx(summary.wall_s) == pytest.approx(3.85)
-    assert summary.sessions[0].last_iteration == 4
+    assert s[Bucket.COMPILE] == pytest.approx(0.25 + 0.5)  # step 4's work ahead for it, too
+    assert s[Bucket.LOST_WORK] == 0.0
+    assert sum(s.values()) == pytest.approx(summary.wall_s) == pytest.approx(5.35)
+    assert summary.sessions[0].last_iteration == 6
     assert not summary.notes  # no overlap, nothing skipped
 
 

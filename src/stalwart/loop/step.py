@@ -110,8 +110,8 @@ class GuardedStep:
             communication), one with ``graph_safe()`` keeps its compute regions in a graph.
         goodput: a :class:`stalwart.observability.goodput.GoodputLedger`: rerun passes go to
             its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``); the look-ahead's
-            work is booked with the iteration it belongs to (``ledger.ahead``), a dropped
-            launch as lost work.
+            work is booked with the iteration it belongs to (``ledger.ahead``; a dropped
+            launch stays where it ran).
         backward: ``backward(scaled_loss)`` instead of ``scaled_loss.backward()``: a framework's
             own (Lightning's ``manual_backward``, which prepares DDP's reducer first).
     """
@@ -340,7 +340,7 @@ class GuardedStep:
         return ahead() if ahead is not None else contextlib.nullcontext()
 
     def _dropped_ahead(self) -> None:
-        """A launch was dropped (it is computed again): the ledger's lost work."""
+        """A launch was dropped: the ledger keeps its time where it ran."""
         drop = getattr(self._goodput, "drop_ahead", None)
         if drop is not None:
             drop()

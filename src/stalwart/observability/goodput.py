@@ -296,8 +296,8 @@ class GoodputLedger:
     def ahead(self) -> Iterator[None]:
         """Time the block as part of the *next* :meth:`step`: the look-ahead runs the next
         iteration's first work inside this one. It takes that step's final bucket (a rejected
-        iteration's launched first micro-batch is ``rerun``), or ``lost_work`` when dropped
-        first (:meth:`drop_ahead`, :meth:`close`). Nothing is written here."""
+        iteration's launched first micro-batch is ``rerun``); dropped first (:meth:`drop_ahead`,
+        :meth:`close`), it stays with the time around it. Nothing is written here."""
         start = self._clock()
         try:
             yield
@@ -306,11 +306,12 @@ class GoodputLedger:
                 self._held.ran_ahead(max(start, self._t0), self._clock())
 
     def drop_ahead(self) -> None:
-        """The work timed by :meth:`ahead` was discarded (it is computed again): lost work."""
+        """The work timed by :meth:`ahead` was discarded before its step (the look-ahead's
+        launch dropped: a rerun, a settle before a save): it stays with the time around it, the
+        step that launched it or the loop (a speculative launch's cost, not a failure's)."""
         with self._lock:
-            self._close_interval(self._clock())
             for t0, t1 in self._held.drop_ahead():
-                self._write_span(Bucket.LOST_WORK, t0, t1)
+                self._write_span(self._bucket, t0, t1)
 
     def _step_failed(self, handle: StepSpan) -> None:
         """The iteration never completed: its time is lost work, or hang until the hang was
@@ -422,10 +423,10 @@ class GoodputLedger:
                 self._closed = True
                 now = self._clock()
                 self._close_interval(now)
+                for t0, t1 in self._held.drop_ahead():  # launched ahead, never used
+                    self._write_span(self._bucket, t0, t1)
                 if self._held.step is not None:  # closed from inside a step: it did not end
                     self._end_step(Bucket.LOST_WORK)
-                for t0, t1 in self._held.drop_ahead():  # launched ahead, never used
-                    self._write_span(Bucket.LOST_WORK, t0, t1)
                 fields = {"reason": reason, "detail": detail[:500], "it": self._last_iteration}
                 fields = {k: v for k, v in fields.items() if v not in (None, "")}
                 self._write(Marker(RecordKind.END, now, self._session, fields))

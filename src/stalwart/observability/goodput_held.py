@@ -66,9 +66,15 @@ class HeldIntervals:
             self._ahead.append((t0, t1))
 
     def drop_ahead(self) -> list[Interval]:
-        """The look-ahead work held for the next step (call after closing the open interval,
-        which cut it out): it was dropped."""
+        """The look-ahead work for the next step was dropped (a rerun, a settle before a save):
+        it belongs to the time around it again. Work still inside the open interval stays
+        there; work already cut out goes to the open step, else it is returned, to be written
+        as the bucket between steps."""
+        self._ahead = []
         dropped, self._ahead_held = self._ahead_held, []
+        if self.step is not None:
+            self.pieces += dropped
+            return []
         return dropped
 
     def split(self, bucket: Bucket, t0: float, t1: float) -> list[Interval]:
