@@ -508,3 +508,33 @@ def test_an_accepted_step_writes_nothing_of_its_own(tmp_path) -> None:
             with ledger.ahead():
                 clock.advance(0.05)
     assert (tmp_path / GOODPUT_FILE).stat().st_size == size
+
+
+def test_work_run_ahead_then_dropped_in_a_save_stays_productive_and_leaves_no_hole(
+    tmp_path,
+) -> None:
+    """A save after step 1 (its span closes the open interval, cutting out the work run ahead
+    for step 2), then the launch is dropped (the save settles the step): that work is
+    productive, not checkpoint time. A flush never writes past held work, so a kill leaves a
+    suffix unwritten, never a hole."""
+    clock = FakeClock()
+    ledger = _ledger(tmp_path, clock, flush_interval_s=0.1)
+    ledger.resumed(0)
+    with ledger.step(1):
+        clock.advance(0.5)
+        with ledger.ahead():
+            clock.advance(0.25)
+    with ledger.span(Bucket.CHECKPOINT):
+        ledger.drop_ahead()
+        clock.advance(0.5)
+    with ledger.step(2):
+        clock.advance(0.5)
+        with ledger.ahead():
+            clock.advance(0.25)
+    clock.advance(0.5)
+    ledger.log_fields(None)  # type: ignore[arg-type]  # a log step flushes
+    written = summarize(read_ledger(tmp_path / GOODPUT_FILE))  # as a SIGKILL now would leave it
+    assert written.excluded_s == 0.0 and written.last == pytest.approx(clock.t - 0.75)
+    s = ledger.close().seconds
+    assert s[Bucket.CHECKPOINT] == pytest.approx(0.5)
+    assert s[Bucket.PRODUCTIVE] == pytest.approx(0.75 + 0.75 + 0.5)

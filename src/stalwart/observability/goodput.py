@@ -254,7 +254,13 @@ class GoodputLedger:
             self._close_interval(now)
             self._bucket = bucket
         elif now - self._t0 >= self.flush_interval_s:
-            self._close_interval(now)
+            self._flush(now)
+
+    def _flush(self, now: float) -> None:
+        """Write the open interval up to the first time still held (a step's own, work run
+        ahead): what stays unwritten is a suffix, so a kill leaves no hole in the file."""
+        held = self._held.first_held(self._bucket)
+        self._close_interval(now if held is None else min(now, max(held, self._t0)))
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager
@@ -310,8 +316,8 @@ class GoodputLedger:
         launch dropped: a rerun, a settle before a save): it stays with the time around it, the
         step that launched it or the loop (a speculative launch's cost, not a failure's)."""
         with self._lock:
-            for t0, t1 in self._held.drop_ahead():
-                self._write_span(self._bucket, t0, t1)
+            for bucket, t0, t1 in self._held.drop_ahead():
+                self._write_span(bucket, t0, t1)
 
     def _step_failed(self, handle: StepSpan) -> None:
         """The iteration never completed: its time is lost work, or hang until the hang was
@@ -412,7 +418,7 @@ class GoodputLedger:
         del info
         with self._lock:  # a log step writes the open interval: a kill loses one interval at most
             if not self._closed:
-                self._close_interval(self._clock())
+                self._flush(self._clock())
         return [LogField("goodput", 100.0 * self.goodput, "{:.1f}%", "goodput")]
 
     def close(self, reason: str = FINISHED, detail: str = "") -> GoodputSummary:
@@ -423,8 +429,8 @@ class GoodputLedger:
                 self._closed = True
                 now = self._clock()
                 self._close_interval(now)
-                for t0, t1 in self._held.drop_ahead():  # launched ahead, never used
-                    self._write_span(self._bucket, t0, t1)
+                for bucket, t0, t1 in self._held.drop_ahead():  # launched ahead, never used
+                    self._write_span(bucket, t0, t1)
                 if self._held.step is not None:  # closed from inside a step: it did not end
                     self._end_step(Bucket.LOST_WORK)
                 fields = {"reason": reason, "detail": detail[:500], "it": self._last_iteration}

@@ -50,10 +50,11 @@ class HeldIntervals:
         self.pieces: list[Interval] = []  # the open step's, cut out of closed intervals
         self._owned_ahead: list[Interval] = []  # run ahead for the open step, not cut out yet
         self._ahead: list[Interval] = []  # run ahead for the next step, not cut out yet
-        self._ahead_held: list[Interval] = []  # run ahead for the next step, cut out
+        # Run ahead for the next step, cut out of a closed interval of that bucket.
+        self._ahead_held: list[tuple[Bucket, float, float]] = []
 
     def begin_step(self, step: OpenStep) -> None:
-        self.step, self.pieces = step, self._ahead_held
+        self.step, self.pieces = step, [(t0, t1) for _, t0, t1 in self._ahead_held]
         self._owned_ahead, self._ahead, self._ahead_held = self._ahead, [], []
 
     def end_step(self) -> list[Interval]:
@@ -65,15 +66,15 @@ class HeldIntervals:
         if t1 > t0:
             self._ahead.append((t0, t1))
 
-    def drop_ahead(self) -> list[Interval]:
+    def drop_ahead(self) -> list[tuple[Bucket, float, float]]:
         """The look-ahead work for the next step was dropped (a rerun, a settle before a save):
-        it belongs to the time around it again. Work still inside the open interval stays
-        there; work already cut out goes to the open step, else it is returned, to be written
-        as the bucket between steps."""
+        it belongs to the time it ran in again. Work still inside the open interval stays
+        there; work already cut out goes to the open step, else it is returned with the bucket
+        it was cut from, to be written so."""
         self._ahead = []
         dropped, self._ahead_held = self._ahead_held, []
         if self.step is not None:
-            self.pieces += dropped
+            self.pieces += [(t0, t1) for _, t0, t1 in dropped]
             return []
         return dropped
 
@@ -81,7 +82,7 @@ class HeldIntervals:
         """Close ``[t0, t1]`` of ``bucket``: returns the parts to write as ``bucket`` now and
         holds the rest (the open step's own time, the next step's look-ahead work)."""
         segments, inside = cut([(t0, t1)], self._ahead)
-        self._ahead_held += inside
+        self._ahead_held += [(bucket, a0, a1) for a0, a1 in inside]
         self._ahead = [p for p in self._ahead if p[0] >= t1]
         step = self.step
         if step is None:
@@ -95,6 +96,13 @@ class HeldIntervals:
         self.pieces += own
         return before
 
+    def first_held(self, bucket: Bucket) -> float | None:
+        """The earliest time in the open interval (of ``bucket``) that a close would hold."""
+        starts = [t0 for t0, _ in (*self._ahead, *self._owned_ahead)]
+        if self.step is not None and bucket is self.step.started_in:
+            starts.append(self.step.started)
+        return min(starts, default=None)
+
     def provisional(self) -> list[Interval]:
         """Everything held (for the live summary, counted as the open step's bucket)."""
-        return [*self.pieces, *self._ahead_held]
+        return [*self.pieces, *((t0, t1) for _, t0, t1 in self._ahead_held)]
