@@ -47,7 +47,9 @@ def _cycles_per_ms() -> float:
     return cycles / start.elapsed_time(end)
 
 
-def _run(graphed: bool, lookahead: bool, mode: TimingMode) -> dict[str, float]:
+def _run(
+    graphed: bool, lookahead: bool, mode: TimingMode, in_graph: bool = False
+) -> dict[str, float]:
     device = torch.device("cuda")
     per_ms = _cycles_per_ms()
     fb_cycles = int(FB_MS * per_ms / NUM_MICROBATCHES)
@@ -72,7 +74,11 @@ def _run(graphed: bool, lookahead: bool, mode: TimingMode) -> dict[str, float]:
                 "y": torch.randn(4, 1, generator=gen).to(device)}
                for _ in range(NUM_MICROBATCHES * (WARMUP + MEASURED + 2))]  # fmt: skip
     timers = Timers(log_level=2, mode=mode, device=device)
-    plan = GraphPlan(warmup_steps=2, optimizer_warmup_steps=2) if graphed else EagerPlan()
+    plan = (
+        GraphPlan(warmup_steps=2, optimizer_warmup_steps=2, optimizer_in_graph=in_graph)
+        if graphed
+        else EagerPlan()
+    )
     step = GuardedStep(
         model=model, optimizer=optimizer, forward_step=forward,
         machine=RerunConfig().build(device), data=RerunDataIterator(batches),
@@ -105,3 +111,11 @@ def test_each_timer_holds_its_device_delay(
     ms = _run(graphed, lookahead, mode)
     assert FB_MS * 0.95 <= ms[FORWARD_BACKWARD] < FB_MS + 0.5 * OPT_MS, ms
     assert OPT_MS * 0.95 <= ms[OPTIMIZER] < OPT_MS + 0.5 * FB_MS, ms
+
+
+@pytest.mark.parametrize("mode", [TimingMode.EVENTS, TimingMode.SYNC], ids=lambda m: m.value)
+def test_the_step_inside_the_graph_is_in_forward_backward(mode: TimingMode) -> None:
+    """``--cuda-graph-include-optimizer``: one graph holds both delays; no optimizer figure."""
+    ms = _run(True, False, mode, in_graph=True)
+    assert (FB_MS + OPT_MS) * 0.95 <= ms[FORWARD_BACKWARD] < FB_MS + 1.5 * OPT_MS, ms
+    assert OPTIMIZER not in ms, ms

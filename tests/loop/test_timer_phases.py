@@ -120,3 +120,39 @@ def test_each_timer_holds_its_injected_delay(
     if plan == "eager":  # level-2 and optimizer breakdown timers run outside graphs only
         assert fb * 0.97 <= ms[FORWARD_COMPUTE] <= ms[FORWARD_BACKWARD] + 1.0, ms
         assert opt * 0.97 <= ms[OPTIMIZER_INNER_STEP] <= ms[OPTIMIZER] + 1.0, ms
+
+
+def test_the_step_inside_the_graph_is_forward_backwards_time_and_not_a_0_ms_optimizer() -> None:
+    """``GraphPlan(optimizer_in_graph=True)`` (``--cuda-graph-include-optimizer``): the step is
+    part of the graph's pass, so ``forward-backward`` holds both delays and ``optimizer`` is
+    not reported for those passes (it was, as ~0 ms of host time)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+
+    def forward(batch: dict[str, torch.Tensor], m: nn.Module) -> torch.Tensor:
+        time.sleep(FB_S)
+        return nn.functional.mse_loss(m(batch["x"]), batch["y"])
+
+    optimizer = SlowAdamW(model.parameters(), lr=torch.tensor(0.01), capturable=True, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(2, 4, generator=gen), "y": torch.randn(2, 1, generator=gen)}
+               for _ in range(WARMUP + MEASURED + 2)]  # fmt: skip
+    timers = Timers(log_level=2)
+    step = GuardedStep(
+        model=model, optimizer=optimizer, forward_step=forward,
+        machine=RerunConfig().build(torch.device("cpu")), data=RerunDataIterator(batches),
+        num_microbatches=1, timers=timers,
+        plan=GraphPlan(context=FakeGraphContext(timed_replay=True), warmup_steps=2,
+                       optimizer_in_graph=True),
+    )  # fmt: skip
+    names = timers.enabled_names(TRAINING_TIMERS)
+    for it in range(WARMUP + MEASURED):
+        if it == WARMUP:
+            timers.report(names, reset=True)
+        step.run(it, launch_next=True)
+    report = timers.report(names, normalizer=MEASURED)
+    assert report is not None
+    ms = {name: hi for name, (_, hi) in report.min_max().items()}
+    fb, opt = 1000 * FB_S, 1000 * OPT_S
+    assert fb + opt * 0.97 <= ms[FORWARD_BACKWARD] < fb + opt + 0.6 * opt, ms
+    assert OPTIMIZER not in ms, ms

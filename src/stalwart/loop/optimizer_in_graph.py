@@ -145,6 +145,12 @@ class InGraphOptimizer:
         self.optimizer.step()
 
     # ------------------------------------------------------------------ OptimizerRunner
+    @property
+    def stepped_in_pass(self) -> bool:
+        """This pass's step ran inside the graph: :meth:`step` does no work (the step's
+        device time is in the pass's, so the step's timer is not run for it)."""
+        return self._in_pass
+
     def step(self, *, gated: bool, overlap: bool = True) -> Stepped:
         """The graph's step (``gated``: it was enqueued with the pass), or an eager one when
         this pass held it: gated on the device, or host-decided (the gate cleared)."""

@@ -346,6 +346,10 @@ class GuardedStep:
             drop()
 
     def _optimizer_step(self, gated: bool, overlap: bool = True) -> Stepped:
+        if getattr(self.runners.optimizer, "stepped_in_pass", False):
+            # The step ran inside the full-iteration graph, in forward-backward's time: an
+            # optimizer figure here would be ~0 and wrong, so none is recorded.
+            return self.runners.optimizer.step(gated=gated, overlap=overlap)
         timer = self.timers(OPTIMIZER)
         timer.start()
         try:

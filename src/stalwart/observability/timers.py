@@ -28,7 +28,7 @@ steady state). ``optimizer`` the clip and step, eager or the optimizer graph's r
 ``EVENTS`` mode an overlapped replay's end event is recorded on its second stream. Limitation:
 with the step inside the full-iteration graph (``--cuda-graph-include-optimizer``) its device
 work is part of the replay, so ``forward-backward`` holds it and ``optimizer`` only the steps
-the host held out of the graph. Tested with injected per-phase delays:
+the host held out of the graph (no figure for the others: it would be ~0). Tested with injected per-phase delays:
 ``tests/loop/test_timer_phases.py`` (CPU), ``tests/gpu/test_timer_phases_gpu.py`` (device).
 """
 
