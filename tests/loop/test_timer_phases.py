@@ -34,8 +34,8 @@ from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))
 from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
 
-FB_S, OPT_S = 0.060, 0.040
-WARMUP, MEASURED = 4, 6
+FB_S, OPT_S = 0.100, 0.080  # well above the host overhead of a loaded 2-core machine (~10 ms)
+WARMUP, MEASURED = 4, 4
 EAGER_FOREVER = 10**6
 
 
@@ -154,5 +154,5 @@ def test_the_step_inside_the_graph_is_forward_backwards_time_and_not_a_0_ms_opti
     assert report is not None
     ms = {name: hi for name, (_, hi) in report.min_max().items()}
     fb, opt = 1000 * FB_S, 1000 * OPT_S
-    assert fb + opt * 0.97 <= ms[FORWARD_BACKWARD] < fb + opt + 0.6 * opt, ms
+    assert (fb + opt) * 0.97 <= ms[FORWARD_BACKWARD] < fb + opt + 0.5 * fb, ms
     assert OPTIMIZER not in ms, ms
