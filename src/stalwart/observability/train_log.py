@@ -191,6 +191,7 @@ class TrainingLog:
         self._skipped_without_pass = 0
         self._iters_in_interval = 0
         self._logged_once = False
+        self._pending: tuple[int, _IterationInputs] | None = None  # the unlogged last iteration
         self._consumed_samples = 0
         self.total_skipped = 0
         self.total_nan = 0
@@ -224,18 +225,36 @@ class TrainingLog:
         if self.seq_length:
             self._progress.tokens_per_iteration = global_batch_size * self.seq_length
         self._progress.update(iteration)
-        is_log = not self._logged_once or iteration % self.config.log_interval == 0
+        is_log = (
+            not self._logged_once
+            or iteration % self.config.log_interval == 0
+            or iteration == self.train_iters  # the last one too: the run's end is on the charts
+        )
         is_sink = self._sink_active and iteration % self.config.tensorboard_log_interval == 0
-        if not (is_log or is_sink):
-            return
         inputs = _IterationInputs(
             losses, global_batch_size, learning_rate, grad_norm, loss_scale, num_zeros, params_norm
         )
+        self._pending = None if is_log else (iteration, inputs)  # references only: no read
+        if not (is_log or is_sink):
+            return
         values = self._read(inputs, interval=is_log) if self._is_writer else {}
         if is_sink:
             self._write_iteration_scalars(iteration, inputs, values)
         if is_log:
             self._log_interval(iteration, global_batch_size, values)
+
+    def flush(self) -> None:
+        """Log the iterations since the last log step now (an exit between log steps), so the
+        run's last iteration has its line and record; nothing when none are pending.
+
+        Collective, like a log step: call on every rank, at the same (agreed) exit.
+        """
+        if self._pending is None or self._iters_in_interval == 0:
+            return
+        iteration, inputs = self._pending
+        self._pending = None
+        values = self._read(inputs, interval=True) if self._is_writer else {}
+        self._log_interval(iteration, inputs.global_batch_size, values)
 
     def _ensure_state(self, losses: Mapping[str, TensorOrScalar]) -> torch.device:
         if self._device is None:

@@ -228,6 +228,8 @@ class Trainer:
             if not result.verdict.exit:  # a rejected iteration is not done: nothing to log
                 self._after_iteration(result)
             decision = self._decide(result)
+            if decision.exit:  # agreed on every rank: the iterations since the last log line
+                self.log.flush()
             if decision.save is not SaveKind.NONE:
                 self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
             if decision.exit:
@@ -306,7 +308,7 @@ class Trainer:
         it = self.state.iteration
         self.profiler.on_iteration_end(it)
         self.manual_gc.on_iteration_end(it)
-        is_log = it % cfg.log.log_interval == 0 or it == 1
+        is_log = it % cfg.log.log_interval == 0 or it in (1, cfg.training.train_iters)
         norm = params_norm(self.model) if cfg.log.log_params_norm and is_log else None
         self.log.on_iteration(
             it,
