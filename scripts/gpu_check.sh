@@ -45,7 +45,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >>
   python3 -m pytest -q -x -n 12 -m "not gpu and not slow" -p no:cacheprovider tests
 # -s: the tests print their measured differences; two-GPU tests skip on a one-GPU machine.
 step gpu_tests 540 python3 -m pytest -q -s -rfs -m gpu -p no:cacheprovider tests
+# The straggler detector's NVML fields (temperature, power, utilisation, clock): a missing pynvml
+# fails this step (in gpu_tests it is a skip). The image has nvidia-ml-py (KINDS.md); else carry
+# its wheel as the device README says.
+step nvml_straggler 90 env STALWART_REQUIRE_NVML=1 python3 -m pytest -q -s -rfs -m gpu \
+  -p no:cacheprovider tests/gpu/test_straggler_nvml_gpu.py
 TRAIN=(python3 -m stalwart train --preset tiny --bf16 --train-iters 30 --log-interval 10 --no-progress-bar)
+# The trainer's log line with Megatron's GPU fields (MnPwr/Rnk ... MxClk/Rnk), tokens/s and MFU.
+step train_straggler_nvml 120 "${TRAIN[@]}" --log-straggler --metrics-file "$WORK/straggler_metrics.jsonl"
 # The runs resumed across modes below and their resumes share one schedule (decay end 40): a
 # resume with --train-iters 40 keeps the checkpoint's schedule, so Megatron's rule accepts it,
 # and the learning rate is not yet at its minimum (0) over the 10 resumed iterations.
@@ -172,6 +179,8 @@ done
 for f in "$WORK"/memory.log "$WORK"/ckpt_save.log "$WORK"/replica_check.log "$WORK"/replica_sampled.log; do
   [ -f "$f" ] && { echo "== $f"; grep -v "DEBUG\|INFO\|WARN\|^\[rank" "$f" | tail -14; }
 done
+[ -f "$WORK/train_straggler_nvml.log" ] && { echo "== train_straggler_nvml"; grep -oE "MnPwr/Rnk.*MxClk/Rnk: [^|]*|tokens per second: .*" "$WORK/train_straggler_nvml.log" | tail -4; }
+[ -f "$WORK/nvml_straggler.log" ] && { echo "== nvml_straggler"; grep -E "NVML|straggler GPU|passed|failed|SKIPPED|Error" "$WORK/nvml_straggler.log" | cut -c1-400; }
 for f in "$WORK"/train_diverge_*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "Unexpected result|reproducible|exit reason" "$f" | cut -c1-220 | tail -4; }
 done

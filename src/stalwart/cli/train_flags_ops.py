@@ -333,6 +333,11 @@ def straggler_flags(p: argparse.ArgumentParser) -> None:
         "--log-straggler", action="store_true", help="compare ranks' compute time every log line"
     )
     g.add_argument(
+        "--disable-straggler-on-startup",
+        action="store_true",
+        help="start --log-straggler off; touch <run dir>/straggler.toggle turns it on or off",
+    )
+    g.add_argument(
         "--straggler-threshold", type=float, default=1.2, help="straggler: this x median time"
     )
     g.add_argument(

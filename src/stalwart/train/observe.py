@@ -153,6 +153,7 @@ def build_probes(
         threshold=obs.straggler_threshold,
         minmax_count=obs.straggler_minmax_count,
         run_dir=run_dir,
+        on_at_start=not obs.disable_straggler_on_startup,
     )
     estimate = theoretical_memory(
         config.model,
