@@ -267,3 +267,19 @@ def test_comparison_renders_every_run_in_chromium(tmp_path: Path) -> None:
     assert len(overlays) >= 5
     for chart in overlays:
         assert chart["traces"] >= 2 and _reaches(chart, LAST), chart
+
+
+def test_straggler_section_shows_the_gpu_fields_per_rank(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    demo_like_run(run)
+    gpu = [{"temperature_c": 61.0, "power_w": 650.5, "utilization_pct": 99.0, "clock_mhz": 1980.0},
+           None, {"temperature_c": "hot"}]  # fmt: skip
+    record = {"iteration": 140, "compute_ms": [10.0, 11.0, 10.5], "median_ms": 10.5,
+              "min_ms": 10.0, "max_ms": 11.0, "slowest": [[1, 11.0]], "fastest": [[0, 10.0]],
+              "stragglers": [], "threshold": 1.2, "gpu": gpu}  # fmt: skip
+    (run / "straggler.jsonl").write_text(json.dumps(record) + "\n")
+    page = write_report(run, pngs=False, interactive=False).read_text()
+    section = page.split('id="stragglers"')[1].split("</section>")[0]
+    assert "GPUs at the last report (NVML)" in section
+    assert "<tr><td>0</td><td>61</td><td>650.5</td><td>99</td><td>1980</td></tr>" in section
+    assert "<tr><td>2</td><td>n/a</td>" in section  # a hostile value is not rendered

@@ -270,10 +270,29 @@ def _straggler_section(art: RunArtefacts, charts: Charts) -> str:
             ]
         ],
     )
+    table += _gpu_table(last)
     ranks = max(len(r["compute_ms"]) for r in recs)
     if ranks == 1:
         summary += '<p class="note">One rank: there is nobody to compare with (ratios are 1).</p>'
     return _section("stragglers", "Stragglers", charts.heatmap(recs) + summary + table)
+
+
+def _gpu_table(record: dict[str, Any]) -> str:
+    """The last report's GPU fields per rank (NVML; absent on CPU)."""
+    gpu = record.get("gpu")
+    if not isinstance(gpu, list) or not any(isinstance(g, dict) for g in gpu):
+        return ""
+    keys = ("temperature_c", "power_w", "utilization_pct", "clock_mhz")
+
+    def cell(g: Any, key: str) -> str:
+        v = g.get(key) if isinstance(g, dict) else None
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        return _fmt(float(v)) if ok else "n/a"
+
+    rows = [[rank, *(cell(g, k) for k in keys)] for rank, g in enumerate(gpu[:1024])]
+    return "<h3>GPUs at the last report (NVML)</h3>" + _table(
+        ["rank", "temperature °C", "power W", "utilisation %", "SM clock MHz"], rows
+    )
 
 
 def _metric_counter_events(art: RunArtefacts) -> list[dict[str, Any]]:
