@@ -286,8 +286,9 @@ def _gpu_table(record: dict[str, Any]) -> str:
 
     def cell(g: Any, key: str) -> str:
         v = g.get(key) if isinstance(g, dict) else None
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        return _fmt(float(v)) if ok else "n/a"
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return _fmt(float(v))
+        return "n/a"
 
     rows = [[rank, *(cell(g, k) for k in keys)] for rank, g in enumerate(gpu[:1024])]
     return "<h3>GPUs at the last report (NVML)</h3>" + _table(

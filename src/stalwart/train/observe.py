@@ -26,7 +26,6 @@ from stalwart.observability.energy import make_energy_meter
 from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryMonitor, theoretical_memory
 from stalwart.observability.memory_release import NullMemoryRelease
 from stalwart.observability.profiler import NullProfilerWindow, ProfilerWindow, make_profiler_window
-from stalwart.observability.run_dir import RunPaths
 from stalwart.observability.save_timing import SaveTiming
 from stalwart.observability.sinks import MetricSink, build_sinks
 from stalwart.observability.straggler import (
@@ -238,8 +237,6 @@ def build_observability(
         wandb_resume_file=os.path.join(run_dir, "wandb_run_id.txt") if run_dir else None,
         config=config.to_dict(),
     )
-    if ctx.rank == 0 and run_dir:  # where the metrics are, and the settings: the report's
-        RunPaths.for_run(run_dir, metrics_file_of(config)).write_manifest(config.to_dict())
     providers, observer = build_probes(config, ctx, model, sink)
     saves = SaveTiming(timers, ledger=ledger)
     goodput = [StragglerIdle(observer.straggler, ledger), saves, ledger]
