@@ -13,10 +13,9 @@ import time
 import pytest
 import torch
 
+from gpu_only import GPU_ONLY
 from stalwart.observability.straggler import StragglerDetector
 from stalwart.observability.straggler_gpu import NvmlGpuStats, make_gpu_stats
-
-from gpu_only import GPU_ONLY
 
 pytestmark = GPU_ONLY
 
