@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -283,3 +284,19 @@ def test_straggler_section_shows_the_gpu_fields_per_rank(tmp_path: Path) -> None
     assert "GPUs at the last report (NVML)" in section
     assert "<tr><td>0</td><td>61</td><td>650.5</td><td>99</td><td>1980</td></tr>" in section
     assert "<tr><td>2</td><td>n/a</td>" in section  # a hostile value is not rendered
+
+
+def test_a_copied_run_directory_reads_its_own_metrics(tmp_path: Path) -> None:
+    from stalwart.observability.run_dir import RunPaths
+
+    run = tmp_path / "run"
+    demo_like_run(run)
+    RunPaths.for_run(run).write_manifest({"optim": {"lr": 1.0}})  # what the trainer records
+    assert json.loads((run / "run.json").read_text())["metrics"] == "metrics.jsonl"
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    (copy / "metrics.jsonl").write_text(json.dumps({"split": "train", "iteration": 7}) + "\n")
+    assert RunPaths.discover(copy).metrics == copy / "metrics.jsonl"
+    elsewhere = tmp_path / "logs" / "m.jsonl"
+    RunPaths.for_run(run, metrics_file=elsewhere).write_manifest()
+    assert json.loads((run / "run.json").read_text())["metrics"] == str(elsewhere.resolve())

@@ -122,10 +122,12 @@ class RunPaths:
         nested mapping, e.g. ``RunConfig.to_dict()``; the report shows it). Atomic replace;
         call on rank 0 only (a resumed session records its own settings)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        payload: dict[str, Any] = {
-            "version": _MANIFEST_VERSION,
-            "metrics": str(self.metrics.resolve()),
-        }
+        metrics = self.metrics.resolve()
+        try:  # inside the run directory: relative, so a copied or moved run stays whole
+            recorded = str(metrics.relative_to(self.root.resolve()))
+        except ValueError:
+            recorded = str(metrics)
+        payload: dict[str, Any] = {"version": _MANIFEST_VERSION, "metrics": recorded}
         if config is not None:
             payload["config"] = dict(config)
         tmp = self.manifest.with_name(f".{MANIFEST_FILE}.tmp.{os.getpid()}")
