@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
-# Runs the CPU python with the graph flags (refused on CPU) removed; "-c" probes exit 0.
+# Runs the CPU python with the graph flags (refused on CPU) removed and a CPU-sized model (the
+# last value of a flag wins; iterations and schedule stay the script's); "-c" probes exit 0.
 _CPU_PYTHON = """#!/usr/bin/env bash
 [ "$1" = "-c" ] && exit 0
 args=(); skip=0
@@ -30,7 +31,8 @@ for a in "$@"; do
   esac
   args+=("$a")
 done
-exec "$REAL_PYTHON" "${args[@]}"
+exec "$REAL_PYTHON" "${args[@]}" --num-layers 1 --hidden-size 64 --num-attention-heads 2 \
+  --seq-length 32 --vocab-size 512
 """
 
 # Exits 0 for everything: a divergence step (expected 16) then "passes" with the wrong code.
