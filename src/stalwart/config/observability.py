@@ -32,6 +32,7 @@ class ObservabilityConfig:
     timing_log_option: TimingLogOption = TimingLogOption.MINMAX
     timing_mode: TimingMode = TimingMode.SYNC
     log_straggler: bool = False
+    disable_straggler_on_startup: bool = False  # on/off at runtime: <run dir>/straggler.toggle
     straggler_threshold: float = field(default=1.2, metadata=bounds(gt=1.0))
     straggler_minmax_count: int = field(default=1, metadata=bounds(ge=1))
     log_memory_interval: int = field(default=0, metadata=bounds(ge=0))
@@ -68,6 +69,8 @@ class ObservabilityConfig:
             )
         check_fields(self)  # after the conversions: the fields hold enums from here on
         validate_timing_flags(self.timing_log_level, self.timing_log_option)
+        if self.disable_straggler_on_startup and not self.log_straggler:
+            raise ValueError("--disable-straggler-on-startup needs --log-straggler")
         if self.profile:
             validate_profile_window(
                 self.profile_step_start, self.profile_step_end, self.profile_ranks

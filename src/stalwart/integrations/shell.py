@@ -189,7 +189,8 @@ class TrainingShell:
         self._exit.callback(self.sink.close)
         self.straggler = make_straggler_detector(
             obs.log_straggler, self.device, self.rank, self.world_size,
-            threshold=obs.straggler_threshold, run_dir=run_dir,
+            threshold=obs.straggler_threshold, minmax_count=obs.straggler_minmax_count,
+            run_dir=run_dir, on_at_start=not obs.disable_straggler_on_startup,
         )  # fmt: skip
         self._exit.callback(self.straggler.close)
         memory = MemoryMonitor(

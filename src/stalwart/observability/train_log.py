@@ -53,6 +53,7 @@ from stalwart.observability.log_lines import (
 )
 from stalwart.observability.progress import ProgressBar
 from stalwart.observability.sinks import JsonlSink, MetricSink, NullSink, is_null_sink
+from stalwart.observability.throughput import interval_throughput, validate_peak_tflops
 from stalwart.observability.timers import INTERVAL_TIME, TRAINING_TIMERS, TimerReport, Timers
 
 TensorOrScalar = torch.Tensor | float | int
@@ -76,8 +77,12 @@ class LogConfig:
     log_validation_ppl_to_tensorboard: bool = False
     log_progress_bar: bool | None = None  # None: only when stdout is a TTY
     log_timestamp: bool = True  # prefix the iteration line with " [YYYY-mm-dd HH:MM:SS.ffffff]"
+    # --peak-tflops: the per-GPU peak MFU divides by, over the device table's (None: the table's;
+    # no MFU where the table has no entry, e.g. on CPU).
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
+        validate_peak_tflops(self.peak_tflops)
         if self.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
         if self.tensorboard_log_interval < 1:
@@ -132,10 +137,14 @@ class TrainingLog:
             ``log_timers_to_tensorboard``).
         rank, world_size: this process's place in the job.
         flops_per_iteration: model FLOPs of one iteration, whole job; required by ``log_throughput``.
+            With it every log line and metrics record has TFLOP/s per GPU, and MFU when a peak is
+            known; with ``seq_length`` they have tokens/s (`stalwart.observability.throughput`).
         metrics_file: JSONL path (``--metrics-file``); one object per log step and per evaluation.
         extra_providers: :class:`LogFieldProvider` objects (fields appear before the counters).
         print_fn: where rank 0's lines go (printed above the progress bar when it is shown).
-        seq_length: tokens per sample; with it the progress bar shows tokens/s.
+        seq_length: tokens per sample; with it the log, metrics and progress bar show tokens/s.
+        peak_tflops_per_gpu: the device's dense peak for MFU (``device_peak_tflops``);
+            ``config.peak_tflops`` (``--peak-tflops``) wins over it; None and no flag: no MFU.
     """
 
     def __init__(
@@ -152,6 +161,7 @@ class TrainingLog:
         extra_providers: Sequence[LogFieldProvider] = (),
         print_fn: Callable[[str], None] = print,
         seq_length: int | None = None,
+        peak_tflops_per_gpu: float | None = None,
     ) -> None:
         if config.log_throughput and flops_per_iteration is None:
             raise ValueError("--log-throughput needs the model's FLOPs per iteration")
@@ -168,6 +178,9 @@ class TrainingLog:
         self._print = print_fn
         self._metrics = JsonlSink(metrics_file) if metrics_file and self._is_writer else None
         self.seq_length = seq_length
+        self.peak_tflops = (
+            config.peak_tflops if config.peak_tflops is not None else peak_tflops_per_gpu
+        )
         self._progress = ProgressBar(
             train_iters, enabled=config.log_progress_bar if self._is_writer else False
         )
@@ -178,6 +191,7 @@ class TrainingLog:
         self._skipped_without_pass = 0
         self._iters_in_interval = 0
         self._logged_once = False
+        self._pending: tuple[int, _IterationInputs] | None = None  # the unlogged last iteration
         self._consumed_samples = 0
         self.total_skipped = 0
         self.total_nan = 0
@@ -211,18 +225,36 @@ class TrainingLog:
         if self.seq_length:
             self._progress.tokens_per_iteration = global_batch_size * self.seq_length
         self._progress.update(iteration)
-        is_log = not self._logged_once or iteration % self.config.log_interval == 0
+        is_log = (
+            not self._logged_once
+            or iteration % self.config.log_interval == 0
+            or iteration == self.train_iters  # the last one too: the run's end is on the charts
+        )
         is_sink = self._sink_active and iteration % self.config.tensorboard_log_interval == 0
-        if not (is_log or is_sink):
-            return
         inputs = _IterationInputs(
             losses, global_batch_size, learning_rate, grad_norm, loss_scale, num_zeros, params_norm
         )
+        self._pending = None if is_log else (iteration, inputs)  # references only: no read
+        if not (is_log or is_sink):
+            return
         values = self._read(inputs, interval=is_log) if self._is_writer else {}
         if is_sink:
             self._write_iteration_scalars(iteration, inputs, values)
         if is_log:
             self._log_interval(iteration, global_batch_size, values)
+
+    def flush(self) -> None:
+        """Log the iterations since the last log step now (an exit between log steps), so the
+        run's last iteration has its line and record; nothing when none are pending.
+
+        Collective, like a log step: call on every rank, at the same (agreed) exit.
+        """
+        if self._pending is None or self._iters_in_interval == 0:
+            return
+        iteration, inputs = self._pending
+        self._pending = None
+        values = self._read(inputs, interval=True) if self._is_writer else {}
+        self._log_interval(iteration, inputs.global_batch_size, values)
 
     def _ensure_state(self, losses: Mapping[str, TensorOrScalar]) -> torch.device:
         if self._device is None:
@@ -353,9 +385,14 @@ class TrainingLog:
         }
         if without_pass == self._iters_in_interval:
             averages = {}  # only --iterations-to-skip: no loss was computed, none is shown
-        throughput = None
-        if self.config.log_throughput and self.flops_per_iteration is not None and elapsed_ms > 0:
-            throughput = self.flops_per_iteration / (elapsed_ms / 1000.0 * 1e12 * self.world_size)
+        rates = interval_throughput(
+            flops_per_iteration=self.flops_per_iteration,
+            tokens_per_iteration=global_batch_size * self.seq_length if self.seq_length else None,
+            elapsed_ms=elapsed_ms,
+            world_size=self.world_size,
+            peak_tflops_per_gpu=self.peak_tflops,
+        )
+        throughput = rates.tflops_per_gpu if self.config.log_throughput else None  # Megatron's
         stamp = None
         if self.config.log_timestamp:
             stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
@@ -376,6 +413,10 @@ class TrainingLog:
             params_norm=values.get("params_norm"),
             extra_fields=tuple(fields),
             timestamp=stamp,
+            tokens_per_second=rates.tokens_per_second,
+            tokens_per_second_per_gpu=rates.tokens_per_second_per_gpu,
+            tflops_per_gpu=rates.tflops_per_gpu,
+            mfu_percent=rates.mfu_percent,
         )
 
     def _emit(self, s: IntervalSummary, report: TimerReport | None, *, is_first: bool) -> None:
@@ -392,10 +433,9 @@ class TrainingLog:
         if self.config.log_timers_to_tensorboard:
             if not is_first:  # the first interval includes start-up time (as Megatron)
                 scalars["iteration-time"] = s.elapsed_ms / 1000.0  # seconds, as Megatron
-            if s.throughput is not None:
-                scalars["throughput"] = s.throughput
             if report is not None:
                 scalars.update(report.megatron_scalars())
+        scalars.update(_throughput_scalars(s))
         if scalars:
             self.sink.add_scalars(scalars, s.iteration)
         if self._metrics is not None:
@@ -414,7 +454,8 @@ class TrainingLog:
             lr=s.learning_rate, grad_norm=s.grad_norm, elapsed_ms=s.elapsed_ms,
             global_batch_size=s.global_batch_size, loss_scale=s.loss_scale,
             num_zeros=s.num_zeros, params_norm=s.params_norm,
-            throughput_tflops_per_gpu=s.throughput,
+            throughput_tflops_per_gpu=s.tflops_per_gpu, tokens_per_second=s.tokens_per_second,
+            tokens_per_second_per_gpu=s.tokens_per_second_per_gpu, mfu_percent=s.mfu_percent,
             skipped_iterations=s.skipped, nan_iterations=s.nan,
             total_skipped_iterations=self.total_skipped, total_nan_iterations=self.total_nan,
             world_size=self.world_size,
@@ -478,3 +519,16 @@ class TrainingLog:
         self.sink.flush()
         if self._metrics is not None:
             self._metrics.close()
+
+
+def _throughput_scalars(s: IntervalSummary) -> dict[str, float]:
+    """Dashboard keys of the interval's rates, at every log step: Megatron's ``throughput``
+    (TFLOP/s/GPU; Megatron writes it only with --log-throughput and --log-timers-to-tensorboard)
+    and ours (``tokens-per-second``, ``tokens-per-second-per-gpu``, ``mfu-percent``)."""
+    named = {
+        "throughput": s.tflops_per_gpu,
+        "tokens-per-second": s.tokens_per_second,
+        "tokens-per-second-per-gpu": s.tokens_per_second_per_gpu,
+        "mfu-percent": s.mfu_percent,
+    }
+    return {k: v for k, v in named.items() if v is not None}

@@ -28,7 +28,7 @@ from stalwart.loop import (
 from stalwart.models import num_floating_point_operations
 from stalwart.observability.goodput import Bucket
 from stalwart.observability.memory_release import make_memory_release
-from stalwart.observability.run_dir import EventKind, append_event
+from stalwart.observability.run_dir import EventKind, RunPaths, append_event
 from stalwart.observability.timers import INTERVAL_TIME
 from stalwart.reliability.exit import (
     ExitDecision,
@@ -44,7 +44,12 @@ from stalwart.reliability.rerun import RerunDataIterator, resolve_iterations_to_
 from stalwart.train import build
 from stalwart.train.forward_step import gpt_forward_step
 from stalwart.train.manual_gc import make_manual_gc
-from stalwart.train.observe import build_observability, build_profiler, run_dir_of
+from stalwart.train.observe import (
+    build_observability,
+    build_profiler,
+    metrics_file_of,
+    run_dir_of,
+)
 from stalwart.train.resume_checks import (
     check_model_matches,
     nothing_left_to_train,
@@ -219,6 +224,11 @@ class Trainer:
         if self.state.iteration >= self.config.training.train_iters:
             done = nothing_left_to_train(self.loaded_path, self.state.iteration, self.config.training)  # fmt: skip
             return self._finish(ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, done or "reached --train-iters"))  # fmt: skip
+        run_dir = run_dir_of(self.config)
+        if self.ctx.rank == 0 and run_dir:  # training starts: its settings, for the report
+            RunPaths.for_run(run_dir, metrics_file_of(self.config)).write_manifest(
+                self.config.to_dict()
+            )
         while True:
             with self.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
                 committed = self.checkpointer.maybe_finalize()
@@ -228,6 +238,8 @@ class Trainer:
             if not result.verdict.exit:  # a rejected iteration is not done: nothing to log
                 self._after_iteration(result)
             decision = self._decide(result)
+            if decision.exit:  # agreed on every rank: the iterations since the last log line
+                self.log.flush()
             if decision.save is not SaveKind.NONE:
                 self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
             if decision.exit:
@@ -306,7 +318,7 @@ class Trainer:
         it = self.state.iteration
         self.profiler.on_iteration_end(it)
         self.manual_gc.on_iteration_end(it)
-        is_log = it % cfg.log.log_interval == 0 or it == 1
+        is_log = it % cfg.log.log_interval == 0 or it in (1, cfg.training.train_iters)
         norm = params_norm(self.model) if cfg.log.log_params_norm and is_log else None
         self.log.on_iteration(
             it,
