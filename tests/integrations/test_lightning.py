@@ -135,3 +135,38 @@ def test_injected_fault_exits_16_then_17_on_another_device(
         ("gpu-b", "second_rerun_not_reproducible"),
     ]  # fmt: skip
     assert json.loads((tmp_path / "out" / "exit_reason.json").read_text())["exit_code"] == 17
+
+
+def test_after_17_the_suspect_device_is_refused_and_other_hardware_trains_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The way forward after an exit 17 in Lightning's layout (``iter_NNNNNNN.ckpt``): the
+    verdict names the checkpoint the callback saved, the suspect device is refused (16, one
+    line) and a launch elsewhere trains on from it to ``max_steps`` (exit 0)."""
+    out = tmp_path / "out"
+    tracker = str(tmp_path / "t.txt")
+    rerun = RerunConfig(
+        error_injection_rate=1, error_injection_type="persistent_error",
+        error_injection_iterations=[3], result_rejected_tracker_filename=tracker,
+    )  # fmt: skip
+    for device, code in (("gpu-a", 16), ("gpu-b", 17)):
+        monkeypatch.setenv(DEVICE_ID_ENV, device)
+        with pytest.raises(SystemExit) as info:
+            _fit(out, rerun=rerun)
+        assert info.value.code == code
+    verdict = json.loads((out / "rerun_verdict.json").read_text())
+    assert verdict["checkpoint"] == "iter_0000002.ckpt" and (out / verdict["checkpoint"]).is_file()
+    capsys.readouterr()
+    healthy = RerunConfig(result_rejected_tracker_filename=tracker)  # no bad device any more
+    monkeypatch.setenv(DEVICE_ID_ENV, "gpu-a")
+    with pytest.raises(SystemExit) as info:
+        _fit(out, rerun=healthy)
+    assert info.value.code == 16
+    refusal = [x for x in capsys.readouterr().out.splitlines() if "rerun verdict" in x]
+    assert len(refusal) == 1 and "persistent error at iteration 3" in refusal[0], refusal
+    monkeypatch.setenv(DEVICE_ID_ENV, "gpu-c")
+    module, callback = _fit(out, rerun=healthy)
+    assert callback.exit_code == 0
+    reason = json.loads((out / "exit_reason.json").read_text())
+    assert (reason["exit_code"], reason["iteration"]) == (0, STEPS)
+    assert module.trainer.global_step == STEPS
