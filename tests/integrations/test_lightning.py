@@ -170,3 +170,38 @@ def test_after_17_the_suspect_device_is_refused_and_other_hardware_trains_to_the
     reason = json.loads((out / "exit_reason.json").read_text())
     assert (reason["exit_code"], reason["iteration"]) == (0, STEPS)
     assert module.trainer.global_step == STEPS
+
+
+def _fit_module(module: Any, tmp_path: Path) -> None:
+    trainer = L.Trainer(
+        max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[StalwartCallback(str(tmp_path))],
+        enable_checkpointing=False, logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, _loader())
+
+
+def test_a_module_the_guarded_step_cannot_drive_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Keeping ``training_step`` (it would spin: manual optimization never steps), two
+    optimizers, and ``GuardedModule`` after ``LightningModule`` in the bases."""
+
+    class KeepsTrainingStep(TinyLlama):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.forward_step(batch)
+
+    class TwoOptimizers(TinyLlama):
+        def configure_optimizers(self) -> Any:
+            half = len(list(self.parameters())) // 2
+            params = list(self.parameters())
+            return [torch.optim.SGD(params[:half], lr=0.1), torch.optim.SGD(params[half:], lr=0.1)]
+
+    with pytest.raises(TypeError, match=r"^KeepsTrainingStep defines training_step: .*forward_step"):
+        _fit_module(KeepsTrainingStep(), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"^TwoOptimizers.configure_optimizers returned 2 "):
+        _fit_module(TwoOptimizers(), tmp_path / "b")
+    with pytest.raises(TypeError, match=r"put GuardedModule before LightningModule") as info:
+
+        class WrongOrder(L.LightningModule, GuardedModule):  # type: ignore[misc]
+            pass
+
+    assert "\n" not in str(info.value) and "(GuardedModule, L.LightningModule)" in str(info.value)

@@ -76,9 +76,24 @@ def _shard_and_resume(rank: int, tmp_path: Path) -> dict[str, Any]:
         torch.equal(a, b)
         for a, b in zip(t._params(full).values(), t._params(resumed).values(), strict=True)
     )
+
+    class OwnLoader(t.TinyLlama):  # Lightning builds it after the callback could shard it
+        def train_dataloader(self) -> Any:
+            return _loader()
+
+    trainer = L.Trainer(
+        max_steps=t.STEPS, accelerator="cpu", devices=2, strategy="ddp",
+        callbacks=[t.StalwartCallback(str(tmp_path / "own"))], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(OwnLoader())
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
     return {
         "codes": (stopped.exit_code, callback.exit_code), "same": same, "seen": seen_full,
-        "seen_resumed": seen_before[: 2 * 4] + seen_after,
+        "seen_resumed": seen_before[: 2 * 4] + seen_after, "refused": refused,
     }  # fmt: skip
 
 
@@ -162,6 +177,10 @@ def test_ddp_shards_sigterm_on_one_rank_saves_once_and_resumes_bitwise(tmp_path:
     second = got[0]["seen"][per_epoch:]
     assert second and second != first[0][: len(second)]  # set_epoch: a new order
     assert (tmp_path / "sig" / "iter_0000002.ckpt").is_file()
+    for rank in (0, 1):  # a loader the callback cannot reach in time: refused in one line
+        refused = got[rank]["refused"]
+        assert refused.startswith("ResumableLoader under 2 ranks: its DataLoader has no "
+                                  "DistributedSampler") and "\n" not in refused, refused  # fmt: skip
 
 
 def test_ddp_persistent_nan_on_rank_1_is_blamed_on_rank_1_alone(tmp_path: Path) -> None:
