@@ -32,9 +32,9 @@ first step's FLOPs with torch's counter): it overrides ``training_step`` so that
 the backward (``accelerator.backward``), the device checks, a replay on the same batch and RNG,
 the clip (``max_grad_norm``) and the optimizer step (gated on the device for fused AdamW: a
 rejected iteration never touches the weights). The loss is the plain Trainer's
-(``compute_loss`` with ``num_items_in_batch``); the gradients are dropped afterwards, so the
-Trainer's own ``optimizer.step()`` that follows finds none and changes nothing, and the
-``grad_norm`` it logs is the guarded step's (the norm before the clip, as the Trainer's).
+(``compute_loss`` with ``num_items_in_batch``); the Trainer's own ``optimizer.step()`` that
+follows is a no-op during ``train()`` and the ``grad_norm`` it logs is the guarded step's (the
+norm before the clip, as the Trainer's).
 
 Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch); the Trainer counts a
 rejected iteration (exit 16) as a step, so its checkpoint is named one step on: stalwart's state
@@ -102,6 +102,7 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         self._saving: contextlib.ExitStack | None = None
         self._pending_exit: ExitDecision | None = None
         self._exit_code: int | None = None  # kept after close
+        self._global_batch = 0
 
     @property
     def exit_code(self) -> int | None:
@@ -118,6 +119,8 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             self.shell = config.build(
                 rank=args.process_index, world_size=args.world_size, device=args.device
             )
+        # args.world_size is a property that asks accelerate's state: once, not every step.
+        self._global_batch = args.per_device_train_batch_size * args.world_size
         self.shell.resumed(int(state.global_step))
         self.shell.start()
 
@@ -163,9 +166,9 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             losses = {"lm loss": self.loss} if self.loss is not None else {}
             grad_norm, skipped = None, False
         lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
-        batch = args.per_device_train_batch_size * args.world_size
         self.require_shell().record(
-            it, losses=losses, batch_size=batch, learning_rate=lr, grad_norm=grad_norm,
+            it, losses=losses, batch_size=self._global_batch, learning_rate=lr,
+            grad_norm=grad_norm,
             skipped=skipped,
         )  # fmt: skip
 
@@ -216,6 +219,21 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             self.shell = None
 
 
+class _SteppedByTheGuardedStep:
+    """The Trainer's optimizer as the Trainer sees it while the guarded step owns the step:
+    ``step()`` does nothing (the guarded step stepped the accepted iteration, or kept a
+    rejected one from the weights); everything else (state, groups) is the optimizer's."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def step(self, closure: Any = None) -> None:
+        del closure
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
 class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
     """A ``Trainer`` whose step runs under stalwart's rerun state machine (module docstring).
     Needs a :class:`StalwartCallback` in ``callbacks``."""
@@ -228,7 +246,11 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_checkpoint(self.args.output_dir)
         self._stalwart_resume = resume_from_checkpoint or None
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            if isinstance(self.optimizer, _SteppedByTheGuardedStep):
+                self.optimizer = self.optimizer.optimizer  # the Trainer's own again
 
     def _stalwart_callback(self) -> StalwartCallback:
         for callback in self.callback_handler.callbacks:
@@ -245,10 +267,12 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
         batch = (inputs, num_items_in_batch)  # replayed (and saved after an exit 16) together
         if callback.step is None:
             callback.step = self._build_step(callback, model, batch)
+            # The guarded step owns the optimizer step: the Trainer's own one, next, is a no-op
+            # (its model.zero_grad() after it drops the gradients, as in a plain run).
+            self.optimizer = _SteppedByTheGuardedStep(self.optimizer)
         result = callback.step.run([batch])
         callback.result = result
         self._stalwart_grad_norm = result.grad_norm
-        self.optimizer.zero_grad(set_to_none=True)  # the Trainer's optimizer.step(): a no-op
         loss = self._stalwart_loss  # this rank's, as the plain Trainer returns it
         return (loss if loss is not None else torch.zeros(())).to(self.args.device)
 
@@ -285,8 +309,13 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
         if shell.config.log.log_throughput:
             counted = count_training_flops(model, self._forward_step, batch)
             shell.set_flops(counted.per_iteration(data_parallel_size=self.args.world_size))
+        optimizer = self.optimizer
+        if self.accelerator.scaler is None:
+            # Accelerate's wrapper adds nothing then (every batch syncs) but host work: two
+            # package look-ups per step (LOMO); with a GradScaler its step is the scaler's.
+            optimizer = getattr(optimizer, "optimizer", optimizer)
         step = FrameworkStep(
-            shell, model=model, optimizer=self.optimizer, forward_step=self._forward_step,
+            shell, model=model, optimizer=optimizer, forward_step=self._forward_step,
             clip_grad=float(self.args.max_grad_norm or 0.0), backward=self.accelerator.backward,
         )  # fmt: skip
         if self._stalwart_resume is not None:
