@@ -100,7 +100,7 @@ class LightningVariant:
     def __init__(self, name: str, args: argparse.Namespace, out: str) -> None:
         import lightning.pytorch as L
 
-        from stalwart.integrations.lightning import GuardedModule, StalwartCallback
+        from stalwart.integrations.lightning import GuardedModule
 
         stamps = self.stamps = []
 
@@ -192,7 +192,7 @@ def main() -> None:
         (HfVariant if n.startswith("hf") else LightningVariant)(n, args, out) for n in names
     ]
     if args.profile:
-        global PROFILER  # noqa: PLW0603
+        global PROFILER
         (variant,) = [v for v in variants if v.name == args.profile]
         variant.run()  # warm
         PROFILER = cProfile.Profile()

@@ -195,7 +195,9 @@ def test_a_module_the_guarded_step_cannot_drive_is_refused_in_one_line(tmp_path:
             params = list(self.parameters())
             return [torch.optim.SGD(params[:half], lr=0.1), torch.optim.SGD(params[half:], lr=0.1)]
 
-    with pytest.raises(TypeError, match=r"^KeepsTrainingStep defines training_step: .*forward_step"):
+    with pytest.raises(
+        TypeError, match=r"^KeepsTrainingStep defines training_step: .*forward_step"
+    ):
         _fit_module(KeepsTrainingStep(), tmp_path / "a")
     with pytest.raises(ValueError, match=r"^TwoOptimizers.configure_optimizers returned 2 "):
         _fit_module(TwoOptimizers(), tmp_path / "b")

@@ -249,8 +249,9 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
-            if isinstance(self.optimizer, _SteppedByTheGuardedStep):
-                self.optimizer = self.optimizer.optimizer  # the Trainer's own again
+            seen = self.__dict__.get("optimizer")  # set by the Trainer (untyped)
+            if isinstance(seen, _SteppedByTheGuardedStep):
+                self.optimizer = seen.optimizer  # the Trainer's own again
 
     def _stalwart_callback(self) -> StalwartCallback:
         for callback in self.callback_handler.callbacks:

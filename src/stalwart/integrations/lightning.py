@@ -43,8 +43,16 @@ the clip (``stalwart_clip_grad``) and the optimizer step, gated on the device fo
 Adam/AdamW/SGD (a rejected iteration never touches the weights). Step-interval LR schedulers are
 stepped after each accepted iteration (``ReduceLROnPlateau`` is not: it needs a metric).
 
+Under DDP the step is built on the strategy's wrapper (the checks run in DDP's comm hook on each
+rank's own gradients, so a fault is blamed on its rank and replayed on a peer), and a
+:class:`~stalwart.integrations.resumable.ResumableLoader` passed to ``fit`` is sharded as Lightning
+shards a ``DataLoader`` (:mod:`stalwart.integrations.lightning_checks`). After an exit 17 the
+verdict names the ``iter_NNNNNNN.ckpt`` to train on from; a suspect device exits 16.
+
 Limits: one optimizer, ``accumulate_grad_batches=1`` (an iteration is one batch), no
-``gradient_clip_val`` (Lightning forbids it with manual optimization: use ``stalwart_clip_grad``).
+``gradient_clip_val`` (Lightning forbids it with manual optimization: use ``stalwart_clip_grad``);
+a kept ``training_step``, several optimizers and ``GuardedModule`` after ``LightningModule`` in
+the bases are refused in one line.
 Checkpoints hold every rank's RNG (Lightning saves none) and the rerun state, so a resume is
 bitwise (tested on one process and under DDP on 2 gloo ranks); the data position is Lightning's
 (a mid-epoch resume is exact when the loader's order is fixed, e.g. ``shuffle=False`` or a

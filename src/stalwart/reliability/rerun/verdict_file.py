@@ -17,7 +17,10 @@ writes it, rank 0), whichever flow reached it::
 * ``diagnosis``: ``persistent_error``, ``correct_result`` or ``replica_corruption``;
 * ``iteration`` counts completed iterations (the failed iteration is logged as ``iteration +
   1``); ``checkpoint`` is the checkpoint to resume (saved at ``iteration`` when the diagnosis
-  saved one, else the latest complete one);
+  saved one, else the latest complete one), by its name in the save directory in the layout of
+  whoever saved it: the reference trainer's ``iter_0000003``, the Lightning callback's
+  ``iter_0000003.ckpt``, the Hugging Face Trainer's ``checkpoint-4`` (the adapters tell the
+  shell which checkpoint they saved or loaded, ``TrainingShell.checkpoint_at``);
 * ``suspects`` are the (node, device) identities to exclude, ``suspect_ranks`` their ranks in
   the launch that found them.
 
