@@ -222,19 +222,13 @@ def _loaded_iteration(checkpoint_path: str) -> int | None:
 
 
 def apply_verdict(
-    machine: Any,
-    checkpoint_path: str,
-    *,
-    iteration: int | None = None,
-    root: str | None = None,
+    machine: Any, checkpoint_path: str, *, iteration: int | None = None, root: str | None = None
 ) -> RerunVerdict | None:
     """After loading ``checkpoint_path``: act on the verdict of its save directory (see module
     docstring). Collective (one all-reduce; every rank calls it after the same load); returns
-    the verdict applied.
-
-    ``iteration``: the loaded checkpoint's completed iterations (default: parsed from an
-    ``iter_NNNNNNN`` name; give it for any other layout); ``root``: the directory holding the
-    verdict (default: the checkpoint's).
+    the verdict applied. ``iteration``: the loaded checkpoint's completed iterations (default:
+    parsed from an ``iter_NNNNNNN`` name; give it for any other layout); ``root``: the
+    directory holding the verdict (default: the checkpoint's).
 
     Raises:
         SuspectDeviceError: some rank runs on a suspect device (raised on every rank).
