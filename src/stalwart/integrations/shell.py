@@ -150,6 +150,9 @@ class TrainingShell:
         self.started = time.monotonic()
         self._exit = contextlib.ExitStack()
         self._finished: int | None = None
+        # The framework's checkpoints (its own names) by completed iterations, and the latest.
+        self._checkpoints: dict[int, str] = {}
+        self._latest: str | None = None
         try:
             self._build_reliability()
             self._build_observability()
@@ -317,6 +320,21 @@ class TrainingShell:
         self.energy.resume()
         self.sections.maybe_update_timeouts()
 
+    def checkpoint_at(self, iteration: int, name: str) -> None:
+        """The framework saved or loaded checkpoint ``name`` (its name in ``save_dir``, in the
+        framework's layout) holding ``iteration`` completed iterations: the one a rerun verdict
+        names for a launch on other hardware to train on from."""
+        self._checkpoints[int(iteration)] = name
+        self._latest = name
+
+    def _verdict_checkpoint(self, decision: ExitDecision) -> str | None:
+        diagnosis = decision.diagnosis
+        if diagnosis is None:
+            return None
+        if diagnosis.checkpoint_iteration is None:  # "the latest checkpoint"
+            return self._latest
+        return self._checkpoints.get(diagnosis.checkpoint_iteration)
+
     def evaluation(self) -> contextlib.AbstractContextManager[None]:
         """Around an evaluation: goodput's evaluation bucket."""
         return self.ledger.span(Bucket.EVALUATION)
@@ -331,7 +349,7 @@ class TrainingShell:
         if decision.exit_code:
             logger.error("%s; exiting with code %d", decision.detail, decision.exit_code)
         code = leave(decision, iteration, save_dir=self.config.save_dir, rank=self.rank,
-                     log=self.print)  # fmt: skip
+                     log=self.print, checkpoint=self._verdict_checkpoint(decision))  # fmt: skip
         reason = decision.reason or ExitReason.FINISHED
         self.ledger.close(reason.value, decision.detail)
         self._finished = code
