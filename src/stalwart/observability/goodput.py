@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart.observability.goodput_held import HeldIntervals
+from stalwart.observability.goodput_reader import read_ledger
 from stalwart.observability.goodput_records import (
     FINISHED,
     GOODPUT_FILE,
@@ -64,7 +65,6 @@ from stalwart.observability.goodput_records import (
     add_span,
     empty_seconds,
     goodput_line,
-    read_ledger,
     summarize,
 )
 from stalwart.observability.goodput_session import (
@@ -173,7 +173,10 @@ class GoodputLedger:
         # The open step's time and the look-ahead's work, held until their bucket is known
         # (a rejected iteration's first pass is not productive).
         self._held = HeldIntervals()
-        prior = read_ledger(self.path)
+        prior = read_ledger(self.path, now=self._clock())
+        skipped = prior.skipped_note()
+        if skipped:  # once per session; the summary's notes repeat it for `stalwart goodput`
+            logger.warning("goodput: %s", skipped)
         self._fd = self._open_append()
         self._totals = dict(summarize(prior).seconds) if prior.records else empty_seconds()
         self._hwm = high_water_mark(prior)
@@ -339,7 +342,7 @@ class GoodputLedger:
         watchdog aborts its process group or kills the hung rank). Failure path only."""
         times = [
             r.t
-            for r in read_ledger(self.path).records
+            for r in read_ledger(self.path, now=self._clock()).records
             if isinstance(r, Marker)
             and r.kind is RecordKind.FAULT
             and r.get("cause") == "hang"
@@ -439,7 +442,7 @@ class GoodputLedger:
                 with contextlib.suppress(OSError):
                     os.fsync(self._fd)
                 os.close(self._fd)
-                self._summary = summarize(read_ledger(self.path))
+                self._summary = summarize(read_ledger(self.path, now=now))
                 self._print(goodput_line(self._summary))
         assert self._summary is not None
         return self._summary
