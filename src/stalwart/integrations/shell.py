@@ -150,6 +150,7 @@ class TrainingShell:
         self.started = time.monotonic()
         self._exit = contextlib.ExitStack()
         self._finished: int | None = None
+        self._evaluated = False  # since the last decide: agree on the exit inputs again
         try:
             self._build_reliability()
             self._build_observability()
@@ -297,9 +298,12 @@ class TrainingShell:
         agreed here."""
         if result is not None:
             agreed, verdict = result.agreed, result.verdict
+            if self._evaluated:  # a signal during the evaluation stops at this iteration
+                agreed = self.agreement.agree_again()
         else:
             self.agreement.begin()
             agreed, verdict = self.agreement.finish(), RerunVerdict()
+        self._evaluated = False
         inputs = exit_inputs(agreed, rerun=verdict, finished=finished)
         return decide(iteration, inputs, self.config.exit, can_save=can_save)
 
@@ -316,9 +320,14 @@ class TrainingShell:
         self.energy.resume()
         self.sections.maybe_update_timeouts()
 
-    def evaluation(self) -> contextlib.AbstractContextManager[None]:
-        """Around an evaluation: goodput's evaluation bucket."""
-        return self.ledger.span(Bucket.EVALUATION)
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Around an evaluation: goodput's evaluation bucket. The next :meth:`decide` agrees on
+        the exit inputs again (one collective on evaluating iterations only): a signal received
+        during the evaluation ends the run at this iteration."""
+        with self.ledger.span(Bucket.EVALUATION):
+            yield
+        self._evaluated = True
 
     def finish(self, decision: ExitDecision, iteration: int) -> int:
         """The one exit path: learn timeouts, record why (``exit_reason.json``), wait for the
