@@ -160,6 +160,7 @@ class TrainingShell:
 
     def _build_reliability(self) -> None:
         cfg, run_dir = self.config, self.config.artefact_dir
+        cfg.obs.check_extras()  # before anything is built or written
         say = self.print
         self.ledger = make_goodput_ledger(
             cfg.goodput, run_dir, rank=self.rank, print_fn=lambda line: say(line, flush=True)
