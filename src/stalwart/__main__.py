@@ -4,7 +4,7 @@ console script (`run`)."""
 import gc
 import sys
 
-from stalwart.cli.closed_pipe import ClosedPipeSafeStdout
+from stalwart.cli.closed_pipe import ClosedPipeSafeStream
 from stalwart.cli.main import main
 
 
@@ -18,12 +18,14 @@ def run() -> int:
     ``gc.freeze()`` moves what is left out of the collector's sight; the atexit handlers still
     run and what they free is still collected.
 
-    Standard output survives a reader that went away (`ClosedPipeSafeStdout`): every command
-    ends with its own exit code, without a ``BrokenPipeError`` traceback.
+    Standard output and error survive a reader that went away (`ClosedPipeSafeStream`): every
+    command ends with its own exit code, without a ``BrokenPipeError`` traceback.
     """
-    sys.stdout = ClosedPipeSafeStdout(sys.stdout)  # type: ignore[assignment]
+    sys.stdout = ClosedPipeSafeStream(sys.stdout)  # type: ignore[assignment]
+    sys.stderr = ClosedPipeSafeStream(sys.stderr)  # `2>&1 | head`: the error line, the logs
     code = main()
     sys.stdout.flush()  # a closed pipe is met here, not in the interpreter's final flush
+    sys.stderr.flush()
     gc.collect()
     gc.freeze()
     return code

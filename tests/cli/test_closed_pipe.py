@@ -110,3 +110,15 @@ def test_a_launch_refused_after_start_up_writes_no_goodput_session(save: Path, c
     out, err = capsys.readouterr()
     assert "LR schedule differs" in err and "goodput:" not in out + err
     assert ledger.read_bytes() == before
+
+
+def test_an_error_line_into_a_closed_pipe_keeps_exit_code_2() -> None:
+    """`stalwart nonsense 2>&1 | head`: the one-line error meets the closed pipe (exit 1 before)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(cli_command(["nonsense"]), stdout=write, stderr=write,
+                              env=cli_env(), cwd=REPO, timeout=60)  # fmt: skip
+    finally:
+        os.close(write)
+    assert proc.returncode == 2
