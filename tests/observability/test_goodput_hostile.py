@@ -121,3 +121,21 @@ def test_resume_goes_on_past_an_absurd_record(tmp_path, caplog) -> None:
     summary = summarize(read_ledger(save / GOODPUT_FILE))
     assert summary.sessions[-1].last_iteration == 4 and summary.sessions[-1].resumed_at == 2
     assert summary.seconds[Bucket.PRODUCTIVE] > before > 0
+
+
+def test_two_writers_at_once_keep_every_record_and_say_so(tmp_path) -> None:
+    """Two jobs sharing one --run-dir: their lines interleave; each session's own order holds,
+    so nothing is skipped, and the summary names the overlap."""
+    t = [time.time() - 50]
+    clock = lambda: t[0]  # noqa: E731
+    a = GoodputLedger(tmp_path, clock=clock, launcher_start=t[0], print_fn=lambda s: None)
+    b = GoodputLedger(tmp_path, clock=clock, launcher_start=t[0], print_fn=lambda s: None)
+    for it in range(1, 4):
+        for ledger in (a, b):
+            with ledger.step(it):
+                t[0] += 1.0
+    a.close()
+    summary = b.close()
+    file = read_ledger(tmp_path / GOODPUT_FILE)
+    assert file.bad_lines == [] and len(summary.sessions) == 2
+    assert any("overlap" in note for note in summary.notes), summary.notes

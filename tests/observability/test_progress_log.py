@@ -82,3 +82,17 @@ def test_training_with_a_year_one_progress_file_keeps_going(tmp_path: Path, capl
     assert all("nan" not in s["Cumulative throughput"] for s in saves), saves
     warnings = [r.getMessage() for r in caplog.records if PROGRESS_FILE in r.getMessage()]
     assert len(warnings) == 1 and "line 1" in warnings[0] and "line 2" in warnings[0], warnings
+
+
+def test_a_torn_last_line_does_not_swallow_the_starting_line(tmp_path: Path) -> None:
+    """Appended to a last line without a newline, the job's own `Starting job` line was glued
+    to the garbage and lost: the cumulative throughput silently counted from elsewhere."""
+    path = tmp_path / PROGRESS_FILE
+    earlier = NOW - dt.timedelta(hours=1)
+    path.write_text(format_line(earlier, "1", 2, STARTING) + "\ntorn garbage, no newline")
+    log = ProgressLog(tmp_path, world_size=1)
+    log.start(flops_so_far=0.0)
+    log.on_save(iteration=2, flops_so_far=1e12, tokens=1e6, async_save=False)
+    lines = path.read_text().splitlines()
+    assert lines[1] == "torn garbage, no newline" and lines[2].endswith("\tStarting job")
+    assert cumulative_start(lines, world_size=1)[0] is not None

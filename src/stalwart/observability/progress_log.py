@@ -180,8 +180,12 @@ class ProgressLog:
         when = dt.datetime.fromtimestamp(self.clock())
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(format_line(when, self.job_id, self.world_size, message) + "\n")
+            line = format_line(when, self.job_id, self.world_size, message) + "\n"
+            with open(self.path, "a+b") as f:  # appends go to the end whatever the position
+                size = f.seek(0, os.SEEK_END)
+                if size and (f.seek(size - 1) is None or f.read(1) != b"\n"):
+                    line = "\n" + line  # end a torn last line: ours must stay a line of its own
+                f.write(line.encode("utf-8"))
         except OSError as exc:  # a full disk must not fail a run whose checkpoint committed
             logger.warning("--log-progress: cannot append to %s: %s", self.path, exc)
 
