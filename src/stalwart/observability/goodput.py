@@ -4,8 +4,12 @@ A :class:`GoodputLedger` keeps a cursor: at any moment the job is in exactly one
 :class:`~stalwart.observability.goodput_records.Bucket`, and every switch closes the previous
 interval. Closed intervals are appended to ``<run dir>/goodput.jsonl`` (one ``write`` each, no
 fsync on the hot path: a SIGKILL loses at most the open interval, never more than
-``flush_interval_s`` of it, plus a torn last line that the reader skips). A new session (a
-torchrun restart, a relaunch, an in-process attempt) reads the file first, so it knows:
+``flush_interval_s`` of it, plus a torn last line that the reader skips). A session's records
+are held back until its first step: a launch refused at start-up (:meth:`GoodputLedger.refused`)
+leaves nothing in the file; a start-up killed before its first step leaves no record of its own
+(the next session books the gap since the last record as downtime, unless that record ended a
+finished job). A new session (a torchrun restart, a relaunch, an in-process attempt) reads the
+file first, so it knows:
 
 * the time since the previous session's last record: restart downtime (split into *hang until
   detected* when a watchdog wrote a ``fault`` record with ``cause="hang"``), unless that session
