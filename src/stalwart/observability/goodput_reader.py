@@ -4,13 +4,14 @@ Every check of a record is here, so every use (the live ledger's constructor, ``
 goodput``, ``stalwart report``, the chaos campaign) meets only records that are in range: a line
 that is not JSON, not a record of a known kind, of the wrong type, non-finite, out of range
 (before the epoch, after the reader's clock plus :data:`FUTURE_SLACK_S`: ``1e308`` is not a
-time) or out of order (a span overlapping the previous span of its session, a marker before its
+time) or out of order (a span overlapping another span of its session, a marker before its
 session started) is skipped and listed in :attr:`LedgerFile.bad_lines` by line number and reason.
 The reader never raises for bad content. Standard library only.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -130,19 +131,24 @@ def parse_record(obj: Any, now: float | None = None) -> Record | None:
 
 
 class _Order:
-    """Per session: its start, and the end of its last span (one writer's spans never overlap)."""
+    """Per session: its start, and its spans so far, sorted (one writer's spans never overlap;
+    they need not be written in time order: a step's held intervals come after a flush)."""
 
     def __init__(self) -> None:
         self.started: dict[str, float] = {}
-        self.span_end: dict[str, float] = {}
+        self.spans: dict[str, tuple[list[float], list[float]]] = {}
 
     def check(self, record: Record) -> None:
         sid = record.session
         if isinstance(record, Span):
-            end = self.span_end.get(sid)
-            if end is not None and record.t0 < end - ORDER_SLACK_S:
-                raise _Invalid("out of order: the span overlaps its session's previous span")
-            self.span_end[sid] = record.t1
+            starts, ends = self.spans.setdefault(sid, ([], []))
+            i = bisect.bisect_right(starts, record.t0)
+            if (i > 0 and ends[i - 1] > record.t0 + ORDER_SLACK_S) or (
+                i < len(starts) and starts[i] < record.t1 - ORDER_SLACK_S
+            ):
+                raise _Invalid("out of order: the span overlaps another span of its session")
+            starts.insert(i, record.t0)
+            ends.insert(i, record.t1)
             return
         if record.kind is RecordKind.SESSION:
             if sid in self.started:
