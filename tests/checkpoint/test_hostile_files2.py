@@ -76,7 +76,7 @@ def _exit_reason(d: Path) -> Any:
 
 
 def _ledger(d: Path) -> Any:
-    from stalwart.observability.goodput_records import read_ledger
+    from stalwart.observability.goodput_reader import read_ledger
 
     assert read_ledger(d / "goodput.jsonl").records == []
 
@@ -106,7 +106,7 @@ def _ft_state(d: Path) -> Any:
 def _progress(d: Path) -> Any:
     from stalwart.observability.progress_log import ProgressLog
 
-    assert ProgressLog(d, world_size=1)._lines() == []
+    assert ProgressLog(d, world_size=1)._entries() == []
 
 
 # (file planted as a FIFO, the reader that hung on it)

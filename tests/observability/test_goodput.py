@@ -18,12 +18,12 @@ from stalwart.observability.goodput import (
     process_start_time,
     straggler_idle_seconds,
 )
+from stalwart.observability.goodput_reader import read_ledger
 from stalwart.observability.goodput_records import (
     GOODPUT_FILE,
     format_duration,
     format_table,
     goodput_line,
-    read_ledger,
     summarize,
 )
 

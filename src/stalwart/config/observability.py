@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 from stalwart.config.checks import bounds, check_fields, parse_enum
@@ -76,6 +77,28 @@ class ObservabilityConfig:
                 self.profile_step_start, self.profile_step_end, self.profile_ranks
             )
         validate_empty_unused_memory_level(self.empty_unused_memory_level)
+
+    def check_extras(self) -> None:
+        """Every flag that needs an optional package must find it importable, checked before
+        start-up (before the model is built); ``ValueError`` naming the flag and the
+        ``pip install 'stalwart[...]'`` to run. The progress bar (tqdm) and the report's
+        plotly/matplotlib have fallbacks and are not checked."""
+        wanted = (
+            ("--tensorboard-dir", self.tensorboard_dir is not None, "torch.utils.tensorboard",
+             "tensorboard", "tensorboard"),
+            ("--wandb-project", self.wandb_project is not None, "wandb", "wandb", "wandb"),
+            ("--log-energy", self.log_energy, "pynvml", "nvidia-ml-py", "nvml"),
+        )  # fmt: skip
+        for flag, used, module, package, extra in wanted:
+            if not used:
+                continue
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # missing, or installed but broken (its own import fails)
+                raise ValueError(
+                    f"{flag} needs the {package!r} package ({type(exc).__name__}: {exc}): "
+                    f"pip install 'stalwart[{extra}]'"
+                ) from None
 
 
 def parse_timing_mode(value: TimingMode | str) -> TimingMode:

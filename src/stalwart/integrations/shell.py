@@ -153,6 +153,7 @@ class TrainingShell:
         # The framework's checkpoints (its own names) by completed iterations, and the latest.
         self._checkpoints: dict[int, str] = {}
         self._latest: str | None = None
+        self._evaluated = False  # since the last decide: agree on the exit inputs again
         try:
             self._build_reliability()
             self._build_observability()
@@ -162,6 +163,7 @@ class TrainingShell:
 
     def _build_reliability(self) -> None:
         cfg, run_dir = self.config, self.config.artefact_dir
+        cfg.obs.check_extras()  # before anything is built or written
         say = self.print
         self.ledger = make_goodput_ledger(
             cfg.goodput, run_dir, rank=self.rank, print_fn=lambda line: say(line, flush=True)
@@ -301,9 +303,12 @@ class TrainingShell:
         agreed here."""
         if result is not None:
             agreed, verdict = result.agreed, result.verdict
+            if self._evaluated:  # a signal during the evaluation stops at this iteration
+                agreed = self.agreement.agree_again()
         else:
             self.agreement.begin()
             agreed, verdict = self.agreement.finish(), RerunVerdict()
+        self._evaluated = False
         inputs = exit_inputs(agreed, rerun=verdict, finished=finished)
         return decide(iteration, inputs, self.config.exit, can_save=can_save)
 
@@ -335,9 +340,14 @@ class TrainingShell:
             return self._latest
         return self._checkpoints.get(diagnosis.checkpoint_iteration)
 
-    def evaluation(self) -> contextlib.AbstractContextManager[None]:
-        """Around an evaluation: goodput's evaluation bucket."""
-        return self.ledger.span(Bucket.EVALUATION)
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Around an evaluation: goodput's evaluation bucket. The next :meth:`decide` agrees on
+        the exit inputs again (one collective on evaluating iterations only): a signal received
+        during the evaluation ends the run at this iteration."""
+        with self.ledger.span(Bucket.EVALUATION):
+            yield
+        self._evaluated = True
 
     def finish(self, decision: ExitDecision, iteration: int) -> int:
         """The one exit path: learn timeouts, record why (``exit_reason.json``), wait for the

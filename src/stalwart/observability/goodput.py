@@ -4,8 +4,12 @@ A :class:`GoodputLedger` keeps a cursor: at any moment the job is in exactly one
 :class:`~stalwart.observability.goodput_records.Bucket`, and every switch closes the previous
 interval. Closed intervals are appended to ``<run dir>/goodput.jsonl`` (one ``write`` each, no
 fsync on the hot path: a SIGKILL loses at most the open interval, never more than
-``flush_interval_s`` of it, plus a torn last line that the reader skips). A new session (a
-torchrun restart, a relaunch, an in-process attempt) reads the file first, so it knows:
+``flush_interval_s`` of it, plus a torn last line that the reader skips). A session's records
+are held back until its first step: a launch refused at start-up (:meth:`GoodputLedger.refused`)
+leaves nothing in the file; a start-up killed before its first step leaves no record of its own
+(the next session books the gap since the last record as downtime, unless that record ended a
+finished job). A new session (a torchrun restart, a relaunch, an in-process attempt) reads the
+file first, so it knows:
 
 * the time since the previous session's last record: restart downtime (split into *hang until
   detected* when a watchdog wrote a ``fault`` record with ``cause="hang"``), unless that session
@@ -52,6 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart.observability.goodput_held import HeldIntervals
+from stalwart.observability.goodput_reader import read_ledger
 from stalwart.observability.goodput_records import (
     FINISHED,
     GOODPUT_FILE,
@@ -64,7 +69,6 @@ from stalwart.observability.goodput_records import (
     add_span,
     empty_seconds,
     goodput_line,
-    read_ledger,
     summarize,
 )
 from stalwart.observability.goodput_session import (
@@ -173,7 +177,13 @@ class GoodputLedger:
         # The open step's time and the look-ahead's work, held until their bucket is known
         # (a rejected iteration's first pass is not productive).
         self._held = HeldIntervals()
-        prior = read_ledger(self.path)
+        # Records wait here until the first step (or close): a launch refused at start-up
+        # (`refused`) leaves no session in the file and prints no goodput line.
+        self._pending: list[bytes] | None = []
+        prior = read_ledger(self.path, now=self._clock())
+        skipped = prior.skipped_note()
+        if skipped:  # once per session; the summary's notes repeat it for `stalwart goodput`
+            logger.warning("goodput: %s", skipped)
         self._fd = self._open_append()
         self._totals = dict(summarize(prior).seconds) if prior.records else empty_seconds()
         self._hwm = high_water_mark(prior)
@@ -225,12 +235,25 @@ class GoodputLedger:
 
         if isinstance(record, Span):
             add_span(self._totals, record)
-        line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
+        line = (json.dumps(record.to_json(), separators=(",", ":")) + "\n").encode("utf-8")
+        if self._pending is not None:
+            self._pending.append(line)
+            return
+        self._append(line)
+
+    def _append(self, data: bytes) -> None:
         try:
-            os.write(self._fd, line.encode("utf-8"))
+            os.write(self._fd, data)
         except OSError as exc:
             # A full disk must not stop training; the reader says what is missing.
             logger.warning("goodput: cannot append to %s: %s", self.path, exc)
+
+    def _commit_session(self) -> None:
+        """The session runs: write what it held back since start-up (one write)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            if pending:
+                self._append(b"".join(pending))
 
     def _close_interval(self, now: float, bucket: Bucket | None = None) -> None:
         """Write ``[t0, now]`` of the open interval (as ``bucket`` if given) and reopen at now."""
@@ -272,6 +295,7 @@ class GoodputLedger:
         the block until the next switch (logging, the exit decision) stays in the same bucket.
         """
         with self._lock:
+            self._commit_session()
             chosen = bucket or (Bucket.LOST_WORK if iteration <= self._hwm else Bucket.PRODUCTIVE)
             now = self._clock()
             self._switch(chosen, now)
@@ -339,7 +363,7 @@ class GoodputLedger:
         watchdog aborts its process group or kills the hung rank). Failure path only."""
         times = [
             r.t
-            for r in read_ledger(self.path).records
+            for r in read_ledger(self.path, now=self._clock()).records
             if isinstance(r, Marker)
             and r.kind is RecordKind.FAULT
             and r.get("cause") == "hang"
@@ -436,13 +460,26 @@ class GoodputLedger:
                 fields = {"reason": reason, "detail": detail[:500], "it": self._last_iteration}
                 fields = {k: v for k, v in fields.items() if v not in (None, "")}
                 self._write(Marker(RecordKind.END, now, self._session, fields))
+                self._commit_session()
                 with contextlib.suppress(OSError):
                     os.fsync(self._fd)
                 os.close(self._fd)
-                self._summary = summarize(read_ledger(self.path))
+                self._summary = summarize(read_ledger(self.path, now=now))
                 self._print(goodput_line(self._summary))
         assert self._summary is not None
         return self._summary
+
+    def refused(self) -> GoodputSummary:
+        """The launch was refused at start-up (bad input found after the ledger was built: a
+        schedule mismatch on resume): before the first step nothing of this session is written
+        and no line is printed; after it, the same as ``close("fault")``. Idempotent."""
+        with self._lock:
+            if self._pending is None or self._closed:
+                return self.close("fault", "refused")
+            self._closed, self._pending = True, None
+            os.close(self._fd)
+            self._summary = GoodputSummary(empty_seconds(), [], [], [])
+            return self._summary
 
     def __enter__(self) -> GoodputLedger:
         return self
@@ -482,6 +519,9 @@ class NullGoodputLedger:
         return []
 
     def close(self, reason: str = FINISHED, detail: str = "") -> None:
+        return None
+
+    def refused(self) -> None:
         return None
 
     def __enter__(self) -> NullGoodputLedger:

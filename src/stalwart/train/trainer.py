@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from stalwart.checkpoint import CheckpointError
 from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
 from stalwart.distributed.process_group import DistributedContext
@@ -61,6 +62,9 @@ from stalwart.train.trainer_parts import ConfigPart, TrainOutcome, params_norm, 
 logger = logging.getLogger("stalwart.train")
 
 TrainState = LoopState  # iteration (completed) and consumed samples
+# Errors that refuse a launch (bad input or an unusable checkpoint, found after start-up: the
+# CLI's exit 2): the goodput ledger then writes nothing of the session.
+_REFUSALS = (ValueError, CheckpointError)
 
 
 class Trainer:
@@ -83,7 +87,9 @@ class Trainer:
         self._exit = contextlib.ExitStack()
         try:
             self._build(config, ctx, attempt)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, _REFUSALS) and hasattr(self, "ledger"):
+                self.ledger.refused()  # bad input found while building: no goodput session
             self._exit.close()
             raise
 
@@ -199,7 +205,10 @@ class Trainer:
             # step collective): drop an in-flight async save instead of finalizing it. The previous
             # complete checkpoint stays the resume point.
             self.checkpointer.close(abort=True)
-            self.ledger.close("fault", f"{exc_type.__name__}: {exc[0]}"[:200])
+            if issubclass(exc_type, _REFUSALS):  # a refused launch (exit 2): no goodput session
+                self.ledger.refused()
+            else:
+                self.ledger.close("fault", f"{exc_type.__name__}: {exc[0]}"[:200])
         self.close()
 
     def close(self) -> None:
@@ -235,8 +244,10 @@ class Trainer:
             if committed is not None:
                 self.saves.finalized(committed)
             result = self._run_iteration()
-            if not result.verdict.exit:  # a rejected iteration is not done: nothing to log
-                self._after_iteration(result)
+            # A rejected iteration is not done: nothing to log. One that evaluated agrees on the
+            # exit inputs again: a SIGTERM during evaluation stops at this iteration.
+            if not result.verdict.exit and self._after_iteration(result):
+                result = replace(result, agreed=self.agreement.agree_again())
             decision = self._decide(result)
             if decision.exit:  # agreed on every rank: the iterations since the last log line
                 self.log.flush()
@@ -311,7 +322,8 @@ class Trainer:
         self.event(EventKind.SKIPPED, "--iterations-to-skip")
         return self.step.skip(it, num_microbatches)
 
-    def _after_iteration(self, result: StepResult) -> None:
+    def _after_iteration(self, result: StepResult) -> bool:
+        """Count and log the completed iteration, evaluate when due; True when it evaluated."""
         cfg = self.config
         self.state.iteration += 1
         self.state.consumed_samples += self.batch_size
@@ -334,6 +346,8 @@ class Trainer:
         )
         if cfg.training.eval_interval and it % cfg.training.eval_interval == 0:
             self.run_evaluation()
+            return True
+        return False
 
     def run_evaluation(self) -> dict[str, float]:
         """Evaluate on the held-out split with validation checks in disabled mode."""
@@ -344,6 +358,9 @@ class Trainer:
         cfg = self.config
         self.manual_gc.on_evaluation()
         self.sections.start_evaluation()
+        self.faults.maybe_inject(
+            self.state.iteration, self.ctx.rank, "eval"
+        )  # --inject-fault-phase eval
         data = make_eval_iterator(
             self.data.valid, cfg.training.micro_batch_size, self.ctx.rank, self.ctx.world_size
         )
