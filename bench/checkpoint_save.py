@@ -1,8 +1,10 @@
-"""Benchmark: asynchronous vs synchronous checkpoint save, side by side (one process).
+"""Benchmark: asynchronous vs synchronous checkpoint save, and the checksum manifest's cost,
+side by side (one process).
 
-For a preset's GPT plus AdamW state (fp32 weights, two moments), saves alternate between a
-synchronous `CheckpointManager` and an ``--async-save`` one, so drift (page cache, clocks, other
-load) hits both alike. Per save:
+For a preset's GPT plus AdamW state (fp32 weights, two moments), saves rotate between a
+synchronous `CheckpointManager`, an ``--async-save`` one and an ``--async-save`` one with the
+checksum manifest truly off (``checksums=False``: no CRC-32 pass, no manifest file), so drift
+(page cache, clocks, other load) hits all alike. Per save:
 
 * blocking: wall time until ``save()`` returns, i.e. what the training loop waits for (the whole
   write for sync; the host staging copy for async).
@@ -10,7 +12,10 @@ load) hits both alike. Per save:
   ``save()`` + a blocking ``finalize()`` issued at once. This is also the cost of a save on an exit
   signal, which must finish inside torchrun's 30 s SIGTERM-to-SIGKILL window.
 
-Medians with min-max over ``--repeats`` saves per mode after ``--warmup`` untimed ones.
+Medians with min-max over ``--repeats`` saves per mode after ``--warmup`` untimed ones. The
+checksum's cost is reported as a share of the async save: (total with checksums - total
+without) / total with checksums, from the medians, and the same for the blocking time (the
+checksums run on the writer's background thread, so that one should be ~0).
 
     PYTHONPATH=src python3 bench/checkpoint_save.py --preset small --device cpu
     PYTHONPATH=src python3 bench/checkpoint_save.py --preset gpt2-124m --device cuda --json out.json
@@ -31,12 +36,12 @@ from typing import Any
 
 import torch
 
-from stalwart.checkpoint import CheckpointManager
+from stalwart.checkpoint import CheckpointManager, integrity, iteration_dir_name
 from stalwart.models import GPT, preset_model_config
 
 from bench_utils import sync
 
-MODES = ("sync", "async")
+MODES = ("sync", "async", "async-no-checksums")
 TARGET_RATIO = 0.10  # issue 4: async blocking time <= 10% of the synchronous save
 
 
@@ -83,17 +88,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, optimizer = build_state(args.preset, device)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="stalwart_bench_ckpt_"))
     managers = {
-        mode: CheckpointManager(str(root / mode), keep_last=1, async_save=mode == "async")
+        mode: CheckpointManager(
+            str(root / mode),
+            keep_last=1,
+            async_save=mode.startswith("async"),
+            checksums=mode != "async-no-checksums",
+        )
         for mode in MODES
     }
     samples: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
     try:
         for i in range(args.warmup + args.repeats):
-            order = MODES if i % 2 == 0 else MODES[::-1]  # alternate who goes first
+            order = MODES[i % len(MODES) :] + MODES[: i % len(MODES)]  # rotate who goes first
             for mode in order:
                 sample = timed_save(managers[mode], i + 1, model, optimizer, device)
                 if i >= args.warmup:
                     samples[mode].append(sample)
+        last = root / "async" / iteration_dir_name(args.warmup + args.repeats)
+        manifest_s = [_timed_manifest(last) for _ in range(args.repeats)]
     finally:
         for manager in managers.values():
             manager.close()
@@ -108,7 +120,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "samples_s": {m: [list(s) for s in v] for m, v in samples.items()},
+        "manifest_s": manifest_s,
     }
+
+
+def _timed_manifest(path: Path) -> float:
+    """Seconds of one checksum pass (CRC-32 of every file + the manifest write) over ``path``."""
+    start = time.perf_counter()
+    integrity.write_manifest(str(path))
+    return time.perf_counter() - start
 
 
 def _stats(values: list[float]) -> tuple[float, float, float]:
@@ -136,6 +156,27 @@ def summarize(result: dict[str, Any]) -> list[str]:
     lines.append(
         f"async blocking = {ratio:.1%} of sync: {verdict} the <= {TARGET_RATIO:.0%} target"
     )
+    return lines + checksum_lines(samples, result["manifest_s"], result["state_mb"])
+
+
+def checksum_lines(
+    samples: dict[str, list[list[float]]], manifest_s: list[float], state_mb: float
+) -> list[str]:
+    """The checksum manifest's cost as a share of the async save: the difference of the
+    medians with and without it, and one checksum pass timed alone (less noisy)."""
+    total = _stats([s[1] for s in samples["async"]])[0]
+    alone = _stats(manifest_s)
+    lines = [
+        f"checksums: one pass alone {alone[0]:.3f} s ({alone[1]:.3f}-{alone[2]:.3f}) over "
+        f"{state_mb:.0f} MiB = {alone[0] / total:.1%} of the async save's total ({total:.3f} s)"
+    ]
+    for index, what in ((1, "total"), (0, "blocking")):
+        on = _stats([s[index] for s in samples["async"]])[0]
+        off = _stats([s[index] for s in samples["async-no-checksums"]])[0]
+        lines.append(
+            f"checksums: async {what} {on:.3f} s with, {off:.3f} s without: "
+            f"{(on - off) / on:+.1%} of the async save's {what}"
+        )
     return lines
 
 

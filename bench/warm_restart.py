@@ -37,12 +37,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from stalwart.observability.goodput_reader import read_ledger  # noqa: E402
 from stalwart.observability.goodput_records import (  # noqa: E402
     Bucket,
     Marker,
     RecordKind,
     Span,
-    read_ledger,
 )
 
 CPU_MODEL = ["--preset", "tiny", "--micro-batch-size", "4", "--use-cpu"]

@@ -20,18 +20,21 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_TH
 ROUNDS="${ROUNDS:-3}"; ITERS="${ITERS:-10}"
 [ -n "${QUICK:-}" ] && { ROUNDS=2; ITERS=6; }
 start=$(date +%s); BUDGET="${BUDGET:-560}"
-step() {  # step NAME TIMEOUT CMD... ; output in $WORK/NAME.log, rc in summary
-  local name=$1 limit=$2; shift 2
+FAILED=()  # "NAME rc=N (expected M)" of every step that ended otherwise
+run_step() {  # run_step EXPECTED_RC NAME TIMEOUT CMD... ; output in $WORK/NAME.log, rc in summary
+  local expect=$1 name=$2 limit=$3; shift 3
   if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
   local left=$(( BUDGET - ($(date +%s) - start) - 10 ))
   if [ "$left" -lt 20 ]; then echo "$name skipped (budget)" | tee -a "$WORK/summary.txt"; return 0; fi
   [ "$limit" -gt "$left" ] && limit=$left
   local t0=$(date +%s)
   timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc $(( $(date +%s) - t0 ))s (limit ${limit}s)" | tee -a "$WORK/summary.txt"
+  local rc=$? verdict=ok
+  if [ "$rc" -ne "$expect" ]; then verdict="FAILED (expected rc=$expect)"; FAILED+=("$name rc=$rc (expected $expect)"); fi
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s (limit ${limit}s) $verdict" | tee -a "$WORK/summary.txt"
   tar czf "$OUT/gpu_check.tgz" -C "$WORK" .  # what came back so far, if the call is cut
 }
+step() { run_step 0 "$@"; }  # step NAME TIMEOUT CMD...: a step that must exit 0
 python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" \
   | tee "$WORK/env.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >>"$WORK/env.log" 2>&1
@@ -42,21 +45,32 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >>
   python3 -m pytest -q -x -n 12 -m "not gpu and not slow" -p no:cacheprovider tests
 # -s: the tests print their measured differences; two-GPU tests skip on a one-GPU machine.
 step gpu_tests 540 python3 -m pytest -q -s -rfs -m gpu -p no:cacheprovider tests
+# The straggler detector's NVML fields (temperature, power, utilisation, clock): a missing pynvml
+# fails this step (in gpu_tests it is a skip). The image has nvidia-ml-py (KINDS.md); else carry
+# its wheel as the device README says.
+step nvml_straggler 90 env STALWART_REQUIRE_NVML=1 python3 -m pytest -q -s -rfs -m gpu \
+  -p no:cacheprovider tests/gpu/test_straggler_nvml_gpu.py
 TRAIN=(python3 -m stalwart train --preset tiny --bf16 --train-iters 30 --log-interval 10 --no-progress-bar)
+# The trainer's log line with Megatron's GPU fields (MnPwr/Rnk ... MxClk/Rnk), tokens/s and MFU.
+step train_straggler_nvml 120 "${TRAIN[@]}" --log-straggler --metrics-file "$WORK/straggler_metrics.jsonl"
+# The runs resumed across modes below and their resumes share one schedule (decay end 40): a
+# resume with --train-iters 40 keeps the checkpoint's schedule, so Megatron's rule accepts it,
+# and the learning rate is not yet at its minimum (0) over the 10 resumed iterations.
+SCHEDULE=(--lr-decay-iters 40)
 # Evaluation every 10 iterations: under graphs the evaluation stage warms up, captures, replays.
 step train_graphs 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
-  --eval-interval 10 --eval-iters 6 \
+  --eval-interval 10 --eval-iters 6 "${SCHEDULE[@]}" \
   --save "$SCRATCH/ckpt_graphs" --metrics-file "$WORK/graphs_metrics.jsonl"
 # --optimizer-cuda-graph on its own: the optimizer graph over an eager forward-backward (Megatron).
 step train_optimizer_graph 120 "${TRAIN[@]}" --optimizer-cuda-graph --eval-interval 10 --eval-iters 6 \
   --metrics-file "$WORK/optimizer_graph_metrics.jsonl"
-step train_eager 120 "${TRAIN[@]}" --eval-interval 10 --eval-iters 6 \
+step train_eager 120 "${TRAIN[@]}" --eval-interval 10 --eval-iters 6 "${SCHEDULE[@]}" \
   --save "$SCRATCH/ckpt_eager" --metrics-file "$WORK/eager_metrics.jsonl"
 # Resume across modes on the device: the eager checkpoint (iteration 30) continues under graphs and
 # the graphed one eagerly, 10 more iterations each (optimizer state keeps the running implementation).
-step train_resume_eager_to_graphs 120 "${TRAIN[@]}" --train-iters 40 --load "$SCRATCH/ckpt_eager" \
+step train_resume_eager_to_graphs 120 "${TRAIN[@]}" --train-iters 40 "${SCHEDULE[@]}" --load "$SCRATCH/ckpt_eager" \
   --cuda-graph-impl full_iteration --optimizer-cuda-graph --metrics-file "$WORK/resume_e2g_metrics.jsonl"
-step train_resume_graphs_to_eager 120 "${TRAIN[@]}" --train-iters 40 --load "$SCRATCH/ckpt_graphs" \
+step train_resume_graphs_to_eager 120 "${TRAIN[@]}" --train-iters 40 "${SCHEDULE[@]}" --load "$SCRATCH/ckpt_graphs" \
   --metrics-file "$WORK/resume_g2e_metrics.jsonl"
 # A Llama model (RoPE, RMSNorm, SwiGLU, GQA, untied) with full recompute inside the graphs.
 step train_llama_graphs 150 "${TRAIN[@]}" --preset llama-tiny --cuda-graph-impl full_iteration \
@@ -68,12 +82,12 @@ step train_llama_graphs 150 "${TRAIN[@]}" --preset llama-tiny --cuda-graph-impl 
 # (--no-...) the run must end the same way.
 DIVERGE=(--cuda-graph-impl full_iteration --optimizer-cuda-graph --cuda-graph-warmup-steps 1
   --lr 10 --lr-warmup-iters 1 --train-iters 60 --log-interval 1)
-step train_diverge_speculative 120 "${TRAIN[@]}" "${DIVERGE[@]}" --save "$SCRATCH/div_spec"
-step train_diverge_plain 120 "${TRAIN[@]}" "${DIVERGE[@]}" --no-cuda-graph-speculative-launch \
+run_step 16 train_diverge_speculative 120 "${TRAIN[@]}" "${DIVERGE[@]}" --save "$SCRATCH/div_spec"
+run_step 16 train_diverge_plain 120 "${TRAIN[@]}" "${DIVERGE[@]}" --no-cuda-graph-speculative-launch \
   --save "$SCRATCH/div_plain"
 # Every validation call is corrupted once (transient): the in-graph check must catch it, skip the
 # optimizer replay, replay the iteration, find it not reproducible and exit 17.
-step train_graphs_injected 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
+run_step 17 train_graphs_injected 120 "${TRAIN[@]}" --cuda-graph-impl full_iteration --optimizer-cuda-graph \
   --error-injection-rate 1 --error-injection-type transient_error --error-injection-iterations 13 \
   --result-rejected-tracker-filename "$WORK/tracker.txt"
 # New since the last GPU run: DataLoader workers with pinned memory, a CUDA profiler window,
@@ -152,7 +166,7 @@ step bench_gpt2 200 "${BENCH[@]}" --preset gpt2-124m --suite baseline,timers,dum
 step bench_dumps 120 "${BENCH[@]}" --preset gpt2-124m --suite dumps --json "$WORK/bench_dumps.json"
 # Every preset (llama-* included) x recompute none/selective/full x bf16/fp32: 30 measurements.
 step memory 420 python3 bench/memory_check.py --device cuda --json "$WORK/memory.json"
-step ckpt_save 150 python3 bench/checkpoint_save.py --preset gpt2-124m --device cuda --json "$WORK/ckpt_save.json"
+step ckpt_save 200 python3 bench/checkpoint_save.py --preset gpt2-124m --device cuda --json "$WORK/ckpt_save.json"
 
 echo "== total $(( $(date +%s) - start ))s" | tee -a "$WORK/summary.txt"
 tar czf "$OUT/gpu_check.tgz" -C "$WORK" .
@@ -165,6 +179,8 @@ done
 for f in "$WORK"/memory.log "$WORK"/ckpt_save.log "$WORK"/replica_check.log "$WORK"/replica_sampled.log; do
   [ -f "$f" ] && { echo "== $f"; grep -v "DEBUG\|INFO\|WARN\|^\[rank" "$f" | tail -14; }
 done
+[ -f "$WORK/train_straggler_nvml.log" ] && { echo "== train_straggler_nvml"; grep -oE "MnPwr/Rnk.*MxClk/Rnk: [^|]*|tokens per second: .*" "$WORK/train_straggler_nvml.log" | tail -4; }
+[ -f "$WORK/nvml_straggler.log" ] && { echo "== nvml_straggler"; grep -E "NVML|straggler GPU|passed|failed|SKIPPED|Error" "$WORK/nvml_straggler.log" | cut -c1-400; }
 for f in "$WORK"/train_diverge_*.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "Unexpected result|reproducible|exit reason" "$f" | cut -c1-220 | tail -4; }
 done
@@ -183,3 +199,9 @@ done
 [ -f "$WORK/kernel_floor_tests.log" ] && grep -E "^FAILED|^ERROR|passed|failed" "$WORK/kernel_floor_tests.log" | tail -6
 [ -f "$WORK/gpu_tests.log" ] && grep -E "^FAILED|^ERROR|passed|failed|SKIPPED|eager|graph" "$WORK/gpu_tests.log" | tail -16
 cat "$WORK/summary.txt"
+if [ "${#FAILED[@]}" -gt 0 ]; then  # loudly: the last lines of the call, and a non-zero exit
+  printf '== FAILED step: %s\n' "${FAILED[@]}" | tee -a "$WORK/summary.txt" >&2
+  tar czf "$OUT/gpu_check.tgz" -C "$WORK" .
+  exit 1
+fi
+echo "== all steps passed"

@@ -83,3 +83,17 @@ def test_trace_gaps_reads_a_chrome_trace(tmp_path: Path) -> None:
     assert gap["us"] == 250 and gap["before"] == "gemm" and gap["after"] == "Memcpy HtoD"
     assert gap["host"] == ["aten::item"]
     assert result["top_kernels_ms"][0] == ("gemm", pytest.approx(0.2 / 2))
+
+
+def test_checkpoint_save_bench_measures_the_checksums(capsys, tmp_path: Path) -> None:
+    import checkpoint_save  # type: ignore[import-not-found]
+
+    out = tmp_path / "ckpt.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+            "--json", str(out)]  # fmt: skip
+    assert checkpoint_save.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| async-no-checksums |" in text and "checksums: one pass alone" in text
+    assert "of the async save's total" in text
+    result = __import__("json").loads(out.read_text())
+    assert len(result["manifest_s"]) == 1 and set(result["samples_s"]) == set(checkpoint_save.MODES)

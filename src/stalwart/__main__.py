@@ -2,7 +2,9 @@
 console script (`run`)."""
 
 import gc
+import sys
 
+from stalwart.cli.closed_pipe import ClosedPipeSafeStream
 from stalwart.cli.main import main
 
 
@@ -15,8 +17,15 @@ def run() -> int:
     own cyclic garbage (files, handles: nothing is left for the shutdown to find), then
     ``gc.freeze()`` moves what is left out of the collector's sight; the atexit handlers still
     run and what they free is still collected.
+
+    Standard output and error survive a reader that went away (`ClosedPipeSafeStream`): every
+    command ends with its own exit code, without a ``BrokenPipeError`` traceback.
     """
+    sys.stdout = ClosedPipeSafeStream(sys.stdout)  # type: ignore[assignment]
+    sys.stderr = ClosedPipeSafeStream(sys.stderr)  # `2>&1 | head`: the error line, the logs
     code = main()
+    sys.stdout.flush()  # a closed pipe is met here, not in the interpreter's final flush
+    sys.stderr.flush()
     gc.collect()
     gc.freeze()
     return code

@@ -20,8 +20,10 @@ Symbolic links are followed, as ``open`` does: a link to a regular file reads it
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 import stat
 from typing import BinaryIO
 
@@ -56,4 +58,47 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
         raise
 
 
-__all__ = ["open_regular"]
+def remove_own_tree(path: str, first: str | None = None) -> str | None:
+    """Delete the directory ``path`` that stalwart created (its entry ``first`` first, e.g. a
+    completeness marker), never deleting anything through a symbolic link.
+
+    A ``path`` that is a link (stalwart never creates one) or not a directory is left alone, link
+    included: the one-line reason is returned for the caller to warn with (it names ``path``
+    only, never what the link points at). Links inside the tree are removed as links, never
+    followed (``shutil.rmtree`` works on directory descriptors, and ``first`` is unlinked
+    relative to the directory opened with ``O_NOFOLLOW``).
+
+    Returns:
+        None when ``path`` was removed or did not exist; else why it was left alone.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return _left_alone(path, exc)
+    try:
+        if first is not None:
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(first, dir_fd=fd)  # the link itself, were it one: unlink never follows
+    finally:
+        os.close(fd)
+    if os.path.islink(path):  # swapped for a link meanwhile: rmtree would refuse it anyway
+        return _left_alone(path, None)
+    shutil.rmtree(path, ignore_errors=True)
+    return None
+
+
+def _left_alone(path: str, exc: OSError | None) -> str:
+    if os.path.islink(path):
+        return (
+            f"not deleting {path}: it is a symbolic link, which stalwart never creates "
+            "(nothing is deleted through it; remove the link yourself)"
+        )
+    if exc is not None and exc.errno == errno.ENOTDIR:
+        return f"not deleting {path}: it is not a directory (stalwart created a directory there)"
+    return f"not deleting {path}: {exc.strerror if exc is not None else 'unreadable'}"
+
+
+__all__ = ["open_regular", "remove_own_tree"]

@@ -114,22 +114,70 @@ def test_heartbeat_decides_for_a_holder_on_another_host(tmp_path: Path) -> None:
     lock.release()
 
 
-def test_the_same_job_takes_its_lock_back(tmp_path: Path, monkeypatch) -> None:
-    """A torchrun restart: the new rank 0 is another process (maybe on another node) of the same
-    job (same TORCHELASTIC_RUN_ID); the previous attempt's lock is its own."""
+def test_the_same_job_takes_its_lock_back_once_it_goes_stale(tmp_path: Path, monkeypatch) -> None:
+    """A torchrun restart on another node: the new rank 0 is another process of the same job
+    (same TORCHELASTIC_RUN_ID); the killed attempt's heartbeat is still fresh, so it waits
+    until the record has stayed unchanged for the staleness bound, then takes it over."""
     from stalwart.checkpoint.lock import SaveDirLock
 
     save = tmp_path / "save"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-42")
     monkeypatch.delenv("STALWART_JOB_ID", raising=False)
     _foreign(save, job="TORCHELASTIC_RUN_ID=run-42")
-    lock = SaveDirLock(str(save), flag="--save")
+    lock = SaveDirLock(str(save), flag="--save", stale_s=1.0)
+    started = time.monotonic()
     lock.acquire()
+    assert time.monotonic() - started >= 0.9  # a fresh heartbeat is never taken at once
+    lock.release()
+    _foreign(save, job="TORCHELASTIC_RUN_ID=run-42", heartbeat=time.time() + 3600)  # skewed clock
+    lock = SaveDirLock(str(save), flag="--save", stale_s=1.0)
+    lock.acquire()  # unchanged for stale_s of watching: taken, whatever the clocks say
     lock.release()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id identifies nobody
     _foreign(save, job="TORCHELASTIC_RUN_ID=none")
     with pytest.raises(ValueError, match="in use by another job"):
         SaveDirLock(str(save), flag="--save").acquire()
+
+
+def _beating_holder(save: Path, job: str, other_namespace: bool) -> subprocess.Popen:
+    """A live process beating every 0.2 s on the lock of ``save`` as job ``job``; with
+    ``other_namespace`` it records another PID namespace and a pid that is dead here (a
+    container with the same host name)."""
+    fake = (
+        "import os\n"
+        "from stalwart.checkpoint import lock as m\n"
+        "real = m._process_identity\n"
+        "m._process_identity = lambda: {**real(), 'pidns': 'pid:[4242]'}\n"
+        "m.os.getpid = lambda: 4194999\n"  # above pid_max: no such process here
+    )
+    script = (fake if other_namespace else "") + HOLDER
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
+    proc = subprocess.Popen([sys.executable, "-c", script, str(save)], stdout=subprocess.PIPE,
+                            text=True, env={**env, "STALWART_JOB_ID": job})  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "HELD"
+    return proc
+
+
+@pytest.mark.parametrize("case", ["other-pid-namespace", "same-job-step-relaunch"])
+def test_a_fresh_heartbeat_wins_over_the_pid_check_and_the_job_id(
+    tmp_path: Path, monkeypatch, case: str
+) -> None:
+    """Issue 29, item 4: a live holder in a container with the same host name (its pid looks
+    dead here), or a second SLURM step of the same job while the first still runs: refused."""
+    from stalwart.checkpoint.lock import SaveDirLock
+
+    save = tmp_path / "save"
+    proc = _beating_holder(save, "job-a", other_namespace=case == "other-pid-namespace")
+    try:
+        job = "job-b" if case == "other-pid-namespace" else "STALWART_JOB_ID=job-a"
+        before = json.loads((save / LOCK_FILENAME).read_text())
+        with pytest.raises(ValueError, match="in use by another job"):
+            SaveDirLock(str(save), flag="--save", job_id=job, stale_s=30.0).acquire()
+        after = json.loads((save / LOCK_FILENAME).read_text())
+        assert after["token"] == before["token"]  # the holder still holds it
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_in_process_restart_reacquires_the_lock(tmp_path: Path) -> None:
@@ -188,3 +236,55 @@ def test_released_when_training_raises(tmp_path: Path) -> None:
         trainer.checkpointer.manager._locks.check_held()
         raise RuntimeError("boom")
     assert not (save / LOCK_FILENAME).exists()
+
+
+def test_release_survives_any_os_error(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A --save that turned read-only (remounted, immutable) under a running job: the release
+    warns and the job's own error stays the one line it prints (issue 29, item 6)."""
+    import errno
+
+    from stalwart.checkpoint.lock import SaveDirLock
+
+    lock = SaveDirLock(str(tmp_path), flag="--save")
+    lock.acquire()
+
+    def read_only(path: str, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(os, "unlink", read_only)
+    lock.release()
+    assert "could not remove the lock" in caplog.text and "Read-only file system" in caplog.text
+
+
+def _chattr(flag: str, path: Path) -> bool:
+    try:
+        return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def test_a_save_dir_made_immutable_under_the_job_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from stalwart.checkpoint import lock as lock_module
+
+    save = tmp_path / "save"
+    save.mkdir()
+    if not _chattr("+i", save) or not _chattr("-i", save):
+        pytest.skip("chattr +i needs root on a filesystem with the immutable flag")
+    acquire = lock_module.SaveDirLock.acquire
+
+    def acquire_then_freeze(self: lock_module.SaveDirLock) -> None:
+        acquire(self)
+        _chattr("+i", save)  # the directory turns immutable once the job holds its lock
+
+    monkeypatch.setattr(lock_module.SaveDirLock, "acquire", acquire_then_freeze)
+    try:
+        code = main(["train", *TINY_FLAGS, "--train-iters", "4", "--save", str(save),
+                     "--save-interval", "2"])  # fmt: skip
+    finally:
+        _chattr("-i", save)
+    err = [line for line in capsys.readouterr().err.splitlines() if "WARNING" not in line]
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("stalwart train: "), err
+    assert "Operation not permitted" in err[0] and str(save) in err[0]

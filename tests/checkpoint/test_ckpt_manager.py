@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -101,7 +102,7 @@ def test_corrupt_newest_raises_or_falls_back(tmp_path, damage: str) -> None:
     elif damage == "common":
         (newest / layout.COMMON_FILENAME).write_bytes(b"garbage")
     else:
-        layout.remove_checkpoint_dir(str(newest))
+        layout.remove_checkpoint_dir(str(newest), logging.getLogger())
     model, opt = _fresh()
     with pytest.raises(CheckpointError, match="iter_0000002"):
         CheckpointManager(str(tmp_path)).load(model, opt)

@@ -127,7 +127,7 @@ def test_side_file_payloads_give_one_line_each(clean_run: Path, tmp_path: Path, 
     assert main(["train", *TINY_FLAGS, *TRAIN, "--save", str(save)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and layout.TRACKER_FILENAME in err[0], err
-    assert main(["checkpoints", str(save)]) == 0
+    assert main(["checkpoints", str(save)]) == 1  # the resume above refuses it: not 0
     out = capsys.readouterr().out
     assert "BROKEN tracker" in out and "last exit: unknown" in out
     assert not marker.exists()

@@ -76,7 +76,7 @@ def _exit_reason(d: Path) -> Any:
 
 
 def _ledger(d: Path) -> Any:
-    from stalwart.observability.goodput_records import read_ledger
+    from stalwart.observability.goodput_reader import read_ledger
 
     assert read_ledger(d / "goodput.jsonl").records == []
 
@@ -106,7 +106,7 @@ def _ft_state(d: Path) -> Any:
 def _progress(d: Path) -> Any:
     from stalwart.observability.progress_log import ProgressLog
 
-    assert ProgressLog(d, world_size=1)._lines() == []
+    assert ProgressLog(d, world_size=1)._entries() == []
 
 
 # (file planted as a FIFO, the reader that hung on it)
@@ -161,7 +161,7 @@ def test_verify_fails_a_tracker_that_a_resume_refuses(
     (tmp_path / layout.TRACKER_FILENAME).write_bytes(tracker)
     assert main(["checkpoints", str(tmp_path), "--verify"]) == 1
     assert needle in capsys.readouterr().out
-    assert main(["checkpoints", str(tmp_path)]) == 0  # listing alone reports, does not fail
+    assert main(["checkpoints", str(tmp_path)]) == 1  # listing alone too (issue 29, item 10)
 
 
 def test_devices_and_directories_are_refused_as_files(tmp_path: Path) -> None:

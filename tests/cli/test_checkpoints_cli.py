@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,34 @@ def test_missing_directory(tmp_path, capsys) -> None:
     assert "does not exist" in capsys.readouterr().err
     assert main(["export", "--load", str(tmp_path), "--out", str(tmp_path / "w.pt")]) == 2
     assert "pass --iteration" in capsys.readouterr().err
+
+
+def _flip_shard(save: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    broken = tmp_path / "flipped"
+    shutil.copytree(save, broken)
+    shard = next((broken / "iter_0000006").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return broken
+
+
+def test_verify_checkpoint_on_load_refuses_or_falls_back(save, tmp_path, capsys, caplog) -> None:
+    """--verify-checkpoint-on-load (issue 29, item 10): a flipped byte in the newest checkpoint
+    is one line and exit 2; with --ckpt-fallback the run resumes from the previous one."""
+    from train_utils import TINY_FLAGS
+
+    broken = _flip_shard(save, tmp_path)
+    assert main(["checkpoints", str(broken), "--verify"]) == 1
+    capsys.readouterr()
+    run = ["train", *TINY_FLAGS, "--train-iters", "6", "--save", str(broken)]
+    assert main([*run, "--verify-checkpoint-on-load"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "does not match its checksum" in err[-1] and "iter_0000006" in err[-1], err
+    with caplog.at_level(logging.INFO, logger="stalwart.checkpoint"):
+        assert main([*run, "--verify-checkpoint-on-load", "--ckpt-fallback"]) == 0
+    assert "does not match its checksum" in caplog.text
+    assert "loaded checkpoint iteration 3" in caplog.text
+    assert_params_equal(load_params(broken, 6), load_params(save, 6))  # iterations 4-6 again

@@ -188,7 +188,7 @@ def test_correct_result_attributed_by_automatic_restart_then_skipped(tmp_path: P
     log = _log(proc)
     assert proc.returncode == 0, log[-4000:]
     assert _worker_exit_codes(proc) == [16, 17], log[-4000:]
-    assert "Correct result (but possible application error)" in log
+    assert "Correct result (but possible Application error)" in log
     assert _statuses(tracker) == [
         (1, "initial_run"), (1, "first_rerun_reproducible"), (1, "second_rerun_reproducible")
     ]  # fmt: skip
@@ -242,7 +242,7 @@ def test_correct_result_diagnosed_by_peer_replay_then_skipped(tmp_path: Path) ->
     # Two launches, not a torchrun restart (the test above covers those): the same relaunch.
     first = _ranks(args, tmp_path / "fault")
     assert first.codes == [17, 17], first.log[-4000:]
-    assert "Correct result (but possible application error)" in first.log
+    assert "Correct result (but possible Application error)" in first.log
     assert _statuses(tracker) == [
         (1, "initial_run"), (1, "first_rerun_reproducible"), (1, "peer_replay_reproducible")
     ]  # fmt: skip

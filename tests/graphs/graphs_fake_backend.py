@@ -4,6 +4,7 @@ once), replay only counts. Lets the warm-up -> capture -> replay state machines 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -17,14 +18,20 @@ class FakeGraph:
         self.owner = owner
         self.num_replays = 0
         self.generators: list[torch.Generator] = []
+        self.body_s = 0.0  # how long the captured body took
 
     def replay(self) -> None:
         self.num_replays += 1
         self.owner.num_replays += 1
+        if self.owner.timed_replay:
+            time.sleep(self.body_s)  # the device work the graph holds takes its time again
 
 
 class FakeGraphContext(GraphContext):
-    def __init__(self, fail_capture: bool = False) -> None:
+    def __init__(self, fail_capture: bool = False, timed_replay: bool = False) -> None:
+        # timed_replay: a replay lasts as long as its capture's body did (host-clock timers see
+        # a graph's work as they would a real replay's, synchronized).
+        self.timed_replay = timed_replay
         self.num_captures = 0
         self.num_replays = 0
         self.num_side_stream = 0
@@ -73,10 +80,12 @@ class FakeGraphContext(GraphContext):
         self._require_open()
         graph.generators = list(generators)
         self.capturing = True
+        started = time.perf_counter()
         try:
             if self.fail_capture:
                 raise RuntimeError("operation not permitted when stream is capturing")
             yield
         finally:
             self.capturing = False
+            graph.body_s = time.perf_counter() - started
         self.num_captures += 1

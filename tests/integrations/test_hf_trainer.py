@@ -154,3 +154,71 @@ def test_callback_alone_on_a_plain_trainer_saves_and_stops_on_sigterm(
     assert json.loads((tmp_path / "exit_reason.json").read_text())["reason"] == "signal"
     out = capsys.readouterr().out
     assert f"iteration        2/       {STEPS} |" in out and "goodput" in out
+
+
+def test_after_17_the_suspect_device_is_refused_and_other_hardware_trains_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The way forward after an exit 17 in the Trainer's layout (``checkpoint-N``, one step on
+    from the completed iterations): the verdict names the checkpoint it saved, the suspect
+    device is refused (16, one line) and a launch elsewhere trains on to ``max_steps``."""
+    out = tmp_path / "out"
+    tracker = str(tmp_path / "t.txt")
+    rerun = RerunConfig(
+        error_injection_rate=1, error_injection_type="persistent_error",
+        error_injection_iterations=[3], result_rejected_tracker_filename=tracker,
+    )  # fmt: skip
+    for device, code in (("gpu-a", 16), ("gpu-b", 17)):
+        monkeypatch.setenv(DEVICE_ID_ENV, device)
+        with pytest.raises(SystemExit) as info:
+            _train(out, resume=True, rerun=rerun)
+        assert info.value.code == code
+    verdict = json.loads((out / "rerun_verdict.json").read_text())
+    assert verdict["checkpoint"] == "checkpoint-3" and (out / verdict["checkpoint"]).is_dir()
+    capsys.readouterr()
+    healthy = RerunConfig(result_rejected_tracker_filename=tracker)  # no bad device any more
+    monkeypatch.setenv(DEVICE_ID_ENV, "gpu-a")
+    with pytest.raises(SystemExit) as info:
+        _train(out, resume=True, rerun=healthy)
+    assert info.value.code == 16
+    refusal = [x for x in capsys.readouterr().out.splitlines() if "rerun verdict" in x]
+    assert len(refusal) == 1 and "persistent error at iteration 3" in refusal[0], refusal
+    monkeypatch.setenv(DEVICE_ID_ENV, "gpu-c")
+    trainer, callback = _train(out, resume=True, rerun=healthy)
+    assert callback.exit_code == 0
+    reason = json.loads((out / "exit_reason.json").read_text())
+    assert (reason["exit_code"], reason["iteration"]) == (0, STEPS)
+    assert trainer.state.global_step == STEPS
+
+
+class Padded(Tokens):
+    """Labels padded with -100 at different lengths: ``num_items_in_batch`` decides the loss."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[i].clone()
+        labels[SEQ - 1 - i % (SEQ - 2) :] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def test_logged_loss_and_grad_norm_are_the_plain_trainers(tmp_path: Path) -> None:
+    """What the Trainer logs (its ``log_history``: loss, grad_norm) equals a plain Trainer's
+    run of the same model and data, step by step (the first at the very same weights)."""
+
+    def logged(trainer_class: Any, *callbacks: Any) -> list[tuple[float, float]]:
+        args = transformers.TrainingArguments(
+            str(tmp_path / trainer_class.__name__), max_steps=4, per_device_train_batch_size=4,
+            learning_rate=1e-2, max_grad_norm=0.5, save_strategy="no", report_to=[],
+            use_cpu=True, seed=3, logging_steps=1, disable_tqdm=True,
+        )  # fmt: skip
+        trainer = trainer_class(
+            model=_model(), args=args, train_dataset=Padded(), callbacks=list(callbacks)
+        )
+        trainer.train()
+        return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+    plain = logged(transformers.Trainer)
+    guarded = logged(StalwartTrainer, StalwartCallback(log=LogConfig(log_interval=1)))
+    assert len(plain) == 4 and all(norm > 0.5 for _, norm in plain[:1])
+    assert guarded[0] == plain[0]  # the same weights: the same loss and norm, to the bit
+    flat = [value for pair in plain for value in pair]
+    assert [value for pair in guarded for value in pair] == pytest.approx(flat, rel=1e-5)

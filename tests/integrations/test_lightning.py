@@ -135,3 +135,75 @@ def test_injected_fault_exits_16_then_17_on_another_device(
         ("gpu-b", "second_rerun_not_reproducible"),
     ]  # fmt: skip
     assert json.loads((tmp_path / "out" / "exit_reason.json").read_text())["exit_code"] == 17
+
+
+def test_after_17_the_suspect_device_is_refused_and_other_hardware_trains_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The way forward after an exit 17 in Lightning's layout (``iter_NNNNNNN.ckpt``): the
+    verdict names the checkpoint the callback saved, the suspect device is refused (16, one
+    line) and a launch elsewhere trains on from it to ``max_steps`` (exit 0)."""
+    out = tmp_path / "out"
+    tracker = str(tmp_path / "t.txt")
+    rerun = RerunConfig(
+        error_injection_rate=1, error_injection_type="persistent_error",
+        error_injection_iterations=[3], result_rejected_tracker_filename=tracker,
+    )  # fmt: skip
+    for device, code in (("gpu-a", 16), ("gpu-b", 17)):
+        monkeypatch.setenv(DEVICE_ID_ENV, device)
+        with pytest.raises(SystemExit) as info:
+            _fit(out, rerun=rerun)
+        assert info.value.code == code
+    verdict = json.loads((out / "rerun_verdict.json").read_text())
+    assert verdict["checkpoint"] == "iter_0000002.ckpt" and (out / verdict["checkpoint"]).is_file()
+    capsys.readouterr()
+    healthy = RerunConfig(result_rejected_tracker_filename=tracker)  # no bad device any more
+    monkeypatch.setenv(DEVICE_ID_ENV, "gpu-a")
+    with pytest.raises(SystemExit) as info:
+        _fit(out, rerun=healthy)
+    assert info.value.code == 16
+    refusal = [x for x in capsys.readouterr().out.splitlines() if "rerun verdict" in x]
+    assert len(refusal) == 1 and "persistent error at iteration 3" in refusal[0], refusal
+    monkeypatch.setenv(DEVICE_ID_ENV, "gpu-c")
+    module, callback = _fit(out, rerun=healthy)
+    assert callback.exit_code == 0
+    reason = json.loads((out / "exit_reason.json").read_text())
+    assert (reason["exit_code"], reason["iteration"]) == (0, STEPS)
+    assert module.trainer.global_step == STEPS
+
+
+def _fit_module(module: Any, tmp_path: Path) -> None:
+    trainer = L.Trainer(
+        max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[StalwartCallback(str(tmp_path))],
+        enable_checkpointing=False, logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, _loader())
+
+
+def test_a_module_the_guarded_step_cannot_drive_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Keeping ``training_step`` (it would spin: manual optimization never steps), two
+    optimizers, and ``GuardedModule`` after ``LightningModule`` in the bases."""
+
+    class KeepsTrainingStep(TinyLlama):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.forward_step(batch)
+
+    class TwoOptimizers(TinyLlama):
+        def configure_optimizers(self) -> Any:
+            half = len(list(self.parameters())) // 2
+            params = list(self.parameters())
+            return [torch.optim.SGD(params[:half], lr=0.1), torch.optim.SGD(params[half:], lr=0.1)]
+
+    with pytest.raises(
+        TypeError, match=r"^KeepsTrainingStep defines training_step: .*forward_step"
+    ):
+        _fit_module(KeepsTrainingStep(), tmp_path / "a")
+    with pytest.raises(ValueError, match=r"^TwoOptimizers.configure_optimizers returned 2 "):
+        _fit_module(TwoOptimizers(), tmp_path / "b")
+    with pytest.raises(TypeError, match=r"put GuardedModule before LightningModule") as info:
+
+        class WrongOrder(L.LightningModule, GuardedModule):  # type: ignore[misc]
+            pass
+
+    assert "\n" not in str(info.value) and "(GuardedModule, L.LightningModule)" in str(info.value)

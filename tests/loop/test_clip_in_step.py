@@ -8,9 +8,10 @@ graphs on the fake backend, in eager warm-up: the very functions a capture recor
 and data, and the runs are compared:
 
 * the logged gradient norms: bitwise equal in the first iteration (same gradients), within
-  1e-5 relative after it;
-* parameters within 2e-6 absolute after 3 iterations with clipping active (``g / (1 / c)`` and
-  ``g * c`` differ by float32 rounding; Adam normalises the step, so this is lr-relative);
+  1e-3 relative after it;
+* parameters within 2e-6 absolute after one step with clipping active (``g / (1 / c)`` and
+  ``g * c`` differ by float32 rounding); after 3 steps, the updates within 5% of their norm
+  (Adam turns a rounding difference in a near-zero gradient into a step of about lr);
   bitwise when the norm stays under ``--clip-grad`` (the scale is exactly 1.0);
 * a step the device rejects (NaN loss, ``found_inf``) leaves everything untouched with the
   scale installed too.
@@ -72,17 +73,33 @@ class Job:
 PATHS = OPTIMIZER_PATHS
 
 
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_clip_in_step_matches_the_separate_clip(path: str) -> None:
+    # One step from the same state: the two clips differ by float32 rounding alone.
     separate, fused = Job(path, fused_clip=False), Job(path, fused_clip=True)
-    a, b = separate.train(), fused.train()
+    a, b = separate.train(1), fused.train(1)
     assert float(a[0].grad_norm) > 0.5  # clipping really happened
     assert torch.equal(a[0].grad_norm, b[0].grad_norm)
-    for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(y.losses["lm loss"], x.losses["lm loss"], rtol=1e-5, atol=0)
-        torch.testing.assert_close(y.grad_norm, x.grad_norm, rtol=1e-5, atol=0)
     for x, y in zip(separate.params(), fused.params(), strict=True):
         torch.testing.assert_close(y, x, rtol=0, atol=2e-6)
+    # Over several steps the runs drift apart chaotically, not by a bound on rounding: Adam's
+    # step for an element whose gradient is near zero is about +-lr whatever its size, so a
+    # rounding difference that flips such a gradient's sign moves that element by ~lr (seen: one
+    # element 9e-3 apart after 2 steps at lr 1e-2 on a CPU whose bf16 matmuls use AMX, where an
+    # element-wise 2e-6 bound had held on another CPU). The runs are compared as whole updates.
+    start = Job(path, fused_clip=False).params()
+    separate, fused = Job(path, fused_clip=False), Job(path, fused_clip=True)
+    a, b = separate.train(), fused.train()
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(y.losses["lm loss"], x.losses["lm loss"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(y.grad_norm, x.grad_norm, rtol=1e-3, atol=0)
+    moved = [p - p0 for p, p0 in zip(separate.params(), start, strict=True)]
+    apart = [q - p for p, q in zip(separate.params(), fused.params(), strict=True)]
+    assert float(_norm(apart) / _norm(moved)) < 5e-2
     scale = clip_scale_of(fused.optimizer)
     assert scale is not None and float(scale) > 1.0  # the last step divided by it
 

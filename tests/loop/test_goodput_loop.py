@@ -134,3 +134,63 @@ def test_straggler_regions_live_in_the_captured_graph_and_evaluation_stays_out(t
     assert report.source == "graph-events"
     assert report.compute_ms == [pytest.approx(6.0)]  # not 0 ms under the graph
     step.close()
+
+
+FB_S, OPT_S, LOOP_S, STARTUP_S = 1.0, 0.5, 0.25, 2.0
+
+
+@pytest.mark.parametrize("lookahead", [False, True], ids=["no-lookahead", "lookahead"])
+def test_one_rejected_iteration_buckets_computed_by_hand(tmp_path, lookahead: bool) -> None:
+    """A fake clock advanced by the phases themselves (each micro-batch's forward 1 s, each
+    optimizer step 0.5 s, the loop 0.25 s between iterations): iterations 1 and 2 are accepted,
+    iteration 3's first pass has a NaN (transient: the replay is clean, exit 17). Its first pass
+    is not productive (it was: the replay's span closed it as productive): the whole iteration
+    is ``rerun``, and productive holds exactly the two accepted iterations. With the look-ahead,
+    iteration 3's first micro-batch runs inside iteration 2 (launched ahead): it is iteration
+    3's, ``rerun`` too (it was booked with iteration 2, productive)."""
+    now = [STARTUP_S]
+    model = nn.Linear(6, 1)
+    calls, steps = {"n": 0}, {"n": 0}
+
+    class ClockedAdamW(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:
+            now[0] += OPT_S
+            steps["n"] += 1
+            return super().step(closure)
+
+    def forward(batch: dict[str, torch.Tensor], m: nn.Module) -> torch.Tensor:
+        now[0] += FB_S
+        calls["n"] += 1
+        loss = nn.functional.mse_loss(m(batch["x"]), batch["y"])
+        return loss * float("nan") if calls["n"] == 5 else loss  # iteration 3's first pass
+
+    ledger = GoodputLedger(tmp_path / "run", print_fn=lambda line: None, launcher_start=0.0,
+                           restart_count=0, clock=lambda: now[0])  # fmt: skip
+    step = GuardedStep(
+        model=model, optimizer=ClockedAdamW(model.parameters(), fused=True),
+        forward_step=forward, machine=_machine(tmp_path),
+        data=RerunDataIterator(_batches(20)), num_microbatches=2, goodput=ledger,
+        lookahead=lookahead,
+    )  # fmt: skip
+    steps_before = 0
+    for it in range(3):
+        steps_before = steps["n"]
+        with ledger.step(it + 1) as span:
+            result = step.run(it, launch_next=it + 1 < 3)
+            if result.verdict.exit:
+                span.abandon(Bucket.RERUN)
+        if result.verdict.exit:
+            break
+        now[0] += LOOP_S  # logging, the exit decision
+    summary = ledger.close("rerun")
+    assert (it, result.verdict.exit_code) == (2, 17)
+    assert step.num_used == (2 if lookahead else 0)
+    rejected_steps = steps["n"] - steps_before  # gated steps the device skipped in iteration 3
+    s = summary.seconds
+    assert s[Bucket.STARTUP] == pytest.approx(STARTUP_S)
+    assert s[Bucket.PRODUCTIVE] == pytest.approx(2 * (2 * FB_S + OPT_S + LOOP_S))
+    assert s[Bucket.RERUN] == pytest.approx(2 * 2 * FB_S + rejected_steps * OPT_S)
+    assert s[Bucket.LOST_WORK] == 0.0
+    assert summary.sessions[0].last_iteration == 2
+    assert summary.wall_s == pytest.approx(now[0])
+    assert sum(s.values()) == pytest.approx(now[0])

@@ -328,3 +328,29 @@ def test_evaluation_settles_and_checks_in_disabled_mode() -> None:
     bad = [{"x": torch.full((4, 6), float("nan")), "y": torch.zeros(4, 1)}] * 4
     with pytest.raises(RuntimeError, match="NaN"):
         run.step.evaluate(iter(bad), 1)
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_a_large_gradient_is_detected_rerun_and_trained_on_with_the_clean_gradients(
+    tmp_path: Path, lookahead: bool
+) -> None:
+    """``--check-for-large-grads`` alone (the loss spike check off): forward call 6 (iteration
+    4's first micro-batch) scales its loss by 1000, so the iteration's gradient norm is far above
+    the window's maximum (2 samples: iterations 1-2). Non-fatal: the pass is rerun (clean, not
+    reproducible: transient), training continues with the rerun's gradients, so the parameters
+    equal those of a run without the spike, bitwise; the tracker names the check."""
+    checks = CheckConfig(nan_and_inf=True, large_grads=True, large_samples=2)
+    tracker = tmp_path / "t.txt"
+    spiked = Run(lookahead=lookahead, checks=checks, spike_call=6,
+                 rerun=RerunConfig(result_rejected_tracker_filename=str(tracker)))  # fmt: skip
+    clean = Run(lookahead=lookahead, checks=checks)
+    spiked_results, clean_results = spiked.train(), clean.train()
+    assert len(spiked_results) == len(clean_results) == NUM_ITERS
+    assert all(not r.verdict.exit and not r.skipped for r in spiked_results)
+    _same_params(spiked, clean)
+    lines = tracker.read_text().splitlines()
+    assert [line.split(" status=")[1].split()[0] for line in lines] == [
+        "initial_run", "first_rerun_not_reproducible"
+    ]  # fmt: skip
+    assert all("iteration=4 " in line and "large grads" in line for line in lines), lines
+    assert spiked.calls >= clean.calls + NUM_MICROBATCHES  # the rerun pass

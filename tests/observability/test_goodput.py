@@ -18,12 +18,12 @@ from stalwart.observability.goodput import (
     process_start_time,
     straggler_idle_seconds,
 )
+from stalwart.observability.goodput_reader import read_ledger
 from stalwart.observability.goodput_records import (
     GOODPUT_FILE,
     format_duration,
     format_table,
     goodput_line,
-    read_ledger,
     summarize,
 )
 
@@ -439,3 +439,102 @@ def test_a_watchdogs_hang_record_makes_the_failed_step_a_hang(tmp_path) -> None:
     s = ledger.close("fault").seconds
     assert s[Bucket.HANG] == pytest.approx(10.0) and s[Bucket.LOST_WORK] == 0.0
     assert s[Bucket.RESTART] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("flush_s", [100.0, 0.3], ids=["no-flush", "flushes-in-between"])
+def test_a_step_is_held_until_it_ends_and_ahead_work_is_the_next_steps(tmp_path, flush_s) -> None:
+    """Step 1 (1 s) runs 0.25 s of step 2's work ahead; step 2 (1 s, with a 0.5 s nested rerun
+    span) is abandoned: its own time and the work run ahead for it are ``rerun``. Step 3 runs
+    0.25 s ahead for step 4, which is dropped: it stays with step 3 (productive; a clean run has
+    no lost work); so does step 4's run ahead at the close. Step 5 runs ahead for step 6, which
+    is abandoned as a capture (compile). The same with flushes (closes) in between."""
+    clock = FakeClock()
+    ledger = _ledger(tmp_path, clock, flush_interval_s=flush_s)
+    ledger.resumed(0)
+    with ledger.step(1):
+        clock.advance(0.5)
+        with ledger.ahead():
+            clock.advance(0.25)
+        clock.advance(0.25)
+    clock.advance(0.1)  # the loop: productive
+    with ledger.step(2) as span:
+        clock.advance(0.25)
+        with ledger.span(Bucket.RERUN):
+            clock.advance(0.5)
+        clock.advance(0.25)
+        span.abandon(Bucket.RERUN)
+    with ledger.step(3):
+        clock.advance(0.5)
+        with ledger.ahead():
+            clock.advance(0.25)
+        clock.advance(0.25)
+    ledger.drop_ahead()  # e.g. settled before a save
+    with ledger.step(4):
+        clock.advance(0.5)
+        with ledger.ahead():
+            clock.advance(0.25)
+        clock.advance(0.25)
+    with ledger.step(5) as span:
+        clock.advance(0.5)
+        span.reclassify(Bucket.COMPILE)
+    ledger.drop_ahead()
+    with ledger.step(6):
+        clock.advance(0.5)
+        with ledger.ahead():
+            clock.advance(0.25)
+    summary = ledger.close()
+    s = summary.seconds
+    assert s[Bucket.PRODUCTIVE] == pytest.approx(0.75 + 0.1 + 1.0 + 0.75 + 0.75)
+    assert s[Bucket.RERUN] == pytest.approx(0.25 + 1.0)
+    assert s[Bucket.COMPILE] == pytest.approx(0.25 + 0.5)  # step 4's work ahead for it, too
+    assert s[Bucket.LOST_WORK] == 0.0
+    assert sum(s.values()) == pytest.approx(summary.wall_s) == pytest.approx(5.35)
+    assert summary.sessions[0].last_iteration == 6
+    assert not summary.notes  # no overlap, nothing skipped
+
+
+def test_an_accepted_step_writes_nothing_of_its_own(tmp_path) -> None:
+    """The hot path: accepted steps in one bucket (with look-ahead work) leave one open
+    interval; nothing is written until a switch or a flush."""
+    clock = FakeClock()
+    ledger = _ledger(tmp_path, clock)
+    ledger.resumed(0)
+    with ledger.step(1):
+        clock.advance(0.1)
+    size = (tmp_path / GOODPUT_FILE).stat().st_size
+    for it in range(2, 12):
+        with ledger.step(it):
+            clock.advance(0.05)
+            with ledger.ahead():
+                clock.advance(0.05)
+    assert (tmp_path / GOODPUT_FILE).stat().st_size == size
+
+
+def test_work_run_ahead_then_dropped_in_a_save_stays_productive_and_leaves_no_hole(
+    tmp_path,
+) -> None:
+    """A save after step 1 (its span closes the open interval, cutting out the work run ahead
+    for step 2), then the launch is dropped (the save settles the step): that work is
+    productive, not checkpoint time. A flush never writes past held work, so a kill leaves a
+    suffix unwritten, never a hole."""
+    clock = FakeClock()
+    ledger = _ledger(tmp_path, clock, flush_interval_s=0.1)
+    ledger.resumed(0)
+    with ledger.step(1):
+        clock.advance(0.5)
+        with ledger.ahead():
+            clock.advance(0.25)
+    with ledger.span(Bucket.CHECKPOINT):
+        ledger.drop_ahead()
+        clock.advance(0.5)
+    with ledger.step(2):
+        clock.advance(0.5)
+        with ledger.ahead():
+            clock.advance(0.25)
+    clock.advance(0.5)
+    ledger.log_fields(None)  # type: ignore[arg-type]  # a log step flushes
+    written = summarize(read_ledger(tmp_path / GOODPUT_FILE))  # as a SIGKILL now would leave it
+    assert written.excluded_s == 0.0 and written.last == pytest.approx(clock.t - 0.75)
+    s = ledger.close().seconds
+    assert s[Bucket.CHECKPOINT] == pytest.approx(0.5)
+    assert s[Bucket.PRODUCTIVE] == pytest.approx(0.75 + 0.75 + 0.5)

@@ -33,6 +33,7 @@ SECTIONS = (
     'id="stragglers"',
     'id="timeline"',
     'id="chaos"',
+    'id="config"',
 )
 
 
@@ -378,7 +379,7 @@ def test_report_sections_render_in_headless_chromium(tmp_path: Path, interactive
         assert _distinct_colours(img) > 50  # not blank
         for sid, box in sections.items():
             assert box["w"] > 100 and box["h"] > 40, (sid, box)
-            if sid != "chaos":  # chaos is a verdict and a table; the others draw a chart
+            if sid not in ("chaos", "config"):  # a verdict and a table; the others: a chart
                 assert box["charts"] >= 1, (sid, box)
             crop = img.crop(
                 (int(box["x"]), int(box["y"]), int(box["x"] + box["w"]), int(box["y"] + box["h"]))

@@ -14,6 +14,7 @@ from stalwart.observability.straggler import (
     build_report,
     make_straggler_detector,
 )
+from stalwart.observability.straggler_timing import WallTiming
 from stalwart.observability.train_log import IntervalInfo
 
 
@@ -44,28 +45,66 @@ def test_bad_flags_raise(threshold: float, count: int) -> None:
         make_straggler_detector(True, torch.device("cpu"), threshold=threshold, minmax_count=count)
 
 
-def test_cpu_detector_times_only_compute(tmp_path: Path) -> None:
-    det = StragglerDetector(torch.device("cpu"), run_dir=tmp_path)
-    for _ in range(2):
-        with det.compute():
-            time.sleep(0.01)
-        time.sleep(0.02)  # "collective" wait outside compute(): not counted
-        det.step()
-    info = IntervalInfo(
-        iteration=2,
-        num_iterations=2,
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _info(iteration: int, num_iterations: int) -> IntervalInfo:
+    return IntervalInfo(
+        iteration=iteration,
+        num_iterations=num_iterations,
         elapsed_ms_per_iteration=0.0,
         consumed_samples=0,
         is_first=False,
     )
-    fields = det.log_fields(info)
+
+
+def test_cpu_detector_times_only_compute(tmp_path: Path) -> None:
+    """Only the compute() regions count, never the wait between them (a collective's). The
+    clock is the test's own: on the host clock, a 10 ms sleep inside compute() overslept past
+    the old 25 ms bound when two test workers shared two cores (the flake). Exact figures now:
+    10 ms of compute and 20 ms of wait per iteration -> 10 ms, where counting the wait is 30."""
+    clock = _Clock()
+    det = StragglerDetector(torch.device("cpu"), run_dir=tmp_path, timing=WallTiming(clock))
+    for _ in range(2):
+        with det.compute():
+            clock.t += 0.010
+        clock.t += 0.020  # "collective" wait outside compute(): not counted
+        det.step()
+    fields = det.log_fields(_info(2, 2))
     report = det.last_report
     assert report is not None and fields
-    assert 9.0 <= report.compute_ms[0] < 25.0
+    assert report.compute_ms == [pytest.approx(10.0)]
     line = json.loads((tmp_path / STRAGGLER_FILE).read_text().splitlines()[0])
-    assert line["iteration"] == 2 and len(line["compute_ms"]) == 1
+    assert line["iteration"] == 2 and line["compute_ms"] == [pytest.approx(10.0)]
     # The interval was reset by the report.
     assert det.report(3, num_iterations=1).compute_ms == [0.0]
+
+
+def test_cpu_detector_on_the_host_clock_excludes_the_measured_wait() -> None:
+    """The default CPU timing is the host clock. However late a sleep wakes on a loaded
+    machine, the compute time is at least the sleep inside compute() and at most the loop's
+    wall time minus the waits outside it, each measured here as it happened."""
+    det = StragglerDetector(torch.device("cpu"))
+    assert isinstance(det._timing, WallTiming)
+    waited = 0.0
+    start = time.perf_counter()
+    for _ in range(2):
+        with det.compute():
+            time.sleep(0.01)
+        t0 = time.perf_counter()
+        time.sleep(0.02)
+        waited += time.perf_counter() - t0
+        det.step()
+    wall = time.perf_counter() - start
+    report = det.report(2, num_iterations=2)
+    assert report is not None
+    total_ms = 2 * report.compute_ms[0]
+    assert 20.0 <= total_ms <= (wall - waited) * 1000.0 + 0.5, (total_ms, wall, waited)
 
 
 def test_null_detector_does_nothing() -> None:

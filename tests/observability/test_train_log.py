@@ -301,3 +301,43 @@ def test_progress_bar_only_on_tty() -> None:
     bar.update(10)
     bar.close()
     assert loud.getvalue().endswith("lm loss 2.5\n") and "10/10 100.0%" in loud.getvalue()
+
+
+def test_an_iteration_skipped_without_a_pass_counts_as_skipped_not_nan(tmp_path: Path) -> None:
+    """``--iterations-to-skip`` (no pass, no loss: ``losses={}``): Megatron's "number of
+    skipped iterations" counts it; it is no NaN iteration and adds no loss (it was logged as
+    ``lm loss: NAN`` and counted as a NaN iteration). An interval of only such iterations prints
+    no loss; a mixed one averages its trained iterations."""
+    lines: list[str] = []
+    log, _ = make_log(lines, tmp_path, log_interval=2)
+    plan = [(1, 3.0), (2, None), (3, 5.0), (4, None)]  # (iteration, loss or skipped)
+    for it, loss in plan:
+        log.on_iteration(
+            it,
+            losses={} if loss is None else {"lm loss": torch.tensor(loss)},
+            learning_rate=1e-3, global_batch_size=GBS, consumed_samples=GBS * it,
+            grad_norm=None if loss is None else torch.tensor(1.0), skipped=loss is None,
+        )  # fmt: skip
+    log.on_iteration(5, losses={}, learning_rate=1e-3, global_batch_size=GBS,
+                     consumed_samples=GBS * 5, grad_norm=None, skipped=True)  # fmt: skip
+    log.on_iteration(6, losses={}, learning_rate=1e-3, global_batch_size=GBS,
+                     consumed_samples=GBS * 6, grad_norm=None, skipped=True)  # fmt: skip
+    log.close()
+    counts = [re.search(r"skipped iterations: +(\d+) \| number of nan iterations: +(\d+)", ln)
+              for ln in lines]  # fmt: skip
+    assert [m.groups() if m else None for m in counts] == [
+        ("0", "0"),  # iteration 1
+        ("1", "0"),  # 2: skipped
+        ("1", "0"),  # 3-4: 4 skipped
+        ("2", "0"),  # 5-6: both skipped
+    ]
+    assert "lm loss: 3.000000E+00" in lines[0]
+    assert "lm loss" not in lines[1]  # only a skipped iteration: no loss to show
+    assert "lm loss: 5.000000E+00" in lines[2]  # the trained iteration 3 alone
+    assert "lm loss" not in lines[3] and "NAN" not in "".join(lines)
+    records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("split") == "train"]
+    assert [(r["skipped_iterations"], r["nan_iterations"]) for r in train] == [
+        (0, 0), (1, 0), (1, 0), (2, 0)
+    ]  # fmt: skip
+    assert train[-1]["total_skipped_iterations"] == 4 and train[-1]["total_nan_iterations"] == 0

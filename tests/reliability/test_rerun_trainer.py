@@ -136,7 +136,7 @@ def test_correct_result_then_tracker_skips_that_iteration(
     assert _train(args)[0].exit_code == 16
     monkeypatch.setenv(DEVICE_ID_ENV, "gpu-b")
     assert _train(args)[0].exit_code == 17
-    assert "Correct result (but possible application error)" in caplog.text
+    assert "Correct result (but possible Application error)" in caplog.text
     assert _statuses(tracker) == [
         "initial_run", "first_rerun_reproducible", "second_rerun_reproducible"
     ]  # fmt: skip
@@ -229,3 +229,42 @@ def test_bad_rerun_flags_exit_2_with_one_line(
     err = capsys.readouterr().err.strip()
     assert needle in err and "Traceback" not in err
     assert len(err.splitlines()) == 1, err
+
+
+def test_an_iteration_to_skip_is_logged_as_skipped_not_as_a_nan_iteration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--iterations-to-skip 2``: its line counts one skipped iteration, no NaN iteration, and
+    shows no loss (it printed ``lm loss: NAN`` and ``number of nan iterations: 1``)."""
+    outcome, _ = _train(["--train-iters", "3", "--seed", "5", "--log-interval", "1",
+                         "--iterations-to-skip", "2"])  # fmt: skip
+    assert (outcome.exit_code, outcome.iteration) == (0, 3)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln]
+    by_it = {int(ln.split(" iteration ")[1].split("/")[0]): ln for ln in lines if "/" in ln}
+    assert "number of skipped iterations:   1 | number of nan iterations:   0 |" in by_it[2]
+    assert "lm loss" not in by_it[2] and "NAN" not in by_it[2]
+    for it in (1, 3):
+        assert "number of skipped iterations:   0 | number of nan iterations:   0 |" in by_it[it]
+        assert "lm loss: " in by_it[it]
+
+
+def test_large_grads_injected_through_the_cli_is_not_fatal_and_training_continues(
+    tmp_path: Path, reference: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--check-for-large-grads`` alone: the iteration's first validation call is the gradient
+    check, so the injection lands there. Non-fatal: rerun, continue, the tracker names it, the
+    parameters equal the fault-free run's (the replayed pass's gradients were applied)."""
+    caplog.set_level(logging.INFO)
+    save, tracker = tmp_path / "ckpt", tmp_path / "tracker.txt"
+    args = _inject(
+        "transient_error", save, tracker, "--no-check-for-nan-in-loss-and-grad",
+        "--check-for-large-grads",
+    )  # fmt: skip
+    outcome, params = _train(args)
+    assert (outcome.exit_code, outcome.iteration) == (0, 6)
+    assert "Continuing normal execution because the failed validation was not fatal" in caplog.text
+    text = tracker.read_text()
+    assert "large grads" in text and _statuses(tracker) == [
+        "initial_run", "first_rerun_not_reproducible"
+    ]  # fmt: skip
+    assert_params_equal(params, load_params(reference, 6))

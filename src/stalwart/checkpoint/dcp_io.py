@@ -252,6 +252,7 @@ class AsyncWriter:
         self._pin = torch.cuda.is_available()
         self._stager: Any = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._after: concurrent.futures.ThreadPoolExecutor | None = None
         self.mode = self._choose_mode()
         if self.mode is StagingMode.MANUAL_COPY:
             self._use_manual_copy()
@@ -286,8 +287,22 @@ class AsyncWriter:
         self._stager = DefaultStager(options)
         return StagingMode.PINNED_STAGER if self._pin else StagingMode.PAGEABLE_STAGER
 
-    def start(self, state: dict[str, Any], path: str) -> concurrent.futures.Future:
-        """Stage ``state`` to host memory (blocking), then write it to ``path`` in the background."""
+    def start(
+        self,
+        state: dict[str, Any],
+        path: str,
+        then: Callable[[str], None] | None = None,
+    ) -> concurrent.futures.Future:
+        """Stage ``state`` to host memory (blocking), then write it to ``path`` in the background;
+        ``then(path)`` runs on a background thread after this rank's write (the checksums)."""
+        written = self._start_write(state, path)
+        if then is None:
+            return written
+        if self._after is None:
+            self._after = concurrent.futures.ThreadPoolExecutor(1, "stalwart-ckpt-after")
+        return self._after.submit(_after_write, written, then, path)
+
+    def _start_write(self, state: dict[str, Any], path: str) -> concurrent.futures.Future:
         import torch.distributed.checkpoint as dcp
 
         writer = dcp.FileSystemWriter(path)
@@ -313,19 +328,27 @@ class AsyncWriter:
                 StagingMode.MANUAL_COPY.value,
             )
             self._use_manual_copy()
-            return self.start(state, path)
+            return self._start_write(state, path)
         # Newer torch may return AsyncSaveResponse(staging_completion, upload_completion).
         return cast(concurrent.futures.Future, getattr(result, "upload_completion", result))
 
     def close(self, wait: bool = True) -> None:
         """Release the stager's host buffers and the worker thread (``wait=False``: don't join)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=wait)
-            self._executor = None
+        for pool in (self._executor, self._after):
+            if pool is not None:
+                pool.shutdown(wait=wait)
+        self._executor = self._after = None
         if self._stager is not None and wait:
             with contextlib.suppress(Exception):
                 self._stager.close()
         self._stager = None
+
+
+def _after_write(
+    written: concurrent.futures.Future, then: Callable[[str], None], path: str
+) -> None:
+    written.result()  # the write's own failure is the save's failure
+    then(path)
 
 
 def group_rank_info(group: Any) -> tuple[int, int, int]:

@@ -28,11 +28,10 @@ import contextlib
 import json
 import os
 import re
-import shutil
 from typing import Any
 
 from stalwart.checkpoint.errors import CheckpointError
-from stalwart.regular_file import open_regular
+from stalwart.regular_file import open_regular, remove_own_tree
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "COMPLETE"
@@ -134,8 +133,10 @@ def probe_writable(directory: str, flag: str, rank: int) -> str | None:
     """Create ``directory`` and write/delete a probe file; the problem naming ``flag``, or None."""
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write_probe_rank{rank}_{os.getpid()}")
-        with open(probe, "w", encoding="utf-8") as f:
+        fd, probe = _create_exclusive(
+            directory, f".write_probe_rank{rank}_"
+        )  # never a planted link
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write("ok")
         os.unlink(probe)
     except OSError as exc:
@@ -194,6 +195,25 @@ def read_tracker(root: str) -> int | None:
     return int(text)
 
 
+def link_problem(root: str, flag: str, own_root: bool) -> str | None:
+    """Why a save into ``root`` would replace or delete a symbolic link stalwart did not make:
+    the tracker is one, or ``root`` is (when stalwart creates ``root`` itself, as the default
+    ``<save>/non_persistent``); None when there is no such link."""
+    tracker = os.path.join(root, TRACKER_FILENAME)
+    if own_root and os.path.islink(root):
+        return (
+            f"{root} (under {flag}) is a symbolic link; stalwart creates that directory itself "
+            "and never saves or deletes through a link: remove it, or pass "
+            "--non-persistent-ckpt-dir"
+        )
+    if os.path.islink(tracker):
+        return (
+            f"{flag}: the checkpoint tracker {tracker} is a symbolic link; stalwart never "
+            "replaces a link it did not make: remove it"
+        )
+    return None
+
+
 def write_tracker_atomic(root: str, iteration: int) -> None:
     """Point ``<root>/latest_checkpointed_iteration.txt`` at ``iteration`` atomically."""
     if iteration < 0:
@@ -228,9 +248,18 @@ def list_tmp_dirs(root: str) -> list[str]:
     return [os.path.join(root, n) for n in names if n.startswith("iter_") and TMP_INFIX in n]
 
 
-def write_marker(path: str, facts: dict[str, Any]) -> None:
+MARKER_MANIFEST_KEY = "manifest_crc32"  # the checksum manifest's own CRC-32 (see integrity)
+
+
+def marker_text(facts: dict[str, Any], manifest_crc: str | None = None) -> str:
+    """The ``COMPLETE`` marker of ``facts`` (``metadata.json``'s) and its manifest's CRC-32."""
+    body = facts if manifest_crc is None else {**facts, MARKER_MANIFEST_KEY: manifest_crc}
+    return json.dumps(body, sort_keys=True) + "\n"
+
+
+def write_marker(path: str, facts: dict[str, Any], manifest_crc: str | None = None) -> None:
     """Write the completeness marker of a fully written checkpoint directory."""
-    write_text_atomic(os.path.join(path, COMPLETE_MARKER), json.dumps(facts, sort_keys=True) + "\n")
+    write_text_atomic(os.path.join(path, COMPLETE_MARKER), marker_text(facts, manifest_crc))
 
 
 def written_as(path: str, non_persistent: bool) -> bool:
@@ -244,11 +273,16 @@ def written_as(path: str, non_persistent: bool) -> bool:
     return isinstance(facts, dict) and facts.get("non_persistent") is non_persistent
 
 
-def remove_checkpoint_dir(path: str) -> None:
-    """Delete a checkpoint directory, marker first so that a half-deleted one is never 'complete'."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(path, COMPLETE_MARKER))
-    shutil.rmtree(path, ignore_errors=True)
+def remove_checkpoint_dir(path: str, log: Any) -> bool:
+    """Delete a checkpoint directory, marker first so that a half-deleted one is never 'complete'.
+
+    Never through a symbolic link: a ``path`` that is one (stalwart never makes links) is left
+    alone with one warning on ``log``. Returns whether ``path`` is gone.
+    """
+    refused = remove_own_tree(path, first=COMPLETE_MARKER)
+    if refused is not None:
+        log.warning("%s", refused)
+    return refused is None
 
 
 def check_files(path: str, world_size: int | None = None) -> str | None:
@@ -321,9 +355,11 @@ def apply_retention(root: str, keep: int, non_persistent: bool, log: Any) -> lis
             for it in list_complete_checkpoints(root)
             if written_as(os.path.join(root, iteration_dir_name(it)), non_persistent)
         ]
-        doomed = select_for_deletion(ours, keep, read_tracker(root))
-        for old in doomed:
-            remove_checkpoint_dir(os.path.join(root, iteration_dir_name(old)))
+        doomed = [
+            old
+            for old in select_for_deletion(ours, keep, read_tracker(root))
+            if remove_checkpoint_dir(os.path.join(root, iteration_dir_name(old)), log)
+        ]
     except (OSError, CheckpointError) as exc:
         log.warning("checkpoint retention in %s failed: %s", root, exc)
         return []
@@ -358,15 +394,17 @@ def save_failure_message(what: str, root: str, details: str) -> str:
 
 
 def _probe_write(root: str) -> str | None:
-    probe = os.path.join(root, f".write_probe_{os.getpid()}")
+    probe = None
     try:
-        with open(probe, "wb") as f:
+        fd, probe = _create_exclusive(root, ".write_probe_")  # a new file: never a planted link
+        with os.fdopen(fd, "wb") as f:
             f.write(bytes(1 << 20))
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
         return str(exc.strerror or exc)
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
+        if probe is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
     return None

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 
 from stalwart.checkpoint import dcp_io, layout
 from stalwart.checkpoint.errors import CheckpointError
-from stalwart.checkpoint.safe_state import StateFormatError, read_state_file
+from stalwart.checkpoint.integrity import check_checkpoint, read_state_dict, saved_world_size
 from stalwart.distributed import collectives
 
 logger = logging.getLogger("stalwart.checkpoint")
@@ -35,12 +35,28 @@ class CheckpointLocator:
     The trackers are authoritative: the newest tracked iteration across both roots wins (a tie
     prefers the persistent one). A complete directory newer than its tracker (crash between
     rename and tracker update) is ignored; with ``fallback`` older complete directories are
-    candidates when the tracked one is unusable.
+    candidates when the tracked one is unusable. Each candidate goes through
+    `stalwart.checkpoint.integrity.check_checkpoint` (the check ``stalwart checkpoints
+    --verify`` runs), with its checksums when ``verify_checksums``
+    (``--verify-checkpoint-on-load``).
     """
 
-    def __init__(self, load_dir: str | None, np_dir: str | None, fallback: bool) -> None:
+    def __init__(
+        self,
+        load_dir: str | None,
+        np_dir: str | None,
+        fallback: bool,
+        verify_checksums: bool = False,
+    ) -> None:
         self._roots = [(r, np) for r, np in ((load_dir, False), (np_dir, True)) if r is not None]
         self._fallback = fallback
+        self._verify = verify_checksums
+
+    def _problem(self, path: str, log: logging.Logger) -> str | None:
+        result = check_checkpoint(path, checksums=self._verify)
+        if result.note is not None:
+            log.warning("checkpoint %s: %s", path, result.note)
+        return result.problem
 
     def latest_tracked(self) -> int | None:
         """Newest tracked iteration whose directory is complete; None if there is none."""
@@ -62,7 +78,7 @@ class CheckpointLocator:
             CheckpointError: naming the path and the problem when nothing usable is found.
         """
         if iteration is not None:
-            return self._explicit(iteration)
+            return self._explicit(iteration, log)
         heads, garbage = self._heads(log)
         if not heads and not garbage:
             found = [it for root, _ in self._roots for it in layout.list_complete_checkpoints(root)]
@@ -79,11 +95,11 @@ class CheckpointLocator:
             ordered += self._older(limit)
         return self._first_usable(ordered, rejected, log)
 
-    def _explicit(self, iteration: int) -> Choice:
+    def _explicit(self, iteration: int, log: logging.Logger) -> Choice:
         for root, non_persistent in self._roots:
             path = os.path.join(root, layout.iteration_dir_name(iteration))
             if os.path.isdir(path):
-                problem = layout.check_files(path)
+                problem = self._problem(path, log)
                 if problem is not None:
                     raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
                 return Choice(iteration, path, non_persistent)
@@ -129,7 +145,7 @@ class CheckpointLocator:
             if choice.path in seen or choice.path in rejected:
                 continue
             seen.add(choice.path)
-            problem = layout.check_files(choice.path)
+            problem = self._problem(choice.path, log)
             if problem is None:
                 return choice
             message = f"checkpoint {choice.path} is unusable: {problem}"
@@ -174,21 +190,6 @@ def nothing_to_load(load_dir: str | None, explicit: bool, log: logging.Logger) -
     )
 
 
-def _saved_world_size(path: str) -> int:
-    facts = read_state_file(os.path.join(path, layout.METADATA_FILENAME))
-    world = facts.get("world_size") if isinstance(facts, dict) else None
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise StateFormatError(f"{layout.METADATA_FILENAME}: world_size must be an integer >= 1")
-    return world
-
-
-def _state_dict_file(path: str) -> dict[str, Any]:
-    state = read_state_file(path)
-    if not isinstance(state, dict):
-        raise StateFormatError(f"{path}: holds a {type(state).__name__}, not a dict")
-    return state
-
-
 def read_small_files(
     path: str, rank: int, world_size: int, log: logging.Logger
 ) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
@@ -204,8 +205,8 @@ def read_small_files(
     """
     if layout.is_legacy(path):
         raise CheckpointError(layout.convert_hint(path))
-    saved_world = _saved_world_size(path)
-    common = _state_dict_file(os.path.join(path, layout.COMMON_FILENAME))
+    saved_world = saved_world_size(path)
+    common = read_state_dict(os.path.join(path, layout.COMMON_FILENAME))
     rank_file = os.path.join(path, layout.rank_filename(rank))
     if saved_world != world_size:
         log.warning(
@@ -217,7 +218,7 @@ def read_small_files(
         )
         if not os.path.exists(rank_file):
             return common, None, saved_world
-    return common, _state_dict_file(rank_file), saved_world
+    return common, read_state_dict(rank_file), saved_world
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,41 @@
 """One job per checkpoint directory: a lock file held by rank 0 for the job's life.
 
-``<dir>/.stalwart.lock`` is a small JSON record ``{"host", "pid", "job", "token", "since",
-"heartbeat"}``. It is created atomically (written under a temporary name, then ``os.link``: the
-link fails when the file exists, also on NFS) and refreshed every ``heartbeat_s`` seconds by a
-daemon thread. A lock that is present belongs to someone else unless one of these says
-otherwise:
+``<dir>/.stalwart.lock`` is a small JSON record ``{"host", "pid", "boot", "pidns", "job",
+"token", "since", "heartbeat"}`` (``boot``: the host's boot id, ``pidns``: the holder's PID
+namespace, both None off Linux). It is created atomically (written under a temporary name,
+then ``os.link``: the link fails when the file exists, also on NFS) and refreshed every
+``heartbeat_s`` seconds by a daemon thread. A lock that is present is judged (`LockVerdict`):
 
-* the same process (same host and pid): an in-process restart rebuilds its components;
-* the same job: ``$STALWART_JOB_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID`` (the same for
-  every restart of one ``torchrun`` invocation; its default ``none`` does not count), else
-  ``$SLURM_JOB_ID``: a restarted rank 0 takes over its own previous attempt's lock;
-* the holder is dead: its host is this host and its pid does not exist, or its heartbeat is
-  older than ``stale_s`` (a job SIGKILLed on another host; clocks are assumed NTP-synchronised).
+* this process's own (same host, boot, PID namespace and pid): an in-process restart
+  rebuilds its components; taken at once;
+* stale: its heartbeat is older than ``stale_s``, or it has no readable heartbeat, or its
+  holder is provably dead (same host, boot and PID namespace, and that pid is gone or a
+  zombie): taken over at once;
+* held: a fresh heartbeat from a live pid of this host's namespace; refused at once, the same
+  job included (a second SLURM step while the first still runs);
+* doubtful: the heartbeat is fresh, but its pid cannot be checked here (another PID namespace
+  or container with the same host name: its pid means nothing here) or it comes from another
+  host as the same job (``$STALWART_JOB_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID``,
+  its default ``none`` excluded, else ``$SLURM_JOB_ID``: a relaunch, or a second step of that
+  job still running). Acquire then watches the record: if it changes (the holder beats), the
+  holder is alive and the lock is refused; if it stays unchanged until it is ``stale_s`` old
+  (by this host's clock, and never longer than ``stale_s`` of watching), it is taken over.
+  A fresh heartbeat always wins over a PID check or a job id;
+* held, too: a fresh heartbeat from another host and another job; refused at once.
 
-Otherwise :meth:`SaveDirLock.acquire` raises ``ValueError`` in one line naming the holder (host,
-pid, since) and the lock file. A lock taken over from a dead holder is first renamed aside and
-checked to be the record judged stale, so two jobs racing for one stale lock cannot both win.
-The heartbeat thread checks that the file is still its own before each refresh; a lock lost to
-another job (this one froze past ``stale_s``) is reported by :meth:`check_held`, which the
-checkpoint manager calls before it deletes or writes anything.
+A relaunch of the same job gets the lock at once when the previous attempt exited in any
+way that runs Python's exit handlers (the manager releases on ``close``, an ``atexit`` hook on
+other exits), or was killed on the same host and namespace; after a ``SIGKILL`` elsewhere it
+waits at most ``stale_s`` (default 60 s).
+
+A refusal raises ``ValueError`` in one line naming the holder (host, pid, since) and the lock
+file. A lock taken over is first renamed aside and checked to be the record judged, so two
+jobs racing for one stale lock cannot both win. The heartbeat thread checks that the file is
+still its own before each refresh; a lock lost to another job (this one froze past
+``stale_s``) is reported by :meth:`check_held`, which the checkpoint manager calls before it
+deletes or writes anything. A lock file that is a symbolic link is refused (stalwart never
+makes one). The release survives any ``OSError`` (a read-only or immutable directory): the
+lock then expires ``stale_s`` after its last heartbeat.
 
 Example::
 
@@ -34,13 +51,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.regular_file import open_regular
@@ -86,6 +104,27 @@ def _is_zombie(pid: int) -> bool:
     return end >= 0 and stat[end + 2 : end + 3] == b"Z"
 
 
+class LockVerdict(enum.Enum):
+    """What a lock record found in the directory means for this process (module docstring)."""
+
+    MINE = "this process's own"
+    STALE = "stale"
+    DOUBTFUL = "fresh, holder maybe dead"
+    HELD = "held by a live job"
+
+
+def _process_identity() -> dict[str, str | None]:
+    """This host's boot id and this process's PID namespace: with the host name they say
+    whether a recorded pid means a process here (None where /proc does not tell)."""
+    boot: str | None = None
+    pidns: str | None = None
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id", "rb") as f:
+        boot = f.read(64).decode("ascii", "replace").strip() or None
+    with contextlib.suppress(OSError):
+        pidns = os.readlink("/proc/self/ns/pid")
+    return {"boot": boot, "pidns": pidns}
+
+
 def describe_holder(record: dict[str, Any]) -> str:
     since = record.get("since")
     when = (
@@ -116,6 +155,7 @@ class SaveDirLock:
         self._stale_s = stale_s
         self._job = job_id if job_id is not None else current_job_id()
         self._host = socket.gethostname()
+        self._identity = _process_identity()
         self._token = f"{self._host}-{os.getpid()}-{os.urandom(6).hex()}"
         self._since = time.time()
         self._held = False
@@ -125,8 +165,8 @@ class SaveDirLock:
 
     # ------------------------------------------------------------------ records
     def _record(self) -> dict[str, Any]:
-        return {"host": self._host, "pid": os.getpid(), "job": self._job, "token": self._token,
-                "since": self._since, "heartbeat": time.time()}  # fmt: skip
+        return {"host": self._host, "pid": os.getpid(), **self._identity, "job": self._job,
+                "token": self._token, "since": self._since, "heartbeat": time.time()}  # fmt: skip
 
     def _read(self, path: str | None = None) -> dict[str, Any] | None:
         """The record at ``path`` (default: the lock); None when absent; {} when unreadable."""
@@ -147,18 +187,50 @@ class SaveDirLock:
             os.fsync(f.fileno())
         return tmp
 
-    def _is_mine(self, record: dict[str, Any]) -> bool:
-        same_process = record.get("host") == self._host and record.get("pid") == os.getpid()
-        same_job = self._job is not None and record.get("job") == self._job
-        return same_process or same_job
+    def _same_namespace(self, record: dict[str, Any]) -> bool:
+        """Whether the record's pid names a process of this host's boot and PID namespace."""
+        return record.get("host") == self._host and all(
+            record.get(key) == value for key, value in self._identity.items()
+        )
 
-    def _is_stale(self, record: dict[str, Any]) -> bool:
-        pid, beat = record.get("pid"), record.get("heartbeat")
-        if record.get("host") == self._host and isinstance(pid, int) and not _pid_alive(pid):
-            return True
-        if not isinstance(beat, (int, float)):
-            return True  # unreadable or torn record: nobody can be refreshing it
-        return time.time() - beat > self._stale_s
+    def _age(self, record: dict[str, Any]) -> float | None:
+        beat = record.get("heartbeat")
+        if not isinstance(beat, (int, float)) or isinstance(beat, bool):
+            return None
+        return time.time() - beat
+
+    def judge(self, record: dict[str, Any]) -> LockVerdict:
+        """The verdict on a lock record found in the directory (pure but for the pid check)."""
+        pid = record.get("pid")
+        same_ns = self._same_namespace(record) and isinstance(pid, int)
+        if same_ns and pid == os.getpid():
+            return LockVerdict.MINE
+        age = self._age(record)
+        if age is None or age > self._stale_s:
+            return LockVerdict.STALE  # unreadable, torn or old: nobody is refreshing it
+        if same_ns:  # that pid is this namespace's: the check is sound
+            return LockVerdict.HELD if _pid_alive(cast(int, pid)) else LockVerdict.STALE
+        same_job = self._job is not None and record.get("job") == self._job
+        if same_job or record.get("host") == self._host:
+            return LockVerdict.DOUBTFUL  # a relaunch, or a pid we cannot check: watch the beat
+        return LockVerdict.HELD
+
+    def _watch(self, record: dict[str, Any]) -> tuple[dict[str, Any] | None, LockVerdict]:
+        """Watch a doubtful record until it changes (its holder is alive: HELD), goes away
+        (None) or ages past ``stale_s`` unchanged (STALE). Blocks at most ``stale_s``."""
+        age = min(max(self._age(record) or 0.0, 0.0), self._stale_s)
+        wait = self._stale_s - age + min(self._heartbeat_s, 1.0)
+        logger.warning(
+            "the lock of %s is held by %s with a fresh heartbeat (%.0f s old); waiting up to "
+            "%.0f s for it to go stale", self.directory, describe_holder(record), age, wait,
+        )  # fmt: skip
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(min(0.5, self._heartbeat_s / 2))
+            now = self._read()
+            if now != record:
+                return now, (LockVerdict.HELD if now else LockVerdict.STALE)
+        return record, LockVerdict.STALE
 
     # ------------------------------------------------------------------ acquire / release
     def acquire(self) -> None:
@@ -171,19 +243,27 @@ class SaveDirLock:
         if self._held:
             return
         os.makedirs(self.directory, exist_ok=True)
+        if os.path.islink(self.path):
+            raise ValueError(
+                f"{self._flag} {self.directory}: the lock file {self.path} is a symbolic link "
+                "(stalwart never makes one): remove it"
+            )
         for _ in range(5):
             if self._try_create():
                 break
             holder = self._read()
+            verdict = self.judge(holder) if holder else LockVerdict.STALE
+            if holder and verdict is LockVerdict.DOUBTFUL:
+                holder, verdict = self._watch(holder)
             if holder is None:
                 continue  # released between our attempt and the read
-            if not (self._is_mine(holder) or self._is_stale(holder)):
+            if verdict is LockVerdict.HELD:
                 raise ValueError(
                     f"{self._flag} {self.directory} is in use by another job ({describe_holder(holder)}; "
                     f"lock file {self.path}); use another directory, or wait for that job to end "
                     f"(a killed job's lock expires {self._stale_s:.0f} s after its last heartbeat)"
                 )
-            if holder and not self._is_mine(holder):
+            if verdict is LockVerdict.STALE and holder:
                 logger.warning(
                     "taking over the stale lock of %s (%s)", self.directory, describe_holder(holder)
                 )
@@ -253,8 +333,15 @@ class SaveDirLock:
             atexit.unregister(self.release)
         record = self._read()
         if record is not None and record.get("token") == self._token:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # read-only or immutable now: the next job sees a stale lock
+                logger.warning(
+                    "could not remove the lock %s (%s); it expires %.0f s after its last "
+                    "heartbeat", self.path, exc.strerror or exc, self._stale_s,
+                )  # fmt: skip
 
 
 class SaveDirLocks:

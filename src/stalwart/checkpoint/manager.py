@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from stalwart.checkpoint import dcp_io, layout
+from stalwart.checkpoint import dcp_io, integrity, layout
 from stalwart.checkpoint.commit import PendingSave, SaveSteps
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.checkpoint.loading import (
@@ -85,6 +85,11 @@ class CheckpointManager:
             shards are written, before the marker); tests use it to act inside that window.
         job_id: this job's identity for the save-directory lock (default: from the launcher's
             environment, see `stalwart.checkpoint.lock`).
+        verify_on_load: ``--verify-checkpoint-on-load``: ``load`` also checks every file of the
+            chosen checkpoint against its checksum manifest (rank 0 reads it all once); a
+            mismatch makes it unusable (``fallback`` then tries the previous one).
+        checksums: write each checkpoint's checksum manifest (`stalwart.checkpoint.integrity`);
+            False only to measure its cost (``bench/checkpoint_save.py``).
 
     Raises:
         ValueError: naming the flags, for ``keep_last < 1`` or overlapping directories.
@@ -102,6 +107,8 @@ class CheckpointManager:
         process_group: Any = None,
         before_commit: Callable[[int], None] | None = None,
         job_id: str | None = None,
+        verify_on_load: bool = False,
+        checksums: bool = True,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(
@@ -120,6 +127,8 @@ class CheckpointManager:
         )
         self._locks = SaveDirLocks(self._roots(), job_id)
         self._fallback = fallback
+        self._verify_on_load = verify_on_load
+        self._checksums = checksums
         self._group = process_group
         self._rank, self._world_size, self._src = dcp_io.group_rank_info(process_group)
         self._pending: PendingSave | None = None
@@ -137,6 +146,7 @@ class CheckpointManager:
             self._locks,
             keep_last,
             async_save,
+            checksums,
             before_commit,
             logger,
         )
@@ -154,6 +164,8 @@ class CheckpointManager:
         for directory, flag in self._roots():
             if directory is not None and problem is None:
                 problem = layout.probe_writable(directory, flag, self._rank)
+        if problem is None and self._rank == 0:
+            problem = self._link_problem()
         failed = collectives.all_reduce_any([problem is not None], self._group)[0]
         if failed:
             raise ValueError(
@@ -163,6 +175,21 @@ class CheckpointManager:
         outcome = collectives.broadcast_object(refused, self._src, self._group)
         if outcome is not None:
             raise ValueError(str(outcome))
+
+    def _where(self, non_persistent: bool) -> tuple[str, bool]:
+        """(the flag naming that root, whether stalwart creates the root itself: the default
+        ``<save>/non_persistent``)."""
+        own_root = non_persistent and not self._np_dir_explicit
+        return (
+            "--non-persistent-ckpt-dir" if non_persistent and not own_root else "--save"
+        ), own_root
+
+    def _link_problem(self) -> str | None:
+        for root, non_persistent in ((self._save_dir, False), (self._np_dir, True)):
+            problem = layout.link_problem(root, *self._where(non_persistent)) if root else None
+            if problem is not None:
+                return problem
+        return None
 
     def _roots(self) -> list[tuple[str | None, str]]:
         roots = [(self._save_dir, "--save")]
@@ -199,10 +226,10 @@ class CheckpointManager:
             raise ValueError(f"checkpoint save requested but {flags} is not set")
         self.finalize()
         started = time.monotonic()
-        tmp = self._steps.begin(root, iteration)
-        self._steps.write_small_files(tmp, iteration, common, per_rank, non_persistent)
+        tmp = self._steps.begin(root, iteration, *self._where(non_persistent))
+        facts = self._steps.write_small_files(tmp, iteration, common, per_rank, non_persistent)
         state = dcp_io.gather_state(model, optimizer, for_save=True)
-        pending = PendingSave(iteration, root, tmp, non_persistent, None, started)
+        pending = PendingSave(iteration, root, tmp, non_persistent, None, started, facts)
         if self._async is None:
             try:
                 dcp_io.save_sync(state, tmp, self._group)
@@ -215,20 +242,28 @@ class CheckpointManager:
                 ) from exc
             self._steps.commit(pending)
             return
+        self._start_async(pending, state)
+
+    def _start_async(self, pending: PendingSave, state: dict[str, Any]) -> None:
+        assert self._async is not None
+        # Rank 0 writes the manifest on the writer's background thread once DCP's write is
+        # done: DCP writes .metadata only after every rank's shards are written.
+        then = integrity.write_manifest if self._rank == 0 and self._checksums else None
         try:
-            pending.future = self._async.start(state, tmp)
+            pending.future = self._async.start(state, pending.tmp_path, then=then)
         except Exception as exc:
             self._steps.discard(pending)
             raise CheckpointError(
-                f"starting async checkpoint save into {tmp} failed: {dcp_io.describe_failure(exc)}"
+                f"starting async checkpoint save into {pending.tmp_path} failed: "
+                f"{dcp_io.describe_failure(exc)}"
             ) from exc
         self._pending = pending
         if self._rank == 0:
             logger.info(
                 "async checkpoint save of iteration %d started into %s (blocked %.2fs for staging)",
-                iteration,
-                tmp,
-                time.monotonic() - started,
+                pending.iteration,
+                pending.tmp_path,
+                time.monotonic() - pending.started,
             )
 
     # ---------------------------------------------------------------- finalize
@@ -251,7 +286,8 @@ class CheckpointManager:
         done = pending.future.done()
         failed = done and pending.future.exception() is not None
         # Deliberate sync: only while a save is in flight; all ranks must agree before the commit.
-        any_not_done, any_failed = collectives.all_reduce_any([not done, failed], self._group)
+        with self._steps.peer_loss(pending, "agreement on the write"):
+            any_not_done, any_failed = collectives.all_reduce_any([not done, failed], self._group)
         if any_not_done and not any_failed:
             return None
         if any_failed:
@@ -278,7 +314,9 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------- load
     def _locator(self) -> CheckpointLocator:
-        return CheckpointLocator(self._load_dir, self._np_dir, self._fallback)
+        return CheckpointLocator(
+            self._load_dir, self._np_dir, self._fallback, verify_checksums=self._verify_on_load
+        )
 
     def latest_iteration(self) -> int | None:
         """Newest complete checkpoint that a tracker points at (persistent or non-persistent).

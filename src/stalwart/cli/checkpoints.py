@@ -2,10 +2,14 @@
 
 ``stalwart checkpoints DIR [--verify]`` lists every checkpoint under a ``--save`` directory (and its
 ``non_persistent/`` tier): iteration, complete or not, saved world size, size on disk, which one
-the tracker names, and leftover ``*.tmp-*`` directories of crashed saves. ``--verify`` also runs
-the integrity check a resume runs (marker, metadata, every shard as long as its metadata says);
-the exit code is 1 when the checkpoint a resume would load is not loadable, so an operator or a
-pre-launch hook can test a directory before spending a job on it.
+the tracker names, and leftover ``*.tmp-*`` directories of crashed saves; the exit code is 1
+when the tracker is broken or names a checkpoint that is missing or incomplete. ``--verify``
+also runs every check a resume runs (`stalwart.checkpoint.integrity.check_checkpoint`: marker,
+DCP metadata and shard sizes, metadata/common/rank state files) and checks every file against
+the checkpoint's checksum manifest; the exit code is 1 when a resume would refuse the tracked
+checkpoint, so an operator or a pre-launch hook can test a directory before spending a job on
+it. A checkpoint without a manifest (an older stalwart) is verified without checksums, with a
+warning.
 
 ``stalwart checkpoints convert --trust-pickle PATH`` rewrites checkpoints of an older stalwart
 (``common.pt``/``rank_*.pt`` pickles, refused by a resume because reading a pickle can run code)
@@ -51,43 +55,59 @@ def _dir_bytes(path: str) -> int:
 
 
 def _describe_tier(root: str, verify: bool) -> tuple[list[str], str | None]:
-    """Lines describing one checkpoint root, and the problem of the newest complete checkpoint
-    (what a resume would load) when ``verify`` (None: loadable or nothing to load)."""
+    """Lines describing one checkpoint root, and why a resume would refuse its tracked
+    checkpoint (None: loadable, or nothing to load). Without ``verify``: a broken tracker, or
+    a tracked checkpoint that is missing or incomplete; with it, also every check a resume
+    applies (`stalwart.checkpoint.integrity.check_checkpoint`) and the checksums."""
     from stalwart.checkpoint import CheckpointError, layout
 
-    tracker_problem: str | None = None
     try:
         tracker = layout.read_tracker(root)
         lines = [f"{root}: tracker names {tracker if tracker is not None else 'nothing'}"]
+        newest_problem = None
     except CheckpointError as exc:
         tracker, lines = None, [f"{root}: BROKEN tracker: {exc}"]
-        tracker_problem = str(exc)  # a resume refuses it
+        newest_problem = str(exc)  # a resume refuses it
     try:
         entries = os.listdir(root)
     except OSError as exc:
         return [f"{root}: unreadable directory: {exc.strerror or exc}"], None
     names = sorted(n for n in entries if layout.parse_iteration_dir_name(n) is not None)
-    newest_problem = tracker_problem if verify else None
-    if verify and tracker is not None and layout.iteration_dir_name(tracker) not in names:
+    if tracker is not None and layout.iteration_dir_name(tracker) not in names:
         newest_problem = f"the tracked checkpoint {layout.iteration_dir_name(tracker)} is missing"
         lines.append(f"  BROKEN: {newest_problem}")
     for name in names:
-        path = os.path.join(root, name)
+        line, problem = _describe_checkpoint(os.path.join(root, name), verify)
         iteration = layout.parse_iteration_dir_name(name)
-        facts = _metadata(path)
-        state = "complete" if layout.is_complete(path) else "INCOMPLETE"
-        problem = layout.check_files(path) if verify else None
-        if verify:
-            state += ", verified" if problem is None else f", BROKEN: {problem}"
-        mark = " <- tracker" if iteration == tracker else ""
-        world = facts.get("world_size")
-        world = world if isinstance(world, int) and not isinstance(world, bool) else "?"
-        mib = _dir_bytes(path) / 2**20
-        lines.append(f"  {name}  {state}  saved by {world} rank(s)  {mib:.1f} MiB{mark}")
+        lines.append(line + (" <- tracker" if iteration == tracker else ""))
         if iteration == tracker:
             newest_problem = problem
     lines += [f"  leftover partial save: {p}" for p in sorted(layout.list_tmp_dirs(root))]
     return lines, newest_problem
+
+
+def _describe_checkpoint(path: str, verify: bool) -> tuple[str, str | None]:
+    """One checkpoint's line and why a resume would refuse it (without ``verify``: only a
+    missing marker, the listing reads no shard)."""
+    from stalwart.checkpoint import layout
+    from stalwart.checkpoint.integrity import check_checkpoint
+
+    complete = layout.is_complete(path)
+    state = "complete" if complete else "INCOMPLETE"
+    problem = None if complete else "its completeness marker is missing (the save did not finish)"
+    if verify:
+        result = check_checkpoint(path, checksums=True)
+        problem = result.problem
+        state += ", verified" if problem is None else f", BROKEN: {problem}"
+        if result.note is not None and problem is None:
+            state += " (no checksums)"
+            print(f"stalwart checkpoints: warning: {path}: {result.note}", file=sys.stderr)
+    facts = _metadata(path)
+    world = facts.get("world_size")
+    world = world if isinstance(world, int) and not isinstance(world, bool) else "?"
+    mib = _dir_bytes(path) / 2**20
+    name = os.path.basename(path)
+    return f"  {name}  {state}  saved by {world} rank(s)  {mib:.1f} MiB", problem
 
 
 def _metadata(path: str) -> dict[str, Any]:
@@ -106,11 +126,16 @@ def build_checkpoints_parser() -> argparse.ArgumentParser:
         prog="stalwart checkpoints",
         description="List the checkpoints of a --save directory (and of its non-persistent "
         "tier) with their state, size and the last exit reason. Exit code 1 when the "
-        "checkpoint the tracker names cannot be loaded. 'stalwart checkpoints convert' "
+        "checkpoint the tracker names is missing or incomplete (with --verify: when a resume "
+        "would refuse it). 'stalwart checkpoints convert' "
         "rewrites pickle checkpoints of an older stalwart.",
     )
     p.add_argument("save_dir", help="a --save directory")
-    p.add_argument("--verify", action="store_true", help="check markers, metadata and shards")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="apply every check a resume applies, and every file's checksum",
+    )
     return p
 
 
@@ -229,7 +254,9 @@ def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
         if iteration is None:
             raise ValueError(f"--load {load}: no {layout.TRACKER_FILENAME}; pass --iteration")
     path = os.path.join(load, layout.iteration_dir_name(iteration))
-    problem = layout.check_files(path)
+    from stalwart.checkpoint.integrity import check_checkpoint
+
+    problem = check_checkpoint(path, checksums=False).problem  # what the load below checks
     if problem is not None:
         raise ValueError(f"--load {load}: checkpoint {path} is not loadable: {problem}")
     from stalwart.checkpoint.safe_state import read_state_file

@@ -30,10 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main_goodput(argv: list[str]) -> int:
     """Run the subcommand; returns the exit code."""
+    from stalwart.observability.goodput_reader import read_ledger
     from stalwart.observability.goodput_records import (
         GOODPUT_FILE,
         format_table,
-        read_ledger,
         summarize,
     )
 

@@ -77,6 +77,7 @@ def _check_before_start(config: RunConfig) -> None:
     from stalwart.distributed.launch_env import env_int
     from stalwart.distributed.process_group import choose_device
 
+    config.obs.check_extras()  # a missing tensorboard/wandb/pynvml: one line, before any work
     world = env_int("WORLD_SIZE", 1, minimum=1)
     device = choose_device(env_int("LOCAL_RANK", 0), config.training.use_cpu)
     local_world = env_int("LOCAL_WORLD_SIZE", world, minimum=1)

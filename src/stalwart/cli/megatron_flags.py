@@ -99,8 +99,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--pretrained-checkpoint", "use --load DIR --finetune"),
     # Reliability and observability.
     Unsupported("--exit-signal-handler-for-training", "it exits 0 without saving; use --exit-signal-handler and --exit-on-interrupt", False),
-    Unsupported("--disable-straggler-on-startup", "no on/off control port: --log-straggler", False),
-    Unsupported("--straggler-ctrlr-port", "no on/off control port: --log-straggler"),
+    Unsupported("--straggler-ctrlr-port", "no control port: `touch <run dir>/straggler.toggle` turns --log-straggler on or off at the next log step"),
     Unsupported("--gpu-sniff-test-interval", "no periodic GPU sniff test"),
     Unsupported("--record-memory-history", "use --profile for memory timelines", False),
     Unsupported("--memory-snapshot-path", "use --profile for memory timelines"),

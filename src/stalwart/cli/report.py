@@ -1,4 +1,5 @@
-"""``stalwart report <run-dir>``: write a self-contained HTML report of a run directory."""
+"""``stalwart report <run-dir>``: write a self-contained HTML report of a run directory;
+``stalwart report <run-a> <run-b> ...``: one page comparing the runs (overlaid curves)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 from stalwart.cli.args import OneLineErrorParser
 from stalwart.observability.report import write_report
+from stalwart.observability.report_compare import write_comparison
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -19,9 +21,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Render <run-dir>/report.html (interactive plotly charts when plotly is "
         "installed, else inline SVG; one file that opens offline) and PNGs from a run's artefacts.",
     )
-    p.add_argument("run_dir", help="the run directory (metrics.jsonl, straggler.jsonl, ...)")
     p.add_argument(
-        "--output", "-o", metavar="FILE", help="HTML path (default: <run-dir>/report.html)"
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="the run directory (metrics.jsonl, straggler.jsonl, ...); two or more: a "
+        "comparison of the runs",
+    )
+    p.add_argument(
+        "--output",
+        "-o",
+        metavar="FILE",
+        help="HTML path (default: <run-dir>/report.html; for a comparison ./compare.html)",
     )
     p.add_argument("--no-png", action="store_true", help="skip the matplotlib PNGs")
     p.add_argument(
@@ -43,9 +54,13 @@ def main_report(argv: list[str] | None = None) -> int:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     from stalwart.config.paths import check_output_file
 
+    compare = len(args.run_dirs) > 1
     try:  # before any work: a directory as --output left a 5 MB <output>.tmp behind
-        if not args.run_dir.strip():  # Path("") is the working directory: a report of it
+        if any(not d.strip() for d in args.run_dirs):  # Path("") is the working directory
             raise ValueError("RUN_DIR is empty (it takes a run directory)")
+        if compare and (args.metrics_file is not None or args.no_png):
+            flag = "--metrics-file" if args.metrics_file is not None else "--no-png"
+            raise ValueError(f"{flag} applies to one run's report, not to a comparison of runs")
         check_output_file("--output", args.output)
         if args.metrics_file is not None and not os.path.isfile(args.metrics_file):
             # Named explicitly: a report without its metrics is not the report asked for.
@@ -54,8 +69,13 @@ def main_report(argv: list[str] | None = None) -> int:
         print(f"stalwart report: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
+        if compare:
+            out = args.output or "compare.html"
+            path = write_comparison(args.run_dirs, out, interactive=False if args.static else None)
+            print(f"comparison of {len(args.run_dirs)} runs written to {path}")
+            return EXIT_OK
         path = write_report(
-            args.run_dir,
+            args.run_dirs[0],
             args.output,
             not args.no_png,
             args.metrics_file,

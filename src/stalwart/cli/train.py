@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from stalwart.checkpoint import CheckpointError
+from stalwart.checkpoint.errors import PeerLostError
 from stalwart.config.run import RunConfig
 from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import destroy_distributed, init_distributed
@@ -67,8 +68,9 @@ def _command() -> str:
 
 def _user_error(exc: ValueError | CheckpointError) -> int:
     """Bad input or an unusable checkpoint: one line on stderr, exit code 2 (no traceback);
-    a device that a rerun verdict names as faulty: exit code 16 (resume elsewhere)."""
-    if isinstance(exc, SuspectDeviceError):
+    a device that a rerun verdict names as faulty: exit code 16 (resume elsewhere); a rank that
+    went away during a checkpoint commit: exit code 1 (a launcher's restart resumes)."""
+    if isinstance(exc, (SuspectDeviceError, PeerLostError)):  # not the user's input
         sys.stderr.write(f"stalwart train: {exc}\n")
         return exc.exit_code
     kind = "checkpoint error" if isinstance(exc, CheckpointError) else "error"

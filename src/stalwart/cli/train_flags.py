@@ -333,6 +333,11 @@ def checkpoint_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="newest checkpoint unusable: warn, load the newest usable one",
     )
+    g.add_argument(
+        "--verify-checkpoint-on-load",
+        action="store_true",
+        help="check every file of the checkpoint against its checksums before loading",
+    )
     g.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     g.add_argument(
         "--non-persistent-save-interval",

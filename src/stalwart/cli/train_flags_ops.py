@@ -243,7 +243,17 @@ def fault_injection_flags(p: argparse.ArgumentParser) -> None:
 def logging_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "observability.logging", "observability: logging")
     g.add_argument("--log-interval", type=int, default=10, help="log line every N iterations")
-    g.add_argument("--log-throughput", action="store_true", help="TFLOP/s per GPU in the log line")
+    g.add_argument(
+        "--log-throughput",
+        action="store_true",
+        help="Megatron's TFLOP/s per GPU field (tokens/s, TFLOP/s and MFU are always logged)",
+    )
+    g.add_argument(
+        "--peak-tflops",
+        type=Float(gt=0.0),
+        metavar="TFLOPS",
+        help="dense peak TFLOP/s per GPU for MFU (default: the table of known GPUs; none on CPU)",
+    )
     g.add_argument("--log-num-zeros-in-grad", action="store_true", help="count zero gradients")
     g.add_argument("--log-params-norm", action="store_true", help="log the parameter norm")
     g.add_argument(
@@ -321,6 +331,11 @@ def straggler_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "observability.straggler", "observability: straggler detection")
     g.add_argument(
         "--log-straggler", action="store_true", help="compare ranks' compute time every log line"
+    )
+    g.add_argument(
+        "--disable-straggler-on-startup",
+        action="store_true",
+        help="start --log-straggler off; touch <run dir>/straggler.toggle turns it on or off",
     )
     g.add_argument(
         "--straggler-threshold", type=float, default=1.2, help="straggler: this x median time"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 from stalwart.config.checks import bounds, check_fields, parse_enum
@@ -32,6 +33,7 @@ class ObservabilityConfig:
     timing_log_option: TimingLogOption = TimingLogOption.MINMAX
     timing_mode: TimingMode = TimingMode.SYNC
     log_straggler: bool = False
+    disable_straggler_on_startup: bool = False  # on/off at runtime: <run dir>/straggler.toggle
     straggler_threshold: float = field(default=1.2, metadata=bounds(gt=1.0))
     straggler_minmax_count: int = field(default=1, metadata=bounds(ge=1))
     log_memory_interval: int = field(default=0, metadata=bounds(ge=0))
@@ -68,11 +70,35 @@ class ObservabilityConfig:
             )
         check_fields(self)  # after the conversions: the fields hold enums from here on
         validate_timing_flags(self.timing_log_level, self.timing_log_option)
+        if self.disable_straggler_on_startup and not self.log_straggler:
+            raise ValueError("--disable-straggler-on-startup needs --log-straggler")
         if self.profile:
             validate_profile_window(
                 self.profile_step_start, self.profile_step_end, self.profile_ranks
             )
         validate_empty_unused_memory_level(self.empty_unused_memory_level)
+
+    def check_extras(self) -> None:
+        """Every flag that needs an optional package must find it importable, checked before
+        start-up (before the model is built); ``ValueError`` naming the flag and the
+        ``pip install 'stalwart[...]'`` to run. The progress bar (tqdm) and the report's
+        plotly/matplotlib have fallbacks and are not checked."""
+        wanted = (
+            ("--tensorboard-dir", self.tensorboard_dir is not None, "torch.utils.tensorboard",
+             "tensorboard", "tensorboard"),
+            ("--wandb-project", self.wandb_project is not None, "wandb", "wandb", "wandb"),
+            ("--log-energy", self.log_energy, "pynvml", "nvidia-ml-py", "nvml"),
+        )  # fmt: skip
+        for flag, used, module, package, extra in wanted:
+            if not used:
+                continue
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # missing, or installed but broken (its own import fails)
+                raise ValueError(
+                    f"{flag} needs the {package!r} package ({type(exc).__name__}: {exc}): "
+                    f"pip install 'stalwart[{extra}]'"
+                ) from None
 
 
 def parse_timing_mode(value: TimingMode | str) -> TimingMode:

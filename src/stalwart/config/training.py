@@ -214,6 +214,7 @@ class CheckpointConfig:
     finetune: bool = False
     ckpt_keep_last: int | None = field(default=None, metadata=bounds(gt=0))
     ckpt_fallback: bool = False
+    verify_checkpoint_on_load: bool = False
     async_save: bool = False
     non_persistent_save_interval: int = field(default=0, metadata=bounds(ge=0))
     non_persistent_ckpt_dir: str | None = None
@@ -249,6 +250,7 @@ class CheckpointConfig:
             keep_last=self.ckpt_keep_last,
             async_save=self.async_save,
             fallback=self.ckpt_fallback,
+            verify_on_load=self.verify_checkpoint_on_load,
             non_persistent_dir=self.non_persistent_ckpt_dir,
             before_commit=before_commit,
         )

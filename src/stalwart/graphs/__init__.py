@@ -27,6 +27,7 @@ from stalwart.graphs.checks import (
 )
 from stalwart.graphs.compile import compile_for_graph
 from stalwart.graphs.compile_cache import (
+    CompileBooking,
     CompileCache,
     CompileCounts,
     NullCompileCache,
@@ -67,6 +68,7 @@ __all__ = [
     "GRAPHABLE_COMPILE_MODES",
     "CaptureErrorMode",
     "CaptureFailurePolicy",
+    "CompileBooking",
     "CompileCache",
     "CompileCounts",
     "CudaGraphImpl",

@@ -28,10 +28,11 @@ part of the forward-backward graph, which keeps ``.grad`` addresses fixed for th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -292,6 +293,7 @@ class OptimizerGraph:
         self.phase = StagePhase.WARMUP
         self.num_eager = 0
         self.capture_seconds = 0.0
+        self._overlapped = False  # the last step replayed on the context's second stream
         context.register(self)
 
     def step(
@@ -311,6 +313,7 @@ class OptimizerGraph:
             set_learning_rate(self.optimizer, lr)
         if self.skip_gate is not None and not gated:
             self.skip_gate.zero_()
+        self._overlapped = self.phase is StagePhase.CAPTURED and overlap
         if self.phase is StagePhase.CAPTURED:
             assert self._graph is not None
             if overlap:
@@ -358,6 +361,11 @@ class OptimizerGraph:
     def join(self) -> None:
         """Order the current stream after an overlapped step (device-side wait, no host sync)."""
         self._context.join_overlapped()
+
+    def on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """The stream the last :meth:`step` replayed on, made current (an overlapped step:
+        the second stream), so a device timer's end event follows the step's work."""
+        return self._context.on_overlap_stream() if self._overlapped else contextlib.nullcontext()
 
     def reset(self) -> None:
         """Drop the graph; the next ``step`` warms up (``warmup_steps`` eager steps) again."""

@@ -142,6 +142,13 @@ class GraphContext:
         with torch.cuda.stream(self._overlap_stream):
             yield
 
+    def on_overlap_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Make :meth:`overlapped`'s stream current, with no waits (to record an event after
+        the work queued there); the current stream when there is none."""
+        if self.device.type != "cuda" or self._overlap_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._overlap_stream)
+
     def join_overlapped(self) -> None:
         """Make the current stream wait (on the device, no host sync) for :meth:`overlapped` work."""
         if self._overlap_stream is not None:

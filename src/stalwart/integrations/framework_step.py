@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -153,7 +154,13 @@ class FrameworkStep:
         self.machine.load_state_dict(state.get("rerun"))
         self.loaded_path = checkpoint_path
         if checkpoint_path is not None:
-            apply_verdict(self.machine, checkpoint_path)
+            # The framework's own layout: the verdict names this checkpoint by its name.
+            name = os.path.basename(os.path.normpath(checkpoint_path))
+            self.shell.checkpoint_at(self.iteration, name)
+            apply_verdict(
+                self.machine, checkpoint_path, iteration=self.iteration,
+                root=self.shell.config.save_dir,
+            )  # fmt: skip
         failed = state.get("failed_microbatches")
         if failed is not None and self.machine.state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
             self._rerun_first = list(failed)

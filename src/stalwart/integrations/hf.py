@@ -31,8 +31,10 @@ first step's FLOPs with torch's counter): it overrides ``training_step`` so that
 :class:`stalwart.integrations.framework_step.FrameworkStep` runs the forward (``compute_loss``),
 the backward (``accelerator.backward``), the device checks, a replay on the same batch and RNG,
 the clip (``max_grad_norm``) and the optimizer step (gated on the device for fused AdamW: a
-rejected iteration never touches the weights). The gradients are dropped afterwards, so the
-Trainer's own ``optimizer.step()`` that follows finds none and changes nothing.
+rejected iteration never touches the weights). The loss is the plain Trainer's
+(``compute_loss`` with ``num_items_in_batch``); the Trainer's own ``optimizer.step()`` that
+follows is a no-op during ``train()`` and the ``grad_norm`` it logs is the guarded step's (the
+norm before the clip, as the Trainer's).
 
 Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch); the Trainer counts a
 rejected iteration (exit 16) as a step, so its checkpoint is named one step on: stalwart's state
@@ -59,6 +61,7 @@ from stalwart.integrations.shell import ShellConfig, TrainingShell
 from stalwart.loop import StepResult
 from stalwart.observability.flop_count import count_training_flops
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
+from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
 
 transformers = require("transformers", extra="hf", what="stalwart.integrations.hf")
 
@@ -99,6 +102,7 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         self._saving: contextlib.ExitStack | None = None
         self._pending_exit: ExitDecision | None = None
         self._exit_code: int | None = None  # kept after close
+        self._global_batch = 0
 
     @property
     def exit_code(self) -> int | None:
@@ -115,6 +119,8 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             self.shell = config.build(
                 rank=args.process_index, world_size=args.world_size, device=args.device
             )
+        # args.world_size is a property that asks accelerate's state: once, not every step.
+        self._global_batch = args.per_device_train_batch_size * args.world_size
         self.shell.resumed(int(state.global_step))
         self.shell.start()
 
@@ -160,9 +166,9 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             losses = {"lm loss": self.loss} if self.loss is not None else {}
             grad_norm, skipped = None, False
         lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
-        batch = args.per_device_train_batch_size * args.world_size
         self.require_shell().record(
-            it, losses=losses, batch_size=batch, learning_rate=lr, grad_norm=grad_norm,
+            it, losses=losses, batch_size=self._global_batch, learning_rate=lr,
+            grad_norm=grad_norm,
             skipped=skipped,
         )  # fmt: skip
 
@@ -174,6 +180,8 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             step_state = self.step.state_dict()  # collective: every rank, unconditionally
             os.makedirs(folder, exist_ok=True)  # rank 0 may not have created it yet
             torch.save(step_state, os.path.join(folder, STATE_FILE.format(rank=shell.rank)))
+            # The Trainer counts a rejected iteration as a step: the name is not the count.
+            shell.checkpoint_at(self.step.iteration, os.path.basename(folder))
         if self._saving is not None:
             self._saving.close()
             self._saving = None
@@ -211,17 +219,39 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             self.shell = None
 
 
+class _SteppedByTheGuardedStep:
+    """The Trainer's optimizer as the Trainer sees it while the guarded step owns the step:
+    ``step()`` does nothing (the guarded step stepped the accepted iteration, or kept a
+    rejected one from the weights); everything else (state, groups) is the optimizer's."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def step(self, closure: Any = None) -> None:
+        del closure
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
 class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
     """A ``Trainer`` whose step runs under stalwart's rerun state machine (module docstring).
     Needs a :class:`StalwartCallback` in ``callbacks``."""
 
     _stalwart_resume: str | None = None
+    _stalwart_loss: torch.Tensor | None = None  # this rank's loss of the last forward
+    _stalwart_grad_norm: torch.Tensor | None = None  # the last guarded step's
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_checkpoint(self.args.output_dir)
         self._stalwart_resume = resume_from_checkpoint or None
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            seen = self.__dict__.get("optimizer")  # set by the Trainer (untyped)
+            if isinstance(seen, _SteppedByTheGuardedStep):
+                self.optimizer = seen.optimizer  # the Trainer's own again
 
     def _stalwart_callback(self) -> StalwartCallback:
         for callback in self.callback_handler.callbacks:
@@ -232,24 +262,44 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> torch.Tensor:
-        del num_items_in_batch  # one batch per iteration: the loss is the batch mean
         callback = self._stalwart_callback()
         model.train()
         inputs = self._prepare_inputs(inputs)
+        batch = (inputs, num_items_in_batch)  # replayed (and saved after an exit 16) together
         if callback.step is None:
-            callback.step = self._build_step(callback, model, inputs)
-        result = callback.step.run([inputs])
+            callback.step = self._build_step(callback, model, batch)
+            # The guarded step owns the optimizer step: the Trainer's own one, next, is a no-op
+            # (its model.zero_grad() after it drops the gradients, as in a plain run).
+            self.optimizer = _SteppedByTheGuardedStep(self.optimizer)
+        result = callback.step.run([batch])
         callback.result = result
-        self.optimizer.zero_grad(set_to_none=True)  # the Trainer's optimizer.step(): a no-op
-        loss = result.losses.get("lm loss")
-        return (loss if loss is not None else torch.zeros(())).detach().to(self.args.device)
+        self._stalwart_grad_norm = result.grad_norm
+        loss = self._stalwart_loss  # this rank's, as the plain Trainer returns it
+        return (loss if loss is not None else torch.zeros(())).to(self.args.device)
 
-    def _forward_step(self, batch: dict[str, Any], model: torch.nn.Module) -> torch.Tensor:
+    def _forward_step(self, batch: Any, model: torch.nn.Module) -> torch.Tensor:
+        """The plain Trainer's loss: ``compute_loss`` with the batch's ``num_items_in_batch``
+        (token-averaged over the data-parallel ranks), averaged over ``n_gpu`` replicas."""
+        inputs, num_items_in_batch = batch
         with self.compute_loss_context_manager():
-            return self.compute_loss(model, batch)  # type: ignore[no-any-return]
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        self._stalwart_loss = loss.detach()
+        return loss  # type: ignore[no-any-return]
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        """The guarded step clipped (``max_grad_norm``) and stepped already: its norm."""
+        del model
+        return self._stalwart_grad_norm
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        """The norm the Trainer logs: the guarded step's (the gradients are gone by now)."""
+        del model
+        return self._stalwart_grad_norm if grad_norm is None else grad_norm
 
     def _build_step(
-        self, callback: StalwartCallback, model: torch.nn.Module, inputs: dict[str, Any]
+        self, callback: StalwartCallback, model: torch.nn.Module, batch: Any
     ) -> FrameworkStep:
         if self.args.gradient_accumulation_steps != 1:
             raise ValueError(
@@ -258,17 +308,28 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
             )
         shell = callback.require_shell()
         if shell.config.log.log_throughput:
-            counted = count_training_flops(model, self._forward_step, inputs)
+            counted = count_training_flops(model, self._forward_step, batch)
             shell.set_flops(counted.per_iteration(data_parallel_size=self.args.world_size))
+        optimizer = self.optimizer
+        if self.accelerator.scaler is None:
+            # Accelerate's wrapper adds nothing then (every batch syncs) but host work: two
+            # package look-ups per step (LOMO); with a GradScaler its step is the scaler's.
+            optimizer = getattr(optimizer, "optimizer", optimizer)
         step = FrameworkStep(
-            shell, model=model, optimizer=self.optimizer, forward_step=self._forward_step,
+            shell, model=model, optimizer=optimizer, forward_step=self._forward_step,
             clip_grad=float(self.args.max_grad_norm or 0.0), backward=self.accelerator.backward,
         )  # fmt: skip
         if self._stalwart_resume is not None:
             path = os.path.join(self._stalwart_resume, STATE_FILE.format(rank=shell.rank))
             if os.path.isfile(path):
                 state = torch.load(path, map_location="cpu", weights_only=True)
-                step.load_state_dict(state, checkpoint_path=self._stalwart_resume)
+                try:
+                    step.load_state_dict(state, checkpoint_path=self._stalwart_resume)
+                except SuspectDeviceError as exc:  # exit 16 with the verdict's line
+                    shell.print(f"stalwart: {exc}", flush=True)
+                    step.close()
+                    callback._close()
+                    raise SystemExit(exc.exit_code) from None
             else:
                 logger.warning("%s: no stalwart state; the guarded step starts fresh", path)
         return step

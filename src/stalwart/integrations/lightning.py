@@ -43,8 +43,16 @@ the clip (``stalwart_clip_grad``) and the optimizer step, gated on the device fo
 Adam/AdamW/SGD (a rejected iteration never touches the weights). Step-interval LR schedulers are
 stepped after each accepted iteration (``ReduceLROnPlateau`` is not: it needs a metric).
 
+Under DDP the step is built on the strategy's wrapper (the checks run in DDP's comm hook on each
+rank's own gradients, so a fault is blamed on its rank and replayed on a peer), and a
+:class:`~stalwart.integrations.resumable.ResumableLoader` passed to ``fit`` is sharded as Lightning
+shards a ``DataLoader`` (:mod:`stalwart.integrations.lightning_checks`). After an exit 17 the
+verdict names the ``iter_NNNNNNN.ckpt`` to train on from; a suspect device exits 16.
+
 Limits: one optimizer, ``accumulate_grad_batches=1`` (an iteration is one batch), no
-``gradient_clip_val`` (Lightning forbids it with manual optimization: use ``stalwart_clip_grad``).
+``gradient_clip_val`` (Lightning forbids it with manual optimization: use ``stalwart_clip_grad``);
+a kept ``training_step``, several optimizers and ``GuardedModule`` after ``LightningModule`` in
+the bases are refused in one line.
 Checkpoints hold every rank's RNG (Lightning saves none) and the rerun state, so a resume is
 bitwise (tested on one process and under DDP on 2 gloo ranks); the data position is Lightning's
 (a mid-epoch resume is exact when the loader's order is fixed, e.g. ``shuffle=False`` or a
@@ -64,10 +72,16 @@ import torch
 from stalwart.distributed import collectives
 from stalwart.integrations import require
 from stalwart.integrations.framework_step import FrameworkStep
+from stalwart.integrations.lightning_checks import (
+    refuse_unguardable,
+    refuse_unsharded,
+    shard_resumable_loaders,
+)
 from stalwart.integrations.shell import ShellConfig, TrainingShell
 from stalwart.loop import RngState, StepResult
 from stalwart.observability.flop_count import count_training_flops, flop_counter
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
+from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
 
 L = require("lightning.pytorch", extra="lightning", what="stalwart.integrations.lightning")
 
@@ -104,6 +118,19 @@ class GuardedModule:
     (see the module docstring). Implement :meth:`forward_step`; keep ``configure_optimizers``."""
 
     stalwart_clip_grad: float = 0.0  # global gradient-norm clip of the guarded step (0: none)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """``class M(L.LightningModule, GuardedModule)`` would take Lightning's
+        ``training_step`` (and Lightning's misleading "no training_step" error): name the order."""
+        super().__init_subclass__(**kwargs)
+        for base in cls.__mro__:
+            if base is GuardedModule:
+                break
+            if "training_step" in vars(base) and not issubclass(base, GuardedModule):
+                raise TypeError(
+                    f"class {cls.__name__}: put GuardedModule before {base.__name__} in its "
+                    f"bases, e.g. class {cls.__name__}(GuardedModule, L.LightningModule)"
+                )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -179,6 +206,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or self.shell is not None:
             return
+        shard_resumable_loaders(trainer)  # before Lightning takes the loader's length
         iters = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
         config = ShellConfig(train_iters=int(iters), save_dir=self.save_dir, **self._shell_fields)
         self.shell = config.build(
@@ -188,10 +216,16 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         shell = self._require_shell()
+        refuse_unsharded(trainer)
         if isinstance(pl_module, GuardedModule):
+            optimizer = pl_module.optimizers()  # type: ignore[attr-defined]
+            refuse_unguardable(pl_module, optimizer)
+            # The strategy's model (DDP's wrapper): the step's checks then run in DDP's comm
+            # hook, on this rank's own gradients before the all-reduce (blame stays local).
             self.step = FrameworkStep(
-                shell, model=pl_module, optimizer=pl_module.optimizers(),  # type: ignore[arg-type,attr-defined]
-                forward_step=_forward_step, clip_grad=pl_module.stalwart_clip_grad,
+                shell, model=trainer.strategy.model, optimizer=optimizer,
+                forward_step=lambda batch, model: pl_module.forward_step(batch),
+                clip_grad=pl_module.stalwart_clip_grad,
                 backward=pl_module.manual_backward,  # type: ignore[attr-defined]
             )  # fmt: skip
             pl_module.stalwart_step = self.step
@@ -222,7 +256,11 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             return
         mine = ranks[trainer.global_rank]
         if self.step is not None and "step" in mine:
-            self.step.load_state_dict(mine["step"], checkpoint_path=_str(trainer.ckpt_path))
+            try:
+                self.step.load_state_dict(mine["step"], checkpoint_path=_str(trainer.ckpt_path))
+            except SuspectDeviceError as exc:  # exit 16 with the verdict's line: run elsewhere
+                self._require_shell().print(f"stalwart: {exc}", flush=True)
+                raise SystemExit(exc.exit_code) from None
         else:
             RngState().load_state_dict(mine["rng"])
 
@@ -317,6 +355,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         path = checkpoint_path(self.save_dir, it)
         with shell.saving(it, non_persistent=non_persistent):
             trainer.save_checkpoint(path, weights_only=False)  # with the optimizer and loops
+            shell.checkpoint_at(it, os.path.basename(path))
             if trainer.is_global_zero:
                 _write_latest(self.save_dir, os.path.basename(path))
             collectives.barrier()  # no rank resumes from a pointer another has not written

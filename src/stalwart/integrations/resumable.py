@@ -9,6 +9,10 @@ skips that many batches (they are drawn and dropped: the loader's own order deci
 next, so the resume is exact when that order is a function of the epoch, e.g. ``shuffle=False``,
 a ``DistributedSampler`` whose ``set_epoch`` the framework calls, or a sampler seeded per epoch).
 
+Under data parallelism each rank needs its shard: the Lightning callback inserts Lightning's
+``DistributedSampler`` into the wrapped ``DataLoader`` as Lightning does for a bare one
+(``use_distributed_sampler``), and Lightning calls its ``set_epoch`` through :attr:`sampler`.
+
 Usage::
 
     >>> import torch
@@ -45,6 +49,16 @@ class ResumableLoader:
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+    @property
+    def sampler(self) -> Any:
+        """The wrapped loader's sampler (a framework calls its ``set_epoch`` every epoch)."""
+        return getattr(self.loader, "sampler", None)
+
+    @property
+    def batch_sampler(self) -> Any:
+        """The wrapped loader's batch sampler (its ``sampler``'s ``set_epoch``, as above)."""
+        return getattr(self.loader, "batch_sampler", None)
 
     def __iter__(self) -> Iterator[Any]:
         skip, self._skip = self._skip, 0

@@ -150,6 +150,10 @@ class TrainingShell:
         self.started = time.monotonic()
         self._exit = contextlib.ExitStack()
         self._finished: int | None = None
+        # The framework's checkpoints (its own names) by completed iterations, and the latest.
+        self._checkpoints: dict[int, str] = {}
+        self._latest: str | None = None
+        self._evaluated = False  # since the last decide: agree on the exit inputs again
         try:
             self._build_reliability()
             self._build_observability()
@@ -159,6 +163,7 @@ class TrainingShell:
 
     def _build_reliability(self) -> None:
         cfg, run_dir = self.config, self.config.artefact_dir
+        cfg.obs.check_extras()  # before anything is built or written
         say = self.print
         self.ledger = make_goodput_ledger(
             cfg.goodput, run_dir, rank=self.rank, print_fn=lambda line: say(line, flush=True)
@@ -189,7 +194,8 @@ class TrainingShell:
         self._exit.callback(self.sink.close)
         self.straggler = make_straggler_detector(
             obs.log_straggler, self.device, self.rank, self.world_size,
-            threshold=obs.straggler_threshold, run_dir=run_dir,
+            threshold=obs.straggler_threshold, minmax_count=obs.straggler_minmax_count,
+            run_dir=run_dir, on_at_start=not obs.disable_straggler_on_startup,
         )  # fmt: skip
         self._exit.callback(self.straggler.close)
         memory = MemoryMonitor(
@@ -297,9 +303,12 @@ class TrainingShell:
         agreed here."""
         if result is not None:
             agreed, verdict = result.agreed, result.verdict
+            if self._evaluated:  # a signal during the evaluation stops at this iteration
+                agreed = self.agreement.agree_again()
         else:
             self.agreement.begin()
             agreed, verdict = self.agreement.finish(), RerunVerdict()
+        self._evaluated = False
         inputs = exit_inputs(agreed, rerun=verdict, finished=finished)
         return decide(iteration, inputs, self.config.exit, can_save=can_save)
 
@@ -316,9 +325,29 @@ class TrainingShell:
         self.energy.resume()
         self.sections.maybe_update_timeouts()
 
-    def evaluation(self) -> contextlib.AbstractContextManager[None]:
-        """Around an evaluation: goodput's evaluation bucket."""
-        return self.ledger.span(Bucket.EVALUATION)
+    def checkpoint_at(self, iteration: int, name: str) -> None:
+        """The framework saved or loaded checkpoint ``name`` (its name in ``save_dir``, in the
+        framework's layout) holding ``iteration`` completed iterations: the one a rerun verdict
+        names for a launch on other hardware to train on from."""
+        self._checkpoints[int(iteration)] = name
+        self._latest = name
+
+    def _verdict_checkpoint(self, decision: ExitDecision) -> str | None:
+        diagnosis = decision.diagnosis
+        if diagnosis is None:
+            return None
+        if diagnosis.checkpoint_iteration is None:  # "the latest checkpoint"
+            return self._latest
+        return self._checkpoints.get(diagnosis.checkpoint_iteration)
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Iterator[None]:
+        """Around an evaluation: goodput's evaluation bucket. The next :meth:`decide` agrees on
+        the exit inputs again (one collective on evaluating iterations only): a signal received
+        during the evaluation ends the run at this iteration."""
+        with self.ledger.span(Bucket.EVALUATION):
+            yield
+        self._evaluated = True
 
     def finish(self, decision: ExitDecision, iteration: int) -> int:
         """The one exit path: learn timeouts, record why (``exit_reason.json``), wait for the
@@ -330,7 +359,7 @@ class TrainingShell:
         if decision.exit_code:
             logger.error("%s; exiting with code %d", decision.detail, decision.exit_code)
         code = leave(decision, iteration, save_dir=self.config.save_dir, rank=self.rank,
-                     log=self.print)  # fmt: skip
+                     log=self.print, checkpoint=self._verdict_checkpoint(decision))  # fmt: skip
         reason = decision.reason or ExitReason.FINISHED
         self.ledger.close(reason.value, decision.detail)
         self._finished = code

@@ -118,6 +118,9 @@ class MicroBatches:
     # A framework's backward (Lightning's ``manual_backward``: it prepares DDP's reducer first).
     backward: Callable[[torch.Tensor], None] | None = None
     _check_rows: CheckRows = field(default_factory=CheckRows, repr=False)
+    # model.parameters() walks every submodule (a Hugging Face model: hundreds of Python
+    # calls per pass); the parameters do not change under a step, so they are listed once.
+    _params: list[nn.Parameter] | None = field(default=None, repr=False)
 
     def __call__(
         self,
@@ -201,11 +204,15 @@ class MicroBatches:
             record_loss_run(self.machine, losses, self.machine.checks, self._check_rows)
 
     def _zero_grad(self) -> None:
+        if self.zero_grad == "none":
+            return
+        if self._params is None:
+            self._params = list(self.model.parameters())
         if self.zero_grad == "none_grads":
-            for p in self.model.parameters():
+            for p in self._params:
                 p.grad = None
         elif self.zero_grad == "in_place":
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grads = [p.grad for p in self._params if p.grad is not None]
             if grads:
                 torch._foreach_zero_(grads)
 

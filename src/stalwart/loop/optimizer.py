@@ -11,6 +11,7 @@ reads ``found_inf``, checked on CPU with torch 2.13 and on CUDA with 2.11). Any 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import torch
@@ -112,6 +113,11 @@ class OptimizerRunner(Protocol):
 
     def join(self) -> None: ...
 
+    def on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """The stream the last step ran on made current (a device timer's end event is
+        recorded there: an overlapped step runs on a second stream)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -174,6 +180,9 @@ class EagerOptimizer:
     def join(self) -> None:
         """Nothing to join: the eager step runs on the current stream."""
 
+    def on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the current stream
+
     def close(self) -> None:
         pass
 
@@ -193,6 +202,9 @@ class GraphedOptimizer:
 
     def join(self) -> None:
         self.graph.join()
+
+    def on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return self.graph.on_step_stream()
 
     def close(self) -> None:
         self.graph.reset()

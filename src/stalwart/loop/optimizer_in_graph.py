@@ -22,6 +22,7 @@ step, which a discarded launch could not undo; the machine's read follows the re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -144,6 +145,12 @@ class InGraphOptimizer:
         self.optimizer.step()
 
     # ------------------------------------------------------------------ OptimizerRunner
+    @property
+    def stepped_in_pass(self) -> bool:
+        """This pass's step ran inside the graph: :meth:`step` does no work (the step's
+        device time is in the pass's, so the step's timer is not run for it)."""
+        return self._in_pass
+
     def step(self, *, gated: bool, overlap: bool = True) -> Stepped:
         """The graph's step (``gated``: it was enqueued with the pass), or an eager one when
         this pass held it: gated on the device, or host-decided (the gate cleared)."""
@@ -163,6 +170,9 @@ class InGraphOptimizer:
 
     def join(self) -> None:
         """Nothing to join: the step is on the pass's stream."""
+
+    def on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the pass's stream
 
     def close(self) -> None:
         pass

@@ -109,7 +109,9 @@ class GuardedStep:
             An observer with ``iteration_region()`` times every forward-backward call (its
             communication), one with ``graph_safe()`` keeps its compute regions in a graph.
         goodput: a :class:`stalwart.observability.goodput.GoodputLedger`: rerun passes go to
-            its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``).
+            its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``); the look-ahead's
+            work is booked with the iteration it belongs to (``ledger.ahead``; a dropped
+            launch stays where it ran).
         backward: ``backward(scaled_loss)`` instead of ``scaled_loss.backward()``: a framework's
             own (Lightning's ``manual_backward``, which prepares DDP's reducer first).
     """
@@ -236,6 +238,8 @@ class GuardedStep:
         while self.machine.should_run_forward_backward(self.data, iteration=iteration):
             self.runners.optimizer.join()  # a rerun pass must not race an overlapped step
             if passes:
+                if self._lookahead.pending is not None:
+                    self._dropped_ahead()
                 self._lookahead.forget()  # the machine dropped it: the pass is rerun
             with self._rerun_span(passes), self.machine.replay_context():
                 reported = self._pass(n, first=passes == 0)
@@ -248,11 +252,12 @@ class GuardedStep:
                 # The launch may overwrite a graph's outputs: average this pass's values first
                 # (and, like the launch's host work, before the short step).
                 losses = average_reported(reported, self.dp_group)
-                staged = ahead and self._lookahead.prepare(iteration + 1, n)  # device busy
+                # The launch's work is the next iteration's forward-backward: its timer.
+                staged = ahead and self._timed_ahead(self._lookahead.prepare, iteration + 1, n)
                 stepped = self._optimizer_step(gated=True, overlap=not staged)
                 if ahead:
                     self.runners.optimizer.join()  # the next pass reads the stepped weights
-                    self._lookahead.launch(iteration + 1, n)
+                    self._timed_ahead(self._lookahead.launch, iteration + 1, n)
         self.runners.optimizer.join()
         verdict = self._safe_to_save(self.machine.verdict())
         agreed = self.agreement.finish() if self.agreement is not None else Agreed()
@@ -318,19 +323,48 @@ class GuardedStep:
         timer.stop()
         return reported
 
+    def _timed_ahead(self, work: Callable[[int, int], bool], iteration: int, n: int) -> bool:
+        """Part of the next iteration's pass queued now (the look-ahead): timed in
+        ``forward-backward``, which its own ``_pass`` then does not time again (that pass only
+        takes the launched work). A log interval's sum is then every pass's work once."""
+        timer = self.timers(FORWARD_BACKWARD)
+        timer.start()
+        try:
+            with self._ahead_span():  # the goodput ledger books it with the next iteration
+                return work(iteration, n)
+        finally:
+            timer.stop()
+
+    def _ahead_span(self) -> contextlib.AbstractContextManager[Any]:
+        ahead = getattr(self._goodput, "ahead", None)
+        return ahead() if ahead is not None else contextlib.nullcontext()
+
+    def _dropped_ahead(self) -> None:
+        """A launch was dropped: the ledger keeps its time where it ran."""
+        drop = getattr(self._goodput, "drop_ahead", None)
+        if drop is not None:
+            drop()
+
     def _optimizer_step(self, gated: bool, overlap: bool = True) -> Stepped:
+        if getattr(self.runners.optimizer, "stepped_in_pass", False):
+            # The step ran inside the full-iteration graph, in forward-backward's time: an
+            # optimizer figure here would be ~0 and wrong, so none is recorded.
+            return self.runners.optimizer.step(gated=gated, overlap=overlap)
         timer = self.timers(OPTIMIZER)
         timer.start()
         try:
             return self.runners.optimizer.step(gated=gated, overlap=overlap)
         finally:
-            timer.stop()
+            # A step overlapped on a second stream: a device timer's end event goes there.
+            with self.runners.optimizer.on_step_stream():
+                timer.stop()
 
     # ----------------------------------------------------------------------- between steps
     def settle(self) -> None:
         """Drop the next iteration's launched work (every RNG back to its start; its data is
         served again next) and order later work after the optimizer step. Idempotent."""
-        self._lookahead.discard(restore_rng=True)
+        if self._lookahead.discard(restore_rng=True):
+            self._dropped_ahead()
         self.runners.optimizer.join()
 
     def skip(self, iteration: int, num_microbatches: int | None = None) -> StepResult:

@@ -15,8 +15,9 @@ As a `TrainingLog` provider, ``meter.log_fields(info)`` runs ``lap(info.num_iter
 
 Each rank reads ``nvmlDeviceGetTotalEnergyConsumption`` (millijoules since driver load) for its own
 device; ``lap`` sums joules and GPU counts over ranks in ONE all-reduce and reports the mean per
-GPU. ``pynvml`` (package ``nvidia-ml-py``) is imported lazily. Without NVML or a CUDA device the
-meter logs "energy: not available (<reason>)" once and reports nothing, but still joins the
+GPU. ``pynvml`` (package ``nvidia-ml-py``) is imported lazily; ``--log-energy`` without it is
+refused before start-up (``ObservabilityConfig.check_extras``: ``pip install 'stalwart[nvml]'``).
+Without NVML's driver library or a CUDA device the meter logs "energy: not available (<reason>)" once and reports nothing, but still joins the
 all-reduce so that mixed ranks cannot deadlock. Cost: one NVML call (~10 µs) per lap, no device
 sync.
 """
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from stalwart.distributed import collectives
+from stalwart.observability.nvml import open_nvml_handle
 from stalwart.observability.train_log import IntervalInfo, LogField
 
 
@@ -49,24 +51,7 @@ class EnergyLap:
 
 def _nvml_handle(device: torch.device) -> tuple[Any, Any]:
     """Open NVML and return (module, handle) for ``device``; raise RuntimeError with a reason."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise RuntimeError(f"device is {device}, not a CUDA GPU")
-    try:
-        import pynvml
-    except ImportError as exc:
-        raise RuntimeError("pynvml missing: pip install nvidia-ml-py") from exc
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # NVMLError has many subclasses; the message is what matters
-        raise RuntimeError(f"nvmlInit failed: {exc}") from exc
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    try:
-        # Match by UUID: CUDA_VISIBLE_DEVICES renumbers devices, NVML does not.
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
-        name = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
-        handle = pynvml.nvmlDeviceGetHandleByUUID(name)
-    except Exception:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    pynvml, handle = open_nvml_handle(device)
     try:
         pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
     except Exception as exc:

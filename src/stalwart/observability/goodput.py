@@ -4,8 +4,12 @@ A :class:`GoodputLedger` keeps a cursor: at any moment the job is in exactly one
 :class:`~stalwart.observability.goodput_records.Bucket`, and every switch closes the previous
 interval. Closed intervals are appended to ``<run dir>/goodput.jsonl`` (one ``write`` each, no
 fsync on the hot path: a SIGKILL loses at most the open interval, never more than
-``flush_interval_s`` of it, plus a torn last line that the reader skips). A new session (a
-torchrun restart, a relaunch, an in-process attempt) reads the file first, so it knows:
+``flush_interval_s`` of it, plus a torn last line that the reader skips). A session's records
+are held back until its first step: a launch refused at start-up (:meth:`GoodputLedger.refused`)
+leaves nothing in the file; a start-up killed before its first step leaves no record of its own
+(the next session books the gap since the last record as downtime, unless that record ended a
+finished job). A new session (a torchrun restart, a relaunch, an in-process attempt) reads the
+file first, so it knows:
 
 * the time since the previous session's last record: restart downtime (split into *hang until
   detected* when a watchdog wrote a ``fault`` record with ``cause="hang"``), unless that session
@@ -35,7 +39,8 @@ Usage in your own loop (rank 0 writes; every other rank gets the null ledger)::
     >>> abs(summary.wall_s - (summary.last - summary.first)) < 1e-3
     True
 
-Hot-path cost: two ``time.monotonic()`` calls and a lock per step; a ``write`` per closed interval.
+Hot-path cost: two ``time.monotonic()`` calls and a lock per step; a ``write`` per closed interval
+(an accepted step writes nothing of its own: its interval runs on into what follows it).
 Disabled: :class:`NullGoodputLedger` (same methods, nothing happens).
 """
 
@@ -50,6 +55,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stalwart.observability.goodput_held import HeldIntervals
+from stalwart.observability.goodput_reader import read_ledger
 from stalwart.observability.goodput_records import (
     FINISHED,
     GOODPUT_FILE,
@@ -63,7 +70,6 @@ from stalwart.observability.goodput_records import (
     add_span,
     empty_seconds,
     goodput_line,
-    read_ledger,
     summarize,
 )
 from stalwart.observability.goodput_session import (
@@ -115,10 +121,11 @@ class StepSpan:
     bucket (the iteration compiled, or captured a CUDA graph: ``source`` says which); ``abandon``
     too, and the iteration does not count as done (the rerun state machine rejected it)."""
 
-    __slots__ = ("bucket", "completed", "iteration", "source", "started")
+    __slots__ = ("bucket", "completed", "iteration", "source", "started", "started_in")
 
     def __init__(self, iteration: int, bucket: Bucket, started: float) -> None:
         self.iteration, self.bucket, self.started = iteration, bucket, started
+        self.started_in = bucket  # the bucket the step's own time is held under until it ends
         self.completed = True
         self.source: CompileSource | None = None
 
@@ -126,7 +133,7 @@ class StepSpan:
         self.bucket, self.source = bucket, source
 
     def abandon(self, bucket: Bucket) -> None:
-        self.bucket, self.completed = bucket, False
+        self.bucket, self.completed, self.source = bucket, False, None
 
 
 class GoodputLedger:
@@ -171,7 +178,16 @@ class GoodputLedger:
         self._hang_reported_at: float | None = None
         self._failed: tuple[float, float, Bucket] | None = None
         self._summary: GoodputSummary | None = None
-        prior = read_ledger(self.path)
+        # The open step's time and the look-ahead's work, held until their bucket is known
+        # (a rejected iteration's first pass is not productive).
+        self._held = HeldIntervals()
+        # Records wait here until the first step (or close): a launch refused at start-up
+        # (`refused`) leaves no session in the file and prints no goodput line.
+        self._pending: list[bytes] | None = []
+        prior = read_ledger(self.path, now=self._clock())
+        skipped = prior.skipped_note()
+        if skipped:  # once per session; the summary's notes repeat it for `stalwart goodput`
+            logger.warning("goodput: %s", skipped)
         self._fd = self._open_append()
         self._totals = dict(summarize(prior).seconds) if prior.records else empty_seconds()
         self._hwm = high_water_mark(prior)
@@ -223,28 +239,45 @@ class GoodputLedger:
 
         if isinstance(record, Span):
             add_span(self._totals, record)
-        line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
+        line = (json.dumps(record.to_json(), separators=(",", ":")) + "\n").encode("utf-8")
+        if self._pending is not None:
+            self._pending.append(line)
+            return
+        self._append(line)
+
+    def _append(self, data: bytes) -> None:
         try:
-            os.write(self._fd, line.encode("utf-8"))
+            os.write(self._fd, data)
         except OSError as exc:
             # A full disk must not stop training; the reader says what is missing.
             logger.warning("goodput: cannot append to %s: %s", self.path, exc)
 
-    def _close_interval(
-        self, now: float, bucket: Bucket | None = None, source: CompileSource | None = None
-    ) -> None:
-        """Write ``[t0, now]`` of the open interval (as ``bucket``/``source`` if a bucket is
-        given) and reopen at now."""
+    def _commit_session(self) -> None:
+        """The session runs: write what it held back since start-up (one write)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            if pending:
+                self._append(b"".join(pending))
+
+    def _close_interval(self, now: float, bucket: Bucket | None = None) -> None:
+        """Write ``[t0, now]`` of the open interval (as ``bucket`` if given) and reopen at now."""
         self._write_failed()  # a failed step's interval comes first (it ended at t0)
         if now > self._t0:
-            b, src = (bucket, source) if bucket is not None else (self._bucket, self._source)
-            idle = 0.0
-            if b is Bucket.PRODUCTIVE and self._idle_pending > 0:
-                idle = min(self._idle_pending, now - self._t0)
-                self._idle_pending -= idle
-            span = Span(b, self._t0, now, self._session, self._last_iteration, idle, source=src)
-            self._write(span)
+            b = bucket or self._bucket
+            source = self._source if bucket is None else None
+            for t0, t1 in self._held.split(b, self._t0, now):  # the rest is held
+                self._write_span(b, t0, t1, source)
         self._t0 = max(now, self._t0)
+
+    def _write_span(
+        self, bucket: Bucket, t0: float, t1: float, source: CompileSource | None = None
+    ) -> None:
+        idle = 0.0
+        if bucket is Bucket.PRODUCTIVE and self._idle_pending > 0:
+            idle = min(self._idle_pending, t1 - t0)
+            self._idle_pending -= idle
+        span = Span(bucket, t0, t1, self._session, self._last_iteration, idle, source=source)
+        self._write(span)
 
     def _switch(
         self, bucket: Bucket, now: float | None = None, source: CompileSource | None = None
@@ -254,7 +287,13 @@ class GoodputLedger:
             self._close_interval(now)
             self._bucket, self._source = bucket, source
         elif now - self._t0 >= self.flush_interval_s:
-            self._close_interval(now)
+            self._flush(now)
+
+    def _flush(self, now: float) -> None:
+        """Write the open interval up to the first time still held (a step's own, work run
+        ahead): what stays unwritten is a suffix, so a kill leaves no hole in the file."""
+        held = self._held.first_held(self._bucket)
+        self._close_interval(now if held is None else min(now, max(held, self._t0)))
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager
@@ -266,10 +305,12 @@ class GoodputLedger:
         the block until the next switch (logging, the exit decision) stays in the same bucket.
         """
         with self._lock:
+            self._commit_session()
             chosen = bucket or (Bucket.LOST_WORK if iteration <= self._hwm else Bucket.PRODUCTIVE)
             now = self._clock()
             self._switch(chosen, now)
             handle = StepSpan(iteration, chosen, now)
+            self._held.begin_step(handle)
         try:
             yield handle
         except BaseException:
@@ -277,12 +318,40 @@ class GoodputLedger:
                 self._step_failed(handle)
             raise
         with self._lock:
-            if handle.bucket is not self._bucket or handle.source is not self._source:
-                self._close_interval(max(handle.started, self._t0))  # reclassified in the block
-                self._close_interval(self._clock(), handle.bucket, handle.source)
+            if handle.bucket is not handle.started_in or handle.source is not None:
+                self._close_interval(self._clock())  # reclassified or abandoned
             if handle.completed:
                 self._last_iteration = iteration
+            self._end_step(handle.bucket, handle.source)
             self._switch(self._bucket, source=self._source)
+
+    def _end_step(self, bucket: Bucket, source: CompileSource | None = None) -> None:
+        """Write the step's held intervals as ``bucket`` (and ``source``), its final one
+        (``reclassify``, ``abandon``); its nested spans (rerun) are written already. An accepted
+        step's open interval stays open: it goes on into what follows the step, as one interval."""
+        for t0, t1 in self._held.end_step():
+            self._write_span(bucket, t0, t1, source)
+
+    @contextlib.contextmanager
+    def ahead(self) -> Iterator[None]:
+        """Time the block as part of the *next* :meth:`step`: the look-ahead runs the next
+        iteration's first work inside this one. It takes that step's final bucket (a rejected
+        iteration's launched first micro-batch is ``rerun``); dropped first (:meth:`drop_ahead`,
+        :meth:`close`), it stays with the time around it. Nothing is written here."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held.ran_ahead(max(start, self._t0), self._clock())
+
+    def drop_ahead(self) -> None:
+        """The work timed by :meth:`ahead` was discarded before its step (the look-ahead's
+        launch dropped: a rerun, a settle before a save): it stays with the time around it, the
+        step that launched it or the loop (a speculative launch's cost, not a failure's)."""
+        with self._lock:
+            for bucket, t0, t1 in self._held.drop_ahead():
+                self._write_span(bucket, t0, t1)
 
     def _step_failed(self, handle: StepSpan) -> None:
         """The iteration never completed: its time is lost work, or hang until the hang was
@@ -292,6 +361,7 @@ class GoodputLedger:
         now = self._clock()
         start = max(handle.started, self._t0)
         self._close_interval(start)
+        self._end_step(Bucket.LOST_WORK)  # its intervals before the failure: the step failed
         detected = self._hang_detected_since(handle.started)
         split = now if detected is None else min(max(detected, start), now)
         self._failed = (start, split, Bucket.LOST_WORK if detected is None else Bucket.HANG)
@@ -303,7 +373,7 @@ class GoodputLedger:
         watchdog aborts its process group or kills the hung rank). Failure path only."""
         times = [
             r.t
-            for r in read_ledger(self.path).records
+            for r in read_ledger(self.path, now=self._clock()).records
             if isinstance(r, Marker)
             and r.kind is RecordKind.FAULT
             and r.get("cause") == "hang"
@@ -365,6 +435,10 @@ class GoodputLedger:
             seconds = dict(self._totals)
             if self._failed is not None:
                 add_span(seconds, Span(self._failed[2], self._failed[0], self._failed[1], ""))
+            step = self._held.step
+            held = step.started_in if step is not None else self._bucket
+            for t0, t1 in self._held.provisional():  # held: as if the step is accepted
+                add_span(seconds, Span(held, t0, t1, ""))
             add_span(seconds, Span(self._bucket, self._t0, max(self._clock(), self._t0), ""))
         return GoodputSummary(seconds, [], [], [])
 
@@ -380,7 +454,7 @@ class GoodputLedger:
         del info
         with self._lock:  # a log step writes the open interval: a kill loses one interval at most
             if not self._closed:
-                self._close_interval(self._clock())
+                self._flush(self._clock())
         return [LogField("goodput", 100.0 * self.goodput, "{:.1f}%", "goodput")]
 
     def close(self, reason: str = FINISHED, detail: str = "") -> GoodputSummary:
@@ -391,16 +465,33 @@ class GoodputLedger:
                 self._closed = True
                 now = self._clock()
                 self._close_interval(now)
+                for bucket, t0, t1 in self._held.drop_ahead():  # launched ahead, never used
+                    self._write_span(bucket, t0, t1)
+                if self._held.step is not None:  # closed from inside a step: it did not end
+                    self._end_step(Bucket.LOST_WORK)
                 fields = {"reason": reason, "detail": detail[:500], "it": self._last_iteration}
                 fields = {k: v for k, v in fields.items() if v not in (None, "")}
                 self._write(Marker(RecordKind.END, now, self._session, fields))
+                self._commit_session()
                 with contextlib.suppress(OSError):
                     os.fsync(self._fd)
                 os.close(self._fd)
-                self._summary = summarize(read_ledger(self.path))
+                self._summary = summarize(read_ledger(self.path, now=now))
                 self._print(goodput_line(self._summary))
         assert self._summary is not None
         return self._summary
+
+    def refused(self) -> GoodputSummary:
+        """The launch was refused at start-up (bad input found after the ledger was built: a
+        schedule mismatch on resume): before the first step nothing of this session is written
+        and no line is printed; after it, the same as ``close("fault")``. Idempotent."""
+        with self._lock:
+            if self._pending is None or self._closed:
+                return self.close("fault", "refused")
+            self._closed, self._pending = True, None
+            os.close(self._fd)
+            self._summary = GoodputSummary(empty_seconds(), [], [], [])
+            return self._summary
 
     def __enter__(self) -> GoodputLedger:
         return self
@@ -429,6 +520,11 @@ class NullGoodputLedger:
     ) -> contextlib.AbstractContextManager[Any]:
         return self._null
 
+    def ahead(self) -> contextlib.AbstractContextManager[Any]:
+        return self._null
+
+    def drop_ahead(self) -> None: ...
+
     def add_straggler_idle(self, seconds: float) -> None: ...
     def resumed(self, iteration: int) -> None: ...
     def fault(self, cause: str, detail: str = "", since: float | None = None) -> None: ...
@@ -437,6 +533,9 @@ class NullGoodputLedger:
         return []
 
     def close(self, reason: str = FINISHED, detail: str = "") -> None:
+        return None
+
+    def refused(self) -> None:
         return None
 
     def __enter__(self) -> NullGoodputLedger:

@@ -1,5 +1,6 @@
-"""The goodput ledger's file: record format, a reader that survives torn and hostile files, the
-summary (seconds per bucket, per session) and its text forms.
+"""The goodput ledger's file: record format, the summary (seconds per bucket, per session) and
+its text forms. The reader that survives torn and hostile files is
+:mod:`stalwart.observability.goodput_reader`.
 
 Standard library only (``stalwart goodput`` reads a ledger without importing torch). The writer is
 :class:`stalwart.observability.goodput.GoodputLedger`.
@@ -24,15 +25,12 @@ not counted (a relaunch after an end for another reason, a crash or a kill, is r
 from __future__ import annotations
 
 import enum
-import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from stalwart.regular_file import open_regular
 
 GOODPUT_FILE = "goodput.jsonl"
 SCHEMA_VERSION = 1
@@ -141,135 +139,36 @@ class Marker:
 Record = Span | Marker
 
 
-def _finite(value: Any, lo: float = -math.inf) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) and number >= lo else None
-
-
 def _count(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**53:
         return None
     return value
 
 
-def _text(value: Any, limit: int = 512) -> str:
-    return value[:limit] if isinstance(value, str) else ""
-
-
-def parse_record(obj: Any) -> Record | None:
-    """One decoded JSON value -> a record, or None when it is not a valid one (never raises)."""
-    if not isinstance(obj, dict):
-        return None
-    try:
-        kind = RecordKind(obj.get("k"))
-    except ValueError:
-        return None
-    session = _text(obj.get("s"), 128)
-    if kind is RecordKind.SPAN:
-        return _parse_span(obj, session)
-    t = _finite(obj.get("t"), 0.0)
-    if t is None:
-        return None
-    allowed = _MARKER_FIELDS[kind]
-    fields = {k: _clean(obj[k]) for k in allowed if k in obj and _clean(obj[k]) is not None}
-    return Marker(kind, t, session, fields)
-
-
-_MARKER_FIELDS = {
-    RecordKind.SESSION: ("launcher_start", "pid", "host", "restart_count", "attempt", "flush_s"),
-    RecordKind.FAULT: ("cause", "since", "detail", "rank"),
-    RecordKind.RESUME: ("it",),
-    RecordKind.END: ("reason", "detail", "it"),
-}
-
-
-def _clean(value: Any) -> Any:
-    """Only short strings, finite numbers and counts survive into a marker's fields."""
-    if isinstance(value, str):
-        return value[:512]
-    if isinstance(value, int) and not isinstance(value, bool):
-        return _count(value)
-    return _finite(value)
-
-
-def _parse_span(obj: dict[str, Any], session: str) -> Span | None:
-    try:
-        bucket = Bucket(obj.get("b"))
-    except ValueError:
-        return None
-    t0, t1 = _finite(obj.get("t0"), 0.0), _finite(obj.get("t1"), 0.0)
-    if t0 is None or t1 is None or not 0.0 <= t1 - t0 <= MAX_SPAN_S:
-        return None
-    iteration = obj.get("it")
-    if iteration is not None and _count(iteration) is None:
-        return None
-    idle = _finite(obj.get("idle", 0.0), 0.0)
-    if idle is None or idle > t1 - t0 + 1e-6:
-        return None
-    gap = obj.get("gap") is True
-    return Span(bucket, t0, t1, session, iteration, idle, gap, _source(obj.get("src")))
-
-
-def _source(value: Any) -> CompileSource | None:
-    """A span's ``src`` (an unknown value reads as none: the seconds still count)."""
-    try:
-        return CompileSource(value) if isinstance(value, str) else None
-    except ValueError:
-        return None
-
-
 @dataclass
 class LedgerFile:
-    """What a read found: valid records in file order, and what it had to skip."""
+    """What a read found (:func:`stalwart.observability.goodput_reader.read_ledger`): valid
+    records in file order, and what it had to skip."""
 
     records: list[Record] = field(default_factory=list)
-    skipped: int = 0  # unreadable complete lines
+    bad_lines: list[tuple[int, str]] = field(default_factory=list)  # (line number, why)
     torn_tail: bool = False  # the last line had no newline: the writer died mid-write
     exists: bool = False
+    path: str = ""
 
+    @property
+    def skipped(self) -> int:
+        """Complete lines that are not valid records."""
+        return len(self.bad_lines)
 
-def read_ledger(path: str | os.PathLike[str]) -> LedgerFile:
-    """Read a ledger file (missing file: empty result). Never raises for bad content."""
-    out = LedgerFile()
-    try:
-        f = open_regular(path)  # closed below; a directory, a FIFO or a device raises here
-    except OSError:
-        return out
-    out.exists = True
-    with f:
-        for raw in _lines(f):
-            complete = raw.endswith(b"\n")
-            record = _decode(raw) if complete else None
-            if record is not None:
-                out.records.append(record)
-            elif not complete:
-                out.torn_tail = raw.strip() != b""
-            elif raw.strip():
-                out.skipped += 1
-    return out
-
-
-def _lines(f: Any) -> Iterator[bytes]:
-    """Lines of a binary file; an over-long line is yielded as one undecodable marker."""
-    while True:
-        line = f.readline(MAX_LINE_BYTES + 1)
-        if not line:
-            return
-        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-            while line and not line.endswith(b"\n"):
-                line = f.readline(MAX_LINE_BYTES + 1)
-            yield b"\x00\n"  # counted as one unreadable line
-            continue
-        yield line
-
-
-def _decode(raw: bytes) -> Record | None:
-    try:
-        return parse_record(json.loads(raw.decode("utf-8")))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
+    def skipped_note(self) -> str | None:
+        """One line naming the file and the skipped lines (None when none was skipped)."""
+        if not self.bad_lines:
+            return None
+        shown = "; ".join(f"line {n}: {why}" for n, why in self.bad_lines[:3])
+        more = f"; and {len(self.bad_lines) - 3} more" if len(self.bad_lines) > 3 else ""
+        where = self.path or GOODPUT_FILE
+        return f"{where}: {len(self.bad_lines)} unreadable record(s) skipped ({shown}{more})"
 
 
 @dataclass(frozen=True)
@@ -402,8 +301,9 @@ def compile_line(summary: GoodputSummary) -> str | None:
 
 def _read_notes(file: LedgerFile) -> list[str]:
     notes = []
-    if file.skipped:
-        notes.append(f"{file.skipped} unreadable record(s) skipped")
+    skipped = file.skipped_note()
+    if skipped:
+        notes.append(skipped)
     if file.torn_tail:
         notes.append("the last record was torn (the writer was killed mid-write) and is skipped")
     return notes

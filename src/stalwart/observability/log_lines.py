@@ -47,6 +47,11 @@ class IntervalSummary:
     params_norm: float | None = None
     extra_fields: Sequence[LogField] = field(default_factory=tuple)
     timestamp: str | None = None
+    # Ours, after Megatron's fields (torchtitan's three): None leaves the field out.
+    tokens_per_second: float | None = None
+    tokens_per_second_per_gpu: float | None = None
+    tflops_per_gpu: float | None = None  # printed here only when Megatron's field is not
+    mfu_percent: float | None = None
 
 
 def format_iteration_line(s: IntervalSummary) -> str:
@@ -75,7 +80,22 @@ def format_iteration_line(s: IntervalSummary) -> str:
         line += f" {f.label}: {f.fmt.format(f.value)} |"
     line += f" number of skipped iterations: {s.skipped:3d} |"
     line += f" number of nan iterations: {s.nan:3d} |"
-    return line
+    return line + _throughput_tail(s)
+
+
+def _throughput_tail(s: IntervalSummary) -> str:
+    """Tokens/s, TFLOP/s/GPU (unless Megatron's field already shows it) and MFU, after
+    Megatron's last field so that a Megatron log parser reads the line unchanged."""
+    tail = ""
+    if s.tokens_per_second is not None:
+        tail += f" tokens per second: {s.tokens_per_second:.0f} |"
+    if s.tokens_per_second_per_gpu is not None:
+        tail += f" tokens per second per GPU: {s.tokens_per_second_per_gpu:.0f} |"
+    if s.tflops_per_gpu is not None and s.throughput is None:
+        tail += f" TFLOP/s/GPU: {s.tflops_per_gpu:.2f} |"
+    if s.mfu_percent is not None:
+        tail += f" MFU: {s.mfu_percent:.1f}% |"
+    return tail
 
 
 def format_validation_lines(

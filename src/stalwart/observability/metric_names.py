@@ -45,6 +45,8 @@ GROUP_OF_KEY: Mapping[str, str] = types.MappingProxyType(
         "iteration-time": "throughput",
         "throughput": "throughput",
         "tokens-per-second": "throughput",
+        "tokens-per-second-per-gpu": "throughput",
+        "mfu-percent": "throughput",
     }
 )
 

@@ -10,8 +10,9 @@ The lines are Megatron's, so the tools that read its file read ours::
 (one line; ``Saving async checkpoint`` with ``--async-save``). Job throughput is this job's
 floating-point operations since it started over its wall time, per GPU; cumulative throughput
 counts from the first ``Starting job`` line of the current world size, starting at the
-operations of the last checkpoint saved before it, as Megatron reads the file. A line that does
-not parse (another tool's, or a torn last line) is skipped. Only rank 0 writes.
+operations of the last checkpoint saved before it, as Megatron reads the file. A line that is
+not valid (another tool's, a torn last line, a date out of range, a NaN) is skipped with one
+warning naming the file and the line (:func:`parse_line` checks every line). Only rank 0 writes.
 
 Usage::
 
@@ -23,14 +24,21 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stalwart.distributed.launch_env import env_token
 from stalwart.regular_file import open_regular
+
+logger = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.txt"
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -62,39 +70,97 @@ def saved_message(
     )
 
 
-def _field(token: str) -> str:
-    return token.split(": ", 1)[1]
+# A line later than the writer's clock by more than this is out of range (the hosts of one job
+# agree on the time; a far-future start made every cumulative throughput negative).
+FUTURE_SLACK_S = 60.0
 
 
-def cumulative_start(lines: Iterable[str], world_size: int) -> tuple[dt.datetime | None, float]:
+@dataclass(frozen=True)
+class ProgressEntry:
+    """One valid line of the file."""
+
+    when: float  # POSIX seconds of its date (local time, as Megatron writes it)
+    world_size: int
+    event: str
+    flops: float  # ``Floating-point operations`` of a save line; 0.0 on other lines
+
+
+def parse_line(line: str, now: float | None = None) -> ProgressEntry:
+    """One line -> its entry; ``ValueError`` saying why it is not one (never another error).
+
+    A date that does not parse or is out of range (year 1, after ``now`` + 60 s), a world size
+    that is not a positive count, a save line whose operations are not a finite count: invalid.
+    """
+    tokens = line.rstrip("\n").split("\t")
+    if len(tokens) < 4:
+        raise ValueError("not a progress line (fewer than 4 tab-separated fields)")
+    try:
+        when = dt.datetime.strptime(tokens[0], TIME_FORMAT).timestamp()
+    except (ValueError, OverflowError, OSError):  # year 1: before the platform's epoch range
+        raise ValueError(f"date {tokens[0][:40]!r} is not a time ({TIME_FORMAT})") from None
+    ceiling = (time.time() if now is None else now) + FUTURE_SLACK_S
+    if not 0.0 <= when <= ceiling:
+        raise ValueError(f"date {tokens[0]!r} is out of range (the epoch to now)")
+    world = _number(tokens[2], "# GPUs", int)
+    if not 0 < world < 2**31:
+        raise ValueError(f"'# GPUs' {world} is not a positive count")
+    event, flops = tokens[3], 0.0
+    if event in (SAVED, SAVING_ASYNC):
+        flops = _number(tokens[7] if len(tokens) > 7 else "", "Floating-point operations", float)
+        if not (math.isfinite(flops) and flops >= 0.0):
+            raise ValueError(f"'Floating-point operations' {flops} is not a finite count")
+    return ProgressEntry(when, world, event, flops)
+
+
+def _number(token: str, key: str, kind: type[int] | type[float]) -> Any:
+    name, _, value = token.partition(": ")
+    if name != key:
+        raise ValueError(f"no {key!r} field where it belongs")
+    try:
+        return kind(value)
+    except (ValueError, OverflowError):
+        raise ValueError(f"{key!r} {value[:40]!r} is not a number") from None
+
+
+def cumulative_start(
+    lines: Iterable[str], world_size: int, now: float | None = None
+) -> tuple[dt.datetime | None, float]:
     """(time of the first ``Starting job`` line of the current run of ``world_size`` lines,
     operations of the last checkpoint saved before it); ``(None, 0.0)`` if there is none.
 
     A line of another world size restarts the search (Megatron's rule: cumulative throughput
-    is per world size). Unparseable lines are skipped.
+    is per world size). Invalid lines (:func:`parse_line`) are skipped.
     """
-    start: dt.datetime | None = None
-    start_flops, latest_flops = 0.0, 0.0
+    entries = []
     for line in lines:
-        tokens = line.rstrip("\n").split("\t")
-        try:
-            when = dt.datetime.strptime(tokens[0], TIME_FORMAT)
-            world = int(_field(tokens[2]))
-            event = tokens[3]
-            if event in (SAVED, SAVING_ASYNC):
-                latest_flops = float(_field(tokens[7]))
-        except (IndexError, ValueError):
-            continue
-        if world != world_size:
+        with contextlib.suppress(ValueError):
+            entries.append(parse_line(line, now))
+    start = _cumulative_start(entries, world_size)
+    return (None, 0.0) if start is None else (dt.datetime.fromtimestamp(start[0]), start[1])
+
+
+def _cumulative_start(
+    entries: Iterable[ProgressEntry], world_size: int
+) -> tuple[float, float] | None:
+    start: float | None = None
+    start_flops, latest_flops = 0.0, 0.0
+    for entry in entries:
+        if entry.event in (SAVED, SAVING_ASYNC):
+            latest_flops = entry.flops
+        if entry.world_size != world_size:
             start = None
             continue
-        if event == STARTING and start is None:
-            start, start_flops = when, latest_flops
-    return start, start_flops
+        if entry.event == STARTING and start is None:
+            start, start_flops = entry.when, latest_flops
+    return None if start is None else (start, start_flops)
 
 
 class ProgressLog:
-    """Appends to ``<save_dir>/progress.txt`` (rank 0 only; see the module docstring)."""
+    """Appends to ``<save_dir>/progress.txt`` (rank 0 only; see the module docstring).
+
+    The file is read back at every save (the cumulative throughput's start); an invalid line
+    is skipped with one warning naming the file and the line (once per line and job), and a
+    failed append is a warning: neither may fail the run after its checkpoint committed."""
 
     def __init__(
         self,
@@ -108,36 +174,59 @@ class ProgressLog:
         self.job_id = env_token("SLURM_JOB_ID", "")
         self._started_at = clock()
         self._flops_at_start = 0.0
+        self._warned: set[int] = set()
 
     def _append(self, message: str) -> None:
         when = dt.datetime.fromtimestamp(self.clock())
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(format_line(when, self.job_id, self.world_size, message) + "\n")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            line = format_line(when, self.job_id, self.world_size, message) + "\n"
+            with open(self.path, "a+b") as f:  # appends go to the end whatever the position
+                size = f.seek(0, os.SEEK_END)
+                if size and (f.seek(size - 1) is None or f.read(1) != b"\n"):
+                    line = "\n" + line  # end a torn last line: ours must stay a line of its own
+                f.write(line.encode("utf-8"))
+        except OSError as exc:  # a full disk must not fail a run whose checkpoint committed
+            logger.warning("--log-progress: cannot append to %s: %s", self.path, exc)
 
     def start(self, flops_so_far: float) -> None:
         """The job starts (after loading its checkpoint: ``flops_so_far`` done before it)."""
         self._started_at, self._flops_at_start = self.clock(), flops_so_far
         self._append(STARTING)
 
-    def _lines(self) -> list[str]:
+    def _entries(self) -> list[ProgressEntry]:
+        """The file's valid lines; the invalid ones not warned about yet get one warning."""
         try:
             with open_regular(self.path) as f:  # a FIFO planted there would block the save
-                return f.read().decode("utf-8", errors="replace").splitlines()
+                lines = f.read().decode("utf-8", errors="replace").splitlines()
         except OSError:
             return []
+        entries, bad = [], []
+        now = self.clock()
+        for number, line in enumerate(lines, start=1):
+            try:
+                entries.append(parse_line(line, now))
+            except ValueError as exc:
+                if number not in self._warned:
+                    bad.append(f"line {number}: {exc}")
+                    self._warned.add(number)
+        if bad:
+            more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+            logger.warning(
+                "--log-progress: %s: skipped %d invalid line(s) (%s%s)",
+                self.path, len(bad), "; ".join(bad[:3]), more,
+            )  # fmt: skip
+        return entries
 
     def on_save(self, iteration: int, flops_so_far: float, tokens: float, async_save: bool) -> None:
         """A persistent checkpoint at ``iteration`` was written (or, async, started)."""
         now = self.clock()
         per_gpu = 1e12 * self.world_size
         job = (flops_so_far - self._flops_at_start) / (max(now - self._started_at, 1e-9) * per_gpu)
-        start, start_flops = cumulative_start(self._lines(), self.world_size)
+        start = _cumulative_start(self._entries(), self.world_size)
         if start is None:  # the file lost its start line: count from this job
-            start_s, start_flops = self._started_at, self._flops_at_start
-        else:
-            start_s = start.timestamp()
-        cumulative = (flops_so_far - start_flops) / (max(now - start_s, 1e-9) * per_gpu)
+            start = (self._started_at, self._flops_at_start)
+        cumulative = (flops_so_far - start[1]) / (max(now - start[0], 1e-9) * per_gpu)
         self._append(saved_message(iteration, job, cumulative, flops_so_far, tokens, async_save))
 
 

@@ -41,6 +41,7 @@ from stalwart.observability.run_dir import (
     RunArtefacts,
     RunPaths,
     append_event,
+    read_manifest,
     series,
     timer_label,
     timer_names,
@@ -121,6 +122,8 @@ def load_run(
             setattr(art, attr, clean.read_json(path, notes))
         elif name != "chaos.json":  # chaos runs are the exception, not worth a note
             notes.append(f"{name} not found: section skipped")
+    config = read_manifest(root).get("config")
+    art.config = config if isinstance(config, dict) else None
     art.memory = clean.clean_memory(art.memory, "memory.json", notes)
     art.chaos = clean.clean_chaos(art.chaos)
     return art

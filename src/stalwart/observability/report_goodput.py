@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from stalwart.observability.goodput_reader import read_ledger
 from stalwart.observability.goodput_records import (
     GOODPUT_FILE,
     Bucket,
@@ -19,7 +20,6 @@ from stalwart.observability.goodput_records import (
     Span,
     format_duration,
     goodput_line,
-    read_ledger,
     summarize,
 )
 

@@ -9,7 +9,8 @@ Sections (element ids, stable for tests and links): ``loss`` (training loss per 
 validation loss), ``learning-rate``, ``throughput``, ``timers`` (each timer's own time per
 iteration: a parent timer such as ``forward-backward`` shows only the time not covered by the
 children logged with it, so bars add up to the iteration), ``memory``, ``stragglers``,
-``timeline`` and, for chaos runs, ``chaos``.
+``timeline``, for chaos runs ``chaos``, and ``config`` (the run's settings from ``run.json``).
+Every chart over iterations reaches the run's last iteration (`RunArtefacts.last_iteration`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from stalwart.observability.report_config import config_section
 from stalwart.observability.report_plotly import Charts, make_charts, plotly_js
 from stalwart.observability.report_svg import _e, _fmt
 from stalwart.observability.run_dir import (
     LOSS_KEYS,
     LR_KEYS,
+    MFU_KEYS,
     THROUGHPUT_KEYS,
+    TOKENS_KEYS,
     RunArtefacts,
     series,
     timer_label,
@@ -47,7 +51,7 @@ def _section(sid: str, title: str, body: str) -> str:
 HINTS = {
     "loss": "the metrics file: --save or --metrics-file",
     "learning-rate": "the metrics file: --save or --metrics-file",
-    "throughput": "train with --log-throughput",
+    "throughput": "the metrics file: --save or --metrics-file",
     "timers": "train with --timing-log-level 1 or 2",
     "stragglers": "train with --log-straggler",
 }
@@ -100,9 +104,10 @@ def timer_stacks(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, list[
 
 
 def _metric_sections(art: RunArtefacts, charts: Charts) -> list[str]:
-    m = art.metrics
+    m, last = art.metrics, art.last_iteration
     out = []
-    loss = {"loss": series(m, *LOSS_KEYS), **_validation_series(art)}
+    validation = _validation_series(art)
+    loss = {"loss": series(m, *LOSS_KEYS), **validation}
     panels = (
         ("loss", "Loss", loss, "loss"),
         ("learning-rate", "Learning rate", {"lr": series(m, *LR_KEYS)}, "lr"),
@@ -110,22 +115,24 @@ def _metric_sections(art: RunArtefacts, charts: Charts) -> list[str]:
             "throughput",
             "Throughput",
             {"TFLOP/s/GPU": series(m, *THROUGHPUT_KEYS)},
-            "throughput",
+            "TFLOP/s per GPU",
         ),
     )
     for sid, title, data, ylabel in panels:
         has = any(data.values())
         body = (
-            charts.line(data, "iteration", ylabel) if has else _skipped(title, HINTS.get(sid, ""))
+            charts.line(data, "iteration", ylabel, last, frozenset(validation))
+            if has
+            else _skipped(title, HINTS.get(sid, ""))
         )
-        if sid == "throughput" and series(m, "elapsed_ms"):
-            body += charts.line({"elapsed ms/iter": series(m, "elapsed_ms")}, "iteration", "ms")
+        if sid == "throughput":
+            body += _rate_charts(art, charts)
         out.append(_section(sid, title, body))
     names = timer_names(m)
     if names:
         rows = [r for r in m if any(k in r for k in names)]
         stride = max(1, math.ceil(len(rows) / 60))
-        rows = rows[::stride]
+        rows = rows[::stride] + ([rows[-1]] if (len(rows) - 1) % stride else [])  # + the last
         stacks = timer_stacks(rows, names)
         body = charts.stacked_bars(
             [str(r["iteration"]) for r in rows], stacks, "ms per iteration", "iteration"
@@ -136,10 +143,32 @@ def _metric_sections(art: RunArtefacts, charts: Charts) -> list[str]:
     return out
 
 
+def _rate_charts(art: RunArtefacts, charts: Charts) -> str:
+    """Tokens/s, MFU (when the run knew its device's peak) and ms per iteration."""
+    m, last = art.metrics, art.last_iteration
+    out = ""
+    for label, keys, unit in (
+        ("tokens/s", TOKENS_KEYS, "tokens per second"),
+        ("MFU %", MFU_KEYS, "MFU (% of the peak)"),
+        ("elapsed ms/iter", ("elapsed_ms",), "ms"),
+    ):
+        points = series(m, *keys)
+        if points:
+            out += charts.line({label: points}, "iteration", unit, last)
+    if m and not series(m, *MFU_KEYS):
+        out += (
+            '<p class="note">MFU: not logged (no known peak for this device: CPU, or a GPU '
+            "missing from the table; --peak-tflops gives one).</p>"
+        )
+    return out
+
+
 def _memory_section(art: RunArtefacts, charts: Charts) -> str:
     mem = art.memory
     parts = []
-    if mem:
+    if mem and mem.get("measured_source") == "cpu-rss":
+        parts.append(_cpu_memory(mem, charts))
+    elif mem:
         theo = mem.get("theoretical") or {}
         measured = mem.get("measured") or {}
         peak = float(mem.get("measured_peak_bytes") or 0.0)
@@ -176,8 +205,41 @@ def _memory_section(art: RunArtefacts, charts: Charts) -> str:
         for k in ("mem-max-allocated-bytes", "mem-allocated-bytes", "mem-reserved-bytes")
     }
     if any(mem_series.values()):
-        parts.append(charts.line(mem_series, "iteration", "MiB"))
-    return _section("memory", "Memory: theoretical vs measured", "".join(parts))
+        parts.append(charts.line(mem_series, "iteration", "MiB", art.last_iteration))
+    cpu = bool(mem) and (mem or {}).get("measured_source") == "cpu-rss"
+    title = "Memory: the formula, and the process RSS" if cpu else "Memory: theoretical vs measured"
+    return _section("memory", title, "".join(parts))
+
+
+def _cpu_memory(mem: dict[str, Any], charts: Charts) -> str:
+    """A CPU run: the formula (what the model, optimizer and activations would take on an
+    accelerator) and the process's resident memory side by side, not as a ratio: RSS also holds
+    the interpreter, torch and the data, which the formula does not model."""
+    theo = mem.get("theoretical") or {}
+    measured = mem.get("measured") or {}
+    mib = 2.0**20
+    w = float(theo.get("weights_optimizer_bytes") or 0.0)
+    a = float(theo.get("activation_bytes") or 0.0)
+    rss = float(measured.get("mem-max-rss-bytes") or mem.get("measured_peak_bytes") or 0.0)
+    chart = charts.stacked_bars(  # the formula alone: RSS is not the same quantity
+        ["formula (accelerator memory)"],
+        {"weights+optimizer": [w / mib], "activations": [a / mib]},
+        "MiB",
+    )
+    note = (
+        '<p class="note">CPU run: the formula is the memory the model, its optimizer state and '
+        "activations would take on an accelerator; the measured value is the process's "
+        "resident memory (RSS), which also holds the Python interpreter, torch and the data. "
+        "They measure different things, so they are not compared (no ratio, no shared chart).</p>"
+    )
+    rows: list[list[object]] = [
+        ["formula total", _mib(theo.get("total_bytes"))],
+        ["max process RSS (measured; not comparable)", _mib(rss)],
+        ["parameters", f"{int(theo.get('num_parameters') or 0):,}"],
+        ["bytes per parameter", theo.get("bytes_per_parameter", "n/a")],
+    ]
+    rows += [[k, _mib(v)] for k, v in (theo.get("breakdown") or {}).items()]
+    return chart + note + _table(["quantity", "value"], rows)
 
 
 def _straggler_section(art: RunArtefacts, charts: Charts) -> str:
@@ -208,10 +270,30 @@ def _straggler_section(art: RunArtefacts, charts: Charts) -> str:
             ]
         ],
     )
+    table += _gpu_table(last)
     ranks = max(len(r["compute_ms"]) for r in recs)
     if ranks == 1:
         summary += '<p class="note">One rank: there is nobody to compare with (ratios are 1).</p>'
     return _section("stragglers", "Stragglers", charts.heatmap(recs) + summary + table)
+
+
+def _gpu_table(record: dict[str, Any]) -> str:
+    """The last report's GPU fields per rank (NVML; absent on CPU)."""
+    gpu = record.get("gpu")
+    if not isinstance(gpu, list) or not any(isinstance(g, dict) for g in gpu):
+        return ""
+    keys = ("temperature_c", "power_w", "utilization_pct", "clock_mhz")
+
+    def cell(g: Any, key: str) -> str:
+        v = g.get(key) if isinstance(g, dict) else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return _fmt(float(v))
+        return "n/a"
+
+    rows = [[rank, *(cell(g, k) for k in keys)] for rank, g in enumerate(gpu[:1024])]
+    return "<h3>GPUs at the last report (NVML)</h3>" + _table(
+        ["rank", "temperature °C", "power W", "utilisation %", "SM clock MHz"], rows
+    )
 
 
 def _metric_counter_events(art: RunArtefacts) -> list[dict[str, Any]]:
@@ -235,8 +317,7 @@ def _timeline_section(art: RunArtefacts, charts: Charts) -> str:
     )
     if not events and not art.exit_reason:
         return _section("timeline", "Timeline", _skipped("events.jsonl"))
-    its = [float(r["iteration"]) for r in art.metrics]
-    body = charts.timeline(events, max(its) if its else None) if events else ""
+    body = charts.timeline(events, art.last_iteration) if events else ""
     counts: dict[str, int] = {}
     for ev in events:
         counts[str(ev.get("kind"))] = counts.get(str(ev.get("kind")), 0) + 1
@@ -292,6 +373,7 @@ def render_html(
     ]
     if art.chaos is not None:
         sections.append(_chaos_section(art))
+    sections.append(config_section(art.config))
     notes = "".join(f"<li>{_e(n)}</li>" for n in art.notes)
     pngs = ", ".join(f"report/{_e(n)}" for n in png_names)
     header = (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from stalwart.observability.report_svg import KIND_COLOURS, PALETTE, Points
+from stalwart.observability.report_svg import KIND_COLOURS, PALETTE, Points, series_colours
 from stalwart.observability.run_dir import EventKind
 
 _CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["toImage"]}
@@ -68,12 +68,22 @@ class PlotlyCharts:
             )
         )
 
-    def line(self, data: dict[str, Points], xlabel: str, ylabel: str) -> str:
-        """One trace per series; non-finite values are gaps; one-point series get markers."""
+    def line(
+        self,
+        data: dict[str, Points],
+        xlabel: str,
+        ylabel: str,
+        x_max: float | None = None,
+        dashed: frozenset[str] = frozenset(),
+    ) -> str:
+        """One trace per series; non-finite values are gaps; one-point series get markers.
+        ``x_max``: the x axis reaches at least this (the run's last iteration); ``dashed``:
+        names of series drawn dashed (validation next to training)."""
         import plotly.graph_objects as go
 
         fig = go.Figure()
-        for (name, pts), colour in zip(((k, v) for k, v in data.items() if v), PALETTE * 4):
+        data = {k: v for k, v in data.items() if v}
+        for (name, pts), colour in zip(data.items(), series_colours(list(data), dashed)):
             ys = [y if math.isfinite(y) else None for _, y in pts]
             sparse = len(pts) <= 20
             fig.add_trace(
@@ -82,10 +92,10 @@ class PlotlyCharts:
                     y=ys,
                     name=name,
                     mode="lines+markers" if sparse else "lines",
-                    line=dict(color=colour),
+                    line=dict(color=colour, dash="dash" if name in dashed else "solid"),
                 )
             )
-        fig.update_xaxes(title_text=xlabel)
+        fig.update_xaxes(title_text=xlabel, range=_x_range(data, x_max))
         fig.update_yaxes(title_text=ylabel)
         return self._html(fig)
 
@@ -161,9 +171,21 @@ class PlotlyCharts:
                 )
             )
         fig.update_yaxes(categoryorder="array", categoryarray=kinds[::-1], type="category")
-        fig.update_xaxes(title_text="iteration", range=[0, max(x_max or 0.0, 1.0) * 1.02])
+        last = max([x_max or 0.0, 1.0, *(float(e.get("iteration", 0)) for e in events)])
+        fig.update_xaxes(title_text="iteration", range=[0, last * 1.02])
         fig.update_layout(hovermode="closest", showlegend=False)
         return self._html(fig, height=300)
+
+
+def _x_range(data: dict[str, Points], x_max: float | None) -> list[float] | None:
+    """The x axis from the first point to ``x_max`` (or the last point), 1 % padding; None:
+    plotly's autorange (no points, nothing to extend)."""
+    xs = [x for pts in data.values() for x, _ in pts]
+    if x_max is None or not xs:
+        return None
+    lo, hi = min(xs), max([*xs, x_max])
+    pad = (hi - lo) * 0.01 or 1.0
+    return [lo - pad, hi + pad]
 
 
 class SvgCharts:
@@ -171,10 +193,17 @@ class SvgCharts:
 
     interactive = False
 
-    def line(self, data: dict[str, Points], xlabel: str, ylabel: str) -> str:
+    def line(
+        self,
+        data: dict[str, Points],
+        xlabel: str,
+        ylabel: str,
+        x_max: float | None = None,
+        dashed: frozenset[str] = frozenset(),
+    ) -> str:
         from stalwart.observability.report_svg import line_chart
 
-        return line_chart(data, xlabel, ylabel)
+        return line_chart(data, xlabel, ylabel, x_max, dashed)
 
     def stacked_bars(
         self, labels: list[str], stacks: dict[str, list[float]], ylabel: str, xlabel: str = ""

@@ -26,6 +26,15 @@ W, H, ML, MR, MT, MB = 760, 260, 70, 190, 20, 40
 Points = list[tuple[float, float]]
 
 
+def series_colours(names: Sequence[str], dashed: frozenset[str] = frozenset()) -> list[str]:
+    """A palette colour per series; a dashed ``"<name> (validation)"`` takes ``<name>``'s colour,
+    so a run's training and validation curves read as one run."""
+    solid = [n for n in names if n not in dashed]
+    own = {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(solid)}
+    extra = iter(PALETTE[(len(solid) + i) % len(PALETTE)] for i in range(len(names)))
+    return [own.get(n) or own.get(n.removesuffix(" (validation)")) or next(extra) for n in names]
+
+
 def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
@@ -98,15 +107,24 @@ def _legend(names: Sequence[str], colours: Sequence[str]) -> list[str]:
     return parts
 
 
-def line_chart(data: dict[str, Points], xlabel: str, ylabel: str) -> str:
-    """Inline SVG line chart of several ``(x, y)`` series (non-finite y values are gaps)."""
+def line_chart(
+    data: dict[str, Points],
+    xlabel: str,
+    ylabel: str,
+    x_max: float | None = None,
+    dashed: frozenset[str] = frozenset(),
+) -> str:
+    """Inline SVG line chart of several ``(x, y)`` series (non-finite y values are gaps); the x
+    axis reaches at least ``x_max``; series named in ``dashed`` are drawn dashed."""
     data = {k: v for k, v in data.items() if v}
     xs = [p[0] for pts in data.values() for p in pts]
-    x0, x1 = _bounds(xs)
+    x0, x1 = _bounds([*xs, x_max] if x_max is not None and xs else xs)
     y0, y1 = _bounds([p[1] for pts in data.values() for p in pts])
     pw, ph = W - ML - MR, H - MT - MB
     parts = _axes(x0, x1, y0, y1, xlabel, ylabel)
-    for (_name, pts), colour in zip(data.items(), PALETTE * 4):
+    colours = series_colours(list(data), dashed)
+    for (name, pts), colour in zip(data.items(), colours):
+        dash = ' stroke-dasharray="5,3"' if name in dashed else ""
         segs: list[list[str]] = []
         cur: list[str] = []
         for x, y in pts:
@@ -125,9 +143,9 @@ def line_chart(data: dict[str, Points], xlabel: str, ylabel: str) -> str:
             elif seg:
                 pl = " ".join(seg)
                 parts.append(
-                    f'<polyline points="{pl}" fill="none" stroke="{colour}" stroke-width="1.5"/>'
+                    f'<polyline points="{pl}" fill="none" stroke="{colour}" stroke-width="1.5"{dash}/>'
                 )
-    parts += _legend(list(data), PALETTE * 4)
+    parts += _legend(list(data), colours)
     return _svg(parts)
 
 

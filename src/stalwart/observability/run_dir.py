@@ -16,7 +16,8 @@ Layout (file names are fixed; each artefact is optional):
 * ``metrics.jsonl`` — training and validation records (`stalwart.observability.train_log`)
 * ``events.jsonl`` — skipped/NaN iterations, reruns, restarts, checkpoints, exits (`report`)
 * ``straggler.jsonl``, ``memory.json``, ``exit_reason.json``, ``chaos.json``
-* ``run.json`` — this manifest: ``{"version": 1, "metrics": "<path>", ...}``
+* ``run.json`` — this manifest: ``{"version": 1, "metrics": "<path>", "config": {...}}`` (the
+  trainer writes it at start-up, with its settings)
 * ``report.html`` and ``report/*.png`` — written by ``stalwart report``
 
 The manifest is read as data only (JSON; unknown keys ignored; a path that is not a string is
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,10 +117,19 @@ class RunPaths:
     def manifest(self) -> Path:
         return self.root / MANIFEST_FILE
 
-    def write_manifest(self) -> Path:
-        """Record where this run's artefacts are (atomic replace; call on rank 0 only)."""
+    def write_manifest(self, config: Mapping[str, Any] | None = None) -> Path:
+        """Record where this run's artefacts are, and the run's settings (``config``: a JSON-safe
+        nested mapping, e.g. ``RunConfig.to_dict()``; the report shows it). Atomic replace;
+        call on rank 0 only (a resumed session records its own settings)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        payload = {"version": _MANIFEST_VERSION, "metrics": str(self.metrics.resolve())}
+        metrics = self.metrics.resolve()
+        try:  # inside the run directory: relative, so a copied or moved run stays whole
+            recorded = str(metrics.relative_to(self.root.resolve()))
+        except ValueError:
+            recorded = str(metrics)
+        payload: dict[str, Any] = {"version": _MANIFEST_VERSION, "metrics": recorded}
+        if config is not None:
+            payload["config"] = dict(config)
         tmp = self.manifest.with_name(f".{MANIFEST_FILE}.tmp.{os.getpid()}")
         tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, self.manifest)
@@ -143,7 +155,9 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, object]:
 # ``report_html`` renders), so neither reader imports the other.
 LOSS_KEYS = ("lm loss", "loss")
 LR_KEYS = ("lr", "learning-rate")
-THROUGHPUT_KEYS = ("throughput_tflops_per_gpu", "throughput", "tokens_per_s")
+THROUGHPUT_KEYS = ("throughput_tflops_per_gpu", "throughput")
+TOKENS_KEYS = ("tokens_per_second", "tokens_per_s")
+MFU_KEYS = ("mfu_percent",)
 
 
 class EventKind(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11)
@@ -198,7 +212,19 @@ class RunArtefacts:
     exit_reason: dict[str, Any] | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
     chaos: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None  # run.json's "config": the run's settings
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def last_iteration(self) -> float | None:
+        """The run's last iteration known to any artefact (metrics, validation, events, exit
+        reason): every chart's x axis reaches it."""
+        its = [float(r["iteration"]) for r in self.metrics + self.validation + self.events]
+        exit_it = (self.exit_reason or {}).get("iteration")
+        if isinstance(exit_it, (int, float)) and not isinstance(exit_it, bool):
+            its.append(float(exit_it))
+        finite = [i for i in its if math.isfinite(i)]
+        return max(finite) if finite else None
 
 
 def series(rows: list[dict[str, Any]], *keys: str) -> list[tuple[float, float]]:

@@ -36,6 +36,17 @@ iteration region minus compute: the exposed communication and the wait for peers
 has the highest compute and the lowest comm (everyone else waits for it); a slow link raises
 comm on every rank while compute stays flat.
 
+GPU fields (Megatron's): each report also carries every rank's GPU temperature, power,
+utilisation and SM clock from NVML (`stalwart.observability.straggler_gpu`), with the min and
+max over ranks and the rank that holds each (``MnPwr/Rnk: 650.00W/0 | MxPwr/Rnk: ...``); on CPU
+or without ``pynvml`` these fields are left out.
+
+Runtime toggle (Megatron's): ``enabled=False`` (``--disable-straggler-on-startup``) starts the
+detector off (no timing; a report is still a collective, which carries the toggle); ``touch
+<run dir>/straggler.toggle`` flips it on every rank at the next log step
+(`stalwart.observability.straggler_toggle`). Regions captured into a graph while it is off are
+not timed after it is turned on (the replay is then timed as a whole).
+
 Full-iteration CUDA graphs: ``compute()`` regions entered while the graph is captured record
 *external* CUDA events (``torch.cuda.Event(external=True)``, see ``straggler_timing``), which
 every replay re-records; the report reads the last replay's times at the log step. Keep
@@ -50,12 +61,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
-import statistics
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +75,18 @@ from torch.distributed import ProcessGroup
 from stalwart.distributed import collectives
 from stalwart.observability.goodput import straggler_idle_seconds
 from stalwart.observability.sinks import append_line
+from stalwart.observability.straggler_gpu import (
+    GpuStatsReader,
+    make_gpu_stats,
+    sample_values,
+    samples_from_gather,
+)
+from stalwart.observability.straggler_report import StragglerReport, build_report
 from stalwart.observability.straggler_timing import Region, RegionTiming, make_timing
+from stalwart.observability.straggler_toggle import TOGGLE_FILE, FileToggle
 from stalwart.observability.train_log import IntervalInfo, LogField
 
 STRAGGLER_FILE = "straggler.jsonl"
-COMM_MEDIAN_KEY = "straggler/comm-ms-median"
 
 
 def validate_straggler_args(threshold: float, minmax_count: int) -> None:
@@ -78,116 +95,6 @@ def validate_straggler_args(threshold: float, minmax_count: int) -> None:
         raise ValueError(f"--straggler-threshold must be a finite number > 1.0, got {threshold}")
     if minmax_count < 1:
         raise ValueError(f"--straggler-minmax-count must be an integer >= 1, got {minmax_count}")
-
-
-@dataclass(frozen=True)
-class StragglerReport:
-    """Per-rank compute time over one log interval, in milliseconds per iteration.
-
-    Attributes:
-        iteration: the iteration the report was taken at.
-        compute_ms: ``compute_ms[r]`` is rank r's compute time per iteration.
-        min_ms / median_ms / max_ms: statistics over ranks.
-        slowest / fastest: ``(rank, ms)`` of the ``minmax_count`` slowest / fastest ranks.
-        relative_throughput: ``median_ms / compute_ms[r]`` (1.0 = median rank, < 1 = slower).
-        stragglers: ranks whose compute time exceeds ``threshold * median_ms``.
-        threshold: the threshold used.
-        comm_ms: per rank, the ``iteration_region`` time minus compute (exposed communication
-            and waiting for peers); None when no rank timed an iteration region.
-        num_iterations: iterations in the interval.
-        source: ``events`` / ``graph-events`` (inside a captured graph) / ``iteration`` (only
-            the whole iteration region was timed, e.g. a replay without graph events) /
-            ``wall`` (host clock).
-    """
-
-    iteration: int
-    compute_ms: list[float]
-    min_ms: float
-    median_ms: float
-    max_ms: float
-    slowest: list[tuple[int, float]]
-    fastest: list[tuple[int, float]]
-    relative_throughput: list[float]
-    stragglers: list[int]
-    threshold: float
-    comm_ms: list[float] | None = None
-    num_iterations: int = 1
-    source: str = "wall"
-
-    def fields(self) -> list[LogField]:
-        """Fields for the training log line; keyed ones also go to the sinks and metrics file."""
-        slow_rank = self.slowest[0][0]
-        out = [
-            LogField("compute ms min", self.min_ms, "{:.1f}", "straggler/compute-ms-min"),
-            LogField("median", self.median_ms, "{:.1f}", "straggler/compute-ms-median"),
-            LogField("max", self.max_ms, "{:.1f}", "straggler/compute-ms-max"),
-            LogField("slowest rank", slow_rank, "{}", "straggler/slowest-rank"),
-            LogField(
-                "slowest rel. throughput",
-                self.relative_throughput[slow_rank],
-                "{:.2f}",
-                "straggler/slowest-relative-throughput",
-            ),
-        ]
-        if len(self.slowest) > 1:
-            ranks = ",".join(f"{r}:{ms:.1f}" for r, ms in self.slowest)
-            out.append(LogField("slowest ranks (ms)", ranks, "{}"))
-            ranks = ",".join(f"{r}:{ms:.1f}" for r, ms in self.fastest)
-            out.append(LogField("fastest ranks (ms)", ranks, "{}"))
-        if self.comm_ms is not None:
-            comm = self.comm_ms
-            out.append(
-                LogField("comm ms median", statistics.median(comm), "{:.1f}", COMM_MEDIAN_KEY)
-            )
-            out.append(LogField("max", max(comm), "{:.1f}", "straggler/comm-ms-max"))
-        out.append(LogField("stragglers", len(self.stragglers), "{}", "straggler/num-stragglers"))
-        if self.stragglers:
-            out.append(LogField("straggler ranks", ",".join(map(str, self.stragglers)), "{}"))
-        return out
-
-    def scalars(self) -> dict[str, float]:
-        """Scalars for metric sinks: the keyed fields of `fields`."""
-        return {f.key: float(f.value) for f in self.fields() if f.key is not None}
-
-    def to_record(self) -> dict[str, object]:
-        """The JSON record appended to ``straggler.jsonl`` (one line per report, all ranks)."""
-        record = asdict(self)
-        record["time"] = time.time()
-        return record
-
-
-def build_report(
-    iteration: int,
-    compute_ms: list[float],
-    threshold: float,
-    minmax_count: int = 1,
-    comm_ms: list[float] | None = None,
-    num_iterations: int = 1,
-    source: str = "wall",
-) -> StragglerReport:
-    """Pure decision: turn gathered per-rank times into a report (no I/O, no collectives)."""
-    if not compute_ms:
-        raise ValueError("build_report needs at least one rank's time")
-    median = statistics.median(compute_ms)
-    order = sorted(range(len(compute_ms)), key=lambda r: (compute_ms[r], r))
-    k = min(max(minmax_count, 1), len(compute_ms))
-    relative = [median / t if t > 0 else 0.0 for t in compute_ms]
-    stragglers = [r for r, t in enumerate(compute_ms) if median > 0 and t > threshold * median]
-    return StragglerReport(
-        iteration=iteration,
-        compute_ms=list(compute_ms),
-        min_ms=compute_ms[order[0]],
-        median_ms=median,
-        max_ms=compute_ms[order[-1]],
-        slowest=[(r, compute_ms[r]) for r in reversed(order[-k:])],
-        fastest=[(r, compute_ms[r]) for r in order[:k]],
-        relative_throughput=relative,
-        stragglers=stragglers,
-        threshold=threshold,
-        comm_ms=None if comm_ms is None else list(comm_ms),
-        num_iterations=num_iterations,
-        source=source,
-    )
 
 
 @dataclass
@@ -220,6 +127,9 @@ class StragglerDetector:
         run_dir: where rank 0 appends ``straggler.jsonl``; ``None`` disables the file.
         group: process group for the gather (default group when ``None``).
         timing: the timing backend (default: CUDA events on CUDA, the host clock otherwise).
+        enabled: on at start (``--disable-straggler-on-startup``: False).
+        gpu_stats: the GPU field reader (default: NVML on CUDA, nothing on CPU).
+        toggle_file: the runtime toggle's file (default: ``<run_dir>/straggler.toggle``).
     """
 
     def __init__(
@@ -232,6 +142,9 @@ class StragglerDetector:
         run_dir: str | os.PathLike[str] | None = None,
         group: ProcessGroup | None = None,
         timing: RegionTiming | None = None,
+        enabled: bool = True,
+        gpu_stats: GpuStatsReader | None = None,
+        toggle_file: str | os.PathLike[str] | None = None,
     ) -> None:
         validate_straggler_args(threshold, minmax_count)
         self.device = device
@@ -247,11 +160,19 @@ class StragglerDetector:
         self._in_capture = False
         self._eager_regions = 0
         self._last: StragglerReport | None = None
+        self.enabled = enabled
+        self._gpu = gpu_stats if gpu_stats is not None else make_gpu_stats(device)
+        if toggle_file is None and self.run_dir is not None:
+            toggle_file = self.run_dir / TOGGLE_FILE
+        self._toggle = FileToggle(toggle_file, rank)
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
         """Mark a compute region (forward and/or backward). Nesting is not supported."""
         timing = self._timing
+        if not self.enabled:
+            yield
+            return
         if timing.capturing():
             if not timing.graph_events:
                 yield  # cannot time inside this graph: the replay is timed as a whole
@@ -278,7 +199,7 @@ class StragglerDetector:
         """A forward-backward call incl. its collectives (outside any captured graph): wrap
         every call (look-ahead launches, rerun passes); comm per iteration = regions / iterations
         minus compute."""
-        if self._timing.capturing():
+        if self._timing.capturing() or not self.enabled:
             yield
             return
         region = self._timing.begin(in_graph=False)
@@ -333,15 +254,29 @@ class StragglerDetector:
         comm = max(steps - compute, 0.0) if steps is not None else -1.0
         return _Local(compute, comm, source)
 
-    def report(self, iteration: int, num_iterations: int | None = None) -> StragglerReport:
-        """Gather compute time from every rank (ONE all_gather) and build the report.
+    def report(self, iteration: int, num_iterations: int | None = None) -> StragglerReport | None:
+        """Gather compute time and GPU fields from every rank (ONE all_gather) and build the
+        report; None while the detector is off. Then apply a toggle request (rank 0's, carried
+        in the same gather) on every rank.
 
-        Collective: every rank of ``group`` must call it at the same iteration. ``num_iterations``
-        defaults to the number of ``step()`` calls since the last report (at least 1).
+        Collective: every rank of ``group`` must call it at the same iteration, on or off.
+        ``num_iterations`` defaults to the number of ``step()`` calls since the last report.
         """
         n = num_iterations if num_iterations is not None else self._interval.iterations
-        local = self._local(n)
-        gathered = collectives.all_gather_floats([local.compute_ms, local.comm_ms], self.group)
+        was_on = self.enabled
+        local = self._local(n) if was_on else _Local(0.0, -1.0, "off")
+        gpu = sample_values(self._gpu.read() if was_on else None)
+        toggle = 1.0 if self._toggle.requested() else 0.0
+        row = [local.compute_ms, local.comm_ms, *gpu, toggle]
+        gathered = collectives.all_gather_floats(row, self.group)
+        report = self._build(iteration, max(n, 1), local.source, gathered) if was_on else None
+        if gathered[0][-1] > 0:  # rank 0 asked: every rank flips at this same report
+            self._flip(iteration)
+        return report
+
+    def _build(
+        self, iteration: int, n: int, source: str, gathered: list[list[float]]
+    ) -> StragglerReport:
         comm = [g[1] for g in gathered]
         report = build_report(
             iteration,
@@ -349,8 +284,9 @@ class StragglerDetector:
             self.threshold,
             self.minmax_count,
             comm_ms=comm if all(c >= 0 for c in comm) else None,
-            num_iterations=max(n, 1),
-            source=local.source,
+            num_iterations=n,
+            source=source,
+            gpu=samples_from_gather(gathered, offset=2),
         )
         self._last = report
         if self.rank == 0 and self.run_dir is not None:
@@ -358,13 +294,26 @@ class StragglerDetector:
             append_line(self.run_dir / STRAGGLER_FILE, json.dumps(report.to_record()))
         return report
 
+    def _flip(self, iteration: int) -> None:
+        """Turn on or off (every rank, at the same report): the next interval starts clean."""
+        self.enabled = not self.enabled
+        self._interval = _Interval()
+        self._graph_compute, self._in_capture, self._eager_regions = [], False, 0
+        if self.rank == 0:
+            state = "on" if self.enabled else "off"
+            logging.getLogger(__name__).info(
+                "straggler detection turned %s at iteration %d (%s)", state, iteration,
+                self._toggle.path,
+            )  # fmt: skip
+
     @property
     def last_report(self) -> StragglerReport | None:
         return self._last
 
     def log_fields(self, info: IntervalInfo) -> list[LogField]:
         """`LogFieldProvider`: report at this log step (collective on every rank) and return fields."""
-        return self.report(info.iteration, info.num_iterations).fields()
+        report = self.report(info.iteration, info.num_iterations)
+        return report.fields() if report is not None else []
 
     def scalars(self) -> dict[str, float]:
         """Metric-sink provider: scalars of the latest report (empty before the first)."""
@@ -373,6 +322,7 @@ class StragglerDetector:
     def close(self) -> None:
         self._interval = _Interval()
         self._graph_compute = []
+        self._gpu.close()
 
 
 class NullStragglerDetector:
@@ -440,9 +390,14 @@ def make_straggler_detector(
     minmax_count: int = 1,
     run_dir: str | os.PathLike[str] | None = None,
     group: ProcessGroup | None = None,
+    on_at_start: bool = True,
 ) -> StragglerDetector | NullStragglerDetector:
-    """``--log-straggler`` → a real detector, otherwise the null one (args validated either way)."""
+    """``--log-straggler`` → a real detector, otherwise the null one (args validated either way).
+    ``on_at_start=False`` (``--disable-straggler-on-startup``): it starts off, to be turned on
+    with ``touch <run dir>/straggler.toggle``."""
     validate_straggler_args(threshold, minmax_count)
     if not enabled:
         return NullStragglerDetector()
-    return StragglerDetector(device, rank, world_size, threshold, minmax_count, run_dir, group)
+    return StragglerDetector(
+        device, rank, world_size, threshold, minmax_count, run_dir, group, enabled=on_at_start
+    )

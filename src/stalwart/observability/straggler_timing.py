@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -43,18 +44,22 @@ class RegionTiming(Protocol):
 
 
 class WallTiming:
-    """Host clock (CPU runs): a region is ``[t0, t1]``; nothing is ever captured."""
+    """Host clock (CPU runs): a region is ``[t0, t1]``; nothing is ever captured. ``clock``:
+    seconds (default ``time.perf_counter``; a test passes a clock it advances itself)."""
 
     graph_events = False
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
 
     def capturing(self) -> bool:
         return False
 
     def begin(self, in_graph: bool) -> Region:
-        return [time.perf_counter(), None]
+        return [self._clock(), None]
 
     def end(self, region: Region) -> None:
-        region[1] = time.perf_counter()
+        region[1] = self._clock()
 
     def elapsed_ms(self, regions: list[Region]) -> float | None:
         return sum((r[1] - r[0]) * 1000.0 for r in regions if r[1] is not None)

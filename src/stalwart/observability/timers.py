@@ -19,6 +19,17 @@ Modes (:class:`TimingMode`):
 * ``EVENTS``: CUDA events recorded on the current stream; start/stop never block the host. The
   elapsed time is resolved lazily when it is read (log steps). On a non-CUDA device there are no
   events, so ``EVENTS`` falls back to the host clock (identical to ``SYNC`` there).
+
+What the guarded step's timers hold (``stalwart.loop.GuardedStep``): ``forward-backward`` every
+pass's work once, eager or a graph's replay, rerun passes included; the look-ahead's launch of
+the next iteration's first micro-batch (or whole replay) is timed when it is queued, so a log
+interval holds one launch it did not start with and lacks one it ended with (the same work in
+steady state). ``optimizer`` the clip and step, eager or the optimizer graph's replay; in
+``EVENTS`` mode an overlapped replay's end event is recorded on its second stream. Limitation:
+with the step inside the full-iteration graph (``--cuda-graph-include-optimizer``) its device
+work is part of the replay, so ``forward-backward`` holds it and ``optimizer`` only the steps
+the host held out of the graph (no figure for the others: it would be ~0). Tested with injected per-phase delays:
+``tests/loop/test_timer_phases.py`` (CPU), ``tests/gpu/test_timer_phases_gpu.py`` (device).
 """
 
 from __future__ import annotations

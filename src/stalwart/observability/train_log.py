@@ -19,7 +19,10 @@ take part in the log-step collectives (interval-time barrier, timer all_gather, 
 Differences from Megatron (deliberate): every log line resets the interval (including the first
 iteration's line), timers and losses are averaged over the iterations actually in the interval,
 "nan iterations" counts every iteration with a non-finite loss (not only skipped ones), negative
-and undefined averages are printed (an interval with no advanced iteration prints ``NAN``).
+and undefined averages are printed (an interval with no advanced iteration prints ``NAN``). An
+iteration skipped by ``--iterations-to-skip`` (``losses={}``) is one of the "skipped iterations"
+(Megatron's dummy step skips the log; its counter then misses it), never a NaN one, and adds no
+loss: an interval of only such iterations prints none.
 
 Units: the dashboards (sink) get Megatron's keys and units: ``iteration-time`` and
 ``<timer>-time`` in seconds, plus ``world-size``; the sinks group them by a ``<group>/`` prefix
@@ -50,6 +53,7 @@ from stalwart.observability.log_lines import (
 )
 from stalwart.observability.progress import ProgressBar
 from stalwart.observability.sinks import JsonlSink, MetricSink, NullSink, is_null_sink
+from stalwart.observability.throughput import interval_throughput, validate_peak_tflops
 from stalwart.observability.timers import INTERVAL_TIME, TRAINING_TIMERS, TimerReport, Timers
 
 TensorOrScalar = torch.Tensor | float | int
@@ -73,8 +77,12 @@ class LogConfig:
     log_validation_ppl_to_tensorboard: bool = False
     log_progress_bar: bool | None = None  # None: only when stdout is a TTY
     log_timestamp: bool = True  # prefix the iteration line with " [YYYY-mm-dd HH:MM:SS.ffffff]"
+    # --peak-tflops: the per-GPU peak MFU divides by, over the device table's (None: the table's;
+    # no MFU where the table has no entry, e.g. on CPU).
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
+        validate_peak_tflops(self.peak_tflops)
         if self.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
         if self.tensorboard_log_interval < 1:
@@ -129,10 +137,14 @@ class TrainingLog:
             ``log_timers_to_tensorboard``).
         rank, world_size: this process's place in the job.
         flops_per_iteration: model FLOPs of one iteration, whole job; required by ``log_throughput``.
+            With it every log line and metrics record has TFLOP/s per GPU, and MFU when a peak is
+            known; with ``seq_length`` they have tokens/s (`stalwart.observability.throughput`).
         metrics_file: JSONL path (``--metrics-file``); one object per log step and per evaluation.
         extra_providers: :class:`LogFieldProvider` objects (fields appear before the counters).
         print_fn: where rank 0's lines go (printed above the progress bar when it is shown).
-        seq_length: tokens per sample; with it the progress bar shows tokens/s.
+        seq_length: tokens per sample; with it the log, metrics and progress bar show tokens/s.
+        peak_tflops_per_gpu: the device's dense peak for MFU (``device_peak_tflops``);
+            ``config.peak_tflops`` (``--peak-tflops``) wins over it; None and no flag: no MFU.
     """
 
     def __init__(
@@ -149,6 +161,7 @@ class TrainingLog:
         extra_providers: Sequence[LogFieldProvider] = (),
         print_fn: Callable[[str], None] = print,
         seq_length: int | None = None,
+        peak_tflops_per_gpu: float | None = None,
     ) -> None:
         if config.log_throughput and flops_per_iteration is None:
             raise ValueError("--log-throughput needs the model's FLOPs per iteration")
@@ -165,14 +178,20 @@ class TrainingLog:
         self._print = print_fn
         self._metrics = JsonlSink(metrics_file) if metrics_file and self._is_writer else None
         self.seq_length = seq_length
+        self.peak_tflops = (
+            config.peak_tflops if config.peak_tflops is not None else peak_tflops_per_gpu
+        )
         self._progress = ProgressBar(
             train_iters, enabled=config.log_progress_bar if self._is_writer else False
         )
         self._device: torch.device | None = None
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: torch.Tensor | None = None  # [advanced, skipped, nan], int64, on device
+        # Iterations skipped without a pass (--iterations-to-skip: no loss at all), on the host.
+        self._skipped_without_pass = 0
         self._iters_in_interval = 0
         self._logged_once = False
+        self._pending: tuple[int, _IterationInputs] | None = None  # the unlogged last iteration
         self._consumed_samples = 0
         self.total_skipped = 0
         self.total_nan = 0
@@ -195,7 +214,10 @@ class TrainingLog:
         """Record the iteration just completed (1-based ``iteration``); log/write when due.
 
         Collective at log steps (every rank must call with the same ``iteration``). Tensors may live
-        on the training device; nothing is read from it except at log/sink steps.
+        on the training device; nothing is read from it except at log/sink steps. ``losses``
+        empty with ``skipped=True``: an iteration skipped without a pass (``--iterations-to-skip``,
+        as Megatron's dummy step): counted as skipped, not as a NaN iteration, and averaged into
+        no loss (an interval of only such iterations prints no loss).
         """
         self._accumulate(losses, skipped)
         self._iters_in_interval += 1
@@ -203,18 +225,36 @@ class TrainingLog:
         if self.seq_length:
             self._progress.tokens_per_iteration = global_batch_size * self.seq_length
         self._progress.update(iteration)
-        is_log = not self._logged_once or iteration % self.config.log_interval == 0
+        is_log = (
+            not self._logged_once
+            or iteration % self.config.log_interval == 0
+            or iteration == self.train_iters  # the last one too: the run's end is on the charts
+        )
         is_sink = self._sink_active and iteration % self.config.tensorboard_log_interval == 0
-        if not (is_log or is_sink):
-            return
         inputs = _IterationInputs(
             losses, global_batch_size, learning_rate, grad_norm, loss_scale, num_zeros, params_norm
         )
+        self._pending = None if is_log else (iteration, inputs)  # references only: no read
+        if not (is_log or is_sink):
+            return
         values = self._read(inputs, interval=is_log) if self._is_writer else {}
         if is_sink:
             self._write_iteration_scalars(iteration, inputs, values)
         if is_log:
             self._log_interval(iteration, global_batch_size, values)
+
+    def flush(self) -> None:
+        """Log the iterations since the last log step now (an exit between log steps), so the
+        run's last iteration has its line and record; nothing when none are pending.
+
+        Collective, like a log step: call on every rank, at the same (agreed) exit.
+        """
+        if self._pending is None or self._iters_in_interval == 0:
+            return
+        iteration, inputs = self._pending
+        self._pending = None
+        values = self._read(inputs, interval=True) if self._is_writer else {}
+        self._log_interval(iteration, inputs.global_batch_size, values)
 
     def _ensure_state(self, losses: Mapping[str, TensorOrScalar]) -> torch.device:
         if self._device is None:
@@ -227,6 +267,9 @@ class TrainingLog:
         self, losses: Mapping[str, TensorOrScalar], skipped: torch.Tensor | bool
     ) -> None:
         """Device-side only: add losses of advanced iterations and bump the three counters."""
+        if not losses and skipped is True:
+            self._skipped_without_pass += 1  # no loss to check; the device is not touched
+            return
         device = self._ensure_state(losses)
         counts = self._counts
         assert counts is not None
@@ -271,9 +314,9 @@ class TrainingLog:
         named.update({f"cur:{k}": v for k, v in i.losses.items()})
         if interval:
             named.update({f"sum:{k}": v for k, v in self._sums.items()})
-            assert self._counts is not None
             for idx, name in enumerate(("advanced", "skipped", "nan")):
-                named[f"count:{name}"] = self._counts[idx]
+                counts = self._counts  # None: only iterations skipped without a pass so far
+                named[f"count:{name}"] = counts[idx] if counts is not None else 0
         device = self._device or torch.device("cpu")
         tensor_names = [k for k, v in named.items() if isinstance(v, torch.Tensor)]
         out: dict[str, float | None] = {
@@ -335,13 +378,21 @@ class TrainingLog:
         fields: Sequence[LogField],
     ) -> IntervalSummary:
         advanced = int(values.get("count:advanced") or 0)
+        without_pass = self._skipped_without_pass
         averages = {
             k: (values[f"sum:{k}"] or 0.0) / advanced if advanced > 0 else math.nan
             for k in self._sums
         }
-        throughput = None
-        if self.config.log_throughput and self.flops_per_iteration is not None and elapsed_ms > 0:
-            throughput = self.flops_per_iteration / (elapsed_ms / 1000.0 * 1e12 * self.world_size)
+        if without_pass == self._iters_in_interval:
+            averages = {}  # only --iterations-to-skip: no loss was computed, none is shown
+        rates = interval_throughput(
+            flops_per_iteration=self.flops_per_iteration,
+            tokens_per_iteration=global_batch_size * self.seq_length if self.seq_length else None,
+            elapsed_ms=elapsed_ms,
+            world_size=self.world_size,
+            peak_tflops_per_gpu=self.peak_tflops,
+        )
+        throughput = rates.tflops_per_gpu if self.config.log_throughput else None  # Megatron's
         stamp = None
         if self.config.log_timestamp:
             stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
@@ -352,7 +403,7 @@ class TrainingLog:
             elapsed_ms=elapsed_ms,
             global_batch_size=global_batch_size,
             loss_averages=averages,
-            skipped=int(values.get("count:skipped") or 0),
+            skipped=int(values.get("count:skipped") or 0) + without_pass,
             nan=int(values.get("count:nan") or 0),
             learning_rate=values.get("lr"),
             throughput=throughput,
@@ -362,6 +413,10 @@ class TrainingLog:
             params_norm=values.get("params_norm"),
             extra_fields=tuple(fields),
             timestamp=stamp,
+            tokens_per_second=rates.tokens_per_second,
+            tokens_per_second_per_gpu=rates.tokens_per_second_per_gpu,
+            tflops_per_gpu=rates.tflops_per_gpu,
+            mfu_percent=rates.mfu_percent,
         )
 
     def _emit(self, s: IntervalSummary, report: TimerReport | None, *, is_first: bool) -> None:
@@ -378,10 +433,9 @@ class TrainingLog:
         if self.config.log_timers_to_tensorboard:
             if not is_first:  # the first interval includes start-up time (as Megatron)
                 scalars["iteration-time"] = s.elapsed_ms / 1000.0  # seconds, as Megatron
-            if s.throughput is not None:
-                scalars["throughput"] = s.throughput
             if report is not None:
                 scalars.update(report.megatron_scalars())
+        scalars.update(_throughput_scalars(s))
         if scalars:
             self.sink.add_scalars(scalars, s.iteration)
         if self._metrics is not None:
@@ -400,7 +454,8 @@ class TrainingLog:
             lr=s.learning_rate, grad_norm=s.grad_norm, elapsed_ms=s.elapsed_ms,
             global_batch_size=s.global_batch_size, loss_scale=s.loss_scale,
             num_zeros=s.num_zeros, params_norm=s.params_norm,
-            throughput_tflops_per_gpu=s.throughput,
+            throughput_tflops_per_gpu=s.tflops_per_gpu, tokens_per_second=s.tokens_per_second,
+            tokens_per_second_per_gpu=s.tokens_per_second_per_gpu, mfu_percent=s.mfu_percent,
             skipped_iterations=s.skipped, nan_iterations=s.nan,
             total_skipped_iterations=self.total_skipped, total_nan_iterations=self.total_nan,
             world_size=self.world_size,
@@ -415,6 +470,7 @@ class TrainingLog:
             acc.zero_()
         if self._counts is not None:
             self._counts.zero_()
+        self._skipped_without_pass = 0
         self._iters_in_interval = 0
         self._logged_once = True
 
@@ -463,3 +519,16 @@ class TrainingLog:
         self.sink.flush()
         if self._metrics is not None:
             self._metrics.close()
+
+
+def _throughput_scalars(s: IntervalSummary) -> dict[str, float]:
+    """Dashboard keys of the interval's rates, at every log step: Megatron's ``throughput``
+    (TFLOP/s/GPU; Megatron writes it only with --log-throughput and --log-timers-to-tensorboard)
+    and ours (``tokens-per-second``, ``tokens-per-second-per-gpu``, ``mfu-percent``)."""
+    named = {
+        "throughput": s.tflops_per_gpu,
+        "tokens-per-second": s.tokens_per_second,
+        "tokens-per-second-per-gpu": s.tokens_per_second_per_gpu,
+        "mfu-percent": s.mfu_percent,
+    }
+    return {k: v for k, v in named.items() if v is not None}

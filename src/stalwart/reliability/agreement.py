@@ -104,6 +104,21 @@ class IterationAgreement:
             self._agreed = Agreed(number, elapsed)
         return self._agreed
 
+    def agree_again(self) -> Agreed:
+        """Agree on the exit inputs once more in this iteration, after work outside the step
+        (evaluation): a signal that arrived meanwhile ends the run at this iteration, as in
+        Megatron, not one training iteration later. One collective, only when an exit input
+        needs agreeing, and only on the iterations that call it (those that evaluated); what
+        the step agreed is kept (the highest of both)."""
+        before = self._agreed or Agreed()
+        self._agreed = None
+        now = self.finish()
+        self._agreed = Agreed(
+            max(before.signal_number, now.signal_number),
+            max(before.elapsed_minutes_max, now.elapsed_minutes_max),
+        )
+        return self._agreed
+
     def _reduce(self, values: list[float]) -> list[float]:
         import torch.distributed as dist
 

@@ -440,8 +440,12 @@ def leave(
     save_dir: str | os.PathLike[str] | None,
     rank: int = 0,
     log: Any = logger.info,
+    checkpoint: str | None = None,
 ) -> int:
     """Act on an exit decision: the one place that records and waits. Returns the exit code.
+
+    ``checkpoint``: the name in ``save_dir`` of the checkpoint the diagnosis' verdict trains on
+    from, in the saver's layout (``write_verdict``; None: the reference trainer's).
 
     Logs :func:`exit_message`, writes ``exit_reason.json`` (and ``rerun_verdict.json`` when
     the decision carries a diagnosis) on rank 0 (when ``save_dir`` is set) and waits at a
@@ -454,7 +458,7 @@ def leave(
         if decision.diagnosis is not None:
             from stalwart.reliability.rerun.verdict_file import write_verdict
 
-            write_verdict(os.fspath(save_dir), decision.diagnosis)
+            write_verdict(os.fspath(save_dir), decision.diagnosis, checkpoint=checkpoint)
         write_exit_reason(save_dir, reason, iteration, decision.detail, decision.exit_code)
     collectives.barrier()
     return decision.exit_code

@@ -36,6 +36,7 @@ from stalwart.data import (
 from stalwart.data.batch_schedule import BatchSchedule
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import (
+    CompileBooking,
     CompileCache,
     CudaGraphImpl,
     GraphSettings,
@@ -311,6 +312,23 @@ def build_compile_cache(config: RunConfig, rank: int) -> CompileCache | NullComp
         return NullCompileCache()
     flag, directory = location
     return CompileCache(directory, writer=rank == 0, flag=flag)
+
+
+def build_compile_booking(
+    config: RunConfig,
+    rank: int,
+    given: CompileCache | NullCompileCache | None,
+    ledger: GoodputLedger | NullGoodputLedger,
+    on_close: Callable[[Callable[[], None]], object],
+) -> CompileBooking:
+    """The booking of compiling iterations into ``ledger``, over ``given`` (an open cache its
+    owner keeps: the in-process restart wrapper's) or this run's own cache, opened now and
+    closed through ``on_close``."""
+    cache = given
+    if cache is None:
+        cache = build_compile_cache(config, rank).open()
+        on_close(cache.close)
+    return CompileBooking(cache, ledger, enabled=config.training.compile)
 
 
 def build_compute_weights(

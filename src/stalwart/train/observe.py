@@ -34,6 +34,7 @@ from stalwart.observability.straggler import (
     StragglerIdle,
     make_straggler_detector,
 )
+from stalwart.observability.throughput import compute_dtype, device_peak_tflops
 from stalwart.observability.timers import Timers
 from stalwart.observability.train_log import TrainingLog
 
@@ -151,6 +152,7 @@ def build_probes(
         threshold=obs.straggler_threshold,
         minmax_count=obs.straggler_minmax_count,
         run_dir=run_dir,
+        on_at_start=not obs.disable_straggler_on_startup,
     )
     estimate = theoretical_memory(
         config.model,
@@ -248,6 +250,9 @@ def build_observability(
         flops_per_iteration=flops,
         metrics_file=metrics_file_of(config) if ctx.rank == 0 else None,
         extra_providers=[*providers, *goodput],
-        seq_length=config.model.seq_length,  # tokens/s on the progress bar
+        seq_length=config.model.seq_length,  # tokens/s
+        peak_tflops_per_gpu=device_peak_tflops(
+            ctx.device, compute_dtype(config.training.bf16, config.training.fp16)
+        ),
     )
     return timers, sink, log, observer, providers[2], saves

@@ -14,12 +14,11 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import torch
-
+from stalwart.checkpoint import CheckpointError
 from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
 from stalwart.distributed.process_group import DistributedContext
-from stalwart.graphs.compile_cache import CompileBooking, CompileCache, NullCompileCache
+from stalwart.graphs.compile_cache import CompileCache, NullCompileCache
 from stalwart.loop import (
     Checkpointer,
     GuardedStep,
@@ -31,7 +30,7 @@ from stalwart.loop import (
 from stalwart.models import num_floating_point_operations
 from stalwart.observability.goodput import Bucket, CompileSource
 from stalwart.observability.memory_release import make_memory_release
-from stalwart.observability.run_dir import EventKind, append_event
+from stalwart.observability.run_dir import EventKind, RunPaths, append_event
 from stalwart.observability.timers import INTERVAL_TIME
 from stalwart.reliability.exit import (
     ExitDecision,
@@ -47,7 +46,12 @@ from stalwart.reliability.rerun import RerunDataIterator, resolve_iterations_to_
 from stalwart.train import build
 from stalwart.train.forward_step import gpt_forward_step
 from stalwart.train.manual_gc import make_manual_gc
-from stalwart.train.observe import build_observability, build_profiler, run_dir_of
+from stalwart.train.observe import (
+    build_observability,
+    build_profiler,
+    metrics_file_of,
+    run_dir_of,
+)
 from stalwart.train.resume_checks import (
     check_model_matches,
     nothing_left_to_train,
@@ -59,6 +63,9 @@ from stalwart.train.trainer_parts import ConfigPart, TrainOutcome, params_norm, 
 logger = logging.getLogger("stalwart.train")
 
 TrainState = LoopState  # iteration (completed) and consumed samples
+# Errors that refuse a launch (bad input or an unusable checkpoint, found after start-up: the
+# CLI's exit 2): the goodput ledger then writes nothing of the session.
+_REFUSALS = (ValueError, CheckpointError)
 
 
 class Trainer:
@@ -86,10 +93,12 @@ class Trainer:
         self.print = print_fn if ctx.is_main else (lambda *a, **k: None)
         self.started = time.monotonic()
         self._exit = contextlib.ExitStack()
-        self.compile_cache = compile_cache  # opened by _build when None
+        self.compile_cache = compile_cache  # None: _build opens the trainer's own
         try:
             self._build(config, ctx, attempt)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, _REFUSALS) and hasattr(self, "ledger"):
+                self.ledger.refused()  # bad input found while building: no goodput session
             self._exit.close()
             raise
 
@@ -111,7 +120,7 @@ class Trainer:
         on_close(self.sections.close)
         self.config, self.data = build.resolve_config(config, ctx)
         config = self.config
-        self.compiles = self._build_compile_booking()
+        self.compiles = build.build_compile_booking(config, ctx.rank, self.compile_cache, self.ledger, on_close)  # fmt: skip
         self.raw_model, self.model = build.build_model(config, ctx, self.faults)
         self.optimizer = build.build_optimizer(self.model, config)
         t = config.training
@@ -153,14 +162,6 @@ class Trainer:
         self._num_microbatches: int | None = None
         self._saved_at: int | None = None
         self.progress = build.build_progress_log(config, ctx)  # --log-progress: progress.txt
-
-    def _build_compile_booking(self) -> CompileBooking:
-        """The compile cache (this trainer's own, opened here, unless one was given) and the
-        booking of compiling iterations into the goodput ledger."""
-        if self.compile_cache is None:
-            self.compile_cache = build.build_compile_cache(self.config, self.ctx.rank).open()
-            self._exit.callback(self.compile_cache.close)
-        return CompileBooking(self.compile_cache, self.ledger, enabled=self.config.training.compile)
 
     def _build_step(self) -> GuardedStep:
         config, ctx = self.config, self.ctx
@@ -213,7 +214,10 @@ class Trainer:
             # step collective): drop an in-flight async save instead of finalizing it. The previous
             # complete checkpoint stays the resume point.
             self.checkpointer.close(abort=True)
-            self.ledger.close("fault", f"{exc_type.__name__}: {exc[0]}"[:200])
+            if issubclass(exc_type, _REFUSALS):  # a refused launch (exit 2): no goodput session
+                self.ledger.refused()
+            else:
+                self.ledger.close("fault", f"{exc_type.__name__}: {exc[0]}"[:200])
         self.close()
 
     def close(self) -> None:
@@ -238,6 +242,11 @@ class Trainer:
         if self.state.iteration >= self.config.training.train_iters:
             done = nothing_left_to_train(self.loaded_path, self.state.iteration, self.config.training)  # fmt: skip
             return self._finish(ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, done or "reached --train-iters"))  # fmt: skip
+        run_dir = run_dir_of(self.config)
+        if self.ctx.rank == 0 and run_dir:  # training starts: its settings, for the report
+            RunPaths.for_run(run_dir, metrics_file_of(self.config)).write_manifest(
+                self.config.to_dict()
+            )
         while True:
             with self.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
                 committed = self.checkpointer.maybe_finalize()
@@ -245,9 +254,13 @@ class Trainer:
                 self.saves.finalized(committed)
             result = self._run_iteration()
             self.compiles.save()  # after an iteration that compiled: the cache's artifacts
-            if not result.verdict.exit:  # a rejected iteration is not done: nothing to log
-                self._after_iteration(result)
+            # A rejected iteration is not done: nothing to log. One that evaluated agrees on the
+            # exit inputs again: a SIGTERM during evaluation stops at this iteration.
+            if not result.verdict.exit and self._after_iteration(result):
+                result = replace(result, agreed=self.agreement.agree_again())
             decision = self._decide(result)
+            if decision.exit:  # agreed on every rank: the iterations since the last log line
+                self.log.flush()
             if decision.save is not SaveKind.NONE:
                 self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
             if decision.exit:
@@ -315,18 +328,19 @@ class Trainer:
         self.event(EventKind.SKIPPED, "--iterations-to-skip")
         return self.step.skip(it, num_microbatches)
 
-    def _after_iteration(self, result: StepResult) -> None:
+    def _after_iteration(self, result: StepResult) -> bool:
+        """Count and log the completed iteration, evaluate when due; True when it evaluated."""
         cfg = self.config
         self.state.iteration += 1
         self.state.consumed_samples += self.batch_size
         it = self.state.iteration
         self.profiler.on_iteration_end(it)
         self.manual_gc.on_iteration_end(it)
-        is_log = it % cfg.log.log_interval == 0 or it == 1
+        is_log = it % cfg.log.log_interval == 0 or it in (1, cfg.training.train_iters)
         norm = params_norm(self.model) if cfg.log.log_params_norm and is_log else None
         self.log.on_iteration(
             it,
-            losses=result.losses or {"lm loss": torch.tensor(float("nan"))},
+            losses=result.losses,  # empty: skipped without a pass (--iterations-to-skip)
             learning_rate=self.scheduler.last_lr,
             global_batch_size=self.batch_size,
             consumed_samples=self.state.consumed_samples,
@@ -338,6 +352,8 @@ class Trainer:
         )
         if cfg.training.eval_interval and it % cfg.training.eval_interval == 0:
             self.run_evaluation()
+            return True
+        return False
 
     def run_evaluation(self) -> dict[str, float]:
         """Evaluate on the held-out split with validation checks in disabled mode."""
@@ -352,6 +368,9 @@ class Trainer:
         cfg = self.config
         self.manual_gc.on_evaluation()
         self.sections.start_evaluation()
+        self.faults.maybe_inject(
+            self.state.iteration, self.ctx.rank, "eval"
+        )  # --inject-fault-phase eval
         data = make_eval_iterator(
             self.data.valid, cfg.training.micro_batch_size, self.ctx.rank, self.ctx.world_size
         )

@@ -237,5 +237,5 @@ class MachineCore:
     def _describe(self, message: str) -> str:  # verdicts.py
         raise NotImplementedError
 
-    def _log_failure(self, message: str, fatal: bool) -> None:  # verdicts.py
+    def _log_failure(self, message: str, fatal: bool, detail: str = "") -> None:  # verdicts.py
         raise NotImplementedError

@@ -194,7 +194,7 @@ class PeerReplayMixin(MachineCore):
                 "correct (%s = %s)", where, request.initial, value,
             )  # fmt: skip
             self._log_failure(
-                f"Correct result (but possible application error) ({request.message})",
+                f"Correct result (but possible Application error) ({request.message})",
                 request.fatal,
             )
         else:
@@ -203,7 +203,7 @@ class PeerReplayMixin(MachineCore):
                 "Peer replay: unexpected result is not reproducible on %s, therefore was likely "
                 "incorrect (%s != %s)", where, request.initial, value,
             )  # fmt: skip
-            self._log_failure(f"Possible persistent error! (message='{request.message}')", True)
+            self._log_failure("Possible persistent error!", True, f"(message='{request.message}')")
         if self.tracker is not None:  # where the value was computed: the peer's device
             identity = report.peer_identity if report is not None else device_identity()
             self.tracker.write(

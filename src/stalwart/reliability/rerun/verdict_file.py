@@ -17,7 +17,10 @@ writes it, rank 0), whichever flow reached it::
 * ``diagnosis``: ``persistent_error``, ``correct_result`` or ``replica_corruption``;
 * ``iteration`` counts completed iterations (the failed iteration is logged as ``iteration +
   1``); ``checkpoint`` is the checkpoint to resume (saved at ``iteration`` when the diagnosis
-  saved one, else the latest complete one);
+  saved one, else the latest complete one), by its name in the save directory in the layout of
+  whoever saved it: the reference trainer's ``iter_0000003``, the Lightning callback's
+  ``iter_0000003.ckpt``, the Hugging Face Trainer's ``checkpoint-4`` (the adapters tell the
+  shell which checkpoint they saved or loaded, ``TrainingShell.checkpoint_at``);
 * ``suspects`` are the (node, device) identities to exclude, ``suspect_ranks`` their ranks in
   the launch that found them.
 
@@ -104,17 +107,22 @@ def verdict_of(diagnosis: Diagnosis, checkpoint: str | None) -> RerunVerdict:
     )
 
 
-def write_verdict(root: str, diagnosis: Diagnosis) -> str | None:
+def write_verdict(root: str, diagnosis: Diagnosis, *, checkpoint: str | None = None) -> str | None:
     """Write ``<root>/rerun_verdict.json`` and, when the diagnosis names suspects,
     ``<root>/suspect_devices.json`` (:func:`suspect_devices`) atomically (rank 0 only); the
-    verdict's path, or None when it could not be written (logged: the exit must go on)."""
+    verdict's path, or None when it could not be written (logged: the exit must go on).
+
+    ``checkpoint``: the name (in ``root``) of the checkpoint to train on from, in the layout of
+    whoever saved it (a framework adapter's ``iter_0000005.ckpt`` or ``checkpoint-6``); None:
+    the reference trainer's ``iter_NNNNNNN`` of the diagnosis (or its tracker's latest)."""
     from stalwart.checkpoint.layout import iteration_dir_name, read_tracker
 
-    resumed = diagnosis.checkpoint_iteration
-    if resumed is None:
-        with contextlib.suppress(Exception):  # an unreadable tracker: no checkpoint named
-            resumed = read_tracker(root)
-    checkpoint = iteration_dir_name(resumed) if resumed is not None else None
+    if checkpoint is None:
+        resumed = diagnosis.checkpoint_iteration
+        if resumed is None:
+            with contextlib.suppress(Exception):  # an unreadable tracker: no checkpoint named
+                resumed = read_tracker(root)
+        checkpoint = iteration_dir_name(resumed) if resumed is not None else None
     verdict = verdict_of(diagnosis, checkpoint)
     path = os.path.join(root, VERDICT_FILENAME)
     if not _write_json(path, asdict(verdict)):
@@ -213,21 +221,25 @@ def _loaded_iteration(checkpoint_path: str) -> int | None:
     return parse_iteration_dir_name(os.path.basename(os.path.normpath(checkpoint_path)))
 
 
-def apply_verdict(machine: Any, checkpoint_path: str) -> RerunVerdict | None:
+def apply_verdict(
+    machine: Any, checkpoint_path: str, *, iteration: int | None = None, root: str | None = None
+) -> RerunVerdict | None:
     """After loading ``checkpoint_path``: act on the verdict of its save directory (see module
     docstring). Collective (one all-reduce; every rank calls it after the same load); returns
-    the verdict applied.
+    the verdict applied. ``iteration``: the loaded checkpoint's completed iterations (default:
+    parsed from an ``iter_NNNNNNN`` name; give it for any other layout); ``root``: the
+    directory holding the verdict (default: the checkpoint's).
 
     Raises:
         SuspectDeviceError: some rank runs on a suspect device (raised on every rank).
     """
-    root = os.path.dirname(os.path.normpath(checkpoint_path))
+    root = root or os.path.dirname(os.path.normpath(checkpoint_path))
     verdict, problem = read_verdict(root)
     marked = machine.state is RerunState.WILL_RERUN_FROM_CHECKPOINT
     if problem and marked:
         logger.warning("%s; rerunning the iteration as the checkpoint asks", problem)
     name = os.path.basename(os.path.normpath(checkpoint_path))
-    loaded = _loaded_iteration(checkpoint_path)
+    loaded = _loaded_iteration(checkpoint_path) if iteration is None else iteration
     settles = (  # the verdict is about the iteration this checkpoint reruns
         marked
         and verdict is not None

@@ -105,11 +105,11 @@ class EventMixin(MachineCore):
         if cmp > ev.tolerance:
             self.diagnosis = RerunDiagnostic.TRANSIENT_ERROR
             self._track(RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE, v, ev.message)
-            self._log_possible_error(
-                "transient",
+            self._log_failure(
+                "Possible transient error!",
+                ev.fatal,
                 f"First rerun: unexpected result is not reproducible within the tolerance "
                 f"({ev.initial_result} != {v}) (message='{ev.message}')",
-                ev.fatal,
             )
             return False, ev.fatal, not ev.fatal
         ev.suspicious = device_identity()
@@ -146,7 +146,7 @@ class EventMixin(MachineCore):
                 "Second rerun: unexpected result is not reproducible on a different GPU, "
                 "therefore was likely incorrect (%s != %s)", ev.initial_result, v,
             )  # fmt: skip
-            self._log_possible_error("persistent", f"(message='{ev.message}')", True)
+            self._log_failure("Possible persistent error!", True, f"(message='{ev.message}')")
         else:
             self.diagnosis = RerunDiagnostic.CORRECT_RESULT
             self._track(RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE, v, ev.message)
@@ -155,7 +155,7 @@ class EventMixin(MachineCore):
                 "therefore it was likely correct (%s = %s)", ev.initial_result, v,
             )  # fmt: skip
             self._log_failure(
-                f"Correct result (but possible application error) ({ev.message})", True
+                f"Correct result (but possible Application error) ({ev.message})", True
             )
         return False, ev.fatal, not ev.fatal
 
@@ -236,29 +236,34 @@ class EventMixin(MachineCore):
         self._replica_detail = ""
 
     # ------------------------------------------------------------------------------ logging
-    def _describe(self, message: str) -> str:
-        node, device = device_identity()
-        return (
-            f"Rank {self.rank}, node {node}, device {device}, "
-            f"iteration {self.iteration + 1}: {message}"
-        )
-
-    def _log_failure(self, message: str, fatal: bool) -> None:
-        (logger.error if fatal else logger.warning)(self._describe(message))
-
-    def _log_possible_error(self, kind: str, detail: str, fatal: bool) -> None:
-        """The diagnosis line in the form Megatron's log scrapers match,
-        ``Rank R, node N, device D: Possible (transient|persistent) error!!`` (D: the device
-        index; a simulated or CPU device id follows in the parentheses), then the iteration and
-        what was seen."""
+    def _where(self) -> tuple[str, str, str]:
+        """(node, device index, the device id in parentheses when it is not the index):
+        Megatron's lines name a CUDA device index; a simulated or CPU device id follows."""
         node, device = device_identity()
         digits = _DEVICE_INDEX.fullmatch(device)
         index = digits.group(1) if digits else str(env_int("LOCAL_RANK", 0))
-        where = f", device {device}" if device != index else ""
-        (logger.error if fatal else logger.warning)(
-            f"Rank {self.rank}, node {node}, device {index}: Possible {kind} error!! "
-            f"(iteration {self.iteration + 1}{where}) {detail}"
+        return node, index, f" (device {device})" if device != index else ""
+
+    def _describe(self, message: str) -> str:
+        """Megatron's form of the other messages (disabled mode's ``Unexpected result``):
+        ``Rank R, node N, device D, iteration I: {message}``."""
+        node, index, where = self._where()
+        return (
+            f"Rank {self.rank}, node {node}, device {index}, "
+            f"iteration {self.iteration + 1}: {message}{where}"
         )
+
+    def _log_failure(self, message: str, fatal: bool, detail: str = "") -> None:
+        """Megatron's failure line, ``Rank R, node N, device D, iteration #I: {message}!``
+        (ERROR when fatal, else WARNING; a message ending in "!" gives Megatron's "!!", e.g.
+        ``Possible transient error!!``). D is the device index (a simulated or CPU device
+        id follows in parentheses); ``detail`` (what was seen) follows after a space."""
+        node, index, where = self._where()
+        line = (
+            f"Rank {self.rank}, node {node}, device {index}, iteration #{self.iteration + 1}: "
+            f"{message}!{where}"
+        )
+        (logger.error if fatal else logger.warning)(f"{line} {detail}" if detail else line)
 
     def _log0(self, message: str) -> None:
         if self.rank == 0:

@@ -1,0 +1,232 @@
+"""Benchmark: what stalwart's framework adapters cost per step, side by side with the plain
+framework in one process.
+
+Variants (a tiny Hugging Face ``LlamaForCausalLM`` sized by ``--hidden`` / ``--layers``, the same
+data and optimizer for all):
+
+* ``hf``: ``transformers.Trainer``; ``hf+stalwart``: ``StalwartTrainer`` + ``StalwartCallback``
+  (the rerun state machine's guarded step, default checks);
+* ``lightning``: a plain ``LightningModule`` (automatic optimization); ``lightning+stalwart``:
+  the same as a ``GuardedModule`` with ``StalwartCallback``.
+
+Each window is one ``train()`` / ``fit()`` of ``--warmup`` + ``--iters`` steps; its figure is the
+wall time per step of the last ``--iters`` steps (from a callback's step-end timestamps: set-up,
+the first steps and the end are not in it). Windows take turns, the order rotating every round,
+so the ratio of each round's windows cancels the drift of a shared machine; reported: the median
+ms per step with p10-p90, and the median (p10-p90) of the per-round ratios to the plain run.
+
+    PYTHONPATH=src python3 bench/adapter_overhead.py                        # CPU, ~2 min
+    PYTHONPATH=src python3 bench/adapter_overhead.py --profile hf+stalwart  # cProfile, top 25
+    PYTHONPATH=src python3 bench/adapter_overhead.py --device cuda --hidden 512 --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from bench_utils import percentile
+
+VOCAB, SEQ, ROWS = 512, 64, 4096
+CLOCK = time.perf_counter  # --clock cpu: time.thread_time (this thread's CPU time)
+PROFILER: cProfile.Profile | None = None  # --profile: enabled after the warm-up steps
+FRAMEWORKS = {"hf": ("hf", "hf+stalwart"), "lightning": ("lightning", "lightning+stalwart")}
+
+
+def _model(args: argparse.Namespace) -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).to(args.device)
+
+
+def _rows() -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+class HfVariant:
+    def __init__(self, name: str, args: argparse.Namespace, out: str) -> None:
+        import transformers
+
+        from stalwart.integrations.hf import StalwartCallback, StalwartTrainer
+
+        stamps = self.stamps = []
+
+        class Stamp(transformers.TrainerCallback):  # type: ignore[misc]
+            def on_step_end(self, *a: Any, **k: Any) -> None:
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                stamps.append(CLOCK())
+                if len(stamps) == args.warmup and PROFILER is not None:
+                    PROFILER.enable()  # the steady state only
+
+        self.name = name
+        guarded = name.endswith("+stalwart")
+        targs = transformers.TrainingArguments(
+            os.path.join(out, name), max_steps=args.warmup + args.iters,
+            per_device_train_batch_size=args.batch, learning_rate=1e-4, save_strategy="no",
+            report_to=[], use_cpu=args.device == "cpu", logging_strategy="no",
+            disable_tqdm=True, dataloader_num_workers=0,
+        )  # fmt: skip
+        callbacks: list[Any] = [Stamp()]
+        if guarded:
+            callbacks.insert(0, StalwartCallback(goodput=False))
+        cls = StalwartTrainer if guarded else transformers.Trainer
+        self.trainer = cls(model=_model(args), args=targs, train_dataset=_rows(),
+                           callbacks=callbacks)  # fmt: skip
+
+    def run(self) -> None:
+        self.stamps.clear()
+        self.trainer.train()
+
+
+class LightningVariant:
+    def __init__(self, name: str, args: argparse.Namespace, out: str) -> None:
+        import lightning.pytorch as L
+
+        from stalwart.integrations.lightning import GuardedModule
+
+        stamps = self.stamps = []
+
+        class Stamp(L.Callback):  # type: ignore[misc]
+            def on_train_batch_end(self, *a: Any, **k: Any) -> None:
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                stamps.append(CLOCK())
+                if len(stamps) == args.warmup and PROFILER is not None:
+                    PROFILER.enable()  # the steady state only
+
+        class Body(L.LightningModule):  # type: ignore[misc]
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = _model(args)
+
+            def forward_step(self, batch: Any) -> torch.Tensor:
+                return self.model(**batch).loss  # type: ignore[no-any-return]
+
+            def configure_optimizers(self) -> Any:
+                return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        class Plain(Body):
+            def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+                return self.forward_step(batch)
+
+        class Guarded(GuardedModule, Body):
+            forward_step = Body.forward_step
+
+        self.name, self.args, self.out = name, args, os.path.join(out, name)
+        self.guarded = name.endswith("+stalwart")
+        self.module = Guarded() if self.guarded else Plain()
+        self.stamp = Stamp()
+        self.loader = torch.utils.data.DataLoader(_rows(), batch_size=args.batch)
+        self.trainer: Any = None
+
+    def run(self) -> None:
+        import lightning.pytorch as L
+
+        from stalwart.integrations.lightning import StalwartCallback
+
+        self.stamps.clear()
+        callbacks = [self.stamp] + ([StalwartCallback(goodput=False)] if self.guarded else [])
+        accelerator = "gpu" if self.args.device.startswith("cuda") else "cpu"
+        self.trainer = L.Trainer(
+            max_steps=self.args.warmup + self.args.iters, accelerator=accelerator, devices=1,
+            callbacks=callbacks, enable_checkpointing=False, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=self.out,
+        )  # fmt: skip
+        self.trainer.fit(self.module, self.loader)
+
+
+def _ms_per_step(variant: Any, args: argparse.Namespace) -> float:
+    stamps = variant.stamps[args.warmup - 1 :]
+    assert len(stamps) == args.iters + 1, (variant.name, len(variant.stamps))
+    return (stamps[-1] - stamps[0]) * 1e3 / args.iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--frameworks", default="hf,lightning")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=40, help="timed steps per window")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per window")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--profile", default=None, help="cProfile one window of this variant")
+    parser.add_argument("--sort", default="tottime", help="--profile: pstats sort key")
+    parser.add_argument("--top", type=int, default=30, help="--profile: rows")
+    parser.add_argument("--callers", default=None, help="--profile: callers of matching rows")
+    parser.add_argument("--dump", default=None, help="--profile: write the pstats file")
+    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the main thread's CPU time (a shared CPU machine; with "
+                        "--threads 1 every op runs on it)")  # fmt: skip
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
+    import logging
+
+    logging.disable(logging.WARNING)  # the frameworks' and the shell's lines, not the figures
+    out = tempfile.mkdtemp(prefix="adapter_overhead_")
+    names = [n for f in args.frameworks.split(",") for n in FRAMEWORKS[f]]
+    variants = [
+        (HfVariant if n.startswith("hf") else LightningVariant)(n, args, out) for n in names
+    ]
+    if args.profile:
+        global PROFILER
+        (variant,) = [v for v in variants if v.name == args.profile]
+        variant.run()  # warm
+        PROFILER = cProfile.Profile()
+        variant.run()
+        PROFILER.disable()
+        if args.dump:
+            PROFILER.dump_stats(args.dump)
+        stats = pstats.Stats(PROFILER, stream=sys.stdout).sort_stats(args.sort)
+        stats.print_stats(args.top)
+        if args.callers:
+            stats.print_callers(args.callers)
+        return
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            v.run()
+            times[v.name].append(_ms_per_step(v, args))
+    rows = []
+    for name in names:
+        base = name.split("+")[0]
+        ratios = [a / b for a, b in zip(times[name], times[base], strict=True)]
+        rows.append({
+            "variant": name, "median_ms": statistics.median(times[name]),
+            "p10_ms": percentile(times[name], 0.1), "p90_ms": percentile(times[name], 0.9),
+            "ratio": statistics.median(ratios), "ratio_p10": percentile(ratios, 0.1),
+            "ratio_p90": percentile(ratios, 0.9),
+        })  # fmt: skip
+        print(f"{name:20s} {rows[-1]['median_ms']:7.2f} ms ({rows[-1]['p10_ms']:.2f}-"
+              f"{rows[-1]['p90_ms']:.2f})  x{rows[-1]['ratio']:.3f} ({rows[-1]['ratio_p10']:.3f}-"
+              f"{rows[-1]['ratio_p90']:.3f})")  # fmt: skip
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "rows": rows}, f)
+
+
+if __name__ == "__main__":
+    main()
