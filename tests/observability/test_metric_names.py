@@ -26,5 +26,6 @@ def test_groups_of_the_training_log_keys() -> None:
         "optimizer-inner-step-time": "timers/optimizer-inner-step-time",
         "mem-reserved-bytes": "memory/mem-reserved-bytes",
         "power/gpu": "power/gpu",  # Megatron's own slash names stay as they are
+        "goodput": "goodput/goodput",  # stalwart's own key: its own group, not loss/
     }
     assert {k: grouped_name(k) for k in expected} == expected

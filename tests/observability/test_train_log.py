@@ -157,7 +157,10 @@ def test_metrics_file_records(tmp_path: Path) -> None:
 
 def test_sink_keys_every_tensorboard_interval() -> None:
     sink = RecSink()
-    log, _ = make_log([], sink=sink, tensorboard_log_interval=2, log_timers_to_tensorboard=True)
+    log, _ = make_log(
+        [], sink=sink, tensorboard_log_interval=2, log_timers_to_tensorboard=True,
+        log_world_size_to_tensorboard=True,
+    )  # fmt: skip
     run(log)
     assert sorted(sink.series("lm loss")) == [2, 4, 6]  # TB interval, independent of logging
     assert math.isnan(sink.series("lm loss")[4])  # per-iteration value, as Megatron

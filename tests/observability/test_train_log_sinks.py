@@ -15,8 +15,9 @@ from stalwart.observability.sinks import FanOutSink, MetricSink, TensorBoardSink
 from stalwart.observability.timers import FORWARD_BACKWARD, INTERVAL_TIME, Timers, TimingLogOption
 from stalwart.observability.train_log import LogConfig, TrainingLog
 
-# Megatron's key names and units, grouped by a "<group>/" prefix (one TensorBoard section each).
-EXPECTED_KEYS = {
+# Megatron's key names and units, grouped by a "<group>/" prefix with --group-metric-tags (one
+# TensorBoard section each); the default is Megatron's flat names (the leaf).
+GROUPED_KEYS = {
     "optimizer/learning-rate",
     "batch/batch-size",
     "batch/world-size",
@@ -27,8 +28,9 @@ EXPECTED_KEYS = {
     "loss/lm loss validation",
     "loss/lm loss validation ppl",
 }
-EXPECTED_KEYS |= {f"{k} vs samples" for k in EXPECTED_KEYS}
-EXPECTED_KEYS |= {"throughput/iteration-time", "timers/forward-backward-time"}
+GROUPED_KEYS |= {f"{k} vs samples" for k in GROUPED_KEYS}
+GROUPED_KEYS |= {"throughput/iteration-time", "timers/forward-backward-time"}
+EXPECTED_KEYS = {key.split("/", 1)[1] for key in GROUPED_KEYS}
 EXPECTED_GROUPS = {"optimizer", "batch", "loss", "throughput", "timers"}
 
 
@@ -38,6 +40,7 @@ def _drive(sink: MetricSink) -> None:
         log_interval=2,
         log_timers_to_tensorboard=True,
         log_validation_ppl_to_tensorboard=True,
+        log_world_size_to_tensorboard=True,
         log_progress_bar=False,
     )
     log = TrainingLog(
@@ -104,11 +107,11 @@ def _wandb_history_keys(wandb_dir: str) -> set[str]:
     return {k for k in keys if not k.startswith("_")} - {"iteration", "samples"}
 
 
-def test_tensorboard_event_files_have_megatron_keys(tmp_path: Path) -> None:
+def test_tensorboard_event_files_have_grouped_keys_on_request(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
-    _drive(TensorBoardSink(str(tmp_path / "tb")))
+    _drive(TensorBoardSink(str(tmp_path / "tb"), grouped=True))
     scalars = _tensorboard_scalars(str(tmp_path / "tb"))
-    assert set(scalars) == EXPECTED_KEYS
+    assert set(scalars) == GROUPED_KEYS
     assert {tag.split("/")[0] for tag in scalars} == EXPECTED_GROUPS
     assert scalars["loss/lm loss"] == {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0}
     assert scalars["loss/lm loss vs samples"] == {4: 9.0, 8: 8.0, 12: 7.0, 16: 6.0}
@@ -122,11 +125,13 @@ def test_tensorboard_event_files_have_megatron_keys(tmp_path: Path) -> None:
     assert scalars["loss/lm loss validation"] == {4: 5.0}
 
 
-def test_flat_megatron_tags_on_request(tmp_path: Path) -> None:
+def test_flat_megatron_tags_by_default(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
-    _drive(TensorBoardSink(str(tmp_path / "tb"), grouped=False))
-    tags = set(_tensorboard_scalars(str(tmp_path / "tb")))
-    assert tags == {key.split("/", 1)[1] for key in EXPECTED_KEYS}
+    _drive(TensorBoardSink(str(tmp_path / "tb")))
+    scalars = _tensorboard_scalars(str(tmp_path / "tb"))
+    assert set(scalars) == EXPECTED_KEYS
+    assert scalars["lm loss"] == {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0}
+    assert set(scalars["iteration-time"]) == {2, 4}
 
 
 def test_wandb_offline_gets_the_same_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -278,10 +278,27 @@ def logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-dir", metavar="DIR", help="TensorBoard events (default: none)")
     g.add_argument("--tensorboard-log-interval", type=int, default=1, help="every N iterations")
     g.add_argument(
+        "--tensorboard-queue-size",
+        type=int,
+        default=1000,
+        help="events TensorBoard buffers before it writes them to disk",
+    )
+    g.add_argument(
         "--no-log-loss-scale-to-tensorboard",
         dest="log_loss_scale_to_tensorboard",
         action="store_false",
         help="do not write the loss scale to TensorBoard/W&B",
+    )
+    g.add_argument(
+        "--log-world-size-to-tensorboard",
+        action="store_true",
+        help="also write the world size to TensorBoard/W&B",
+    )
+    g.add_argument(
+        "--group-metric-tags",
+        action="store_true",
+        help="TensorBoard/W&B tags as <group>/<key> (loss/lm loss, timers/...) instead of "
+        "Megatron's flat keys (lm loss, learning-rate)",
     )
     g.add_argument(
         "--log-validation-ppl-to-tensorboard",

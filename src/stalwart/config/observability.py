@@ -25,6 +25,9 @@ class ObservabilityConfig:
     metrics_file: str | None = None
     run_dir: str | None = None
     tensorboard_dir: str | None = None
+    # --group-metric-tags: "<group>/<key>" TensorBoard/W&B tags instead of Megatron's flat keys.
+    group_metric_tags: bool = False
+    tensorboard_queue_size: int = field(default=1000, metadata=bounds(ge=1))
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None

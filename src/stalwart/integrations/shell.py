@@ -188,7 +188,8 @@ class TrainingShell:
         self.sink = build_sinks(
             rank=self.rank, tensorboard_dir=obs.tensorboard_dir, wandb_project=obs.wandb_project,
             wandb_exp_name=obs.wandb_exp_name, wandb_save_dir=obs.wandb_save_dir,
-            wandb_mode=obs.wandb_mode,
+            wandb_mode=obs.wandb_mode, grouped=obs.group_metric_tags,
+            tensorboard_queue_size=obs.tensorboard_queue_size,
             wandb_resume_file=os.path.join(run_dir, "wandb_run_id.txt") if run_dir else None,
         )  # fmt: skip
         self._exit.callback(self.sink.close)

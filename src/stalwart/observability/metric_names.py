@@ -1,9 +1,10 @@
-"""Dashboard tag names: Megatron's metric keys, grouped under a ``<group>/`` prefix.
+"""Dashboard tag names: Megatron's flat metric keys by default, a ``<group>/`` prefix on request.
 
-TensorBoard and W&B put every tag without a ``/`` into its own card group, so Megatron's flat keys
-(``lm loss``, ``learning-rate``, ``forward-backward-time``, ``mem-reserved-bytes``, ...) become some
-thirty one-card sections. :func:`grouped_name` keeps Megatron's key as the leaf, so a Megatron
-user finds the same names and units, and adds one group prefix::
+The sinks write Megatron's keys exactly (``lm loss``, ``learning-rate``, ``forward-backward-time``,
+``mem-reserved-bytes``, ...), so a Megatron dashboard or script finds every tag it knows. TensorBoard
+and W&B put every tag without a ``/`` into its own card group, so those flat keys become some thirty
+one-card sections; ``--group-metric-tags`` (``ObservabilityConfig.group_metric_tags``) writes
+:func:`grouped_name` instead, which keeps Megatron's key as the leaf and adds one group prefix::
 
     >>> grouped_name("lm loss")
     'loss/lm loss'
@@ -16,10 +17,16 @@ user finds the same names and units, and adds one group prefix::
     >>> grouped_name("straggler/compute-ms-max")   # already grouped: unchanged
     'straggler/compute-ms-max'
 
+    >>> grouped_name("goodput")
+    'goodput/goodput'
+
 Groups: ``loss`` (training and validation losses, perplexity; also any key no rule claims, since
 the training log's other flat keys are the loss keys of the user's forward step), ``optimizer``,
-``batch``, ``throughput``, ``timers`` (``<name>-time``, seconds), ``memory`` (``mem-*``). The
-``" vs samples"`` twin of a key lands in the same group as the key.
+``batch``, ``throughput``, ``goodput``, ``timers`` (``<name>-time``, seconds), ``memory``
+(``mem-*``). The ``" vs samples"`` twin of a key lands in the same group as the key.
+
+Keys stalwart writes that Megatron has no counterpart for are listed in `STALWART_ONLY_KEYS`
+(written flat too, under these names).
 """
 
 from __future__ import annotations
@@ -47,6 +54,20 @@ GROUP_OF_KEY: Mapping[str, str] = types.MappingProxyType(
         "tokens-per-second": "throughput",
         "tokens-per-second-per-gpu": "throughput",
         "mfu-percent": "throughput",
+        "goodput": "goodput",
+    }
+)
+
+# Keys of stalwart's own measurements (Megatron writes none of them): the goodput share of the
+# wall clock, tokens/s and MFU, and process memory where there is no CUDA allocator (CPU runs).
+STALWART_ONLY_KEYS = frozenset(
+    {
+        "goodput",
+        "tokens-per-second",
+        "tokens-per-second-per-gpu",
+        "mfu-percent",
+        "mem-rss-bytes",
+        "mem-max-rss-bytes",
     }
 )
 

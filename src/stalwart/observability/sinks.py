@@ -7,9 +7,11 @@ does by hand). Only **rank 0** writes metrics: :func:`build_sinks` returns a :cl
 every other rank. (Megatron uses the last rank because losses live on the last pipeline stage;
 stalwart's trainer has its losses on rank 0.)
 
-Tag names: the TensorBoard and W&B sinks write Megatron's keys grouped under a ``<group>/``
-prefix (`stalwart.observability.metric_names.grouped_name`: ``loss/lm loss``,
-``timers/forward-backward-time``); pass ``grouped=False`` for Megatron's flat names.
+Tag names: the TensorBoard and W&B sinks write Megatron's flat keys (``lm loss``,
+``learning-rate``, ``forward-backward-time``), so Megatron dashboards keep working; pass
+``grouped=True`` (``--group-metric-tags``) for one ``<group>/`` prefix per key
+(`stalwart.observability.metric_names.grouped_name`: ``loss/lm loss``,
+``timers/forward-backward-time``).
 
 Optional dependencies (``tensorboard``, ``wandb``) are imported when a sink is constructed.
 """
@@ -90,9 +92,10 @@ def _flat_name(key: str) -> str:
 
 
 class TensorBoardSink:
-    """TensorBoard event files under ``log_dir`` (``--tensorboard-dir``); tags are grouped."""
+    """TensorBoard event files under ``log_dir`` (``--tensorboard-dir``); Megatron's flat tags,
+    or grouped ones with ``grouped=True``."""
 
-    def __init__(self, log_dir: str, max_queue: int = 1000, grouped: bool = True) -> None:
+    def __init__(self, log_dir: str, max_queue: int = 1000, grouped: bool = False) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard is an optional dependency
@@ -146,7 +149,7 @@ class WandbSink:
         config: Mapping[str, Any] | None = None,
         mode: WandbMode | None = None,
         resume_file: str | None = None,
-        grouped: bool = True,
+        grouped: bool = False,
     ) -> None:
         self._tag = grouped_name if grouped else _flat_name
         _check_wandb_mode(mode)
@@ -367,11 +370,14 @@ def build_sinks(
     wandb_mode: WandbMode | None = None,
     wandb_resume_file: str | None = None,
     config: Mapping[str, Any] | None = None,
+    grouped: bool = False,
 ) -> MetricSink:
     """The sink for this rank from config values: NullSink unless rank 0 configured a back-end.
 
     One back-end is returned as is; TensorBoard + W&B are wrapped in a :class:`FanOutSink`.
     ``wandb_save_dir`` defaults to ``<tensorboard_dir>/wandb`` when TensorBoard is on, else cwd.
+    ``grouped`` (``--group-metric-tags``): ``<group>/<key>`` tags on both back-ends, else
+    Megatron's flat keys.
 
     Raises:
         TypeError: ``wandb_mode`` is not a :class:`WandbMode` (or None), on every rank.
@@ -381,14 +387,22 @@ def build_sinks(
         return NullSink()
     children: list[MetricSink] = []
     if tensorboard_dir:
-        children.append(TensorBoardSink(tensorboard_dir, max_queue=tensorboard_queue_size))
+        children.append(
+            TensorBoardSink(tensorboard_dir, max_queue=tensorboard_queue_size, grouped=grouped)
+        )
     if wandb_project:
         save_dir = wandb_save_dir or (
             os.path.join(tensorboard_dir, "wandb") if tensorboard_dir else None
         )
         children.append(
             WandbSink(
-                wandb_project, wandb_exp_name, save_dir, config, wandb_mode, wandb_resume_file
+                wandb_project,
+                wandb_exp_name,
+                save_dir,
+                config,
+                wandb_mode,
+                wandb_resume_file,
+                grouped=grouped,
             )
         )
     if not children:

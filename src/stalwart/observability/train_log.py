@@ -74,6 +74,7 @@ class LogConfig:
     log_params_norm: bool = False
     log_timers_to_tensorboard: bool = False
     log_loss_scale_to_tensorboard: bool = True
+    log_world_size_to_tensorboard: bool = False  # Megatron's flag and default
     log_validation_ppl_to_tensorboard: bool = False
     log_progress_bar: bool | None = None  # None: only when stdout is a TTY
     log_timestamp: bool = True  # prefix the iteration line with " [YYYY-mm-dd HH:MM:SS.ffffff]"
@@ -341,10 +342,13 @@ class TrainingLog:
         """Megatron's per-iteration keys, each with its "vs samples" twin (x = consumed samples)."""
         candidates: dict[str, float | None] = {"learning-rate": values.get("lr")}
         candidates["batch-size"] = float(inputs.global_batch_size)
-        candidates["world-size"] = float(self.world_size)
+        if self.config.log_world_size_to_tensorboard:
+            candidates["world-size"] = float(self.world_size)
         candidates.update({key: values.get(f"cur:{key}") for key in inputs.losses})
         if self.config.log_loss_scale_to_tensorboard:
-            candidates["loss-scale"] = values.get("loss_scale")
+            # Without fp16 the scale is 1.0, and Megatron writes it (its optimizers report 1.0).
+            scale = values.get("loss_scale")
+            candidates["loss-scale"] = 1.0 if scale is None else scale
         for key in ("grad-norm", "num-zeros", "params-norm"):
             candidates[key] = values.get(key.replace("-", "_"))
         scalars = {k: v for k, v in candidates.items() if v is not None}

@@ -229,6 +229,7 @@ def build_observability(
     sink = build_sinks(
         rank=ctx.rank,
         tensorboard_dir=obs.tensorboard_dir,
+        tensorboard_queue_size=obs.tensorboard_queue_size,
         wandb_project=obs.wandb_project,
         wandb_exp_name=obs.wandb_exp_name,
         wandb_save_dir=obs.wandb_save_dir,
@@ -236,6 +237,7 @@ def build_observability(
         # Restarts and relaunches continue the same W&B run (the id lives with the run).
         wandb_resume_file=os.path.join(run_dir, "wandb_run_id.txt") if run_dir else None,
         config=config.to_dict(),
+        grouped=obs.group_metric_tags,
     )
     providers, observer = build_probes(config, ctx, model, sink)
     saves = SaveTiming(timers, ledger=ledger)
