@@ -71,7 +71,8 @@ def test_megatron_values_that_mean_off_are_accepted_and_change_nothing(argv: lis
         ("sequence_parallel = true", False),
         ('fp8_format = "hybrid"', False),
         ("attention_dropout = 0.0", True),
-        ("attention_dropout = 0.1", False),
+        ("use_flash_attn = true", True),  # its effect holds: accepted
+        ("overlap_grad_reduce = true", True),
     ],
 )
 def test_config_file_keys_follow_the_same_refusals(
@@ -208,3 +209,73 @@ def test_log_progress_writes_megatrons_progress_file(tmp_path: Path) -> None:
     start, start_flops = cumulative_start(lines, world_size=1)
     assert start is not None and start_flops == 0.0
     assert cumulative_start(lines, world_size=8) == (None, 0.0)
+
+
+def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    code = main(["train", *TINY_FLAGS, *argv, "--print-config"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--use-flash-attn"],
+        ["--overlap-grad-reduce"],
+        ["--accumulate-allreduce-grads-in-fp32", "--no-masked-softmax-fusion"],
+        ["--max-position-embeddings", "32"],  # = --seq-length of TINY_FLAGS
+        ["--kv-channels", "32"],  # 64 / 2 heads
+        ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"],
+        ["--make-vocab-size-divisible-by", "128"],  # 512 is a multiple
+        ["--distributed-backend", "nccl", "--tokenizer-type", "NullTokenizer"],
+    ],
+)
+def test_megatron_flags_whose_effect_holds_are_accepted(argv: list[str]) -> None:
+    extra = argv[-2:] if "--hidden-dropout" in argv else []
+    assert _run_config(*argv) == _run_config(*extra)
+
+
+def test_max_position_embeddings_follows_how_the_model_uses_positions(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = _error(capsys, "--max-position-embeddings", "16")
+    assert "--max-position-embeddings (16) must be >= --seq-length (32)" in err
+    err = _error(capsys, "--max-position-embeddings", "64")  # learned: a bigger table
+    assert "learned position table has --seq-length rows" in err
+    assert "--max-position-embeddings 32" in err
+    # RoPE has no table: any value >= --seq-length describes the same model.
+    rope = ["--position-embedding-type", "rope"]
+    assert _run_config(*rope, "--max-position-embeddings", "4096") == _run_config(*rope)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--kv-channels", "16"], "--kv-channels 16: stalwart's head size is --hidden-size / --num-attention-heads = 32"),
+        (["--attention-dropout", "0.1"], "--attention-dropout 0.1 differs from --hidden-dropout 0.0"),
+        (["--make-vocab-size-divisible-by", "100"], "pass --vocab-size 600"),
+    ],
+)  # fmt: skip
+def test_megatron_values_that_would_differ_are_refused(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    assert needle in _error(capsys, *argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--trian-iters", "5"], "unrecognized arguments: --trian-iters (did you mean --train-iters?)"),
+        (["--train-iter=5"], "--train-iter (did you mean --train-iters?)"),
+        (["--lr-warmup-iter", "2"], "did you mean --lr-warmup-iters?"),
+        (["--tensor-model-paralel-size", "2"], "did you mean --tensor-model-parallel-size?"),
+        (["--frobnicate"], "--frobnicate (neither a stalwart flag nor a Megatron flag"),
+    ],
+)  # fmt: skip
+def test_unknown_flags_are_named_with_did_you_mean(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    err = _error(capsys, *argv)
+    assert needle in err, err
+    assert "'5'" not in err and "'2'" not in err  # an unknown flag's value is not a second error

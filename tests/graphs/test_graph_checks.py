@@ -187,5 +187,6 @@ def test_recompute_rules_use_the_models_settings() -> None:
     )
     assert graph_config_problems(settings) == [
         "--attention-dropout=0.1 is not allowed with recomputed 'core_attn' inside a "
-        "full_iteration CUDA graph: recompute's RNG save/restore cannot be captured"
+        "full_iteration CUDA graph: recompute's RNG save/restore cannot be captured (set it to "
+        "0, or recompute nothing)"
     ]

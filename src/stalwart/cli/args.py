@@ -18,7 +18,7 @@ from stalwart.cli import train_flags_ops as ops
 from stalwart.cli.arg_types import register_checked_types
 from stalwart.cli.config_file import CONFIG_HELP, toml_defaults
 from stalwart.cli.help_format import FlagHelpFormatter
-from stalwart.cli.megatron_flags import add_megatron_refusals
+from stalwart.cli.megatron_flags import add_megatron_refusals, unknown_flag_message
 from stalwart.cli.train_flags import PRESET_NAMES
 
 __all__ = ["PRESET_NAMES", "OneLineErrorParser", "build_train_parser", "parse_train_args"]
@@ -72,6 +72,14 @@ class OneLineErrorParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.raise_errors = raise_errors
         register_checked_types(self)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """argparse's, with unknown flags named one by one ("did you mean" for a typo)."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            self.error(unknown_flag_message(extras, known))
+        return ns
 
     def error(self, message: str) -> NoReturn:
         if self.raise_errors:

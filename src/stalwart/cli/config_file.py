@@ -191,6 +191,8 @@ def _check_refused(action: MegatronRefusal, value: object) -> None:
     """A Megatron flag stalwart does not implement: fine when off (false, or an accepted
     value such as a parallel size of 1), else the refusal."""
     u = action.unsupported
+    if action.holds and isinstance(value, bool):
+        return  # a Megatron switch whose effect holds anyway (true or false: the same run)
     if value is False or (u.takes_value and _toml_repr(value).strip("'") in u.accepted):
         return
     raise _KeyError(refusal_message(u.flag, u.reason))

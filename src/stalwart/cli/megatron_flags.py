@@ -4,16 +4,23 @@ A migrating user's script that passes one of these gets ``--X is a Megatron flag
 not implement (what to do instead)`` instead of argparse's generic "unrecognized arguments" or,
 worse, a run that silently differs from the one the script describes. Values that mean "off" in
 Megatron are accepted, since they describe what stalwart does anyway (a parallel size of 1,
-``--attention-dropout 0``, ``--optimizer adam``). The same refusal applies to ``--config`` keys.
+``--optimizer adam``). The same refusal applies to ``--config`` keys.
 
+`ALWAYS` lists Megatron switches whose effect always holds in stalwart (``--use-flash-attn``,
+``--overlap-grad-reduce``): accepted, listed in ``--help`` with the fact that makes them hold.
 Megatron flags that stalwart implements under its own name are accepted as second spellings of
-that flag (``--enable-ft-package`` is ``--enable-ft``); see ``stalwart train --help``.
+that flag (``--enable-ft-package`` is ``--enable-ft``); value flags that must agree with the model
+(``--max-position-embeddings``, ``--kv-channels``, ``--attention-dropout``,
+``--make-vocab-size-divisible-by``) are checked by ``stalwart.config.model``. Any other unknown
+flag gets "did you mean" from the flags of `stalwart train` (`unknown_flag_message`).
+docs/migration-megatron.md is the table for users.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import difflib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +44,14 @@ _CKPT = "checkpoints are torch.distributed.checkpoint directories of their own l
 _PER_MODULE = "stalwart graphs the whole iteration: --cuda-graph-impl full_iteration"
 _FAULTS = "use --inject-fault KIND --inject-fault-iteration N"
 _INPROCESS = "stalwart's in-process restart has no such knob"
+_TP = f"tensor parallelism; {_DP}"
+_PP = f"pipeline parallelism; {_DP}"
+_FUSION = "a fused kernel of Transformer Engine / Apex; the model is plain PyTorch"
+_MOE = "experts are replicated dense MLPs with one top-k softmax router"
+_OPTIM = "the optimizer is AdamW with fp32 states: --adam-beta1/--adam-beta2/--adam-eps"
+_NOT_STALWART_DATA = (
+    "stalwart reads one token-id file per --data-path, without Megatron's .idx index"
+)
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
     # Model parallelism.
@@ -49,7 +64,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--expert-tensor-parallel-size", "experts are replicated on every rank", accepted=_ONE),
     Unsupported("--sequence-parallel", "sequence parallelism needs tensor parallelism", False),
     Unsupported("--use-distributed-optimizer", "shard the optimizer with --use-torch-fsdp2", False),
-    Unsupported("--overlap-grad-reduce", "DDP always overlaps the all-reduce with backward", False),
     Unsupported("--overlap-param-gather", "no distributed optimizer: --use-torch-fsdp2", False),
     # Precision and kernels.
     Unsupported("--fp8-format", "FP8 training; use --bf16"),
@@ -58,10 +72,9 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--fp4-format", "FP4 training; use --bf16"),
     Unsupported("--transformer-impl", "Transformer Engine layers; the model is plain PyTorch", accepted=("local",)),
     Unsupported("--attention-backend", "attention is torch's scaled_dot_product_attention"),
-    Unsupported("--use-flash-attn", "attention is torch's scaled_dot_product_attention", False),
-    Unsupported("--distributed-backend", "the backend follows the device: NCCL, or gloo with --use-cpu"),
+    Unsupported("--distributed-backend", "the backend follows the device: NCCL, or gloo with --use-cpu", accepted=("nccl",)),
     # Data.
-    Unsupported("--tokenizer-type", f"no tokenizer; {_TOKENS}"),
+    Unsupported("--tokenizer-type", f"no tokenizer; {_TOKENS}", accepted=("NullTokenizer",)),
     Unsupported("--tokenizer-model", f"no tokenizer; {_TOKENS}"),
     Unsupported("--vocab-file", f"no tokenizer; {_TOKENS}"),
     Unsupported("--merge-file", f"no tokenizer; {_TOKENS}"),
@@ -69,13 +82,9 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--mock-data", "without --data-path stalwart trains on its embedded corpus", False),
     Unsupported("--data-cache-path", "datasets are memory-mapped, nothing is cached"),
     # Model.
-    Unsupported("--max-position-embeddings", "--seq-length sizes the position table"),
-    Unsupported("--attention-dropout", "attention has no dropout (--hidden-dropout is the only one)", accepted=("0", "0.0")),
-    Unsupported("--kv-channels", "head size is --hidden-size / --num-attention-heads"),
     Unsupported("--qk-layernorm", "no norm on queries and keys", False),
     Unsupported("--multi-latent-attention", "multi-latent attention", False),
     Unsupported("--mtp-num-layers", "multi-token prediction"),
-    Unsupported("--make-vocab-size-divisible-by", "the vocabulary is not padded: --vocab-size"),
     Unsupported("--moe-grouped-gemm", "experts run as separate MLPs", False),
     Unsupported("--moe-token-dispatcher-type", "experts are replicated: no token dispatch"),
     Unsupported("--moe-router-load-balancing-type", "one auxiliary loss: --moe-aux-loss-coeff"),
@@ -118,11 +127,111 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--fault-injector-mtti-seconds", _FAULTS),
     Unsupported("--fault-injector-offset-seconds", _FAULTS),
     Unsupported("--fault-injector-seed", _FAULTS),
+    *(
+        Unsupported(flag, reason, takes_value, accepted)
+        for flag, reason, takes_value, accepted in (
+            # Parallelism and communication.
+            ("--decoder-first-pipeline-num-layers", _PP, True, ()),
+            ("--decoder-last-pipeline-num-layers", _PP, True, ()),
+            ("--account-for-embedding-in-pipeline-split", _PP, False, ()),
+            ("--account-for-loss-in-pipeline-split", _PP, False, ()),
+            ("--tp-comm-overlap", _TP, False, ()),
+            ("--no-async-tensor-model-parallel-allreduce", _TP, False, ()),
+            ("--use-mcore-models", "stalwart's GPT is its own (stalwart.models.GPT): drop the flag", False, ()),
+            ("--use-legacy-models", "stalwart's GPT is its own (stalwart.models.GPT): drop the flag", False, ()),
+            ("--spec", "stalwart's GPT is its own (stalwart.models.GPT): no layer specs", True, ()),
+            ("--ddp-bucket-size", "DDP uses torch's bucket size", True, ()),
+            ("--ddp-average-in-collective", "DDP averages after its all-reduce", False, ()),
+            ("--grad-reduce-in-bf16", "gradients are reduced in fp32", False, ()),
+            ("--nccl-communicator-config-path", "process groups use NCCL's defaults", True, ()),
+            # Model.
+            ("--apply-query-key-layer-scaling", "attention scales scores by 1/sqrt(head size) only", False, ()),
+            ("--attention-softmax-in-fp32", "attention is torch's scaled_dot_product_attention; its kernel picks the softmax precision", False, ()),
+            ("--apply-residual-connection-post-layernorm", "layers are pre-norm", False, ()),
+            ("--apply-layernorm-1p", "norms scale by their weight, not 1 + weight", False, ()),
+            ("--openai-gelu", "the MLP is GELU, or SwiGLU with --swiglu", False, ()),
+            ("--squared-relu", "the MLP is GELU, or SwiGLU with --swiglu", False, ()),
+            ("--init-method-xavier-uniform", "weights are normal with --init-method-std", False, ()),
+            ("--use-rotary-position-embeddings", "use --position-embedding-type rope", False, ()),
+            ("--rotary-percent", "RoPE rotates the whole head", True, ("1", "1.0")),
+            ("--rotary-seq-len-interpolation-factor", "no RoPE interpolation", True, ()),
+            ("--use-rope-scaling", "no RoPE scaling", False, ()),
+            ("--no-position-embedding", "learned positions are --position-embedding-type learned_absolute; RoPE models have no position table already", False, ()),
+            ("--moe-ffn-hidden-size", f"{_MOE} of --ffn-hidden-size", True, ()),
+            ("--moe-layer-freq", "with --num-experts every layer's MLP is MoE", True, ("1",)),
+            ("--moe-router-dtype", _MOE, True, ()),
+            ("--moe-router-score-function", _MOE, True, ("softmax",)),
+            ("--moe-router-pre-softmax", _MOE, False, ()),
+            ("--moe-z-loss-coeff", f"{_MOE}; one auxiliary loss: --moe-aux-loss-coeff", True, ()),
+            ("--moe-shared-expert-intermediate-size", f"{_MOE}; no shared experts", True, ()),
+            ("--moe-permute-fusion", _FUSION, False, ()),
+            ("--moe-input-jitter-eps", f"{_MOE}; no input jitter", True, ()),
+            # Precision and fusions.
+            ("--loss-scale", "--fp16 scales dynamically: --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis", True, ()),
+            ("--use-precision-aware-optimizer", _OPTIM, False, ()),
+            ("--main-grads-dtype", _OPTIM, True, ("fp32",)),
+            ("--main-params-dtype", _OPTIM, True, ("fp32",)),
+            ("--exp-avg-dtype", _OPTIM, True, ("fp32",)),
+            ("--exp-avg-sq-dtype", _OPTIM, True, ("fp32",)),
+            ("--decoupled-lr", "one learning rate for every parameter: --lr", True, ()),
+            ("--decoupled-min-lr", "one learning rate for every parameter: --min-lr", True, ()),
+            ("--sgd-momentum", _OPTIM, True, ()),
+            ("--deterministic-mode", "no deterministic-kernel mode", False, ()),
+            ("--calculate-per-token-loss", "no per-token loss normalisation across micro-batches", False, ()),
+            # Data.
+            ("--dataloader-type", _NOT_STALWART_DATA, True, ()),
+            ("--train-data-path", f"{_NOT_STALWART_DATA}; one blend split by --valid-fraction", True, ()),
+            ("--valid-data-path", f"{_NOT_STALWART_DATA}; one blend split by --valid-fraction", True, ()),
+            ("--test-data-path", f"{_NOT_STALWART_DATA}; no test split", True, ()),
+            ("--data-args-path", f"{_NOT_STALWART_DATA}: give the files to --data-path", True, ()),
+            ("--per-split-data-args-path", f"{_NOT_STALWART_DATA}: give the files to --data-path", True, ()),
+            ("--num-dataset-builder-threads", "datasets are memory-mapped, nothing is built", True, ()),
+            ("--no-mmap-bin-files", "datasets are always memory-mapped", False, ()),
+            ("--reset-position-ids", "positions restart only at a sample's start", False, ()),
+            ("--reset-attention-mask", "attention is causal over the whole sample", False, ()),
+            ("--eod-mask-loss", "every token's loss counts", False, ()),
+            # Checkpoints.
+            ("--no-save-optim", "checkpoints always hold the optimizer state; load without it: --no-load-optim", False, ()),
+            ("--no-save-rng", "checkpoints always hold the RNG states; load without them: --no-load-rng", False, ()),
+            ("--use-checkpoint-args", "a checkpoint does not set the model flags; the run's own flags must match it (checked at load)", False, ()),
+            ("--ckpt-fully-parallel-save", _CKPT, False, ()),
+            ("--no-ckpt-fully-parallel-save", _CKPT, False, ()),
+            ("--ckpt-fully-parallel-load", _CKPT, False, ()),
+            ("--save-retain-interval", "retention keeps the last N: --ckpt-keep-last", True, ()),
+            # Logging.
+            ("--log-memory-interval-to-tensorboard", "use --log-memory-to-tensorboard", False, ()),
+            ("--wandb-entity", "W&B reads the entity from WANDB_ENTITY", True, ()),
+        )
+    ),
     # Per-module CUDA graphs.
     Unsupported("--cuda-graph-modules", _PER_MODULE),
     Unsupported("--cuda-graph-scope", _PER_MODULE),
     Unsupported("--enable-cuda-graph", _PER_MODULE, False),
     Unsupported("--external-cuda-graph", _PER_MODULE, False),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Always:
+    """A Megatron switch whose effect always holds in stalwart: accepted, with the fact why."""
+
+    flag: str
+    fact: str
+
+
+ALWAYS: tuple[Always, ...] = (
+    Always("--use-flash-attn", "attention is torch's scaled_dot_product_attention, which runs its flash kernel where the device and dtype allow"),
+    Always("--overlap-grad-reduce", "DDP overlaps the gradient all-reduce with backward, FSDP2 its reduce-scatter"),
+    Always("--accumulate-allreduce-grads-in-fp32", "gradients are accumulated and reduced in fp32 (the parameters' dtype)"),
+    Always("--no-masked-softmax-fusion", "attention is torch's scaled_dot_product_attention, no Megatron softmax kernel"),
+    Always("--no-bias-dropout-fusion", "bias, dropout and the residual add are separate PyTorch ops"),
+    Always("--no-bias-gelu-fusion", "bias and GELU are separate PyTorch ops"),
+    Always("--no-bias-swiglu-fusion", "SwiGLU is separate PyTorch ops"),
+    Always("--no-rope-fusion", "RoPE is PyTorch ops"),
+    Always("--no-persist-layer-norm", "norms are torch.nn.functional ops"),
+    Always("--use-cpu-initialization", "the model is initialised on the CPU, then moved to the device"),
+    Always("--no-gradient-accumulation-fusion", "gradient-accumulation fusion is off unless --gradient-accumulation-fusion"),
+    Always("--no-create-attention-mask-in-dataloader", "attention is causal in the kernel; no mask is built"),
 )  # fmt: skip
 
 
@@ -134,6 +243,8 @@ def refusal_message(flag: str, reason: str) -> str:
 class MegatronRefusal(argparse.Action):
     """Parses a refused flag (with or without its value) and errors, unless the value is one of
     the accepted ones; stores nothing either way (hidden from ``--help``)."""
+
+    holds = False  # MegatronAlways: the switch's effect holds, so it is accepted
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
         self.unsupported: Unsupported = kwargs.pop("unsupported")
@@ -158,7 +269,60 @@ class MegatronRefusal(argparse.Action):
         parser.error(refusal_message(u.flag, u.reason))
 
 
+class MegatronAlways(MegatronRefusal):
+    """A switch of `ALWAYS`: parsed and accepted, stores nothing (its effect holds anyway)."""
+
+    holds = True
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        always: Always = kwargs.pop("always")
+        super().__init__(
+            option_strings, dest, unsupported=Unsupported(always.flag, always.fact, False)
+        )
+        self.help = f"Megatron's switch, accepted: {always.fact}"
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        return None
+
+
 def add_megatron_refusals(parser: argparse.ArgumentParser) -> None:
-    """Register every flag of `UNSUPPORTED` on ``parser`` (refused when given)."""
+    """Register every flag of `UNSUPPORTED` on ``parser`` (refused when given) and every switch
+    of `ALWAYS` (accepted, in ``--help``)."""
     for unsupported in UNSUPPORTED:
         parser.add_argument(unsupported.flag, action=MegatronRefusal, unsupported=unsupported)
+    group = parser.add_argument_group(
+        "Megatron switches whose effect always holds (accepted, change nothing)"
+    )
+    for always in ALWAYS:
+        group.add_argument(always.flag, action=MegatronAlways, always=always)
+
+
+def unknown_flag_message(tokens: Iterable[str], known: Iterable[str]) -> str:
+    """argparse's "unrecognized arguments" as one line naming each unknown flag, with "did you
+    mean" for a close spelling of a flag in ``known`` (a typo), else saying it is not a flag of
+    stalwart or of the Megatron flags it knows."""
+    known = sorted(set(known))
+    parts: list[str] = []
+    after_flag = False
+    for token in tokens:
+        if not token.startswith("-"):
+            if not after_flag:  # an unknown flag's own value is not named again
+                parts.append(repr(token))
+            continue
+        after_flag = "=" not in token
+        name = token.split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close:
+            parts.append(f"{name} (did you mean {close[0]}?)")
+        else:
+            parts.append(
+                f"{name} (neither a stalwart flag nor a Megatron flag stalwart knows; "
+                "docs/migration-megatron.md lists them)"
+            )
+    return "unrecognized arguments: " + ", ".join(parts)

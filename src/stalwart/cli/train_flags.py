@@ -59,6 +59,35 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--init-method-std", type=Float(gt=0), help="std of the weight init (default: 0.02)"
     )
+    _megatron_model_flags(g)
+
+
+def _megatron_model_flags(g: Any) -> None:
+    """Megatron's flags whose value stalwart's model derives from others: accepted when they
+    agree (checked by ``stalwart.config.model.check_megatron_model_flags``), refused otherwise."""
+    g.add_argument(
+        "--max-position-embeddings",
+        type=Int(1),
+        help="Megatron's position-table size: >= --seq-length; with learned positions it must "
+        "equal --seq-length (the table has --seq-length rows) (default: unset)",
+    )
+    g.add_argument(
+        "--kv-channels",
+        type=Int(1),
+        help="head size: must equal --hidden-size / --num-attention-heads (default: unset)",
+    )
+    g.add_argument(
+        "--attention-dropout",
+        type=float,
+        help="must equal --hidden-dropout: one dropout probability serves embeddings, attention "
+        "probabilities and residual branches (default: unset)",
+    )
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=Int(1),
+        help="Megatron pads the vocabulary to a multiple of N; stalwart does not pad, so "
+        "--vocab-size must be one already (default: unset)",
+    )
 
 
 def architecture_flags(p: argparse.ArgumentParser) -> None:

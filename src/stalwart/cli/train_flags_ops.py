@@ -240,6 +240,40 @@ def fault_injection_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _tensorboard_flags(g: Any) -> None:
+    """TensorBoard (and W&B: the same keys) flags of the logging group, in Megatron spelling."""
+    g.add_argument("--tensorboard-dir", metavar="DIR", help="TensorBoard events (default: none)")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="every N iterations")
+    g.add_argument(
+        "--tensorboard-queue-size",
+        type=int,
+        default=1000,
+        help="events TensorBoard buffers before it writes them to disk",
+    )
+    g.add_argument(
+        "--no-log-loss-scale-to-tensorboard",
+        dest="log_loss_scale_to_tensorboard",
+        action="store_false",
+        help="do not write the loss scale to TensorBoard/W&B",
+    )
+    g.add_argument(
+        "--log-world-size-to-tensorboard",
+        action="store_true",
+        help="also write the world size to TensorBoard/W&B",
+    )
+    g.add_argument(
+        "--group-metric-tags",
+        action="store_true",
+        help="TensorBoard/W&B tags as <group>/<key> (loss/lm loss, timers/...) instead of "
+        "Megatron's flat keys (lm loss, learning-rate)",
+    )
+    g.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="also write the validation perplexity",
+    )
+
+
 def logging_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "observability.logging", "observability: logging")
     g.add_argument("--log-interval", type=int, default=10, help="log line every N iterations")
@@ -275,36 +309,7 @@ def logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--run-dir", metavar="DIR", help="where run artefacts and the report go (default: --save)"
     )
-    g.add_argument("--tensorboard-dir", metavar="DIR", help="TensorBoard events (default: none)")
-    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="every N iterations")
-    g.add_argument(
-        "--tensorboard-queue-size",
-        type=int,
-        default=1000,
-        help="events TensorBoard buffers before it writes them to disk",
-    )
-    g.add_argument(
-        "--no-log-loss-scale-to-tensorboard",
-        dest="log_loss_scale_to_tensorboard",
-        action="store_false",
-        help="do not write the loss scale to TensorBoard/W&B",
-    )
-    g.add_argument(
-        "--log-world-size-to-tensorboard",
-        action="store_true",
-        help="also write the world size to TensorBoard/W&B",
-    )
-    g.add_argument(
-        "--group-metric-tags",
-        action="store_true",
-        help="TensorBoard/W&B tags as <group>/<key> (loss/lm loss, timers/...) instead of "
-        "Megatron's flat keys (lm loss, learning-rate)",
-    )
-    g.add_argument(
-        "--log-validation-ppl-to-tensorboard",
-        action="store_true",
-        help="also write the validation perplexity",
-    )
+    _tensorboard_flags(g)
     g.add_argument("--wandb-project", metavar="NAME", help="W&B project (default: no W&B)")
     g.add_argument("--wandb-exp-name", metavar="NAME", help="W&B run name (default: W&B's)")
     g.add_argument("--wandb-save-dir", metavar="DIR", help="W&B files (default: W&B's)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from stalwart.models import PRESETS
+from stalwart.models import PRESETS, GPTConfig
 
 # flag dest -> GPTConfig field, for the flags whose value is passed through unchanged
 _PASS_THROUGH = {
@@ -62,3 +62,43 @@ def _query_groups(ns: argparse.Namespace, preset: Any) -> dict[str, Any]:
     if gqa and not preset_gqa:
         return {"num_query_groups": 1}
     return {}
+
+
+def check_megatron_model_flags(ns: argparse.Namespace, model: GPTConfig) -> None:
+    """Megatron's flags whose value stalwart's model derives: each given one must agree with
+    ``model``, else ``ValueError`` naming it (a value that differs would be a different model
+    than the script describes)."""
+    max_pos = getattr(ns, "max_position_embeddings", None)
+    if max_pos is not None:
+        if max_pos < model.seq_length:  # Megatron's own rule
+            raise ValueError(
+                f"--max-position-embeddings ({max_pos}) must be >= --seq-length "
+                f"({model.seq_length}), as in Megatron"
+            )
+        if not model.uses_rope and max_pos != model.seq_length:
+            raise ValueError(
+                f"--max-position-embeddings {max_pos} differs from --seq-length "
+                f"{model.seq_length}: stalwart's learned position table has --seq-length rows "
+                f"(Megatron's would have {max_pos}); pass --max-position-embeddings "
+                f"{model.seq_length} or drop it"
+            )
+    kv = getattr(ns, "kv_channels", None)
+    if kv is not None and kv != model.kv_channels:
+        raise ValueError(
+            f"--kv-channels {kv}: stalwart's head size is --hidden-size / --num-attention-heads "
+            f"= {model.kv_channels}"
+        )
+    attention = getattr(ns, "attention_dropout", None)
+    if attention is not None and attention != model.dropout:
+        raise ValueError(
+            f"--attention-dropout {attention} differs from --hidden-dropout {model.dropout}: "
+            "stalwart has one dropout probability (--hidden-dropout) for embeddings, attention "
+            "probabilities and residual branches; give both the same value"
+        )
+    multiple = getattr(ns, "make_vocab_size_divisible_by", None)
+    if multiple is not None and model.vocab_size % multiple:
+        padded = -(-model.vocab_size // multiple) * multiple
+        raise ValueError(
+            f"--make-vocab-size-divisible-by {multiple}: Megatron would pad the vocabulary from "
+            f"{model.vocab_size} to {padded}; stalwart does not pad: pass --vocab-size {padded}"
+        )

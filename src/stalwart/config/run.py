@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.config.checks import bounds, check_fields
-from stalwart.config.model import architecture_overrides
+from stalwart.config.model import architecture_overrides, check_megatron_model_flags
 from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.graphs.checks import CudaGraphImpl
@@ -251,6 +251,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     overrides.update(architecture_overrides(ns))  # Llama switches and activation recompute
     model = preset_model_config(ns.preset, **overrides)
     _check_moe_flags(ns, model.num_experts)
+    check_megatron_model_flags(ns, model)
     if ns.micro_batch_size is None:
         ns.micro_batch_size = PRESET_MICRO_BATCH_SIZE[ns.preset]
     _check_sample_flags(ns)

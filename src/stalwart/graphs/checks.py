@@ -30,12 +30,13 @@ class CudaGraphImpl(enum.Enum):
 
 GRAPHABLE_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 _GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")
-# recompute module -> the dropout-like settings whose randomness it would replay inside the graph.
-# ``stalwart.models`` recomputes 'core_attn' (selective) or whole layers (full: all three).
+# recompute module -> the dropout setting whose randomness it would replay inside the graph.
+# ``stalwart.models`` recomputes 'core_attn' (selective) or whole layers (full: the attention
+# core and the layer's MLP, which is 'moe' in a MoE model and 'mlp' otherwise).
 _RANDOM_RECOMPUTE = {
-    "core_attn": ("attention_dropout", "--attention-dropout"),
-    "mlp": ("hidden_dropout", "--hidden-dropout"),
-    "moe": ("hidden_dropout", "--hidden-dropout"),
+    "core_attn": "attention_dropout",
+    "mlp": "hidden_dropout",
+    "moe": "hidden_dropout",
 }
 
 
@@ -54,6 +55,11 @@ class GraphSettings:
     recompute_modules: tuple[str, ...] = ()
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    # The flags that set the two dropouts, as messages name them: a caller with one dropout
+    # for both (stalwart's trainer: --hidden-dropout) passes its flag for both.
+    attention_dropout_flag: str = "--attention-dropout"
+    hidden_dropout_flag: str = "--hidden-dropout"
+    has_moe: bool = False  # the layers' MLP is a mixture of experts ('moe', else 'mlp')
     moe_input_jitter_eps: float | None = None
     cpu_offloading: bool = False
     fine_grained_activation_offloading: bool = False
@@ -117,24 +123,34 @@ def _recompute_problems(s: GraphSettings) -> list[str]:
     if not full or s.recompute_granularity is RecomputeGranularity.NONE:
         return problems
     modules = (
-        tuple(_RANDOM_RECOMPUTE)
+        ("core_attn", "moe" if s.has_moe else "mlp")
         if s.recompute_granularity is RecomputeGranularity.FULL
         else s.recompute_modules
     )
-    for module in modules:
-        if module in _RANDOM_RECOMPUTE:
-            field, flag = _RANDOM_RECOMPUTE[module]
-            if getattr(s, field) != 0.0:
-                problems.append(
-                    f"{flag}={getattr(s, field)} is not allowed with recomputed '{module}' inside "
-                    "a full_iteration CUDA graph: recompute's RNG save/restore cannot be captured"
-                )
+    problems.extend(_random_recompute_problems(s, modules))
     if s.moe_input_jitter_eps and ("moe" in modules):
         problems.append(
             "--moe-input-jitter-eps is not allowed with recomputed 'moe' inside a full_iteration "
             "CUDA graph: recompute's RNG save/restore cannot be captured"
         )
     return problems
+
+
+def _random_recompute_problems(s: GraphSettings, modules: tuple[str, ...]) -> list[str]:
+    """One reason per dropout flag that is non-zero, naming the recomputed modules it reaches."""
+    by_flag: dict[tuple[str, float], list[str]] = {}
+    for module in modules:
+        field = _RANDOM_RECOMPUTE.get(module)
+        if field is None or getattr(s, field) == 0.0:
+            continue
+        flag = s.attention_dropout_flag if field == "attention_dropout" else s.hidden_dropout_flag
+        by_flag.setdefault((flag, getattr(s, field)), []).append(f"'{module}'")
+    return [
+        f"{flag}={value} is not allowed with recomputed {', '.join(names)} inside a "
+        "full_iteration CUDA graph: recompute's RNG save/restore cannot be captured (set it "
+        "to 0, or recompute nothing)"
+        for (flag, value), names in by_flag.items()
+    ]
 
 
 def _offload_problems(s: GraphSettings) -> list[str]:
@@ -180,7 +196,7 @@ def _host_sync_problems(s: GraphSettings) -> list[str]:
     if graphs and s.fp16 and s.loss_scale is None:
         problems.append(
             "--fp16 with dynamic loss scaling is not supported with CUDA graphs (the found-inf "
-            "skip decision syncs with the host); use --bf16, or --fp16 with a constant --loss-scale"
+            "skip decision syncs with the host); use --bf16"
         )
     return problems
 

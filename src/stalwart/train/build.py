@@ -225,6 +225,9 @@ def check_graph_flags(config: RunConfig, device: torch.device, world_size: int =
             ),
             hidden_dropout=config.model.dropout,
             attention_dropout=config.model.dropout,
+            # One dropout, set by --hidden-dropout (--attention-dropout must equal it).
+            attention_dropout_flag="--hidden-dropout",
+            has_moe=config.model.is_moe,
             check_for_nan_in_loss_and_grad=config.rerun.check_for_nan_in_loss_and_grad,
             check_for_spiky_loss=config.rerun.check_for_spiky_loss,
             check_for_large_grads=config.rerun.check_for_large_grads,
