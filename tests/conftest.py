@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A `stalwart train` without --save writes a default run directory under $STALWART_RUNS_DIR
+# (else ./runs): tests and the subprocesses they start write it into a temporary directory,
+# never into the checkout.
+if "STALWART_RUNS_DIR" not in os.environ:
+    _RUNS = tempfile.mkdtemp(prefix="stalwart-test-runs-")
+    os.environ["STALWART_RUNS_DIR"] = _RUNS
+    atexit.register(shutil.rmtree, _RUNS, True)
 
 
 @pytest.fixture(scope="session")

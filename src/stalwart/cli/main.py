@@ -135,14 +135,28 @@ def _check_cache_env(config: RunConfig) -> None:
         check_output_dir("environment variable STALWART_CACHE", value)
 
 
+def _check_runs_dir_env() -> None:
+    """``$STALWART_RUNS_DIR`` (where default run directories go) must be a usable directory."""
+    import os
+
+    from stalwart.cli.run_start import RUNS_DIR_ENV
+    from stalwart.config.paths import check_output_dir
+
+    if os.environ.get(RUNS_DIR_ENV):
+        check_output_dir(f"environment variable {RUNS_DIR_ENV}", os.environ[RUNS_DIR_ENV])
+
+
 def main_train(argv: list[str]) -> int:
     """``stalwart train``: parse, validate, train; returns the process exit code.
 
     Every check of user input (flags, ``--config``, environment, will-it-fit) runs here, before
     anything is allocated or written; a failure is one line on stderr and exit code 2.
     """
+    import os
+
     from stalwart.cli.args import parse_train_args
-    from stalwart.config.run import build_run_config
+    from stalwart.cli.run_start import start_line, with_default_run_dir
+    from stalwart.config.run import build_run_config, explicit_flags
     from stalwart.distributed.launch_env import check_launch_env, env_int
 
     try:
@@ -153,12 +167,16 @@ def main_train(argv: list[str]) -> int:
         check_launch_env()
         config = build_run_config(ns, argv)
         if not ns.print_config:
+            _check_runs_dir_env()
+            config = with_default_run_dir(config, os.environ)  # none given: runs/<time>
             _check_before_start(config)
     except ValueError as exc:
         sys.stderr.write(f"stalwart train: error: {exc}\n")
         return 2
     if ns.print_config:
         return _print_config(ns)
+    if env_int("RANK", 0) == 0:  # the first line: where the run writes, defaults unlike Megatron's
+        print(start_line(config, explicit_flags(ns, argv)), flush=True)
     _setup_logging(env_int("RANK", 0))
     from stalwart.cli.train import run_from_cli
 

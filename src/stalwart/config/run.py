@@ -238,11 +238,16 @@ def _check_sample_flags(ns: argparse.Namespace) -> None:
         )
 
 
-def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> RunConfig:
-    """Typed, validated config from parsed flags (``argv`` tells which flags were explicit)."""
-    explicit = {
+def explicit_flags(ns: argparse.Namespace, argv: list[str] | None) -> set[str]:
+    """Destinations the user set: flags on the command line and keys of ``--config``."""
+    return {
         a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or []) if a[:2] == "--"
     } | set(getattr(ns, "config_file_keys", ()))  # values from --config count as given
+
+
+def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> RunConfig:
+    """Typed, validated config from parsed flags (``argv`` tells which flags were explicit)."""
+    explicit = explicit_flags(ns, argv)
     if getattr(ns, "demo", False):
         _apply_demo_defaults(ns, explicit)
     overrides = {

@@ -357,7 +357,8 @@ class TrainingShell:
         if self._finished is not None:
             return self._finished
         self.sections.maybe_update_timeouts(closing=True)
-        if decision.exit_code:
+        if decision.exit_code and decision.reason is not ExitReason.INTERRUPT:
+            # Ctrl-C is the user's own stop: its one line is leave()'s, with the code.
             logger.error("%s; exiting with code %d", decision.detail, decision.exit_code)
         code = leave(decision, iteration, save_dir=self.config.save_dir, rank=self.rank,
                      log=self.print, checkpoint=self._verdict_checkpoint(decision))  # fmt: skip

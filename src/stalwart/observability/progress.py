@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -50,6 +51,14 @@ def _si(value: float) -> str:
         if value >= scale:
             return f"{value / scale:.1f}{unit}"
     return f"{value:.0f}"
+
+
+def _terminal_columns(stream: TextIO) -> int | None:
+    """The terminal width of ``stream`` (None when it is not a terminal or cannot say)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 class _AboveBarHandler(logging.Handler):
@@ -102,6 +111,9 @@ class ProgressBar:
         self.width = width
         self.min_interval_s = min_interval_s
         self.tokens_per_iteration = tokens_per_iteration
+        # A terminal that reports 0 columns (a pty nobody sized) gets the plain line: tqdm's
+        # dynamic width would draw nothing at all there.
+        use_tqdm = use_tqdm if _terminal_columns(self.stream) != 0 else False
         self._tqdm_cls = _tqdm_class() if enabled and use_tqdm is not False else None
         self._tqdm: Any = None
         self._start: tuple[float, int] | None = None  # (time, iteration) of the first update
@@ -110,6 +122,7 @@ class ProgressBar:
         self._suffix = ""
         self._stats: dict[str, float] = {}
         self._visible = False
+        self._done = False  # closed: never drawn again
         self._handlers: list[tuple[logging.Handler, _AboveBarHandler]] = []
 
     @property
@@ -119,8 +132,8 @@ class ProgressBar:
 
     # ----------------------------------------------------------------- state
     def update(self, current: int, suffix: str | None = None) -> None:
-        """Set progress to ``current`` (of ``total``) and redraw if due."""
-        if not self.enabled:
+        """Set progress to ``current`` (of ``total``) and redraw if due (not after `close`)."""
+        if not self.enabled or self._done:
             return
         now = time.monotonic()
         if self._start is None:
@@ -246,7 +259,9 @@ class ProgressBar:
             self._last_draw = float("-inf")
 
     def close(self) -> None:
-        """Leave the final bar on its own line and give the logging handlers back."""
+        """Leave the final bar on its own line and give the logging handlers back; the bar is
+        not drawn again (later updates do nothing)."""
+        self._done = True
         self._restore_logging()
         if not self.enabled or self._start is None:
             return

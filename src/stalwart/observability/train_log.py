@@ -517,6 +517,11 @@ class TrainingLog:
             record.update({f"{k} validation{suffix} ppl": ppl(v) for k, v in host.items()})
             self._metrics.write_record(record)
 
+    def end_progress(self) -> None:
+        """Leave the progress bar for good (idempotent): training is over, so the lines that
+        follow (final save, exit, goodput) print below it and it is not drawn again."""
+        self._progress.close()
+
     def close(self) -> None:
         """Flush the sink, close the metrics file and the progress bar (the sink's owner closes it)."""
         self._progress.close()

@@ -385,7 +385,8 @@ def write_exit_reason(
             tmp.unlink()
         logger.error("stalwart: cannot write %s: %s", target, exc.strerror or exc)
         return None
-    logger.info(
+    # DEBUG: the exit line (exit_message) already says why; the file is the record.
+    logger.debug(
         "stalwart: exit reason %s at iteration %d%s",
         reason.value,
         iteration,

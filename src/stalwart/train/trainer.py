@@ -261,6 +261,7 @@ class Trainer:
             decision = self._decide(result)
             if decision.exit:  # agreed on every rank: the iterations since the last log line
                 self.log.flush()
+                self.log.end_progress()  # the bar is done: save and exit lines print below it
             if decision.save is not SaveKind.NONE:
                 self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
             if decision.exit:
@@ -403,6 +404,7 @@ class Trainer:
     def _finish(self, decision: ExitDecision) -> TrainOutcome:
         """The one exit path: complete a pending save, record why, leave together."""
         reason = decision.reason or ExitReason.FINISHED
+        self.log.end_progress()
         logger.info(
             "look-ahead launches: %d used of %d", self.step.num_used, self.step.num_launched
         )
@@ -420,7 +422,8 @@ class Trainer:
         self.event(
             EventKind.EXIT, f"{reason.value}: {decision.detail} (exit code {decision.exit_code})"
         )
-        if decision.exit_code:
+        if decision.exit_code and reason is not ExitReason.INTERRUPT:
+            # Ctrl-C is the user's own stop: its one line is leave()'s, with the code.
             logger.error("%s; exiting with code %d", decision.detail, decision.exit_code)
         code = leave(decision, self.state.iteration, save_dir=self.config.checkpoint.save,
                      rank=self.ctx.rank, log=self.print)  # fmt: skip

@@ -287,7 +287,8 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         for it in iterators:
             it.advance()
         if self.mode is VALIDATE and not self._announced:
-            logger.warning("Result validation enabled")
+            # INFO: printed by every validating run, so not a warning (the text is Megatron's)
+            logger.info("Result validation enabled")
             self._announced = True
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.iteration == self.iteration:
