@@ -23,7 +23,11 @@ through the restricted unpickler; unreadable side files (``metadata.json``,
 of one checkpoint as a single ``torch.save`` file, ``{"model": state_dict, "model_config": {...},
 "iteration": N, "source": path}``: whatever the number of ranks that saved it (DCP reshards),
 no optimizer state, loadable with ``torch.load(FILE, weights_only=True)`` into
-``stalwart.models.GPT(GPTConfig(**model_config))``.
+``stalwart.models.GPT(GPTConfig(**model_config))``. ``--out FILE.safetensors`` (or ``--format
+safetensors``) writes the same state dict as safetensors, its metadata holding ``model_config``
+(JSON), ``iteration`` and ``source``. ``--format hf --out DIR`` writes a Hugging Face layout of
+a Llama-architecture checkpoint: ``config.json`` and ``model.safetensors`` under
+``LlamaForCausalLM`` names (`stalwart.models.hf_export`), for ``from_pretrained(DIR)``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import contextlib
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from stalwart.cli.args import OneLineErrorParser
@@ -43,6 +48,7 @@ EXIT_NOT_LOADABLE = 1
 EXIT_USAGE = 2
 NON_PERSISTENT_SUBDIR = "non_persistent"
 _DTYPES = ("fp32", "bf16", "fp16")
+EXPORT_FORMATS = ("auto", "torch", "safetensors", "hf")
 
 
 def _dir_bytes(path: str) -> int:
@@ -156,7 +162,8 @@ def build_convert_parser() -> argparse.ArgumentParser:
 def build_export_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(
         prog="stalwart export",
-        description="Write one checkpoint's model weights as a single torch.save file.",
+        description="Write one checkpoint's model weights: a torch.save file, a safetensors "
+        "file (--out *.safetensors), or a Hugging Face LlamaForCausalLM directory (--format hf).",
     )
     p.add_argument("--load", required=True, metavar="DIR", help="a --save directory (required)")
     p.add_argument(
@@ -165,7 +172,18 @@ def build_export_parser() -> argparse.ArgumentParser:
         help="the checkpoint to export (default: the one the tracker names)",
     )
     p.add_argument(
-        "--out", required=True, metavar="FILE", help="output file, written atomically (required)"
+        "--out",
+        required=True,
+        metavar="PATH",
+        help="output file, written atomically; with --format hf a directory (required)",
+    )
+    p.add_argument(
+        "--format",
+        default="auto",
+        choices=EXPORT_FORMATS,
+        metavar="FORMAT",
+        help="auto: safetensors for --out *.safetensors, else torch; hf: config.json + "
+        "model.safetensors that transformers' LlamaForCausalLM loads (Llama presets)",
     )
     p.add_argument(
         "--dtype", default="fp32", choices=_DTYPES, metavar="DTYPE", help="dtype of the weights"
@@ -243,10 +261,11 @@ def _last_exit(save_dir: str) -> str:
     )
 
 
-def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
-    import torch
-
+def _load_model(load: str, iteration: int | None) -> tuple[Any, dict, int, str]:
+    """The model of checkpoint ``iteration`` (default: the tracked one) of ``load``: (model, its
+    config as saved, iteration, checkpoint path). ``ValueError`` naming ``--load`` otherwise."""
     from stalwart.checkpoint import CheckpointManager, layout
+    from stalwart.checkpoint.safe_state import read_state_file
     from stalwart.models import GPT, GPTConfig
 
     if iteration is None:
@@ -259,8 +278,6 @@ def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
     problem = check_checkpoint(path, checksums=False).problem  # what the load below checks
     if problem is not None:
         raise ValueError(f"--load {load}: checkpoint {path} is not loadable: {problem}")
-    from stalwart.checkpoint.safe_state import read_state_file
-
     common = read_state_file(os.path.join(path, layout.COMMON_FILENAME))
     config = common.get("config") if isinstance(common, dict) else None
     model_config = config.get("model") if isinstance(config, dict) else None
@@ -271,16 +288,66 @@ def _export(load: str, iteration: int | None, out: str, dtype: str) -> str:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"--load {load}: the model config of {path} is unusable: {exc}") from None
     CheckpointManager(None, load).load(model, None, load_optim=False, iteration=iteration)
-    cast = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    state = {k: v.detach().to(cast) for k, v in model.state_dict().items()}
-    payload = {"model": state, "model_config": model_config, "iteration": iteration,
-               "source": os.path.abspath(path)}  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)  # torch.save does not
+    return model, model_config, iteration, path
+
+
+def _atomic(out: str, write: Any) -> None:
+    """``write(tmp)`` then rename onto ``out``: never a half-written file under the final name."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = f"{out}.tmp-{os.getpid()}"
-    torch.save(payload, tmp)
-    os.replace(tmp, out)  # never leave a half-written file under the final name
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _safetensors_save() -> Any:
+    try:
+        from safetensors.torch import save_file
+    except ImportError:  # optional dependency
+        raise ValueError(
+            "--out *.safetensors and --format hf need the 'safetensors' package: "
+            "pip install 'stalwart[safetensors]'"
+        ) from None
+    return save_file
+
+
+def _write_hf(out: str, config: Any, state: dict, dtype: str, path: str, save: Any) -> None:
+    """``--format hf``: ``config.json`` + ``model.safetensors`` of ``LlamaForCausalLM``."""
+    from stalwart.models.hf_export import hf_llama_config, hf_llama_state
+
+    try:
+        hf_config = {**hf_llama_config(config), "torch_dtype": dtype}
+    except ValueError as exc:
+        raise ValueError(f"--format hf: checkpoint {path}: {exc}") from None
+    hf_state = hf_llama_state(config, state)
+    os.makedirs(out, exist_ok=True)
+    weights = os.path.join(out, "model.safetensors")
+    _atomic(weights, lambda tmp: save(hf_state, tmp, metadata={"format": "pt"}))
+    text = json.dumps(hf_config, indent=2) + "\n"
+    _atomic(os.path.join(out, "config.json"), lambda tmp: Path(tmp).write_text(text))
+
+
+def _export(load: str, iteration: int | None, out: str, dtype: str, fmt: str) -> str:
+    import torch
+
+    fmt = ("safetensors" if out.endswith(".safetensors") else "torch") if fmt == "auto" else fmt
+    save: Any = _safetensors_save() if fmt in ("safetensors", "hf") else None
+    model, model_config, iteration, path = _load_model(load, iteration)
+    cast = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    state = {k: v.detach().to(cast).contiguous() for k, v in model.state_dict().items()}
+    meta = {"model_config": model_config, "iteration": iteration, "source": os.path.abspath(path)}
+    if fmt == "torch":
+        _atomic(out, lambda tmp: torch.save({"model": state, **meta}, tmp))
+    elif fmt == "safetensors":
+        text = {k: json.dumps(v) if isinstance(v, dict) else str(v) for k, v in meta.items()}
+        _atomic(out, lambda tmp: save(state, tmp, metadata={"format": "pt", **text}))
+    else:
+        _write_hf(out, model.config, state, str(cast).split(".")[1], path, save)
     num = sum(v.numel() for v in state.values())
-    return f"exported iteration {iteration} ({num:,} values, {dtype}) from {path} to {out}"
+    return f"exported iteration {iteration} ({num:,} values, {dtype}, {fmt}) from {path} to {out}"
 
 
 def main_export(argv: list[str] | None = None) -> int:
@@ -297,14 +364,17 @@ def main_export(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    from stalwart.config.paths import check_output_file
+    from stalwart.config.paths import check_output_dir, check_output_file
 
     problem = _not_a_directory("--load", args.load)
     try:
         if problem is not None:
             raise ValueError(problem)
-        check_output_file("--out", args.out)  # before the model is built and loaded
-        print(_export(args.load, args.iteration, args.out, args.dtype))
+        if args.format == "hf":
+            check_output_dir("--out", args.out)  # a directory: config.json + model.safetensors
+        else:
+            check_output_file("--out", args.out)  # before the model is built and loaded
+        print(_export(args.load, args.iteration, args.out, args.dtype, args.format))
     except (ValueError, OSError, CheckpointError) as exc:
         print(f"stalwart export: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
