@@ -71,7 +71,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--fp8-param-gather", "FP8 training; use --bf16", False),
     Unsupported("--fp4-format", "FP4 training; use --bf16"),
     Unsupported("--transformer-impl", "Transformer Engine layers; the model is plain PyTorch", accepted=("local",)),
-    Unsupported("--attention-backend", "attention is torch's scaled_dot_product_attention"),
+    Unsupported("--attention-backend", "attention is torch's scaled_dot_product_attention, which picks its kernel itself (auto)", accepted=("auto",)),
     Unsupported("--distributed-backend", "the backend follows the device: NCCL, or gloo with --use-cpu", accepted=("nccl",)),
     # Data.
     Unsupported("--tokenizer-type", f"no tokenizer; {_TOKENS}", accepted=("NullTokenizer",)),
@@ -153,6 +153,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
             ("--squared-relu", "the MLP is GELU, or SwiGLU with --swiglu", False, ()),
             ("--init-method-xavier-uniform", "weights are normal with --init-method-std", False, ()),
             ("--use-rotary-position-embeddings", "use --position-embedding-type rope", False, ()),
+            ("--recompute-activations", "use --recompute-granularity selective", False, ()),
             ("--rotary-percent", "RoPE rotates the whole head", True, ("1", "1.0")),
             ("--rotary-seq-len-interpolation-factor", "no RoPE interpolation", True, ()),
             ("--use-rope-scaling", "no RoPE scaling", False, ()),
