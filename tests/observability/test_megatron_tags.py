@@ -11,14 +11,18 @@ from pathlib import Path
 import pytest
 
 from stalwart.cli.main import main
+from stalwart.observability import metric_names
 from stalwart.observability.metric_names import grouped_name
 
 from train_utils import TINY_FLAGS
 
 pytest.importorskip("tensorboard", reason="tensorboard is not installed")
 
-# stalwart's own measurements, which Megatron has no key for (metric_names.STALWART_ONLY_KEYS).
-STALWART_ONLY_KEYS = frozenset({"goodput", "mem-rss-bytes", "mem-max-rss-bytes"})
+# stalwart's own measurements, which Megatron has no key for: the documented list (a new key of
+# stalwart's own goes there; the literal is the list as of issue 30, for trees without it).
+STALWART_ONLY_KEYS = getattr(
+    metric_names, "STALWART_ONLY_KEYS", frozenset({"goodput", "mem-rss-bytes", "mem-max-rss-bytes"})
+)
 
 # Megatron's level-1 and level-2 timer names (timers.write adds "-time").
 MEGATRON_TIMERS = frozenset(

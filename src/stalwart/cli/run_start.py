@@ -101,8 +101,8 @@ def default_run_dir(
 def with_default_run_dir(config: RunConfig, env: Mapping[str, str]) -> RunConfig:
     """``config`` with `default_run_dir` as ``--run-dir`` when it has neither --save nor
     --run-dir (a changed copy; the original is left as it was)."""
-    if config.checkpoint.save or config.obs.run_dir:
-        return config
+    if config.checkpoint.save is not None or config.obs.run_dir is not None:
+        return config  # given (an empty one is refused by the path checks, not replaced)
     run_dir = default_run_dir(env)
     if run_dir is None:
         return config

@@ -39,7 +39,12 @@ def model_flags(p: argparse.ArgumentParser) -> None:
         "--ffn-hidden-size", type=int, help="MLP width (default: the preset's, else 4 x hidden)"
     )
     g.add_argument("--vocab-size", type=int, help=f"vocabulary size {_PRESET}")
-    g.add_argument("--hidden-dropout", type=float, help="dropout probability (default: 0.0)")
+    g.add_argument(
+        "--hidden-dropout",
+        type=float,
+        help="dropout of the embeddings, attention probabilities and residual branches "
+        "(default: 0.0; Megatron's: 0.1)",
+    )
     g.add_argument(
         "--num-experts",
         type=Int(1),
