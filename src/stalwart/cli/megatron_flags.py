@@ -49,9 +49,6 @@ _PP = f"pipeline parallelism; {_DP}"
 _FUSION = "a fused kernel of Transformer Engine / Apex; the model is plain PyTorch"
 _MOE = "experts are replicated dense MLPs with one top-k softmax router"
 _OPTIM = "the optimizer is AdamW with fp32 states: --adam-beta1/--adam-beta2/--adam-eps"
-_NOT_STALWART_DATA = (
-    "stalwart reads one token-id file per --data-path, without Megatron's .idx index"
-)
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
     # Model parallelism.
@@ -180,12 +177,12 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
             ("--deterministic-mode", "no deterministic-kernel mode", False, ()),
             ("--calculate-per-token-loss", "no per-token loss normalisation across micro-batches", False, ()),
             # Data.
-            ("--dataloader-type", _NOT_STALWART_DATA, True, ()),
-            ("--train-data-path", f"{_NOT_STALWART_DATA}; one blend split by --valid-fraction", True, ()),
-            ("--valid-data-path", f"{_NOT_STALWART_DATA}; one blend split by --valid-fraction", True, ()),
-            ("--test-data-path", f"{_NOT_STALWART_DATA}; no test split", True, ()),
-            ("--data-args-path", f"{_NOT_STALWART_DATA}: give the files to --data-path", True, ()),
-            ("--per-split-data-args-path", f"{_NOT_STALWART_DATA}: give the files to --data-path", True, ()),
+            ("--dataloader-type", "stalwart's sampler is its own: a seeded shuffle, or --no-shuffle", True, ()),
+            ("--train-data-path", "one --data-path blend, split by --valid-fraction", True, ()),
+            ("--valid-data-path", "one --data-path blend, split by --valid-fraction", True, ()),
+            ("--test-data-path", "no test split: one --data-path blend, split by --valid-fraction", True, ()),
+            ("--data-args-path", "give the files to --data-path", True, ()),
+            ("--per-split-data-args-path", "give the files to --data-path", True, ()),
             ("--num-dataset-builder-threads", "datasets are memory-mapped, nothing is built", True, ()),
             ("--no-mmap-bin-files", "datasets are always memory-mapped", False, ()),
             ("--reset-position-ids", "positions restart only at a sample's start", False, ()),
