@@ -106,3 +106,11 @@ def test_the_accepted_flags_train(tokens: Path, capsys: pytest.CaptureFixture[st
     assert "iteration        4/       4 |" in out and "validation loss at iteration 2" in out
     assert (tokens / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert list((tokens / "tb").iterdir())  # TensorBoard events written
+
+
+def test_the_page_says_why_each_accepted_switch_holds() -> None:
+    from stalwart.cli.megatron_flags import ALWAYS
+
+    page = (REPO / "docs" / "migration-megatron.md").read_text()
+    for always in ALWAYS:
+        assert f"| `{always.flag}` | {always.fact} |" in page, always.flag

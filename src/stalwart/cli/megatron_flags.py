@@ -296,7 +296,7 @@ class MegatronAlways(MegatronRefusal):
         super().__init__(
             option_strings, dest, unsupported=Unsupported(always.flag, always.fact, False)
         )
-        self.help = f"Megatron's switch, accepted: {always.fact}"
+        # Hidden, like a refusal: the group's description lists them all in one paragraph.
 
     def __call__(
         self,
@@ -310,14 +310,15 @@ class MegatronAlways(MegatronRefusal):
 
 def add_megatron_refusals(parser: argparse.ArgumentParser) -> None:
     """Register every flag of `UNSUPPORTED` on ``parser`` (refused when given) and every switch
-    of `ALWAYS` (accepted, in ``--help``)."""
+    of `ALWAYS` (accepted; ``--help`` lists them in one group description)."""
     for unsupported in UNSUPPORTED:
         parser.add_argument(unsupported.flag, action=MegatronRefusal, unsupported=unsupported)
-    group = parser.add_argument_group(
-        "Megatron switches whose effect always holds (accepted, change nothing)"
+    parser.add_argument_group(
+        "Megatron switches whose effect always holds (accepted, change nothing)",
+        ", ".join(a.flag for a in ALWAYS) + " (each one's reason: docs/migration-megatron.md)",
     )
     for always in ALWAYS:
-        group.add_argument(always.flag, action=MegatronAlways, always=always)
+        parser.add_argument(always.flag, action=MegatronAlways, always=always)
 
 
 def unknown_flag_message(tokens: Iterable[str], known: Iterable[str]) -> str:

@@ -42,8 +42,7 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--hidden-dropout",
         type=float,
-        help="dropout of the embeddings, attention probabilities and residual branches "
-        "(default: 0.0; Megatron's: 0.1)",
+        help="dropout everywhere: embeddings, attention, residuals (default: 0.0)",
     )
     g.add_argument(
         "--num-experts",
@@ -73,25 +72,22 @@ def _megatron_model_flags(g: Any) -> None:
     g.add_argument(
         "--max-position-embeddings",
         type=Int(1),
-        help="Megatron's position-table size: >= --seq-length; with learned positions it must "
-        "equal --seq-length (the table has --seq-length rows) (default: unset)",
+        help=">= --seq-length; = --seq-length with learned positions (default: unset)",
     )
     g.add_argument(
         "--kv-channels",
         type=Int(1),
-        help="head size: must equal --hidden-size / --num-attention-heads (default: unset)",
+        help="= --hidden-size / --num-attention-heads (default: unset)",
     )
     g.add_argument(
         "--attention-dropout",
         type=float,
-        help="must equal --hidden-dropout: one dropout probability serves embeddings, attention "
-        "probabilities and residual branches (default: unset)",
+        help="= --hidden-dropout, the one dropout (default: unset)",
     )
     g.add_argument(
         "--make-vocab-size-divisible-by",
         type=Int(1),
-        help="Megatron pads the vocabulary to a multiple of N; stalwart does not pad, so "
-        "--vocab-size must be one already (default: unset)",
+        help="--vocab-size must be a multiple: no padding (default: unset)",
     )
 
 

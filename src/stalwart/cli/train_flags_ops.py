@@ -248,7 +248,7 @@ def _tensorboard_flags(g: Any) -> None:
         "--tensorboard-queue-size",
         type=int,
         default=1000,
-        help="events TensorBoard buffers before it writes them to disk",
+        help="events buffered before a write",
     )
     g.add_argument(
         "--no-log-loss-scale-to-tensorboard",
@@ -264,8 +264,7 @@ def _tensorboard_flags(g: Any) -> None:
     g.add_argument(
         "--group-metric-tags",
         action="store_true",
-        help="TensorBoard/W&B tags as <group>/<key> (loss/lm loss, timers/...) instead of "
-        "Megatron's flat keys (lm loss, learning-rate)",
+        help="<group>/<key> tags (loss/lm loss), not Megatron's flat ones",
     )
     g.add_argument(
         "--log-validation-ppl-to-tensorboard",

@@ -25,8 +25,9 @@ iteration skipped by ``--iterations-to-skip`` (``losses={}``) is one of the "ski
 loss: an interval of only such iterations prints none.
 
 Units: the dashboards (sink) get Megatron's keys and units: ``iteration-time`` and
-``<timer>-time`` in seconds, plus ``world-size``; the sinks group them by a ``<group>/`` prefix
-(`stalwart.observability.metric_names`). The metrics file keeps ``elapsed_ms`` and
+``<timer>-time`` in seconds, ``world-size`` with ``--log-world-size-to-tensorboard`` and
+``loss-scale`` (1.0 without fp16) as Megatron; flat, or grouped by a ``<group>/`` prefix with
+``--group-metric-tags`` (`stalwart.observability.metric_names`). The metrics file keeps ``elapsed_ms`` and
 ``<timer>-time-ms`` in milliseconds (what ``stalwart report`` reads).
 
 On a terminal, rank 0 also draws a progress bar (`stalwart.observability.progress`) with rate,
