@@ -1,4 +1,4 @@
-"""``stalwart`` console script: ``stalwart train | report | goodput | chaos | checkpoints | export``.
+"""``stalwart`` console script: ``stalwart train | launch | report | goodput | chaos | checkpoints | export``.
 
 Bad flags or values exit with code 2 and one line naming the flag; never a traceback.
 ``stalwart --help`` lists the commands, ``stalwart --version`` prints the installed version.
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 # command -> one line (the order of `stalwart --help`)
 COMMANDS = {
     "train": "train the reference GPT inside the reliability shell (--help lists every flag)",
+    "launch": "torchrun that acts on the job's verdicts: relaunch, exclude a device, stop",
     "report": "write a run directory's self-contained HTML report (report.html)",
     "goodput": "print where a run's wall-clock time went, bucket by bucket (goodput.jsonl)",
     "chaos": "run the trainer under injected faults and check every recovery",
@@ -223,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _dispatch(command: str, rest: list[str]) -> int:
     if command == "train":
         return main_train(rest)
+    if command == "launch":
+        from stalwart.cli.launch import main_launch
+
+        return main_launch(rest)
     if command == "report":
         from stalwart.cli.report import main_report
 

@@ -47,6 +47,17 @@ def _error_injection_flags(g: Any) -> None:
         nargs="+",
         help="testing: only these ranks inject (default: any)",
     )
+    g.add_argument(
+        "--error-injection-devices",
+        nargs="+",
+        metavar="DEVICE",
+        help="testing: only ranks on these device ids inject, a faulty device (default: any)",
+    )
+    g.add_argument(
+        "--error-injection-once",
+        action="store_true",
+        help="testing: each injection fires once per job (marker in --save), like a transient fault",
+    )
 
 
 def rerun_flags(p: argparse.ArgumentParser) -> None:

@@ -335,6 +335,8 @@ def check_combinations(config: RunConfig) -> None:
         raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
     if config.obs.log_progress and not config.checkpoint.save:
         raise ValueError("--log-progress needs --save (progress.txt is written there)")
+    if config.rerun.error_injection_once and not config.checkpoint.save:
+        raise ValueError("--error-injection-once needs --save (the fired-once markers live there)")
     if config.faults.inject_fault and not config.checkpoint.save:
         raise ValueError("--inject-fault needs --save (the fired-once marker lives there)")
     for flag, value in (

@@ -72,6 +72,25 @@ def env_token(name: str, default: str, *, environ: Mapping[str, str] | None = No
     return raw
 
 
+VISIBLE_DEVICES_ENV = "STALWART_VISIBLE_DEVICES"
+"""Comma list of device ids, one per local rank (``stalwart launch`` sets it on CPU/gloo, as it
+sets ``CUDA_VISIBLE_DEVICES`` on GPUs): local rank ``r`` runs on entry ``r``."""
+
+
+def env_device_list(name: str, *, environ: Mapping[str, str] | None = None) -> list[str]:
+    """``$name`` as a comma list of tokens (``[]`` when unset); ValueError naming it otherwise."""
+    raw = _environ(environ).get(name)
+    if raw is None or raw.strip() == "":
+        return []
+    items = [item.strip() for item in raw.split(",")]
+    if len(raw) > 65536 or not all(_TOKEN.fullmatch(item) and "," not in item for item in items):
+        raise ValueError(
+            f"environment variable {name}={raw[:40]!r}: must be a comma list of device ids, each "
+            "1-256 printable ASCII characters without spaces"
+        )
+    return items
+
+
 def check_launch_env(environ: Mapping[str, str] | None = None) -> None:
     """Check every launcher/stalwart variable that is set; ValueError naming the first bad one."""
     env = _environ(environ)
@@ -88,3 +107,9 @@ def check_launch_env(environ: Mapping[str, str] | None = None) -> None:
         env_int(name, 1, minimum=1, maximum=65535, environ=env)
     for name in _TOKEN_VARS:
         env_token(name, "", environ=env)
+    visible = env_device_list(VISIBLE_DEVICES_ENV, environ=env)
+    if visible and env_int("LOCAL_RANK", 0, environ=env) >= len(visible):
+        raise ValueError(
+            f"environment variable {VISIBLE_DEVICES_ENV}={','.join(visible)[:40]!r}: names "
+            f"{len(visible)} device(s), but LOCAL_RANK is {env_int('LOCAL_RANK', 0, environ=env)}"
+        )

@@ -94,6 +94,7 @@ __all__ = [
     "StepSpan",
     "launcher_start_time",
     "make_goodput_ledger",
+    "record_action",
     "process_start_time",
     "straggler_idle_seconds",
 ]
@@ -503,6 +504,47 @@ class GoodputLedger:
             self.close()
         else:
             self.close("fault", f"{exc_type.__name__}: {exc}")
+
+
+def record_action(
+    run_dir: str | os.PathLike[str],
+    action: str,
+    detail: str,
+    *,
+    exit_code: int | None = None,
+    world_size: int | None = None,
+    devices: Sequence[str] = (),
+    when: float | None = None,
+) -> None:
+    """Append one ``action`` record (what ``stalwart launch`` did after a launch) to
+    ``<run_dir>/goodput.jsonl``: one ``write`` of one line, by the launcher, between sessions
+    (no session is open then, so the file keeps one writer at a time). A point record: the
+    next session still books the time since the previous one as restart downtime."""
+    import json
+    import time
+
+    fields: dict[str, Any] = {"action": action, "detail": detail[:512]}
+    if exit_code is not None:
+        fields["exit_code"] = exit_code
+    if world_size is not None:
+        fields["world_size"] = world_size
+    if devices:
+        fields["devices"] = ",".join(devices)[:512]
+    record = Marker(RecordKind.ACTION, time.time() if when is None else when, "launch", fields)
+    path = Path(run_dir) / GOODPUT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        prefix = b""
+        if size:
+            with open(path, "rb") as f:
+                f.seek(size - 1)
+                prefix = b"" if f.read(1) == b"\n" else b"\n"  # end a torn line first
+        line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
+        os.write(fd, prefix + line.encode("utf-8"))
+    finally:
+        os.close(fd)
 
 
 class NullGoodputLedger:

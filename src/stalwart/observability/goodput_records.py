@@ -16,6 +16,9 @@ File: ``<run dir>/goodput.jsonl``, append-only, one JSON object per line, writte
 * ``fault``: ``t`` when a fault was detected, ``cause`` (``hang``, ``exception``, ...), ``since``.
 * ``resume``: the checkpoint iteration a session resumed from.
 * ``end``: the session ended cleanly: ``reason`` (``finished``, ``signal``, ``fault``, ...).
+* ``action``: what ``stalwart launch`` did after a launch ended (written by the launcher, not a
+  session): ``action`` (``restart``, ``exclude``, ...), ``detail`` (its one line),
+  ``exit_code``, ``world_size``, ``devices``. Point records: they move no bucket boundary.
 
 Spans of one writer never overlap and leave no holes, so the buckets sum to the wall time the
 file covers. Time after a ``finished`` session and before the next one is a new job segment and is
@@ -89,6 +92,7 @@ class RecordKind(str, enum.Enum):  # noqa: UP042
     FAULT = "fault"
     RESUME = "resume"
     END = "end"
+    ACTION = "action"
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,7 @@ class GoodputSummary:
     excluded_s: float = 0.0  # between a finished job and its relaunch, not counted
     # The compile bucket by source ("cold", "warm", "capture", "save", "unattributed"): seconds.
     compile_sources: Mapping[str, float] = field(default_factory=dict)
+    actions: list[Marker] = field(default_factory=list)  # ``stalwart launch``'s, in order
 
     @property
     def wall_s(self) -> float:
@@ -232,6 +237,7 @@ class GoodputSummary:
             "last": self.last,
             "sessions": [s.to_json() for s in self.sessions],
             "faults": [f.to_json() for f in self.faults],
+            "actions": [a.to_json() for a in self.actions],
             "notes": list(self.notes),
         }
 
@@ -274,9 +280,10 @@ def summarize(ledger: LedgerFile | Iterable[Record]) -> GoodputSummary:
             f"spans overlap by {total - union:.1f} s (two writers, or the clock stepped back)"
         )
     faults = [m for m in markers if m.kind is RecordKind.FAULT]
+    actions = [m for m in markers if m.kind is RecordKind.ACTION]
     return GoodputSummary(
         seconds, sessions, faults, notes, first, last_t, max(covered - union, 0.0),
-        compile_sources(spans),
+        compile_sources(spans), actions=actions,
     )  # fmt: skip
 
 
@@ -425,6 +432,12 @@ def format_table(summary: GoodputSummary) -> str:
                 f"{format_duration(s.downtime_before_s):<17}{format_duration(s.startup_s):<9}"
                 f"{s.end_reason or 'no end record'}"
             )
+    if summary.actions:
+        lines += ["", "stalwart launch actions"]
+        lines += [
+            f"{_clock(a.t):<21}{a.get('action', '?'):<11}{a.get('detail', '')}"
+            for a in summary.actions
+        ]
     lines += [f"note: {n}" for n in summary.notes]
     return "\n".join(lines)
 

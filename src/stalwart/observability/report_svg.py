@@ -21,6 +21,7 @@ KIND_COLOURS = {
     EventKind.RESTART.value: "#1f77b4",
     EventKind.EXIT.value: "#000000",
     EventKind.CHECKPOINT.value: "#2ca02c",
+    EventKind.LAUNCH.value: "#8c564b",
 }
 W, H, ML, MR, MT, MB = 760, 260, 70, 190, 20, 40
 Points = list[tuple[float, float]]

@@ -169,6 +169,7 @@ class EventKind(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11)
     RESTART = "restart"
     EXIT = "exit"
     CHECKPOINT = "checkpoint"
+    LAUNCH = "launch"  # what ``stalwart launch`` did after a launch ended
 
 
 def append_event(

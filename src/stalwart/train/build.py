@@ -361,6 +361,7 @@ def build_machine(
         state_save_func=loss_scaler.state_dict,
         state_restore_func=loss_scaler.load_state_dict,
         agreement=agreement,
+        marker_dir=config.checkpoint.save,
     )
 
 

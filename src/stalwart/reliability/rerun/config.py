@@ -36,6 +36,10 @@ class RerunConfig:
             be injected (None: any), numbered from 1 as in the training log. With rate 1 this
             targets an iteration exactly.
         error_injection_ranks: ``--error-injection-ranks``: only these ranks inject (None: any).
+        error_injection_devices: ``--error-injection-devices``: only processes on these device
+            ids inject (None: any): a faulty device, which a relaunch without it does not meet.
+        error_injection_once: ``--error-injection-once``: each injection fires once per job
+            (a marker in the directory ``build`` is given, the trainer's ``--save``).
         result_rejected_tracker_filename: ``--result-rejected-tracker-filename``.
         iterations_to_skip: ``--iterations-to-skip``: iterations the loop skips, numbered from 1
             like the training log, the tracker file and Megatron's flag.
@@ -64,6 +68,8 @@ class RerunConfig:
     error_injection_seed: int = 0
     error_injection_iterations: list[int] | None = None
     error_injection_ranks: list[int] | None = None
+    error_injection_devices: list[str] | None = None
+    error_injection_once: bool = False
     result_rejected_tracker_filename: str | None = None
     iterations_to_skip: list[int] = field(default_factory=list)
     spiky_loss_factor: float = 10.0
@@ -109,10 +115,14 @@ class RerunConfig:
         ):
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-        targeted = (self.error_injection_iterations, self.error_injection_ranks)
+        targeted = (
+            self.error_injection_iterations, self.error_injection_ranks,
+            self.error_injection_devices, self.error_injection_once or None,
+        )  # fmt: skip
         if self.error_injection_rate == 0 and any(v is not None for v in targeted):
             raise ValueError(
-                "--error-injection-iterations/--error-injection-ranks need "
+                "--error-injection-iterations/--error-injection-ranks/--error-injection-devices/"
+                "--error-injection-once need "
                 "--error-injection-rate > 0 (1 injects at the first eligible validation call)"
             )
         if self.error_injection_rate > 0 and self.mode is not RerunMode.VALIDATE_RESULTS:
@@ -156,10 +166,13 @@ class RerunConfig:
         state_restore_func: Callable[[Any], None] | None = None,
         process_group: dist.ProcessGroup | None = None,
         agreement: Agreement | None = None,
+        marker_dir: str | None = None,
     ) -> RerunStateMachine:
-        """The machine (and its injector) these flags describe, its device buffer on ``device``."""
+        """The machine (and its injector) these flags describe, its device buffer on ``device``
+        (``marker_dir``: where ``error_injection_once`` keeps its markers)."""
         return make_state_machine(
             self,
+            marker_dir=marker_dir,
             state_save_func=state_save_func,
             state_restore_func=state_restore_func,
             process_group=process_group,
@@ -189,8 +202,15 @@ def make_state_machine(
     process_group: dist.ProcessGroup | None = None,
     agreement: Agreement | None = None,
     device: torch.device | str | None = None,
+    marker_dir: str | None = None,
 ) -> RerunStateMachine:
-    """Build the machine (and its injector) described by ``config``."""
+    """Build the machine (and its injector) described by ``config``.
+
+    Raises:
+        ValueError: ``error_injection_once`` without ``marker_dir``.
+    """
+    if config.error_injection_once and not marker_dir:
+        raise ValueError("--error-injection-once needs --save (the fired-once markers live there)")
     injector = RerunErrorInjector(
         config.error_injection_rate,
         config.injection_type,
@@ -202,6 +222,8 @@ def make_state_machine(
             if config.error_injection_iterations is None
             else [i - 1 for i in config.error_injection_iterations]
         ),
+        devices=config.error_injection_devices,
+        marker_dir=marker_dir if config.error_injection_once else None,
     )
     schedule = config.replica_schedule
     replicas = (

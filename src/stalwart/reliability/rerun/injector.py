@@ -11,6 +11,12 @@ reported as rejected), so the reruns perform real comparisons:
 A peer replay (``stalwart.reliability.rerun.peer``) of an injected call follows the same rules
 on the peer's device: the injecting rank ships its pending injection with the replay's inputs.
 
+``devices`` ties the injection to devices rather than ranks (``--error-injection-devices``: a
+faulty device, which a relaunch without it no longer meets); ``marker_dir``
+(``--error-injection-once``) makes each (iteration, rank) injection fire once per job: a relaunch
+that trains the iteration again finds the marker ``<marker_dir>/.stalwart_rerun_injected_<it>_<rank>``
+(created with O_CREAT|O_EXCL before the injection) and stays clean, as a real transient fault would.
+
 Decisions are made on the host with the injector's own seeded ``random.Random``; the global
 Python RNG is never touched, so enabling injection does not change training randomness.
 """
@@ -18,6 +24,7 @@ Python RNG is never touched, so enabling injection does not change training rand
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Collection
 from typing import Any
@@ -43,6 +50,10 @@ class RerunErrorInjector:
         seed: seed of the private RNG (same on every rank; the rank offsets the draw).
         ranks: if given, only these ranks inject.
         at_iterations: if given, only these 0-based iterations are eligible (rehearsals, tests).
+        devices: if given, only processes on these device ids (the device part of
+            ``device_identity()``) inject.
+        marker_dir: if given, each (iteration, rank) injection fires once per job (see module
+            docstring).
     """
 
     def __init__(
@@ -53,6 +64,8 @@ class RerunErrorInjector:
         seed: int = 0,
         ranks: Collection[int] | None = None,
         at_iterations: Collection[int] | None = None,
+        devices: Collection[str] | None = None,
+        marker_dir: str | None = None,
     ) -> None:
         if error_injection_rate < 0:
             raise ValueError(f"--error-injection-rate must be >= 0; got {error_injection_rate}")
@@ -60,6 +73,8 @@ class RerunErrorInjector:
         self.error_injection_type = RerunDiagnostic.parse(error_injection_type)
         self.ranks = frozenset(ranks) if ranks is not None else None
         self.at_iterations = frozenset(at_iterations) if at_iterations is not None else None
+        self.devices = frozenset(devices) if devices is not None else None
+        self.marker_dir = marker_dir
         self._rng = random.Random(seed)
         # The pending injection: which call, which type, and where it was injected.
         self.pending: tuple[CallKey, RerunDiagnostic, Identity] | None = None
@@ -76,11 +91,27 @@ class RerunErrorInjector:
             return False
         if self.at_iterations is not None and iteration not in self.at_iterations:
             return False
+        if self.devices is not None and identity[1] not in self.devices:
+            return False
         rate = self.error_injection_rate
         if (self._rng.randrange(rate) + rank) % rate != 0:
             return False
+        if self.marker_dir is not None and not self._first_time(iteration, rank):
+            return False
         self.pending = (key, self.error_injection_type, identity)
         logger.warning("Injecting error type %s", _LABELS[self.error_injection_type])
+        return True
+
+    def _first_time(self, iteration: int, rank: int) -> bool:
+        """Create this injection's marker; False when an earlier launch of the job created it."""
+        assert self.marker_dir is not None
+        path = os.path.join(self.marker_dir, f".stalwart_rerun_injected_{iteration + 1}_{rank}")
+        try:
+            os.makedirs(self.marker_dir, exist_ok=True)
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            logger.warning("not injecting at iteration %d: %s exists (fired once)", iteration + 1, path)
+            return False
         return True
 
     def should_corrupt(self, key: CallKey, state: RerunState, identity: Identity) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stalwart.distributed.launch_env import env_int, env_token
+from stalwart.distributed.launch_env import VISIBLE_DEVICES_ENV, env_device_list, env_int, env_token
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
 """The launcher should restart the job from the checkpoint just saved (or the same one)."""
@@ -124,16 +124,29 @@ class RerunValidationStatus(str, enum.Enum):  # noqa: UP042 (StrEnum needs Pytho
 def device_identity() -> Identity:
     """(node, device) of this process, read now.
 
-    The device is ``$STALWART_DEVICE_ID`` when set; else the current CUDA device index when CUDA is
-    initialised; else ``cpu:<LOCAL_RANK>``. Reading it never initialises CUDA.
+    The device is ``$STALWART_DEVICE_ID`` when set; else entry ``LOCAL_RANK`` of
+    ``$STALWART_VISIBLE_DEVICES`` (fake device ids on CPU/gloo, set by ``stalwart launch``);
+    else, once CUDA is initialised, the physical id of the current device: its entry of
+    ``$CUDA_VISIBLE_DEVICES`` when set (a relaunch with a remapped list must name the same GPU
+    as the launch that suspected it), else its index; else ``cpu:<LOCAL_RANK>``. Reading it
+    never initialises CUDA.
     """
     node = socket.gethostname()
     override = env_token(DEVICE_ID_ENV, "")
     if override:
         return node, override
+    local_rank = env_int("LOCAL_RANK", 0)
+    visible = env_device_list(VISIBLE_DEVICES_ENV)
+    if visible:
+        return node, visible[min(local_rank, len(visible) - 1)]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return node, str(torch.cuda.current_device())
-    return node, f"cpu:{env_int('LOCAL_RANK', 0)}"
+        index = torch.cuda.current_device()
+        try:
+            cuda_visible = env_device_list("CUDA_VISIBLE_DEVICES")
+        except ValueError:  # CUDA's own syntax, not ours: fall back to the index
+            cuda_visible = []
+        return node, cuda_visible[index] if index < len(cuda_visible) else str(index)
+    return node, f"cpu:{local_rank}"
 
 
 def job_id() -> str:

@@ -1,0 +1,197 @@
+"""``stalwart launch [launch and torchrun options] -- TRAIN_ARGS``: torchrun whose relaunches act
+on the job's verdicts (``stalwart.distributed.launch``; the policy in
+``stalwart.distributed.launch_policy``).
+
+Bad input (a launch flag, a torchrun flag, missing ``--save``) is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import NoReturn
+
+from stalwart.cli.args import OneLineErrorParser
+
+PROG = "stalwart launch"
+MAX_RESTARTS_LIMIT = 10_000
+
+DESCRIPTION = """\
+Run `stalwart train TRAIN_ARGS` under torchrun's elastic agent and act on how each launch ends:
+  every rank 0                          stop, exit 0
+  a rank exited 2 (bad input)           stop, exit 2
+  the launcher got SIGTERM (preempted)  stop (the workers saved), exit 128 + signal
+  exit 16/17, suspect_devices.json      relaunch without the suspect devices: a spare takes the
+    names devices in use                place, else one rank fewer (the global batch kept by more
+                                        micro-batches per rank; the DCP checkpoint is resharded)
+  exit 16 (resume on other hardware)    relaunch on spare devices, else say what to do
+  exit 17 without suspects, a hang, a   restart on the same devices
+    dead rank, any other failure
+Every relaunch spends one of --max-restarts; with none left: the first failed rank's code.
+Several nodes (--nnodes > 1), or a suspect on another node: the node is left out (SLURM:
+scontrol update ExcNodeList + scontrol requeue, printed, run with --slurm-requeue).
+Each action goes to <run dir>/goodput.jsonl and events.jsonl (stalwart goodput lists them).
+Other options before -- are torchrun's (--rdzv-endpoint, --rdzv-id, --log-dir, ...)."""
+
+EPILOG = """\
+examples:
+  stalwart launch --nproc-per-node 8 --max-restarts 3 -- --preset gpt2-124m --save ckpt \\
+      --global-batch-size 512 --micro-batch-size 8
+  stalwart launch --devices 0,1,2,3,4,5,6,7,8 --nproc-per-node 8 -- ...   (GPU 8 is a spare)
+  stalwart launch --nproc-per-node 3 --devices cpu-a,cpu-b,cpu-c -- --use-cpu ...   (fake ids)"""
+
+
+class _TorchrunArgError(ValueError):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog=PROG, usage=f"{PROG} [options] -- TRAIN_ARGS",
+                           description=DESCRIPTION, epilog=EPILOG)  # fmt: skip
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, metavar="N",
+                   help="ranks on this node (default: one per --devices entry)")  # fmt: skip
+    p.add_argument("--nnodes", default="1", metavar="N",
+                   help="nodes, as torchrun takes it (N or MIN:MAX)")  # fmt: skip
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3, metavar="N",
+                   help="restart budget: relaunches of any kind before giving up")  # fmt: skip
+    p.add_argument(
+        "--devices", metavar="LIST",
+        help="this node's devices, comma list: the first --nproc-per-node in use, the rest spares "
+        "(default: $CUDA_VISIBLE_DEVICES or every GPU; on CPU cpu:0,...: fake ids, exported as "
+        "$STALWART_VISIBLE_DEVICES)",
+    )  # fmt: skip
+    p.add_argument("--module", default="stalwart", metavar="MOD",
+                   help="worker module: stalwart runs `stalwart train`, another module gets "
+                   "TRAIN_ARGS as they are (it must take --save and use stalwart's exit codes)")  # fmt: skip
+    p.add_argument("--slurm-requeue", action="store_true",
+                   help="run the scontrol commands that move the job off a node (default: print)")  # fmt: skip
+    return p
+
+
+def _error(message: str) -> NoReturn:
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    raise SystemExit(2)
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The last value of ``flag`` (``--flag V`` or ``--flag=V``) in ``args``."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def _int_value(args: list[str], flag: str) -> int | None:
+    value = _flag_value(args, flag)
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _nnodes(text: str) -> int:
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        _error(f"--nnodes must be N or MIN:MAX with integers >= 1, got {text!r}")
+    return int(parts[-1])
+
+
+def _devices(ns: argparse.Namespace, cuda: bool) -> list[str]:
+    from stalwart.distributed.launch_env import env_device_list
+
+    try:
+        if ns.devices is not None:
+            devices = env_device_list("--devices", environ={"--devices": ns.devices})
+            if not devices:
+                _error("--devices is empty (it takes a comma list of device ids)")
+        elif cuda:
+            devices = env_device_list("CUDA_VISIBLE_DEVICES") or _cuda_indices()
+        else:
+            devices = [f"cpu:{i}" for i in range(ns.nproc_per_node or 1)]
+    except ValueError as exc:
+        _error(str(exc).replace("environment variable --devices=", "--devices "))
+    if len(set(devices)) != len(devices):
+        _error(f"--devices names a device twice: {','.join(devices)}")
+    nproc = ns.nproc_per_node or len(devices)
+    if not 1 <= nproc <= len(devices):
+        _error(f"--nproc-per-node must be between 1 and the {len(devices)} device(s) of --devices, got {nproc}")
+    return devices
+
+
+def _cuda_indices() -> list[str]:
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _check_torchrun_args(argv: list[str]) -> None:
+    """torchrun's own parser on the options it gets, its error as one line."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.allow_abbrev = False  # "--max-restart" must not reach torchrun as its --max-restarts
+
+    def error(message: str) -> NoReturn:
+        raise _TorchrunArgError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    try:
+        parser.parse_args(argv)
+    except _TorchrunArgError as exc:
+        _error(f"torchrun option: {exc}")
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(launch and torchrun options, TRAIN_ARGS) at the first ``--``."""
+    if "--" not in argv:
+        if any(a in ("-h", "--help") for a in argv):
+            return argv, []
+        _error("put the train args after -- (stalwart launch [options] -- --save DIR ...)")
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
+def main_launch(argv: list[str]) -> int:
+    """``stalwart launch``: check the options, then launch until an action stops."""
+    from stalwart.distributed.launch import LaunchPlan, run_launches
+
+    own, train_args = split_argv(argv)
+    try:
+        ns, torchrun_args = build_parser().parse_known_args(own)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    if not 0 <= ns.max_restarts <= MAX_RESTARTS_LIMIT:
+        _error(f"--max-restarts (the restart budget) must be in [0, {MAX_RESTARTS_LIMIT}], got {ns.max_restarts}")
+    nnodes = _nnodes(ns.nnodes)
+    save = _flag_value(train_args, "--save")
+    if not save:
+        _error("the train args need --save DIR: the verdicts (suspect_devices.json) and the checkpoint to resume are there")
+    cuda = _cuda_available() and "--use-cpu" not in train_args
+    devices = _devices(ns, cuda)
+    nproc = ns.nproc_per_node or len(devices)
+    command = ["-m", ns.module, *(["train"] if ns.module == "stalwart" else []), *train_args]
+    torchrun = [*torchrun_args, "--nnodes", ns.nnodes]
+    _check_torchrun_args([*torchrun, "--nproc-per-node", str(nproc), *command])
+    from stalwart.distributed.launch_env import env_token
+
+    try:
+        slurm_job = env_token("SLURM_JOB_ID", "") or None
+    except ValueError as exc:
+        _error(str(exc))
+    plan = LaunchPlan(
+        torchrun_args=torchrun, command=command, devices=tuple(devices[:nproc]),
+        spares=tuple(devices[nproc:]), save=save,
+        run_dir=_flag_value(train_args, "--run-dir") or save, max_restarts=ns.max_restarts,
+        device_env="CUDA_VISIBLE_DEVICES" if cuda else "STALWART_VISIBLE_DEVICES",
+        nnodes=nnodes, global_batch_size=_int_value(train_args, "--global-batch-size"),
+        micro_batch_size=_int_value(train_args, "--micro-batch-size"), slurm_job=slurm_job,
+        run_slurm=ns.slurm_requeue,
+    )  # fmt: skip
+    return run_launches(plan)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

@@ -1,0 +1,192 @@
+"""``stalwart launch``: torchrun's own elastic agent, relaunched by the verdicts of the job.
+
+Each round runs one torchrun launch (``torch.distributed.run.run``: the same agent, rendezvous,
+signal forwarding and worker logs as ``torchrun``, with torchrun's own ``--max-restarts 0``),
+reads how it ended (every failed rank's exit code from torchrun's ``ChildFailedError``, a signal
+the launcher got, ``suspect_devices.json`` in ``--save``), asks the pure policy
+(:func:`stalwart.distributed.launch_policy.decide`) what to do, records the action, then does
+it: relaunch with the devices the action names, or stop with its exit code.
+
+Devices: local rank ``r`` of a launch runs on entry ``r`` of the devices in use, exported as
+``CUDA_VISIBLE_DEVICES`` on GPUs and ``STALWART_VISIBLE_DEVICES`` (fake ids) on CPU, which
+``stalwart.reliability.rerun.device_identity`` reads: the verdict names the same device that the
+relaunch leaves out.
+
+Each action goes to ``<run dir>/goodput.jsonl`` (an ``action`` record) and
+``<run dir>/events.jsonl`` (kind ``launch``), and one line to stderr.
+
+Example (what ``stalwart launch --nproc-per-node 3 --devices a,b,c,d -- --save ckpt ...`` does)::
+
+    plan = LaunchPlan(torchrun_args=["--standalone"], command=["-m", "stalwart", "train", ...],
+                      devices=("a", "b", "c"), spares=("d",), save="ckpt", run_dir="ckpt",
+                      max_restarts=3, device_env="STALWART_VISIBLE_DEVICES")
+    exit_code = run_launches(plan)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from stalwart.distributed.launch_policy import (
+    ActionKind,
+    Identity,
+    LaunchAction,
+    LaunchOutcome,
+    decide,
+)
+
+logger = logging.getLogger(__name__)
+
+SUSPECTS_FILENAME = "suspect_devices.json"  # stalwart.reliability.rerun.verdict_file's
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What every round launches (see module docstring).
+
+    ``torchrun_args``: torchrun options other than ``--nproc-per-node``/``--max-restarts``
+    (``--nnodes``, ``--rdzv-*``, ``--standalone``, ...); ``command``: the worker entry as torchrun
+    takes it (``-m stalwart train ARGS``); ``devices``/``spares``: this node's devices in use and
+    spare; ``device_env``: the variable that hands them to the workers; ``slurm_job``: SLURM's job
+    id (None outside SLURM); ``run_slurm``: run the requeue commands instead of printing them.
+    """
+
+    torchrun_args: Sequence[str]
+    command: Sequence[str]
+    devices: tuple[str, ...]
+    spares: tuple[str, ...]
+    save: str
+    run_dir: str
+    max_restarts: int
+    device_env: str
+    nnodes: int = 1
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    slurm_job: str | None = None
+    run_slurm: bool = False
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One torchrun launch's end: failed ranks' codes (all ranks 0 on success), the rank that
+    failed first, the signal that stopped the launcher."""
+
+    exit_codes: dict[int, int]
+    first_failed: int | None = None
+    launcher_signal: int | None = None
+
+
+def torchrun_round(argv: list[str]) -> RoundResult:
+    """One launch through torchrun's own ``run`` (its argument parser, rendezvous set-up, agent)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        codes = {int(rank): int(f.exitcode) for rank, f in exc.failures.items()}
+        first, _ = exc.get_first_failure()
+        return RoundResult(codes, first_failed=int(first))
+    except SignalException as exc:  # the launcher itself was signalled: workers got it forwarded
+        return RoundResult({}, launcher_signal=int(exc.sigval))
+    return RoundResult({rank: 0 for rank in range(args.nproc_per_node)})
+
+
+def read_suspects(save: str) -> tuple[Identity, ...]:
+    """The (node, device) pairs of ``<save>/suspect_devices.json`` (empty when absent or not
+    of that shape: plain JSON, nothing in it runs)."""
+    try:
+        raw = json.loads((Path(save) / SUSPECTS_FILENAME).read_bytes()[: 1 << 20])
+        return tuple(
+            (str(s["host"]), str(s["device"]))
+            for s in raw["suspects"]
+            if isinstance(s.get("host"), str) and isinstance(s.get("device"), str)
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ()
+
+
+def _tracker_iteration(save: str) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        text = (Path(save) / TRACKER_FILENAME).read_text(encoding="ascii")[:64].strip()
+        return int(text) if text.isdigit() else 0
+    return 0
+
+
+def record(plan: LaunchPlan, action: LaunchAction, when: float | None = None) -> None:
+    """The action's line on stderr, in the goodput ledger and in ``events.jsonl``."""
+    from stalwart.observability.goodput import record_action
+    from stalwart.observability.run_dir import EventKind, append_event
+
+    sys.stderr.write(f"stalwart launch: {action.kind.value}: {action.line}\n")
+    sys.stderr.flush()
+    code = action.exit_code if not action.kind.relaunches else None
+    try:
+        record_action(plan.run_dir, action.kind.value, action.line, exit_code=code,
+                      world_size=len(action.devices), devices=action.devices, when=when)  # fmt: skip
+        append_event(plan.run_dir, _tracker_iteration(plan.save), EventKind.LAUNCH,
+                     f"{action.kind.value}: {action.line}", when=when)  # fmt: skip
+    except OSError as exc:  # the job's next step must not depend on a full disk
+        sys.stderr.write(f"stalwart launch: cannot record the action in {plan.run_dir}: {exc}\n")
+
+
+def _set_devices(plan: LaunchPlan) -> None:
+    # The launcher's own environment is what torchrun's agent hands every worker; this process
+    # runs nothing else, so the variable is set once per round, here.
+    os.environ[plan.device_env] = ",".join(plan.devices)
+
+
+def _move_job(plan: LaunchPlan, action: LaunchAction) -> int:
+    """Print, or run (``--slurm-requeue``), the commands that move the job off a node."""
+    for command in action.commands:
+        if not plan.run_slurm:
+            sys.stderr.write(f"stalwart launch: to move the job, run: {' '.join(command)}\n")
+            continue
+        done = subprocess.run(list(command), check=False)
+        if done.returncode != 0:
+            sys.stderr.write(
+                f"stalwart launch: {' '.join(command)} exited {done.returncode}; the job stays\n"
+            )
+            return action.exit_code
+    return action.exit_code
+
+
+def run_launches(
+    plan: LaunchPlan,
+    launch_round: Callable[[list[str]], RoundResult] = torchrun_round,
+) -> int:
+    """Launch, decide, act, until an action stops; returns the process exit code."""
+    restarts_left = plan.max_restarts
+    host = socket.gethostname()
+    while True:
+        _set_devices(plan)
+        argv = [*plan.torchrun_args, "--nproc-per-node", str(len(plan.devices)),
+                "--max-restarts", "0", *plan.command]  # fmt: skip
+        result = launch_round(argv)
+        outcome = LaunchOutcome(
+            exit_codes=result.exit_codes, devices=plan.devices, host=host,
+            restarts_left=restarts_left, first_failed=result.first_failed,
+            launcher_signal=result.launcher_signal, suspects=read_suspects(plan.save),
+            spares=plan.spares, nnodes=plan.nnodes, slurm_job=plan.slurm_job,
+            global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size,
+        )  # fmt: skip
+        action = decide(outcome)
+        record(plan, action)
+        if action.kind is ActionKind.REQUEUE:
+            return _move_job(plan, action)
+        if not action.kind.relaunches:
+            return action.exit_code
+        restarts_left -= 1
+        plan = replace(plan, devices=action.devices, spares=action.spares)
