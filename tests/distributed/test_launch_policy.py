@@ -80,7 +80,9 @@ def test_exit_16_refusal_on_a_suspect_device_excludes_it() -> None:
     [(None, 2, "pass --global-batch-size"), (12, None, "pass --global-batch-size"),
      (6, 2, "not a multiple of --micro-batch-size 2 x 2 rank(s)")],
 )  # fmt: skip
-def test_exclusion_that_would_change_the_batch_stops(gbs: int | None, mbs: int | None, why: str) -> None:
+def test_exclusion_that_would_change_the_batch_stops(
+    gbs: int | None, mbs: int | None, why: str
+) -> None:
     action = decide(
         outcome({0: 17}, suspects=((HOST, "b"),), global_batch_size=gbs, micro_batch_size=mbs)
     )
@@ -161,4 +163,4 @@ def test_docstring_example() -> None:
 
     example = policy.__doc__.split("Example::")[1]  # type: ignore[union-attr]
     code = "\n".join(line[4:] for line in example.splitlines() if line.strip())
-    exec(compile(code, "example", "exec"), vars(policy).copy())  # noqa: S102 (our own docstring)
+    exec(compile(code, "example", "exec"), vars(policy).copy())

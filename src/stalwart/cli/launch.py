@@ -8,11 +8,13 @@ Bad input (a launch flag, a torchrun flag, missing ``--save``) is one line and e
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from stalwart.cli.args import OneLineErrorParser
+
+if TYPE_CHECKING:
+    from stalwart.distributed.launch import LaunchPlan
 
 PROG = "stalwart launch"
 MAX_RESTARTS_LIMIT = 10_000
@@ -115,7 +117,9 @@ def _devices(ns: argparse.Namespace, cuda: bool) -> list[str]:
         _error(f"--devices names a device twice: {','.join(devices)}")
     nproc = ns.nproc_per_node or len(devices)
     if not 1 <= nproc <= len(devices):
-        _error(f"--nproc-per-node must be between 1 and the {len(devices)} device(s) of --devices, got {nproc}")
+        _error(
+            f"--nproc-per-node must be between 1 and the {len(devices)} device(s) of --devices, got {nproc}"
+        )
     return devices
 
 
@@ -154,19 +158,31 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def main_launch(argv: list[str]) -> int:
     """``stalwart launch``: check the options, then launch until an action stops."""
-    from stalwart.distributed.launch import LaunchPlan, run_launches
+    from stalwart.distributed.launch import run_launches
+
+    try:
+        plan = build_plan(argv)
+    except SystemExit as exc:  # one line already written (or --help)
+        return exc.code if isinstance(exc.code, int) else 2
+    return run_launches(plan)
+
+
+def build_plan(argv: list[str]) -> LaunchPlan:
+    """The launch plan of ``argv``; SystemExit(2) after one line on stderr when it is bad."""
+    from stalwart.distributed.launch import LaunchPlan
 
     own, train_args = split_argv(argv)
-    try:
-        ns, torchrun_args = build_parser().parse_known_args(own)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 2
+    ns, torchrun_args = build_parser().parse_known_args(own)
     if not 0 <= ns.max_restarts <= MAX_RESTARTS_LIMIT:
-        _error(f"--max-restarts (the restart budget) must be in [0, {MAX_RESTARTS_LIMIT}], got {ns.max_restarts}")
+        _error(
+            f"--max-restarts (the restart budget) must be in [0, {MAX_RESTARTS_LIMIT}], got {ns.max_restarts}"
+        )
     nnodes = _nnodes(ns.nnodes)
     save = _flag_value(train_args, "--save")
     if not save:
-        _error("the train args need --save DIR: the verdicts (suspect_devices.json) and the checkpoint to resume are there")
+        _error(
+            "the train args need --save DIR: the verdicts (suspect_devices.json) and the checkpoint to resume are there"
+        )
     cuda = _cuda_available() and "--use-cpu" not in train_args
     devices = _devices(ns, cuda)
     nproc = ns.nproc_per_node or len(devices)
@@ -179,7 +195,7 @@ def main_launch(argv: list[str]) -> int:
         slurm_job = env_token("SLURM_JOB_ID", "") or None
     except ValueError as exc:
         _error(str(exc))
-    plan = LaunchPlan(
+    return LaunchPlan(
         torchrun_args=torchrun, command=command, devices=tuple(devices[:nproc]),
         spares=tuple(devices[nproc:]), save=save,
         run_dir=_flag_value(train_args, "--run-dir") or save, max_restarts=ns.max_restarts,
@@ -188,7 +204,6 @@ def main_launch(argv: list[str]) -> int:
         micro_batch_size=_int_value(train_args, "--micro-batch-size"), slurm_job=slurm_job,
         run_slurm=ns.slurm_requeue,
     )  # fmt: skip
-    return run_launches(plan)
 
 
 def _cuda_available() -> bool:

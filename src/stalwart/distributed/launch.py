@@ -101,7 +101,7 @@ def torchrun_round(argv: list[str]) -> RoundResult:
         return RoundResult(codes, first_failed=int(first))
     except SignalException as exc:  # the launcher itself was signalled: workers got it forwarded
         return RoundResult({}, launcher_signal=int(exc.sigval))
-    return RoundResult({rank: 0 for rank in range(args.nproc_per_node)})
+    return RoundResult({0: 0})  # torchrun returns only when every rank exited 0
 
 
 def read_suspects(save: str) -> tuple[Identity, ...]:

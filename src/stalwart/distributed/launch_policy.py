@@ -70,7 +70,9 @@ class ActionKind(enum.Enum):
         return self in _RELAUNCHING
 
 
-_RELAUNCHING = frozenset({ActionKind.RESTART, ActionKind.REPLACE, ActionKind.EXCLUDE, ActionKind.MOVE})
+_RELAUNCHING = frozenset(
+    {ActionKind.RESTART, ActionKind.REPLACE, ActionKind.EXCLUDE, ActionKind.MOVE}
+)
 
 
 @dataclass(frozen=True)
@@ -132,26 +134,27 @@ def describe_code(code: int) -> str:
 def decide(outcome: LaunchOutcome) -> LaunchAction:
     """The action for ``outcome`` (pure: no I/O, no clock)."""
     o = outcome
-    keep = dict(devices=o.devices, spares=o.spares)
     if o.launcher_signal is not None:
         name = _signal_name(o.launcher_signal)
         line = f"the launcher got {name}: the workers saved and stopped; not relaunched here " + (
             "(SLURM requeues a job submitted with --requeue)" if o.slurm_job else
             "(run the same command again to resume)"
         )  # fmt: skip
-        return LaunchAction(ActionKind.PREEMPTED, line, exit_code=128 + o.launcher_signal, **keep)
+        return _stay(o, ActionKind.PREEMPTED, line, 128 + o.launcher_signal)
     failed = {r: c for r, c in o.exit_codes.items() if c != 0}
     if not failed:
-        return LaunchAction(ActionKind.FINISHED, "every rank exited 0: done", **keep)
+        return _stay(o, ActionKind.FINISHED, "every rank exited 0: done", 0)
     bad = sorted(r for r, c in failed.items() if c == EXIT_BAD_INPUT)
     if bad:
         line = f"rank {bad[0]} exited 2 (bad input, named above): not relaunched"
-        return LaunchAction(ActionKind.BAD_INPUT, line, exit_code=EXIT_BAD_INPUT, **keep)
+        return _stay(o, ActionKind.BAD_INPUT, line, EXIT_BAD_INPUT)
     codes = set(failed.values())
     verdict = codes & {EXIT_RESUME_ELSEWHERE, EXIT_FAILED_VALIDATION}
     # A single-node job left other nodes behind; an excluded device's old verdict is settled.
     in_use = [
-        s for s in o.suspects if (s[0] == o.host and s[1] in o.devices) or (o.nnodes > 1 and s[0] != o.host)
+        s
+        for s in o.suspects
+        if (s[0] == o.host and s[1] in o.devices) or (o.nnodes > 1 and s[0] != o.host)
     ]
     if verdict and in_use:
         action = _exclude(o, in_use, max(verdict))
@@ -159,10 +162,19 @@ def decide(outcome: LaunchOutcome) -> LaunchAction:
         action = _move(o)
     else:
         rank, code = _root(o, failed)
-        why = "a transient result-validation failure" if code == EXIT_FAILED_VALIDATION else "a failure"
+        why = (
+            "a transient result-validation failure"
+            if code == EXIT_FAILED_VALIDATION
+            else "a failure"
+        )
         line = f"rank {rank} exited {describe_code(code)} ({why}): restarting on the same devices"
-        action = LaunchAction(ActionKind.RESTART, line, **keep)
+        action = _stay(o, ActionKind.RESTART, line, 0)
     return _within_budget(o, failed, action)
+
+
+def _stay(o: LaunchOutcome, kind: ActionKind, line: str, code: int) -> LaunchAction:
+    """An action that keeps the devices (a stop, or a restart on the same ones)."""
+    return LaunchAction(kind, line, o.devices, o.spares, exit_code=code)
 
 
 def _within_budget(o: LaunchOutcome, failed: dict[int, int], action: LaunchAction) -> LaunchAction:
@@ -199,9 +211,7 @@ def _exclude(o: LaunchOutcome, suspects: list[Identity], code: int) -> LaunchAct
         line = f"exit {code}: suspect device(s) {where}: relaunching with " + ", ".join(
             f"{d} -> {swap[d]}" for d in gone
         )
-        return LaunchAction(
-            ActionKind.REPLACE, line, devices, spares[len(gone) :], excluded=gone
-        )
+        return LaunchAction(ActionKind.REPLACE, line, devices, spares[len(gone) :], excluded=gone)
     problem = _batch_problem(o, len(kept))
     if problem:
         line = f"exit {code}: suspect device(s) {where}, no spare device: {problem}"
@@ -250,7 +260,9 @@ def _move(o: LaunchOutcome) -> LaunchAction:
             ActionKind.MOVE, line, devices, o.spares[world:] + o.devices, excluded=o.devices
         )
     if o.slurm_job is not None and o.nnodes == 1:
-        return _leave_nodes(o, [o.host], "exit 16 (resume on other hardware)", EXIT_RESUME_ELSEWHERE)
+        return _leave_nodes(
+            o, [o.host], "exit 16 (resume on other hardware)", EXIT_RESUME_ELSEWHERE
+        )
     line = (
         f"exit 16 (resume on other hardware): only {len(o.spares)} spare device(s) for "
         f"{world} rank(s) on {o.host}: relaunch this job on other devices or another node "

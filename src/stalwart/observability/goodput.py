@@ -94,8 +94,8 @@ __all__ = [
     "StepSpan",
     "launcher_start_time",
     "make_goodput_ledger",
-    "record_action",
     "process_start_time",
+    "record_action",
     "straggler_idle_seconds",
 ]
 

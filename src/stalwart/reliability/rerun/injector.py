@@ -110,7 +110,9 @@ class RerunErrorInjector:
             os.makedirs(self.marker_dir, exist_ok=True)
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
-            logger.warning("not injecting at iteration %d: %s exists (fired once)", iteration + 1, path)
+            logger.warning(
+                "not injecting at iteration %d: %s exists (fired once)", iteration + 1, path
+            )
             return False
         return True
 

@@ -1,0 +1,142 @@
+"""``stalwart launch`` end to end with a stand-in worker (no torch in the workers: fast): the
+torchrun rounds, the devices each round gets, the actions in the ledger and events, the budget,
+and the one-line errors. The real trainer under it: tests/distributed/test_launch_torchrun.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stalwart.observability.goodput_records import read_ledger, summarize
+
+from train_utils import REPO
+
+WORKER = """
+import json, os, socket, sys
+save = sys.argv[sys.argv.index("--save") + 1]
+rank = int(os.environ["RANK"])
+with open(os.path.join(save, f"launches_{rank}.txt"), "a") as f:
+    f.write(os.environ.get("STALWART_VISIBLE_DEVICES", "") + " " + os.environ["WORLD_SIZE"] + "\\n")
+with open(os.path.join(save, f"launches_{rank}.txt")) as f:
+    n = len(f.read().splitlines()) - 1
+plan = json.loads(os.environ["FAKE_PLAN"])
+step = plan[min(n, len(plan) - 1)]
+if rank == 0 and step.get("suspect"):
+    with open(os.path.join(save, "suspect_devices.json"), "w") as f:
+        json.dump({"suspects": [{"rank": 1, "host": socket.gethostname(),
+                                 "device": step["suspect"]}]}, f)
+sys.exit(step["codes"].get(str(rank), 0))
+"""
+
+
+def _launch(tmp_path: Path, launch_args: list[str], plan: list[dict[str, object]],
+            train_args: list[str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    (tmp_path / "fakeworker.py").write_text(WORKER)
+    save = tmp_path / "save"
+    save.mkdir(exist_ok=True)
+    env = {**os.environ, "FAKE_PLAN": json.dumps(plan), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO / "src")])}  # fmt: skip
+    env.pop("STALWART_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, "-m", "stalwart", "launch", "--module", "fakeworker",
+           "--monitor-interval", "0.1", *launch_args, "--", "--save", str(save),
+           *(train_args or [])]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+
+
+def _launch_lines(save: Path, rank: int) -> list[str]:
+    return (save / f"launches_{rank}.txt").read_text().splitlines()
+
+
+def _actions(save: Path) -> list[str]:
+    return [a.get("action") for a in summarize(read_ledger(save / "goodput.jsonl")).actions]
+
+
+def _events(save: Path) -> list[str]:
+    rows = [json.loads(line) for line in (save / "events.jsonl").read_text().splitlines()]
+    return [r["detail"].split(":")[0] for r in rows if r["kind"] == "launch"]
+
+
+def test_budget_exhausted_exits_with_the_failed_rank_code_and_one_line(tmp_path: Path) -> None:
+    proc = _launch(tmp_path, ["--nproc-per-node", "2", "--max-restarts", "1"],
+                   [{"codes": {"1": 3}}])  # fmt: skip
+    save = tmp_path / "save"
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert len(_launch_lines(save, 0)) == 2  # the first launch and one restart
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stalwart launch:")]
+    assert lines[0].startswith("stalwart launch: restart: rank 1 exited 3")
+    assert lines[-1].startswith(
+        "stalwart launch: exhausted: restart budget exhausted (--max-restarts): rank 1 exited 3"
+    )
+    assert _actions(save) == ["restart", "exhausted"] == _events(save)
+
+
+def test_exit_17_with_a_suspect_relaunches_without_it(tmp_path: Path) -> None:
+    plan = [{"codes": {"0": 17, "1": 17, "2": 17}, "suspect": "dev-b"}, {"codes": {}}]
+    proc = _launch(tmp_path, ["--nproc-per-node", "3", "--devices", "dev-a,dev-b,dev-c"], plan,
+                   ["--global-batch-size", "12", "--micro-batch-size", "2"])  # fmt: skip
+    save = tmp_path / "save"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _launch_lines(save, 0) == ["dev-a,dev-b,dev-c 3", "dev-a,dev-c 2"]
+    assert _launch_lines(save, 1) == ["dev-a,dev-b,dev-c 3", "dev-a,dev-c 2"]
+    assert len(_launch_lines(save, 2)) == 1  # no third rank after the exclusion
+    host = socket.gethostname()
+    assert (f"exclude: exit 17: suspect device(s) {host}/dev-b: relaunching without them on 2 "
+            "rank(s) (dev-a, dev-c), global batch 12 kept: 3 micro-batches per rank") in proc.stderr  # fmt: skip
+    assert _actions(save) == ["exclude", "finished"] == _events(save)
+    record = summarize(read_ledger(save / "goodput.jsonl")).actions[0]
+    assert (record.get("world_size"), record.get("devices")) == (2, "dev-a,dev-c")
+
+
+def test_exit_16_moves_to_the_spares(tmp_path: Path) -> None:
+    plan = [{"codes": {"0": 16, "1": 16}}, {"codes": {}}]
+    proc = _launch(tmp_path, ["--devices", "g0,g1,g2,g3", "--nproc-per-node", "2"], plan)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _launch_lines(tmp_path / "save", 0) == ["g0,g1 2", "g2,g3 2"]
+
+
+def test_bad_input_exit_2_is_not_relaunched(tmp_path: Path) -> None:
+    proc = _launch(tmp_path, ["--nproc-per-node", "2"], [{"codes": {"0": 2, "1": 2}}])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(_launch_lines(tmp_path / "save", 0)) == 1
+    assert "stalwart launch: bad_input: rank 0 exited 2" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--max-restarts", "-1", "--", "--save", "s"],
+      "argument --max-restarts/--max_restarts: must be an integer >= 0, got '-1'"),
+     (["--max-restarts", "20000", "--", "--save", "s"],
+      "--max-restarts (the restart budget) must be in [0, 10000], got 20000"),
+     (["--max-restarts", "x", "--", "--save", "s"],
+      "argument --max-restarts/--max_restarts: expected an integer"),
+     (["--max-restart", "3", "--", "--save", "s"], "torchrun option: unrecognized arguments"),
+     (["--", "--train-iters", "3"], "the train args need --save DIR"),
+     (["--nproc-per-node", "2"], "put the train args after --"),
+     (["--devices", "a,a", "--", "--save", "s"], "--devices names a device twice"),
+     (["--devices", "a", "--nproc-per-node", "2", "--", "--save", "s"],
+      "--nproc-per-node must be between 1 and the 1 device(s) of --devices, got 2")],
+)  # fmt: skip
+def test_bad_launch_options_are_one_line_and_exit_2(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stalwart.cli.main import main
+
+    assert main(["launch", *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("stalwart launch: error: ") and message in err
+
+
+def test_help_lists_the_policy() -> None:
+    from stalwart.cli.launch import build_parser
+
+    text = build_parser().format_help()
+    for needle in ("--max-restarts", "--devices", "--slurm-requeue", "exit 16 (resume on other",
+                   "relaunch without the suspect devices", "scontrol requeue"):  # fmt: skip
+        assert needle in text
