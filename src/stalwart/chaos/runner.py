@@ -40,10 +40,14 @@ class LaunchSpec:
     max_restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)
     fsize_limit: int | None = None
+    launcher: list[str] | None = None  # the command before the train args; default torchrun's
 
 
 def torchrun_command(spec: LaunchSpec) -> list[str]:
-    """torchrun through `stalwart.distributed.torchrun` (torchrun itself, with a cheap exit)."""
+    """torchrun through `stalwart.distributed.torchrun` (torchrun itself, with a cheap exit),
+    or ``spec.launcher`` (``stalwart launch ... --``) followed by the train args."""
+    if spec.launcher is not None:
+        return [*spec.launcher, *spec.train_args]
     return [sys.executable, "-m", "stalwart.distributed.torchrun", "--standalone",
             "--nproc-per-node", str(spec.nproc), "--max-restarts", str(spec.max_restarts),
             "--monitor-interval", "0.2", "-m", "stalwart", "train", *spec.train_args]  # fmt: skip

@@ -18,6 +18,8 @@ from stalwart.cli.args import OneLineErrorParser
 EXIT_PASSED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+SCHEDULE_ITERATIONS = 13200  # ~11 min of the tiny job on 2 busy cores: a fault every ~2 min
+SCHEDULE_SAVE_INTERVAL = 150
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,8 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--faults", default="all", metavar="LIST", help=f"comma-separated: all | {kinds}"
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the fault schedule and the job")
-    p.add_argument("--iterations", type=int, default=12, help="training iterations of the job")
-    p.add_argument("--save-interval", type=int, default=3, help="checkpoint every N iterations")
+    p.add_argument("--iterations", type=int, help="training iterations of the job (default: 12; "
+                   f"--fault-schedule: {SCHEDULE_ITERATIONS})")  # fmt: skip
+    p.add_argument("--save-interval", type=int, help="checkpoint every N iterations (default: 3; "
+                   f"--fault-schedule: {SCHEDULE_SAVE_INTERVAL})")  # fmt: skip
+    p.add_argument(
+        "--fault-schedule", action="store_true",
+        help="instead of one job per fault: one long job under stalwart launch on 3 ranks, a "
+        "fault every iterations/6 (hang, SIGKILL, transient NaN, SIGTERM, a persistent device "
+        "fault excluded), its goodput and final weights against the fault-free job",
+    )  # fmt: skip
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks (torchrun workers)")
     p.add_argument(
         "--device",
@@ -48,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--work-dir", metavar="DIR", help="where the runs go (default: a new temporary directory)"
     )
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    p.add_argument("--timeout", type=float,
+                   help="seconds per launch (default: 300; --fault-schedule: 3600)")  # fmt: skip
     p.add_argument(
         "--jobs", type=int, default=1, help="scenarios run at once (they are independent jobs)"
     )
@@ -88,6 +99,11 @@ def main_chaos(argv: list[str]) -> int:
         ns = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help (0) or a bad flag (2, one line already printed)
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    if ns.fault_schedule:
+        return _main_schedule(ns)
+    ns.iterations = 12 if ns.iterations is None else ns.iterations
+    ns.save_interval = 3 if ns.save_interval is None else ns.save_interval
+    ns.timeout = 300.0 if ns.timeout is None else ns.timeout
     from stalwart.config.paths import check_output_file
 
     try:
@@ -133,3 +149,41 @@ def main_chaos(argv: list[str]) -> int:
             path = write_report(str(outcome.reference_dir), None, False, None)
             print(f"chaos: report written to {path}")
     return EXIT_PASSED if outcome.passed else EXIT_FAILED
+
+
+def _main_schedule(ns: argparse.Namespace) -> int:
+    """``--fault-schedule``: the long job under ``stalwart launch`` (stalwart.chaos.fault_schedule)."""
+    from stalwart.chaos.fault_schedule import (
+        ScheduleConfig,
+        check_shape,
+        format_result,
+        run_schedule,
+        write_json,
+    )
+    from stalwart.config.paths import check_output_file
+
+    iterations = SCHEDULE_ITERATIONS if ns.iterations is None else ns.iterations
+    save_interval = SCHEDULE_SAVE_INTERVAL if ns.save_interval is None else ns.save_interval
+    timeout = 3600.0 if ns.timeout is None else ns.timeout
+    try:
+        check_shape(iterations, save_interval)
+        if ns.faults != "all" or ns.nproc_per_node != 2 or ns.device != "cpu":
+            raise ValueError(
+                "--fault-schedule runs its own faults on 2 CPU ranks: leave --faults, "
+                "--nproc-per-node and --device unset"
+            )
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"--timeout: must be > 0, got {timeout}")
+        check_output_file("--json", ns.json)
+        work = _work_dir(ns.work_dir)
+    except ValueError as exc:
+        sys.stderr.write(f"stalwart chaos: error: {exc}\n")
+        return EXIT_USAGE
+    config = ScheduleConfig(work, iterations, save_interval, seed=ns.seed, timeout=timeout)
+    print(f"chaos: work directory {work}", flush=True)
+    result = run_schedule(config, lambda line: print(line, flush=True))
+    print(format_result(result))
+    if ns.json:
+        write_json(result, ns.json)
+        print(f"chaos: results written to {ns.json}")
+    return EXIT_PASSED if result.passed else EXIT_FAILED

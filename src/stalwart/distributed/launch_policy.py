@@ -165,6 +165,8 @@ def decide(outcome: LaunchOutcome) -> LaunchAction:
         why = (
             "a transient result-validation failure"
             if code == EXIT_FAILED_VALIDATION
+            else "killed: a hang its watchdog ended, or a dead rank"
+            if code < 0
             else "a failure"
         )
         line = f"rank {rank} exited {describe_code(code)} ({why}): restarting on the same devices"
