@@ -20,7 +20,10 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "stalwart"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
 # The hang monitor is its own process with its own flags (its worker side writes them).
 MONITOR_FILES = {"reliability/hang/monitor.py", "reliability/hang/monitor_client.py"}
-TORCHRUN = {"--max-restarts", "--standalone", "--monitor-interval", "--nproc-per-node", "--nnodes"}
+TORCHRUN = {"--max-restarts", "--standalone", "--monitor-interval", "--nproc-per-node", "--nnodes",
+            "--rdzv-endpoint", "--rdzv-id", "--log-dir"}  # fmt: skip
+# sbatch's flags, in the lines that tell how to move a job off a node (stalwart launch).
+SLURM = {"--exclude", "--requeue"}
 # graphs/checks.py encodes Megatron's CUDA-graph compatibility rules over `GraphSettings`, whose
 # fields carry Megatron's flag names; these are the ones `stalwart train` does not expose, so the
 # rules naming them can only fire for a GraphSettings built by hand.
@@ -62,7 +65,10 @@ def _subcommand_options(path: Path) -> set[str]:
         "chaos/": "cli/chaos.py",
         "observability/report": "cli/report.py",
         "checkpoint/": "cli/checkpoints.py",  # "run: stalwart checkpoints convert --trust-pickle"
+        "distributed/launch": "cli/launch.py",
     }
+    if rel == "chaos/fault_schedule.py":  # a chaos scenario whose jobs run under stalwart launch
+        return _declared(SRC / "cli/chaos.py") | _declared(SRC / "cli/launch.py")
     for prefix, cli_file in owner.items():
         if rel.startswith(prefix):
             return _declared(SRC / cli_file)
@@ -103,7 +109,7 @@ def test_every_flag_a_message_names_exists() -> None:
     train = _options(build_train_parser())
     unknown = []
     for path in sorted(SRC.rglob("*.py")):
-        allowed = train | TORCHRUN | _subcommand_options(path)
+        allowed = train | TORCHRUN | SLURM | _subcommand_options(path)
         for flag, line in mentioned_flags(path).items():
             if flag not in allowed:
                 unknown.append(f"{path.relative_to(SRC)}:{line}: {flag}")
