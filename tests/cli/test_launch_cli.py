@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.observability.goodput_records import read_ledger, summarize
+from stalwart.observability.goodput_records import format_table, read_ledger, summarize
 
 from train_utils import REPO
 
@@ -74,6 +74,8 @@ def test_budget_exhausted_exits_with_the_failed_rank_code_and_one_line(tmp_path:
         "stalwart launch: exhausted: restart budget exhausted (--max-restarts): rank 1 exited 3"
     )
     assert _actions(save) == ["restart", "exhausted"] == _events(save)
+    table = format_table(summarize(read_ledger(save / "goodput.jsonl")))  # stalwart goodput
+    assert "stalwart launch actions" in table and "exhausted  restart budget exhausted" in table
 
 
 def test_exit_17_with_a_suspect_relaunches_without_it(tmp_path: Path) -> None:
