@@ -36,13 +36,15 @@ sys.exit(step["codes"].get(str(rank), 0))
 
 
 def _launch(tmp_path: Path, launch_args: list[str], plan: list[dict[str, object]],
-            train_args: list[str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+            train_args: list[str] | None = None,
+            env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
     (tmp_path / "fakeworker.py").write_text(WORKER)
     save = tmp_path / "save"
     save.mkdir(exist_ok=True)
     env = {**os.environ, "FAKE_PLAN": json.dumps(plan), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO / "src")])}  # fmt: skip
     env.pop("STALWART_VISIBLE_DEVICES", None)
+    env.update(env_extra or {})
     cmd = [sys.executable, "-m", "stalwart", "launch", "--module", "fakeworker",
            "--monitor-interval", "0.1", *launch_args, "--", "--save", str(save),
            *(train_args or [])]  # fmt: skip
@@ -100,6 +102,33 @@ def test_exit_16_moves_to_the_spares(tmp_path: Path) -> None:
     proc = _launch(tmp_path, ["--devices", "g0,g1,g2,g3", "--nproc-per-node", "2"], plan)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _launch_lines(tmp_path / "save", 0) == ["g0,g1 2", "g2,g3 2"]
+
+
+@pytest.mark.parametrize("run_it", [False, True])
+def test_exit_16_without_spares_under_slurm_moves_the_job(tmp_path: Path, run_it: bool) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {"SLURM_JOB_ID": "77", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = _launch(tmp_path, ["--nproc-per-node", "2", *(["--slurm-requeue"] if run_it else [])],
+                   [{"codes": {"0": 16, "1": 16}}], env_extra=env)  # fmt: skip
+    assert proc.returncode == 16, proc.stderr[-3000:]
+    host = socket.gethostname()
+    assert (
+        f"requeue: exit 16 (resume on other hardware): move SLURM job 77 off node(s) {host}"
+        in proc.stderr
+    )
+    if run_it:
+        assert calls.read_text().splitlines() == [
+            f"update JobId=77 ExcNodeList={host}",
+            "requeue 77",
+        ]
+    else:
+        assert not calls.exists()
+        assert f"to move the job, run: scontrol update JobId=77 ExcNodeList={host}" in proc.stderr
+    assert len(_launch_lines(tmp_path / "save", 0)) == 1
 
 
 def test_bad_input_exit_2_is_not_relaunched(tmp_path: Path) -> None:
