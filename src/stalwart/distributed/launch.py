@@ -26,6 +26,7 @@ Example (what ``stalwart launch --nproc-per-node 3 --devices a,b,c,d -- --save c
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -142,10 +143,12 @@ def record(plan: LaunchPlan, action: LaunchAction, when: float | None = None) ->
         sys.stderr.write(f"stalwart launch: cannot record the action in {plan.run_dir}: {exc}\n")
 
 
-def _set_devices(plan: LaunchPlan) -> None:
+def _set_round_env(plan: LaunchPlan, index: int) -> None:
     # The launcher's own environment is what torchrun's agent hands every worker; this process
-    # runs nothing else, so the variable is set once per round, here.
+    # runs nothing else, so the variables are set once per round, here. The round tells the
+    # goodput ledger that a relaunch's workers start a restart, not the job.
     os.environ[plan.device_env] = ",".join(plan.devices)
+    os.environ["STALWART_LAUNCH_ROUND"] = str(index)
 
 
 def _move_job(plan: LaunchPlan, action: LaunchAction) -> int:
@@ -170,8 +173,8 @@ def run_launches(
     """Launch, decide, act, until an action stops; returns the process exit code."""
     restarts_left = plan.max_restarts
     host = socket.gethostname()
-    while True:
-        _set_devices(plan)
+    for index in itertools.count():
+        _set_round_env(plan, index)
         argv = [*plan.torchrun_args, "--nproc-per-node", str(len(plan.devices)),
                 "--max-restarts", "0", *plan.command]  # fmt: skip
         result = launch_round(argv)
@@ -190,3 +193,4 @@ def run_launches(
             return action.exit_code
         restarts_left -= 1
         plan = replace(plan, devices=action.devices, spares=action.spares)
+    raise AssertionError("unreachable")  # itertools.count() does not end

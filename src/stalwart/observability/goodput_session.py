@@ -46,15 +46,29 @@ def process_start_time(pid: int | None = None) -> float | None:
         return None
 
 
+LAUNCH_ROUND_ENV = "STALWART_LAUNCH_ROUND"
+
+
 def launcher_start_time() -> float | None:
     """When this session started: torchrun's process (this worker's parent) for torchrun's
     first round of workers, else this process (a restarted worker: the time before it is the
-    previous session's downtime)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and torchrun_restart_count() == 0:
+    previous session's downtime). Under ``stalwart launch`` the parent outlives its rounds:
+    only round 0 (``$STALWART_LAUNCH_ROUND``) starts with it, a relaunch's downtime is booked as
+    restart (and hang up to a watchdog's detection) like torchrun's own restarts."""
+    first_round = torchrun_restart_count() == 0 and _launch_round() == 0
+    if "TORCHELASTIC_RUN_ID" in os.environ and first_round:
         parent = process_start_time(os.getppid())
         if parent is not None:
             return parent
     return process_start_time()
+
+
+def _launch_round() -> int:
+    """``STALWART_LAUNCH_ROUND`` (set by ``stalwart launch``; 0 when unset or malformed)."""
+    try:
+        return max(int(os.environ.get(LAUNCH_ROUND_ENV, "0")), 0)
+    except ValueError:
+        return 0
 
 
 def torchrun_restart_count() -> int:
