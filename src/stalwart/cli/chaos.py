@@ -18,7 +18,7 @@ from stalwart.cli.args import OneLineErrorParser
 EXIT_PASSED = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-SCHEDULE_ITERATIONS = 13200  # ~11 min of the tiny job on 2 busy cores: a fault every ~2 min
+SCHEDULE_ITERATIONS = 16500  # ~11 min of the tiny job on 2 busy cores: a fault every ~2 min
 SCHEDULE_SAVE_INTERVAL = 150
 
 
