@@ -44,6 +44,7 @@ _MARKER_FIELDS = {
     RecordKind.FAULT: ("cause", "since", "detail", "rank"),
     RecordKind.RESUME: ("it",),
     RecordKind.END: ("reason", "detail", "it"),
+    RecordKind.ACTION: ("action", "detail", "exit_code", "world_size", "devices"),
 }
 
 
