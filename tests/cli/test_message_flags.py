@@ -3,7 +3,7 @@
 
 The messages are the string literals of ``src/stalwart`` (docstrings excluded: they may cite
 Megatron); every ``--x`` in them must be a flag one of stalwart's parsers accepts, a flag of
-torchrun that stalwart passes, or a placeholder of the config-file help. A Megatron flag that
+torchrun that stalwart passes, one of sbatch that stalwart launch advises, or a placeholder of the config-file help. A Megatron flag that
 stalwart refuses may be named only by its own refusal (``cli/megatron_flags.py``).
 """
 
@@ -24,7 +24,16 @@ ALWAYS_ACTION = getattr(megatron_flags, "MegatronAlways", ())
 
 SRC = Path(stalwart.__file__).parent
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
-TORCHRUN = {"--nproc-per-node", "--standalone", "--max-restarts", "--monitor-interval"}
+TORCHRUN = {
+    "--nproc-per-node",
+    "--standalone",
+    "--max-restarts",
+    "--monitor-interval",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--log-dir",
+}  # stalwart launch passes these through
+SBATCH = {"--exclude", "--requeue"}  # what stalwart launch tells a SLURM user to submit with
 PLACEHOLDERS = {"--x", "--no-x", "--no"}  # "--no-x" in the config-file and help texts
 # GraphSettings takes Megatron's settings from any caller (a user's loop); the trainer never sets
 # these, so only such a caller can see their messages, which name Megatron's flags.
@@ -51,7 +60,7 @@ def _options(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
 
 
 def _all_parsers() -> list[argparse.ArgumentParser]:
-    from stalwart.cli import chaos, checkpoints, goodput, main, report
+    from stalwart.cli import chaos, checkpoints, goodput, launch, main, report
     from stalwart.reliability.hang import monitor
 
     return [
@@ -64,6 +73,7 @@ def _all_parsers() -> list[argparse.ArgumentParser]:
         checkpoints.build_convert_parser(),
         checkpoints.build_export_parser(),
         monitor.build_parser(),
+        launch.build_parser(),
     ]
 
 
@@ -97,7 +107,7 @@ def test_every_flag_a_message_names_exists() -> None:
         a, r = _options(parser)
         accepted |= a
         refused |= r
-    known = accepted | TORCHRUN | PLACEHOLDERS
+    known = accepted | TORCHRUN | SBATCH | PLACEHOLDERS
     bad = []
     for flag, places in _message_flags().items():
         if flag in known:
