@@ -11,6 +11,7 @@ work used to land in no timer (forward-backward 0.02 ms on the CPU demo).
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -122,10 +123,54 @@ def test_each_timer_holds_its_injected_delay(
         assert opt * 0.97 <= ms[OPTIMIZER_INNER_STEP] <= ms[OPTIMIZER] + 1.0, ms
 
 
-def test_the_step_inside_the_graph_is_forward_backwards_time_and_not_a_0_ms_optimizer() -> None:
-    """``GraphPlan(optimizer_in_graph=True)`` (``--cuda-graph-include-optimizer``): the step is
-    part of the graph's pass, so ``forward-backward`` holds both delays and ``optimizer`` is
-    not reported for those passes (it was, as ~0 ms of host time)."""
+class _HostEvent:
+    """A CUDA event's API on the host clock (the fake backend's device work is synchronous)."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return self.t is not None
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        assert self.t is not None and end.t is not None
+        return (end.t - self.t) * 1000.0
+
+
+class _HostEventTiming:
+    """``CudaEventTiming``'s region API over :class:`_HostEvent` (nothing is captured)."""
+
+    graph_events = True
+
+    def capturing(self) -> bool:
+        return False
+
+    def begin(self, in_graph: bool) -> Any:
+        region = (_HostEvent(), _HostEvent())
+        region[0].record()
+        return region
+
+    def end(self, region: Any) -> None:
+        region[1].record()
+
+
+def _run_in_graph(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, split: bool
+) -> dict[str, float]:
+    if split:  # EVENTS mode's split, its events on the host clock
+        from stalwart.loop import plans
+        from stalwart.observability.timer_split import EventSplit
+
+        def events_split(timers: Any) -> EventSplit:
+            return EventSplit(timers, _HostEventTiming())  # type: ignore[arg-type]
+
+        monkeypatch.setattr(plans, "make_phase_split", events_split)
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
 
@@ -138,13 +183,14 @@ def test_the_step_inside_the_graph_is_forward_backwards_time_and_not_a_0_ms_opti
     batches = [{"x": torch.randn(2, 4, generator=gen), "y": torch.randn(2, 1, generator=gen)}
                for _ in range(WARMUP + MEASURED + 2)]  # fmt: skip
     timers = Timers(log_level=2)
-    step = GuardedStep(
-        model=model, optimizer=optimizer, forward_step=forward,
-        machine=RerunConfig().build(torch.device("cpu")), data=RerunDataIterator(batches),
-        num_microbatches=1, timers=timers,
-        plan=GraphPlan(context=FakeGraphContext(timed_replay=True), warmup_steps=2,
-                       optimizer_in_graph=True),
-    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="stalwart"):
+        step = GuardedStep(
+            model=model, optimizer=optimizer, forward_step=forward,
+            machine=RerunConfig().build(torch.device("cpu")), data=RerunDataIterator(batches),
+            num_microbatches=1, timers=timers,
+            plan=GraphPlan(context=FakeGraphContext(timed_replay=True), warmup_steps=2,
+                           optimizer_in_graph=True),
+        )  # fmt: skip
     names = timers.enabled_names(TRAINING_TIMERS)
     for it in range(WARMUP + MEASURED):
         if it == WARMUP:
@@ -152,7 +198,33 @@ def test_the_step_inside_the_graph_is_forward_backwards_time_and_not_a_0_ms_opti
         step.run(it, launch_next=True)
     report = timers.report(names, normalizer=MEASURED)
     assert report is not None
-    ms = {name: hi for name, (_, hi) in report.min_max().items()}
+    return {name: hi for name, (_, hi) in report.min_max().items()}
+
+
+SAYS_INCLUDED = "forward-backward includes the optimizer step inside the full-iteration graph"
+
+
+def test_the_step_inside_the_graph_is_in_forward_backward_on_the_host_clock_and_the_log_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``GraphPlan(optimizer_in_graph=True)`` (``--cuda-graph-include-optimizer``), SYNC mode /
+    host clock: one replay cannot be split, so ``forward-backward`` holds both delays, the
+    log says so, and ``optimizer`` is not reported for those passes (it was, as ~0 ms)."""
+    ms = _run_in_graph(monkeypatch, caplog, split=False)
     fb, opt = 1000 * FB_S, 1000 * OPT_S
     assert (fb + opt) * 0.97 <= ms[FORWARD_BACKWARD] < fb + opt + 0.5 * fb, ms
     assert OPTIMIZER not in ms, ms
+    assert SAYS_INCLUDED in caplog.text
+
+
+def test_the_step_inside_the_graph_is_split_at_its_boundary_event(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EVENTS mode: the boundary event recorded in the graph's body splits each pass, so
+    ``forward-backward`` holds its delay and ``optimizer`` the step's (events here on the
+    host clock: the fake backend's replay lasts as long as its captured body)."""
+    ms = _run_in_graph(monkeypatch, caplog, split=True)
+    fb, opt = 1000 * FB_S, 1000 * OPT_S
+    assert fb * 0.97 <= ms[FORWARD_BACKWARD] < fb + 0.6 * opt, ms
+    assert opt * 0.97 <= ms[OPTIMIZER] < opt + 0.6 * fb, ms
+    assert SAYS_INCLUDED not in caplog.text

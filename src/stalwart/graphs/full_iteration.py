@@ -11,7 +11,10 @@ After capture no Python inside ``forward_backward_func`` runs again: only device
 replayed. Device-side checks (``isfinite(loss)`` into a flag buffer) keep working because they
 are device work; host reads (``.item()``) are illegal in capture and must happen after the call.
 Timers: record CUDA events (event-mode timers) around the call, never inside the wrapped
-function; events recorded inside would be captured once and replayed, not re-recorded.
+function; ordinary events recorded inside become capture dependencies, not timestamps. Only
+external events (``torch.cuda.Event(external=True)``) are re-recorded by every replay: the
+straggler detector's regions and the in-graph optimizer's split
+(``stalwart.observability.timer_split``) use them.
 """
 
 from __future__ import annotations

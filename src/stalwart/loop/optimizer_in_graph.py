@@ -40,9 +40,12 @@ from stalwart.graphs import (
 )
 from stalwart.loop.microbatches import Reported
 from stalwart.loop.optimizer import Stepped, grad_norm_and_clip, reads_found_inf
+from stalwart.observability.timer_split import NoSplit, PhaseSplit
 from stalwart.reliability.rerun import RerunStateMachine
 
 logger = logging.getLogger(__name__)
+
+NO_SPLIT = NoSplit()
 
 
 class InGraphOptimizer:
@@ -148,7 +151,8 @@ class InGraphOptimizer:
     @property
     def stepped_in_pass(self) -> bool:
         """This pass's step ran inside the graph: :meth:`step` does no work (the step's
-        device time is in the pass's, so the step's timer is not run for it)."""
+        timer is not run for it: in EVENTS mode its device time reaches ``optimizer`` from
+        the replay's split, ``stalwart.observability.timer_split``)."""
         return self._in_pass
 
     def step(self, *, gated: bool, overlap: bool = True) -> Stepped:
@@ -179,27 +183,35 @@ class InGraphOptimizer:
 
 
 def with_optimizer_step(
-    forward_backward: Callable[..., Reported], optimizer: InGraphOptimizer
+    forward_backward: Callable[..., Reported],
+    optimizer: InGraphOptimizer,
+    split: PhaseSplit = NO_SPLIT,
 ) -> Callable[..., Reported]:
-    """The captured function: a pass, then (training only) the optimizer step."""
+    """The captured function: a pass, then (training only) the optimizer step, bracketed by
+    ``split``'s events (the boundary between the two timers' parts; recorded in the capture)."""
 
     def body(**kwargs: Any) -> Reported:
         reported = forward_backward(**kwargs)
         if not kwargs.get("forward_only", False):
+            region = split.begin()
             optimizer.in_graph_step()
+            split.end(region)
         return reported
 
     return body
 
 
 def around_passes(
-    graph: Callable[..., Reported], optimizer: InGraphOptimizer
+    graph: Callable[..., Reported], optimizer: InGraphOptimizer, split: PhaseSplit = NO_SPLIT
 ) -> Callable[..., Reported]:
-    """The plan's training pass: decide ``hold``, replay (or warm up, capture), check."""
+    """The plan's training pass: decide ``hold``, replay (or warm up, capture), check; the
+    pass's optimizer part moves from ``forward-backward`` to ``optimizer`` (``split``)."""
 
     def forward_backward(**kwargs: Any) -> Reported:
         optimizer.before_pass()
+        split.before_pass()
         reported = graph(**kwargs)
+        split.after_pass()
         optimizer.after_pass()
         return reported
 

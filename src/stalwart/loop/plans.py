@@ -27,6 +27,7 @@ from stalwart.graphs import FullIterationGraph, GraphContext, GraphMode, Optimiz
 from stalwart.loop.microbatches import NO_TIMERS, MicroBatches, Reported, with_means
 from stalwart.loop.optimizer import EagerOptimizer, GraphedOptimizer, OptimizerRunner
 from stalwart.loop.optimizer_in_graph import InGraphOptimizer, around_passes, with_optimizer_step
+from stalwart.observability.timer_split import make_phase_split
 
 logger = logging.getLogger(__name__)
 
@@ -190,14 +191,15 @@ class GraphPlan:
             "queues the next replay (on one GPU that costs more than a second graph; "
             "docs/benchmarks.md, the kernel floor's device idle table)"
         )
+        split = make_phase_split(parts.micro_batches.timers)  # the timers' boundary event
         graph = FullIterationGraph(
-            with_optimizer_step(self._captured_pass(parts.micro_batches), optimizer),
+            with_optimizer_step(self._captured_pass(parts.micro_batches), optimizer, split),
             context=context,
             warmup_steps=graph_warmup_steps(parts.model, self.warmup_steps),
             grad_params=parts.params,
         )
         return Runners(
-            forward_backward=around_passes(graph, optimizer),
+            forward_backward=around_passes(graph, optimizer, split),
             evaluate=graph,
             optimizer=optimizer,
             splittable=False,

@@ -347,8 +347,9 @@ class GuardedStep:
 
     def _optimizer_step(self, gated: bool, overlap: bool = True) -> Stepped:
         if getattr(self.runners.optimizer, "stepped_in_pass", False):
-            # The step ran inside the full-iteration graph, in forward-backward's time: an
-            # optimizer figure here would be ~0 and wrong, so none is recorded.
+            # The step ran inside the full-iteration graph: an optimizer figure here would be
+            # ~0 and wrong. EVENTS mode moves its device time from forward-backward to
+            # optimizer at the replay's boundary event (observability.timer_split).
             return self.runners.optimizer.step(gated=gated, overlap=overlap)
         timer = self.timers(OPTIMIZER)
         timer.start()

@@ -25,10 +25,13 @@ pass's work once, eager or a graph's replay, rerun passes included; the look-ahe
 the next iteration's first micro-batch (or whole replay) is timed when it is queued, so a log
 interval holds one launch it did not start with and lacks one it ended with (the same work in
 steady state). ``optimizer`` the clip and step, eager or the optimizer graph's replay; in
-``EVENTS`` mode an overlapped replay's end event is recorded on its second stream. Limitation:
-with the step inside the full-iteration graph (``--cuda-graph-include-optimizer``) its device
-work is part of the replay, so ``forward-backward`` holds it and ``optimizer`` only the steps
-the host held out of the graph (no figure for the others: it would be ~0). Tested with injected per-phase delays:
+``EVENTS`` mode an overlapped replay's end event is recorded on its second stream. With the
+step inside the full-iteration graph (``--cuda-graph-include-optimizer``) one replay holds both:
+in ``EVENTS`` mode on CUDA an external event pair captured around the step splits it
+(``forward-backward`` = graph start -> boundary, ``optimizer`` = boundary -> graph end, read
+lazily: ``stalwart.observability.timer_split``); in ``SYNC`` mode (host clock) a replay cannot
+be split, so ``forward-backward`` holds the step and ``optimizer`` only the steps the host held
+out of the graph, which the log states once at start. Tested with injected per-phase delays:
 ``tests/loop/test_timer_phases.py`` (CPU), ``tests/gpu/test_timer_phases_gpu.py`` (device).
 """
 
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -192,6 +195,9 @@ class Timer:
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         # Pairs dropped by reset() before being resolved: they still count in active_time().
         self._pending_active_only: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # Seconds read when the timer is (add_deferred); the same split as the pairs above.
+        self._deferred: list[Callable[[], float]] = []
+        self._deferred_active_only: list[Callable[[], float]] = []
 
     @property
     def is_running(self) -> bool:
@@ -251,7 +257,19 @@ class Timer:
                 still.append((start, end))
         self._pending = still
 
+    def add_deferred(self, seconds: Callable[[], float]) -> None:
+        """Add ``seconds()`` (may be negative) when the timer is next read, not now: a figure
+        of events the caller owns (``stalwart.observability.timer_split``)."""
+        self._deferred.append(seconds)
+
     def _resolve(self) -> None:
+        for read in self._deferred:
+            seconds = read()
+            self._elapsed_s += seconds
+            self._active_s += seconds
+        for read in self._deferred_active_only:
+            self._active_s += read()
+        self._deferred, self._deferred_active_only = [], []
         if not self._pending and not self._pending_active_only:
             return
         for start, end in self._pending:
@@ -271,6 +289,8 @@ class Timer:
         self._elapsed_s = 0.0
         self._pending_active_only.extend(self._pending)
         self._pending = []
+        self._deferred_active_only.extend(self._deferred)
+        self._deferred = []
         self._start_event = None
         self._running = False
 
