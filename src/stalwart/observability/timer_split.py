@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 class PhaseSplit(Protocol):
+    """``begin``/``end`` bracket the step inside the graph's body; ``before_pass``/``after_pass``
+    run around every training pass of the plan (outside any capture)."""
+
     def begin(self) -> Region | None: ...
     def end(self, region: Region | None) -> None: ...
     def before_pass(self) -> None: ...
