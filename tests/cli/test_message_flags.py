@@ -4,7 +4,8 @@
 The messages are the string literals of ``src/stalwart`` (docstrings excluded: they may cite
 Megatron); every ``--x`` in them must be a flag one of stalwart's parsers accepts, a flag of
 torchrun that stalwart passes, one of sbatch that stalwart launch advises, or a placeholder of the config-file help. A Megatron flag that
-stalwart refuses may be named only by its own refusal (``cli/megatron_flags.py``).
+stalwart refuses may be named only by its own refusal (``cli/megatron_flags.py``,
+``cli/megatron_flags_tail.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from stalwart.cli import megatron_flags
 from stalwart.cli.args import build_train_parser
 from stalwart.cli.megatron_flags import MegatronRefusal
 
+REFUSAL_MODULES = ("cli/megatron_flags.py", "cli/megatron_flags_tail.py")
 # Megatron's switches whose effect holds are accepted (a refusal subclass that stores nothing).
 ALWAYS_ACTION = getattr(megatron_flags, "MegatronAlways", ())
 
@@ -113,7 +115,7 @@ def test_every_flag_a_message_names_exists() -> None:
         if flag in known:
             continue
         for where in places:
-            if flag in refused and where.startswith("cli/megatron_flags.py"):
+            if flag in refused and where.startswith(REFUSAL_MODULES):
                 continue  # the refusal names its own flag
             if flag in GRAPH_SETTINGS_ONLY and where.startswith("graphs/checks.py"):
                 continue

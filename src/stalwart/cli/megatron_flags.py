@@ -11,9 +11,11 @@ Megatron are accepted, since they describe what stalwart does anyway (a parallel
 Megatron flags that stalwart implements under its own name are accepted as second spellings of
 that flag (``--enable-ft-package`` is ``--enable-ft``); value flags that must agree with the model
 (``--max-position-embeddings``, ``--kv-channels``, ``--attention-dropout``,
-``--make-vocab-size-divisible-by``) are checked by ``stalwart.config.model``. Any other unknown
-flag gets "did you mean" from the flags of `stalwart train` (`unknown_flag_message`).
-docs/migration-megatron.md is the table for users.
+``--make-vocab-size-divisible-by``) are checked by ``stalwart.config.model``. `LONG_TAIL`
+refuses the rest of Megatron's flags (MLA, Retro, inference, hybrid Mamba, vision, RL, ...) by
+group, from the data in ``megatron_flags_tail``. Any other unknown flag gets "did you mean"
+from the flags of `stalwart train` (`unknown_flag_message`). docs/migration-megatron.md is the
+table for users.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from stalwart.cli.megatron_flags_tail import TAIL, TAIL_ACCEPTED
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,15 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
 )  # fmt: skip
 
 
+LONG_TAIL: tuple[Unsupported, ...] = tuple(
+    Unsupported(flag, reason, takes_value, TAIL_ACCEPTED.get(flag, ()))
+    for reason, values, switches in TAIL
+    for takes_value, names in ((True, values), (False, switches))
+    for flag in names.split()
+)
+"""Every other flag of Megatron-LM's arguments.py that stalwart lacks, refused like `UNSUPPORTED`."""
+
+
 @dataclass(frozen=True)
 class Always:
     """A Megatron switch whose effect always holds in stalwart: accepted, with the fact why."""
@@ -309,9 +322,9 @@ class MegatronAlways(MegatronRefusal):
 
 
 def add_megatron_refusals(parser: argparse.ArgumentParser) -> None:
-    """Register every flag of `UNSUPPORTED` on ``parser`` (refused when given) and every switch
-    of `ALWAYS` (accepted; ``--help`` lists them in one group description)."""
-    for unsupported in UNSUPPORTED:
+    """Register every flag of `UNSUPPORTED` and `LONG_TAIL` on ``parser`` (refused when given)
+    and every switch of `ALWAYS` (accepted; ``--help`` lists them in one group description)."""
+    for unsupported in (*UNSUPPORTED, *LONG_TAIL):
         parser.add_argument(unsupported.flag, action=MegatronRefusal, unsupported=unsupported)
     parser.add_argument_group(
         "Megatron switches whose effect always holds (accepted, change nothing)",
