@@ -36,8 +36,10 @@ def test_rank_0_killed_in_the_async_commit_window(tmp_path: Path) -> None:
     err = (tmp_path / "logs" / "rank1.err").read_text()
     assert "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
+    # gloo's own words for the lost socket vary ("Connection closed by peer", "Read error ...:
+    # Connection reset by peer"); the line quotes them in parentheses.
     assert last.startswith("stalwart train: rank 0 went away during the commit of checkpoint "
-                           "iteration 4 (Connection closed by peer"), last  # fmt: skip
+                           "iteration 4 ("), last  # fmt: skip
     assert "the last committed checkpoint, iteration 2, is kept in" in last
     assert layout.read_tracker(str(save)) == 2  # nothing lost: 2 is whole and verifies
     assert main(["checkpoints", str(save), "--verify"]) == 0

@@ -47,7 +47,10 @@ def _values(line: str) -> dict[str, str]:
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_line_is_skipped_with_one_warning(tmp_path: Path, caplog, name: str) -> None:
     path = tmp_path / PROGRESS_FILE
-    good = format_line(NOW - dt.timedelta(hours=1), "1", 1, STARTING)
+    # Taken now, not at import: under xdist a test may run minutes after its module was collected.
+    good = format_line(
+        dt.datetime.now().replace(microsecond=0) - dt.timedelta(hours=1), "1", 1, STARTING
+    )
     path.write_text(f"{HOSTILE[name]}\n{good}\n")
     with pytest.raises(ValueError):
         parse_line(HOSTILE[name])
