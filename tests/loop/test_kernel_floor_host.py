@@ -1,11 +1,11 @@
 """What each kernel-floor ingredient costs the host once its graphs are captured (CPU, fake graph
 backend: a replay runs no Python, as on the device).
 
-At gpt2-124m on the H200 the optimizer-in-graph set showed 1.8 ms more device idle time per
-iteration than today's graphs with more kernels (docs/benchmarks.md). The cause this pins: with
-the optimizer step inside the full-iteration graph the next iteration is never launched ahead
-(a discarded launch could not undo its step), so the device waits while the host reads the
-checks and queues the next replay. The bf16 compute weights and the bf16 residual stream add no
+At gpt2-124m on the H200 the optimizer-in-graph set ran 1.8% slower than today's two graphs,
+with more large device idle gaps (docs/benchmarks.md, "The optimizer inside the graph"). The
+cause this pins: with the optimizer step inside the full-iteration graph the next iteration is
+never launched ahead (a discarded launch could not undo its step), so the device waits while
+the host reads the checks and queues the next replay. The bf16 compute weights and the bf16 residual stream add no
 host read, no eager op and no graph launch per iteration, and keep the launch ahead.
 """
 
