@@ -11,14 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalwart.chaos.injection import hold_in_commit, in_commit
 from stalwart.chaos.result import (
     Context,
     FaultResult,
-    count_redone,
     detect,
     finish_recoverable,
     new_result,
     recovery_seconds,
+    relaunch,
     seed_from_reference,
 )
 from stalwart.chaos.runner import Job, finish
@@ -52,17 +53,10 @@ def concurrent_job(ctx: Context, plan: FaultPlan) -> FaultResult:
     finishes bitwise equal to the fault-free run."""
     res, save = new_result(plan), ctx.save_dir(plan)
     k, prev = plan.iteration, plan.iteration - ctx.save_interval
-    hold = ["--inject-fault", "hang", "--inject-fault-phase", "commit", "--inject-fault-iteration",
-            str(k), "--inject-fault-rank", "0", "--inject-fault-hang-seconds", f"{HOLD_S:g}"]  # fmt: skip
+    hold = hold_in_commit(k, f"{HOLD_S:g}")
     job_a = Job(ctx.spec(save, hold), ctx.work / plan.kind.value / "1-job-a.log")
-    tracker = save / layout.TRACKER_FILENAME
-
-    def in_commit() -> bool:
-        written = list(save.glob(f"{layout.iteration_dir_name(k)}.tmp-*/.metadata"))
-        return bool(written) and tracker.exists() and tracker.read_text().strip() == str(prev)
-
     try:
-        caught = job_a.wait_for(in_commit, ctx.timeout)
+        caught = job_a.wait_for(in_commit(save, k, prev), ctx.timeout)
         started_b = time.time()
         second = ctx.launch(plan, "2-job-b", ctx.spec(save, []))
         partial_kept = bool(list(save.glob(f"{layout.iteration_dir_name(k)}*")))
@@ -77,10 +71,8 @@ def concurrent_job(ctx: Context, plan: FaultPlan) -> FaultResult:
     detect(res, plan.kind, bool(refusal) and "pid" in refusal[0], "job B was not refused")
     res.check(not second.iterations(), "job B trained on a directory in use")
     res.check(partial_kept, f"job A's save of iteration {k} was deleted by job B")
-    res.seconds_to_recover = (second.ended - started_b) if refusal else None
-    res.iterations_redone = count_redone([first])
-    finish_recoverable(ctx, res, save, first)
-    return res
+    recovery = (second.ended - started_b) if refusal else None
+    return finish_recoverable(ctx, res, save, [first], recovery)
 
 
 def corrupt_metadata(ctx: Context, plan: FaultPlan) -> FaultResult:
@@ -100,15 +92,11 @@ def corrupt_metadata(ctx: Context, plan: FaultPlan) -> FaultResult:
                 for _, ln in first.lines)  # fmt: skip
     detect(res, plan.kind, named and not marker.exists(), "no refusal of the planted .metadata")
     res.check(not first.iterations(), "training ran on a checkpoint with planted metadata")
-    second = ctx.launch(plan, "2-fallback", ctx.spec(save, ["--ckpt-fallback"]))
-    res.launch_exit_codes.append(second.code)
-    resumes = [it for _, _, it in second.resumes()]
-    res.check(resumes == [prev], f"fallback resumed at {resumes}, expected [{prev}]")
+    fallback = ctx.spec(save, ["--ckpt-fallback"])
+    second = relaunch(ctx, res, plan, "2-fallback", fallback, prev, "fallback")
     res.check(not marker.exists(), "the planted pickle ran")
-    res.seconds_to_recover = recovery_seconds(first.started, second)
-    res.iterations_redone = count_redone([first, second], seeded=k)
-    finish_recoverable(ctx, res, save, second)
-    return res
+    recovery = recovery_seconds(first.started, second)
+    return finish_recoverable(ctx, res, save, [first, second], recovery, seeded=k)
 
 
 def _train_records(path: Path) -> list[dict[str, Any]]:
@@ -137,10 +125,8 @@ def torn_metrics(ctx: Context, plan: FaultPlan) -> FaultResult:
         res.check(False, f"metrics.jsonl still has an unreadable line: {exc}")
     expected = list(range(1, ctx.iterations + 1))
     res.check(logged == expected, f"metrics.jsonl iterations {logged}, expected {expected}")
-    res.seconds_to_recover = recovery_seconds(run.started, run)
-    res.iterations_redone = count_redone([run], seeded=k)
-    finish_recoverable(ctx, res, save, run)
-    return res
+    recovery = recovery_seconds(run.started, run)
+    return finish_recoverable(ctx, res, save, [run], recovery, seeded=k)
 
 
 FILE_SCENARIOS = {

@@ -158,9 +158,20 @@ def count_redone(launches: list[LaunchResult], seeded: int = 0) -> int:
     return sum(c - 1 for c in counts.values()) + reruns
 
 
-def finish_recoverable(ctx: Context, res: FaultResult, save: Path, final: LaunchResult) -> None:
-    """Common end checks of a recoverable fault: finished, bitwise equal, chain readable."""
-    it = ctx.iterations
+def finish_recoverable(
+    ctx: Context,
+    res: FaultResult,
+    save: Path,
+    launches: list[LaunchResult],
+    recovery_s: float | None,
+    seeded: int = 0,
+) -> FaultResult:
+    """The end of every recoverable fault: records ``recovery_s`` and the iterations
+    ``launches`` redid (``seeded``: see `count_redone`), then checks the last launch finished,
+    bitwise equal to the fault-free run, with a readable chain. Returns ``res``."""
+    res.seconds_to_recover = recovery_s
+    res.iterations_redone = count_redone(launches, seeded=seeded)
+    final, it = launches[-1], ctx.iterations
     res.recovered = final.code == 0 and exit_reason(save).get("reason") == "finished"
     res.check(res.recovered, f"the job did not finish (launcher exit {final.code})")
     last = save / layout.iteration_dir_name(it)
@@ -172,6 +183,30 @@ def finish_recoverable(ctx: Context, res: FaultResult, save: Path, final: Launch
         res.bitwise_equal = False
         res.check(False, f"no final checkpoint {last}")
     check_chain(res, save)
+    return res
+
+
+def check_resumed(res: FaultResult, launch: LaunchResult, expected: int, who: str) -> None:
+    """``launch`` resumed exactly once, at iteration ``expected`` (``who`` names it)."""
+    resumes = [it for _, _, it in launch.resumes()]
+    res.check(resumes == [expected], f"{who} resumed at {resumes}, expected [{expected}]")
+
+
+def relaunch(
+    ctx: Context,
+    res: FaultResult,
+    plan: FaultPlan,
+    name: str,
+    spec: LaunchSpec,
+    expected: int,
+    who: str = "relaunch",
+) -> LaunchResult:
+    """The operator's next launch after the faulted one (log ``name``): its exit code joins
+    the row's, and it must resume exactly once, at iteration ``expected``."""
+    launch = ctx.launch(plan, name, spec)
+    res.launch_exit_codes.append(launch.code)
+    check_resumed(res, launch, expected, who)
+    return launch
 
 
 def check_chain(res: FaultResult, save: Path) -> None:

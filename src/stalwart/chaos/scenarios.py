@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 
+from stalwart.chaos.injection import error_injection, inject
 from stalwart.chaos.result import (
     Context,
     FaultResult,
     check_chain,
+    check_resumed,
     count_redone,
     detect,
     exit_reason,
     finish_recoverable,
     new_result,
     recovery_seconds,
+    relaunch,
 )
 from stalwart.chaos.runner import LaunchResult
 from stalwart.chaos.schedule import ChaosFault, FaultPlan
@@ -29,22 +32,11 @@ FT_FLAGS = ["--enable-ft", "--ft-num-warmup-iters", "2", "--ft-timeouts",
             f"setup=180,step={HANG_STEP_TIMEOUT_S:g},checkpointing=180,out_of_section=180"]  # fmt: skip
 
 
-def _error_injection(kind: str, plan: FaultPlan) -> list[str]:
-    return ["--error-injection-rate", "1", "--error-injection-type", kind,
-            "--error-injection-iterations", str(plan.iteration),
-            "--error-injection-ranks", str(plan.rank)]  # fmt: skip
-
-
-def _inject(kind: str, plan: FaultPlan) -> list[str]:
-    return ["--inject-fault", kind, "--inject-fault-iteration", str(plan.iteration),
-            "--inject-fault-rank", str(plan.rank)]  # fmt: skip
-
-
 def transient_nan(ctx: Context, plan: FaultPlan) -> FaultResult:
     """NaN observed once on one rank: the in-place rerun is clean, exit 17 without a checkpoint;
     the operator relaunches (without the fault) from the last periodic checkpoint."""
     res, save = new_result(plan), ctx.save_dir(plan)
-    first = ctx.launch(plan, "1-fault", ctx.spec(save, _error_injection("transient_error", plan)))
+    first = ctx.launch(plan, "1-fault", ctx.spec(save, error_injection("transient_error", plan)))
     res.launch_exit_codes.append(first.worker_code())
     detect(res, plan.kind, "Possible transient error!" in first.text, "no transient diagnosis")
     res.exit_code = exit_reason(save).get("exit_code", first.worker_code())
@@ -62,15 +54,10 @@ def _relaunch_from_last_save(
     """The operator's relaunch (with ``args``) after a launch that exited on the fault: it must
     resume from the last periodic checkpoint before the fault and end equal to the reference."""
     save = ctx.save_dir(plan)
-    second = ctx.launch(plan, "2-relaunch", ctx.spec(save, args))
-    res.launch_exit_codes.append(second.code)
-    expected_resume = ctx.last_save_before(plan.iteration - 1)
-    resumes = [it for _, _, it in second.resumes()]
-    res.check(resumes == [expected_resume], f"relaunch resumed at {resumes}, not {expected_resume}")
-    res.seconds_to_recover = recovery_seconds(first.first_time(fault_marker), second)
-    res.iterations_redone = count_redone([first, second])
-    finish_recoverable(ctx, res, save, second)
-    return res
+    expected = ctx.last_save_before(plan.iteration - 1)
+    second = relaunch(ctx, res, plan, "2-relaunch", ctx.spec(save, args), expected)
+    recovery = recovery_seconds(first.first_time(fault_marker), second)
+    return finish_recoverable(ctx, res, save, [first, second], recovery)
 
 
 def persistent_nan(ctx: Context, plan: FaultPlan) -> FaultResult:
@@ -78,7 +65,7 @@ def persistent_nan(ctx: Context, plan: FaultPlan) -> FaultResult:
     device" (``STALWART_DEVICE_ID``) does not reproduce it: persistent error, exit 17 (the end)."""
     res, save = new_result(plan), ctx.save_dir(plan)
     # Megatron's flow (the peer replay would decide in the first launch: ``peer_persistent``).
-    args = [*_error_injection("persistent_error", plan), "--no-rerun-peer-replay"]
+    args = [*error_injection("persistent_error", plan), "--no-rerun-peer-replay"]
     first = ctx.launch(
         plan, "1-device-a", ctx.spec(save, args, env={"STALWART_DEVICE_ID": "chaos-device-a"})
     )
@@ -107,7 +94,7 @@ def spiky_loss(ctx: Context, plan: FaultPlan) -> FaultResult:
     check, the only validation call here): non-fatal, the job continues without exiting."""
     res, save = new_result(plan), ctx.save_dir(plan)
     args = ["--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss",
-            *_error_injection("correct_result", plan)]  # fmt: skip
+            *error_injection("correct_result", plan)]  # fmt: skip
     run = ctx.launch(plan, "1-fault", ctx.spec(save, args))
     res.launch_exit_codes.append(run.code)
     res.exit_code = run.code
@@ -115,10 +102,8 @@ def spiky_loss(ctx: Context, plan: FaultPlan) -> FaultResult:
     continued = "Continuing normal execution because the failed validation was not fatal"
     detect(res, plan.kind, spotted and continued in run.text, "no non-fatal spiky-loss event")
     start, end = run.first_time("Unexpected result"), run.first_time(continued)
-    res.seconds_to_recover = None if start is None or end is None else end - start
-    res.iterations_redone = count_redone([run])
-    finish_recoverable(ctx, res, save, run)
-    return res
+    recovery = None if start is None or end is None else end - start
+    return finish_recoverable(ctx, res, save, [run], recovery)
 
 
 def silent_corruption(ctx: Context, plan: FaultPlan) -> FaultResult:
@@ -128,7 +113,7 @@ def silent_corruption(ctx: Context, plan: FaultPlan) -> FaultResult:
     the relaunch resumes from the last checkpoint, which was checked when it was written."""
     res, save = new_result(plan), ctx.save_dir(plan)
     check = ["--check-weight-hash-across-dp-replicas-interval", str(ctx.save_interval)]
-    first = ctx.launch(plan, "1-fault", ctx.spec(save, [*check, *_inject("bitflip", plan)]))
+    first = ctx.launch(plan, "1-fault", ctx.spec(save, [*check, *inject("bitflip", plan)]))
     record = exit_reason(save)
     res.exit_code = record.get("exit_code", first.worker_code())
     res.launch_exit_codes.append(res.exit_code if res.exit_code is not None else first.code)
@@ -153,7 +138,7 @@ def hang(ctx: Context, plan: FaultPlan) -> FaultResult:
     ``step`` timeout; torchrun restarts the job, which resumes from the last checkpoint."""
     res, save = new_result(plan), ctx.save_dir(plan)
     run = ctx.launch(
-        plan, "1-fault", ctx.spec(save, [*FT_FLAGS, *_inject("hang", plan)], max_restarts=1)
+        plan, "1-fault", ctx.spec(save, [*FT_FLAGS, *inject("hang", plan)], max_restarts=1)
     )
     res.launch_exit_codes.append(run.code)
     res.exit_code = run.code
@@ -163,35 +148,29 @@ def hang(ctx: Context, plan: FaultPlan) -> FaultResult:
     reports = sorted((save / "ft_logs").glob("ft_hang_rank*.json"))
     sections = {p.name: json.loads(p.read_text()).get("section") for p in reports}
     detect(res, plan.kind, "step" in sections.values(), f"hang reports: {sections or 'none'}")
-    _check_resume(ctx, res, run, plan.iteration - 1)
-    res.seconds_to_recover = recovery_seconds(run.first_time("FAULT INJECTION"), run)
-    res.iterations_redone = count_redone([run])
-    finish_recoverable(ctx, res, save, run)
-    return res
+    return _restarted(ctx, res, plan, run)
 
 
 def sigkill(ctx: Context, plan: FaultPlan) -> FaultResult:
     """SIGKILL of one rank inside a step: torchrun sees exit -9, restarts, resume from the last
     checkpoint."""
     res, save = new_result(plan), ctx.save_dir(plan)
-    run = ctx.launch(plan, "1-fault", ctx.spec(save, _inject("sigkill", plan), max_restarts=1))
+    run = ctx.launch(plan, "1-fault", ctx.spec(save, inject("sigkill", plan), max_restarts=1))
     res.launch_exit_codes.append(run.code)
     res.exit_code = run.code
     # torchrun names the first failure it notices: the killed rank's -9, or its peer's abort on
     # the broken gloo connection; either way a worker failure after the kill triggers the restart.
     fired = run.first_time("FAULT INJECTION")
     detect(res, plan.kind, fired is not None and bool(run.worker_exits), f"{run.worker_exits}")
-    _check_resume(ctx, res, run, plan.iteration - 1)
-    res.seconds_to_recover = recovery_seconds(run.first_time("FAULT INJECTION"), run)
-    res.iterations_redone = count_redone([run])
-    finish_recoverable(ctx, res, save, run)
-    return res
+    return _restarted(ctx, res, plan, run)
 
 
-def _check_resume(ctx: Context, res: FaultResult, run: LaunchResult, completed: int) -> None:
-    expected = ctx.last_save_before(completed)
-    resumes = [it for _, _, it in run.resumes()]
-    res.check(resumes == [expected], f"restart resumed at {resumes}, expected [{expected}]")
+def _restarted(ctx: Context, res: FaultResult, plan: FaultPlan, run: LaunchResult) -> FaultResult:
+    """The end of a fault the job recovers from in one launch (torchrun's restart or the
+    in-process one): it resumed from the last checkpoint before the fault and finished."""
+    check_resumed(res, run, ctx.last_save_before(plan.iteration - 1), "restart")
+    recovery = recovery_seconds(run.first_time("FAULT INJECTION"), run)
+    return finish_recoverable(ctx, res, ctx.save_dir(plan), [run], recovery)
 
 
 def sigterm_launcher(ctx: Context, plan: FaultPlan) -> FaultResult:
@@ -199,7 +178,7 @@ def sigterm_launcher(ctx: Context, plan: FaultPlan) -> FaultResult:
     handler makes all ranks agree to save and exit 0 at the same iteration; the relaunch resumes
     there without losing an iteration."""
     res, save = new_result(plan), ctx.save_dir(plan)
-    args = ["--exit-signal-handler", *_inject("sigterm", plan)]
+    args = ["--exit-signal-handler", *inject("sigterm", plan)]
     first = ctx.launch(plan, "1-fault", ctx.spec(save, args))
     record = exit_reason(save)
     stopped = int(record.get("iteration", -1))
@@ -207,14 +186,9 @@ def sigterm_launcher(ctx: Context, plan: FaultPlan) -> FaultResult:
     res.launch_exit_codes.append(res.exit_code if res.exit_code is not None else first.code)
     detect(res, plan.kind, record.get("reason") == "signal", f"exit reason {record}")
     res.check(stopped >= plan.iteration - 1, f"stopped at {stopped} before the signal")
-    second = ctx.launch(plan, "2-relaunch", ctx.spec(save, []))
-    res.launch_exit_codes.append(second.code)
-    resumes = [it for _, _, it in second.resumes()]
-    res.check(resumes == [stopped], f"relaunch resumed at {resumes}, not at the stop {stopped}")
-    res.seconds_to_recover = recovery_seconds(first.first_time("FAULT INJECTION"), second)
-    res.iterations_redone = count_redone([first, second])
-    finish_recoverable(ctx, res, save, second)
-    return res
+    second = relaunch(ctx, res, plan, "2-relaunch", ctx.spec(save, []), stopped)
+    recovery = recovery_seconds(first.first_time("FAULT INJECTION"), second)
+    return finish_recoverable(ctx, res, save, [first, second], recovery)
 
 
 def exception(ctx: Context, plan: FaultPlan) -> FaultResult:
@@ -222,17 +196,13 @@ def exception(ctx: Context, plan: FaultPlan) -> FaultResult:
     group in the same processes and reloads the last checkpoint."""
     res, save = new_result(plan), ctx.save_dir(plan)
     run = ctx.launch(
-        plan, "1-fault", ctx.spec(save, ["--inprocess-restart", *_inject("exception", plan)])
+        plan, "1-fault", ctx.spec(save, ["--inprocess-restart", *inject("exception", plan)])
     )
     res.launch_exit_codes.append(run.code)
     res.exit_code = run.code
     needle = f"in-process restart attempt 1: rank {plan.rank} failed at iteration {plan.iteration}"
     detect(res, plan.kind, needle in run.text, f"no '{needle}'")
-    _check_resume(ctx, res, run, plan.iteration - 1)
-    res.seconds_to_recover = recovery_seconds(run.first_time("FAULT INJECTION"), run)
-    res.iterations_redone = count_redone([run])
-    finish_recoverable(ctx, res, save, run)
-    return res
+    return _restarted(ctx, res, plan, run)
 
 
 def repeatable_fault(ctx: Context, plan: FaultPlan) -> FaultResult:
@@ -240,7 +210,7 @@ def repeatable_fault(ctx: Context, plan: FaultPlan) -> FaultResult:
     and exits 75 (for the launcher) instead of retrying forever."""
     res, save = new_result(plan), ctx.save_dir(plan)
     args = ["--inprocess-restart", "--inprocess-max-iterations", "3", "--inject-fault-repeat",
-            *_inject("exception", plan)]  # fmt: skip
+            *inject("exception", plan)]  # fmt: skip
     run = ctx.launch(plan, "1-fault", ctx.spec(save, args))
     res.exit_code = run.worker_code()
     res.launch_exit_codes.append(res.exit_code)

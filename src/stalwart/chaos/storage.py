@@ -11,15 +11,16 @@ import os
 import signal
 import time
 
+from stalwart.chaos.injection import hold_in_commit, in_commit
 from stalwart.chaos.result import (
     Context,
     FaultResult,
     check_chain,
-    count_redone,
     detect,
     finish_recoverable,
     new_result,
     recovery_seconds,
+    relaunch,
     seed_from_reference,
 )
 from stalwart.chaos.runner import Job, finish
@@ -36,19 +37,11 @@ def sigkill_async_save(ctx: Context, plan: FaultPlan) -> FaultResult:
     and the partial directory is never loaded (and removed by the next save)."""
     res, save = new_result(plan), ctx.save_dir(plan)
     k, prev = plan.iteration, plan.iteration - ctx.save_interval
-    widen = ["--inject-fault", "hang", "--inject-fault-phase", "commit", "--inject-fault-iteration",
-             str(k), "--inject-fault-rank", "0", "--inject-fault-hang-seconds", COMMIT_SLEEP_S]  # fmt: skip
-    spec = ctx.spec(save, ["--async-save", *widen], max_restarts=1)
+    spec = ctx.spec(save, ["--async-save", *hold_in_commit(k, COMMIT_SLEEP_S)], max_restarts=1)
     job = Job(spec, ctx.work / plan.kind.value / "1-fault.log")
-    tracker = save / layout.TRACKER_FILENAME
-
-    def in_flight() -> bool:
-        written = list(save.glob(f"{layout.iteration_dir_name(k)}.tmp-*/.metadata"))
-        return bool(written) and tracker.exists() and tracker.read_text().strip() == str(prev)
-
     killed_at = None
     try:
-        if job.wait_for(in_flight, ctx.timeout):
+        if job.wait_for(in_commit(save, k, prev), ctx.timeout):
             pid = job.worker_pid(0)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
@@ -62,10 +55,8 @@ def sigkill_async_save(ctx: Context, plan: FaultPlan) -> FaultResult:
     detect(res, plan.kind, bool(run.worker_exits), f"worker exits {run.worker_exits}")
     resumes = [it for t, _, it in run.resumes() if killed_at is not None and t >= killed_at]
     res.check(resumes[:1] == [prev], f"restart resumed at {resumes}, expected {prev}")
-    res.seconds_to_recover = recovery_seconds(killed_at, run, after=killed_at or 0.0)
-    res.iterations_redone = count_redone([run])
-    finish_recoverable(ctx, res, save, run)
-    return res
+    recovery = recovery_seconds(killed_at, run, after=killed_at or 0.0)
+    return finish_recoverable(ctx, res, save, [run], recovery)
 
 
 def corrupt_checkpoint(ctx: Context, plan: FaultPlan) -> FaultResult:
@@ -85,15 +76,11 @@ def corrupt_checkpoint(ctx: Context, plan: FaultPlan) -> FaultResult:
     named = any("checkpoint error" in line and str(newest) in line for _, line in first.lines)
     detect(res, plan.kind, named, f"no checkpoint error naming {newest}")
     res.check(not first.iterations(), "training ran on a corrupted checkpoint")
-    second = ctx.launch(plan, "2-fallback", ctx.spec(save, ["--ckpt-fallback"]))
-    res.launch_exit_codes.append(second.code)
+    fallback = ctx.spec(save, ["--ckpt-fallback"])
+    second = relaunch(ctx, res, plan, "2-fallback", fallback, prev, "fallback")
     res.check("--ckpt-fallback" in second.text, "no fallback warning")
-    resumes = [it for _, _, it in second.resumes()]
-    res.check(resumes == [prev], f"fallback resumed at {resumes}, expected [{prev}]")
-    res.seconds_to_recover = recovery_seconds(first.started, second)
-    res.iterations_redone = count_redone([first, second], seeded=k)
-    finish_recoverable(ctx, res, save, second)
-    return res
+    recovery = recovery_seconds(first.started, second)
+    return finish_recoverable(ctx, res, save, [first, second], recovery, seeded=k)
 
 
 def disk_full(ctx: Context, plan: FaultPlan) -> FaultResult:
@@ -111,14 +98,9 @@ def disk_full(ctx: Context, plan: FaultPlan) -> FaultResult:
     res.check(any("File too large" in line for line in failed), f"error does not say why: {failed}")
     res.check(layout.read_tracker(str(save)) == k, "the tracker moved past the last good save")
     check_chain(res, save)  # the previous checkpoint intact, no partial directory left
-    second = ctx.launch(plan, "2-relaunch", ctx.spec(save, []))
-    res.launch_exit_codes.append(second.code)
-    resumes = [it for _, _, it in second.resumes()]
-    res.check(resumes == [k], f"relaunch resumed at {resumes}, expected [{k}]")
-    res.seconds_to_recover = recovery_seconds(first.first_time("checkpoint error"), second)
-    res.iterations_redone = count_redone([first, second], seeded=k)
-    finish_recoverable(ctx, res, save, second)
-    return res
+    second = relaunch(ctx, res, plan, "2-relaunch", ctx.spec(save, []), k)
+    recovery = recovery_seconds(first.first_time("checkpoint error"), second)
+    return finish_recoverable(ctx, res, save, [first, second], recovery, seeded=k)
 
 
 STORAGE_SCENARIOS = {
