@@ -5,6 +5,7 @@ choices; ``stalwart --help`` lists the commands, ``--version`` prints the packag
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 from importlib import metadata
 
@@ -18,7 +19,7 @@ from stalwart.cli.checkpoints import (
     build_export_parser,
 )
 from stalwart.cli.help_format import FlagHelpFormatter, is_plain_switch
-from stalwart.cli.main import COMMANDS, build_main_parser, main
+from stalwart.cli.main import COMMANDS, ENTRY_POINTS, build_main_parser, main
 from stalwart.cli.report import build_parser as build_report_parser
 
 PARSERS = {
@@ -91,6 +92,13 @@ def test_top_level_help_lists_every_command_in_one_line(capsys) -> None:
         lines = [line for line in out.splitlines() if line.strip().startswith(command + " ")]
         assert lines and text in lines[0], (command, out)
     assert "--version" in out and "Exit codes:" in out
+
+
+def test_every_listed_command_dispatches_to_its_entry_point() -> None:
+    """A command in ``stalwart --help`` but not in the dispatch table would be "unknown"."""
+    assert set(COMMANDS) == {"train", *ENTRY_POINTS}
+    for module, function in ENTRY_POINTS.values():
+        assert callable(getattr(importlib.import_module(module), function)), (module, function)
 
 
 def test_version_comes_from_the_package_metadata(capsys) -> None:

@@ -7,9 +7,10 @@ Bad flags or values exit with code 2 and one line naming the flag; never a trace
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -221,33 +222,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+# command -> (module, function) of its entry point, imported only when the command runs:
+# `stalwart report` does not pay for the trainer's imports, nor `stalwart --help` for any.
+ENTRY_POINTS = {
+    "launch": ("stalwart.cli.launch", "main_launch"),
+    "report": ("stalwart.cli.report", "main_report"),
+    "goodput": ("stalwart.cli.goodput", "main_goodput"),
+    "chaos": ("stalwart.cli.chaos", "main_chaos"),
+    "checkpoints": ("stalwart.cli.checkpoints", "main_checkpoints"),
+    "export": ("stalwart.cli.checkpoints", "main_export"),
+}
+
+
 def _dispatch(command: str, rest: list[str]) -> int:
     if command == "train":
         return main_train(rest)
-    if command == "launch":
-        from stalwart.cli.launch import main_launch
-
-        return main_launch(rest)
-    if command == "report":
-        from stalwart.cli.report import main_report
-
-        return main_report(rest)
-    if command == "goodput":
-        from stalwart.cli.goodput import main_goodput
-
-        return main_goodput(rest)
-    if command == "chaos":
-        from stalwart.cli.chaos import main_chaos
-
-        return main_chaos(rest)
-    if command == "checkpoints":
-        from stalwart.cli.checkpoints import main_checkpoints
-
-        return main_checkpoints(rest)
-    if command == "export":
-        from stalwart.cli.checkpoints import main_export
-
-        return main_export(rest)
+    if command in ENTRY_POINTS:
+        module, function = ENTRY_POINTS[command]
+        entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), function)
+        return entry(rest)
     sys.stderr.write(
         f"stalwart: error: unknown command {command!r}; allowed: {', '.join(COMMANDS)} "
         "(stalwart --help)\n"
