@@ -29,7 +29,9 @@ def test_every_fault_has_checkpoints_before_it() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--iterations", "100", "--save-interval", "50"], "must be at least 12 x --save-interval"),
-     (["--faults", "hang"], "--fault-schedule runs its own faults on 2 CPU ranks")],
+     (["--faults", "hang"], "--fault-schedule runs its own faults on 2 CPU ranks"),
+     (["--timeout", "0"], "--timeout: must be > 0"),
+     (["--json", "/"], "--json '/' is a directory")],
 )  # fmt: skip
 def test_bad_schedule_flags_are_one_line(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]

@@ -90,6 +90,18 @@ def _work_dir(value: str | None) -> Path:
     return path
 
 
+def _check_run(timeout: float, ns: argparse.Namespace) -> Path:
+    """The checks both modes share: ``timeout`` (the mode's default when unset), ``--json``
+    and ``--work-dir``; returns the work directory (created)."""
+    from stalwart.config.paths import check_output_file
+
+    if not 0 < timeout < math.inf:  # NaN too
+        raise ValueError(f"--timeout: must be > 0, got {timeout}")
+    # --json is written after the whole run: a directory there was a traceback then.
+    check_output_file("--json", ns.json)
+    return _work_dir(ns.work_dir)
+
+
 def main_chaos(argv: list[str]) -> int:
     """Parse, run the campaign, report; returns the exit code."""
     from stalwart.chaos.campaign import CampaignConfig, format_table, run_campaign
@@ -104,21 +116,15 @@ def main_chaos(argv: list[str]) -> int:
     ns.iterations = 12 if ns.iterations is None else ns.iterations
     ns.save_interval = 3 if ns.save_interval is None else ns.save_interval
     ns.timeout = 300.0 if ns.timeout is None else ns.timeout
-    from stalwart.config.paths import check_output_file
-
     try:
         if not ns.faults.strip():  # an unset shell variable: not a request for every fault
             raise ValueError("--faults is empty; allowed: all or a comma-separated list")
         faults = parse_faults(ns.faults)
         validate_shape(ns.iterations, ns.save_interval, ns.nproc_per_node)
         use_cpu = _use_cpu(ns.device)
-        if not 0 < ns.timeout < math.inf:  # NaN too
-            raise ValueError(f"--timeout: must be > 0, got {ns.timeout}")
         if not 1 <= ns.jobs <= 64:
             raise ValueError(f"--jobs: must be between 1 and 64, got {ns.jobs}")
-        # --json is written after the whole campaign: a directory there was a traceback then.
-        check_output_file("--json", ns.json)
-        work = _work_dir(ns.work_dir)
+        work = _check_run(ns.timeout, ns)
     except ValueError as exc:
         sys.stderr.write(f"stalwart chaos: error: {exc}\n")
         return EXIT_USAGE
@@ -160,7 +166,6 @@ def _main_schedule(ns: argparse.Namespace) -> int:
         run_schedule,
         write_json,
     )
-    from stalwart.config.paths import check_output_file
 
     iterations = SCHEDULE_ITERATIONS if ns.iterations is None else ns.iterations
     save_interval = SCHEDULE_SAVE_INTERVAL if ns.save_interval is None else ns.save_interval
@@ -172,10 +177,7 @@ def _main_schedule(ns: argparse.Namespace) -> int:
                 "--fault-schedule runs its own faults on 2 CPU ranks: leave --faults, "
                 "--nproc-per-node and --device unset"
             )
-        if not 0 < timeout < math.inf:
-            raise ValueError(f"--timeout: must be > 0, got {timeout}")
-        check_output_file("--json", ns.json)
-        work = _work_dir(ns.work_dir)
+        work = _check_run(timeout, ns)
     except ValueError as exc:
         sys.stderr.write(f"stalwart chaos: error: {exc}\n")
         return EXIT_USAGE
