@@ -59,6 +59,14 @@ def test_parse_ft_timeouts_rejects_bad_input_naming_the_flag(text: str) -> None:
         ({"safety_factor": 0.5}, r"FaultToleranceConfig\.safety_factor"),
         ({"blend_alpha": 1.0}, r"FaultToleranceConfig\.blend_alpha"),
         ({"poll_interval_s": 0.0}, r"FaultToleranceConfig\.poll_interval_s"),
+        ({"min_steps_for_step_update": 0}, r"FaultToleranceConfig\.min_steps_for_step_update"),
+        ({"min_learned_timeout_s": -1.0}, r"FaultToleranceConfig\.min_learned_timeout_s"),
+        (
+            {"kill_grace_s": float("nan")},
+            r"FaultToleranceConfig\.kill_grace_s: must be a number >= 0",
+        ),
+        ({"abort_grace_s": -0.5}, r"FaultToleranceConfig\.abort_grace_s"),
+        ({"stack_dump_wait_s": float("inf")}, r"FaultToleranceConfig\.stack_dump_wait_s"),
         ({"stack_dump_signal": "SIGKILL"}, r"FaultToleranceConfig\.stack_dump_signal"),
     ],
 )

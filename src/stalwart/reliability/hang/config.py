@@ -137,54 +137,20 @@ class FaultToleranceConfig:
     abort_grace_s: float = 2.0
 
     def __post_init__(self) -> None:
-        # Only --ft-num-warmup-iters is a flag; the rest are FaultToleranceConfig fields that a
-        # hand-written loop sets (NVRx's settings, not Megatron flags).
+        if not _int_at_least(self.ft_num_warmup_iters, 0):
+            raise ValueError("--ft-num-warmup-iters: must be an integer >= 0")
+        # The rest are fields a hand-written loop sets (NVRx's settings, not Megatron flags).
+        seconds = ("min_learned_timeout_s", "kill_grace_s", "abort_grace_s", "stack_dump_wait_s")
         checks = (
-            (
-                _int_at_least(self.ft_num_warmup_iters, 0),
-                "--ft-num-warmup-iters",
-                "an integer >= 0",
-            ),
-            (
-                _finite(self.safety_factor, 1.0),
-                "FaultToleranceConfig.safety_factor",
-                "a number >= 1",
-            ),
-            (
-                _finite(self.blend_alpha, 0.0) and self.blend_alpha < 1.0,
-                "FaultToleranceConfig.blend_alpha",
-                "a number in [0, 1)",
-            ),
-            (
-                _finite(self.min_learned_timeout_s, 0.0),
-                "FaultToleranceConfig.min_learned_timeout_s",
-                "a number >= 0",
-            ),
-            (
-                _int_at_least(self.min_steps_for_step_update, 1),
-                "FaultToleranceConfig.min_steps_for_step_update",
-                "an integer >= 1",
-            ),
-            (
-                _finite(self.poll_interval_s, 0.0) and 0 < self.poll_interval_s <= 60,
-                "FaultToleranceConfig.poll_interval_s",
-                "a number in (0, 60]",
-            ),
-            (_finite(self.kill_grace_s, 0.0), "FaultToleranceConfig.kill_grace_s", "a number >= 0"),
-            (
-                _finite(self.abort_grace_s, 0.0),
-                "FaultToleranceConfig.abort_grace_s",
-                "a number >= 0",
-            ),
-            (
-                _finite(self.stack_dump_wait_s, 0.0),
-                "FaultToleranceConfig.stack_dump_wait_s",
-                "a number >= 0",
-            ),
-        )
-        for ok, name, allowed in checks:
+            ("safety_factor", _finite(self.safety_factor, 1.0), "a number >= 1"),
+            ("blend_alpha", _finite(self.blend_alpha, 0.0) and self.blend_alpha < 1.0, "a number in [0, 1)"),
+            ("min_steps_for_step_update", _int_at_least(self.min_steps_for_step_update, 1), "an integer >= 1"),
+            ("poll_interval_s", _finite(self.poll_interval_s, 0.0) and 0 < self.poll_interval_s <= 60, "a number in (0, 60]"),
+            *((name, _finite(getattr(self, name), 0.0), "a number >= 0") for name in seconds),
+        )  # fmt: skip
+        for name, ok, allowed in checks:
             if not ok:
-                raise ValueError(f"{name}: must be {allowed}")
+                raise ValueError(f"FaultToleranceConfig.{name}: must be {allowed}")
         if self.stack_dump_signal not in _DUMP_SIGNALS:
             allowed = ", ".join(_DUMP_SIGNALS)
             raise ValueError(
