@@ -163,6 +163,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def _to_host(into: dict[str, torch.Tensor], prefix: str, value: Any) -> None:
+    """The tensors of a hook argument into ``into`` as ``{prefix}{i}``, on the host. Deliberate
+    sync: a device-to-host copy, made only on the iterations whose dump wants them."""
+    for i, t in enumerate(_tensors(value)):
+        into[f"{prefix}{i}"] = t.detach().to("cpu")
+
+
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     # copy=True: on CPU ``.to("cpu")`` would alias the live tensor, which clipping and the
     # optimizer change in place.
@@ -320,11 +327,8 @@ class TensorDumper:
             if not self._last_microbatch:
                 return
             if acts:
-                for i, t in enumerate(_tensors(inputs)):
-                    # Deliberate sync: device-to-host copy, only on activation-dump iterations.
-                    self._activations[f"{name}/input{i}"] = t.detach().to("cpu")
-                for i, t in enumerate(_tensors(output)):
-                    self._activations[f"{name}/output{i}"] = t.detach().to("cpu")
+                _to_host(self._activations, f"{name}/input", inputs)
+                _to_host(self._activations, f"{name}/output", output)
             if stats:
                 self._record_stats(index, output)
 
@@ -334,11 +338,8 @@ class TensorDumper:
         def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
             if not self._last_microbatch:
                 return
-            for i, t in enumerate(_tensors(grad_input)):
-                # Deliberate sync: device-to-host copy, only on dgrad-dump iterations.
-                self._dgrads[f"{name}/grad_input{i}"] = t.detach().to("cpu")
-            for i, t in enumerate(_tensors(grad_output)):
-                self._dgrads[f"{name}/grad_output{i}"] = t.detach().to("cpu")
+            _to_host(self._dgrads, f"{name}/grad_input", grad_input)
+            _to_host(self._dgrads, f"{name}/grad_output", grad_output)
 
         return hook
 
