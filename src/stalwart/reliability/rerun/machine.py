@@ -44,22 +44,20 @@ from stalwart.reliability.rerun.buffer import (
     host_predicate,
 )
 from stalwart.reliability.rerun.checks import CheckRows, record_grad_checks, record_loss_checks
-from stalwart.reliability.rerun.data_iterator import RerunDataIterator
+from stalwart.reliability.rerun.data_iterator import RerunDataIterator, wrapped_iterators
 from stalwart.reliability.rerun.determinism import DeterminismStats
 from stalwart.reliability.rerun.injector import RerunErrorInjector
+from stalwart.reliability.rerun.judge import EventJudge
 from stalwart.reliability.rerun.passes import Saved, StateSaver
 from stalwart.reliability.rerun.peer import ReplayDeterminism
 from stalwart.reliability.rerun.peer_flow import PeerReplay
 from stalwart.reliability.rerun.recording import Recorder
 from stalwart.reliability.rerun.replicas import (
-    REPLICA_MESSAGE,
     ReplicaGate,
-    mismatch_value,
     split_replica,
 )
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker
-from stalwart.reliability.rerun.stats import LargeValueTracker, QuickStats
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
     CallKey,
@@ -68,26 +66,15 @@ from stalwart.reliability.rerun.types import (
     RerunDiagnostic,
     RerunMode,
     RerunState,
-    RerunValidationStatus,
     RerunVerdict,
     device_identity,
 )
 from stalwart.reliability.rerun.verdict_file import apply_verdict
 from stalwart.reliability.rerun.verdicts import (
     Event,
-    Items,
-    Requests,
-    checkpoint_diagnosis,
-    diagnosis_row,
     event_from_json,
-    event_of,
     event_to_json,
     exit_verdict,
-    first_rejection,
-    first_rerun_requests,
-    rejected_calls,
-    rerun_value,
-    second_rerun_requests,
 )
 
 logger = logging.getLogger(__name__)
@@ -160,10 +147,9 @@ class RerunStateMachine:
         self.device = torch.device(device) if device is not None else None
         self.replicas = replicas
         # The state of the iteration and its passes.
+        self.local_grad_checks = True  # False: gradient checks see reduced shards (FSDP2)
         self.state = RerunState.NOT_RUNNING_YET
         self.iteration = -1
-        self.diagnosis: RerunDiagnostic | None = None
-        self.event: Event | None = None
         self.last_attribution_seconds: float | None = None
         self._saved: Saved | None = None
         self._awaiting_exit = False
@@ -174,6 +160,7 @@ class RerunStateMachine:
         self._rejected_at: float | None = None
         # The parts, each owning its state.
         self.reporter = Reporter(process_group, tracker)
+        self.judge = EventJudge(self.injector, self.reporter)
         self.recorder = Recorder(self.injector, self._inject_decision, self._may_record)
         self._saver = StateSaver(
             self.rng, state_save_func, state_restore_func,
@@ -217,36 +204,16 @@ class RerunStateMachine:
         return self.reporter.rank
 
     @property
-    def group_rank(self) -> int:
-        return self.reporter.group_rank
+    def event(self) -> Event | None:
+        """This rank's failed call, while it is being attributed."""
+        return self.judge.event
 
     @property
-    def world_size(self) -> int:
-        return self.reporter.world_size
+    def diagnosis(self) -> RerunDiagnostic | None:
+        """The cause attributed to this rank's last failed call, if any."""
+        return self.judge.diagnosis
 
-    @property
-    def local_grad_checks(self) -> bool:
-        """False when gradient checks see reduced shards (FSDP2): no peer can replay them."""
-        return self.peer.local_grad_checks
-
-    @local_grad_checks.setter
-    def local_grad_checks(self, value: bool) -> None:
-        self.peer.local_grad_checks = value
-
-    @property
-    def stats(self) -> dict[str, QuickStats]:
-        """Determinism statistics per validation call (``report_determinism_stats``)."""
-        return self.determinism.stats
-
-    @property
-    def last_report(self) -> str | None:
-        return self.determinism.last_report
-
-    def determinism_report(self) -> str:
-        """Percentiles of the relative difference between the two runs, per validation call."""
-        return self.determinism.report()
-
-    # ----------------------------------------------------------------- recording (the recorder)
+    # ------------------------------------------------------------- recording (the recorder)
     @property
     def buffer(self) -> ValidationBuffer | None:
         """The machine's one device check buffer (None before the first device check)."""
@@ -269,27 +236,15 @@ class RerunStateMachine:
         tolerance: float = 0.0,
         fatal: bool = True,
     ) -> None:
-        """Record a check of a scalar ``result``, evaluated on the host at the next read.
-
-        ``rejection_func(value) -> bool`` says the result is unexpected; ``comparison_func(a, b)``
-        (default :func:`compare_floats`) measures how far a rerun's value is from the initial one;
-        the result is reproducible when that is ``<= tolerance``. Non-fatal checks never stop the
-        job. Must be called between ``should_run_forward_backward`` calls unless disabled. Prefer
-        :meth:`check_on_device` (or :meth:`check_loss`) for NaN/Inf/large checks: their verdict
-        is taken on the device, which lets a loop gate the optimizer step there.
-        """
+        """Record a host-evaluated check of ``result`` (:meth:`Recorder.validate_result`)."""
         self.recorder.validate_result(
             result, rejection_func, message, comparison_func, tolerance, fatal
         )
 
     def check_on_device(
-        self,
-        value: torch.Tensor,
-        rule: DeviceRule,
-        message: str,
-        tolerance: float = 0.0,
+        self, value: torch.Tensor, rule: DeviceRule, message: str, tolerance: float = 0.0,
         fatal: bool = True,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """Record a check whose verdict the device computes (:class:`DeviceRule`), into the
         machine's buffer: device ops only, graph-capturable, never a sync."""
         self.recorder.check_all_on_device(value, [[DeviceCheck(rule, message, tolerance, fatal)]])
@@ -297,10 +252,8 @@ class RerunStateMachine:
     def check_all_on_device(
         self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
     ) -> None:
-        """Record ``checks[i]`` of element ``i`` of ``values`` (0-d or 1-d), in that order, as
-        :meth:`check_on_device` calls would: the same slots and verdicts, but one device op
-        for all of them (a write of the values) once their slots are allocated, whatever the
-        number of checks. Device ops only, never a sync."""
+        """Record ``checks[i]`` of element ``i`` of ``values`` in one device op
+        (:meth:`Recorder.check_all_on_device`)."""
         self.recorder.check_all_on_device(values, checks)
 
     def check_loss(self, loss: torch.Tensor) -> None:
@@ -314,20 +267,11 @@ class RerunStateMachine:
 
     @host_predicate
     def is_unexpectedly_large(
-        self,
-        result: torch.Tensor | float,
-        threshold: float,
-        context: str,
-        num_samples: int = 100,
-        resample: bool = False,
-    ) -> bool:
-        """True when ``|result| >= threshold * max`` of the first ``num_samples`` values of ``context``.
-
-        Meant as a rejection function (``functools.partial(sm.is_unexpectedly_large, threshold=10,
-        context="loss")``): the machine then calls it with host floats at its sync point. Called
-        directly with a device tensor it reads it (a sync). NaN/Inf return False. ``resample``
-        restarts the sampling window.
-        """
+        self, result: torch.Tensor | float, threshold: float, context: str,
+        num_samples: int = 100, resample: bool = False,
+    ) -> bool:  # fmt: skip
+        """Whether ``result`` is unexpectedly large in ``context``, a rejection function
+        (:meth:`Recorder.is_unexpectedly_large`)."""
         return self.recorder.is_unexpectedly_large(
             result, threshold, context, num_samples, resample
         )
@@ -338,21 +282,13 @@ class RerunStateMachine:
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str] | None = None,
     ) -> None:
-        """After a pass and before its optimizer step: fingerprint what the schedule says,
-        gather across the group and record the comparison as a device check that also raises
-        the skip gate. Device work and one device all-gather; nothing read on the host."""
+        """After a pass and before its optimizer step: the replica fingerprints' check, with
+        the skip gate (:meth:`ReplicaGate.record`), in the passes that check them."""
         gate = self.replicas
         if gate is None or self.mode is not VALIDATE or self._final_pass:
             return
-        if self.state not in (RerunState.INITIAL_RUN, RerunState.RERUNNING_IN_PLACE):
-            return
-        local = gate.fingerprints(iteration, params, names)
-        if local is None:
-            gate.forget()
-            return
-        value = mismatch_value(gate.gather(local)).to(local.device)
-        self.check_on_device(value, NAN_RULE, REPLICA_MESSAGE, fatal=True)
-        self.check_buffer(value.device).raise_gate(torch.isnan(value))
+        if self.state in (RerunState.INITIAL_RUN, RerunState.RERUNNING_IN_PLACE):
+            gate.record(iteration, params, names, self.recorder)
 
     def _may_record(self) -> bool:
         return self.mode is RerunMode.DISABLED or self.state is not RerunState.NOT_RUNNING_YET
@@ -431,14 +367,14 @@ class RerunStateMachine:
                 f"Iteration {iteration + 1} is skipped (--iterations-to-skip): "
                 "dropping its pending rerun from checkpoint"
             )
-            self._finish_event()
+            self.judge.finish()
             self.state = RerunState.NOT_RUNNING_YET
 
     def resolve(self) -> None:
         """Evaluate checks recorded while disabled (one sync); fatal rejections raise RuntimeError."""
         if self.mode is not RerunMode.DISABLED:
             raise RuntimeError("resolve() is for disabled mode; enabled modes resolve in the loop")
-        self._apply_without_rerun(self.recorder.read_host_only())
+        self.judge.without_rerun(self.recorder.read_host_only(), self.iteration)
 
     def should_run_forward_backward(
         self,
@@ -451,7 +387,7 @@ class RerunStateMachine:
         counter is incremented. After a pass, this call performs the iteration's one deliberate
         host sync and one agreement collective (validate_results mode).
         """
-        iterators = self._sanitize(data_iterator)
+        iterators = wrapped_iterators(data_iterator, required=self.mode is not RerunMode.DISABLED)
         if self._awaiting_exit:
             raise RuntimeError(
                 "the rerun state machine asked the job to exit; call should_checkpoint_and_exit()"
@@ -511,14 +447,6 @@ class RerunStateMachine:
     def replaying_on_peer(self) -> bool:
         return self.state is RerunState.REPLAYING_ON_PEER
 
-    @property
-    def peer_replay(self) -> bool:
-        return self.peer.enabled
-
-    @property
-    def replay_determinism(self) -> ReplayDeterminism:
-        return self.peer.determinism
-
     # ------------------------------------------------------------------------ the transitions
     def _start_iteration(
         self, iterators: list[RerunDataIterator[Any]], iteration: int | None
@@ -552,15 +480,15 @@ class RerunStateMachine:
         items = self.recorder.read()
         if self.mode is RerunMode.DISABLED:
             self._accept(iterators)
-            self._apply_without_rerun(items)
+            self.judge.without_rerun(items, self.iteration)
             return False
         if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
-            self._apply_without_rerun(items)
+            self.judge.without_rerun(items, self.iteration)
             self.determinism.keep_initial(items)
             self._begin_rerun(iterators)
             return True
         replica, items = split_replica(items)
-        rejected = self._open_event(items)
+        rejected = self.judge.open(items, self.iteration)
         (any_rejected,) = self._agree([rejected or replica])
         if not any_rejected:
             self._accept(iterators)
@@ -588,9 +516,9 @@ class RerunStateMachine:
         attributing = self.replicas is not None and self.replicas.originals is not None
         if attributing and self._replica_exit(iterators):
             return False
-        local = self._first_rerun(items)
+        local = self.judge.first_rerun(items, self.iteration)
         reproduced = self.event is not None and self.event.suspicious is not None
-        ckpt, fatal, _cont, anyone = self._agree([*local.flags(), reproduced])
+        ckpt, fatal, _cont, anyone = self._agree([*local, reproduced])
         # Fatal beats non-fatal on every rank: a "continue" never overrides a fatal request.
         # A reproduced rejection is attributed on a peer replica when there is one.
         peer = anyone and not fatal and self.peer.possible
@@ -602,7 +530,7 @@ class RerunStateMachine:
         self.reporter.log0(
             "Continuing normal execution because the failed validation was not fatal"
         )
-        self._finish_event()
+        self.judge.finish()
         self._accept(iterators)
         return False
 
@@ -618,7 +546,7 @@ class RerunStateMachine:
 
     def _after_rerun_from_checkpoint(self, iterators: list[RerunDataIterator[Any]]) -> bool:
         items = self.recorder.read()
-        again, fatal, _ = self._agree(self._second_rerun(items).flags())
+        again, fatal, _ = self._agree(list(self.judge.second_rerun(items, self.iteration)))
         if again:
             self.reporter.log0(
                 "Need to restart the job from the same checkpoint on a different GPU"
@@ -627,16 +555,13 @@ class RerunStateMachine:
             self._awaiting_exit = True
             return False
         if fatal:
-            row = diagnosis_row(self.diagnosis, self.event, self.rank)
-            # Collective: every rank gets here once the ranks agreed on the fatal exit.
-            gathered = collectives.all_gather_objects(row, self.process_group)
-            self._pending_diagnosis = checkpoint_diagnosis(gathered, self.iteration)  # type: ignore[arg-type]
+            self._pending_diagnosis = self.judge.checkpoint_diagnosis(self.iteration)
             self._awaiting_exit = True
             return False
         self.reporter.log0(
             "Continuing normal execution because the failed validation was not fatal"
         )
-        self._finish_event()
+        self.judge.finish()
         self._accept(iterators)
         return False
 
@@ -646,7 +571,9 @@ class RerunStateMachine:
         if reproduced:
             assert self.event is not None  # only a rank whose rejection reproduced asks
             saved_rng = self._saved.rng if self._saved is not None else None
-            request = self.peer.request(self.event, self.injector, iterators, saved_rng)
+            request = self.peer.request(
+                self.event, self.injector, iterators, saved_rng, self.local_grad_checks
+            )
         identities = self.peer.plan_replay(request)
         if identities is None:
             return False
@@ -662,7 +589,7 @@ class RerunStateMachine:
         if self._rejected_at is not None:
             self.last_attribution_seconds = time.monotonic() - self._rejected_at
         seconds = self.last_attribution_seconds
-        self.diagnosis = self.peer.record_outcome(outcome, self.iteration, seconds)
+        self.judge.diagnosis = self.peer.record_outcome(outcome, self.iteration, seconds)
         if outcome.persistent or outcome.fatal:
             self._pending_diagnosis = self.peer.diagnosis(outcome, self.iteration)
             # The checkpoint resumes this iteration, as the exit 16 one would (the relaunch
@@ -674,7 +601,7 @@ class RerunStateMachine:
             "Continuing normal execution because the failed validation was not fatal (a correct "
             "result, reproduced on a peer); the iteration runs once more for its gradients"
         )
-        self._finish_event()
+        self.judge.finish()
         self._final_pass = True  # the next read accepts: the gradients of a clean pass
         self._enter(RerunState.RERUNNING_IN_PLACE)
         return True
@@ -725,88 +652,15 @@ class RerunStateMachine:
         if checkpoint:
             self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
 
-    # ----------------------------------------------------- this rank's verdicts, applied
-    def _open_event(self, items: Items) -> bool:
-        """Initial run: the first rejected call of this rank opens an event (later ones ignored)."""
-        found = first_rejection(items)
-        if found is None:
-            self.injector.clear()
-            return False
-        rec, v = found
-        self.event = event_of(rec, v)
-        if not self.injector.is_pending_for(rec.key):
-            self.injector.clear()
-        self.reporter.track(self.iteration, RerunValidationStatus.INITIAL_RUN, v, rec.spec.message)
-        self.reporter.rejection(self.iteration, rec.key, v, rec.spec.message)
-        return True
-
-    def _rerun_value(self, ev: Event, items: Items) -> tuple[float, float]:
-        """(value, comparison) of this rank's failed call in the rerun; missing = mismatch."""
-        found = rerun_value(ev, items)
-        if found is None:
-            self.reporter.missing_call(self.iteration, ev.key)
-            return float("nan"), float("inf")
-        return found
-
-    def _first_rerun(self, items: Items) -> Requests:
-        """After the in-place rerun: this rank's requests, its lines."""
-        ev = self.event
-        if ev is None:
-            return Requests()
-        v, cmp = self._rerun_value(ev, items)
-        reproducible = not cmp > ev.tolerance
-        requests, diagnosis = first_rerun_requests(ev, reproducible)
-        if reproducible:
-            ev.suspicious = device_identity()
-        else:
-            self.diagnosis = diagnosis
-        self.reporter.first_rerun(self.iteration, ev, v, reproducible)
-        return requests
-
-    def _second_rerun(self, items: Items) -> Requests:
-        """After the rerun from a checkpoint: this rank's requests, its lines."""
-        ev = self.event
-        if ev is None:
-            return Requests()
-        if ev.suspicious is not None and device_identity() == ev.suspicious:
-            self.reporter.same_device(self.iteration)
-            return Requests(first=True)
-        v, cmp = self._rerun_value(ev, items)
-        reproducible = not cmp > ev.tolerance
-        requests, self.diagnosis = second_rerun_requests(ev, reproducible)
-        self.reporter.second_rerun(self.iteration, ev, v, reproducible)
-        return requests
-
-    def _finish_event(self) -> None:
-        """A non-fatal event is over: forget it and its injection so injection can continue."""
-        self.event = None
-        self.injector.clear()
-
     def forget_rerun_from_checkpoint(self) -> None:
         """Drop a loaded "rerun this iteration from the checkpoint" mark: a rerun verdict has
         settled it (`stalwart.reliability.rerun.verdict_file`); training goes on normally."""
-        self._finish_event()
+        self.judge.finish()
         self.state = RerunState.NOT_RUNNING_YET
         self._awaiting_exit = False
         self._pending_diagnosis = None
         if self.replicas is not None:
             self.replicas.detail = ""
-
-    def _apply_without_rerun(self, items: Items) -> None:
-        """Disabled-mode semantics: fatal rejections raise RuntimeError, others warn."""
-        errors = []
-        for rec, v in rejected_calls(items):
-            message = rec.spec.message
-            self.reporter.track(self.iteration, RerunValidationStatus.RERUN_DISABLED, v, message)
-            text = self.reporter.describe(
-                self.iteration, f"Unexpected result {v} (message='{message}')"
-            )
-            if rec.spec.fatal:
-                errors.append(text)
-            else:
-                logger.warning(text)
-        if errors:
-            raise RuntimeError("; ".join(errors))
 
     # --------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -818,21 +672,20 @@ class RerunStateMachine:
         gathered with one ``all_gather_object``. The data position is not included: the data
         iterator's own state gives the start of ``iteration``.
         """
-        buffer = self.recorder.buffer
+        host, device = self.recorder.large_state()
         mine = {
             "event": event_to_json(self.event),
             "identity": list(device_identity()),
             "injector": self.injector.state_dict(),
-            "large_values": {k: [t.count, t.max_value] for k, t in self.recorder.large.items()},
-            # Deliberate sync (checkpoint time): the device windows of the in-buffer checks.
-            "device_large_values": buffer.tracker_state() if buffer is not None else {},
+            "large_values": host,
+            "device_large_values": device,
         }
         return {
             "version": STATE_DICT_VERSION,
             "mode": self.mode.value,
             "state": self.state.name,
             "iteration": self.iteration,
-            "world_size": self.world_size,
+            "world_size": self.reporter.world_size,
             "ranks": collectives.all_gather_objects(mine, self.process_group),
         }
 
@@ -842,7 +695,7 @@ class RerunStateMachine:
         large-value windows are restored then). The mode given now always wins."""
         if not sd:
             return
-        expected = self.world_size if world_size is None else world_size
+        expected = self.reporter.world_size if world_size is None else world_size
         if sd.get("world_size") != expected:
             logger.warning(
                 "World size changed (%s -> %s): rerun state ignored", sd.get("world_size"), expected
@@ -851,20 +704,15 @@ class RerunStateMachine:
         if self.mode is RerunMode.DISABLED:
             logger.warning("Rerun state machine disabled; ignoring its checkpointed state")
             return
-        mine = sd["ranks"][self.group_rank]
-        self.recorder.large = {
-            k: LargeValueTracker(c, m) for k, (c, m) in mine["large_values"].items()
-        }
-        device_windows = mine.get("device_large_values") or {}
-        if device_windows:
-            self.recorder.load_device_windows(device_windows)
+        mine = sd["ranks"][self.reporter.group_rank]
+        self.recorder.load_large_state(mine["large_values"], mine.get("device_large_values") or {})
         state = RerunState[sd["state"]]
         if state is not RerunState.WILL_RERUN_FROM_CHECKPOINT:
             return
         if self.mode is not VALIDATE:
             logger.warning("Checkpoint awaits a rerun but mode is %s: ignored", self.mode.value)
             return
-        self.event = event_from_json(mine["event"])
+        self.judge.event = event_from_json(mine["event"])
         self.injector.load_state_dict(mine["injector"])
         self.state = state
         self.iteration = int(sd["iteration"])
@@ -875,23 +723,6 @@ class RerunStateMachine:
         the save directory's ``rerun_verdict.json`` (refuse a suspect device with
         ``SuspectDeviceError``, or drop a settled rerun mark and train on)."""
         apply_verdict(self, checkpoint_path)
-
-    # ------------------------------------------------------------------------------ helpers
-    def _sanitize(self, data_iterator: Any) -> list[RerunDataIterator[Any]]:
-        if data_iterator is None:
-            return []
-        if isinstance(data_iterator, int):
-            raise TypeError(
-                "should_run_forward_backward(data_iterator, iteration=...): pass iteration= by keyword"
-            )
-        items = data_iterator if isinstance(data_iterator, list | tuple) else [data_iterator]
-        out = []
-        for it in items:
-            if isinstance(it, RerunDataIterator):
-                out.append(it)
-            elif it is not None and self.mode is not RerunMode.DISABLED:
-                raise TypeError("data iterator is not wrapped with RerunDataIterator")
-        return out
 
 
 __all__ = ["INF_RULE", "NAN_RULE", "Agreement", "RerunStateMachine"]

@@ -59,8 +59,6 @@ class PeerReplay:
     ) -> None:
         self.enabled = enabled
         self.determinism = determinism
-        # False: gradient checks see reduced shards (FSDP2), which no peer can replay.
-        self.local_grad_checks = True
         self._reporter = reporter
         self._rng = rng
         self.plan: PeerPlan | None = None
@@ -75,8 +73,10 @@ class PeerReplay:
         injector: RerunErrorInjector,
         iterators: list[RerunDataIterator[Any]],
         saved_rng: dict[str, Any] | None,
+        local_grad_checks: bool,
     ) -> PeerRequest:
-        """What this rank, whose rejection reproduced, ships to its peer."""
+        """What this rank, whose rejection reproduced, ships to its peer
+        (``local_grad_checks`` False: its gradient checks saw reduced shards, not replayable)."""
         injection = injector.injection_for(ev.key)
         return PeerRequest(
             rank=self._reporter.group_rank,
@@ -89,7 +89,7 @@ class PeerReplay:
             batches=[to_cpu(list(it.saved_microbatches)) for it in iterators],
             rng=portable_rng_state(saved_rng) if saved_rng is not None else {},
             injection=None if injection is None else (injection[0].value, tuple(injection[1])),  # type: ignore[arg-type]
-            replayable=self.local_grad_checks or not is_grad_message(ev.message),
+            replayable=local_grad_checks or not is_grad_message(ev.message),
         )
 
     def plan_replay(self, request: PeerRequest | None) -> list[Identity] | None:

@@ -31,9 +31,7 @@ from stalwart.reliability.rerun.passes import Records
 from stalwart.reliability.rerun.reading import read_values
 from stalwart.reliability.rerun.stats import LargeValueTracker, compare_floats, host_float
 from stalwart.reliability.rerun.types import CallKey
-
-Items = list[tuple[ValidationRecord, float]]
-"""The values of one pass's records, as the read returns them."""
+from stalwart.reliability.rerun.verdicts import Items
 
 
 class Recorder:
@@ -93,6 +91,19 @@ class Recorder:
             self._buffer.load_tracker_state(windows)
         else:  # applied when the first device check creates the buffer
             self._windows_to_load = dict(windows)
+
+    def large_state(self) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+        """The large-value windows (host, device) in their checkpoint form."""
+        host = {k: [t.count, t.max_value] for k, t in self.large.items()}
+        # Deliberate sync (checkpoint time): the device windows of the in-buffer checks.
+        device = self._buffer.tracker_state() if self._buffer is not None else {}
+        return host, device
+
+    def load_large_state(self, host: dict[str, Any], device: dict[str, Any]) -> None:
+        """Inverse of :meth:`large_state`."""
+        self.large = {k: LargeValueTracker(c, m) for k, (c, m) in host.items()}
+        if device:
+            self.load_device_windows(device)
 
     def save_trackers(self) -> dict[str, torch.Tensor]:
         return self._buffer.save_trackers() if self._buffer is not None else {}
@@ -154,7 +165,15 @@ class Recorder:
         tolerance: float = 0.0,
         fatal: bool = True,
     ) -> None:
-        """A host-evaluated check (``RerunStateMachine.validate_result``)."""
+        """Record a check of a scalar ``result``, evaluated on the host at the next read.
+
+        ``rejection_func(value) -> bool`` says the result is unexpected; ``comparison_func(a, b)``
+        (default :func:`compare_floats`) measures how far a rerun's value is from the initial one;
+        the result is reproducible when that is ``<= tolerance``. Non-fatal checks never stop the
+        job. Must be called between ``should_run_forward_backward`` calls unless disabled. Prefer
+        device checks (:meth:`check_all_on_device`) for NaN/Inf/large checks: their verdict
+        is taken on the device, which lets a loop gate the optimizer step there.
+        """
         self._require_pass()
         spec = CheckSpec(
             message, rejection_func, comparison_func or compare_floats, tolerance, fatal
@@ -171,8 +190,11 @@ class Recorder:
     def check_all_on_device(
         self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
     ) -> None:
-        """Device checks ``checks[i]`` of element ``i`` of ``values``
-        (``RerunStateMachine.check_all_on_device``)."""
+        """Record ``checks[i]`` of element ``i`` of ``values`` (0-d or 1-d), in that order, as
+        one call per check would: the same slots and verdicts, but one device op for all of
+        them (a write of the values) once their slots are allocated, whatever the number of
+        checks. The verdicts are the device's (graph-capturable); device ops only, never a
+        sync. Inside ``RerunStateMachine.disabled()`` they are evaluated on the host instead."""
         if values.requires_grad:
             values = values.detach()
         if self._host_checks:  # evaluation: resolved on the host, the buffer stays untouched
@@ -242,7 +264,14 @@ class Recorder:
         num_samples: int = 100,
         resample: bool = False,
     ) -> bool:
-        """``RerunStateMachine.is_unexpectedly_large``: the host window of ``context``."""
+        """True when ``|result| >= threshold * max`` of the first ``num_samples`` values of
+        ``context``.
+
+        Meant as a rejection function (``functools.partial(sm.is_unexpectedly_large,
+        threshold=10, context="loss")``): the machine then calls it with host floats at its
+        sync point. Called directly with a device tensor it reads it (a sync). NaN/Inf return
+        False. ``resample`` restarts the sampling window.
+        """
         tracker = self.large.setdefault(context, LargeValueTracker())
         if resample:
             tracker.count, tracker.max_value = 0, 0.0

@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from stalwart.distributed import collectives
 from stalwart.reliability.replica_check import decide_replica_consistency, tensor_fingerprints
-from stalwart.reliability.rerun.buffer import is_rejected
+from stalwart.reliability.rerun.buffer import NAN_RULE, DeviceCheck, is_rejected
+from stalwart.reliability.rerun.recording import Recorder
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.types import (
     Diagnosis,
@@ -231,6 +232,25 @@ class ReplicaGate:
         """The replica check's one line for these rows (ranks of the group, columns named)."""
         result = decide_replica_consistency(rows, self.columns)
         return dataclasses.replace(result, subject="weights and gradients").describe()
+
+    def record(
+        self,
+        iteration: int,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str] | None,
+        recorder: Recorder,
+    ) -> None:
+        """Fingerprint what the schedule says, gather across the group and record the
+        comparison into ``recorder`` as a device check that also raises the skip gate (device
+        work and one device all-gather; nothing read on the host)."""
+        local = self.fingerprints(iteration, params, names)
+        if local is None:
+            self.forget()
+            return
+        value = mismatch_value(self.gather(local)).to(local.device)
+        check = DeviceCheck(NAN_RULE, REPLICA_MESSAGE, 0.0, True)
+        recorder.check_all_on_device(value, [[check]])
+        recorder.check_buffer(value.device).raise_gate(torch.isnan(value))
 
     # ------------------------------------------------------------- attribution of a mismatch
     def keep_originals(self) -> None:

@@ -15,13 +15,7 @@ import torch.distributed as dist
 from stalwart.distributed import collectives
 from stalwart.distributed.launch_env import env_int
 from stalwart.reliability.rerun.tracker import TrackerFile
-from stalwart.reliability.rerun.types import (
-    CallKey,
-    Identity,
-    RerunValidationStatus,
-    device_identity,
-)
-from stalwart.reliability.rerun.verdicts import Event
+from stalwart.reliability.rerun.types import Identity, RerunValidationStatus, device_identity
 
 # The verdict lines keep the logger they always had (log filters select them by name).
 logger = logging.getLogger("stalwart.reliability.rerun.verdicts")
@@ -116,68 +110,3 @@ class Reporter:
                 result=result,
                 message=message,
             )
-
-    # ------------------------------------------------------------------- the verdicts' lines
-    def rejection(self, iteration: int, key: CallKey, value: float, message: str) -> None:
-        logger.error(
-            "Unexpected result %s on rank %d at iteration %d invocation #%d (message='%s')",
-            value, self.rank, iteration + 1, key[2], message,
-        )  # fmt: skip
-
-    def missing_call(self, iteration: int, key: CallKey) -> None:
-        logger.warning(self.describe(iteration, f"validation call {key} was not made in the rerun"))
-
-    def same_device(self, iteration: int) -> None:
-        logger.error(
-            self.describe(
-                iteration,
-                "Got rescheduled on the same GPU that produced the suspicious result; "
-                "need to resume on a different GPU",
-            )
-        )
-
-    def first_rerun(self, iteration: int, ev: Event, value: float, reproducible: bool) -> None:
-        """The in-place rerun's tracker and failure lines."""
-        if not reproducible:
-            self.track(
-                iteration, RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE, value, ev.message
-            )
-            self.log_failure(
-                iteration,
-                "Possible transient error!",
-                ev.fatal,
-                f"First rerun: unexpected result is not reproducible within the tolerance "
-                f"({ev.initial_result} != {value}) (message='{ev.message}')",
-            )
-            return
-        self.track(iteration, RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE, value, ev.message)
-        self.log_failure(
-            iteration,
-            f"First rerun: unexpected result is reproducible within the tolerance "
-            f"({ev.initial_result} = {value}) (message='{ev.message}'). Need to rerun on a "
-            f"different GPU to verify correctness",
-            ev.fatal,
-        )
-
-    def second_rerun(self, iteration: int, ev: Event, value: float, reproducible: bool) -> None:
-        """The rerun from a checkpoint's tracker and failure lines."""
-        if not reproducible:
-            self.track(
-                iteration, RerunValidationStatus.SECOND_RERUN_NOT_REPRODUCIBLE, value, ev.message
-            )
-            logger.warning(
-                "Second rerun: unexpected result is not reproducible on a different GPU, "
-                "therefore was likely incorrect (%s != %s)", ev.initial_result, value,
-            )  # fmt: skip
-            self.log_failure(
-                iteration, "Possible persistent error!", True, f"(message='{ev.message}')"
-            )
-            return
-        self.track(iteration, RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE, value, ev.message)
-        logger.warning(
-            "Second rerun: unexpected result is reproducible on a different GPU, "
-            "therefore it was likely correct (%s = %s)", ev.initial_result, value,
-        )  # fmt: skip
-        self.log_failure(
-            iteration, f"Correct result (but possible Application error) ({ev.message})", True
-        )

@@ -47,18 +47,11 @@ class Event:
     suspicious: Identity | None = None
 
 
-@dataclass(frozen=True)
-class Requests:
-    """This rank's requests after a rerun, agreed across ranks (element-wise OR) in one
-    collective: after the in-place rerun ``(checkpoint, fatal exit, continue)``, after the
-    rerun from a checkpoint ``(restart again, fatal exit, continue)``."""
-
-    first: bool = False
-    fatal: bool = False
-    carry_on: bool = False
-
-    def flags(self) -> list[bool]:
-        return [self.first, self.fatal, self.carry_on]
+Requests = tuple[bool, bool, bool]
+"""This rank's requests after a rerun, agreed across ranks (element-wise OR) in one
+collective: after the in-place rerun ``(checkpoint, fatal exit, continue)``, after the rerun
+from a checkpoint ``(restart again, fatal exit, continue)``."""
+NO_REQUESTS: Requests = (False, False, False)
 
 
 def first_rejection(items: Items) -> tuple[ValidationRecord, float] | None:
@@ -67,12 +60,6 @@ def first_rejection(items: Items) -> tuple[ValidationRecord, float] | None:
         if is_rejected(rec, v):
             return rec, v
     return None
-
-
-def event_of(rec: ValidationRecord, value: float) -> Event:
-    """The event a rejected call opens."""
-    spec = rec.spec
-    return Event(rec.key, spec.message, spec.fatal, spec.tolerance, value)
 
 
 def rerun_value(event: Event, items: Items) -> tuple[float, float] | None:
@@ -91,16 +78,16 @@ def first_rerun_requests(
     exits, else training goes on); a reproduced one asks for a checkpoint when fatal (the rerun
     on another device decides), else goes on."""
     if not reproducible:
-        return Requests(False, event.fatal, not event.fatal), RerunDiagnostic.TRANSIENT_ERROR
-    return Requests(event.fatal, False, not event.fatal), None
+        return (False, event.fatal, not event.fatal), RerunDiagnostic.TRANSIENT_ERROR
+    return (event.fatal, False, not event.fatal), None
 
 
 def second_rerun_requests(event: Event, reproducible: bool) -> tuple[Requests, RerunDiagnostic]:
     """After the rerun from a checkpoint on another device: a result not reproduced was a
     persistent error of the suspicious device, a reproduced one a correct result. (Back on the
-    suspicious device, the machine restarts once more instead: ``Requests(first=True)``.)"""
+    suspicious device, the machine restarts once more instead.)"""
     diagnosis = RerunDiagnostic.CORRECT_RESULT if reproducible else RerunDiagnostic.PERSISTENT_ERROR
-    return Requests(False, event.fatal, not event.fatal), diagnosis
+    return (False, event.fatal, not event.fatal), diagnosis
 
 
 def exit_verdict(
@@ -132,23 +119,12 @@ def exit_verdict(
     return RerunVerdict(), None
 
 
-def diagnosis_row(
-    diagnosis: RerunDiagnostic | None, event: Event | None, rank: int
-) -> tuple[str | None, list[str] | None, str, int]:
-    """What a rank contributes to :func:`checkpoint_diagnosis` (one gathered row)."""
-    return (
-        diagnosis.value if diagnosis is not None else None,
-        list(event.suspicious) if event is not None and event.suspicious else None,
-        event.message if event is not None else "",
-        rank,
-    )
-
-
 def checkpoint_diagnosis(
     gathered: list[tuple[str | None, list[str] | None, str, int]], iteration: int
 ) -> Diagnosis | None:
-    """The diagnosis of the rerun from a checkpoint from every rank's :func:`diagnosis_row`:
-    a persistent error on any rank wins."""
+    """The diagnosis of the rerun from a checkpoint from every rank's row (its diagnosis, its
+    suspicious identity, its failed call's message, its rank): a persistent error on any rank
+    wins."""
     found = {d for d, _, _, _ in gathered if d in _DIAGNOSES}
     if not found:
         return None
@@ -162,11 +138,6 @@ def checkpoint_diagnosis(
     return Diagnosis(
         iteration, kind, suspects, message, DiagnosisSource.RERUN_FROM_CHECKPOINT, iteration
     )
-
-
-def rejected_calls(items: Items) -> Items:
-    """The rejected calls of a pass, in order (disabled mode reports each of them)."""
-    return [(rec, v) for rec, v in items if is_rejected(rec, v)]
 
 
 def event_to_json(event: Event | None) -> Any:
