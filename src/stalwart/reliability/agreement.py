@@ -1,7 +1,7 @@
 """The one per-iteration agreement across ranks: the rerun verdict flags and the exit inputs.
 
 ``IterationAgreement`` is given to the rerun state machine as its ``agreement`` (see
-``stalwart.reliability.exit`` for the recipe); split from ``exit.py`` to keep files small.
+``stalwart.reliability.exit`` for the recipe, which decides on what is agreed here).
 """
 
 from __future__ import annotations
