@@ -27,13 +27,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from typing import Any
 
 from stalwart.checkpoint.errors import CheckpointError
+from stalwart.iteration_dirs import (
+    TRACKER_FILENAME,
+    iteration_dir_name,
+    parse_iteration_dir_name,
+    tracker_iteration,
+)
 from stalwart.regular_file import open_regular, remove_own_tree
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMPLETE_MARKER = "COMPLETE"
 COMMON_FILENAME = "common.json"
 LEGACY_COMMON_FILENAME = "common.pt"
@@ -41,22 +45,6 @@ METADATA_FILENAME = "metadata.json"
 DCP_METADATA_FILENAME = ".metadata"
 TMP_INFIX = ".tmp-"
 NON_PERSISTENT_SUBDIR = "non_persistent"  # the default --non-persistent-ckpt-dir under --save
-
-_TRACKER_MAX_BYTES = 64
-_ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
-
-
-def iteration_dir_name(iteration: int) -> str:
-    """``iter_0000010`` for 10 (Megatron's 7-digit zero pad; longer numbers keep every digit)."""
-    if iteration < 0:
-        raise ValueError(f"checkpoint iteration must be >= 0, got {iteration}")
-    return f"iter_{iteration:07d}"
-
-
-def parse_iteration_dir_name(name: str) -> int | None:
-    """Inverse of :func:`iteration_dir_name`; None for anything else (tmp dirs included)."""
-    match = _ITER_DIR_RE.match(name)
-    return int(match.group(1)) if match else None
 
 
 def rank_filename(rank: int) -> str:
@@ -175,24 +163,10 @@ def read_tracker(root: str) -> int | None:
         CheckpointError: the file exists but does not hold a non-negative integer (Megatron's
             ``release`` marker included: release checkpoints are not supported).
     """
-    path = os.path.join(root, TRACKER_FILENAME)
     try:
-        with open_regular(path) as f:
-            content = f.read(_TRACKER_MAX_BYTES + 1)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise CheckpointError(
-            f"cannot read checkpoint tracker {path}: {exc.strerror or exc}"
-        ) from exc
-    # ASCII digits only: str.isdigit() accepts '²' and other digits that int() then rejects.
-    text = content.strip()
-    if len(content) > _TRACKER_MAX_BYTES or not (text.isascii() and text.isdigit()):
-        shown = content[:40].decode("utf-8", "backslashreplace")
-        raise CheckpointError(
-            f"checkpoint tracker {path} must hold a non-negative iteration integer, got {shown!r}"
-        )
-    return int(text)
+        return tracker_iteration(root)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc.__cause__
 
 
 def link_problem(root: str, flag: str, own_root: bool) -> str | None:

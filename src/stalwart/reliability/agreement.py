@@ -1,20 +1,27 @@
 """The one per-iteration agreement across ranks: the rerun verdict flags and the exit inputs.
 
 ``IterationAgreement`` is given to the rerun state machine as its ``agreement`` (see
-``stalwart.reliability.exit`` for the recipe); split from ``exit.py`` to keep files small.
+``stalwart.reliability.exit`` for the recipe, which decides on what is agreed here).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stalwart.distributed import collectives
 
 if TYPE_CHECKING:
-    from stalwart.reliability.exit import ExitConfig
     from stalwart.reliability.signals import DistributedSignalHandler
+
+
+class ExitInputs(Protocol):
+    """What the probe asks of the exit configuration (an ``ExitConfig``: exit.py imports this
+    module, so the type is named by what it provides)."""
+
+    @property
+    def needs_agreement(self) -> bool: ...
 
 
 class ExitProbe:
@@ -26,7 +33,7 @@ class ExitProbe:
 
     def __init__(
         self,
-        config: ExitConfig,
+        config: ExitInputs,
         signal_handler: DistributedSignalHandler | None = None,
         started: float | None = None,
     ) -> None:

@@ -34,7 +34,6 @@ from stalwart.reliability.rerun.checks import (
 )
 from stalwart.reliability.rerun.config import (
     RerunConfig,
-    make_state_machine,
     resolve_iterations_to_skip,
 )
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
@@ -127,7 +126,6 @@ __all__ = [
     "grad_check_comm_hook",
     "host_predicate",
     "local_grad_norm",
-    "make_state_machine",
     "plan_peer_replay",
     "read_iterations_to_skip",
     "register_grad_check_hook",

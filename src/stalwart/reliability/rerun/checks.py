@@ -10,7 +10,7 @@ the data-parallel reduction, as Megatron's ``check_grads`` does.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,6 @@ from stalwart.reliability.rerun.buffer import (
     RuleKind,
 )
 from stalwart.reliability.rerun.types import CheckConfig
-
-if TYPE_CHECKING:
-    from stalwart.reliability.rerun.config import RerunConfig
-    from stalwart.reliability.rerun.machine import RerunStateMachine
 
 NAN_LOSS_MESSAGE = "found NaN in local forward loss calculation"
 INF_LOSS_MESSAGE = "found Inf in local forward loss calculation"
@@ -61,6 +57,17 @@ class DeviceChecker(Protocol):
     def check_all_on_device(
         self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
     ) -> None: ...
+
+
+class HasChecks(Protocol):
+    """Which checks to record (a ``RerunConfig`` or a ``RerunStateMachine``)."""
+
+    @property
+    def checks(self) -> CheckConfig: ...
+
+
+class CheckedMachine(DeviceChecker, HasChecks, Protocol):
+    """A machine that records device checks and says which (``RerunStateMachine``)."""
 
 
 def loss_checks(checks: CheckConfig) -> tuple[DeviceCheck, ...]:
@@ -163,12 +170,12 @@ def record_bucket_checks(
         sm.check_all_on_device(norms, wanted)
 
 
-def check_loss(sm: RerunStateMachine, loss: torch.Tensor, config: RerunConfig) -> None:
+def check_loss(sm: DeviceChecker, loss: torch.Tensor, config: HasChecks) -> None:
     """NaN/Inf (fatal, tolerance 0) and spiky-loss (non-fatal) checks of a local loss."""
     record_loss_checks(sm, loss, config.checks)
 
 
-def check_grad_norm(sm: RerunStateMachine, grad_norm: torch.Tensor, config: RerunConfig) -> None:
+def check_grad_norm(sm: DeviceChecker, grad_norm: torch.Tensor, config: HasChecks) -> None:
     """NaN/Inf (fatal) and large-grads (non-fatal) checks of a *local* (pre-reduction) grad norm."""
     record_grad_checks(sm, grad_norm, config.checks)
 
@@ -225,7 +232,7 @@ class GradCheckState:
 
     def __init__(
         self,
-        sm: RerunStateMachine,
+        sm: CheckedMachine,
         parameters: Sequence[torch.nn.Parameter],
         process_group: dist.ProcessGroup | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -325,7 +332,7 @@ class GradCheckState:
 
 
 def check_grads(
-    sm: RerunStateMachine, parameters: Iterable[torch.nn.Parameter], config: RerunConfig
+    sm: DeviceChecker, parameters: Iterable[torch.nn.Parameter], config: HasChecks
 ) -> None:
     """Without DDP: check the local gradients after backward, before any reduction or step."""
     if config.checks.grads:
@@ -345,7 +352,7 @@ def _grad_check_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 
 def grad_check_comm_hook(
-    sm: RerunStateMachine,
+    sm: CheckedMachine,
     parameters: Sequence[torch.nn.Parameter],
     process_group: dist.ProcessGroup | None = None,
 ) -> tuple[GradCheckState, object]:
@@ -359,7 +366,7 @@ def grad_check_comm_hook(
 
 def register_grad_check_hook(
     ddp_model: torch.nn.parallel.DistributedDataParallel,
-    sm: RerunStateMachine,
+    sm: CheckedMachine,
     config: Any = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> GradCheckState:

@@ -169,15 +169,43 @@ class RerunConfig:
         marker_dir: str | None = None,
     ) -> RerunStateMachine:
         """The machine (and its injector) these flags describe, its device buffer on ``device``
-        (``marker_dir``: where ``error_injection_once`` keeps its markers)."""
-        return make_state_machine(
-            self,
-            marker_dir=marker_dir,
+        (``marker_dir``: where ``error_injection_once`` keeps its markers).
+
+        Raises:
+            ValueError: ``error_injection_once`` without ``marker_dir``.
+        """
+        if self.error_injection_once and not marker_dir:
+            raise ValueError(
+                "--error-injection-once needs --save (the fired-once markers live there)"
+            )
+        injector = RerunErrorInjector(
+            self.error_injection_rate,
+            self.injection_type,
+            seed=self.error_injection_seed,
+            ranks=self.error_injection_ranks,
+            # The flag counts from 1 like the log; the injector sees the loop's 0-based index.
+            at_iterations=(
+                None
+                if self.error_injection_iterations is None
+                else [i - 1 for i in self.error_injection_iterations]
+            ),
+            devices=self.error_injection_devices,
+            marker_dir=marker_dir if self.error_injection_once else None,
+        )
+        schedule = self.replica_schedule
+        validating = schedule.enabled and self.mode is RerunMode.VALIDATE_RESULTS
+        return RerunStateMachine(
+            mode=self.mode,
+            error_injector=injector,
+            result_rejected_tracker_filename=self.result_rejected_tracker_filename,
             state_save_func=state_save_func,
             state_restore_func=state_restore_func,
             process_group=process_group,
+            checks=self.checks,
             agreement=agreement,
             device=device,
+            peer_replay=self.rerun_peer_replay,
+            replicas=ReplicaGate(schedule, process_group) if validating else None,
         )
 
 
@@ -192,55 +220,3 @@ def resolve_iterations_to_skip(config: RerunConfig) -> list[int]:
     if config.result_rejected_tracker_filename:
         skip.update(read_iterations_to_skip(config.result_rejected_tracker_filename))
     return sorted(skip)
-
-
-def make_state_machine(
-    config: RerunConfig,
-    *,
-    state_save_func: Callable[[], Any] | None = None,
-    state_restore_func: Callable[[Any], None] | None = None,
-    process_group: dist.ProcessGroup | None = None,
-    agreement: Agreement | None = None,
-    device: torch.device | str | None = None,
-    marker_dir: str | None = None,
-) -> RerunStateMachine:
-    """Build the machine (and its injector) described by ``config``.
-
-    Raises:
-        ValueError: ``error_injection_once`` without ``marker_dir``.
-    """
-    if config.error_injection_once and not marker_dir:
-        raise ValueError("--error-injection-once needs --save (the fired-once markers live there)")
-    injector = RerunErrorInjector(
-        config.error_injection_rate,
-        config.injection_type,
-        seed=config.error_injection_seed,
-        ranks=config.error_injection_ranks,
-        # The flag counts from 1 like the log; the injector sees the loop's 0-based index.
-        at_iterations=(
-            None
-            if config.error_injection_iterations is None
-            else [i - 1 for i in config.error_injection_iterations]
-        ),
-        devices=config.error_injection_devices,
-        marker_dir=marker_dir if config.error_injection_once else None,
-    )
-    schedule = config.replica_schedule
-    replicas = (
-        ReplicaGate(schedule, process_group)
-        if schedule.enabled and config.mode is RerunMode.VALIDATE_RESULTS
-        else None
-    )
-    return RerunStateMachine(
-        mode=config.mode,
-        error_injector=injector,
-        result_rejected_tracker_filename=config.result_rejected_tracker_filename,
-        state_save_func=state_save_func,
-        state_restore_func=state_restore_func,
-        process_group=process_group,
-        checks=config.checks,
-        agreement=agreement,
-        device=device,
-        peer_replay=config.rerun_peer_replay,
-        replicas=replicas,
-    )

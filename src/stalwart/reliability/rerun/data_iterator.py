@@ -141,3 +141,23 @@ class RerunDataIterator(Generic[T]):
         self.replaying, self.replay_pos, self._served = False, 0, None
         self._pulled = self._committed = position
         self._current = 0
+
+
+def wrapped_iterators(data_iterator: Any, required: bool) -> list[RerunDataIterator[Any]]:
+    """The :class:`RerunDataIterator` of ``data_iterator`` (one, a list of them, or None; a
+    list's None entries are skipped). ``required``: refuse any other iterator (an enabled
+    machine must replay what it reads)."""
+    if data_iterator is None:
+        return []
+    if isinstance(data_iterator, int):
+        raise TypeError(
+            "should_run_forward_backward(data_iterator, iteration=...): pass iteration= by keyword"
+        )
+    items = data_iterator if isinstance(data_iterator, list | tuple) else [data_iterator]
+    out = []
+    for it in items:
+        if isinstance(it, RerunDataIterator):
+            out.append(it)
+        elif it is not None and required:
+            raise TypeError("data iterator is not wrapped with RerunDataIterator")
+    return out

@@ -13,9 +13,12 @@ step and the next iteration launched before the read). Recording never syncs. Th
 of ``should_run_forward_backward`` reads every recorded value in one deliberate host sync and
 agrees with the other ranks in one collective before changing state.
 
-The machine's parts live in their own modules, each a subclass of ``core.MachineCore`` (the
-state they share, declared once): ``recording``, ``ahead``, ``verdicts``, ``peer_flow`` and
-``replicas``; this module holds the constructor, the public API and the state transitions.
+The machine holds the state and its transitions. It is composed of parts that own their state:
+the :class:`~stalwart.reliability.rerun.recording.Recorder` (what a pass records), the
+:class:`~stalwart.reliability.rerun.ahead.LookAhead` (the pass begun ahead), the
+:class:`~stalwart.reliability.rerun.peer_flow.PeerReplay` and the
+:class:`~stalwart.reliability.rerun.replicas.ReplicaGate`; the verdicts are pure functions
+(``verdicts``), the lines are the :class:`~stalwart.reliability.rerun.reporter.Reporter`'s.
 """
 
 from __future__ import annotations
@@ -24,44 +27,67 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from stalwart.distributed import collectives
-from stalwart.reliability.rerun.ahead import AheadMixin
+from stalwart.reliability.rerun.ahead import LookAhead
 from stalwart.reliability.rerun.buffer import (
     INF_RULE,
     NAN_RULE,
+    DeviceCheck,
+    DeviceRule,
+    ValidationBuffer,
+    host_predicate,
 )
-from stalwart.reliability.rerun.checks import CheckRows
-from stalwart.reliability.rerun.core import VALIDATE
-from stalwart.reliability.rerun.data_iterator import RerunDataIterator
+from stalwart.reliability.rerun.checks import CheckRows, record_grad_checks, record_loss_checks
+from stalwart.reliability.rerun.data_iterator import RerunDataIterator, wrapped_iterators
+from stalwart.reliability.rerun.determinism import DeterminismStats
 from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.passes import Records
+from stalwart.reliability.rerun.judge import EventJudge
+from stalwart.reliability.rerun.passes import Saved, StateSaver
 from stalwart.reliability.rerun.peer import ReplayDeterminism
-from stalwart.reliability.rerun.peer_flow import PeerReplayMixin
-from stalwart.reliability.rerun.reading import read_values
-from stalwart.reliability.rerun.recording import RecordingMixin
-from stalwart.reliability.rerun.replicas import ReplicaGate, ReplicaMixin
+from stalwart.reliability.rerun.peer_flow import PeerReplay
+from stalwart.reliability.rerun.recording import Recorder
+from stalwart.reliability.rerun.replicas import (
+    ReplicaGate,
+    split_replica,
+)
+from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
+    CallKey,
     CheckConfig,
+    Diagnosis,
+    RerunDiagnostic,
     RerunMode,
     RerunState,
+    RerunVerdict,
+    device_identity,
 )
-from stalwart.reliability.rerun.verdicts import EventMixin
+from stalwart.reliability.rerun.verdict_file import apply_verdict
+from stalwart.reliability.rerun.verdicts import (
+    Event,
+    event_from_json,
+    event_to_json,
+    exit_verdict,
+)
 
 logger = logging.getLogger(__name__)
 
 Agreement = Callable[[list[bool]], list[bool]]
 """Element-wise OR of per-rank flags across ranks (one collective)."""
 
+VALIDATE = RerunMode.VALIDATE_RESULTS
+STATE_DICT_VERSION = 1
+_RERUNS = (RerunState.RERUNNING_IN_PLACE, RerunState.RERUNNING_FROM_CHECKPOINT)
 
-class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin, ReplicaMixin):
+
+class RerunStateMachine:
     """Instance-scoped rerun state machine (no singleton); see the module docstring for the loop.
 
     Args:
@@ -107,61 +133,46 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
     ) -> None:
         self.mode = RerunMode.parse(mode)
         self.injector = error_injector or RerunErrorInjector()
-        self.tracker = (
+        tracker = (
             TrackerFile(result_rejected_tracker_filename)
             if result_rejected_tracker_filename
             else None
         )
-        self.state_save_func = state_save_func
-        self.state_restore_func = state_restore_func
         self.process_group = process_group
         self.rng = rng_tracker or RngStateTracker()
         self.checks = checks or CheckConfig()
         self._agree: Agreement = agreement or functools.partial(
             collectives.all_reduce_any, group=process_group
         )
+        self.device = torch.device(device) if device is not None else None
+        self.replicas = replicas
+        # The state of the iteration and its passes.
+        self.local_grad_checks = True  # False: gradient checks see reduced shards (FSDP2)
         self.state = RerunState.NOT_RUNNING_YET
         self.iteration = -1
-        self.diagnosis = None
-        self.event = None
-        self.stats = {}
-        self.last_report = None
-        self._records = Records()  # where new records go (the pass begun ahead, if any)
-        self._reading = self._records  # the pass the next read evaluates
-        self._ahead = None
-        self._buffer = None
-        self._buffers = []
-        self._windows_to_load = {}
-        self.device = torch.device(device) if device is not None else None
-        self._saved = None
-        self._saved_results = {}
-        self._large = {}
+        self.last_attribution_seconds: float | None = None
+        self._saved: Saved | None = None
         self._awaiting_exit = False
         self._announced = False
         self._iteration_set = False
-        self._host_checks = False
+        self._pending_diagnosis: Diagnosis | None = None
+        self._final_pass = False  # the clean pass after a correct result reproduced on a peer
+        self._rejected_at: float | None = None
+        # The parts, each owning its state.
+        self.reporter = Reporter(process_group, tracker)
+        self.judge = EventJudge(self.injector, self.reporter)
+        self.recorder = Recorder(self.injector, self._inject_decision, self._may_record)
+        self._saver = StateSaver(
+            self.rng, state_save_func, state_restore_func,
+            self.recorder.save_trackers, self.recorder.restore_trackers,
+        )  # fmt: skip
+        self._look_ahead = LookAhead(self.recorder, self._saver)
+        self.peer = PeerReplay(
+            peer_replay, replay_determinism or ReplayDeterminism(), self.reporter, self.rng
+        )
+        self.determinism = DeterminismStats(self.reporter, self.REPORTING_INTERVAL_ITERATIONS)
         self._check_rows = CheckRows()
-        self._init_attribution(peer_replay, replay_determinism, replicas)
         logger.info("RerunStateMachine initialized in mode %s", self.mode.value)
-
-    def _init_attribution(
-        self,
-        peer_replay: bool,
-        replay_determinism: ReplayDeterminism | None,
-        replicas: ReplicaGate | None,
-    ) -> None:
-        """The state of the peer replay and the replica fingerprints (stalwart's attribution)."""
-        self.peer_replay = peer_replay
-        self.replay_determinism = replay_determinism or ReplayDeterminism()
-        self.local_grad_checks = True  # False: gradient checks see reduced shards (FSDP2)
-        self.replicas = replicas
-        self.last_attribution_seconds = None
-        self._peer_plan = None
-        self._pending_diagnosis = None
-        self._final_pass = False
-        self._rejected_at = None
-        self._replica_originals = None
-        self._replica_detail = ""
 
     # ------------------------------------------------------------------------- configuration
     def get_mode(self) -> RerunMode:
@@ -188,19 +199,159 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         """Snapshot/restore an extra RNG with every iteration (e.g. a tensor-parallel tracker)."""
         self.rng.register_generator(name, get, set)
 
+    @property
+    def rank(self) -> int:
+        return self.reporter.rank
+
+    @property
+    def event(self) -> Event | None:
+        """This rank's failed call, while it is being attributed."""
+        return self.judge.event
+
+    @property
+    def diagnosis(self) -> RerunDiagnostic | None:
+        """The cause attributed to this rank's last failed call, if any."""
+        return self.judge.diagnosis
+
+    # ------------------------------------------------------------- recording (the recorder)
+    @property
+    def buffer(self) -> ValidationBuffer | None:
+        """The machine's one device check buffer (None before the first device check)."""
+        return self.recorder.buffer
+
+    def check_buffer(self, device: torch.device) -> ValidationBuffer:
+        """The device check buffer, created on ``device`` on first use."""
+        return self.recorder.check_buffer(device)
+
+    def attach_buffer(self, buffer: ValidationBuffer) -> None:
+        """Also read ``buffer`` (slots declared with ``add_check``) in the per-iteration sync."""
+        self.recorder.attach_buffer(buffer)
+
+    def validate_result(
+        self,
+        result: torch.Tensor | float,
+        rejection_func: Callable[..., Any] | None,
+        message: str,
+        comparison_func: Callable[..., Any] | None = None,
+        tolerance: float = 0.0,
+        fatal: bool = True,
+    ) -> None:
+        """Record a host-evaluated check of ``result`` (:meth:`Recorder.validate_result`)."""
+        self.recorder.validate_result(
+            result, rejection_func, message, comparison_func, tolerance, fatal
+        )
+
+    def check_on_device(
+        self, value: torch.Tensor, rule: DeviceRule, message: str, tolerance: float = 0.0,
+        fatal: bool = True,
+    ) -> None:  # fmt: skip
+        """Record a check whose verdict the device computes (:class:`DeviceRule`), into the
+        machine's buffer: device ops only, graph-capturable, never a sync."""
+        self.recorder.check_all_on_device(value, [[DeviceCheck(rule, message, tolerance, fatal)]])
+
+    def check_all_on_device(
+        self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
+    ) -> None:
+        """Record ``checks[i]`` of element ``i`` of ``values`` in one device op
+        (:meth:`Recorder.check_all_on_device`)."""
+        self.recorder.check_all_on_device(values, checks)
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Megatron's loss checks of one micro-batch's local loss, as :attr:`checks` says."""
+        record_loss_checks(self, loss, self.checks, self._check_rows)
+
+    def check_grad_norm(self, norm: torch.Tensor, bucket: int | None = None) -> None:
+        """Megatron's gradient checks of a local (pre-reduction) grad norm, of DDP bucket
+        ``bucket`` when given, as :attr:`checks` says."""
+        record_grad_checks(self, norm, self.checks, bucket, self._check_rows)
+
+    @host_predicate
+    def is_unexpectedly_large(
+        self, result: torch.Tensor | float, threshold: float, context: str,
+        num_samples: int = 100, resample: bool = False,
+    ) -> bool:  # fmt: skip
+        """Whether ``result`` is unexpectedly large in ``context``, a rejection function
+        (:meth:`Recorder.is_unexpectedly_large`)."""
+        return self.recorder.is_unexpectedly_large(
+            result, threshold, context, num_samples, resample
+        )
+
+    def record_replicas(
+        self,
+        iteration: int,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str] | None = None,
+    ) -> None:
+        """After a pass and before its optimizer step: the replica fingerprints' check, with
+        the skip gate (:meth:`ReplicaGate.record`), in the passes that check them."""
+        gate = self.replicas
+        if gate is None or self.mode is not VALIDATE or self._final_pass:
+            return
+        if self.state in (RerunState.INITIAL_RUN, RerunState.RERUNNING_IN_PLACE):
+            gate.record(iteration, params, names, self.recorder)
+
+    def _may_record(self) -> bool:
+        return self.mode is RerunMode.DISABLED or self.state is not RerunState.NOT_RUNNING_YET
+
+    def _inject_decision(self, key: CallKey) -> bool:
+        if self.state is RerunState.REPLAYING_ON_PEER:
+            return self.mode is VALIDATE and self.peer.corrupts(key)
+        if self.mode is not VALIDATE or not self.injector.enabled:
+            return False
+        if self.state is RerunState.INITIAL_RUN:
+            return self.injector.maybe_inject(key, self.iteration, self.rank, device_identity())
+        if self.state in _RERUNS:
+            return self.injector.should_corrupt(key, self.state, device_identity())
+        return False
+
+    # ------------------------------------------------------------- the pass begun ahead
+    def can_gate_step(self) -> bool:
+        """Whether the optimizer step may be enqueued before this pass is read, gated on the
+        device: an initial pass (not determinism stats) whose every check has a device verdict
+        (the gate then rejects exactly when the read will)."""
+        return self.allows_step_before_validation() and self.recorder.device_evaluable
+
+    def can_begin_ahead(self) -> bool:
+        """Whether the next iteration may begin before this pass is read: a gateable pass, none
+        begun ahead yet, no error injection (it decides per pass as a pass begins)."""
+        return self.can_gate_step() and not self._look_ahead.pending and not self.injector.enabled
+
+    def begin_ahead(self, iteration: int) -> None:
+        """Begin ``iteration``'s initial pass now, before this pass is read (look-ahead launch).
+
+        Saves the state to restore for it (captured now, before any of its work), freezes this
+        pass's buffer values for the coming read (stream-ordered copy) and clears the buffers for
+        the next pass; records go to that pass from now on. The read then evaluates this pass;
+        a rejection drops the pass begun ahead, an acceptance lets the next iteration adopt it.
+        """
+        if not self.can_begin_ahead():
+            raise RuntimeError("begin_ahead() needs an initial pass with device verdicts only")
+        self._look_ahead.begin(iteration)
+
+    @property
+    def ahead_iteration(self) -> int | None:
+        """The iteration begun ahead, if any."""
+        return self._look_ahead.iteration
+
+    def discard_ahead(self, restore_rng: bool = True) -> bool:
+        """Drop the pass begun ahead (its work ran on stale state or must rerun): its records and
+        large-value updates are undone, and, with ``restore_rng``, every RNG is put back to what
+        it was when it began. Returns whether there was one."""
+        return self._look_ahead.discard(restore_rng)
+
+    # ------------------------------------------------------------------------ the loop's API
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
         """Disable reruns (e.g. for evaluation). Checks recorded inside are resolved at exit with
         ``disabled`` semantics: one sync, fatal rejections raise ``RuntimeError``, others warn.
         Device checks are evaluated on the host here (the device buffer belongs to training)."""
-        saved = (self.mode, self._records, self._reading, self._host_checks)
-        self.mode, self._host_checks = RerunMode.DISABLED, True
-        self._records = self._reading = Records()
+        mode, self.mode = self.mode, RerunMode.DISABLED
         try:
-            yield
-            self.resolve()
+            with self.recorder.host_only():
+                yield
+                self.resolve()
         finally:
-            self.mode, self._records, self._reading, self._host_checks = saved
+            self.mode = mode
 
     def skip_iteration(self, iteration: int) -> None:
         """The loop skips ``iteration`` (``--iterations-to-skip``) without running it.
@@ -212,22 +363,19 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         self.discard_ahead()
         self.set_iteration(iteration)
         if self.state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
-            self._log0(
+            self.reporter.log0(
                 f"Iteration {iteration + 1} is skipped (--iterations-to-skip): "
                 "dropping its pending rerun from checkpoint"
             )
-            self._finish_event()
+            self.judge.finish()
             self.state = RerunState.NOT_RUNNING_YET
 
     def resolve(self) -> None:
         """Evaluate checks recorded while disabled (one sync); fatal rejections raise RuntimeError."""
         if self.mode is not RerunMode.DISABLED:
             raise RuntimeError("resolve() is for disabled mode; enabled modes resolve in the loop")
-        items = read_values(self._reading.pending, [])
-        self._records = self._reading = Records()
-        self._apply_without_rerun(items)
+        self.judge.without_rerun(self.recorder.read_host_only(), self.iteration)
 
-    # ------------------------------------------------------------------------ state machine
     def should_run_forward_backward(
         self,
         data_iterator: RerunDataIterator[Any] | list[RerunDataIterator[Any] | None] | None = None,
@@ -239,7 +387,7 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         counter is incremented. After a pass, this call performs the iteration's one deliberate
         host sync and one agreement collective (validate_results mode).
         """
-        iterators = self._sanitize(data_iterator)
+        iterators = wrapped_iterators(data_iterator, required=self.mode is not RerunMode.DISABLED)
         if self._awaiting_exit:
             raise RuntimeError(
                 "the rerun state machine asked the job to exit; call should_checkpoint_and_exit()"
@@ -275,6 +423,31 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         verdict = self.verdict()
         return verdict.checkpoint, verdict.exit, verdict.exit_code
 
+    def verdict(self) -> RerunVerdict:
+        """The iteration's outcome once its passes are done (logs the exit message once).
+
+        An exit that ends an attribution carries its :class:`Diagnosis` (``rerun_verdict.json``;
+        ``stalwart.reliability.exit.leave`` writes it)."""
+        if self.mode is not VALIDATE:
+            return RerunVerdict()
+        replica = self.replicas.detail if self.replicas is not None else ""
+        verdict, line = exit_verdict(self.state, self._pending_diagnosis, replica)
+        if line is not None:
+            self.reporter.log0(line)
+        return verdict
+
+    def replay_context(self) -> contextlib.AbstractContextManager[Any]:
+        """What a loop wraps each pass in: :class:`ReplayDeterminism` during a peer replay,
+        nothing otherwise (``GuardedStep`` does it)."""
+        if self.state is RerunState.REPLAYING_ON_PEER:
+            return self.peer.determinism.applied()
+        return contextlib.nullcontext()
+
+    @property
+    def replaying_on_peer(self) -> bool:
+        return self.state is RerunState.REPLAYING_ON_PEER
+
+    # ------------------------------------------------------------------------ the transitions
     def _start_iteration(
         self, iterators: list[RerunDataIterator[Any]], iteration: int | None
     ) -> bool:
@@ -290,74 +463,74 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
             # INFO: printed by every validating run, so not a warning (the text is Megatron's)
             logger.info("Result validation enabled")
             self._announced = True
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.iteration == self.iteration:
+        ahead = self._look_ahead.take(self.iteration)
+        if ahead is not None:
             # Adopt the pass begun ahead: its state was saved before any of its work.
             self._saved = ahead.saved
             self.state = RerunState.INITIAL_RUN
-            self._records = self._reading = ahead.records
-            self._begin_buffers(adopt_ahead=True)
+            self.recorder.adopt(ahead.records, gate_non_fatal=self.mode is VALIDATE)
             return True
-        if ahead is not None:
-            self._ahead = ahead
-            self.discard_ahead(restore_rng=False)
+        self._look_ahead.discard(restore_rng=False)
         if self.mode is not RerunMode.DISABLED:
-            self._saved = self._capture_saved()
+            self._saved = self._saver.capture()
         self._enter(RerunState.INITIAL_RUN)
         return True
 
     def _after_initial_run(self, iterators: list[RerunDataIterator[Any]]) -> bool:
-        items = self._read()
+        items = self.recorder.read()
         if self.mode is RerunMode.DISABLED:
             self._accept(iterators)
-            self._apply_without_rerun(items)
+            self.judge.without_rerun(items, self.iteration)
             return False
         if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
-            self._apply_without_rerun(items)
-            self._saved_results = {rec.key: v for rec, v in items}
+            self.judge.without_rerun(items, self.iteration)
+            self.determinism.keep_initial(items)
             self._begin_rerun(iterators)
             return True
-        replica, items = self._split_replica(items)
-        rejected = self._first_rejection(items)
+        replica, items = split_replica(items)
+        rejected = self.judge.open(items, self.iteration)
         (any_rejected,) = self._agree([rejected or replica])
         if not any_rejected:
             self._accept(iterators)
             return False
         if replica and self.replicas is not None:
-            self._replica_originals = self.replicas.host_rows()
+            self.replicas.keep_originals()
         self._rejected_at = time.monotonic()
-        self._log0(
+        self.reporter.log0(
             f"Need to rerun iteration {self.iteration + 1} to check the result is reproducible"
         )
         self._begin_rerun(iterators)
         return True
 
     def _after_rerun_in_place(self, iterators: list[RerunDataIterator[Any]]) -> bool:
-        items = self._read()
+        items = self.recorder.read()
         if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
-            self._record_stats(items)
+            self.determinism.record(items, self.iteration)
             self._accept(iterators)
             return False
         if self._final_pass:  # the clean pass after a correct result reproduced on a peer
             self._final_pass = False
             self._accept(iterators)
             return False
-        _, items = self._split_replica(items)
-        if self._replica_originals is not None and self._replica_exit(iterators):
+        _, items = split_replica(items)
+        attributing = self.replicas is not None and self.replicas.originals is not None
+        if attributing and self._replica_exit(iterators):
             return False
-        local = self._first_rerun_verdict(items)
+        local = self.judge.first_rerun(items, self.iteration)
         reproduced = self.event is not None and self.event.suspicious is not None
         ckpt, fatal, _cont, anyone = self._agree([*local, reproduced])
         # Fatal beats non-fatal on every rank: a "continue" never overrides a fatal request.
         # A reproduced rejection is attributed on a peer replica when there is one.
-        peer = anyone and not fatal and self._peer_replay_possible()
+        peer = anyone and not fatal and self.peer.possible
         if peer and self._begin_peer_replay(iterators, reproduced):
             return True
         if ckpt or fatal:
             self._exit_after_rerun(iterators, checkpoint=ckpt)
             return False
-        self._log0("Continuing normal execution because the failed validation was not fatal")
-        self._finish_event()
+        self.reporter.log0(
+            "Continuing normal execution because the failed validation was not fatal"
+        )
+        self.judge.finish()
         self._accept(iterators)
         return False
 
@@ -372,38 +545,184 @@ class RerunStateMachine(RecordingMixin, AheadMixin, EventMixin, PeerReplayMixin,
         return True
 
     def _after_rerun_from_checkpoint(self, iterators: list[RerunDataIterator[Any]]) -> bool:
-        items = self._read()
-        again, fatal, _ = self._agree(list(self._second_rerun_verdict(items)))
+        items = self.recorder.read()
+        again, fatal, _ = self._agree(list(self.judge.second_rerun(items, self.iteration)))
         if again:
-            self._log0("Need to restart the job from the same checkpoint on a different GPU")
+            self.reporter.log0(
+                "Need to restart the job from the same checkpoint on a different GPU"
+            )
             self.state = RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT
             self._awaiting_exit = True
             return False
         if fatal:
-            self._pending_diagnosis = self._checkpoint_diagnosis()
+            self._pending_diagnosis = self.judge.checkpoint_diagnosis(self.iteration)
             self._awaiting_exit = True
             return False
-        self._log0("Continuing normal execution because the failed validation was not fatal")
-        self._finish_event()
+        self.reporter.log0(
+            "Continuing normal execution because the failed validation was not fatal"
+        )
+        self.judge.finish()
         self._accept(iterators)
         return False
 
-    # ------------------------------------------------------------------------------ helpers
-    def _sanitize(self, data_iterator: Any) -> list[RerunDataIterator[Any]]:
-        if data_iterator is None:
-            return []
-        if isinstance(data_iterator, int):
-            raise TypeError(
-                "should_run_forward_backward(data_iterator, iteration=...): pass iteration= by keyword"
+    def _begin_peer_replay(self, iterators: list[RerunDataIterator[Any]], reproduced: bool) -> bool:
+        """Pick the peers and ship the inputs (one collective); True: the replay pass runs."""
+        request = None
+        if reproduced:
+            assert self.event is not None  # only a rank whose rejection reproduced asks
+            saved_rng = self._saved.rng if self._saved is not None else None
+            request = self.peer.request(
+                self.event, self.injector, iterators, saved_rng, self.local_grad_checks
             )
-        items = data_iterator if isinstance(data_iterator, list | tuple) else [data_iterator]
-        out = []
-        for it in items:
-            if isinstance(it, RerunDataIterator):
-                out.append(it)
-            elif it is not None and self.mode is not RerunMode.DISABLED:
-                raise TypeError("data iterator is not wrapped with RerunDataIterator")
-        return out
+        identities = self.peer.plan_replay(request)
+        if identities is None:
+            return False
+        self._rewind(iterators)
+        self.peer.start(iterators, identities, self.iteration)
+        self._enter(RerunState.REPLAYING_ON_PEER)
+        return True
+
+    def _after_peer_replay(self, iterators: list[RerunDataIterator[Any]]) -> bool:
+        """Compare, agree on the verdict (one collective), act: exit, or one clean pass."""
+        outcome = self.peer.finish(self.recorder.read(), self.iteration)
+        self._rewind(iterators)
+        if self._rejected_at is not None:
+            self.last_attribution_seconds = time.monotonic() - self._rejected_at
+        seconds = self.last_attribution_seconds
+        self.judge.diagnosis = self.peer.record_outcome(outcome, self.iteration, seconds)
+        if outcome.persistent or outcome.fatal:
+            self._pending_diagnosis = self.peer.diagnosis(outcome, self.iteration)
+            # The checkpoint resumes this iteration, as the exit 16 one would (the relaunch
+            # applies rerun_verdict.json to it: refuse the suspects, or train on).
+            self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
+            self._awaiting_exit = True
+            return False
+        self.reporter.log0(
+            "Continuing normal execution because the failed validation was not fatal (a correct "
+            "result, reproduced on a peer); the iteration runs once more for its gradients"
+        )
+        self.judge.finish()
+        self._final_pass = True  # the next read accepts: the gradients of a clean pass
+        self._enter(RerunState.RERUNNING_IN_PLACE)
+        return True
+
+    def _replica_exit(self, iterators: list[RerunDataIterator[Any]]) -> bool:
+        """Attribute a replica fingerprint mismatch after its rerun; True: the job exits."""
+        gate = self.replicas
+        assert gate is not None
+        attribution, identities = gate.attribute(self.reporter, self.iteration)
+        if attribution.kind == "transient":
+            gate.detail = ""
+            return False  # the rerun's gradients agree: train on with them
+        if attribution.kind == "persistent":
+            self._pending_diagnosis = gate.diagnosis(
+                attribution, identities, self.iteration, self.reporter
+            )
+        save = attribution.kind == "persistent" and attribution.weights_consistent
+        self._exit_after_rerun(iterators, checkpoint=save)
+        return True
+
+    # ---------------------------------------------------------------------- a pass's life
+    def _enter(self, state: RerunState) -> None:
+        """Start a pass: new state, empty records, buffers cleared with their injection masks."""
+        self.state = state
+        self.recorder.new_pass(gate_non_fatal=self.mode is VALIDATE)
+
+    def _rewind(self, iterators: list[RerunDataIterator[Any]]) -> None:
+        """Back to the iteration's start: its state restored, its data served again."""
+        self._saver.restore(self._saved)
+        for it in iterators:
+            it.rewind()
+
+    def _begin_rerun(self, iterators: list[RerunDataIterator[Any]]) -> None:
+        self.discard_ahead(restore_rng=False)  # the rerun restores this iteration's own state
+        self._rewind(iterators)
+        self._enter(RerunState.RERUNNING_IN_PLACE)
+
+    def _accept(self, iterators: list[RerunDataIterator[Any]]) -> None:
+        """The iteration is done: its data is consumed for good (checkpoints resume after it)."""
+        self.state = RerunState.NOT_RUNNING_YET
+        for it in iterators:
+            it.commit()
+
+    def _exit_after_rerun(self, iterators: list[RerunDataIterator[Any]], checkpoint: bool) -> None:
+        """Back to the iteration's start, then exit (saving first when ``checkpoint``)."""
+        self._rewind(iterators)
+        self._awaiting_exit = True
+        if checkpoint:
+            self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
+
+    def forget_rerun_from_checkpoint(self) -> None:
+        """Drop a loaded "rerun this iteration from the checkpoint" mark: a rerun verdict has
+        settled it (`stalwart.reliability.rerun.verdict_file`); training goes on normally."""
+        self.judge.finish()
+        self.state = RerunState.NOT_RUNNING_YET
+        self._awaiting_exit = False
+        self._pending_diagnosis = None
+        if self.replicas is not None:
+            self.replicas.detail = ""
+
+    # --------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state, identical on every rank (collective: call it on all ranks).
+
+        JSON-friendly (strings, numbers, lists, dicts). Always the same structure (steady state
+        included). ``ranks[r]`` holds rank r's failed call, initial result, suspicious identity,
+        identity at save time, injector state and large-value windows (host and device);
+        gathered with one ``all_gather_object``. The data position is not included: the data
+        iterator's own state gives the start of ``iteration``.
+        """
+        host, device = self.recorder.large_state()
+        mine = {
+            "event": event_to_json(self.event),
+            "identity": list(device_identity()),
+            "injector": self.injector.state_dict(),
+            "large_values": host,
+            "device_large_values": device,
+        }
+        return {
+            "version": STATE_DICT_VERSION,
+            "mode": self.mode.value,
+            "state": self.state.name,
+            "iteration": self.iteration,
+            "world_size": self.reporter.world_size,
+            "ranks": collectives.all_gather_objects(mine, self.process_group),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any] | None, world_size: int | None = None) -> None:
+        """Restore after a restart. Ignored (with a warning) when the world size changed, when this
+        machine is disabled, or when the checkpoint was taken in steady state (only the
+        large-value windows are restored then). The mode given now always wins."""
+        if not sd:
+            return
+        expected = self.reporter.world_size if world_size is None else world_size
+        if sd.get("world_size") != expected:
+            logger.warning(
+                "World size changed (%s -> %s): rerun state ignored", sd.get("world_size"), expected
+            )
+            return
+        if self.mode is RerunMode.DISABLED:
+            logger.warning("Rerun state machine disabled; ignoring its checkpointed state")
+            return
+        mine = sd["ranks"][self.reporter.group_rank]
+        self.recorder.load_large_state(mine["large_values"], mine.get("device_large_values") or {})
+        state = RerunState[sd["state"]]
+        if state is not RerunState.WILL_RERUN_FROM_CHECKPOINT:
+            return
+        if self.mode is not VALIDATE:
+            logger.warning("Checkpoint awaits a rerun but mode is %s: ignored", self.mode.value)
+            return
+        self.judge.event = event_from_json(mine["event"])
+        self.injector.load_state_dict(mine["injector"])
+        self.state = state
+        self.iteration = int(sd["iteration"])
+        self._awaiting_exit = False
+
+    def after_load(self, checkpoint_path: str) -> None:
+        """After its checkpoint was loaded (``Checkpointer.load`` calls it; collective): apply
+        the save directory's ``rerun_verdict.json`` (refuse a suspect device with
+        ``SuspectDeviceError``, or drop a settled rerun mark and train on)."""
+        apply_verdict(self, checkpoint_path)
 
 
 __all__ = ["INF_RULE", "NAN_RULE", "Agreement", "RerunStateMachine"]

@@ -1,17 +1,18 @@
-"""What the rerun state machine keeps per pass: the records, the state saved before it, and the
-pass begun *ahead* (the next iteration's first work, launched before this pass was read).
-
-Split from ``machine.py`` to keep files small; nothing here talks to other ranks.
+"""What the rerun state machine keeps per pass: the records, the state saved before it (and
+:class:`StateSaver`, which saves and restores it), and the pass begun *ahead* (the next
+iteration's first work, launched before this pass was read). Nothing here talks to other ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from stalwart.reliability.rerun.buffer import ValidationRecord
+from stalwart.reliability.rerun.rng import RngStateTracker, capture_rng_state, restore_rng_state
 from stalwart.reliability.rerun.types import CallKey
 
 
@@ -54,3 +55,39 @@ class Ahead:
     iteration: int
     saved: Saved
     records: Records = field(default_factory=Records)
+
+
+class StateSaver:
+    """Saves and restores what a rerun puts back: every RNG of ``rng``, the caller's extra
+    state (``save`` / ``restore``, e.g. a loss scaler) and the device large-value windows
+    (``save_trackers`` / ``restore_trackers``, the recorder's)."""
+
+    def __init__(
+        self,
+        rng: RngStateTracker,
+        save: Callable[[], Any] | None,
+        restore: Callable[[Any], None] | None,
+        save_trackers: Callable[[], dict[str, torch.Tensor]],
+        restore_trackers: Callable[[dict[str, torch.Tensor]], None],
+    ) -> None:
+        self.rng = rng
+        self._save = save
+        self._restore = restore
+        self._save_trackers = save_trackers
+        self.restore_trackers = restore_trackers
+
+    def capture(self) -> Saved:
+        extra = self._save() if self._save is not None else None
+        trackers = self._save_trackers()
+        return Saved(capture_rng_state(self.rng), extra, trackers)
+
+    def restore_rng(self, saved: Saved) -> None:
+        restore_rng_state(saved.rng, self.rng)
+
+    def restore(self, saved: Saved | None) -> None:
+        if saved is None:
+            return
+        restore_rng_state(saved.rng, self.rng)
+        if saved.extra is not None and self._restore is not None:
+            self._restore(saved.extra)
+        self.restore_trackers(saved.trackers)

@@ -1,19 +1,16 @@
-"""The peer replay as states of the rerun machine (see ``stalwart.reliability.rerun.peer`` for
-the protocol); mixed into ``RerunStateMachine``, split from ``machine.py`` to keep files small.
-"""
+"""The peer replay's side of the rerun machine (see ``stalwart.reliability.rerun.peer`` for the
+protocol): :class:`PeerReplay` owns the plan of the replay under way and does its collectives,
+its RNG and data set-up, its comparison and its lines; the machine owns the states."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import time
 from typing import Any
 
 from stalwart.distributed import collectives
 from stalwart.reliability.rerun.buffer import evaluate_comparison
 from stalwart.reliability.rerun.checks import is_grad_message
-from stalwart.reliability.rerun.core import Items, MachineCore
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.peer import (
@@ -21,51 +18,68 @@ from stalwart.reliability.rerun.peer import (
     PeerPlan,
     PeerReport,
     PeerRequest,
+    ReplayDeterminism,
     decide_peer_outcome,
     plan_peer_replay,
     to_cpu,
 )
-from stalwart.reliability.rerun.rng import adopt_rng_state, portable_rng_state
+from stalwart.reliability.rerun.reporter import Reporter
+from stalwart.reliability.rerun.rng import RngStateTracker, adopt_rng_state, portable_rng_state
 from stalwart.reliability.rerun.types import (
     CallKey,
     Diagnosis,
     DiagnosisSource,
     Identity,
     RerunDiagnostic,
-    RerunState,
     RerunValidationStatus,
     Suspect,
     device_identity,
 )
+from stalwart.reliability.rerun.verdicts import Event, Items
 
 logger = logging.getLogger("stalwart.reliability.rerun.machine")
 
 
-class PeerReplayMixin(MachineCore):
-    """Peer replay states (a part of the machine: ``core.MachineCore``)."""
+class PeerReplay:
+    """The peer replay of a reproduced rejection (stalwart's attribution in the same launch).
 
-    # ----------------------------------------------------------------------------- public
-    def replay_context(self) -> contextlib.AbstractContextManager[Any]:
-        """What a loop wraps each pass in: :class:`ReplayDeterminism` during a peer replay,
-        nothing otherwise (``GuardedStep`` does it)."""
-        if self.state is RerunState.REPLAYING_ON_PEER:
-            return self.replay_determinism.applied()
-        return contextlib.nullcontext()
+    Args:
+        enabled: whether a reproduced rejection is replayed on a peer (else: exit 16).
+        determinism: the settings of the replay's pass.
+        reporter: the machine's place in its group and its lines.
+        rng: the machine's RNG tracker (a peer adopts its suspect's state into it).
+    """
+
+    def __init__(
+        self,
+        enabled: bool,
+        determinism: ReplayDeterminism,
+        reporter: Reporter,
+        rng: RngStateTracker,
+    ) -> None:
+        self.enabled = enabled
+        self.determinism = determinism
+        self._reporter = reporter
+        self._rng = rng
+        self.plan: PeerPlan | None = None
 
     @property
-    def replaying_on_peer(self) -> bool:
-        return self.state is RerunState.REPLAYING_ON_PEER
+    def possible(self) -> bool:
+        return self.enabled and self._reporter.world_size > 1
 
-    # ---------------------------------------------------------------------------- begin
-    def _peer_replay_possible(self) -> bool:
-        return self.peer_replay and self.world_size > 1
-
-    def _peer_request(self, iterators: list[RerunDataIterator[Any]]) -> PeerRequest:
-        ev = self.event
-        assert ev is not None  # only a rank whose rejection reproduced asks
-        injection = self.injector.injection_for(ev.key)
+    def request(
+        self,
+        ev: Event,
+        injector: RerunErrorInjector,
+        iterators: list[RerunDataIterator[Any]],
+        saved_rng: dict[str, Any] | None,
+        local_grad_checks: bool,
+    ) -> PeerRequest:
+        """What this rank, whose rejection reproduced, ships to its peer
+        (``local_grad_checks`` False: its gradient checks saw reduced shards, not replayable)."""
+        injection = injector.injection_for(ev.key)
         return PeerRequest(
-            rank=self.group_rank,
+            rank=self._reporter.group_rank,
             identity=device_identity(),
             key=tuple(ev.key),  # type: ignore[arg-type]
             message=ev.message,
@@ -73,41 +87,49 @@ class PeerReplayMixin(MachineCore):
             tolerance=ev.tolerance,
             initial=ev.initial_result,
             batches=[to_cpu(list(it.saved_microbatches)) for it in iterators],
-            rng=portable_rng_state(self._saved.rng) if self._saved is not None else {},
+            rng=portable_rng_state(saved_rng) if saved_rng is not None else {},
             injection=None if injection is None else (injection[0].value, tuple(injection[1])),  # type: ignore[arg-type]
-            replayable=self.local_grad_checks or not is_grad_message(ev.message),
+            replayable=local_grad_checks or not is_grad_message(ev.message),
         )
 
-    def _begin_peer_replay(self, iterators: list[RerunDataIterator[Any]], reproduced: bool) -> bool:
-        """Pick the peers and ship the inputs (one collective); True: the replay pass runs."""
-        request = self._peer_request(iterators) if reproduced else None
-        gathered = collectives.all_gather_objects((device_identity(), request), self.process_group)
+    def plan_replay(self, request: PeerRequest | None) -> list[Identity] | None:
+        """Pick the peers (one collective, every rank); every rank's identity, or None (logged)
+        when no replay is possible."""
+        reporter = self._reporter
+        gathered = collectives.all_gather_objects(
+            (device_identity(), request), reporter.process_group
+        )
         identities: list[Identity] = [tuple(g[0]) for g in gathered]  # type: ignore[index,misc]
         plan, why = plan_peer_replay(identities, [g[1] for g in gathered])  # type: ignore[index]
         if plan is None:
-            self._log0(f"No peer replay ({why}): rerunning from a checkpoint instead")
-            return False
-        self._peer_plan = plan
-        self._restore_state()
-        for it in iterators:
-            it.rewind()
-        mine = plan.replaying_for(self.group_rank)
+            reporter.log0(f"No peer replay ({why}): rerunning from a checkpoint instead")
+            return None
+        self.plan = plan
+        return identities
+
+    def start(
+        self, iterators: list[RerunDataIterator[Any]], identities: list[Identity], iteration: int
+    ) -> None:
+        """After the machine put back the iteration's start: a peer takes its suspect's RNG
+        state and micro-batches; rank 0 names the pairs."""
+        assert self.plan is not None
+        reporter = self._reporter
+        mine = self.plan.replaying_for(reporter.group_rank)
         if mine is not None:  # this rank computes the suspect's iteration
-            adopt_rng_state(mine.rng, self.rng)
+            adopt_rng_state(mine.rng, self._rng)
             for it, items in zip(iterators, mine.batches, strict=True):
                 it.serve(items)
         pairs = ", ".join(
-            f"rank {self._global_rank(s)} on rank {self._global_rank(p)} ({identities[p][0]}/{identities[p][1]})"
-            for s, p in plan.peers.items()
+            f"rank {reporter.global_rank(s)} on rank {reporter.global_rank(p)} "
+            f"({identities[p][0]}/{identities[p][1]})"
+            for s, p in self.plan.peers.items()
         )
-        self._log0(f"Replaying iteration {self.iteration + 1} on a peer replica: {pairs}")
-        self._enter(RerunState.REPLAYING_ON_PEER)
-        return True
+        reporter.log0(f"Replaying iteration {iteration + 1} on a peer replica: {pairs}")
 
-    def _peer_corrupts(self, key: CallKey) -> bool:
+    def corrupts(self, key: CallKey) -> bool:
         """Injection during the replay: the suspect's shipped injection, on this device."""
-        plan = self._peer_plan
-        mine = plan.replaying_for(self.group_rank) if plan is not None else None
+        plan = self.plan
+        mine = plan.replaying_for(self._reporter.group_rank) if plan is not None else None
         if mine is None or mine.injection is None or tuple(key) != tuple(mine.key):
             return False
         kind, injected_on = mine.injection
@@ -115,40 +137,17 @@ class PeerReplayMixin(MachineCore):
             RerunDiagnostic(kind), injected_on, device_identity()
         )
 
-    # ------------------------------------------------------------------------------ end
-    def _after_peer_replay(self, iterators: list[RerunDataIterator[Any]]) -> bool:
-        """Compare, agree on the verdict (one collective), act: exit, or one clean pass."""
-        plan = self._peer_plan
+    def finish(self, items: Items, iteration: int) -> PeerOutcome:
+        """Compare and agree (one collective): the replay's outcome; the plan is done."""
+        plan = self.plan
         assert plan is not None
-        items = self._read()
-        mine = plan.replaying_for(self.group_rank)
-        report = self._peer_report(mine, items) if mine is not None else None
-        reports = collectives.all_gather_objects(report, self.process_group)
-        outcome = decide_peer_outcome(plan, reports)  # type: ignore[arg-type]
-        self._peer_plan = None
-        self._restore_state()
-        for it in iterators:
-            it.rewind()
-        if self._rejected_at is not None:
-            self.last_attribution_seconds = time.monotonic() - self._rejected_at
-        self._record_peer_outcome(outcome)
-        if outcome.persistent or outcome.fatal:
-            self._pending_diagnosis = self._peer_diagnosis(outcome)
-            # The checkpoint resumes this iteration, as the exit 16 one would (the relaunch
-            # applies rerun_verdict.json to it: refuse the suspects, or train on).
-            self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
-            self._awaiting_exit = True
-            return False
-        self._log0(
-            "Continuing normal execution because the failed validation was not fatal (a correct "
-            "result, reproduced on a peer); the iteration runs once more for its gradients"
-        )
-        self._finish_event()
-        self._final_pass = True  # the next read accepts: the gradients of a clean pass
-        self._enter(RerunState.RERUNNING_IN_PLACE)
-        return True
+        mine = plan.replaying_for(self._reporter.group_rank)
+        report = self._report(mine, items, iteration) if mine is not None else None
+        reports = collectives.all_gather_objects(report, self._reporter.process_group)
+        self.plan = None
+        return decide_peer_outcome(plan, reports)  # type: ignore[arg-type]
 
-    def _peer_report(self, request: PeerRequest, items: Items) -> PeerReport:
+    def _report(self, request: PeerRequest, items: Items, iteration: int) -> PeerReport:
         value, comparison = math.nan, math.inf
         for rec, v in items:
             if tuple(rec.key) == tuple(request.key):
@@ -156,34 +155,36 @@ class PeerReplayMixin(MachineCore):
                 comparison = evaluate_comparison(rec.spec.comparison_func, request.initial, v)
                 break
         else:
-            logger.warning(self._describe(f"the peer replay did not make call {request.key}"))
+            line = f"the peer replay did not make call {request.key}"
+            logger.warning(self._reporter.describe(iteration, line))
         return PeerReport(
-            request.rank, self.group_rank, device_identity(), value, comparison,
+            request.rank, self._reporter.group_rank, device_identity(), value, comparison,
             comparison <= request.tolerance,
         )  # fmt: skip
 
-    def _record_peer_outcome(self, outcome: PeerOutcome) -> None:
-        """Logs and tracker lines (on each suspect), and rank 0's one summary line."""
+    def record_outcome(
+        self, outcome: PeerOutcome, iteration: int, seconds: float | None
+    ) -> RerunDiagnostic:
+        """Logs and tracker lines (on each suspect), and rank 0's one summary line; the
+        diagnosis (``seconds``: since the rejection, if known)."""
         persistent = outcome.persistent
-        self.diagnosis = (
-            RerunDiagnostic.PERSISTENT_ERROR if persistent else RerunDiagnostic.CORRECT_RESULT
-        )
-        request = outcome.plan.requests.get(self.group_rank)
+        request = outcome.plan.requests.get(self._reporter.group_rank)
         if request is not None:
-            self._log_suspect(request, outcome.reports.get(self.group_rank))
-        spent = self.last_attribution_seconds
-        took = f" {spent:.2f} s after the rejection" if spent is not None else ""
+            self._log_suspect(request, outcome.reports.get(self._reporter.group_rank), iteration)
+        took = f" {seconds:.2f} s after the rejection" if seconds is not None else ""
         if persistent:
             who = ", ".join(self._suspect(outcome.plan, s).describe() for s in persistent)
-            self._log0(f"Peer replay verdict{took}: persistent error on {who}")
-        else:
-            self._log0(f"Peer replay verdict{took}: correct result (reproduced on a peer)")
+            self._reporter.log0(f"Peer replay verdict{took}: persistent error on {who}")
+            return RerunDiagnostic.PERSISTENT_ERROR
+        self._reporter.log0(f"Peer replay verdict{took}: correct result (reproduced on a peer)")
+        return RerunDiagnostic.CORRECT_RESULT
 
-    def _log_suspect(self, request: PeerRequest, report: PeerReport | None) -> None:
+    def _log_suspect(self, request: PeerRequest, report: PeerReport | None, iteration: int) -> None:
+        reporter = self._reporter
         where = (
             "a peer"
             if report is None
-            else f"rank {self._global_rank(report.peer)} "
+            else f"rank {reporter.global_rank(report.peer)} "
             + (f"({report.peer_identity[0]}/{report.peer_identity[1]})")
         )
         value = math.nan if report is None else report.value
@@ -193,7 +194,8 @@ class PeerReplayMixin(MachineCore):
                 "Peer replay: unexpected result is reproducible on %s, therefore it was likely "
                 "correct (%s = %s)", where, request.initial, value,
             )  # fmt: skip
-            self._log_failure(
+            reporter.log_failure(
+                iteration,
                 f"Correct result (but possible Application error) ({request.message})",
                 request.fatal,
             )
@@ -203,15 +205,15 @@ class PeerReplayMixin(MachineCore):
                 "Peer replay: unexpected result is not reproducible on %s, therefore was likely "
                 "incorrect (%s != %s)", where, request.initial, value,
             )  # fmt: skip
-            self._log_failure("Possible persistent error!", True, f"(message='{request.message}')")
-        if self.tracker is not None:  # where the value was computed: the peer's device
-            identity = report.peer_identity if report is not None else device_identity()
-            self.tracker.write(
-                identity=identity, rank=self.rank, iteration=self.iteration,
-                status=status, result=value, message=request.message,
-            )  # fmt: skip
+            reporter.log_failure(
+                iteration, "Possible persistent error!", True, f"(message='{request.message}')"
+            )
+        # Where the value was computed: the peer's device.
+        identity = report.peer_identity if report is not None else device_identity()
+        reporter.track(iteration, status, value, request.message, identity=identity)
 
-    def _peer_diagnosis(self, outcome: PeerOutcome) -> Diagnosis:
+    def diagnosis(self, outcome: PeerOutcome, iteration: int) -> Diagnosis:
+        """The diagnosis the exit carries (``rerun_verdict.json``)."""
         persistent = outcome.persistent
         plan = outcome.plan
         if persistent:
@@ -222,10 +224,8 @@ class PeerReplayMixin(MachineCore):
             suspects = ()
             message = next(r.message for r in plan.requests.values() if r.fatal)
             kind = RerunDiagnostic.CORRECT_RESULT.value
-        return Diagnosis(
-            self.iteration, kind, suspects, message, DiagnosisSource.PEER_REPLAY, self.iteration
-        )
+        return Diagnosis(iteration, kind, suspects, message, DiagnosisSource.PEER_REPLAY, iteration)
 
     def _suspect(self, plan: PeerPlan, group_rank: int) -> Suspect:
         node, device = plan.requests[group_rank].identity
-        return Suspect(self._global_rank(group_rank), node, device)
+        return Suspect(self._reporter.global_rank(group_rank), node, device)

@@ -1,7 +1,8 @@
 """The rerun machine's one per-iteration read: every eager record and every written buffer slot.
 
-Split from ``buffer.py`` to keep files small. The verdicts read here are the ones the buffer's
-gate took on the device: NaN/Inf of the same float64 values, the recorded LARGE verdicts.
+The buffers record; this module reads them (the recorder calls it once per pass). The verdicts
+read here are the ones the buffer's gate took on the device: NaN/Inf of the same float64
+values, the recorded LARGE verdicts.
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
-"""How the rerun state machine records checks: host-evaluated records and device checks.
+"""The rerun machine's recorder: the checks of a pass, host-evaluated records and device checks.
 
-Split from ``machine.py`` to keep files small; mixed into ``RerunStateMachine``.
+A :class:`Recorder` owns what a pass records into: the host records of the pass being recorded
+and of the pass the next read evaluates (the two differ while a pass begun ahead records), the
+device check buffers, and the host large-value windows. It never syncs; :meth:`Recorder.read`
+is the machine's one deliberate read per pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,14 +26,136 @@ from stalwart.reliability.rerun.buffer import (
     as_scalar,
     host_predicate,
 )
-from stalwart.reliability.rerun.core import MachineCore
+from stalwart.reliability.rerun.injector import RerunErrorInjector
+from stalwart.reliability.rerun.passes import Records
+from stalwart.reliability.rerun.reading import read_values
 from stalwart.reliability.rerun.stats import LargeValueTracker, compare_floats, host_float
-from stalwart.reliability.rerun.types import CallKey, RerunMode, RerunState
+from stalwart.reliability.rerun.types import CallKey
+from stalwart.reliability.rerun.verdicts import Items
 
 
-class RecordingMixin(MachineCore):
-    """Recording of validation calls (a part of the machine: ``core.MachineCore``)."""
+class Recorder:
+    """Records the validation calls of each pass (see the module docstring).
 
+    Args:
+        injector: the machine's error injector (whether a buffer may inject at all).
+        decide: whether to corrupt the call ``key`` now (the machine's injection decision,
+            asked once per new call).
+        in_pass: whether a pass is running (a record outside one is refused).
+    """
+
+    def __init__(
+        self,
+        injector: RerunErrorInjector,
+        decide: Callable[[CallKey], bool],
+        in_pass: Callable[[], bool],
+    ) -> None:
+        self._injector = injector
+        self._decide = decide
+        self._in_pass = in_pass
+        self.records = Records()  # where new records go (the pass begun ahead, if any)
+        self.reading = self.records  # the pass the next read evaluates
+        self._buffer: ValidationBuffer | None = None
+        self.buffers: list[ValidationBuffer] = []
+        self._windows_to_load: dict[str, Any] = {}
+        self.large: dict[str, LargeValueTracker] = {}
+        self._host_checks = False
+
+    # ------------------------------------------------------------------------ device buffers
+    @property
+    def buffer(self) -> ValidationBuffer | None:
+        """The one device check buffer (None before the first device check)."""
+        return self._buffer
+
+    def check_buffer(self, device: torch.device) -> ValidationBuffer:
+        """The device check buffer, created on ``device`` on first use."""
+        if self._buffer is None:
+            self._buffer = ValidationBuffer(device, name="", may_inject=self._injector.enabled)
+            self.buffers.insert(0, self._buffer)
+            if self._windows_to_load:
+                self._buffer.load_tracker_state(self._windows_to_load)
+                self._windows_to_load = {}
+        elif self._buffer.device != torch.device(device):
+            raise ValueError(
+                f"device checks on {device} but the rerun machine's buffer is on "
+                f"{self._buffer.device}: record all checks on one device"
+            )
+        return self._buffer
+
+    def attach_buffer(self, buffer: ValidationBuffer) -> None:
+        """Also read ``buffer`` (slots declared with ``add_check``) in the per-pass read."""
+        self.buffers.append(buffer)
+
+    def load_device_windows(self, windows: dict[str, Any]) -> None:
+        if self._buffer is not None:
+            self._buffer.load_tracker_state(windows)
+        else:  # applied when the first device check creates the buffer
+            self._windows_to_load = dict(windows)
+
+    def large_state(self) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+        """The large-value windows (host, device) in their checkpoint form."""
+        host = {k: [t.count, t.max_value] for k, t in self.large.items()}
+        # Deliberate sync (checkpoint time): the device windows of the in-buffer checks.
+        device = self._buffer.tracker_state() if self._buffer is not None else {}
+        return host, device
+
+    def load_large_state(self, host: dict[str, Any], device: dict[str, Any]) -> None:
+        """Inverse of :meth:`large_state`."""
+        self.large = {k: LargeValueTracker(c, m) for k, (c, m) in host.items()}
+        if device:
+            self.load_device_windows(device)
+
+    def save_trackers(self) -> dict[str, torch.Tensor]:
+        return self._buffer.save_trackers() if self._buffer is not None else {}
+
+    def restore_trackers(self, saved: dict[str, torch.Tensor]) -> None:
+        if self._buffer is not None:
+            self._buffer.restore_trackers(saved)
+
+    # ------------------------------------------------------------------------------ passes
+    def new_pass(self, gate_non_fatal: bool) -> None:
+        """Start a pass: empty records, buffers cleared with their injection masks."""
+        self.records = self.reading = Records()
+        self.begin_buffers(gate_non_fatal, adopt_ahead=False)
+
+    def adopt(self, records: Records, gate_non_fatal: bool) -> None:
+        """Start the pass begun ahead (``records``): its buffer values stay."""
+        self.records = self.reading = records
+        self.begin_buffers(gate_non_fatal, adopt_ahead=True)
+
+    def begin_buffers(self, gate_non_fatal: bool, adopt_ahead: bool) -> None:
+        for buf in self.buffers:
+            buf.set_gate_policy(gate_non_fatal=gate_non_fatal)
+            buf.begin([self._decide(k) for k in buf.keys], adopt_ahead=adopt_ahead)
+
+    def read(self) -> Items:
+        """The values of the pass being read: the iteration's one deliberate host sync."""
+        return read_values(self.reading.pending, self.buffers)
+
+    def read_host_only(self) -> Items:
+        """The values of checks recorded while disabled (no device buffer); starts afresh."""
+        items = read_values(self.reading.pending, [])
+        self.records = self.reading = Records()
+        return items
+
+    @property
+    def device_evaluable(self) -> bool:
+        """Whether the pass being read has a device verdict for every check."""
+        return not self.reading.host_evaluated and all(b.device_evaluable for b in self.buffers)
+
+    @contextlib.contextmanager
+    def host_only(self) -> Iterator[None]:
+        """Record into fresh records evaluated on the host (evaluation: the device buffer
+        belongs to training); the pass's records are back after the block."""
+        saved = (self.records, self.reading, self._host_checks)
+        self.records = self.reading = Records()
+        self._host_checks = True
+        try:
+            yield
+        finally:
+            self.records, self.reading, self._host_checks = saved
+
+    # ---------------------------------------------------------------------------- recording
     def validate_result(
         self,
         result: torch.Tensor | float,
@@ -45,53 +171,42 @@ class RecordingMixin(MachineCore):
         (default :func:`compare_floats`) measures how far a rerun's value is from the initial one;
         the result is reproducible when that is ``<= tolerance``. Non-fatal checks never stop the
         job. Must be called between ``should_run_forward_backward`` calls unless disabled. Prefer
-        :meth:`check_on_device` (or :meth:`check_loss`) for NaN/Inf/large checks: their verdict
+        device checks (:meth:`check_all_on_device`) for NaN/Inf/large checks: their verdict
         is taken on the device, which lets a loop gate the optimizer step there.
         """
         self._require_pass()
         spec = CheckSpec(
             message, rejection_func, comparison_func or compare_floats, tolerance, fatal
         )
-        key = self._records.next_key("", message)
+        key = self.records.next_key("", message)
         value = as_scalar(result)
-        injected = self._inject_decision(key)
+        injected = self._decide(key)
         if injected:
             value = (
                 torch.full_like(value, math.nan) if isinstance(value, torch.Tensor) else math.nan
             )
-        self._records.pending.append(ValidationRecord(key, spec, value, injected))
-
-    def check_on_device(
-        self,
-        value: torch.Tensor,
-        rule: DeviceRule,
-        message: str,
-        tolerance: float = 0.0,
-        fatal: bool = True,
-    ) -> None:
-        """Record a check whose verdict the device computes (:class:`DeviceRule`), into the
-        machine's buffer: device ops only, graph-capturable, never a sync."""
-        self.check_all_on_device(value, [[DeviceCheck(rule, message, tolerance, fatal)]])
+        self.records.pending.append(ValidationRecord(key, spec, value, injected))
 
     def check_all_on_device(
         self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
     ) -> None:
         """Record ``checks[i]`` of element ``i`` of ``values`` (0-d or 1-d), in that order, as
-        :meth:`check_on_device` calls would: the same slots and verdicts, but one device op
-        for all of them (a write of the values) once their slots are allocated, whatever the
-        number of checks. Device ops only, never a sync."""
+        one call per check would: the same slots and verdicts, but one device op for all of
+        them (a write of the values) once their slots are allocated, whatever the number of
+        checks. The verdicts are the device's (graph-capturable); device ops only, never a
+        sync. Inside ``RerunStateMachine.disabled()`` they are evaluated on the host instead."""
         if values.requires_grad:
             values = values.detach()
         if self._host_checks:  # evaluation: resolved on the host, the buffer stays untouched
             flat = values.reshape(-1)
             for i, row in enumerate(checks):
                 for c in row:
-                    rule = self._host_rule(c.rule)
+                    rule = self.host_rule(c.rule)
                     self.validate_result(flat[i], rule, c.message, None, c.tolerance, c.fatal)
             return
         self._require_pass()
         buffer = self.check_buffer(values.device)
-        next_key = self._records.next_key
+        next_key = self.records.next_key
         pairs = [(i, c) for i, row in enumerate(checks) for c in row]
         slots = [self._slot(buffer, next_key("", c.message), c) for _, c in pairs]
         if not slots:
@@ -111,16 +226,17 @@ class RecordingMixin(MachineCore):
             return slot
         rule = check.rule
         spec = CheckSpec(
-            check.message, self._host_rule(rule), compare_floats, check.tolerance, check.fatal
+            check.message, self.host_rule(rule), compare_floats, check.tolerance, check.fatal
         )
         slot = buffer.slot_for(key, spec, rule)
-        if self._inject_decision(key):
+        if self._decide(key):
             buffer.inject[slot] = True
             buffer.may_inject = True
             buffer.inject_host[slot] = True
         return slot
 
-    def _host_rule(self, rule: DeviceRule) -> Callable[..., Any]:
+    def host_rule(self, rule: DeviceRule) -> Callable[..., Any]:
+        """The host rejection function of a device rule."""
         if rule.kind is RuleKind.NAN:
             return torch.isnan
         if rule.kind is RuleKind.INF:
@@ -132,21 +248,8 @@ class RecordingMixin(MachineCore):
             num_samples=rule.num_samples,
         )
 
-    def check_loss(self, loss: torch.Tensor) -> None:
-        """Megatron's loss checks of one micro-batch's local loss, as :attr:`checks` says."""
-        from stalwart.reliability.rerun.checks import record_loss_checks
-
-        record_loss_checks(self, loss, self.checks, self._check_rows)
-
-    def check_grad_norm(self, norm: torch.Tensor, bucket: int | None = None) -> None:
-        """Megatron's gradient checks of a local (pre-reduction) grad norm, of DDP bucket
-        ``bucket`` when given, as :attr:`checks` says."""
-        from stalwart.reliability.rerun.checks import record_grad_checks
-
-        record_grad_checks(self, norm, self.checks, bucket, self._check_rows)
-
     def _require_pass(self) -> None:
-        if self.mode is not RerunMode.DISABLED and self.state is RerunState.NOT_RUNNING_YET:
+        if not self._in_pass():
             raise RuntimeError(
                 "validate_result called outside the forward-backward pass; "
                 "wrap evaluation in `with rerun_state_machine.disabled():`"
@@ -161,14 +264,15 @@ class RecordingMixin(MachineCore):
         num_samples: int = 100,
         resample: bool = False,
     ) -> bool:
-        """True when ``|result| >= threshold * max`` of the first ``num_samples`` values of ``context``.
+        """True when ``|result| >= threshold * max`` of the first ``num_samples`` values of
+        ``context``.
 
-        Meant as a rejection function (``functools.partial(sm.is_unexpectedly_large, threshold=10,
-        context="loss")``): the machine then calls it with host floats at its sync point. Called
-        directly with a device tensor it reads it (a sync). NaN/Inf return False. ``resample``
-        restarts the sampling window.
+        Meant as a rejection function (``functools.partial(sm.is_unexpectedly_large,
+        threshold=10, context="loss")``): the machine then calls it with host floats at its
+        sync point. Called directly with a device tensor it reads it (a sync). NaN/Inf return
+        False. ``resample`` restarts the sampling window.
         """
-        tracker = self._large.setdefault(context, LargeValueTracker())
+        tracker = self.large.setdefault(context, LargeValueTracker())
         if resample:
             tracker.count, tracker.max_value = 0, 0.0
         return tracker.check(host_float(result), threshold, context, num_samples)

@@ -43,17 +43,17 @@ import torch.distributed as dist
 
 from stalwart.distributed import collectives
 from stalwart.reliability.replica_check import decide_replica_consistency, tensor_fingerprints
-from stalwart.reliability.rerun.buffer import NAN_RULE, is_rejected
-from stalwart.reliability.rerun.core import Items, MachineCore
+from stalwart.reliability.rerun.buffer import NAN_RULE, DeviceCheck, is_rejected
+from stalwart.reliability.rerun.recording import Recorder
+from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.types import (
     Diagnosis,
     DiagnosisSource,
-    RerunMode,
-    RerunState,
     RerunValidationStatus,
     Suspect,
     device_identity,
 )
+from stalwart.reliability.rerun.verdicts import Items
 
 logger = logging.getLogger("stalwart.reliability.rerun.machine")
 
@@ -160,7 +160,8 @@ def attribute_replicas(
 
 
 class ReplicaGate:
-    """The device side: fingerprints of a pass, gathered across the group, and the check.
+    """Fingerprints of a pass, gathered across the group (device side), and the attribution of
+    a mismatch after its rerun (the first pass's rows, the detail the exit reports).
 
     Args:
         schedule: which parameters at which iteration.
@@ -175,6 +176,8 @@ class ReplicaGate:
         self.weight_columns = 0
         self.columns: list[str] = []
         self.num_recorded = 0
+        self.originals: list[list[int]] | None = None  # a mismatch's first pass, until its rerun
+        self.detail = ""  # the mismatch the exit reports ("": none)
 
     def fingerprints(
         self,
@@ -230,6 +233,66 @@ class ReplicaGate:
         result = decide_replica_consistency(rows, self.columns)
         return dataclasses.replace(result, subject="weights and gradients").describe()
 
+    def record(
+        self,
+        iteration: int,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str] | None,
+        recorder: Recorder,
+    ) -> None:
+        """Fingerprint what the schedule says, gather across the group and record the
+        comparison into ``recorder`` as a device check that also raises the skip gate (device
+        work and one device all-gather; nothing read on the host)."""
+        local = self.fingerprints(iteration, params, names)
+        if local is None:
+            self.forget()
+            return
+        value = mismatch_value(self.gather(local)).to(local.device)
+        check = DeviceCheck(NAN_RULE, REPLICA_MESSAGE, 0.0, True)
+        recorder.check_all_on_device(value, [[check]])
+        recorder.check_buffer(value.device).raise_gate(torch.isnan(value))
+
+    # ------------------------------------------------------------- attribution of a mismatch
+    def keep_originals(self) -> None:
+        """A mismatch: keep the first pass's rows for the attribution after its rerun."""
+        self.originals = self.host_rows()
+
+    def attribute(self, reporter: Reporter, iteration: int) -> tuple[ReplicaAttribution, list[Any]]:
+        """After the in-place rerun of a mismatch: the attribution and every rank's identity
+        (one gather; every rank is here since the mismatch was the same on all)."""
+        assert self.originals is not None
+        originals, self.originals = self.originals, None
+        reruns = self.host_rows()
+        attribution = attribute_replicas(originals, reruns, self.weight_columns)
+        identities = collectives.all_gather_objects(device_identity(), reporter.process_group)
+        line = describe_attribution(attribution, identities, iteration)
+        rows = originals if attribution.kind == "transient" else reruns
+        self.detail = f"iteration {iteration + 1}: {self.describe(rows)}"
+        line += f" ({self.detail})"
+        rank = reporter.group_rank
+        if rank == 0:
+            logger.error(line)
+        if rank in attribution.suspects:
+            reporter.track(
+                iteration, RerunValidationStatus.REPLICA_MISMATCH, math.nan, REPLICA_MESSAGE,
+                rank=reporter.global_rank(rank),
+            )  # fmt: skip
+        return attribution, identities
+
+    @staticmethod
+    def diagnosis(
+        attribution: ReplicaAttribution, identities: list[Any], iteration: int, reporter: Reporter
+    ) -> Diagnosis:
+        """The diagnosis of a persistent mismatch (its suspects by global rank)."""
+        suspects = tuple(
+            Suspect(reporter.global_rank(r), *identities[r]) for r in attribution.suspects
+        )
+        saved = iteration if attribution.weights_consistent else None
+        return Diagnosis(
+            iteration, "replica_corruption", suspects, REPLICA_MESSAGE,
+            DiagnosisSource.REPLICA_CHECK, saved,
+        )  # fmt: skip
+
 
 def mismatch_value(gathered: torch.Tensor) -> torch.Tensor:
     """NaN when any rank's row differs from rank 0's, else 0.0 (a device scalar for NAN_RULE)."""
@@ -261,82 +324,8 @@ def describe_attribution(
     )
 
 
-class ReplicaMixin(MachineCore):
-    """The machine's side of the replica fingerprints (a part of the machine:
-    ``core.MachineCore``)."""
-
-    def record_replicas(
-        self,
-        iteration: int,
-        params: Sequence[torch.nn.Parameter],
-        names: Sequence[str] | None = None,
-    ) -> None:
-        """After a pass and before its optimizer step: fingerprint what the schedule says,
-        gather across the group and record the comparison as a device check that also raises
-        the skip gate. Device work and one device all-gather; nothing read on the host."""
-        gate = self.replicas
-        if gate is None or self.mode is not RerunMode.VALIDATE_RESULTS or self._final_pass:
-            return
-        if self.state not in (RerunState.INITIAL_RUN, RerunState.RERUNNING_IN_PLACE):
-            return
-        local = gate.fingerprints(iteration, params, names)
-        if local is None:
-            gate.forget()
-            return
-        value = mismatch_value(gate.gather(local)).to(local.device)
-        self.check_on_device(value, NAN_RULE, REPLICA_MESSAGE, fatal=True)
-        self.check_buffer(value.device).raise_gate(torch.isnan(value))
-
-    @staticmethod
-    def _split_replica(items: Items) -> tuple[bool, Items]:
-        """(whether the replica check of this pass rejected, the other records)."""
-        ours = [(rec, v) for rec, v in items if rec.key[1] == REPLICA_MESSAGE]
-        rest = [(rec, v) for rec, v in items if rec.key[1] != REPLICA_MESSAGE]
-        return any(is_rejected(rec, v) for rec, v in ours), rest
-
-    def _replica_attribution(self) -> tuple[ReplicaAttribution, list[Any]]:
-        """After the in-place rerun of a mismatch: the attribution and every rank's identity
-        (one gather; every rank is here since the mismatch was the same on all)."""
-        assert self.replicas is not None and self._replica_originals is not None
-        originals, self._replica_originals = self._replica_originals, None
-        reruns = self.replicas.host_rows()
-        attribution = attribute_replicas(originals, reruns, self.replicas.weight_columns)
-        identities = collectives.all_gather_objects(device_identity(), self.process_group)
-        line = describe_attribution(attribution, identities, self.iteration)
-        rows = originals if attribution.kind == "transient" else reruns
-        self._replica_detail = f"iteration {self.iteration + 1}: {self.replicas.describe(rows)}"
-        line += f" ({self._replica_detail})"
-        rank = self.group_rank
-        if rank == 0:
-            logger.error(line)
-        if rank in attribution.suspects and self.tracker is not None:
-            self.tracker.write(
-                identity=device_identity(), rank=self._global_rank(rank),
-                iteration=self.iteration, status=RerunValidationStatus.REPLICA_MISMATCH,
-                result=math.nan, message=REPLICA_MESSAGE,
-            )  # fmt: skip
-        return attribution, identities
-
-    def _replica_exit(self, iterators: list[Any]) -> bool:
-        """Attribute a replica fingerprint mismatch after its rerun; True: the job exits."""
-        attribution, identities = self._replica_attribution()
-        if attribution.kind == "transient":
-            self._replica_detail = ""
-            return False  # the rerun's gradients agree: train on with them
-        if attribution.kind == "persistent":
-            self._pending_diagnosis = self._replica_diagnosis(attribution, identities)
-        save = attribution.kind == "persistent" and attribution.weights_consistent
-        self._exit_after_rerun(iterators, checkpoint=save)
-        return True
-
-    def _replica_diagnosis(
-        self, attribution: ReplicaAttribution, identities: list[Any]
-    ) -> Diagnosis:
-        suspects = tuple(
-            Suspect(self._global_rank(r), *identities[r]) for r in attribution.suspects
-        )
-        saved = self.iteration if attribution.weights_consistent else None
-        return Diagnosis(
-            self.iteration, "replica_corruption", suspects, REPLICA_MESSAGE,
-            DiagnosisSource.REPLICA_CHECK, saved,
-        )  # fmt: skip
+def split_replica(items: Items) -> tuple[bool, Items]:
+    """(whether the replica check of this pass rejected, the other records)."""
+    ours = [(rec, v) for rec, v in items if rec.key[1] == REPLICA_MESSAGE]
+    rest = [(rec, v) for rec, v in items if rec.key[1] != REPLICA_MESSAGE]
+    return any(is_rejected(rec, v) for rec, v in ours), rest

@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stalwart.distributed import collectives
+from stalwart.iteration_dirs import iteration_dir_name, parse_iteration_dir_name, tracker_iteration
 from stalwart.reliability.rerun.types import (
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
     Diagnosis,
@@ -115,13 +116,11 @@ def write_verdict(root: str, diagnosis: Diagnosis, *, checkpoint: str | None = N
     ``checkpoint``: the name (in ``root``) of the checkpoint to train on from, in the layout of
     whoever saved it (a framework adapter's ``iter_0000005.ckpt`` or ``checkpoint-6``); None:
     the reference trainer's ``iter_NNNNNNN`` of the diagnosis (or its tracker's latest)."""
-    from stalwart.checkpoint.layout import iteration_dir_name, read_tracker
-
     if checkpoint is None:
         resumed = diagnosis.checkpoint_iteration
         if resumed is None:
             with contextlib.suppress(Exception):  # an unreadable tracker: no checkpoint named
-                resumed = read_tracker(root)
+                resumed = tracker_iteration(root)
         checkpoint = iteration_dir_name(resumed) if resumed is not None else None
     verdict = verdict_of(diagnosis, checkpoint)
     path = os.path.join(root, VERDICT_FILENAME)
@@ -216,8 +215,6 @@ def _valid(v: RerunVerdict) -> bool:
 
 
 def _loaded_iteration(checkpoint_path: str) -> int | None:
-    from stalwart.checkpoint.layout import parse_iteration_dir_name
-
     return parse_iteration_dir_name(os.path.basename(os.path.normpath(checkpoint_path)))
 
 
