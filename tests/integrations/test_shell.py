@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stalwart.integrations import resumable
-from stalwart.integrations.shell import ShellConfig
+from stalwart.loop import ShellConfig
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.exit import SaveKind
 

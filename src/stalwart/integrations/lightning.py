@@ -12,13 +12,13 @@
         def configure_optimizers(self):                   # fused: the step is gated on the device
             return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
 
-    callback = StalwartCallback(save_dir, rerun=RerunConfig())   # + exit=, ft=, log=, obs=
+    callback = StalwartCallback(save_dir, rerun=RerunConfig())   # + exit=, ft=, log=, the probes
     trainer = L.Trainer(max_steps=1000, callbacks=[callback], enable_checkpointing=False)
     trainer.fit(MyModule(), loader, ckpt_path=latest_checkpoint(save_dir), weights_only=True)
 
 What the callback does, hook by hook:
 
-* ``setup``: builds the :class:`~stalwart.integrations.shell.TrainingShell` (its hang monitor
+* ``setup``: builds the :class:`~stalwart.loop.Shell` (its hang monitor
   opens the ``setup`` section: model set-up and the checkpoint load are guarded);
 * ``on_train_start``: builds the guarded step of a :class:`GuardedModule`;
 * the first ``on_train_batch_start``: installs the exit-signal handler *over Lightning's*
@@ -77,8 +77,8 @@ from stalwart.integrations.lightning_checks import (
     refuse_unsharded,
     shard_resumable_loaders,
 )
-from stalwart.integrations.shell import ShellConfig, TrainingShell
 from stalwart.loop import RngState, StepResult
+from stalwart.loop.shell import Shell, ShellConfig
 from stalwart.observability.flop_count import count_training_flops, flop_counter
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
 from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
@@ -178,8 +178,10 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             and the rerun files; None: no save (an exit 16 then says it needs one).
         count_flops: with ``LogConfig(log_throughput=True)``, count the first batch's FLOPs with
             torch's counter (TFLOP/s); False: no TFLOP/s (the shell then refuses the flag).
-        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``, ``obs``,
-            ``run_dir``, ``goodput``, ``seq_length`` (``train_iters`` is the trainer's).
+        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``,
+            the probes (``sinks``, ``timers``, ``straggler``, ``memory``, ``energy``,
+            ``dumps``, ``profiler``, ``memory_release``, ``progress``), ``run_dir``,
+            ``goodput``, ``seq_length`` (``train_iters`` is the trainer's).
     """
 
     def __init__(self, save_dir: str | None = None, *, count_flops: bool = True, **shell: Any):
@@ -188,7 +190,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         self.count_flops = count_flops
         self._shell_fields = shell
         ShellConfig(train_iters=1, save_dir=save_dir, **shell)  # bad fields fail here, early
-        self.shell: TrainingShell | None = None
+        self.shell: Shell | None = None
         self.step: FrameworkStep | None = None
         self._loaded: dict[str, Any] | None = None
         self._in_step: contextlib.ExitStack | None = None
@@ -264,7 +266,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         else:
             RngState().load_state_dict(mine["rng"])
 
-    def _require_shell(self) -> TrainingShell:
+    def _require_shell(self) -> Shell:
         if self.shell is None:
             raise RuntimeError("StalwartCallback: the trainer did not call setup('fit')")
         return self.shell
@@ -334,19 +336,15 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
     def _record(
         self, trainer: Any, it: int, outputs: Any, batch: Any, result: StepResult | None
     ) -> None:
-        shell = self._require_shell()
-        if result is not None:
-            losses: dict[str, Any] = dict(result.losses)
-            grad_norm, skipped = result.grad_norm, result.skipped
-        else:
-            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-            losses = {"lm loss": loss.detach() if isinstance(loss, torch.Tensor) else loss}
-            grad_norm, skipped = None, False
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        losses: dict[str, Any] = {
+            "lm loss": loss.detach() if isinstance(loss, torch.Tensor) else loss
+        }
         optimizers = trainer.optimizers
         lr = optimizers[0].param_groups[0]["lr"] if optimizers else None
-        shell.record(
-            it, losses=losses, batch_size=max(_batch_size(batch), 1) * trainer.world_size,
-            learning_rate=lr, grad_norm=grad_norm, skipped=skipped,
+        self._require_shell().record(
+            it, result, batch_size=max(_batch_size(batch), 1) * trainer.world_size,
+            losses=losses, learning_rate=lr,
         )  # fmt: skip
 
     def _save(self, trainer: Any, it: int, *, non_persistent: bool) -> None:

@@ -215,3 +215,22 @@ def make_energy_meter(
 ) -> EnergyMeter | NullEnergyMeter:
     """``--log-energy`` → `EnergyMeter`, otherwise `NullEnergyMeter`."""
     return EnergyMeter(device, log, group) if enabled else NullEnergyMeter()
+
+
+@dataclass(kw_only=True, frozen=True)
+class EnergyConfig:
+    """``--log-energy``: joules and watts per GPU in the log line (NVML; ``stalwart[nvml]``)."""
+
+    log_energy: bool = False
+
+    def check_extras(self) -> None:
+        """``pynvml`` is importable when the flag is on (``ValueError`` naming it otherwise)."""
+        if self.log_energy:
+            from stalwart.observability.sinks import require_extra
+
+            require_extra("--log-energy", "pynvml", "nvidia-ml-py", "nvml")
+
+    def build(
+        self, device: torch.device, log: Callable[[str], None] | None = None
+    ) -> EnergyMeter | NullEnergyMeter:
+        return make_energy_meter(self.log_energy, device, log=log)

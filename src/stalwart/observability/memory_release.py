@@ -30,6 +30,7 @@ private pool stay allocated.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -99,3 +100,17 @@ def make_memory_release(
     if level == 0 or device.type != "cuda":
         return NullMemoryRelease()
     return UnusedMemoryRelease(level)
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryReleaseConfig:
+    """``--empty-unused-memory-level``: 0 off, 1 after each forward-backward and the optimizer
+    step, 2 also after each evaluation step (CUDA only)."""
+
+    empty_unused_memory_level: int = 0
+
+    def __post_init__(self) -> None:
+        validate_empty_unused_memory_level(self.empty_unused_memory_level)
+
+    def build(self, device: torch.device) -> UnusedMemoryRelease | NullMemoryRelease:
+        return make_memory_release(self.empty_unused_memory_level, device)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -186,3 +187,42 @@ def make_profiler_window(
     if use_pytorch_profiler:
         return TorchProfilerWindow(start, end, out_dir, rank, device)
     return CudaProfilerRangeWindow(start, end, device)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ProfilerConfig:
+    """``--profile``: a profiler window over iterations ``[profile_step_start,
+    profile_step_end)`` on ``profile_ranks``; ``use_pytorch_profiler`` writes a torch trace to
+    ``profile_dir`` (default ``<run dir>/profile``), else ``cudaProfilerStart/Stop`` (nsys)."""
+
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    use_pytorch_profiler: bool = False
+    profile_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in self.profile_ranks):
+            raise ValueError(
+                f"--profile-ranks must be rank numbers >= 0 (got {self.profile_ranks})"
+            )
+        if self.profile:
+            validate_profile_window(
+                self.profile_step_start, self.profile_step_end, self.profile_ranks
+            )
+
+    def build(
+        self, *, rank: int, world_size: int, device: torch.device, run_dir: str | None
+    ) -> ProfilerWindow:
+        if not self.profile:
+            return NullProfilerWindow()
+        if not any(r < world_size for r in self.profile_ranks):
+            raise ValueError(
+                f"--profile-ranks {self.profile_ranks}: no such rank in a job of {world_size}"
+            )
+        return make_profiler_window(
+            True, self.profile_step_start, self.profile_step_end,
+            out_dir=self.profile_dir or os.path.join(run_dir or ".", "profile"), rank=rank,
+            device=device, use_pytorch_profiler=self.use_pytorch_profiler, ranks=self.profile_ranks,
+        )  # fmt: skip

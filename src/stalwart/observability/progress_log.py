@@ -247,3 +247,17 @@ def make_progress_log(
     if not enabled or save_dir is None or rank != 0:
         return NullProgressLog()
     return ProgressLog(save_dir, world_size)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ProgressLogConfig:
+    """``--log-progress``: Megatron's ``<save>/progress.txt`` (needs a save directory)."""
+
+    log_progress: bool = False
+
+    def build(
+        self, save_dir: str | None, world_size: int, rank: int
+    ) -> ProgressLog | NullProgressLog:
+        if self.log_progress and save_dir is None:
+            raise ValueError("--log-progress needs --save (progress.txt is written there)")
+        return make_progress_log(self.log_progress, save_dir, world_size, rank)

@@ -401,3 +401,29 @@ def make_straggler_detector(
     return StragglerDetector(
         device, rank, world_size, threshold, minmax_count, run_dir, group, enabled=on_at_start
     )
+
+
+@dataclass(kw_only=True, frozen=True)
+class StragglerConfig:
+    """``--log-straggler`` and its settings: ``disable_straggler_on_startup`` starts it off (on
+    with ``touch <run dir>/straggler.toggle``), ``straggler_threshold`` (> 1: slower than this
+    times the median is a straggler), ``straggler_minmax_count`` (the slowest/fastest named)."""
+
+    log_straggler: bool = False
+    disable_straggler_on_startup: bool = False
+    straggler_threshold: float = 1.2
+    straggler_minmax_count: int = 1
+
+    def __post_init__(self) -> None:
+        validate_straggler_args(self.straggler_threshold, self.straggler_minmax_count)
+        if self.disable_straggler_on_startup and not self.log_straggler:
+            raise ValueError("--disable-straggler-on-startup needs --log-straggler")
+
+    def build(
+        self, device: torch.device, rank: int, world_size: int, run_dir: str | None
+    ) -> StragglerDetector | NullStragglerDetector:
+        return make_straggler_detector(
+            self.log_straggler, device, rank, world_size, threshold=self.straggler_threshold,
+            minmax_count=self.straggler_minmax_count, run_dir=run_dir,
+            on_at_start=not self.disable_straggler_on_startup,
+        )  # fmt: skip
