@@ -250,8 +250,8 @@ class ProgressLogConfig:
         self, save_dir: str | None, world_size: int, rank: int
     ) -> ProgressLog | NullProgressLog:
         """Rank 0's progress log when ``log_progress`` is on, else the null one."""
-        if self.log_progress and save_dir is None:
-            raise ValueError("--log-progress needs --save (progress.txt is written there)")
         if not self.log_progress or rank != 0:
             return NullProgressLog()
+        if save_dir is None:
+            raise ValueError("--log-progress needs --save (progress.txt is written there)")
         return ProgressLog(save_dir, world_size)
