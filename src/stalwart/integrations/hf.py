@@ -93,7 +93,8 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
     """
 
     def __init__(self, save_dir: str | None = None, **shell: Any) -> None:
-        ShellConfig(train_iters=1, save_dir=save_dir, **shell)  # bad fields fail here, early
+        # Bad fields fail here, early (the save directory defaults to the output_dir).
+        ShellConfig(train_iters=1, save_dir=save_dir or ".", **shell)
         self.save_dir = save_dir
         self._shell_fields = shell
         self.shell: Shell | None = None
