@@ -8,9 +8,9 @@ import torch
 from stalwart.cli.args import parse_train_args
 from stalwart.config.run import build_run_config
 from stalwart.observability.memory_release import (
+    MemoryReleaseConfig,
     NullMemoryRelease,
     UnusedMemoryRelease,
-    make_memory_release,
 )
 
 
@@ -33,11 +33,13 @@ def test_levels_empty_the_cache_at_megatrons_points(level: int, expected: list[s
 
 
 def test_null_on_cpu_and_at_level_zero() -> None:
-    assert isinstance(make_memory_release(0, torch.device("cuda", 0)), NullMemoryRelease)
-    assert isinstance(make_memory_release(2, torch.device("cpu")), NullMemoryRelease)
+    off, on = MemoryReleaseConfig(), MemoryReleaseConfig(empty_unused_memory_level=2)
+    assert isinstance(off.build(torch.device("cuda", 0)), NullMemoryRelease)
+    assert isinstance(on.build(torch.device("cpu")), NullMemoryRelease)
+    assert isinstance(on.build(torch.device("cuda", 0)), UnusedMemoryRelease)
     for bad in (3, -1, True, "1"):
         with pytest.raises(ValueError, match="--empty-unused-memory-level"):
-            make_memory_release(bad, torch.device("cpu"))  # type: ignore[arg-type]
+            MemoryReleaseConfig(empty_unused_memory_level=bad)  # type: ignore[arg-type]
 
 
 def test_flags_reach_the_config() -> None:

@@ -2,7 +2,7 @@
 
 Usage in a hand-written loop::
 
-    meter = make_energy_meter(enabled=True, device=device)   # logs "energy: not available" once
+    meter = EnergyConfig(log_energy=True).build(device)   # logs "energy: not available" once
     meter.start()
     for it in range(1, iters + 1):
         step.run(it)
@@ -207,16 +207,6 @@ class NullEnergyMeter:
         return None
 
 
-def make_energy_meter(
-    enabled: bool,
-    device: torch.device,
-    log: Callable[[str], None] | None = None,
-    group: ProcessGroup | None = None,
-) -> EnergyMeter | NullEnergyMeter:
-    """``--log-energy`` → `EnergyMeter`, otherwise `NullEnergyMeter`."""
-    return EnergyMeter(device, log, group) if enabled else NullEnergyMeter()
-
-
 @dataclass(kw_only=True, frozen=True)
 class EnergyConfig:
     """``--log-energy``: joules and watts per GPU in the log line (NVML; ``stalwart[nvml]``)."""
@@ -231,6 +221,8 @@ class EnergyConfig:
             require_extra("--log-energy", "pynvml", "nvidia-ml-py", "nvml")
 
     def build(
-        self, device: torch.device, log: Callable[[str], None] | None = None
-    ) -> EnergyMeter | NullEnergyMeter:
-        return make_energy_meter(self.log_energy, device, log=log)
+        self, device: torch.device, log: Callable[[str], None] | None = None,
+        group: ProcessGroup | None = None,
+    ) -> EnergyMeter | NullEnergyMeter:  # fmt: skip
+        """``log_energy``: the meter (its all-reduce on ``group``), else the null one."""
+        return EnergyMeter(device, log, group) if self.log_energy else NullEnergyMeter()

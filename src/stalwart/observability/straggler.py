@@ -381,28 +381,6 @@ class StragglerIdle:
         return []
 
 
-def make_straggler_detector(
-    enabled: bool,
-    device: torch.device,
-    rank: int = 0,
-    world_size: int = 1,
-    threshold: float = 1.2,
-    minmax_count: int = 1,
-    run_dir: str | os.PathLike[str] | None = None,
-    group: ProcessGroup | None = None,
-    on_at_start: bool = True,
-) -> StragglerDetector | NullStragglerDetector:
-    """``--log-straggler`` → a real detector, otherwise the null one (args validated either way).
-    ``on_at_start=False`` (``--disable-straggler-on-startup``): it starts off, to be turned on
-    with ``touch <run dir>/straggler.toggle``."""
-    validate_straggler_args(threshold, minmax_count)
-    if not enabled:
-        return NullStragglerDetector()
-    return StragglerDetector(
-        device, rank, world_size, threshold, minmax_count, run_dir, group, enabled=on_at_start
-    )
-
-
 @dataclass(kw_only=True, frozen=True)
 class StragglerConfig:
     """``--log-straggler`` and its settings: ``disable_straggler_on_startup`` starts it off (on
@@ -420,10 +398,14 @@ class StragglerConfig:
             raise ValueError("--disable-straggler-on-startup needs --log-straggler")
 
     def build(
-        self, device: torch.device, rank: int, world_size: int, run_dir: str | None
-    ) -> StragglerDetector | NullStragglerDetector:
-        return make_straggler_detector(
-            self.log_straggler, device, rank, world_size, threshold=self.straggler_threshold,
-            minmax_count=self.straggler_minmax_count, run_dir=run_dir,
-            on_at_start=not self.disable_straggler_on_startup,
+        self, device: torch.device, rank: int = 0, world_size: int = 1,
+        run_dir: str | None = None, group: ProcessGroup | None = None,
+    ) -> StragglerDetector | NullStragglerDetector:  # fmt: skip
+        """``log_straggler``: the detector (off at start with ``disable_straggler_on_startup``:
+        on with ``touch <run dir>/straggler.toggle``), else the null one."""
+        if not self.log_straggler:
+            return NullStragglerDetector()
+        return StragglerDetector(
+            device, rank, world_size, self.straggler_threshold, self.straggler_minmax_count,
+            run_dir, group, enabled=not self.disable_straggler_on_startup,
         )  # fmt: skip
