@@ -1,4 +1,4 @@
-"""The framework-neutral pieces: ``TrainingShell`` in a hand-written loop (its docstring's
+"""The framework-neutral pieces: ``stalwart.loop.Shell`` in a hand-written loop (its docstring's
 shape), ``ResumableLoader``'s docstring, bad configs, and the HF callback on a plain Trainer."""
 
 from __future__ import annotations

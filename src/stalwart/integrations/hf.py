@@ -36,7 +36,9 @@ rejected iteration never touches the weights). The loss is the plain Trainer's
 follows is a no-op during ``train()`` and the ``grad_norm`` it logs is the guarded step's (the
 norm before the clip, as the Trainer's).
 
-Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch); the Trainer counts a
+Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch); tensor dumps need
+:class:`StalwartTrainer` and start at the second step (the guarded step is built inside the
+first); the Trainer counts a
 rejected iteration (exit 16) as a step, so its checkpoint is named one step on: stalwart's state
 in it says the iteration was not done and the resume reruns it from the saved batch. DeepSpeed
 and SageMaker's model parallelism are not supported by the subclass. The callback alone (on a

@@ -49,6 +49,8 @@ rank's own gradients, so a fault is blamed on its rank and replayed on a peer), 
 shards a ``DataLoader`` (:mod:`stalwart.integrations.lightning_checks`). After an exit 17 the
 verdict names the ``iter_NNNNNNN.ckpt`` to train on from; a suspect device exits 16.
 
+Every probe of :class:`~stalwart.loop.ShellConfig` works as in the trainer (its fields are the
+callback's keywords); tensor dumps need a :class:`GuardedModule` (they are refused without).
 Limits: one optimizer, ``accumulate_grad_batches=1`` (an iteration is one batch), no
 ``gradient_clip_val`` (Lightning forbids it with manual optimization: use ``stalwart_clip_grad``);
 a kept ``training_step``, several optimizers and ``GuardedModule`` after ``LightningModule`` in
