@@ -124,6 +124,8 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             self.shell = config.build(
                 rank=args.process_index, world_size=args.world_size, device=args.device
             )
+        if kwargs.get("model") is not None:  # StalwartTrainer's step sets it again
+            self.shell.watch(kwargs["model"])  # --log-params-norm and the replica check
         # args.world_size is a property that asks accelerate's state: once, not every step.
         self._global_batch = args.per_device_train_batch_size * args.world_size
         self.shell.resumed(int(state.global_step))

@@ -233,6 +233,8 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
                 backward=pl_module.manual_backward,  # type: ignore[attr-defined]
             )  # fmt: skip
             pl_module.stalwart_step = self.step
+        else:
+            shell.watch(pl_module)  # --log-params-norm and the replica check read it
         self._begun = False
 
     def _begin(self, trainer: Any) -> None:

@@ -177,8 +177,13 @@ class Shell:
             log_num_zeros=cfg.log.log_num_zeros_in_grad, goodput=self.ledger, **options,
         )  # fmt: skip
         self._exit.callback(self._step.close)
-        self._model = raw
+        self.watch(raw)
         return self._step
+
+    def watch(self, model: nn.Module) -> None:
+        """The (unwrapped) model whose parameters ``--log-params-norm`` and the replica check
+        read: :meth:`step` sets it; a framework's own step sets it here."""
+        self._model = model
 
     def set_flops(self, flops_per_iteration: float, peak_tflops_per_gpu: float | None = None) -> None:  # fmt: skip
         """The whole job's FLOPs of one iteration (``stalwart.observability.flop_count``), for
@@ -259,11 +264,23 @@ class Shell:
             if step is not None and step.rejected:
                 span.abandon(Bucket.RERUN)  # its passes validated, nothing advanced
         self.profiler.on_iteration_end(index + 1)
-        if step is None and self.config.dumps.dump_config(log_interval=1).any_enabled:
-            raise ValueError(
-                "tensor dumps need the guarded step (GuardedModule / StalwartTrainer / "
-                "Shell.step): they hook each micro-batch's forward and backward"
-            )
+        if step is None:
+            self._refuse_without_step()
+
+    def _refuse_without_step(self) -> None:
+        """Settings that only the guarded step can honour, refused in one line without it."""
+        cfg = self.config
+        needs = {
+            "tensor dumps (they hook each micro-batch's forward and backward)":
+                cfg.dumps.dump_config(log_interval=1).any_enabled,
+            "LogConfig.log_num_zeros_in_grad (it counts the gradients the step clips)":
+                cfg.log.log_num_zeros_in_grad,
+        }  # fmt: skip
+        for what, wanted in needs.items():
+            if wanted:
+                raise ValueError(
+                    f"{what}: needs the guarded step (GuardedModule, StalwartTrainer, Shell.step)"
+                )
 
     def record(
         self, iteration: int, result: StepResult | None = None, *, batch_size: int,

@@ -104,7 +104,7 @@ class Trainer:
             memory_estimate=build.memory_estimate(config, ctx),
         )  # fmt: skip
         on_close(self.shell.close)
-        self.shell.handle_signals()  # from here on: a SIGTERM during set-up saves nothing
+        self.shell.handle_signals()  # now: a SIGTERM during set-up only raises the flag
         self.compiles = build.build_compile_booking(config, ctx.rank, self.compile_cache, self.shell.ledger, on_close)  # fmt: skip
         self.raw_model, self.model = build.build_model(config, ctx, self.faults)
         self.optimizer = build.build_optimizer(self.model, config)
