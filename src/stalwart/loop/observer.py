@@ -86,7 +86,3 @@ class StepObserver:
         self.straggler.step()
         self.dumper.end_iteration()
         self.memory_release.after_optimizer_step()
-
-    def close(self) -> None:
-        self.dumper.close()
-        self.straggler.close()

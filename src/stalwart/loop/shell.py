@@ -11,22 +11,17 @@ are all this sequence (a framework that owns its step skips ``shell.step``)::
 
     with ShellConfig(train_iters=n, save_dir=save_dir).build(device=device) as shell:
         step = shell.step(model, optimizer, forward_step, RerunDataIterator(batches))
-        ckpt = Checkpointer(CheckpointManager(save_dir), model, optimizer, common=...)
-        shell.start(resumed=ckpt.load())                 # the handler, timers, ledger
-        while True:
-            shell.maybe_finalize(ckpt)                   # a pending async save
-            with shell.iteration(state.iteration):       # goodput step, watchdog, probes
-                result = step.run(state.iteration)
-            if not result.verdict.exit:                  # a rejected iteration is not done
-                state.iteration += 1
-            shell.record(state.iteration, result, batch_size=gbs)   # log line, sinks
-            decision = shell.decide(state.iteration, result, finished=state.iteration >= n)
-            if decision.save is not SaveKind.NONE:
-                with shell.saving(state.iteration):
-                    ckpt.save(state.iteration)
-            if decision.exit:
-                raise SystemExit(shell.finish(decision, state.iteration, ckpt))  # 0/16/17
+        shell.start()
+        for it in range(n):
+            with shell.iteration(it):                    # goodput step, watchdog, probes
+                result = step.run(it)
+            shell.record(it + 1, result, batch_size=gbs)     # log line, sinks
+            decision = shell.decide(it + 1, result, finished=it + 1 == n)
+            if decision.exit:                            # (a rejected iteration exits too)
+                raise SystemExit(shell.finish(decision, it + 1))  # 0, 16 or 17
 
+The README's "Using the parts in your own loop" adds the checkpointer (``shell.saving``,
+``shell.maybe_finalize``, ``shell.finish(..., ckpt)``) and is run by its test.
 Without a guarded step (a framework's own), :meth:`decide` agrees on the exit inputs itself
 (one all-reduce per iteration, only when a signal handler or a duration needs it).
 """

@@ -1,11 +1,9 @@
 """What the shell around a training step does: the components' own configs, composed.
 
 Each probe keeps its config beside it (``StragglerConfig`` in ``observability/straggler.py``,
-``ProfilerConfig`` in ``observability/profiler.py``, ...), one field per Megatron flag; this
-module only composes them with the exit, hang-detection, rerun and log configs and builds the
-:class:`stalwart.loop.shell.Shell`. The reference trainer's ``RunConfig`` holds the same probe
-configs and hands them over (``RunConfig.shell_config``); a Lightning or Hugging Face run passes
-them to its callback as keyword arguments; a hand-written loop builds this directly.
+...), one field per Megatron flag, each with ``build()``. The trainer's ``RunConfig`` holds the
+same probe configs (``RunConfig.shell_config``); the Lightning and HF callbacks take them as
+keyword arguments; a hand-written loop builds this directly.
 """
 
 from __future__ import annotations
@@ -40,18 +38,6 @@ PROBES: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def _default_exit() -> ExitConfig:
-    return ExitConfig(exit_signal_handler=True)
-
-
-def _default_log() -> LogConfig:
-    return LogConfig(log_interval=10, log_progress_bar=False)  # frameworks draw their own bar
-
-
-def _default_rerun() -> RerunConfig:
-    return RerunConfig(rerun_mode=RerunMode.DISABLED)  # the guarded step turns it on
-
-
 @dataclass(kw_only=True, frozen=True)
 class ShellConfig:
     """What the shell does (each component config validates itself).
@@ -75,10 +61,13 @@ class ShellConfig:
     run_dir: str | None = None
     goodput: bool = True
     seq_length: int | None = None
-    exit: ExitConfig = field(default_factory=_default_exit)
+    exit: ExitConfig = field(default_factory=lambda: ExitConfig(exit_signal_handler=True))
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    rerun: RerunConfig = field(default_factory=_default_rerun)
-    log: LogConfig = field(default_factory=_default_log)
+    # Disabled unless asked for; a framework draws its own progress bar.
+    rerun: RerunConfig = field(default_factory=lambda: RerunConfig(rerun_mode=RerunMode.DISABLED))
+    log: LogConfig = field(
+        default_factory=lambda: LogConfig(log_interval=10, log_progress_bar=False)
+    )
     sinks: SinkConfig = field(default_factory=SinkConfig)
     timers: TimerConfig = field(default_factory=TimerConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
