@@ -16,7 +16,7 @@ As a `TrainingLog` provider, ``meter.log_fields(info)`` runs ``lap(info.num_iter
 Each rank reads ``nvmlDeviceGetTotalEnergyConsumption`` (millijoules since driver load) for its own
 device; ``lap`` sums joules and GPU counts over ranks in ONE all-reduce and reports the mean per
 GPU. ``pynvml`` (package ``nvidia-ml-py``) is imported lazily; ``--log-energy`` without it is
-refused before start-up (``ObservabilityConfig.check_extras``: ``pip install 'stalwart[nvml]'``).
+refused before start-up (``ShellConfig.check_extras``: ``pip install 'stalwart[nvml]'``).
 Without NVML's driver library or a CUDA device the meter logs "energy: not available (<reason>)" once and reports nothing, but still joins the
 all-reduce so that mixed ranks cannot deadlock. Cost: one NVML call (~10 µs) per lap, no device
 sync.
