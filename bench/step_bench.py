@@ -68,7 +68,7 @@ def build_variant(base: list[str], extra: list[str]) -> Trainer:
     config = build_run_config(parse_train_args(argv), argv)
     device = choose_device(0, config.training.use_cpu)
     trainer = Trainer(config, DistributedContext(device=device))
-    trainer.timers(INTERVAL_TIME).start()
+    trainer.shell.timers(INTERVAL_TIME).start()
     return trainer
 
 

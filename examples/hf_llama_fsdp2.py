@@ -1,8 +1,8 @@
 """A Hugging Face ``LlamaForCausalLM`` under FSDP2, trained through stalwart's guarded step.
 
 Not the bundled GPT: transformers' own Llama (random init from a small config, nothing is
-downloaded), sharded with ``fully_shard`` per decoder layer, in a hand-written loop built from
-the public ``stalwart.loop`` objects, as in the README's "in your own loop". What it gets:
+downloaded), sharded with ``fully_shard`` per decoder layer, in a hand-written loop on
+``stalwart.loop.Shell``: the README's "in your own loop", call for call. What it gets:
 
 * the rerun state machine: a fault in an iteration is replayed on the same micro-batches and
   RNG before any weight moves; a persistent one exits 16 with a checkpoint, and the relaunch on
@@ -38,13 +38,9 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stalwart.checkpoint import CheckpointManager
-from stalwart.loop import Checkpointer, GuardedStep, LoopState, RngState
-from stalwart.reliability.exit import ExitConfig, SaveKind, decide, exit_inputs, leave
-from stalwart.reliability.hang.sections import (
-    FaultToleranceConfig,
-    SectionTimeouts,
-    build_section_monitor,
-)
+from stalwart.loop import Checkpointer, LoopState, RngState, ShellConfig
+from stalwart.reliability.exit import ExitConfig, SaveKind
+from stalwart.reliability.hang.sections import FaultToleranceConfig, SectionTimeouts
 from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 
 VOCAB, SEQ, MICRO_BATCH, MICROBATCHES = 128, 16, 2, 2
@@ -117,51 +113,44 @@ def run(job: Job) -> tuple[int, nn.Module]:
             error_injection_iterations=[job.fault_at],
             result_rejected_tracker_filename=os.path.join(job.save_dir, "rejected.txt"),
         )  # fmt: skip
-    device = torch.device("cpu")
     model = shard(build_model()) if job.world_size > 1 else build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    exit_config = ExitConfig(exit_signal_handler=True, save_interval=1000)
-    handler = exit_config.make_signal_handler()
-    agreement = exit_config.build(handler)  # the iteration's one collective
-    machine = RerunConfig(**rerun_flags).build(device, agreement=agreement)
-    data = RerunDataIterator(batches(job.rank))
-    step = GuardedStep(model=model, optimizer=optimizer, forward_step=forward_step,
-                       machine=machine, data=data, num_microbatches=MICROBATCHES, clip_grad=1.0,
-                       agreement=agreement, lookahead=False)  # fmt: skip
-    state = LoopState()
-    ckpt = Checkpointer(CheckpointManager(job.save_dir), model, optimizer,
-                        common={"step": step, "loop": state, "data": data},
-                        per_rank={"rng": RngState(machine.rng), "rerun": machine})  # fmt: skip
     ft = FaultToleranceConfig(
         enable_ft=job.hang_timeout_s > 0, ft_num_warmup_iters=0, poll_interval_s=0.1,
         timeouts=SectionTimeouts(setup=120, step=job.hang_timeout_s or 180, out_of_section=120),
     )  # fmt: skip
-    monitor = build_section_monitor(ft, job.rank, job.save_dir)
-    try:
-        with handler:
-            ckpt.load()  # resume, if there is a checkpoint
-            monitor.on_checkpoint_loaded(persistent=True)
+    config = ShellConfig(train_iters=job.iters, save_dir=job.save_dir, ft=ft,
+                         exit=ExitConfig(exit_signal_handler=True, save_interval=1000),
+                         rerun=RerunConfig(**rerun_flags))  # fmt: skip
+    with config.build(rank=job.rank, world_size=job.world_size) as shell:
+        data = RerunDataIterator(batches(job.rank))
+        step = shell.step(model, optimizer, forward_step, data, num_microbatches=MICROBATCHES,
+                          clip_grad=1.0, lookahead=False)  # fmt: skip
+        state = LoopState()
+        ckpt = Checkpointer(CheckpointManager(job.save_dir), model, optimizer,
+                            common={"step": step, "loop": state, "data": data},
+                            per_rank={"rng": RngState(shell.machine.rng), "rerun": shell.machine})  # fmt: skip
+        try:
+            shell.start(resumed=ckpt.load())  # resume, if there is a checkpoint
             while True:
                 _scheduler_and_hardware_events(job, state.iteration + 1)
-                with monitor.step_section():
+                shell.maybe_finalize(ckpt)
+                with shell.iteration(state.iteration):
                     if job.hang_at == state.iteration + 1 and job.rank == job.world_size - 1:
                         _stuck_in_the_step()
                     result = step.run(state.iteration, launch_next=False)
                 if not result.verdict.exit:  # a rejected iteration is not done
                     state.iteration += 1
+                shell.record(state.iteration, result, batch_size=MICRO_BATCH * MICROBATCHES * job.world_size)  # fmt: skip
                 done = state.iteration >= job.iters
-                inputs = exit_inputs(result.agreed, rerun=result.verdict, finished=done)
-                decision = decide(state.iteration, inputs, exit_config, can_save=True)
+                decision = shell.decide(state.iteration, result, finished=done)
                 if decision.save is not SaveKind.NONE:  # e.g. before an exit 16, on SIGTERM
-                    ckpt.save(state.iteration)
+                    with shell.saving(state.iteration):
+                        ckpt.save(state.iteration)
                 if decision.exit:
-                    ckpt.finalize()
-                    code = leave(decision, state.iteration, save_dir=job.save_dir, rank=job.rank)
-                    return code, model
-    finally:
-        step.close()
-        ckpt.close()
-        monitor.close()
+                    return shell.finish(decision, state.iteration, ckpt), model
+        finally:
+            ckpt.close()
 
 
 def _scheduler_and_hardware_events(job: Job, iteration: int) -> None:

@@ -181,7 +181,7 @@ def test_save_tokens_per_expert_interval_records_every_micro_batch(tmp_path: Pat
 def test_straggler_minmax_count_reaches_the_detector() -> None:
     config = make_config("--log-straggler", "--straggler-minmax-count", "3")
     with Trainer(config, DistributedContext()) as trainer:
-        assert trainer.observer.straggler.minmax_count == 3  # type: ignore[union-attr]
+        assert trainer.shell.observer.straggler.minmax_count == 3  # type: ignore[union-attr]
 
 
 def test_log_progress_writes_megatrons_progress_file(tmp_path: Path) -> None:

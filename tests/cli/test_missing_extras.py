@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from stalwart.cli.main import main
-from stalwart.config.observability import ObservabilityConfig
-from stalwart.integrations.shell import ShellConfig
+from stalwart.loop import ShellConfig
+from stalwart.observability.sinks import SinkConfig
 
 from train_utils import TINY_FLAGS
 
@@ -42,7 +42,7 @@ def test_the_shell_refuses_a_missing_extra_before_building(
 ) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)
     config = ShellConfig(
-        train_iters=2, save_dir=str(tmp_path / "s"), obs=ObservabilityConfig(wandb_project="p")
+        train_iters=2, save_dir=str(tmp_path / "s"), sinks=SinkConfig(wandb_project="p")
     )
     with pytest.raises(ValueError, match=r"--wandb-project needs .*stalwart\[wandb\]"):
         config.build()

@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from stalwart.config.checks import bounds, check_fields
-from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.run import GraphConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
+from stalwart.observability.profiler import ProfilerConfig
+from stalwart.observability.sinks import SinkConfig
+from stalwart.observability.straggler import StragglerConfig
+from stalwart.observability.timers import TimerConfig
 
 
 @pytest.mark.parametrize(
@@ -33,10 +36,10 @@ from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConf
         (lambda: DataConfig(valid_fraction=math.inf), "--valid-fraction"),
         (lambda: CheckpointConfig(save_interval=-1), "--save-interval must be >= 0"),
         (lambda: CheckpointConfig(save_on_exit=1), "CheckpointConfig.save_on_exit"),
-        (lambda: ObservabilityConfig(straggler_threshold=math.inf), "--straggler-threshold"),
-        (lambda: ObservabilityConfig(wandb_mode="bogus"), "--wandb-mode"),
-        (lambda: ObservabilityConfig(timing_log_level=9), "--timing-log-level"),
-        (lambda: ObservabilityConfig(profile_ranks=[0, -1]), "--profile-ranks must be >= 0"),
+        (lambda: StragglerConfig(straggler_threshold=math.inf), "--straggler-threshold"),
+        (lambda: SinkConfig(wandb_mode="bogus"), "--wandb-mode"),
+        (lambda: TimerConfig(timing_log_level=9), "--timing-log-level"),
+        (lambda: ProfilerConfig(profile=True, profile_ranks=[0, -1]), "--profile-ranks must be"),
         (lambda: GraphConfig(cuda_graph_warmup_steps=0), "--cuda-graph-warmup-steps must be >= 1"),
     ],
 )

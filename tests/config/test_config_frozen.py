@@ -11,13 +11,10 @@ import pytest
 
 from stalwart.cli.args import parse_train_args
 from stalwart.cli.main import main
-from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.run import build_run_config, check_combinations, derive_combinations
 from stalwart.config.training import TrainingConfig
-from stalwart.distributed.process_group import DistributedContext
-from stalwart.models import GPT
-from stalwart.observability.sinks import WandbMode, WandbSink, build_sinks
-from stalwart.observability.timers import Timers, TimingLogOption, TimingMode
+from stalwart.observability.sinks import SinkConfig, WandbMode, WandbSink, build_sinks
+from stalwart.observability.timers import TimerConfig, Timers, TimingLogOption, TimingMode
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.rerun import RerunConfig
 
@@ -32,7 +29,7 @@ def test_derived_values_are_set_when_built_and_the_config_is_frozen() -> None:
     assert config.log.log_progress_bar is False  # TINY_FLAGS has --no-progress-bar
     argv = [f for f in TINY_FLAGS if f != "--no-progress-bar"]
     assert build_run_config(parse_train_args(argv), argv).log.log_progress_bar is None
-    for target, name, value in ((config, "obs", None), (config.obs, "timing_mode", "events"),
+    for target, name, value in ((config, "timers", None), (config.timers, "timing_mode", "events"),
                                 (config.graphs, "cuda_graph_impl", "none")):  # fmt: skip
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(target, name, value)
@@ -84,31 +81,28 @@ def test_a_bad_mode_exits_2_naming_the_flag(how: str, flag: str, tmp_path, capsy
 
 
 def test_the_config_parses_each_mode_once_naming_the_flag() -> None:
-    obs = ObservabilityConfig(timing_log_option="all", wandb_mode="offline")
-    assert obs.timing_log_option is TimingLogOption.ALL and obs.wandb_mode is WandbMode.OFFLINE
-    assert ObservabilityConfig().wandb_mode is None
-    assert ObservabilityConfig().timing_log_option is TimingLogOption.MINMAX
-    for field, flag in (
-        ("timing_log_option", "--timing-log-option"),
-        ("wandb_mode", "--wandb-mode"),
+    timers, sinks = TimerConfig(timing_log_option="all"), SinkConfig(wandb_mode="offline")
+    assert timers.timing_log_option is TimingLogOption.ALL and sinks.wandb_mode is WandbMode.OFFLINE
+    assert SinkConfig().wandb_mode is None
+    assert TimerConfig().timing_log_option is TimingLogOption.MINMAX
+    for kind, field, flag in (
+        (TimerConfig, "timing_log_option", "--timing-log-option"),
+        (SinkConfig, "wandb_mode", "--wandb-mode"),
     ):
         allowed = MODE_FLAGS[flag]
         with pytest.raises(ValueError, match=f"^{flag}: got 'bogus', allowed: {allowed}$"):
-            ObservabilityConfig(**{field: "bogus"})
+            kind(**{field: "bogus"})
 
 
 def test_log_option_and_wandb_mode_are_enums_from_the_flag_to_the_components() -> None:
-    from stalwart.train.observe import build_observability
-
     config = make_config("--timing-log-option", "all", "--wandb-mode", "disabled")
-    assert config.obs.timing_log_option is TimingLogOption.ALL
-    assert config.obs.wandb_mode is WandbMode.DISABLED
-    assert config.to_dict()["obs"]["timing_log_option"] == "all"  # printed as the flag's value
-    assert config.to_dict()["obs"]["wandb_mode"] == "disabled"
-    timers, sink, *_ = build_observability(
-        config, DistributedContext(), 0.0, GPT(config.model), None
-    )
-    sink.close()
+    assert config.timers.timing_log_option is TimingLogOption.ALL
+    assert config.sinks.wandb_mode is WandbMode.DISABLED
+    assert config.to_dict()["timers"]["timing_log_option"] == "all"  # the flag's value
+    assert config.to_dict()["sinks"]["wandb_mode"] == "disabled"
+    shell = config.shell_config().build()
+    shell.close()
+    timers = shell.timers
     assert timers.log_option is TimingLogOption.ALL
     # A string would print min/max for a typo, or reach wandb unchecked: the components refuse it.
     with pytest.raises(TypeError, match="TimingLogOption"):
@@ -120,18 +114,15 @@ def test_log_option_and_wandb_mode_are_enums_from_the_flag_to_the_components() -
 
 
 def test_timing_mode_is_an_enum_from_the_flag_to_the_timers() -> None:
-    from stalwart.train.observe import build_observability
-
     config = make_config("--timing-mode", "events", "--timing-log-level", "1")
-    assert config.obs.timing_mode is TimingMode.EVENTS
-    assert make_config().obs.timing_mode is TimingMode.SYNC
-    assert ObservabilityConfig(timing_mode="events").timing_mode is TimingMode.EVENTS
+    assert config.timers.timing_mode is TimingMode.EVENTS
+    assert make_config().timers.timing_mode is TimingMode.SYNC
+    assert TimerConfig(timing_mode="events").timing_mode is TimingMode.EVENTS
     with pytest.raises(ValueError, match="--timing-mode: got 'bogus', allowed: sync, events"):
-        ObservabilityConfig(timing_mode="bogus")
-    timers, sink, *_ = build_observability(
-        config, DistributedContext(), 0.0, GPT(config.model), None
-    )
-    sink.close()
+        TimerConfig(timing_mode="bogus")
+    shell = config.shell_config().build()
+    shell.close()
+    timers = shell.timers
     assert timers.mode is TimingMode.EVENTS and timers.log_level == 1
     # A string would silently time on the host clock: the component refuses it.
     with pytest.raises(TypeError, match="TimingMode"):

@@ -18,13 +18,13 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from stalwart.config.observability import ObservabilityConfig  # noqa: E402
 from stalwart.integrations.lightning import (  # noqa: E402
     GuardedModule,
     StalwartCallback,
     latest_checkpoint,
 )
 from stalwart.integrations.resumable import ResumableLoader  # noqa: E402
+from stalwart.observability.sinks import SinkConfig  # noqa: E402
 from stalwart.observability.train_log import LogConfig  # noqa: E402
 from stalwart.reliability.rerun import DEVICE_ID_ENV, RerunConfig  # noqa: E402
 
@@ -85,7 +85,7 @@ def _params(module: TinyLlama) -> dict[str, torch.Tensor]:
 
 def test_log_tensorboard_sigterm_resume_is_exact(tmp_path: Path, capsys: Any) -> None:
     tb = tmp_path / "tb"
-    full, callback = _fit(tmp_path / "full", obs=ObservabilityConfig(tensorboard_dir=str(tb)))
+    full, callback = _fit(tmp_path / "full", sinks=SinkConfig(tensorboard_dir=str(tb)))
     assert callback.exit_code == 0
     printed = capsys.readouterr().out
     assert f"iteration        {STEPS}/       {STEPS} |" in printed and "lm loss:" in printed

@@ -68,7 +68,7 @@ def test_import_stalwart_needs_neither_framework() -> None:
         "import sys\n"
         "for name in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate'):\n"
         "    sys.modules[name] = None\n"
-        "import stalwart, stalwart.integrations.shell, stalwart.integrations.framework_step\n"
+        "import stalwart, stalwart.loop.shell, stalwart.integrations.framework_step\n"
         "import stalwart.observability.flop_count, stalwart.train, stalwart.cli.main\n"
         "for module in ('lightning', 'hf'):\n"
         "    try:\n"

@@ -1,4 +1,4 @@
-"""The framework-neutral pieces: ``TrainingShell`` in a hand-written loop (its docstring's
+"""The framework-neutral pieces: ``stalwart.loop.Shell`` in a hand-written loop (its docstring's
 shape), ``ResumableLoader``'s docstring, bad configs, and the HF callback on a plain Trainer."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from stalwart.integrations import resumable
-from stalwart.integrations.shell import ShellConfig
+from stalwart.loop import ShellConfig
+from stalwart.observability.dumps import TensorDumpConfig
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.exit import SaveKind
 
@@ -67,3 +68,21 @@ def test_shell_around_a_hand_written_step_saves_and_exits_on_sigterm(
     productive = [r["it"] for r in records if r.get("b") == "productive"]
     assert sorted(set(productive)) == [1, 2, 3]
     assert any(r.get("b") == "checkpoint" for r in records)
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"dumps": TensorDumpConfig(save_params_interval=1)}, "tensor dumps"),
+        ({"log": LogConfig(log_num_zeros_in_grad=True)}, r"LogConfig\.log_num_zeros_in_grad"),
+    ],
+)
+def test_settings_of_the_guarded_step_are_refused_without_it(
+    tmp_path: Path, fields: dict[str, Any], needle: str
+) -> None:
+    """A framework's own step (no ``Shell.step``) cannot honour them: one line, not silence."""
+    with ShellConfig(train_iters=2, save_dir=str(tmp_path), **fields).build() as shell:
+        shell.start()
+        refused = pytest.raises(ValueError, match=rf"^{needle}.*: needs the guarded step")
+        with refused, shell.iteration(0):
+            pass

@@ -280,7 +280,7 @@ def test_trainer_wires_the_flags_into_its_step() -> None:
         assert torch.isfinite(result.losses["lm loss"]) and weights.copies
         from stalwart.observability.memory import MemoryMonitor
 
-        monitor = next(p for p in trainer.log.providers if isinstance(p, MemoryMonitor))
+        monitor = next(p for p in trainer.shell.log.providers if isinstance(p, MemoryMonitor))
         assert monitor.estimate is not None  # the theoretical report counts the copies
         copies = sum(c.numel() for c in weights.copies if c.dtype == torch.bfloat16)
         assert monitor.estimate.breakdown["compute_weight_copies"] == 2 * copies

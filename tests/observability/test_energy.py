@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from stalwart.observability.energy import EnergyMeter, NullEnergyMeter, make_energy_meter
+from stalwart.observability.energy import EnergyConfig, EnergyMeter, NullEnergyMeter
 from stalwart.observability.train_log import IntervalInfo
 
 
@@ -21,7 +21,7 @@ def _info(it: int, n: int = 1) -> IntervalInfo:
 
 def test_cpu_not_available_logged_once() -> None:
     messages: list[str] = []
-    meter = make_energy_meter(True, torch.device("cpu"), log=messages.append)
+    meter = EnergyConfig(log_energy=True).build(torch.device("cpu"), log=messages.append)
     assert isinstance(meter, EnergyMeter) and not meter.available
     meter.start()
     for it in range(1, 4):
@@ -34,7 +34,7 @@ def test_cpu_not_available_logged_once() -> None:
 
 
 def test_null_meter() -> None:
-    meter = make_energy_meter(False, torch.device("cpu"))
+    meter = EnergyConfig().build(torch.device("cpu"))
     assert isinstance(meter, NullEnergyMeter)
     meter.start()
     assert meter.lap(5) is None and meter.log_fields(_info(1)) == []

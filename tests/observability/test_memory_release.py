@@ -8,9 +8,9 @@ import torch
 from stalwart.cli.args import parse_train_args
 from stalwart.config.run import build_run_config
 from stalwart.observability.memory_release import (
+    MemoryReleaseConfig,
     NullMemoryRelease,
     UnusedMemoryRelease,
-    make_memory_release,
 )
 
 
@@ -33,20 +33,25 @@ def test_levels_empty_the_cache_at_megatrons_points(level: int, expected: list[s
 
 
 def test_null_on_cpu_and_at_level_zero() -> None:
-    assert isinstance(make_memory_release(0, torch.device("cuda", 0)), NullMemoryRelease)
-    assert isinstance(make_memory_release(2, torch.device("cpu")), NullMemoryRelease)
+    off, on = MemoryReleaseConfig(), MemoryReleaseConfig(empty_unused_memory_level=2)
+    assert isinstance(off.build(torch.device("cuda", 0)), NullMemoryRelease)
+    assert isinstance(on.build(torch.device("cpu")), NullMemoryRelease)
+    assert isinstance(on.build(torch.device("cuda", 0)), UnusedMemoryRelease)
     for bad in (3, -1, True, "1"):
         with pytest.raises(ValueError, match="--empty-unused-memory-level"):
-            make_memory_release(bad, torch.device("cpu"))  # type: ignore[arg-type]
+            MemoryReleaseConfig(empty_unused_memory_level=bad)  # type: ignore[arg-type]
 
 
 def test_flags_reach_the_config() -> None:
     argv = ["--save-wgrads-interval", "5", "--save-params-interval", "7"]
     argv += ["--empty-unused-memory-level", "2", "--no-exit-on-interrupt"]
     config = build_run_config(parse_train_args(argv), argv)
-    obs = config.obs
-    assert (obs.save_wgrads_interval, obs.save_params_interval) == (5, 7)
-    assert obs.empty_unused_memory_level == 2 and config.exit.exit_on_interrupt is False
+    dumps = config.dumps
+    assert (dumps.save_wgrads_interval, dumps.save_params_interval) == (5, 7)
+    assert (
+        config.memory_release.empty_unused_memory_level == 2
+        and config.exit.exit_on_interrupt is False
+    )
     on = ["--exit-on-interrupt"]
     assert build_run_config(parse_train_args(on), on).exit.exit_on_interrupt is True
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,8 +12,8 @@ from stalwart.cli.main import main
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.observability.profiler import (
     NullProfilerWindow,
+    ProfilerConfig,
     TorchProfilerWindow,
-    make_profiler_window,
 )
 from stalwart.train.trainer import run_training
 
@@ -64,11 +65,13 @@ def test_resume_inside_the_window_profiles_the_rest(tmp_path) -> None:
 
 
 def test_only_the_chosen_ranks_profile() -> None:
-    cpu = torch.device("cpu")
-    kwargs = {"out_dir": ".", "device": cpu, "use_pytorch_profiler": True, "ranks": [1, 3]}
-    assert isinstance(make_profiler_window(True, 1, 2, rank=0, **kwargs), NullProfilerWindow)
-    assert isinstance(make_profiler_window(True, 1, 2, rank=3, **kwargs), TorchProfilerWindow)
-    assert isinstance(make_profiler_window(False, 1, 2, rank=3, **kwargs), NullProfilerWindow)
+    on = ProfilerConfig(profile=True, profile_step_start=1, profile_step_end=2,
+                        profile_ranks=[1, 3], use_pytorch_profiler=True)  # fmt: skip
+    kwargs = {"world_size": 4, "device": torch.device("cpu"), "run_dir": "."}
+    assert isinstance(on.build(rank=0, **kwargs), NullProfilerWindow)
+    assert isinstance(on.build(rank=3, **kwargs), TorchProfilerWindow)
+    off = dataclasses.replace(on, profile=False)
+    assert isinstance(off.build(rank=3, **kwargs), NullProfilerWindow)
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import torch
 from stalwart.observability.straggler import (
     STRAGGLER_FILE,
     NullStragglerDetector,
+    StragglerConfig,
     StragglerDetector,
     build_report,
-    make_straggler_detector,
 )
 from stalwart.observability.straggler_timing import WallTiming
 from stalwart.observability.train_log import IntervalInfo
@@ -42,7 +42,9 @@ def test_build_report_no_straggler_when_balanced() -> None:
 @pytest.mark.parametrize(("threshold", "count"), [(1.0, 1), (float("nan"), 1), (1.5, 0)])
 def test_bad_flags_raise(threshold: float, count: int) -> None:
     with pytest.raises(ValueError, match=r"--straggler-threshold|--straggler-minmax-count"):
-        make_straggler_detector(True, torch.device("cpu"), threshold=threshold, minmax_count=count)
+        StragglerConfig(
+            log_straggler=True, straggler_threshold=threshold, straggler_minmax_count=count
+        )
 
 
 class _Clock:
@@ -108,7 +110,7 @@ def test_cpu_detector_on_the_host_clock_excludes_the_measured_wait() -> None:
 
 
 def test_null_detector_does_nothing() -> None:
-    det = make_straggler_detector(False, torch.device("cpu"))
+    det = StragglerConfig().build(torch.device("cpu"))
     assert isinstance(det, NullStragglerDetector)
     with det.compute():
         pass

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stalwart.cli.main import main
-from stalwart.integrations.shell import ShellConfig
+from stalwart.loop import ShellConfig
 from stalwart.loop.step import StepResult
 from stalwart.reliability.agreement import IterationAgreement
 from stalwart.reliability.exit import ExitConfig, SaveKind

@@ -79,7 +79,7 @@ def _check_before_start(config: RunConfig) -> None:
     from stalwart.distributed.launch_env import env_int
     from stalwart.distributed.process_group import choose_device
 
-    config.obs.check_extras()  # a missing tensorboard/wandb/pynvml: one line, before any work
+    config.shell_config().check_extras()  # a missing tensorboard/wandb/pynvml: one line, before any work
     world = env_int("WORLD_SIZE", 1, minimum=1)
     device = choose_device(env_int("LOCAL_RANK", 0), config.training.use_cpu)
     local_world = env_int("LOCAL_WORLD_SIZE", world, minimum=1)
@@ -95,19 +95,18 @@ def _check_output_paths(config: RunConfig) -> None:
     from stalwart.observability.progress_log import PROGRESS_FILE
     from stalwart.observability.run_dir import EVENTS_FILE, METRICS_FILE
 
-    obs = config.obs
     if config.checkpoint.save is not None and not config.checkpoint.save.strip():
         raise ValueError("--save is empty (it takes a directory)")
     for flag, value in (
-        ("--run-dir", obs.run_dir),
-        ("--tensorboard-dir", obs.tensorboard_dir),
-        ("--wandb-save-dir", obs.wandb_save_dir),
-        ("--dump-dir", obs.dump_dir),
-        ("--profile-dir", obs.profile_dir),
+        ("--run-dir", config.run_dir),
+        ("--tensorboard-dir", config.sinks.tensorboard_dir),
+        ("--wandb-save-dir", config.sinks.wandb_save_dir),
+        ("--dump-dir", config.dumps.dump_dir),
+        ("--profile-dir", config.profiler.profile_dir),
     ):
         check_output_dir(flag, value)
-    check_output_file("--metrics-file", obs.metrics_file)
-    for flag, directory in (("--run-dir", obs.run_dir), ("--save", config.checkpoint.save)):
+    check_output_file("--metrics-file", config.sinks.metrics_file)
+    for flag, directory in (("--run-dir", config.run_dir), ("--save", config.checkpoint.save)):
         # The files the run appends to there (a planted FIFO would block the first append).
         check_files_in(flag, directory, (PROGRESS_FILE, GOODPUT_FILE, METRICS_FILE, EVENTS_FILE))
     _check_cache_env(config)

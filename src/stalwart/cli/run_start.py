@@ -101,17 +101,17 @@ def default_run_dir(
 def with_default_run_dir(config: RunConfig, env: Mapping[str, str]) -> RunConfig:
     """``config`` with `default_run_dir` as ``--run-dir`` when it has neither --save nor
     --run-dir (a changed copy; the original is left as it was)."""
-    if config.checkpoint.save is not None or config.obs.run_dir is not None:
+    if config.checkpoint.save is not None or config.run_dir is not None:
         return config  # given (an empty one is refused by the path checks, not replaced)
     run_dir = default_run_dir(env)
     if run_dir is None:
         return config
-    return dataclasses.replace(config, obs=dataclasses.replace(config.obs, run_dir=run_dir))
+    return dataclasses.replace(config, run_dir=run_dir)
 
 
 def start_line(config: RunConfig, explicit: set[str]) -> str:
     """The run's first line: its run directory and the defaults unlike Megatron's it uses."""
-    run_dir = config.obs.run_dir or config.checkpoint.save
+    run_dir = config.artefact_dir
     where = (
         f"run directory {run_dir} (metrics, goodput; stalwart report {run_dir})"
         if run_dir

@@ -36,8 +36,8 @@ def _loss_summary(metrics_file: str) -> str | None:
 
 def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
     save = config.checkpoint.save
-    run_dir = run_dir_for(save, config.obs.run_dir)
-    metrics = config.obs.metrics_file or (
+    run_dir = run_dir_for(save, config.run_dir)
+    metrics = config.sinks.metrics_file or (
         str(RunPaths.for_run(run_dir).metrics) if run_dir else None
     )
     print(f"\nDemo finished at iteration {outcome.iteration} ({outcome.reason.value}).")

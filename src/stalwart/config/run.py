@@ -18,11 +18,20 @@ from typing import Any
 
 from stalwart.config.checks import bounds, check_fields
 from stalwart.config.model import architecture_overrides, check_megatron_model_flags
-from stalwart.config.observability import ObservabilityConfig
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.graphs.checks import CudaGraphImpl
 from stalwart.loop.plans import EagerPlan, GraphPlan
+from stalwart.loop.shell_config import PROBES, ShellConfig
 from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
+from stalwart.observability.dumps import TensorDumpConfig
+from stalwart.observability.energy import EnergyConfig
+from stalwart.observability.memory import MemoryConfig
+from stalwart.observability.memory_release import MemoryReleaseConfig
+from stalwart.observability.profiler import ProfilerConfig
+from stalwart.observability.progress_log import ProgressLogConfig
+from stalwart.observability.sinks import SinkConfig
+from stalwart.observability.straggler import StragglerConfig
+from stalwart.observability.timers import TimerConfig
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.exit import ExitConfig
 from stalwart.reliability.faults import FaultInjectionConfig
@@ -62,6 +71,13 @@ def _check_moe_flags(ns: argparse.Namespace, num_experts: int) -> None:
         )
 
 
+# The shell's probe configs, by RunConfig field: each built from its flags (one field a flag).
+_PROBE_CONFIGS: dict[str, type] = {
+    "sinks": SinkConfig, "timers": TimerConfig, "straggler": StragglerConfig,
+    "memory": MemoryConfig, "energy": EnergyConfig, "dumps": TensorDumpConfig,
+    "profiler": ProfilerConfig, "memory_release": MemoryReleaseConfig,
+    "progress": ProgressLogConfig,
+}  # fmt: skip
 DEFAULT_TRAIN_ITERS = 100  # --train-iters without --train-samples
 
 _MODEL_FLAGS = {
@@ -157,7 +173,16 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    obs: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    run_dir: str | None = None  # --run-dir (default: --save)
+    sinks: SinkConfig = field(default_factory=SinkConfig)
+    timers: TimerConfig = field(default_factory=TimerConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    energy: EnergyConfig = field(default_factory=EnergyConfig)
+    dumps: TensorDumpConfig = field(default_factory=TensorDumpConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    memory_release: MemoryReleaseConfig = field(default_factory=MemoryReleaseConfig)
+    progress: ProgressLogConfig = field(default_factory=ProgressLogConfig)
     rerun: RerunConfig = field(default_factory=RerunConfig)
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -174,11 +199,25 @@ class RunConfig:
             return None
         if self.training.compile_cache_dir is not None:
             return "--compile-cache-dir", self.training.compile_cache_dir
-        run_dir, flag = (self.obs.run_dir, "--run-dir") if self.obs.run_dir else (
+        run_dir, flag = (self.run_dir, "--run-dir") if self.run_dir else (
             self.checkpoint.save, "--save")  # fmt: skip
         if not run_dir:
             return None
         return f"{flag}'s compile cache", os.path.join(run_dir, DEFAULT_CACHE_DIRNAME)
+
+    @property
+    def artefact_dir(self) -> str | None:
+        """Where run artefacts go: ``--run-dir``, else ``--save``, else nowhere."""
+        return self.run_dir or self.checkpoint.save
+
+    def shell_config(self) -> ShellConfig:
+        """The shell's part of the run: its probes, exits, hang detection, rerun and log."""
+        probes = {name: getattr(self, name) for name in PROBES}
+        return ShellConfig(
+            train_iters=self.training.train_iters, save_dir=self.checkpoint.save,
+            run_dir=self.run_dir, seq_length=self.model.seq_length, exit=self.exit, ft=self.ft,
+            rerun=self.rerun, log=self.log, **probes,
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe nested dict (saved in checkpoints and printed by ``--print-config``)."""
@@ -288,7 +327,8 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         training=training,
         checkpoint=checkpoint,
         log=log,
-        obs=_pick(ns, ObservabilityConfig),
+        run_dir=ns.run_dir,
+        **{name: _pick(ns, kind) for name, kind in _PROBE_CONFIGS.items()},
         rerun=rerun,
         ft=_ft_config(ns),
         exit=exit_config,
@@ -333,7 +373,7 @@ def check_combinations(config: RunConfig) -> None:
     _check_timeout_hierarchy(config)
     if config.inprocess.inprocess_restart and not config.checkpoint.save:
         raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
-    if config.obs.log_progress and not config.checkpoint.save:
+    if config.progress.log_progress and not config.checkpoint.save:
         raise ValueError("--log-progress needs --save (progress.txt is written there)")
     if config.rerun.error_injection_once and not config.checkpoint.save:
         raise ValueError("--error-injection-once needs --save (the fired-once markers live there)")

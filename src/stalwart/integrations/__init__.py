@@ -6,8 +6,8 @@
 * ``stalwart.integrations.hf``: a Hugging Face ``TrainerCallback`` mapping stalwart's decisions
   onto ``control.should_save`` / ``should_training_stop``, and a ``Trainer`` subclass for the rerun
   state machine (``pip install 'stalwart[hf]'``).
-* :mod:`stalwart.integrations.shell` and :mod:`stalwart.integrations.framework_step`: what both
-  are built on, usable from any loop whose framework owns the data and the checkpoints.
+* :mod:`stalwart.integrations.framework_step`: the guarded step fed by a framework's batches,
+  built on the same :class:`stalwart.loop.Shell` as the reference trainer and any loop.
 
 Importing this package (or ``stalwart``) imports neither framework; each adapter imports its own
 when it is imported, with one line naming the extra to install when it is missing.

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stalwart.loop import GuardedStep, RngState, StepResult
+from stalwart.loop import RngState, StepResult
 from stalwart.loop.microbatches import ForwardStep, as_output
 from stalwart.observability.train_log import MAIN_LOSS_KEY
 from stalwart.reliability.rerun import RerunDataIterator, RerunState
@@ -66,8 +66,8 @@ class FrameworkStep:
     """A :class:`GuardedStep` fed by a framework (see the module docstring).
 
     Args:
-        shell: the :class:`stalwart.integrations.shell.TrainingShell` (its machine, agreement,
-            timers, straggler detector and goodput ledger).
+        shell: the :class:`stalwart.loop.Shell`, which builds the guarded step (its machine,
+            agreement, timers, observer and goodput ledger).
         model / optimizer / forward_step: as for :class:`GuardedStep`; ``forward_step(batch,
             model)`` returns the loss or a dict with ``"loss"``.
         clip_grad: global gradient-norm clip (0: none).
@@ -92,12 +92,9 @@ class FrameworkStep:
         self.machine = shell.machine
         self._feed = _Feed()
         self.data: RerunDataIterator[Any] = RerunDataIterator(self._feed)
-        self.step = GuardedStep(
-            model=model, optimizer=optimizer, forward_step=reporting_loss(forward_step),
-            machine=self.machine,
-            data=self.data, num_microbatches=1, clip_grad=clip_grad, autocast=autocast,
-            lookahead=False, dp_group=dp_group, agreement=shell.agreement, timers=shell.timers,
-            observer=shell.straggler, goodput=shell.ledger, backward=backward,
+        self.step = shell.step(
+            model, optimizer, reporting_loss(forward_step), self.data, clip_grad=clip_grad,
+            autocast=autocast, lookahead=False, dp_group=dp_group, backward=backward,
         )  # fmt: skip
         self.rng = RngState(self.machine.rng)
         self.iteration = 0  # accepted iterations

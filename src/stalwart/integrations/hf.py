@@ -6,7 +6,7 @@ for the rerun state machine.
     from stalwart.integrations.hf import StalwartCallback, StalwartTrainer
     from stalwart.reliability.rerun import RerunConfig
 
-    callback = StalwartCallback(rerun=RerunConfig())          # + exit=, ft=, log=, obs=
+    callback = StalwartCallback(rerun=RerunConfig())          # + exit=, ft=, log=, the probes
     trainer = StalwartTrainer(model=model, args=TrainingArguments(output_dir, max_steps=1000),
                               train_dataset=dataset, callbacks=[callback])
     trainer.train(resume_from_checkpoint=latest_checkpoint(output_dir))
@@ -14,7 +14,7 @@ for the rerun state machine.
 
 What the callback does, hook by hook (it maps stalwart's decisions onto ``TrainerControl``):
 
-* ``on_train_begin``: builds the :class:`~stalwart.integrations.shell.TrainingShell` (hang
+* ``on_train_begin``: builds the :class:`~stalwart.loop.Shell` (hang
   monitor, the goodput ledger, the sinks) and installs the exit-signal handler (SIGTERM only
   raises a flag; the ranks agree on it after the step);
 * ``on_step_begin`` / ``on_step_end``: the watchdog's ``step`` section and a goodput step around
@@ -36,7 +36,9 @@ rejected iteration never touches the weights). The loss is the plain Trainer's
 follows is a no-op during ``train()`` and the ``grad_norm`` it logs is the guarded step's (the
 norm before the clip, as the Trainer's).
 
-Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch); the Trainer counts a
+Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch); tensor dumps need
+:class:`StalwartTrainer` and start at the second step (the guarded step is built inside the
+first); the Trainer counts a
 rejected iteration (exit 16) as a step, so its checkpoint is named one step on: stalwart's state
 in it says the iteration was not done and the resume reruns it from the saved batch. DeepSpeed
 and SageMaker's model parallelism are not supported by the subclass. The callback alone (on a
@@ -57,8 +59,8 @@ import torch
 
 from stalwart.integrations import require
 from stalwart.integrations.framework_step import FrameworkStep
-from stalwart.integrations.shell import ShellConfig, TrainingShell
 from stalwart.loop import StepResult
+from stalwart.loop.shell import Shell, ShellConfig
 from stalwart.observability.flop_count import count_training_flops
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
 from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
@@ -86,15 +88,18 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
     Args:
         save_dir: where ``exit_reason.json``, ``ft_state.json`` and the rerun files go
             (default: the Trainer's ``output_dir``).
-        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``, ``obs``,
-            ``run_dir``, ``goodput``, ``seq_length`` (``train_iters`` is the Trainer's).
+        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``,
+            the probes (``sinks``, ``timers``, ``straggler``, ``memory``, ``energy``,
+            ``dumps``, ``profiler``, ``memory_release``, ``progress``), ``run_dir``,
+            ``goodput``, ``seq_length`` (``train_iters`` is the Trainer's).
     """
 
     def __init__(self, save_dir: str | None = None, **shell: Any) -> None:
-        ShellConfig(train_iters=1, save_dir=save_dir, **shell)  # bad fields fail here, early
+        # Bad fields fail here, early (the save directory defaults to the output_dir).
+        ShellConfig(train_iters=1, save_dir=save_dir or ".", **shell)
         self.save_dir = save_dir
         self._shell_fields = shell
-        self.shell: TrainingShell | None = None
+        self.shell: Shell | None = None
         self.step: FrameworkStep | None = None  # set by StalwartTrainer
         self.result: StepResult | None = None  # the last guarded step's
         self.loss: torch.Tensor | None = None  # the last step's loss (StalwartTrainer)
@@ -119,12 +124,14 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             self.shell = config.build(
                 rank=args.process_index, world_size=args.world_size, device=args.device
             )
+        if kwargs.get("model") is not None:  # StalwartTrainer's step sets it again
+            self.shell.watch(kwargs["model"])  # --log-params-norm and the replica check
         # args.world_size is a property that asks accelerate's state: once, not every step.
         self._global_batch = args.per_device_train_batch_size * args.world_size
         self.shell.resumed(int(state.global_step))
         self.shell.start()
 
-    def require_shell(self) -> TrainingShell:
+    def require_shell(self) -> Shell:
         if self.shell is None:
             raise RuntimeError("StalwartCallback: the Trainer did not call on_train_begin")
         return self.shell
@@ -159,18 +166,11 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
                 self._pending_exit = decision
 
     def _record(self, args: Any, it: int, optimizer: Any, result: StepResult | None) -> None:
-        if result is not None:
-            losses: dict[str, Any] = dict(result.losses)
-            grad_norm, skipped = result.grad_norm, result.skipped
-        else:
-            losses = {"lm loss": self.loss} if self.loss is not None else {}
-            grad_norm, skipped = None, False
+        losses = {"lm loss": self.loss} if self.loss is not None else {}  # a plain Trainer's
         lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
         self.require_shell().record(
-            it, losses=losses, batch_size=self._global_batch, learning_rate=lr,
-            grad_norm=grad_norm,
-            skipped=skipped,
-        )  # fmt: skip
+            it, result, batch_size=self._global_batch, losses=losses, learning_rate=lr
+        )
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         shell = self.require_shell()

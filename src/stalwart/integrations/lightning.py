@@ -12,13 +12,13 @@
         def configure_optimizers(self):                   # fused: the step is gated on the device
             return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
 
-    callback = StalwartCallback(save_dir, rerun=RerunConfig())   # + exit=, ft=, log=, obs=
+    callback = StalwartCallback(save_dir, rerun=RerunConfig())   # + exit=, ft=, log=, the probes
     trainer = L.Trainer(max_steps=1000, callbacks=[callback], enable_checkpointing=False)
     trainer.fit(MyModule(), loader, ckpt_path=latest_checkpoint(save_dir), weights_only=True)
 
 What the callback does, hook by hook:
 
-* ``setup``: builds the :class:`~stalwart.integrations.shell.TrainingShell` (its hang monitor
+* ``setup``: builds the :class:`~stalwart.loop.Shell` (its hang monitor
   opens the ``setup`` section: model set-up and the checkpoint load are guarded);
 * ``on_train_start``: builds the guarded step of a :class:`GuardedModule`;
 * the first ``on_train_batch_start``: installs the exit-signal handler *over Lightning's*
@@ -49,6 +49,8 @@ rank's own gradients, so a fault is blamed on its rank and replayed on a peer), 
 shards a ``DataLoader`` (:mod:`stalwart.integrations.lightning_checks`). After an exit 17 the
 verdict names the ``iter_NNNNNNN.ckpt`` to train on from; a suspect device exits 16.
 
+Every probe of :class:`~stalwart.loop.ShellConfig` works as in the trainer (its fields are the
+callback's keywords); tensor dumps need a :class:`GuardedModule` (they are refused without).
 Limits: one optimizer, ``accumulate_grad_batches=1`` (an iteration is one batch), no
 ``gradient_clip_val`` (Lightning forbids it with manual optimization: use ``stalwart_clip_grad``);
 a kept ``training_step``, several optimizers and ``GuardedModule`` after ``LightningModule`` in
@@ -77,8 +79,8 @@ from stalwart.integrations.lightning_checks import (
     refuse_unsharded,
     shard_resumable_loaders,
 )
-from stalwart.integrations.shell import ShellConfig, TrainingShell
 from stalwart.loop import RngState, StepResult
+from stalwart.loop.shell import Shell, ShellConfig
 from stalwart.observability.flop_count import count_training_flops, flop_counter
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
 from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
@@ -178,8 +180,10 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             and the rerun files; None: no save (an exit 16 then says it needs one).
         count_flops: with ``LogConfig(log_throughput=True)``, count the first batch's FLOPs with
             torch's counter (TFLOP/s); False: no TFLOP/s (the shell then refuses the flag).
-        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``, ``obs``,
-            ``run_dir``, ``goodput``, ``seq_length`` (``train_iters`` is the trainer's).
+        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``,
+            the probes (``sinks``, ``timers``, ``straggler``, ``memory``, ``energy``,
+            ``dumps``, ``profiler``, ``memory_release``, ``progress``), ``run_dir``,
+            ``goodput``, ``seq_length`` (``train_iters`` is the trainer's).
     """
 
     def __init__(self, save_dir: str | None = None, *, count_flops: bool = True, **shell: Any):
@@ -188,7 +192,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         self.count_flops = count_flops
         self._shell_fields = shell
         ShellConfig(train_iters=1, save_dir=save_dir, **shell)  # bad fields fail here, early
-        self.shell: TrainingShell | None = None
+        self.shell: Shell | None = None
         self.step: FrameworkStep | None = None
         self._loaded: dict[str, Any] | None = None
         self._in_step: contextlib.ExitStack | None = None
@@ -229,6 +233,8 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
                 backward=pl_module.manual_backward,  # type: ignore[attr-defined]
             )  # fmt: skip
             pl_module.stalwart_step = self.step
+        else:
+            shell.watch(pl_module)  # --log-params-norm and the replica check read it
         self._begun = False
 
     def _begin(self, trainer: Any) -> None:
@@ -264,7 +270,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         else:
             RngState().load_state_dict(mine["rng"])
 
-    def _require_shell(self) -> TrainingShell:
+    def _require_shell(self) -> Shell:
         if self.shell is None:
             raise RuntimeError("StalwartCallback: the trainer did not call setup('fit')")
         return self.shell
@@ -334,19 +340,15 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
     def _record(
         self, trainer: Any, it: int, outputs: Any, batch: Any, result: StepResult | None
     ) -> None:
-        shell = self._require_shell()
-        if result is not None:
-            losses: dict[str, Any] = dict(result.losses)
-            grad_norm, skipped = result.grad_norm, result.skipped
-        else:
-            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-            losses = {"lm loss": loss.detach() if isinstance(loss, torch.Tensor) else loss}
-            grad_norm, skipped = None, False
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        losses: dict[str, Any] = {
+            "lm loss": loss.detach() if isinstance(loss, torch.Tensor) else loss
+        }
         optimizers = trainer.optimizers
         lr = optimizers[0].param_groups[0]["lr"] if optimizers else None
-        shell.record(
-            it, losses=losses, batch_size=max(_batch_size(batch), 1) * trainer.world_size,
-            learning_rate=lr, grad_norm=grad_norm, skipped=skipped,
+        self._require_shell().record(
+            it, result, batch_size=max(_batch_size(batch), 1) * trainer.world_size,
+            losses=losses, learning_rate=lr,
         )  # fmt: skip
 
     def _save(self, trainer: Any, it: int, *, non_persistent: bool) -> None:

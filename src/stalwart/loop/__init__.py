@@ -1,5 +1,6 @@
-"""The guarded step for any training loop: rerun passes, plans, gated optimizer, look-ahead,
-and the checkpoint state a loop registers instead of packing it by hand.
+"""The guarded step for any training loop (rerun passes, plans, gated optimizer, look-ahead),
+the shell around it (:class:`Shell`: ledger, watchdog, exit, probes, log) and the checkpoint
+state a loop registers instead of packing it by hand.
 
 The reference trainer (``stalwart.train``) is the first user of this package, not its owner;
 the README's "Using the parts in your own loop" is the second.
@@ -21,6 +22,8 @@ from stalwart.loop.microbatches import (
 from stalwart.loop.optimizer import reads_found_inf
 from stalwart.loop.plans import EagerPlan, GraphPlan, Plan, graph_warmup_steps
 from stalwart.loop.precision import DynamicLossScaler, NullLossScaler, autocast_context
+from stalwart.loop.shell import Shell
+from stalwart.loop.shell_config import ShellConfig
 from stalwart.loop.step import GuardedStep, StepResult
 
 __all__ = [
@@ -39,6 +42,8 @@ __all__ = [
     "PassValues",
     "Plan",
     "RngState",
+    "Shell",
+    "ShellConfig",
     "Stateful",
     "StepResult",
     "autocast_context",

@@ -164,6 +164,7 @@ class GuardedStep:
         parts = PlanParts(model, optimizer, self.params, micro_batches, eager_optimizer, clip_grad)
         self.runners = (plan or EagerPlan()).build(parts)
         self._goodput = goodput
+        self.rejected = False  # whether the last run() was rejected (exit 16/17)
         self._forward_backward = _in_regions(self.runners.forward_backward, observer)
         allows = getattr(observer, "allows_lookahead", True)
         self.lookahead_enabled = lookahead and allows and self.runners.optimizer.gated
@@ -263,6 +264,7 @@ class GuardedStep:
         agreed = self.agreement.finish() if self.agreement is not None else Agreed()
         if losses is None and reported:
             losses = average_reported(reported, self.dp_group)
+        self.rejected = verdict.exit  # the shell books the iteration as rerun time
         if verdict.exit:
             return StepResult(losses or {}, None, None, True, verdict, agreed)
         if stepped is None:

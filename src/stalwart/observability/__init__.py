@@ -10,7 +10,7 @@ from stalwart.observability.dumps import (
     TensorDumper,
     make_tensor_dumper,
 )
-from stalwart.observability.energy import EnergyMeter, NullEnergyMeter, make_energy_meter
+from stalwart.observability.energy import EnergyConfig, EnergyMeter, NullEnergyMeter
 from stalwart.observability.memory import (
     MemoryEstimate,
     MemoryMonitor,
@@ -19,9 +19,9 @@ from stalwart.observability.memory import (
     theoretical_memory,
 )
 from stalwart.observability.memory_release import (
+    MemoryReleaseConfig,
     NullMemoryRelease,
     UnusedMemoryRelease,
-    make_memory_release,
 )
 from stalwart.observability.metric_names import grouped_name
 from stalwart.observability.progress import ProgressBar
@@ -40,9 +40,9 @@ from stalwart.observability.sinks import (
 )
 from stalwart.observability.straggler import (
     NullStragglerDetector,
+    StragglerConfig,
     StragglerDetector,
     StragglerReport,
-    make_straggler_detector,
 )
 from stalwart.observability.timers import (
     INTERVAL_TIME,
@@ -72,6 +72,7 @@ __all__ = [
     "STANDARD_TIMER_LEVELS",
     "TRAINING_TIMERS",
     "DumpConfig",
+    "EnergyConfig",
     "EnergyMeter",
     "EventKind",
     "FanOutSink",
@@ -83,6 +84,7 @@ __all__ = [
     "LogFieldProvider",
     "MemoryEstimate",
     "MemoryMonitor",
+    "MemoryReleaseConfig",
     "MetricSink",
     "NullEnergyMeter",
     "NullMemoryMonitor",
@@ -93,6 +95,7 @@ __all__ = [
     "NullTimer",
     "ProgressBar",
     "RunPaths",
+    "StragglerConfig",
     "StragglerDetector",
     "StragglerReport",
     "TensorBoardSink",
@@ -112,9 +115,6 @@ __all__ = [
     "format_validation_lines",
     "grouped_name",
     "is_null_sink",
-    "make_energy_meter",
-    "make_memory_release",
-    "make_straggler_detector",
     "make_tensor_dumper",
     "measured_memory",
     "theoretical_memory",

@@ -470,3 +470,44 @@ def make_tensor_dumper(
     if not config.any_enabled:
         return NullTensorDumper()
     return TensorDumper(model, out_dir, config, rank, dp_rank)
+
+
+@dataclass(kw_only=True, frozen=True)
+class TensorDumpConfig:
+    """The dump flags, one field each (0: off); :meth:`build` maps them onto a
+    :class:`DumpConfig` (``DumpConfig.from_flags`` says how the switches share a cadence).
+    ``dump_dir``: where the files go (default: the run directory)."""
+
+    dump_dir: str | None = None
+    save_activations_interval: int = 0
+    log_dgrads: bool = False
+    log_tokens_per_expert: bool = False
+    dump_stats_only: bool = False
+    save_dgrads_interval: int = 0
+    save_wgrads_interval: int = 0
+    save_tokens_per_expert_interval: int = 0
+    save_params_interval: int = 0
+
+    def __post_init__(self) -> None:
+        value = self.save_activations_interval
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"--save-activations-interval must be an integer >= 0, got {value!r}")
+        self.dump_config(log_interval=1)  # the other values checked, naming their flags
+
+    def dump_config(self, *, log_interval: int) -> DumpConfig:
+        return DumpConfig.from_flags(
+            save_activations_interval=self.save_activations_interval,
+            log_dgrads=self.log_dgrads, log_tokens_per_expert=self.log_tokens_per_expert,
+            dump_stats_only=self.dump_stats_only, log_interval=log_interval,
+            save_wgrads_interval=self.save_wgrads_interval,
+            save_params_interval=self.save_params_interval,
+            save_dgrads_interval=self.save_dgrads_interval,
+            save_tokens_per_expert_interval=self.save_tokens_per_expert_interval,
+        )  # fmt: skip
+
+    def build(
+        self, model: nn.Module, *, run_dir: str | None, log_interval: int, rank: int
+    ) -> TensorDumper | NullTensorDumper:
+        """The dumper of ``model`` (the unwrapped module: its parameter names are the files')."""
+        config = self.dump_config(log_interval=log_interval)
+        return make_tensor_dumper(model, self.dump_dir or run_dir or ".", config, rank, rank)

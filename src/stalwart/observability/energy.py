@@ -2,7 +2,7 @@
 
 Usage in a hand-written loop::
 
-    meter = make_energy_meter(enabled=True, device=device)   # logs "energy: not available" once
+    meter = EnergyConfig(log_energy=True).build(device)   # logs "energy: not available" once
     meter.start()
     for it in range(1, iters + 1):
         step.run(it)
@@ -16,7 +16,7 @@ As a `TrainingLog` provider, ``meter.log_fields(info)`` runs ``lap(info.num_iter
 Each rank reads ``nvmlDeviceGetTotalEnergyConsumption`` (millijoules since driver load) for its own
 device; ``lap`` sums joules and GPU counts over ranks in ONE all-reduce and reports the mean per
 GPU. ``pynvml`` (package ``nvidia-ml-py``) is imported lazily; ``--log-energy`` without it is
-refused before start-up (``ObservabilityConfig.check_extras``: ``pip install 'stalwart[nvml]'``).
+refused before start-up (``ShellConfig.check_extras``: ``pip install 'stalwart[nvml]'``).
 Without NVML's driver library or a CUDA device the meter logs "energy: not available (<reason>)" once and reports nothing, but still joins the
 all-reduce so that mixed ranks cannot deadlock. Cost: one NVML call (~10 µs) per lap, no device
 sync.
@@ -207,11 +207,22 @@ class NullEnergyMeter:
         return None
 
 
-def make_energy_meter(
-    enabled: bool,
-    device: torch.device,
-    log: Callable[[str], None] | None = None,
-    group: ProcessGroup | None = None,
-) -> EnergyMeter | NullEnergyMeter:
-    """``--log-energy`` → `EnergyMeter`, otherwise `NullEnergyMeter`."""
-    return EnergyMeter(device, log, group) if enabled else NullEnergyMeter()
+@dataclass(kw_only=True, frozen=True)
+class EnergyConfig:
+    """``--log-energy``: joules and watts per GPU in the log line (NVML; ``stalwart[nvml]``)."""
+
+    log_energy: bool = False
+
+    def check_extras(self) -> None:
+        """``pynvml`` is importable when the flag is on (``ValueError`` naming it otherwise)."""
+        if self.log_energy:
+            from stalwart.observability.sinks import require_extra
+
+            require_extra("--log-energy", "pynvml", "nvidia-ml-py", "nvml")
+
+    def build(
+        self, device: torch.device, log: Callable[[str], None] | None = None,
+        group: ProcessGroup | None = None,
+    ) -> EnergyMeter | NullEnergyMeter:  # fmt: skip
+        """``log_energy``: the meter (its all-reduce on ``group``), else the null one."""
+        return EnergyMeter(device, log, group) if self.log_energy else NullEnergyMeter()

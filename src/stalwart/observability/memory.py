@@ -32,6 +32,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -290,3 +291,27 @@ class NullMemoryMonitor:
 
     def scalars(self) -> dict[str, float]:
         return {}
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryConfig:
+    """``--log-memory-interval`` (0 off; a multiple of ``--log-interval``: the memory report
+    and ``<run dir>/memory.json``) and ``--log-memory-to-tensorboard``
+    (the log line's memory figures to the sinks)."""
+
+    log_memory_interval: int = 0
+    log_memory_to_tensorboard: bool = False
+
+    def __post_init__(self) -> None:
+        if self.log_memory_interval < 0:  # the multiple of --log-interval: at build
+            raise ValueError(f"--log-memory-interval must be >= 0, got {self.log_memory_interval}")
+
+    def build(
+        self, device: torch.device, estimate: MemoryEstimate | None, *, run_dir: str | None,
+        rank: int, log_interval: int, sink: MetricSink | None, log: Callable[[str], None],
+    ) -> MemoryMonitor:  # fmt: skip
+        return MemoryMonitor(
+            device, estimate, run_dir=run_dir, rank=rank, log_interval=log_interval,
+            log_memory_interval=self.log_memory_interval or None,
+            to_tensorboard=self.log_memory_to_tensorboard, sink=sink, log=log,
+        )  # fmt: skip

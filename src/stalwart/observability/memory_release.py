@@ -11,7 +11,7 @@ the cache at fixed points of the step, trading a little speed for headroom:
 
 Usage in a hand-written loop::
 
-    release = make_memory_release(level, device)        # a null object at level 0 or on CPU
+    release = MemoryReleaseConfig(empty_unused_memory_level=level).build(device)        # a null object at level 0 or on CPU
     for it in range(iters):
         forward_backward(...)
         release.after_forward_backward()
@@ -30,6 +30,7 @@ private pool stay allocated.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -87,15 +88,18 @@ class NullMemoryRelease:
         return None
 
 
-def make_memory_release(
-    level: int, device: torch.device
-) -> UnusedMemoryRelease | NullMemoryRelease:
-    """The release object for ``--empty-unused-memory-level`` on ``device`` (null on CPU or at 0).
+@dataclass(kw_only=True, frozen=True)
+class MemoryReleaseConfig:
+    """``--empty-unused-memory-level``: 0 off, 1 after each forward-backward and the optimizer
+    step, 2 also after each evaluation step (CUDA only)."""
 
-    Raises:
-        ValueError: ``level`` is not 0, 1 or 2.
-    """
-    validate_empty_unused_memory_level(level)
-    if level == 0 or device.type != "cuda":
-        return NullMemoryRelease()
-    return UnusedMemoryRelease(level)
+    empty_unused_memory_level: int = 0
+
+    def __post_init__(self) -> None:
+        validate_empty_unused_memory_level(self.empty_unused_memory_level)
+
+    def build(self, device: torch.device) -> UnusedMemoryRelease | NullMemoryRelease:
+        """The release on ``device``: a null object at level 0 or without CUDA."""
+        if self.empty_unused_memory_level == 0 or device.type != "cuda":
+            return NullMemoryRelease()
+        return UnusedMemoryRelease(self.empty_unused_memory_level)

@@ -14,8 +14,8 @@ ranks in ``--profile-ranks`` (default: rank 0). Two back ends:
 
 Disabled is `NullProfilerWindow` (no per-iteration cost). Usage in a hand-written loop::
 
-    window = make_profiler_window(True, 10, 12, out_dir="prof", rank=rank, device=device,
-                                  use_pytorch_profiler=True)
+    window = ProfilerConfig(profile=True, use_pytorch_profiler=True, profile_dir="prof").build(
+        rank=rank, world_size=world_size, device=device, run_dir=None)
     for completed in range(start, train_iters):
         window.on_iteration_start(completed)
         step.run(it)
@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -160,29 +161,46 @@ class CudaProfilerRangeWindow:
             self._running, self._done = False, True
 
 
-def make_profiler_window(
-    enabled: bool,
-    start: int,
-    end: int,
-    *,
-    out_dir: str,
-    rank: int,
-    device: torch.device,
-    use_pytorch_profiler: bool,
-    ranks: Sequence[int] = (0,),
-) -> ProfilerWindow:
-    """The window for this rank: a null object unless ``enabled`` and ``rank in ranks``."""
-    if not enabled:
-        return NullProfilerWindow()
-    validate_profile_window(start, end, ranks)
-    if not use_pytorch_profiler and device.type != "cuda":
-        raise ValueError(
-            "--profile without --use-pytorch-profiler needs a CUDA device (it opens an nsys "
-            "capture range); add --use-pytorch-profiler to trace on "
-            f"{device.type}"
-        )
-    if rank not in ranks:
-        return NullProfilerWindow()
-    if use_pytorch_profiler:
-        return TorchProfilerWindow(start, end, out_dir, rank, device)
-    return CudaProfilerRangeWindow(start, end, device)
+@dataclass(kw_only=True, frozen=True)
+class ProfilerConfig:
+    """``--profile``: a profiler window over iterations ``[profile_step_start,
+    profile_step_end)`` on ``profile_ranks``; ``use_pytorch_profiler`` writes a torch trace to
+    ``profile_dir`` (default ``<run dir>/profile``), else ``cudaProfilerStart/Stop`` (nsys)."""
+
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    use_pytorch_profiler: bool = False
+    profile_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in self.profile_ranks):
+            raise ValueError(
+                f"--profile-ranks must be rank numbers >= 0 (got {self.profile_ranks})"
+            )
+        if self.profile:
+            validate_profile_window(
+                self.profile_step_start, self.profile_step_end, self.profile_ranks
+            )
+
+    def build(
+        self, *, rank: int, world_size: int, device: torch.device, run_dir: str | None
+    ) -> ProfilerWindow:
+        """This rank's window: a null object unless ``profile`` and ``rank`` is profiled."""
+        if not self.profile:
+            return NullProfilerWindow()
+        ranks, start, end = self.profile_ranks, self.profile_step_start, self.profile_step_end
+        if not any(r < world_size for r in ranks):
+            raise ValueError(f"--profile-ranks {ranks}: no such rank in a job of {world_size}")
+        if not self.use_pytorch_profiler and device.type != "cuda":
+            raise ValueError(
+                "--profile without --use-pytorch-profiler needs a CUDA device (it opens an nsys "
+                f"capture range); add --use-pytorch-profiler to trace on {device.type}"
+            )
+        if rank not in ranks:
+            return NullProfilerWindow()
+        if self.use_pytorch_profiler:
+            out_dir = self.profile_dir or os.path.join(run_dir or ".", "profile")
+            return TorchProfilerWindow(start, end, out_dir, rank, device)
+        return CudaProfilerRangeWindow(start, end, device)

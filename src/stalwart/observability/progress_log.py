@@ -16,7 +16,7 @@ warning naming the file and the line (:func:`parse_line` checks every line). Onl
 
 Usage::
 
-    log = make_progress_log(enabled=True, save_dir="ckpt", world_size=8, rank=0)
+    log = ProgressLogConfig(log_progress=True).build("ckpt", world_size=8, rank=0)
     log.start(flops_so_far=0.0)
     ...
     log.on_save(iteration=500, flops_so_far=4.49e18, tokens=5.2e8, async_save=False)
@@ -240,10 +240,18 @@ class NullProgressLog:
         del iteration, flops_so_far, tokens, async_save
 
 
-def make_progress_log(
-    enabled: bool, save_dir: str | None, world_size: int, rank: int
-) -> ProgressLog | NullProgressLog:
-    """The progress log of rank 0 when ``--log-progress`` is on, else the null one."""
-    if not enabled or save_dir is None or rank != 0:
-        return NullProgressLog()
-    return ProgressLog(save_dir, world_size)
+@dataclass(kw_only=True, frozen=True)
+class ProgressLogConfig:
+    """``--log-progress``: Megatron's ``<save>/progress.txt`` (needs a save directory)."""
+
+    log_progress: bool = False
+
+    def build(
+        self, save_dir: str | None, world_size: int, rank: int
+    ) -> ProgressLog | NullProgressLog:
+        """Rank 0's progress log when ``log_progress`` is on, else the null one."""
+        if not self.log_progress or rank != 0:
+            return NullProgressLog()
+        if save_dir is None:
+            raise ValueError("--log-progress needs --save (progress.txt is written there)")
+        return ProgressLog(save_dir, world_size)

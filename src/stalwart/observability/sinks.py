@@ -19,11 +19,13 @@ Optional dependencies (``tensorboard``, ``wandb``) are imported when a sink is c
 from __future__ import annotations
 
 import enum
+import importlib
 import json
 import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
 from stalwart.observability.metric_names import VS_SAMPLES_SUFFIX, grouped_name
@@ -408,3 +410,76 @@ def build_sinks(
     if not children:
         return NullSink()
     return children[0] if len(children) == 1 else FanOutSink(children)
+
+
+def require_extra(flag: str, module: str, package: str, extra: str) -> None:
+    """``flag`` needs ``module``: ``ValueError`` naming the flag and the ``pip install
+    'stalwart[extra]'`` to run when it cannot be imported (checked before start-up)."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # missing, or installed but broken (its own import fails)
+        raise ValueError(
+            f"{flag} needs the {package!r} package ({type(exc).__name__}: {exc}): "
+            f"pip install 'stalwart[{extra}]'"
+        ) from None
+
+
+@dataclass(kw_only=True, frozen=True)
+class SinkConfig:
+    """Where metrics go besides the log line (Megatron's flags, one field each; all off).
+
+    ``metrics_file``: the JSONL every log line is appended to (default ``<run dir>/metrics.jsonl``,
+    what ``stalwart report`` reads). ``group_metric_tags``: ``<group>/<key>`` TensorBoard/W&B
+    tags instead of Megatron's flat keys. ``wandb_mode`` is a :class:`WandbMode` from
+    construction on (a string is converted once, here, naming ``--wandb-mode`` on anything else).
+    """
+
+    metrics_file: str | None = None
+    tensorboard_dir: str | None = None
+    tensorboard_queue_size: int = 1000
+    group_metric_tags: bool = False
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    wandb_mode: WandbMode | None = None
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode is not None and not isinstance(self.wandb_mode, WandbMode):
+            try:
+                object.__setattr__(self, "wandb_mode", WandbMode(self.wandb_mode))
+            except ValueError:
+                allowed = ", ".join(m.value for m in WandbMode)
+                raise ValueError(
+                    f"--wandb-mode: got {self.wandb_mode!r}, allowed: {allowed}"
+                ) from None
+        queue = self.tensorboard_queue_size
+        if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
+            raise ValueError(f"--tensorboard-queue-size must be an integer >= 1, got {queue!r}")
+
+    def check_extras(self) -> None:
+        """The back-ends' packages are importable (``ValueError`` naming the flag otherwise)."""
+        if self.tensorboard_dir is not None:
+            require_extra(
+                "--tensorboard-dir", "torch.utils.tensorboard", "tensorboard", "tensorboard"
+            )
+        if self.wandb_project is not None:
+            require_extra("--wandb-project", "wandb", "wandb", "wandb")
+
+    def metrics_path(self, run_dir: str | None) -> str | None:
+        """``metrics_file``, else ``<run dir>/metrics.jsonl``, else None."""
+        if self.metrics_file:
+            return self.metrics_file
+        return os.path.join(run_dir, "metrics.jsonl") if run_dir else None
+
+    def build(
+        self, *, rank: int, run_dir: str | None, config: Mapping[str, Any] | None = None
+    ) -> MetricSink:
+        """This rank's sink; a W&B run resumes from ``<run dir>/wandb_run_id.txt``."""
+        return build_sinks(
+            rank=rank, tensorboard_dir=self.tensorboard_dir,
+            tensorboard_queue_size=self.tensorboard_queue_size,
+            wandb_project=self.wandb_project, wandb_exp_name=self.wandb_exp_name,
+            wandb_save_dir=self.wandb_save_dir, wandb_mode=self.wandb_mode,
+            wandb_resume_file=os.path.join(run_dir, "wandb_run_id.txt") if run_dir else None,
+            config=config, grouped=self.group_metric_tags,
+        )  # fmt: skip

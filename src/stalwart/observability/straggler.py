@@ -381,23 +381,31 @@ class StragglerIdle:
         return []
 
 
-def make_straggler_detector(
-    enabled: bool,
-    device: torch.device,
-    rank: int = 0,
-    world_size: int = 1,
-    threshold: float = 1.2,
-    minmax_count: int = 1,
-    run_dir: str | os.PathLike[str] | None = None,
-    group: ProcessGroup | None = None,
-    on_at_start: bool = True,
-) -> StragglerDetector | NullStragglerDetector:
-    """``--log-straggler`` → a real detector, otherwise the null one (args validated either way).
-    ``on_at_start=False`` (``--disable-straggler-on-startup``): it starts off, to be turned on
-    with ``touch <run dir>/straggler.toggle``."""
-    validate_straggler_args(threshold, minmax_count)
-    if not enabled:
-        return NullStragglerDetector()
-    return StragglerDetector(
-        device, rank, world_size, threshold, minmax_count, run_dir, group, enabled=on_at_start
-    )
+@dataclass(kw_only=True, frozen=True)
+class StragglerConfig:
+    """``--log-straggler`` and its settings: ``disable_straggler_on_startup`` starts it off (on
+    with ``touch <run dir>/straggler.toggle``), ``straggler_threshold`` (> 1: slower than this
+    times the median is a straggler), ``straggler_minmax_count`` (the slowest/fastest named)."""
+
+    log_straggler: bool = False
+    disable_straggler_on_startup: bool = False
+    straggler_threshold: float = 1.2
+    straggler_minmax_count: int = 1
+
+    def __post_init__(self) -> None:
+        validate_straggler_args(self.straggler_threshold, self.straggler_minmax_count)
+        if self.disable_straggler_on_startup and not self.log_straggler:
+            raise ValueError("--disable-straggler-on-startup needs --log-straggler")
+
+    def build(
+        self, device: torch.device, rank: int = 0, world_size: int = 1,
+        run_dir: str | None = None, group: ProcessGroup | None = None,
+    ) -> StragglerDetector | NullStragglerDetector:  # fmt: skip
+        """``log_straggler``: the detector (off at start with ``disable_straggler_on_startup``:
+        on with ``touch <run dir>/straggler.toggle``), else the null one."""
+        if not self.log_straggler:
+            return NullStragglerDetector()
+        return StragglerDetector(
+            device, rank, world_size, self.straggler_threshold, self.straggler_minmax_count,
+            run_dir, group, enabled=not self.disable_straggler_on_startup,
+        )  # fmt: skip

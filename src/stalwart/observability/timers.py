@@ -377,6 +377,34 @@ class TimerReport:
         return {f"{name}-time": hi / 1000.0 for name, (_, hi) in self.min_max().items()}
 
 
+@dataclass(kw_only=True, frozen=True)
+class TimerConfig:
+    """``--timing-log-level``, ``--timing-log-option``, ``--timing-mode``: enums from
+    construction on (a string is converted once, naming the flag on anything else)."""
+
+    timing_log_level: int = 0
+    timing_log_option: TimingLogOption = TimingLogOption.MINMAX
+    timing_mode: TimingMode = TimingMode.SYNC
+
+    def __post_init__(self) -> None:
+        for name, kind, flag in (
+            ("timing_log_option", TimingLogOption, "--timing-log-option"),
+            ("timing_mode", TimingMode, "--timing-mode"),
+        ):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                allowed = ", ".join(str(m.value) for m in kind)
+                raise ValueError(f"{flag}: got {value!r}, allowed: {allowed}") from None
+        validate_timing_flags(self.timing_log_level, self.timing_log_option)
+
+    def build(self, device: torch.device) -> Timers:
+        return Timers(
+            self.timing_log_level, self.timing_log_option, mode=self.timing_mode, device=device
+        )
+
+
 class Timers:
     """Registry of named timers (one per process; pass it to whoever times something).
 

@@ -10,10 +10,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import random
 import signal
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,18 +48,11 @@ from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler
 from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
 from stalwart.models import GPT
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
-from stalwart.observability.goodput import (
-    GOODPUT_FILE,
-    GoodputLedger,
-    NullGoodputLedger,
-    make_goodput_ledger,
-)
-from stalwart.observability.progress_log import NullProgressLog, ProgressLog, make_progress_log
-from stalwart.reliability.exit import IterationAgreement
+from stalwart.observability.goodput import GoodputLedger, NullGoodputLedger
+from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryEstimate, theoretical_memory
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
 from stalwart.reliability.replica_check import flip_gradient_bit, flip_parameter_bit
-from stalwart.reliability.rerun import RerunStateMachine
-from stalwart.reliability.signals import DataLoaderWorkerSignalGuard, DistributedSignalHandler
+from stalwart.reliability.signals import DataLoaderWorkerSignalGuard
 
 logger = logging.getLogger("stalwart.train")
 
@@ -350,61 +341,15 @@ def build_compute_weights(
     )
 
 
-def build_machine(
-    config: RunConfig,
-    ctx: DistributedContext,
-    loss_scaler: NullLossScaler,
-    agreement: IterationAgreement,
-) -> RerunStateMachine:
-    return config.rerun.build(
-        ctx.device,
-        state_save_func=loss_scaler.state_dict,
-        state_restore_func=loss_scaler.load_state_dict,
-        agreement=agreement,
-        marker_dir=config.checkpoint.save,
+def memory_estimate(config: RunConfig, ctx: DistributedContext) -> MemoryEstimate:
+    """The GPT's theoretical memory per rank (the memory report's estimate)."""
+    return theoretical_memory(
+        config.model,
+        config.training.micro_batch_size,
+        ctx.world_size,
+        bf16=config.training.bf16,
+        workspace_bytes=0 if ctx.device.type == "cpu" else CUDA_WORKSPACE_BYTES,
+        fused_rms_norm=ctx.device.type == "cuda",  # torch's fused RMSNorm kernel is CUDA-only
+        compute_weights=config.training.bf16_compute_weights,
+        grad_accumulation_fusion=config.training.gradient_accumulation_fusion,
     )
-
-
-def build_signal_handler(config: RunConfig) -> DistributedSignalHandler | None:
-    """The exit signal and/or Ctrl-C (``exit_on_interrupt``): installed now (release it when the
-    run ends)."""
-    if not config.exit.handles_signals:
-        return None
-    handler = config.exit.make_signal_handler()
-    handler.__enter__()
-    return handler
-
-
-def goodput_file(config: RunConfig) -> str | None:
-    """``<run dir>/goodput.jsonl`` (every rank's hang monitor appends its fault record)."""
-    run_dir = config.obs.run_dir or config.checkpoint.save
-    return os.path.join(run_dir, GOODPUT_FILE) if run_dir else None
-
-
-def _flushed(say: Callable[[str], None], line: str) -> None:
-    say(line)
-    sys.stdout.flush()
-
-
-def build_progress_log(config: RunConfig, ctx: DistributedContext) -> ProgressLog | NullProgressLog:
-    """``--log-progress``: Megatron's ``<save>/progress.txt`` (rank 0 writes; else a null log)."""
-    return make_progress_log(
-        config.obs.log_progress, config.checkpoint.save, ctx.world_size, ctx.rank
-    )
-
-
-def build_goodput_ledger(
-    config: RunConfig, ctx: DistributedContext, attempt: int, say: Callable[..., None]
-) -> GoodputLedger | NullGoodputLedger:
-    """The goodput ledger in the run directory (rank 0; the null ledger elsewhere)."""
-    run_dir = config.obs.run_dir or config.checkpoint.save
-    # The goodput line is flushed at once; ``say`` takes one string (a user's print_fn may be
-    # ``list.append``). It must not be a bound method of the trainer: in-process restart frees
-    # a failed attempt's trainer by reference count.
-    try:
-        return make_goodput_ledger(
-            True, run_dir, rank=ctx.rank, attempt=attempt, print_fn=functools.partial(_flushed, say)
-        )
-    except OSError as exc:
-        flag = "--run-dir" if config.obs.run_dir else "--save"
-        raise ValueError(f"{flag} {run_dir}: cannot write the goodput ledger ({exc})") from None

@@ -60,7 +60,7 @@ def _record_hang(attempt: Attempt, trainer: Trainer) -> None:
     ledger: the interrupted step's time becomes hang-until-detected, not lost work."""
     record = attempt.monitor.store.failure(attempt.index)
     if record is not None and record.kind is FailureKind.WATCHDOG:
-        trainer.ledger.fault("hang", record.message)
+        trainer.shell.ledger.fault("hang", record.message)
 
 
 def build_restarter(config: RunConfig) -> InProcessRestarter:

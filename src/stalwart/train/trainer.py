@@ -11,7 +11,6 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 from stalwart.checkpoint import CheckpointError
@@ -28,37 +27,20 @@ from stalwart.loop import (
     autocast_context,
 )
 from stalwart.models import num_floating_point_operations
-from stalwart.observability.goodput import Bucket, CompileSource
-from stalwart.observability.memory_release import make_memory_release
-from stalwart.observability.run_dir import EventKind, RunPaths, append_event
-from stalwart.observability.timers import INTERVAL_TIME
-from stalwart.reliability.exit import (
-    ExitDecision,
-    ExitReason,
-    SaveKind,
-    decide,
-    exit_inputs,
-    leave,
-)
-from stalwart.reliability.hang.sections import Section, build_section_monitor
-from stalwart.reliability.replica_check import ReplicaConsistencyChecker
+from stalwart.observability.run_dir import EventKind
+from stalwart.observability.throughput import compute_dtype, device_peak_tflops
+from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
 from stalwart.reliability.rerun import RerunDataIterator, resolve_iterations_to_skip
 from stalwart.train import build
 from stalwart.train.forward_step import gpt_forward_step
 from stalwart.train.manual_gc import make_manual_gc
-from stalwart.train.observe import (
-    build_observability,
-    build_profiler,
-    metrics_file_of,
-    run_dir_of,
-)
 from stalwart.train.resume_checks import (
     check_model_matches,
     nothing_left_to_train,
     upgrade_common_layout,
 )
 from stalwart.train.schedule import LRScheduler
-from stalwart.train.trainer_parts import ConfigPart, TrainOutcome, params_norm, then_release
+from stalwart.train.trainer_parts import ConfigPart, TrainOutcome
 
 logger = logging.getLogger("stalwart.train")
 
@@ -97,8 +79,8 @@ class Trainer:
         try:
             self._build(config, ctx, attempt)
         except BaseException as exc:
-            if isinstance(exc, _REFUSALS) and hasattr(self, "ledger"):
-                self.ledger.refused()  # bad input found while building: no goodput session
+            if isinstance(exc, _REFUSALS) and hasattr(self, "shell"):
+                self.shell.refused()  # bad input found while building: no goodput session
             self._exit.close()
             raise
 
@@ -112,79 +94,56 @@ class Trainer:
         commit = functools.partial(self.faults.maybe_inject, rank=ctx.rank, phase="commit")
         manager = config.checkpoint.build(before_commit=commit)
         on_close(manager.close)
-        self.ledger = build.build_goodput_ledger(config, ctx, attempt, self.print)  # closes last
-        on_close(self.ledger.close, "fault", "the trainer closed without an exit decision")
-        self.sections = build_section_monitor(
-            config.ft, ctx.rank, config.checkpoint.save, goodput_file=build.goodput_file(config)
-        )
-        on_close(self.sections.close)
         self.config, self.data = build.resolve_config(config, ctx)
-        config = self.config
-        self.compiles = build.build_compile_booking(config, ctx.rank, self.compile_cache, self.ledger, on_close)  # fmt: skip
+        config, t = self.config, self.config.training
+        self.loss_scaler = build.build_loss_scaler(config)
+        # The shell: ledger, watchdog, signal handler, agreement, rerun machine, probes, log.
+        self.shell = config.shell_config().build(
+            rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, print_fn=self.print,
+            attempt=attempt, loss_scaler=self.loss_scaler, run_config=config.to_dict(),
+            memory_estimate=build.memory_estimate(config, ctx),
+        )  # fmt: skip
+        on_close(self.shell.close)
+        self.shell.handle_signals()  # now: a SIGTERM during set-up only raises the flag
+        self.compiles = build.build_compile_booking(config, ctx.rank, self.compile_cache, self.shell.ledger, on_close)  # fmt: skip
         self.raw_model, self.model = build.build_model(config, ctx, self.faults)
         self.optimizer = build.build_optimizer(self.model, config)
-        t = config.training
         self.scheduler = LRScheduler(self.optimizer, config.optim, t.train_iters, t.train_samples)
-        self.loss_scaler = build.build_loss_scaler(config)
-        handler = build.build_signal_handler(config)
-        if handler is not None:
-            on_close(handler.release)
-        self.agreement = config.exit.build(handler, self.started)
-        self.machine = build.build_machine(config, ctx, self.loss_scaler, self.agreement)
         self.sampler = build.build_sampler(config, ctx, self.data.train, self.data.num_microbatches)
         on_close(getattr(self.sampler, "close", lambda: None))
         self.train_data: RerunDataIterator[Any] = RerunDataIterator(self.sampler)
-        flops = self.flops_per_iteration = num_floating_point_operations(
-            config.model, self.data.global_batch_size
-        )
-        obs = build_observability(config, ctx, flops, self.raw_model, self.ledger)
-        self.timers, sink, self.log, self.observer, self.energy, self.saves = obs
-        for closer in (sink.close, self.log.close, self.observer.close, self.energy.close):
-            on_close(closer)
-        self.profiler = build_profiler(config, ctx)
-        on_close(self.profiler.close)
+        gbs = self.data.global_batch_size
+        self.flops_per_iteration = num_floating_point_operations(config.model, gbs)
+        peak = device_peak_tflops(ctx.device, compute_dtype(t.bf16, t.fp16))
+        self.shell.set_flops(self.flops_per_iteration, peak)
         self.manual_gc = make_manual_gc(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval)
         on_close(self.manual_gc.close)
-        # --empty-unused-memory-level: after forward-backward (the observer), the step, evaluation.
-        self.memory_release = make_memory_release(config.obs.empty_unused_memory_level, ctx.device)
         self.step = self._build_step()
-        on_close(self.step.close)
         self.state = TrainState()
         self.checkpointer = self._build_checkpointer(manager)
-        self.replicas = ReplicaConsistencyChecker(
-            config.rerun.check_weight_hash_across_dp_replicas_interval
-        )
         self.iterations_to_skip = frozenset(resolve_iterations_to_skip(config.rerun))
-        self.run_dir = run_dir_of(config)
         self.loaded_iteration: int | None = None
         self.loaded_path: str | None = None
-        self.batch_size = self.data.global_batch_size  # this iteration's (see _start_batch)
+        self.batch_size = gbs  # this iteration's (see _start_batch)
         self._num_microbatches: int | None = None
         self._saved_at: int | None = None
-        self.progress = build.build_progress_log(config, ctx)  # --log-progress: progress.txt
+
+    @property
+    def machine(self) -> Any:
+        """The rerun state machine (the shell's)."""
+        return self.shell.machine
 
     def _build_step(self) -> GuardedStep:
         config, ctx = self.config, self.ctx
         dtype = build.autocast_dtype(config)
-        return GuardedStep(
-            model=self.model,
-            optimizer=self.optimizer,
-            forward_step=gpt_forward_step,
-            machine=self.machine,
-            data=self.train_data,
-            num_microbatches=self.data.num_microbatches,
-            plan=config.graphs.build(),
-            clip_grad=config.optim.clip_grad,
-            loss_scaler=self.loss_scaler,
-            autocast=lambda: autocast_context(ctx.device, dtype),
+        return self.shell.step(
+            self.model, self.optimizer, gpt_forward_step, self.train_data,
+            num_microbatches=self.data.num_microbatches, faults=self.faults,
+            plan=config.graphs.build(), clip_grad=config.optim.clip_grad,
+            loss_scaler=self.loss_scaler, autocast=lambda: autocast_context(ctx.device, dtype),
             compute_weights=build.build_compute_weights(config, self.raw_model, ctx),
             lookahead=config.graphs.cuda_graph_speculative_launch,
-            agreement=self.agreement,
-            timers=self.timers,
-            observer=self.observer.with_memory_release(self.memory_release, self.faults, ctx.rank),
-            log_num_zeros=config.log.log_num_zeros_in_grad,
-            goodput=self.ledger,
-        )
+        )  # fmt: skip
 
     def _build_checkpointer(self, manager: Any) -> Checkpointer:
         current = self.config.to_dict()["model"]
@@ -215,9 +174,9 @@ class Trainer:
             # complete checkpoint stays the resume point.
             self.checkpointer.close(abort=True)
             if issubclass(exc_type, _REFUSALS):  # a refused launch (exit 2): no goodput session
-                self.ledger.refused()
+                self.shell.refused()
             else:
-                self.ledger.close("fault", f"{exc_type.__name__}: {exc[0]}"[:200])
+                self.shell.ledger.close("fault", f"{exc_type.__name__}: {exc[0]}"[:200])
         self.close()
 
     def close(self) -> None:
@@ -237,31 +196,22 @@ class Trainer:
     def train(self) -> TrainOutcome:
         """Train until an exit decision; returns the outcome (exit code 0, 16 or 17)."""
         self.load()
-        self.progress.start(self._flops_so_far())
-        self.timers(INTERVAL_TIME).start(barrier=True)
-        if self.state.iteration >= self.config.training.train_iters:
-            done = nothing_left_to_train(self.loaded_path, self.state.iteration, self.config.training)  # fmt: skip
-            return self._finish(ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, done or "reached --train-iters"))  # fmt: skip
-        run_dir = run_dir_of(self.config)
-        if self.ctx.rank == 0 and run_dir:  # training starts: its settings, for the report
-            RunPaths.for_run(run_dir, metrics_file_of(self.config)).write_manifest(
-                self.config.to_dict()
-            )
+        t = self.config.training
+        done = self.state.iteration >= t.train_iters
+        # The run's settings for the report: only when training starts.
+        manifest = None if done else self.config.to_dict()
+        self.shell.start(flops_so_far=self._flops_so_far(), manifest=manifest)
+        if done:
+            done_detail = nothing_left_to_train(self.loaded_path, self.state.iteration, t)
+            return self._finish(ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, done_detail or "reached --train-iters"))  # fmt: skip
         while True:
-            with self.sections.section(Section.CHECKPOINTING, is_async_finalization=True):
-                committed = self.checkpointer.maybe_finalize()
-            if committed is not None:
-                self.saves.finalized(committed)
+            self.shell.maybe_finalize(self.checkpointer)
             result = self._run_iteration()
             self.compiles.save()  # after an iteration that compiled: the cache's artifacts
-            # A rejected iteration is not done: nothing to log. One that evaluated agrees on the
-            # exit inputs again: a SIGTERM during evaluation stops at this iteration.
-            if not result.verdict.exit and self._after_iteration(result):
-                result = replace(result, agreed=self.agreement.agree_again())
-            decision = self._decide(result)
-            if decision.exit:  # agreed on every rank: the iterations since the last log line
-                self.log.flush()
-                self.log.end_progress()  # the bar is done: save and exit lines print below it
+            if not result.verdict.exit:  # a rejected iteration is not done: nothing to log
+                self._after_iteration(result)
+            finished = self.state.iteration >= t.train_iters
+            decision = self.shell.decide(self.state.iteration, result, finished=finished)
             if decision.save is not SaveKind.NONE:
                 self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
             if decision.exit:
@@ -272,24 +222,14 @@ class Trainer:
         self.scheduler.set_iteration(
             it, samples_after=self.state.consumed_samples + self.batch_size
         )
-        self.profiler.on_iteration_start(it)
-        with self.ledger.step(it + 1) as span:
+        with self.shell.iteration(it) as span:
             before = self.compiles.mark()
-            with self.sections.step_section():
-                self.faults.maybe_inject(it + 1, self.ctx.rank, "step")
-                if it + 1 in self.iterations_to_skip:  # numbered like the log line
-                    return self._skip_iteration(n)
-                self.observer.begin_iteration(it + 1)
-                captures = self.step.capture_state
-                result = self.step.run(it, num_microbatches=n, launch_next=self._plain_next(n))
-                self.memory_release.after_optimizer_step()
-                self.observer.end_iteration()
-            if self.step.capture_state != captures:  # this iteration captured a CUDA graph
-                span.reclassify(Bucket.COMPILE, CompileSource.CAPTURE)
+            self.faults.maybe_inject(it + 1, self.ctx.rank, "step")
+            if it + 1 in self.iterations_to_skip:  # numbered like the log line
+                return self._skip_iteration(n)
+            result = self.step.run(it, num_microbatches=n, launch_next=self._plain_next(n))
             self.compiles.book(span, before)  # it compiled: cold, or warm from the cache
-            if result.verdict.exit:
-                span.abandon(Bucket.RERUN)  # rejected: its passes validated, nothing advanced
-            return result
+        return result
 
     def _plain_next(self, num_microbatches: int) -> bool:
         """Whether the next iteration may be launched ahead: it exists, is not skipped, has the
@@ -319,47 +259,35 @@ class Trainer:
         self._num_microbatches = num_microbatches
         # Throughput counts this iteration's samples (the estimate is linear in the batch size).
         gbs = self.data.global_batch_size
-        self.log.flops_per_iteration = self.flops_per_iteration * self.batch_size / gbs
+        self.shell.log.flops_per_iteration = self.flops_per_iteration * self.batch_size / gbs
         return num_microbatches
 
     def _skip_iteration(self, num_microbatches: int) -> StepResult:
         """``--iterations-to-skip``: consume this iteration's data without training on it."""
         it = self.state.iteration
         self.print(f"skipping iteration {it + 1} (--iterations-to-skip)")
-        self.event(EventKind.SKIPPED, "--iterations-to-skip")
+        self.shell.event(it, EventKind.SKIPPED, "--iterations-to-skip")
         return self.step.skip(it, num_microbatches)
 
-    def _after_iteration(self, result: StepResult) -> bool:
-        """Count and log the completed iteration, evaluate when due; True when it evaluated."""
+    def _after_iteration(self, result: StepResult) -> None:
+        """Count and log the completed iteration, evaluate when due."""
         cfg = self.config
         self.state.iteration += 1
         self.state.consumed_samples += self.batch_size
         it = self.state.iteration
-        self.profiler.on_iteration_end(it)
         self.manual_gc.on_iteration_end(it)
-        is_log = it % cfg.log.log_interval == 0 or it in (1, cfg.training.train_iters)
-        norm = params_norm(self.model) if cfg.log.log_params_norm and is_log else None
-        self.log.on_iteration(
-            it,
-            losses=result.losses,  # empty: skipped without a pass (--iterations-to-skip)
-            learning_rate=self.scheduler.last_lr,
-            global_batch_size=self.batch_size,
-            consumed_samples=self.state.consumed_samples,
-            grad_norm=result.grad_norm,
-            skipped=result.skipped,
+        self.shell.record(
+            it, result, batch_size=self.batch_size,  # losses empty: --iterations-to-skip
+            consumed_samples=self.state.consumed_samples, learning_rate=self.scheduler.last_lr,
             loss_scale=self.loss_scaler.scale if cfg.training.fp16 else None,
-            num_zeros=result.num_zeros,
-            params_norm=norm,
-        )
+        )  # fmt: skip
         if cfg.training.eval_interval and it % cfg.training.eval_interval == 0:
             self.run_evaluation()
-            return True
-        return False
 
     def run_evaluation(self) -> dict[str, float]:
         """Evaluate on the held-out split with validation checks in disabled mode."""
         before = self.compiles.mark()
-        with self.ledger.span(Bucket.EVALUATION):
+        with self.shell.evaluation():
             losses = self._evaluate()
         self.compiles.book(None, before)  # the evaluation's own graphs go into the cache too
         self.compiles.save()
@@ -368,7 +296,6 @@ class Trainer:
     def _evaluate(self) -> dict[str, float]:
         cfg = self.config
         self.manual_gc.on_evaluation()
-        self.sections.start_evaluation()
         self.faults.maybe_inject(
             self.state.iteration, self.ctx.rank, "eval"
         )  # --inject-fault-phase eval
@@ -379,83 +306,31 @@ class Trainer:
             data,
             cfg.training.eval_iters,
             num_microbatches=self.data.num_microbatches,
-            each_iteration=lambda: then_release(
-                self.sections.step_section(is_eval=True), self.memory_release.after_eval_step
-            ),
+            each_iteration=self.shell.eval_iteration,
         )
-        self.log.on_eval(self.state.iteration, losses, consumed_samples=self.state.consumed_samples)
+        self.shell.log.on_eval(
+            self.state.iteration, losses, consumed_samples=self.state.consumed_samples
+        )
         self.manual_gc.on_evaluation()
         return losses
 
-    def _decide(self, result: StepResult) -> ExitDecision:
-        """Every exit input into one pure decision; the replica check runs when due (its
-        interval, or before any save: never write a checkpoint from diverged replicas)."""
-        it, cfg = self.state.iteration, self.config
-        inputs = exit_inputs(
-            result.agreed, rerun=result.verdict, finished=it >= cfg.training.train_iters
-        )
-        can_save = cfg.checkpoint.save is not None
-        decision = decide(it, inputs, cfg.exit, can_save=can_save)
-        if not result.verdict.exit and self.replicas.due(it, saving=decision.save is not SaveKind.NONE):  # fmt: skip
-            inputs = replace(inputs, replica=self.replicas.check(self.raw_model))
-            decision = decide(it, inputs, cfg.exit, can_save=can_save)
-        return decision
-
     def _finish(self, decision: ExitDecision) -> TrainOutcome:
-        """The one exit path: complete a pending save, record why, leave together."""
-        reason = decision.reason or ExitReason.FINISHED
-        self.log.end_progress()
-        logger.info(
-            "look-ahead launches: %d used of %d", self.step.num_used, self.step.num_launched
-        )
-        with (
-            self.sections.section(Section.CHECKPOINTING, is_async_finalization=True),
-            self.saves.finalizing(),
-        ):
-            self.checkpointer.finalize()  # an exit always completes the pending async save first
-        self.saves.finalized_all()
-        self.sections.maybe_update_timeouts(
-            closing=True, async_save=self.config.checkpoint.async_save
-        )
-        if reason is ExitReason.RERUN:  # a diagnosis goes to rerun_verdict.json in leave()
-            self.event(EventKind.RERUN, decision.detail)
-        self.event(
-            EventKind.EXIT, f"{reason.value}: {decision.detail} (exit code {decision.exit_code})"
-        )
-        if decision.exit_code and reason is not ExitReason.INTERRUPT:
-            # Ctrl-C is the user's own stop: its one line is leave()'s, with the code.
-            logger.error("%s; exiting with code %d", decision.detail, decision.exit_code)
-        code = leave(decision, self.state.iteration, save_dir=self.config.checkpoint.save,
-                     rank=self.ctx.rank, log=self.print)  # fmt: skip
-        self.ledger.close(reason.value, decision.detail)  # rank 0: the goodput line
-        return TrainOutcome(code, reason, self.state.iteration, decision.detail)
+        """The one exit path (the shell's): complete a pending save, record why, leave."""
+        it, reason = self.state.iteration, decision.reason or ExitReason.FINISHED
+        async_save = self.config.checkpoint.async_save
+        code = self.shell.finish(decision, it, self.checkpointer, async_save=async_save)
+        return TrainOutcome(code, reason, it, decision.detail)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, non_persistent: bool = False) -> None:
-        """Save every registered part (collective) inside the ``checkpointing`` section."""
-        self._saved_at = self.state.iteration
-        self.energy.pause()  # a save is not training energy
-        async_save = self.config.checkpoint.async_save
-        with (
-            self.sections.section(Section.CHECKPOINTING),
-            self.saves.blocking(self.state.iteration, non_persistent=non_persistent,
-                                async_save=async_save),
+        """Save every registered part (collective) inside the shell's ``saving``."""
+        it = self._saved_at = self.state.iteration
+        with self.shell.saving(
+            it, non_persistent=non_persistent, async_save=self.config.checkpoint.async_save,
+            flops_so_far=self._flops_so_far(), tokens_so_far=self._tokens_so_far(),
         ):  # fmt: skip
-            self.faults.maybe_inject(self.state.iteration, self.ctx.rank, "checkpointing")
-            self.checkpointer.save(self.state.iteration, non_persistent=non_persistent)
-        self.energy.resume()
-        if not non_persistent:  # --log-progress: Megatron's progress.txt line
-            self.progress.on_save(
-                self.state.iteration, self._flops_so_far(), self._tokens_so_far(), async_save=async_save
-            )  # fmt: skip
-        self.sections.maybe_update_timeouts(async_save=async_save)
-        kind = "non-persistent checkpoint" if non_persistent else "checkpoint"
-        self.event(EventKind.CHECKPOINT, f"saved {kind}")
-
-    def event(self, kind: EventKind, detail: str) -> None:
-        """Append to the run's event timeline (rank 0; nothing without a run directory)."""
-        if self.run_dir and self.ctx.is_main:
-            append_event(self.run_dir, self.state.iteration, kind, detail)
+            self.faults.maybe_inject(it, self.ctx.rank, "checkpointing")
+            self.checkpointer.save(it, non_persistent=non_persistent)
 
     def load(self) -> None:
         """Resume from the newest complete checkpoint, if any (``--load`` defaults to ``--save``)."""
@@ -469,7 +344,7 @@ class Trainer:
         )
         if loaded is None:
             return
-        self.sections.on_checkpoint_loaded(persistent=not loaded.non_persistent)
+        self.shell.sections.on_checkpoint_loaded(persistent=not loaded.non_persistent)
         if cfg.finetune:
             self.print(f"finetuning from {loaded.path}: weights loaded, starting at iteration 0")
             return
@@ -477,7 +352,7 @@ class Trainer:
         # suspect device was refused (SuspectDeviceError).
         self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
         self._resume_schedule(loaded.common.get("scheduler"), not cfg.no_load_optim)
-        self.ledger.resumed(self.state.iteration)
+        self.shell.ledger.resumed(self.state.iteration)
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
 
     def _resume_schedule(self, saved: Any, load_optim: bool) -> None:

@@ -1,14 +1,10 @@
 """The trainer's small parts: how a run ended (`TrainOutcome`, re-exported by
-:mod:`stalwart.train.trainer`), the config's checkpoint part and two step helpers."""
+:mod:`stalwart.train.trainer`) and the config's checkpoint part."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from stalwart.config.run import RunConfig
 from stalwart.reliability.exit import ExitReason
@@ -35,17 +31,3 @@ class ConfigPart:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state  # the config given now wins
-
-
-@contextlib.contextmanager
-def then_release(section: Any, release: Callable[[], None]) -> Iterator[None]:
-    """An eval step's watchdog section, then ``--empty-unused-memory-level``'s release."""
-    with section:
-        yield
-    release()
-
-
-def params_norm(model: torch.nn.Module) -> torch.Tensor:
-    """L2 norm of all parameters (device tensor, ``--log-params-norm``)."""
-    norms = torch._foreach_norm([p.detach() for p in model.parameters()])
-    return torch.linalg.vector_norm(torch.stack(norms))

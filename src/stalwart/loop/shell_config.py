@@ -1,0 +1,127 @@
+"""What the shell around a training step does: the components' own configs, composed.
+
+Each probe keeps its config beside it (``StragglerConfig`` in ``observability/straggler.py``,
+...), one field per Megatron flag, each with ``build()``. The trainer's ``RunConfig`` holds the
+same probe configs (``RunConfig.shell_config``); the Lightning and HF callbacks take them as
+keyword arguments; a hand-written loop builds this directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from stalwart.observability.dumps import TensorDumpConfig
+from stalwart.observability.energy import EnergyConfig
+from stalwart.observability.memory import MemoryConfig
+from stalwart.observability.memory_release import MemoryReleaseConfig
+from stalwart.observability.profiler import ProfilerConfig
+from stalwart.observability.progress_log import ProgressLogConfig
+from stalwart.observability.sinks import SinkConfig
+from stalwart.observability.straggler import StragglerConfig
+from stalwart.observability.timers import TimerConfig
+from stalwart.observability.train_log import LogConfig
+from stalwart.reliability.exit import ExitConfig
+from stalwart.reliability.hang.sections import FaultToleranceConfig
+from stalwart.reliability.rerun import RerunConfig, RerunMode
+
+if TYPE_CHECKING:
+    from stalwart.loop.shell import Shell
+
+# The probe configs, by their ShellConfig field (the parity test walks every field of each).
+PROBES: tuple[str, ...] = (
+    "sinks", "timers", "straggler", "memory", "energy", "dumps", "profiler", "memory_release",
+    "progress",
+)  # fmt: skip
+
+
+@dataclass(kw_only=True, frozen=True)
+class ShellConfig:
+    """What the shell does (each component config validates itself).
+
+    Attributes:
+        train_iters: the run's iterations (the log line's total; the exit's ``finished``).
+        save_dir: where ``exit_reason.json``, ``ft_state.json``, ``rerun_verdict.json`` and
+            ``progress.txt`` go (the loop's or the framework's checkpoint directory).
+        run_dir: metrics.jsonl, goodput.jsonl, memory.json, straggler.jsonl, dumps, profiles
+            (default: ``save_dir``).
+        goodput: keep the goodput ledger (rank 0, needs a run directory).
+        seq_length: tokens per sample (tokens/s in the log line).
+        exit / ft / rerun / log: the signal/duration/interval exits (default: the SIGTERM
+            handler on), hang detection, the rerun machine (default: disabled), the log line.
+        sinks / timers / straggler / memory / energy / dumps / profiler / memory_release /
+            progress: the probes (:data:`PROBES`), everything off by default.
+    """
+
+    train_iters: int
+    save_dir: str | None = None
+    run_dir: str | None = None
+    goodput: bool = True
+    seq_length: int | None = None
+    exit: ExitConfig = field(default_factory=lambda: ExitConfig(exit_signal_handler=True))
+    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    # Disabled unless asked for; a framework draws its own progress bar.
+    rerun: RerunConfig = field(default_factory=lambda: RerunConfig(rerun_mode=RerunMode.DISABLED))
+    log: LogConfig = field(
+        default_factory=lambda: LogConfig(log_interval=10, log_progress_bar=False)
+    )
+    sinks: SinkConfig = field(default_factory=SinkConfig)
+    timers: TimerConfig = field(default_factory=TimerConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    energy: EnergyConfig = field(default_factory=EnergyConfig)
+    dumps: TensorDumpConfig = field(default_factory=TensorDumpConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    memory_release: MemoryReleaseConfig = field(default_factory=MemoryReleaseConfig)
+    progress: ProgressLogConfig = field(default_factory=ProgressLogConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.train_iters, bool) or not isinstance(self.train_iters, int):
+            raise ValueError(f"ShellConfig.train_iters: an integer >= 1, got {self.train_iters!r}")
+        if self.train_iters < 1:
+            raise ValueError(f"ShellConfig.train_iters: an integer >= 1, got {self.train_iters}")
+        if self.progress.log_progress and not self.save_dir:
+            raise ValueError("--log-progress needs --save (progress.txt is written there)")
+
+    @property
+    def artefact_dir(self) -> str | None:
+        """Where run artefacts go: ``run_dir``, else ``save_dir``, else nowhere."""
+        return self.run_dir or self.save_dir
+
+    def check_extras(self) -> None:
+        """Every setting that needs an optional package finds it importable, checked before
+        anything is built (``ValueError`` naming the flag and the ``pip install`` to run)."""
+        self.sinks.check_extras()
+        self.energy.check_extras()
+
+    def build(
+        self,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | str = "cpu",
+        print_fn: Callable[..., None] = print,
+        attempt: int = 0,
+        loss_scaler: Any = None,
+        run_config: Mapping[str, Any] | None = None,
+        memory_estimate: Any = None,
+    ) -> Shell:
+        """The shell of this rank (build it in the main thread: the signal handler).
+
+        ``attempt``: the in-process restart's attempt (the goodput ledger's session);
+        ``loss_scaler``: its state is saved and restored around a rerun; ``run_config``: the
+        run's settings (W&B's config); ``memory_estimate``: the model's theoretical memory.
+        """
+        from stalwart.loop.shell import Shell
+
+        return Shell(
+            self, rank=rank, world_size=world_size, device=torch.device(device),
+            print_fn=print_fn, attempt=attempt, loss_scaler=loss_scaler, run_config=run_config,
+            memory_estimate=memory_estimate,
+        )  # fmt: skip
+
+
+__all__ = ["PROBES", "ShellConfig"]
