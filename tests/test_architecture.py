@@ -88,9 +88,10 @@ def test_exceptions_are_real() -> None:
 
 
 def test_the_report_reader_and_renderer_do_not_import_each_other() -> None:
-    """``report`` loads, ``report_html`` renders; both use ``run_dir``'s vocabulary."""
-    for name in ("report_html", "report_plotly", "report_svg"):
-        imported = _imported(ast.parse((PACKAGE / "observability" / f"{name}.py").read_text()))
-        assert "stalwart.observability.report" not in imported, name
-    html = _imported(ast.parse((PACKAGE / "observability" / "report_html.py").read_text()))
+    """``report.run_report`` loads, ``report.html`` renders; both use ``run_dir``'s vocabulary."""
+    for name in ("html", "plotly_charts", "svg"):
+        imported = _imported(ast.parse((PACKAGE / "report" / f"{name}.py").read_text()))
+        assert "stalwart.report.run_report" not in imported, name
+        assert "stalwart.report" not in imported, name
+    html = _imported(ast.parse((PACKAGE / "report" / "html.py").read_text()))
     assert "stalwart.observability.run_dir" in html

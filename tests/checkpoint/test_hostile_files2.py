@@ -82,7 +82,7 @@ def _ledger(d: Path) -> Any:
 
 
 def _jsonl(d: Path) -> Any:
-    from stalwart.observability.report_clean import read_json, read_jsonl
+    from stalwart.report.clean import read_json, read_jsonl
 
     notes: list[str] = []
     assert (

@@ -14,7 +14,7 @@ from stalwart.cli.main import main
 from stalwart.observability.goodput import Bucket, GoodputLedger
 from stalwart.observability.goodput_reader import read_ledger
 from stalwart.observability.goodput_records import GOODPUT_FILE, format_table, summarize
-from stalwart.observability.report_goodput import goodput_section
+from stalwart.report.goodput import goodput_section
 
 NOW = time.time()
 GOOD = [

@@ -151,8 +151,8 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, object]:
 
 
 # ------------------------------------------------------------------ vocabulary: events, metrics
-# Shared by the writers (the trainer appends events) and the readers (``report`` loads,
-# ``report_html`` renders), so neither reader imports the other.
+# Shared by the writers (the trainer appends events) and the readers (``stalwart.report``: its
+# ``run_report`` loads, its ``html`` renders), so neither reader imports the other.
 LOSS_KEYS = ("lm loss", "loss")
 LR_KEYS = ("lr", "learning-rate")
 THROUGHPUT_KEYS = ("throughput_tflops_per_gpu", "throughput")

@@ -6,7 +6,7 @@ table of each run's outcome, and the settings that differ (from each run's ``run
 
     path = write_comparison(["runs/a", "runs/b"], "compare.html")
 
-Each run is read with `stalwart.observability.report.load_run` (the same checks of hostile or
+Each run is read with `stalwart.report.run_report.load_run` (the same checks of hostile or
 torn files as one run's report); its notes are listed under its name. Section ids: ``runs``,
 ``loss``, ``learning-rate``, ``throughput``, ``memory``, ``config-diff``.
 """
@@ -19,10 +19,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from stalwart.observability.report_config import config_diff_section
-from stalwart.observability.report_html import CSS, _section, _skipped, _table
-from stalwart.observability.report_plotly import Charts, make_charts, plotly_js
-from stalwart.observability.report_svg import Points, _e, _fmt
 from stalwart.observability.run_dir import (
     LOSS_KEYS,
     LR_KEYS,
@@ -32,6 +28,10 @@ from stalwart.observability.run_dir import (
     RunArtefacts,
     series,
 )
+from stalwart.report.config import config_diff_section
+from stalwart.report.html import CSS, _section, _skipped, _table
+from stalwart.report.plotly_charts import Charts, make_charts, plotly_js
+from stalwart.report.svg import Points, _e, _fmt
 
 
 def run_labels(run_dirs: Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -183,7 +183,7 @@ def write_comparison(
         FileNotFoundError: a run directory does not exist.
         ValueError: fewer than two run directories.
     """
-    from stalwart.observability.report import load_run
+    from stalwart.report.run_report import load_run
 
     if len(run_dirs) < 2:
         raise ValueError("a comparison needs two or more run directories")
