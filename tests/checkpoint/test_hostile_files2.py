@@ -76,7 +76,7 @@ def _exit_reason(d: Path) -> Any:
 
 
 def _ledger(d: Path) -> Any:
-    from stalwart.observability.goodput_reader import read_ledger
+    from stalwart.observability.goodput.reader import read_ledger
 
     assert read_ledger(d / "goodput.jsonl").records == []
 

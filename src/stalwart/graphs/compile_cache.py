@@ -54,7 +54,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from stalwart.observability.goodput_records import Bucket, CompileSource
+from stalwart.observability.goodput.records import Bucket, CompileSource
 
 logger = logging.getLogger("stalwart.compile_cache")
 

@@ -295,7 +295,7 @@ def _write_hang_report(path: str, report: dict[str, object]) -> None:
 
 
 def _append_goodput_fault(path: str, rank: int, overrun: Overrun) -> None:
-    """A ``fault`` record in the goodput ledger (``stalwart.observability.goodput_records``'s
+    """A ``fault`` record in the goodput ledger (``stalwart.observability.goodput.records``'s
     format): the next session splits its downtime into hang-until-detected and restart."""
     record = {"k": "fault", "t": round(time.time(), 6), "s": f"hang-monitor-rank{rank}",
               "cause": "hang", "rank": rank,
