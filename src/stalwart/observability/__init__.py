@@ -13,11 +13,10 @@ from stalwart.observability.dumps import (
 )
 from stalwart.observability.energy import EnergyMeter, NullEnergyMeter, make_energy_meter
 from stalwart.observability.memory import (
-    MemoryEstimate,
+    MemoryFootprint,
     MemoryMonitor,
     NullMemoryMonitor,
     measured_memory,
-    theoretical_memory,
 )
 from stalwart.observability.memory_release import (
     NullMemoryRelease,
@@ -81,7 +80,7 @@ __all__ = [
     "LogConfig",
     "LogField",
     "LogFieldProvider",
-    "MemoryEstimate",
+    "MemoryFootprint",
     "MemoryMonitor",
     "MetricSink",
     "NullEnergyMeter",
@@ -117,6 +116,5 @@ __all__ = [
     "make_straggler_detector",
     "make_tensor_dumper",
     "measured_memory",
-    "theoretical_memory",
     "validate_timing_flags",
 ]

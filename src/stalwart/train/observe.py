@@ -16,6 +16,7 @@ from typing import Any
 from stalwart.config.run import RunConfig
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.models import GPT
+from stalwart.models.memory_model import CUDA_WORKSPACE_BYTES, theoretical_memory
 from stalwart.observability.dumps import (
     DumpConfig,
     NullTensorDumper,
@@ -23,7 +24,7 @@ from stalwart.observability.dumps import (
     make_tensor_dumper,
 )
 from stalwart.observability.energy import make_energy_meter
-from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryMonitor, theoretical_memory
+from stalwart.observability.memory import MemoryMonitor
 from stalwart.observability.memory_release import NullMemoryRelease
 from stalwart.observability.profiler import NullProfilerWindow, ProfilerWindow, make_profiler_window
 from stalwart.observability.save_timing import SaveTiming
