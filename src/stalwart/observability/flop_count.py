@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stalwart.reliability.rerun.rng import capture_rng_state, restore_rng_state
+from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 __all__ = ["CountedFlops", "count_flops", "count_training_flops", "flop_counter"]
 
