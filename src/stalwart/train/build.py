@@ -41,14 +41,13 @@ from stalwart.graphs import (
     CudaGraphImpl,
     GraphSettings,
     NullCompileCache,
-    RecomputeGranularity,
     check_graph_config,
     clip_in_optimizer_step,
     make_capturable_adamw,
 )
 from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler
 from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
-from stalwart.models import GPT
+from stalwart.models import GPT, RecomputeGranularity
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
 from stalwart.observability.goodput import (
     GOODPUT_FILE,
