@@ -40,6 +40,7 @@ from typing import Protocol
 
 import torch
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.observability.sinks import MetricSink
 from stalwart.observability.train_log import IntervalInfo, LogField
 
@@ -244,9 +245,8 @@ class MemoryMonitor:
         record = compare(self.estimate, measured)
         record.update(iteration=iteration, time=time.time(), device=str(self.device))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / (MEMORY_FILE + ".tmp")
-        tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
-        os.replace(tmp, self.run_dir / MEMORY_FILE)
+        text = json.dumps(record, indent=1)
+        write_text_atomic(self.run_dir / MEMORY_FILE, text, sync=Sync.NONE)
 
     def log_fields(self, info: IntervalInfo) -> list[LogField]:
         """`LogFieldProvider`: the peak-memory field at the steps that read memory."""

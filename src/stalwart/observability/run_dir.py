@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.observability.sinks import append_line
 from stalwart.regular_file import open_regular
 
@@ -130,9 +131,7 @@ class RunPaths:
         payload: dict[str, Any] = {"version": _MANIFEST_VERSION, "metrics": recorded}
         if config is not None:
             payload["config"] = dict(config)
-        tmp = self.manifest.with_name(f".{MANIFEST_FILE}.tmp.{os.getpid()}")
-        tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, self.manifest)
+        write_text_atomic(self.manifest, json.dumps(payload, indent=1) + "\n", sync=Sync.NONE)
         return self.manifest
 
 

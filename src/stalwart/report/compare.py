@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.observability.run_dir import (
     LOSS_KEYS,
     LR_KEYS,
@@ -190,7 +191,6 @@ def write_comparison(
     arts = [load_run(d) for d in run_dirs]
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(render_comparison(run_labels(run_dirs), arts, interactive), encoding="utf-8")
-    os.replace(tmp, target)
+    page = render_comparison(run_labels(run_dirs), arts, interactive)
+    write_text_atomic(target, page, sync=Sync.NONE)
     return target

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.observability.run_dir import (
     EVENTS_FILE,
     LOSS_KEYS,
@@ -195,7 +196,6 @@ def write_report(
     png_paths = write_pngs(art, art.run_dir / PNG_DIR) if pngs else []
     target = Path(out) if out is not None else art.run_dir / REPORT_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(render_html(art, [p.name for p in png_paths], interactive), encoding="utf-8")
-    os.replace(tmp, target)
+    page = render_html(art, [p.name for p in png_paths], interactive)
+    write_text_atomic(target, page, sync=Sync.NONE)
     return target
