@@ -194,3 +194,10 @@ def test_the_report_reader_and_renderer_do_not_import_each_other() -> None:
         assert "stalwart.report" not in imported, name
     html = _imported(ast.parse((PACKAGE / "report" / "html.py").read_text()))
     assert "stalwart.observability.run_dir" in html
+
+
+def test_the_hang_monitor_script_imports_nothing_of_stalwart() -> None:
+    """The worker starts ``monitor.py`` as a script (``python -I``): the package is not on its
+    path, so any ``stalwart`` import there kills the monitor at start-up."""
+    source = (PACKAGE / "reliability" / "hang" / "monitor.py").read_text()
+    assert not [n for n in _imported(ast.parse(source)) if n.split(".")[0] == "stalwart"]

@@ -51,8 +51,6 @@ import time
 import zlib
 from dataclasses import dataclass
 
-from stalwart.atomic_file import Sync, write_text_atomic
-
 MAGIC = b"STLWHB01"
 SECTION_NAMES: tuple[str, ...] = ("setup", "step", "checkpointing")
 OUT_OF_SECTION = "out_of_section"
@@ -288,7 +286,13 @@ def _kill(pid: int, term_grace_s: float) -> None:
 
 
 def _write_hang_report(path: str, report: dict[str, object]) -> None:
-    write_text_atomic(path, json.dumps(report, indent=2), sync=Sync.FILE)
+    # Not stalwart.atomic_file's write: this script imports nothing of stalwart (see above).
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _append_goodput_fault(path: str, rank: int, overrun: Overrun) -> None:
