@@ -2,7 +2,7 @@
 
 For each preset x recompute variant x dtype: build the trainer's components (AdamW, 4 micro-batches
 of 8, optional bf16), run a few iterations so the optimizer state exists, then compare the measured
-peak with ``stalwart.observability.memory.theoretical_memory``. Target: within 15% everywhere.
+peak with ``stalwart.models.memory_model.theoretical_memory``. Target: within 15% everywhere.
 
 * ``--device cuda``: ``torch.cuda.max_memory_allocated`` against the estimate's total.
 * ``--device cpu`` (tiny sizes, fp32): the peak of tensor memory allocated during the measured
@@ -31,11 +31,8 @@ import torch
 from stalwart.cli.args import parse_train_args
 from stalwart.config.run import RunConfig, build_run_config
 from stalwart.distributed.process_group import DistributedContext, choose_device
-from stalwart.observability.memory import (
-    CUDA_WORKSPACE_BYTES,
-    cpu_peak_allocated_bytes,
-    theoretical_memory,
-)
+from stalwart.models.memory_model import CUDA_WORKSPACE_BYTES, theoretical_memory
+from stalwart.observability.memory import cpu_peak_allocated_bytes
 from stalwart.train.trainer import Trainer
 
 PRESETS = "tiny,small,gpt2-124m,llama-tiny,llama-150m"

@@ -37,8 +37,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from stalwart.observability.goodput_reader import read_ledger  # noqa: E402
-from stalwart.observability.goodput_records import (  # noqa: E402
+from stalwart.observability.goodput.reader import read_ledger  # noqa: E402
+from stalwart.observability.goodput.records import (  # noqa: E402
     Bucket,
     Marker,
     RecordKind,

@@ -2,12 +2,17 @@
 
 1. No function over ~60 lines (the loop reads on one screen).
 2. The components never import the trainer, the CLI or its run config: any user's loop can
-   compose them. Imports inside ``if TYPE_CHECKING:`` and inside functions count too.
+   compose them.
+3. Some arrows between components are forbidden (`FORBIDDEN_ARROWS`: a runtime probe does not
+   know the reference model, ...), and no import cycle joins two components.
+
+Every import counts: inside ``if TYPE_CHECKING:``, inside functions, re-exports.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "stalwart"
@@ -22,10 +27,25 @@ COMPONENTS = (
     "distributed",
     "loop",
     "integrations",
+    "report",
 )
 FORBIDDEN = ("stalwart.train", "stalwart.cli", "stalwart.config.run")
 # module (relative to the package) -> why it may still import the trainer side. Keep it short.
 IMPORT_EXCEPTIONS: dict[str, str] = {}
+# (importer, imported) components that must not depend on each other that way: observability
+# measures any model (the reference GPT's memory formula is in models/), graphs checks any
+# model's settings, observability needs no reliability (the RNG capture is the leaf
+# stalwart.rng_state), reliability writes its verdicts without the checkpoint package, and the
+# integrations take their settings from the library, not from the trainer's config package.
+FORBIDDEN_ARROWS = frozenset(
+    {
+        ("observability", "models"),
+        ("graphs", "models"),
+        ("observability", "reliability"),
+        ("reliability", "checkpoint"),
+        ("integrations", "config"),
+    }
+)
 # "module:function" -> why it may be longer. Keep it short.
 LENGTH_EXCEPTIONS: dict[str, str] = {}
 
@@ -87,10 +107,84 @@ def test_exceptions_are_real() -> None:
         assert (PACKAGE / module).exists(), f"{module}: stale exception"
 
 
+def _arrows() -> dict[tuple[str, str], set[str]]:
+    """(importer, imported) top-level parts of the package -> the modules that draw the arrow."""
+    arrows: dict[tuple[str, str], set[str]] = {}
+    for path in _modules():
+        relative = path.relative_to(PACKAGE)
+        source = relative.parts[0] if len(relative.parts) > 1 else relative.stem
+        for name in _imported(ast.parse(path.read_text())):
+            parts = name.split(".")
+            if parts[0] == "stalwart" and len(parts) > 1 and parts[1] != source:
+                arrows.setdefault((source, parts[1]), set()).add(relative.as_posix())
+    return arrows
+
+
+def test_no_forbidden_arrow_between_components() -> None:
+    bad = [
+        f"{module} ({arrow[0]} -> {arrow[1]})"
+        for arrow, modules in sorted(_arrows().items())
+        if arrow in FORBIDDEN_ARROWS
+        for module in sorted(modules)
+    ]
+    assert not bad, "forbidden imports: " + ", ".join(bad)
+
+
+def _cycle(edges: set[tuple[str, str]]) -> list[str]:
+    """One cycle of the directed graph ``edges`` (its nodes, the first repeated last), or []."""
+    graph: dict[str, list[str]] = {}
+    for a, b in sorted(edges):
+        graph.setdefault(a, []).append(b)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in graph.get(node, []):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def test_no_import_cycle_between_components() -> None:
+    arrows = _arrows()
+    edges = {(a, b) for a, b in arrows if a in COMPONENTS and b in COMPONENTS}
+    cycle = _cycle(edges)
+    where = [f"{a} -> {b} ({sorted(arrows[a, b])[0]})" for a, b in itertools.pairwise(cycle)]
+    assert not cycle, "import cycle between components: " + "; ".join(where)
+
+
+def test_the_arrow_checks_can_fail() -> None:
+    """The cycle finder finds a cycle of three and a mutual import, and none in a DAG."""
+    assert _cycle({("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}) == ["a", "b", "c", "a"]
+    assert _cycle({("x", "y"), ("y", "x")}) == ["x", "y", "x"]
+    assert _cycle({("a", "b"), ("a", "c"), ("b", "c")}) == []
+    sample = "if TYPE_CHECKING:\n    from stalwart.models import GPT\ndef f():\n    import stalwart.reliability\n"
+    assert _imported(ast.parse(sample)) == ["stalwart.models", "stalwart.reliability"]
+
+
 def test_the_report_reader_and_renderer_do_not_import_each_other() -> None:
-    """``report`` loads, ``report_html`` renders; both use ``run_dir``'s vocabulary."""
-    for name in ("report_html", "report_plotly", "report_svg"):
-        imported = _imported(ast.parse((PACKAGE / "observability" / f"{name}.py").read_text()))
-        assert "stalwart.observability.report" not in imported, name
-    html = _imported(ast.parse((PACKAGE / "observability" / "report_html.py").read_text()))
+    """``report.run_report`` loads, ``report.html`` renders; both use ``run_dir``'s vocabulary."""
+    for name in ("html", "plotly_charts", "svg"):
+        imported = _imported(ast.parse((PACKAGE / "report" / f"{name}.py").read_text()))
+        assert "stalwart.report.run_report" not in imported, name
+        assert "stalwart.report" not in imported, name
+    html = _imported(ast.parse((PACKAGE / "report" / "html.py").read_text()))
     assert "stalwart.observability.run_dir" in html
+
+
+def test_the_hang_monitor_script_imports_nothing_of_stalwart() -> None:
+    """The worker starts ``monitor.py`` as a script (``python -I``): the package is not on its
+    path, so any ``stalwart`` import there kills the monitor at start-up."""
+    source = (PACKAGE / "reliability" / "hang" / "monitor.py").read_text()
+    assert not [n for n in _imported(ast.parse(source)) if n.split(".")[0] == "stalwart"]

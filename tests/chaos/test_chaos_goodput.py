@@ -9,7 +9,7 @@ import pytest
 
 from stalwart.chaos.campaign import CampaignOutcome, format_table
 from stalwart.chaos.result import FaultResult, goodput_cost
-from stalwart.observability.goodput_records import GOODPUT_FILE
+from stalwart.observability.goodput.records import GOODPUT_FILE
 
 
 def _ledger(run_dir: Path, spans: list[tuple[str, float, float]]) -> None:

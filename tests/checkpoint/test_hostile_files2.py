@@ -76,13 +76,13 @@ def _exit_reason(d: Path) -> Any:
 
 
 def _ledger(d: Path) -> Any:
-    from stalwart.observability.goodput_reader import read_ledger
+    from stalwart.observability.goodput.reader import read_ledger
 
     assert read_ledger(d / "goodput.jsonl").records == []
 
 
 def _jsonl(d: Path) -> Any:
-    from stalwart.observability.report_clean import read_json, read_jsonl
+    from stalwart.report.clean import read_json, read_jsonl
 
     notes: list[str] = []
     assert (

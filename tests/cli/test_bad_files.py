@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from stalwart.cli.main import main
-from stalwart.observability.report import load_run
 from stalwart.observability.sinks import JsonlSink
+from stalwart.report.run_report import load_run
 
 from train_utils import REPO, TINY_FLAGS, cli_env
 

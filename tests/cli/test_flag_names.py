@@ -63,7 +63,7 @@ def _subcommand_options(path: Path) -> set[str]:
     rel = path.relative_to(SRC).as_posix()
     owner = {
         "chaos/": "cli/chaos.py",
-        "observability/report": "cli/report.py",
+        "report/": "cli/report.py",
         "checkpoint/": "cli/checkpoints.py",  # "run: stalwart checkpoints convert --trust-pickle"
         "distributed/launch": "cli/launch.py",
     }

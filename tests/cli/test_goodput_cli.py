@@ -6,8 +6,8 @@ import json
 
 from stalwart.cli.main import main
 from stalwart.observability.goodput import Bucket, GoodputLedger
-from stalwart.observability.goodput_records import GOODPUT_FILE
-from stalwart.observability.report import write_report
+from stalwart.observability.goodput.records import GOODPUT_FILE
+from stalwart.report.run_report import write_report
 
 
 class _Clock:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import format_table, summarize
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import format_table, summarize
 
 from train_utils import REPO
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from stalwart.chaos.runner import LaunchResult, LaunchSpec, run
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import GOODPUT_FILE, Bucket, summarize
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import GOODPUT_FILE, Bucket, summarize
 
 from train_utils import TINY_FLAGS
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import summarize
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import summarize
 
 from dist_utils import run_cli_on_ranks
 from train_utils import REPO, TINY_FLAGS, assert_params_equal, load_params

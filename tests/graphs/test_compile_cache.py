@@ -25,8 +25,8 @@ from stalwart.graphs.compile_cache import (
     check_cache_dir,
 )
 from stalwart.observability.goodput import Bucket, CompileSource, GoodputLedger
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import Span, summarize
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import Span, summarize
 from stalwart.reliability.inprocess.store import RestartStore
 from stalwart.reliability.inprocess.wrapper import Attempt, InProcessRestarter, RestartOptions
 

@@ -8,11 +8,11 @@ import torch
 from stalwart.graphs import (
     CudaGraphImpl,
     GraphSettings,
-    RecomputeGranularity,
     check_graph_config,
     compile_for_graph,
     graph_config_problems,
 )
+from stalwart.models import RecomputeGranularity
 
 CUDA = torch.device("cuda", 0)
 FULL = GraphSettings(device=CUDA, cuda_graph_impl=CudaGraphImpl.FULL_ITERATION)
@@ -190,3 +190,23 @@ def test_recompute_rules_use_the_models_settings() -> None:
         "full_iteration CUDA graph: recompute's RNG save/restore cannot be captured (set it to "
         "0, or recompute nothing)"
     ]
+
+
+def test_any_models_recompute_enum_is_read_by_its_value() -> None:
+    """graphs does not import the reference model: another model's enum of the same values
+    gets the same verdicts as ``stalwart.models.RecomputeGranularity``."""
+    import enum
+
+    class Granularity(enum.Enum):
+        NONE = "none"
+        FULL = "full"
+
+    ours = dataclasses.replace(FULL, recompute_granularity=RecomputeGranularity.FULL)
+    theirs = dataclasses.replace(FULL, recompute_granularity=Granularity.FULL)
+    for dropout in (0.0, 0.1):
+        a, b = (dataclasses.replace(s, hidden_dropout=dropout) for s in (ours, theirs))
+        assert graph_config_problems(a) == graph_config_problems(b)
+    assert graph_config_problems(dataclasses.replace(theirs, hidden_dropout=0.1))
+    assert not graph_config_problems(
+        dataclasses.replace(FULL, recompute_granularity=Granularity.NONE, hidden_dropout=0.1)
+    )

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from stalwart.cli.main import main
 from stalwart.loop import ComputeWeights
 from stalwart.models import GPT, GPTConfig, fused_cross_entropy, linear_cross_entropy
+from stalwart.models.memory_model import activation_breakdown
 from stalwart.observability.flop_count import count_flops
-from stalwart.observability.memory import activation_breakdown
 
 BASE: dict[str, Any] = dict(
     num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64

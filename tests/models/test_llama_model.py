@@ -17,7 +17,7 @@ import stalwart.models.gpt
 import stalwart.models.recompute
 from stalwart.models import GPT, GPTConfig, num_floating_point_operations, preset_model_config
 from stalwart.models import functional as F_models
-from stalwart.observability.memory import count_parameters
+from stalwart.models.memory_model import count_parameters
 
 BASE: dict[str, Any] = {
     "num_layers": 2,

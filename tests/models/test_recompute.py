@@ -10,7 +10,8 @@ import torch
 
 from stalwart.models import GPT, GPTConfig, layer_units
 from stalwart.models.blocks import CausalSelfAttention, TransformerBlock
-from stalwart.observability.memory import cpu_peak_allocated_bytes, theoretical_memory
+from stalwart.models.memory_model import theoretical_memory
+from stalwart.observability.memory import cpu_peak_allocated_bytes
 
 BASE: dict[str, Any] = {
     "num_layers": 4,

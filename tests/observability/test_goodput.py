@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from stalwart.observability import goodput
 from stalwart.observability.goodput import (
     Bucket,
     GoodputLedger,
@@ -18,8 +17,10 @@ from stalwart.observability.goodput import (
     process_start_time,
     straggler_idle_seconds,
 )
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import (
+from stalwart.observability.goodput import ledger as goodput
+from stalwart.observability.goodput import session as goodput_session
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import (
     GOODPUT_FILE,
     format_duration,
     format_table,
@@ -327,11 +328,11 @@ def test_format_duration() -> None:
 
 def test_launcher_start_uses_torchrun_parent(monkeypatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
-    assert goodput.launcher_start_time() == pytest.approx(
+    assert goodput_session.launcher_start_time() == pytest.approx(
         process_start_time(os.getppid()), abs=0.01
     )
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "garbage")
-    assert goodput.torchrun_restart_count() == 0
+    assert goodput_session.torchrun_restart_count() == 0
 
 
 _KILLED_WRITER = """

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from stalwart.observability.goodput import Bucket, CompileSource, GoodputLedger
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import GOODPUT_FILE, format_table, summarize
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import GOODPUT_FILE, format_table, summarize
 
 
 class FakeClock:

@@ -12,9 +12,9 @@ import pytest
 
 from stalwart.cli.main import main
 from stalwart.observability.goodput import Bucket, GoodputLedger
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import GOODPUT_FILE, format_table, summarize
-from stalwart.observability.report_goodput import goodput_section
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import GOODPUT_FILE, format_table, summarize
+from stalwart.report.goodput import goodput_section
 
 NOW = time.time()
 GOOD = [

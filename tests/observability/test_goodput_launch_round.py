@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from stalwart.observability import goodput_session
-from stalwart.observability.goodput_session import launcher_start_time
+from stalwart.observability.goodput import session as goodput_session
+from stalwart.observability.goodput.session import launcher_start_time
 
 LAUNCHER_START, WORKER_START = 100.0, 250.0
 

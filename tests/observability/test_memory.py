@@ -7,16 +7,18 @@ import pytest
 import torch
 
 from stalwart.models import GPT, GPTConfig
+from stalwart.models.memory_megatron import megatron_bytes_per_parameter
+from stalwart.models.memory_model import (
+    activation_breakdown,
+    bytes_per_parameter,
+    count_parameters,
+    theoretical_memory,
+)
 from stalwart.observability.memory import (
     MEMORY_FILE,
     MemoryMonitor,
     NullMemoryMonitor,
-    activation_breakdown,
-    bytes_per_parameter,
-    count_parameters,
     measured_memory,
-    megatron_bytes_per_parameter,
-    theoretical_memory,
 )
 from stalwart.observability.train_log import IntervalInfo
 
@@ -149,7 +151,7 @@ def test_monitor_reports_once_then_interval(tmp_path: Path) -> None:
 def test_megatron_activation_formula_matches_its_verified_numbers() -> None:
     """The reference's numbers for Megatron's tiny dense config (h=16, 8 heads, 4 groups, L=2,
     ffn=64, V=128, s=8, b=2): 27008 bytes with SP + selective, 23520 without SP."""
-    from stalwart.observability.memory import megatron_activation_bytes
+    from stalwart.models.memory_megatron import megatron_activation_bytes
 
     cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=8, num_query_groups=4,
                     ffn_hidden_size=64, vocab_size=128, seq_length=8)  # fmt: skip
@@ -197,7 +199,7 @@ FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompu
 
 def test_compute_weight_parameters_are_the_models_slots() -> None:
     from stalwart.loop import ComputeWeights
-    from stalwart.observability.memory import compute_weight_parameters
+    from stalwart.models.memory_model import compute_weight_parameters
 
     for cfg in (DENSE, MOE, _with(DENSE, untie_embeddings_and_output_weights=True)):
         weights = ComputeWeights(GPT(cfg))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stalwart.models import preset_model_config
-from stalwart.observability.memory import theoretical_memory
+from stalwart.models.memory_model import theoretical_memory
 from stalwart.observability.memory_budget import GIB, available_memory, check_fits
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -64,7 +64,7 @@ def _ratio_in_fresh_process(preset: str, overrides: dict, bf16: bool) -> float:
         "sys.path.insert(0, 'tests/observability')\n"
         "from test_memory_gpu import _peak_bytes\n"
         "from stalwart.models import GPT, preset_model_config\n"
-        "from stalwart.observability.memory import theoretical_memory\n"
+        "from stalwart.models.memory_model import theoretical_memory\n"
         f"cfg = preset_model_config({preset!r}, **{overrides!r})\n"
         "torch.manual_seed(0)\n"
         "model = GPT(cfg).cuda().train()\n"

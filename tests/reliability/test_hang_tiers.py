@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from stalwart.cli.main import main
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import GOODPUT_FILE, RecordKind
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import GOODPUT_FILE, RecordKind
 from stalwart.reliability.hang.sections import (
     FaultToleranceConfig,
     SectionMonitor,

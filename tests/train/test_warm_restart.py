@@ -14,8 +14,8 @@ from stalwart.cli.main import main
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.models import GPT
 from stalwart.observability.goodput import Bucket, CompileSource
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import Span, summarize
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import Span, summarize
 from stalwart.reliability.inprocess.store import RestartStore
 from stalwart.reliability.inprocess.wrapper import InProcessRestarter, RestartOptions
 from stalwart.train.build import build_compile_cache

@@ -200,8 +200,8 @@ def _first_launch(config: ScheduleConfig, res: ScheduleResult,
 
 
 def _read_ledger(res: ScheduleResult, save: Path, faults: dict[str, ScheduledFault]) -> None:
-    from stalwart.observability.goodput_reader import read_ledger
-    from stalwart.observability.goodput_records import summarize
+    from stalwart.observability.goodput.reader import read_ledger
+    from stalwart.observability.goodput.records import summarize
 
     summary = summarize(read_ledger(save / "goodput.jsonl"))
     res.goodput = summary.to_json()

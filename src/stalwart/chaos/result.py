@@ -13,8 +13,8 @@ from stalwart.chaos.compare import chain_problems, params_equal
 from stalwart.chaos.runner import LaunchResult, LaunchSpec, run
 from stalwart.chaos.schedule import EXPECTED, ChaosFault, FaultPlan
 from stalwart.checkpoint import layout
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import GOODPUT_FILE, Bucket, summarize
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import GOODPUT_FILE, Bucket, summarize
 from stalwart.reliability.exit import read_exit_reason
 
 

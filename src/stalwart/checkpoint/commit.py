@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import torch
 
+from stalwart.atomic_file import fsync_dir, write_text_atomic
 from stalwart.checkpoint import integrity, layout
 from stalwart.checkpoint.errors import CheckpointError, PeerLostError
 from stalwart.checkpoint.lock import SaveDirLocks
@@ -120,7 +121,7 @@ class SaveSteps:
             os.makedirs(tmp, exist_ok=True)
             if self.rank == 0:
                 layout.write_state_fsynced(common, os.path.join(tmp, layout.COMMON_FILENAME))
-                layout.write_text_atomic(
+                write_text_atomic(
                     os.path.join(tmp, layout.METADATA_FILENAME), json.dumps(facts, indent=2) + "\n"
                 )
             layout.write_state_fsynced(per_rank, os.path.join(tmp, layout.rank_filename(self.rank)))
@@ -182,7 +183,7 @@ class SaveSteps:
             replaced = pending.tmp_path + "-replaced"
             os.replace(final, replaced)
         os.replace(pending.tmp_path, final)
-        layout.fsync_dir(root)
+        fsync_dir(root)
         layout.write_tracker_atomic(root, iteration)
         if replaced is not None:
             layout.remove_checkpoint_dir(replaced, self.logger)

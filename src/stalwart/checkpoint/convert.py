@@ -21,6 +21,7 @@ import json
 import os
 from typing import Any
 
+from stalwart.atomic_file import fsync_dir, write_text_atomic
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.checkpoint.safe_state import StateFormatError
@@ -69,7 +70,7 @@ def convert_checkpoint(path: str) -> None:
     for source in pickles:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(source)
-    layout.fsync_dir(path)
+    fsync_dir(path)
 
 
 def _update_format(metadata_path: str) -> None:
@@ -82,7 +83,7 @@ def _update_format(metadata_path: str) -> None:
         return
     if isinstance(facts, dict):
         facts["format"] = FORMAT_VERSION
-        layout.write_text_atomic(metadata_path, json.dumps(facts, indent=2) + "\n")
+        write_text_atomic(metadata_path, json.dumps(facts, indent=2) + "\n")
 
 
 def convert_path(path: str, *, trust_pickle: bool) -> list[str]:

@@ -31,6 +31,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from stalwart.atomic_file import write_text_atomic
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.safe_state import StateFormatError, read_state_file
 from stalwart.regular_file import open_regular
@@ -118,7 +119,7 @@ def write_manifest(path: str) -> None:
     body = {"format": MANIFEST_FORMAT, "algorithm": "crc32", "block_bytes": BLOCK_BYTES,
             "files": files}  # fmt: skip
     text = json.dumps(body, indent=0, sort_keys=True) + "\n"
-    layout.write_text_atomic(os.path.join(path, MANIFEST_FILENAME), text)
+    write_text_atomic(os.path.join(path, MANIFEST_FILENAME), text)
 
 
 def manifest_crc(path: str) -> str | None:

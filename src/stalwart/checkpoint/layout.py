@@ -29,6 +29,7 @@ import json
 import os
 from typing import Any
 
+from stalwart.atomic_file import create_exclusive, write_text_atomic
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.iteration_dirs import (
     TRACKER_FILENAME,
@@ -68,62 +69,11 @@ def tmp_dir_name(iteration: int, token: str) -> str:
     return f"{iteration_dir_name(iteration)}{TMP_INFIX}{token}"
 
 
-def fsync_dir(path: str) -> None:
-    """Persist a directory entry change (create/rename); a no-op where the OS does not allow it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems (and Windows) refuse fsync on directories; rename is still atomic
-    finally:
-        os.close(fd)
-
-
-def _create_exclusive(directory: str, prefix: str) -> tuple[int, str]:
-    """A new file under ``directory`` created with mode 0666 minus the umask (``mkstemp`` would
-    make it 0600 whatever the umask), and its path."""
-    for _ in range(100):
-        tmp = os.path.join(directory, f"{prefix}{os.urandom(6).hex()}")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"cannot create a temporary file in {directory}")
-
-
-def write_bytes_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` via tmp file + fsync + os.replace: readers see old or new, never
-    half. The file gets the umask's permissions."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = _create_exclusive(directory, f".{os.path.basename(path)}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(directory)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """:func:`write_bytes_atomic` of UTF-8 ``text``."""
-    write_bytes_atomic(path, text.encode("utf-8"))
-
-
 def probe_writable(directory: str, flag: str, rank: int) -> str | None:
     """Create ``directory`` and write/delete a probe file; the problem naming ``flag``, or None."""
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, probe = _create_exclusive(
-            directory, f".write_probe_rank{rank}_"
-        )  # never a planted link
+        fd, probe = create_exclusive(directory, f".write_probe_rank{rank}_")  # never a planted link
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write("ok")
         os.unlink(probe)
@@ -370,7 +320,7 @@ def save_failure_message(what: str, root: str, details: str) -> str:
 def _probe_write(root: str) -> str | None:
     probe = None
     try:
-        fd, probe = _create_exclusive(root, ".write_probe_")  # a new file: never a planted link
+        fd, probe = create_exclusive(root, ".write_probe_")  # a new file: never a planted link
         with os.fdopen(fd, "wb") as f:
             f.write(bytes(1 << 20))
             f.flush()

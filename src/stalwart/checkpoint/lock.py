@@ -60,6 +60,7 @@ import threading
 import time
 from typing import Any, cast
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.regular_file import open_regular
 
@@ -308,7 +309,7 @@ class SaveDirLock:
                 logger.error("lost the lock of %s: %s", self.directory, self._lost)
                 return
             try:
-                os.replace(self._write_tmp(), self.path)
+                write_text_atomic(self.path, json.dumps(self._record()), sync=Sync.FILE)
             except OSError as exc:  # a full disk must not kill the job; the next beat retries
                 logger.warning("could not refresh the lock %s: %s", self.path, exc)
 

@@ -150,7 +150,7 @@ def main_chaos(argv: list[str]) -> int:
     if outcome.reference_dir.is_dir():
         (outcome.reference_dir / "chaos.json").write_text(json.dumps(data, indent=2) + "\n")
         if not ns.no_report:
-            from stalwart.observability.report import write_report
+            from stalwart.report import write_report
 
             path = write_report(str(outcome.reference_dir), None, False, None)
             print(f"chaos: report written to {path}")

@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stalwart.atomic_file import Sync, write_atomic
 from stalwart.cli.args import OneLineErrorParser
 from stalwart.regular_file import open_regular
 
@@ -294,13 +295,7 @@ def _load_model(load: str, iteration: int | None) -> tuple[Any, dict, int, str]:
 def _atomic(out: str, write: Any) -> None:
     """``write(tmp)`` then rename onto ``out``: never a half-written file under the final name."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomic(out, write, sync=Sync.NONE)
 
 
 def _safetensors_save() -> Any:

@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main_goodput(argv: list[str]) -> int:
     """Run the subcommand; returns the exit code."""
-    from stalwart.observability.goodput_reader import read_ledger
-    from stalwart.observability.goodput_records import (
+    from stalwart.observability.goodput.reader import read_ledger
+    from stalwart.observability.goodput.records import (
         GOODPUT_FILE,
         format_table,
         summarize,

@@ -8,16 +8,20 @@ Bad input (a launch flag, a torchrun flag, missing ``--save``) is one line and e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from stalwart.cli.args import OneLineErrorParser
 
 if TYPE_CHECKING:
     from stalwart.distributed.launch import LaunchPlan
+    from stalwart.distributed.launch_policy import LaunchAction
 
 PROG = "stalwart launch"
 MAX_RESTARTS_LIMIT = 10_000
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # stalwart.checkpoint.layout's
 
 DESCRIPTION = """\
 Run `stalwart train TRAIN_ARGS` under torchrun's elastic agent and act on how each launch ends:
@@ -164,7 +168,31 @@ def main_launch(argv: list[str]) -> int:
         plan = build_plan(argv)
     except SystemExit as exc:  # one line already written (or --help)
         return exc.code if isinstance(exc.code, int) else 2
-    return run_launches(plan)
+    return run_launches(plan, record_launch_action)
+
+
+def record_launch_action(plan: LaunchPlan, action: LaunchAction) -> None:
+    """The action's line on stderr, in the goodput ledger and in ``events.jsonl``."""
+    from stalwart.observability.goodput import record_action
+    from stalwart.observability.run_dir import EventKind, append_event
+
+    sys.stderr.write(f"stalwart launch: {action.kind.value}: {action.line}\n")
+    sys.stderr.flush()
+    code = action.exit_code if not action.kind.relaunches else None
+    try:
+        record_action(plan.run_dir, action.kind.value, action.line, exit_code=code,
+                      world_size=len(action.devices), devices=action.devices)  # fmt: skip
+        append_event(plan.run_dir, _tracker_iteration(plan.save), EventKind.LAUNCH,
+                     f"{action.kind.value}: {action.line}")  # fmt: skip
+    except OSError as exc:  # the job's next step must not depend on a full disk
+        sys.stderr.write(f"stalwart launch: cannot record the action in {plan.run_dir}: {exc}\n")
+
+
+def _tracker_iteration(save: str) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        text = (Path(save) / TRACKER_FILENAME).read_text(encoding="ascii")[:64].strip()
+        return int(text) if text.isdigit() else 0
+    return 0
 
 
 def build_plan(argv: list[str]) -> LaunchPlan:

@@ -91,7 +91,7 @@ def _check_output_paths(config: RunConfig) -> None:
     """Directories and files the run will write: a file where a directory belongs (or the
     reverse) is one line now, not a traceback from the sink that opens it mid-run."""
     from stalwart.config.paths import check_files_in, check_output_dir, check_output_file
-    from stalwart.observability.goodput_records import GOODPUT_FILE
+    from stalwart.observability.goodput.records import GOODPUT_FILE
     from stalwart.observability.progress_log import PROGRESS_FILE
     from stalwart.observability.run_dir import EVENTS_FILE, METRICS_FILE
 

@@ -8,8 +8,7 @@ import os
 import sys
 
 from stalwart.cli.args import OneLineErrorParser
-from stalwart.observability.report import write_report
-from stalwart.observability.report_compare import write_comparison
+from stalwart.report import write_comparison, write_report
 
 EXIT_OK = 0
 EXIT_USAGE = 2

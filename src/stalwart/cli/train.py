@@ -24,7 +24,7 @@ logger = logging.getLogger("stalwart.cli")
 
 def _loss_summary(metrics_file: str) -> str | None:
     """'first -> last interval loss' from the metrics file, or None when it has no train records."""
-    from stalwart.observability.report_clean import is_number, read_jsonl
+    from stalwart.report.clean import is_number, read_jsonl
 
     records = read_jsonl(Path(metrics_file), [])  # a torn or garbage line is skipped
     losses = [r["loss"] for r in records if r.get("split") == "train" and is_number(r.get("loss"))]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, theoretical_memory
+from stalwart.models.memory_model import CUDA_WORKSPACE_BYTES, theoretical_memory
 from stalwart.observability.memory_budget import GIB, available_memory, check_fits
 
 if TYPE_CHECKING:

@@ -18,13 +18,14 @@ import hashlib
 import os
 import sys
 import sysconfig
-import tempfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
+
+from stalwart.atomic_file import Sync, write_atomic
 
 DEFAULT_CORPUS_MAX_BYTES = 16 * 1024 * 1024
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -143,23 +144,21 @@ def _read_cache(path: Path) -> Corpus | None:
     return Corpus(tokens=tokens, file_offsets=offsets) if valid else None
 
 
+def _save_npz(tmp: str, corpus: Corpus) -> None:
+    with open(tmp, "wb") as f:  # a file object: np.savez would add ".npz" to a path
+        np.savez(
+            f,
+            tokens=corpus.tokens,
+            file_offsets=corpus.file_offsets,
+            sha256=np.array(_sha256(corpus.tokens)),
+        )
+
+
 def _write_cache(path: Path, corpus: Corpus) -> None:
     """Atomically write the cache; failures are ignored because the cache is only an optimization."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(
-                    f,
-                    tokens=corpus.tokens,
-                    file_offsets=corpus.file_offsets,
-                    sha256=np.array(_sha256(corpus.tokens)),
-                )
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, lambda tmp: _save_npz(tmp, corpus), sync=Sync.NONE)
     except OSError:
         pass
 

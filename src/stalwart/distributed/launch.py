@@ -12,20 +12,20 @@ Devices: local rank ``r`` of a launch runs on entry ``r`` of the devices in use,
 ``stalwart.reliability.rerun.device_identity`` reads: the verdict names the same device that the
 relaunch leaves out.
 
-Each action goes to ``<run dir>/goodput.jsonl`` (an ``action`` record) and
-``<run dir>/events.jsonl`` (kind ``launch``), and one line to stderr.
+Each action goes to the caller's ``record``: ``stalwart launch`` writes it to ``<run
+dir>/goodput.jsonl`` (an ``action`` record) and ``<run dir>/events.jsonl`` (kind ``launch``), and
+one line to stderr.
 
 Example (what ``stalwart launch --nproc-per-node 3 --devices a,b,c,d -- --save ckpt ...`` does)::
 
     plan = LaunchPlan(torchrun_args=["--standalone"], command=["-m", "stalwart", "train", ...],
                       devices=("a", "b", "c"), spares=("d",), save="ckpt", run_dir="ckpt",
                       max_restarts=3, device_env="STALWART_VISIBLE_DEVICES")
-    exit_code = run_launches(plan)
+    exit_code = run_launches(plan, record_launch_action)  # stalwart.cli.launch's
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -48,7 +48,6 @@ from stalwart.distributed.launch_policy import (
 logger = logging.getLogger(__name__)
 
 SUSPECTS_FILENAME = "suspect_devices.json"  # stalwart.reliability.rerun.verdict_file's
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
 
 @dataclass(frozen=True)
@@ -119,30 +118,6 @@ def read_suspects(save: str) -> tuple[Identity, ...]:
         return ()
 
 
-def _tracker_iteration(save: str) -> int:
-    with contextlib.suppress(OSError, ValueError):
-        text = (Path(save) / TRACKER_FILENAME).read_text(encoding="ascii")[:64].strip()
-        return int(text) if text.isdigit() else 0
-    return 0
-
-
-def record(plan: LaunchPlan, action: LaunchAction, when: float | None = None) -> None:
-    """The action's line on stderr, in the goodput ledger and in ``events.jsonl``."""
-    from stalwart.observability.goodput import record_action
-    from stalwart.observability.run_dir import EventKind, append_event
-
-    sys.stderr.write(f"stalwart launch: {action.kind.value}: {action.line}\n")
-    sys.stderr.flush()
-    code = action.exit_code if not action.kind.relaunches else None
-    try:
-        record_action(plan.run_dir, action.kind.value, action.line, exit_code=code,
-                      world_size=len(action.devices), devices=action.devices, when=when)  # fmt: skip
-        append_event(plan.run_dir, _tracker_iteration(plan.save), EventKind.LAUNCH,
-                     f"{action.kind.value}: {action.line}", when=when)  # fmt: skip
-    except OSError as exc:  # the job's next step must not depend on a full disk
-        sys.stderr.write(f"stalwart launch: cannot record the action in {plan.run_dir}: {exc}\n")
-
-
 def _set_round_env(plan: LaunchPlan, index: int) -> None:
     # The launcher's own environment is what torchrun's agent hands every worker; this process
     # runs nothing else, so the variables are set once per round, here. The round tells the
@@ -168,9 +143,14 @@ def _move_job(plan: LaunchPlan, action: LaunchAction) -> int:
 
 def run_launches(
     plan: LaunchPlan,
+    record: Callable[[LaunchPlan, LaunchAction], None],
     launch_round: Callable[[list[str]], RoundResult] = torchrun_round,
 ) -> int:
-    """Launch, decide, act, until an action stops; returns the process exit code."""
+    """Launch, decide, act, until an action stops; returns the process exit code.
+
+    ``record(plan, action)`` runs once per action, before it is carried out (``stalwart
+    launch``'s: `stalwart.cli.launch.record_launch_action`, its line, ledger and event records;
+    this module imports no observability)."""
     restarts_left = plan.max_restarts
     host = socket.gethostname()
     for index in itertools.count():

@@ -21,7 +21,7 @@ from stalwart.graphs.checks import (
     GRAPHABLE_COMPILE_MODES,
     CudaGraphImpl,
     GraphSettings,
-    RecomputeGranularity,
+    RecomputeChoice,
     check_graph_config,
     graph_config_problems,
 )
@@ -81,7 +81,7 @@ __all__ = [
     "InputSignature",
     "NullCompileCache",
     "OptimizerGraph",
-    "RecomputeGranularity",
+    "RecomputeChoice",
     "SignatureChangePolicy",
     "StagePhase",
     "StaticInputs",

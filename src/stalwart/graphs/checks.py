@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Protocol
 
 import torch
-
-from stalwart.models.config import RecomputeGranularity
 
 
 class CudaGraphImpl(enum.Enum):
@@ -26,6 +25,15 @@ class CudaGraphImpl(enum.Enum):
     LOCAL = "local"
     TRANSFORMER_ENGINE = "transformer_engine"
     FULL_ITERATION = "full_iteration"
+
+
+class RecomputeChoice(Protocol):
+    """``--recompute-granularity`` as the model's config holds it (``stalwart.models.
+    RecomputeGranularity``): the checks read its value, ``"none"``, ``"selective"`` or ``"full"``.
+    Any model's enum of those values works; graphs does not import the reference model."""
+
+    @property
+    def value(self) -> str: ...
 
 
 GRAPHABLE_COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -51,7 +59,7 @@ class GraphSettings:
     cuda_graph_warmup_steps: int = 3
     optimizer_cuda_graph: bool = False
     optimizer: str = "adam"
-    recompute_granularity: RecomputeGranularity = RecomputeGranularity.NONE
+    recompute_granularity: RecomputeChoice | None = None  # None: no recompute
     recompute_modules: tuple[str, ...] = ()
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
@@ -115,16 +123,17 @@ def _recompute_problems(s: GraphSettings) -> list[str]:
             CudaGraphImpl.TRANSFORMER_ENGINE,
         )
     )
-    if s.recompute_granularity is RecomputeGranularity.FULL and per_layer and not full:
+    granularity = "none" if s.recompute_granularity is None else s.recompute_granularity.value
+    if granularity == "full" and per_layer and not full:
         problems.append(
             "--recompute-granularity full is only supported with --cuda-graph-impl full_iteration "
             "(not with per-layer CUDA graphs)"
         )
-    if not full or s.recompute_granularity is RecomputeGranularity.NONE:
+    if not full or granularity == "none":
         return problems
     modules = (
         ("core_attn", "moe" if s.has_moe else "mlp")
-        if s.recompute_granularity is RecomputeGranularity.FULL
+        if granularity == "full"
         else s.recompute_modules
     )
     problems.extend(_random_recompute_problems(s, modules))

@@ -48,13 +48,13 @@ import contextlib
 import logging
 import os
 import stat
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from stalwart.observability.goodput_records import Bucket, CompileSource
+from stalwart.atomic_file import Sync, write_bytes_atomic
+from stalwart.observability.goodput.records import Bucket, CompileSource
 
 logger = logging.getLogger("stalwart.compile_cache")
 
@@ -251,7 +251,8 @@ class CompileCache:
         result = saver()
         if result is None:  # nothing recorded (every graph came from in-memory caches)
             return False
-        _write_atomic(self.artifacts_file, result[0])
+        # Mode 0600, as the cache directory is 0700: what is loaded back stays this user's.
+        write_bytes_atomic(self.artifacts_file, result[0], sync=Sync.FILE, mode=0o600)
         return True
 
     def __enter__(self) -> CompileCache:
@@ -405,22 +406,6 @@ def _artifact_count(info: Any) -> int:
     if isinstance(artifacts, dict):
         return sum(len(v) for v in artifacts.values())
     return 0 if info is None else 1
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """``path`` holds ``data`` or its previous content, never a part (mode 0600)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 __all__ = [

@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.distributed import collectives
 from stalwart.integrations import require
 from stalwart.integrations.framework_step import FrameworkStep
@@ -428,12 +429,7 @@ def _batch_size(batch: Any) -> int:
 
 def _write_latest(save_dir: str, name: str) -> None:
     path = os.path.join(save_dir, LATEST_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, name + "\n", sync=Sync.FILE)
 
 
 def _str(path: Any) -> str | None:

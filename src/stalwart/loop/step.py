@@ -298,7 +298,7 @@ class GuardedStep:
         """A replay of the iteration is the goodput ledger's rerun time."""
         if passes == 0 or self._goodput is None:
             return contextlib.nullcontext()
-        from stalwart.observability.goodput_records import Bucket
+        from stalwart.observability.goodput.records import Bucket
 
         return self._goodput.span(Bucket.RERUN)
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from stalwart.models.fused_grad import accumulate_wgrad
 
@@ -176,11 +177,16 @@ def _backward_acc(ctx: Any, grad_loss: torch.Tensor, _unused: Any) -> tuple[Any,
 _linear_ce_acc.register_autograd(_backward_acc, setup_context=_setup_acc)
 
 
-# The op packets, for torch's FLOP counter (``stalwart.observability.flop_count``).
-FUSED_LOSS_OPS = (
-    torch.ops.stalwart.linear_cross_entropy,
-    torch.ops.stalwart.linear_cross_entropy_accumulating,
+# torch's FLOP counter cannot see into the fused op: its forward's logits matmul is registered
+# with torch's own formula registry, as the op's autograd is above, so every ``FlopCounterMode``
+# (``stalwart.observability.flop_count``'s included) counts it. The backward's matmuls are plain
+# ones, counted as such.
+@register_flop_formula(
+    [torch.ops.stalwart.linear_cross_entropy, torch.ops.stalwart.linear_cross_entropy_accumulating]
 )
+def _logits_matmul_flops(x: Any, weight: Any, *args: Any, **kwargs: Any) -> int:
+    """The fused loss's forward: the ``[tokens, hidden] @ [hidden, vocab]`` matmul (shapes)."""
+    return 2 * x[0] * x[1] * weight[0]
 
 
 def linear_cross_entropy(

@@ -1,5 +1,6 @@
 """Observability: timers, training log, metric sinks (TensorBoard / W&B / JSONL), progress bar,
-stragglers, theoretical vs measured memory, energy, tensor dumps and the run report.
+stragglers, theoretical vs measured memory, energy and tensor dumps (the offline run report is
+`stalwart.report`).
 
 Every part works on its own in a hand-written loop (see each module's docstring).
 """
@@ -12,11 +13,10 @@ from stalwart.observability.dumps import (
 )
 from stalwart.observability.energy import EnergyConfig, EnergyMeter, NullEnergyMeter
 from stalwart.observability.memory import (
-    MemoryEstimate,
+    MemoryFootprint,
     MemoryMonitor,
     NullMemoryMonitor,
     measured_memory,
-    theoretical_memory,
 )
 from stalwart.observability.memory_release import (
     MemoryReleaseConfig,
@@ -25,8 +25,7 @@ from stalwart.observability.memory_release import (
 )
 from stalwart.observability.metric_names import grouped_name
 from stalwart.observability.progress import ProgressBar
-from stalwart.observability.report import EventKind, append_event, write_report
-from stalwart.observability.run_dir import RunPaths
+from stalwart.observability.run_dir import EventKind, RunPaths, append_event
 from stalwart.observability.sinks import (
     FanOutSink,
     JsonlSink,
@@ -82,7 +81,7 @@ __all__ = [
     "LogConfig",
     "LogField",
     "LogFieldProvider",
-    "MemoryEstimate",
+    "MemoryFootprint",
     "MemoryMonitor",
     "MemoryReleaseConfig",
     "MetricSink",
@@ -117,7 +116,5 @@ __all__ = [
     "is_null_sink",
     "make_tensor_dumper",
     "measured_memory",
-    "theoretical_memory",
     "validate_timing_flags",
-    "write_report",
 ]

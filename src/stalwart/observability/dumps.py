@@ -57,6 +57,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from stalwart.atomic_file import Sync, write_atomic
+
 _LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
@@ -379,9 +381,7 @@ class TensorDumper:
     def _save_tensors(self, label: str, iteration: int, tensors: dict[str, torch.Tensor]) -> None:
         path = self.out_dir / label / f"iter_{iteration:07d}" / f"rank{self.rank}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save(dict(tensors), tmp)
-        os.replace(tmp, path)
+        write_atomic(path, lambda tmp: torch.save(dict(tensors), tmp), sync=Sync.NONE)
 
     def _append_jsonl(self, label: str, lines: list[dict[str, Any]]) -> None:
         if not lines:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stalwart.reliability.rerun.rng import capture_rng_state, restore_rng_state
+from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 __all__ = ["CountedFlops", "count_flops", "count_training_flops", "flop_counter"]
 
@@ -84,18 +84,10 @@ def flop_counter() -> Any:
             mapping[forward] = _sdpa_forward
         if backward is not None:
             mapping[backward] = _sdpa_backward
-    # The fused output layer + loss (--cross-entropy-loss-fusion) runs its logits matmul inside
-    # one op the counter cannot see into; its backward's matmuls are plain ones, counted as such.
-    from stalwart.models.fused_cross_entropy import FUSED_LOSS_OPS
-
-    for op in FUSED_LOSS_OPS:
-        mapping[op] = _logits_matmul
+    # A custom op that the counter cannot see into registers its formula with torch
+    # (``torch.utils.flop_counter.register_flop_formula``), where its module defines the op:
+    # the fused output layer + loss of ``stalwart.models.fused_cross_entropy`` does.
     return fc.FlopCounterMode(display=False, custom_mapping=mapping)
-
-
-def _logits_matmul(x: Any, weight: Any, *args: Any, **kwargs: Any) -> int:
-    """The fused loss's forward: the ``[tokens, hidden] @ [hidden, vocab]`` matmul."""
-    return 2 * x[0] * x[1] * weight[0]
 
 
 SDPA_KERNELS = (

@@ -2,6 +2,8 @@
 
 Usage in a hand-written loop::
 
+    from stalwart.models.memory_model import theoretical_memory   # the reference GPT's formula
+
     est = theoretical_memory(cfg, micro_batch_size=8, dp_size=world, num_parameters=n_params)
     monitor = MemoryMonitor(device, est, run_dir=run_dir, log_memory_interval=100)
     ...
@@ -12,8 +14,9 @@ Usage in a hand-written loop::
 As a `TrainingLog` provider, ``monitor.log_fields(info)`` calls ``on_log_step(info.iteration)``;
 pass ``to_tensorboard=True, sink=sink`` for ``--log-memory-to-tensorboard``.
 
-The formula (weights, optimizer, activations, activation recompute) is in
-``stalwart.observability.memory_model``; its names are re-exported here. Checked on an H200 (torch
+The monitor takes any estimate with the three byte counts (`MemoryFootprint`): another model's
+formula works as well as the reference GPT's. That formula (weights, optimizer, activations,
+activation recompute) is ``stalwart.models.memory_model``. Checked on an H200 (torch
 2.11, cuDNN SDPA, AdamW foreach, 4 micro-batches of 8): theoretical / ``max_memory_allocated`` =
 0.99-1.0 for the tiny, small and gpt2-124m presets, bf16 and fp32, with dropout 0.1 and with 4
 experts top-2 (tests/observability/test_memory_gpu.py); ``bench/memory_check.py`` covers the Llama
@@ -34,50 +37,46 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from stalwart.observability.memory_megatron import (
-    megatron_activation_bytes,
-    megatron_bytes_per_parameter,
-)
-from stalwart.observability.memory_model import (
-    CUDA_WORKSPACE_BYTES,
-    MIB,
-    GPTShape,
-    MemoryEstimate,
-    activation_breakdown,
-    bytes_per_parameter,
-    compute_weight_parameters,
-    count_parameters,
-    layer_parameters,
-    theoretical_memory,
-)
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.observability.sinks import MetricSink
 from stalwart.observability.train_log import IntervalInfo, LogField
 
 __all__ = [
-    "CUDA_WORKSPACE_BYTES",
     "MEMORY_FILE",
     "MIB",
-    "GPTShape",
-    "MemoryEstimate",
+    "MemoryFootprint",
     "MemoryMonitor",
     "NullMemoryMonitor",
-    "activation_breakdown",
-    "bytes_per_parameter",
     "compare",
-    "compute_weight_parameters",
-    "count_parameters",
     "cpu_peak_allocated_bytes",
     "format_measured",
-    "layer_parameters",
     "measured_memory",
-    "megatron_activation_bytes",
-    "megatron_bytes_per_parameter",
-    "theoretical_memory",
     "validate_memory_args",
 ]
+
+MIB = 1 << 20
+
+
+class MemoryFootprint(Protocol):
+    """A theoretical peak of one rank, in bytes, as the monitor reads it (read-only).
+
+    ``stalwart.models.memory_model.MemoryEstimate`` is one; ``to_dict()`` is written to
+    ``memory.json`` under ``"theoretical"`` (the report reads ``weights_optimizer_bytes``,
+    ``activation_bytes``, ``total_bytes`` and, where present, ``breakdown``).
+    """
+
+    @property
+    def weights_optimizer_bytes(self) -> float: ...
+    @property
+    def activation_bytes(self) -> float: ...
+    @property
+    def total_bytes(self) -> float: ...
+    def to_dict(self) -> dict[str, object]: ...
+
 
 MEMORY_FILE = "memory.json"
 
@@ -156,7 +155,7 @@ def _current_rss() -> float:
     return float(psutil.Process().memory_info().rss)
 
 
-def compare(estimate: MemoryEstimate, measured: dict[str, float]) -> dict[str, object]:
+def compare(estimate: MemoryFootprint, measured: dict[str, float]) -> dict[str, object]:
     """Pure: the theoretical-vs-measured record written to ``memory.json``."""
     peak = measured.get("mem-max-allocated-bytes", measured.get("mem-max-rss-bytes", 0.0))
     source = "cuda-allocator" if "mem-max-allocated-bytes" in measured else "cpu-rss"
@@ -196,7 +195,7 @@ class MemoryMonitor:
     def __init__(
         self,
         device: torch.device,
-        estimate: MemoryEstimate | None,
+        estimate: MemoryFootprint | None,
         run_dir: str | os.PathLike[str] | None = None,
         rank: int = 0,
         log_interval: int = 1,
@@ -247,9 +246,8 @@ class MemoryMonitor:
         record = compare(self.estimate, measured)
         record.update(iteration=iteration, time=time.time(), device=str(self.device))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / (MEMORY_FILE + ".tmp")
-        tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
-        os.replace(tmp, self.run_dir / MEMORY_FILE)
+        text = json.dumps(record, indent=1)
+        write_text_atomic(self.run_dir / MEMORY_FILE, text, sync=Sync.NONE)
 
     def log_fields(self, info: IntervalInfo) -> list[LogField]:
         """`LogFieldProvider`: the peak-memory field at the steps that read memory."""
@@ -307,7 +305,7 @@ class MemoryConfig:
             raise ValueError(f"--log-memory-interval must be >= 0, got {self.log_memory_interval}")
 
     def build(
-        self, device: torch.device, estimate: MemoryEstimate | None, *, run_dir: str | None,
+        self, device: torch.device, estimate: MemoryFootprint | None, *, run_dir: str | None,
         rank: int, log_interval: int, sink: MetricSink | None, log: Callable[[str], None],
     ) -> MemoryMonitor:  # fmt: skip
         return MemoryMonitor(

@@ -6,7 +6,7 @@ not die in an allocation traceback minutes later or, on CPU, swap until the mach
 bytes; CPU: ``psutil.virtual_memory().available``, else ``MemAvailable`` of ``/proc/meminfo``,
 shared by the ranks of one node); `check_fits` raises ``ValueError`` when an estimate exceeds it::
 
-    est = theoretical_memory(cfg, micro_batch_size=8, dp_size=world)
+    est = theoretical_memory(cfg, micro_batch_size=8, dp_size=world)  # stalwart.models.memory_model
     available, where = available_memory(device, ranks_sharing=local_world_size)
     check_fits(est.total_bytes, available, where=where, cause="lower --micro-batch-size")
 

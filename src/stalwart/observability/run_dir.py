@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.observability.sinks import append_line
 from stalwart.regular_file import open_regular
 
@@ -130,9 +131,7 @@ class RunPaths:
         payload: dict[str, Any] = {"version": _MANIFEST_VERSION, "metrics": recorded}
         if config is not None:
             payload["config"] = dict(config)
-        tmp = self.manifest.with_name(f".{MANIFEST_FILE}.tmp.{os.getpid()}")
-        tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, self.manifest)
+        write_text_atomic(self.manifest, json.dumps(payload, indent=1) + "\n", sync=Sync.NONE)
         return self.manifest
 
 
@@ -151,8 +150,8 @@ def read_manifest(root: str | os.PathLike[str]) -> dict[str, object]:
 
 
 # ------------------------------------------------------------------ vocabulary: events, metrics
-# Shared by the writers (the trainer appends events) and the readers (``report`` loads,
-# ``report_html`` renders), so neither reader imports the other.
+# Shared by the writers (the trainer appends events) and the readers (``stalwart.report``: its
+# ``run_report`` loads, its ``html`` renders), so neither reader imports the other.
 LOSS_KEYS = ("lm loss", "loss")
 LR_KEYS = ("lr", "learning-rate")
 THROUGHPUT_KEYS = ("throughput_tflops_per_gpu", "throughput")

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from stalwart.observability.goodput_records import Bucket
+from stalwart.observability.goodput.records import Bucket
 from stalwart.observability.timers import (
     INTERVAL_TIME,
     SAVE_CHECKPOINT,

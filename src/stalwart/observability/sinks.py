@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.observability.metric_names import VS_SAMPLES_SUFFIX, grouped_name
 
 logger = logging.getLogger(__name__)
@@ -227,10 +228,8 @@ def _read_run_id(path: str | None) -> str | None:
 
 def _write_run_id(path: str, run_id: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(run_id + "\n")
-    os.replace(tmp, path)  # a crash never leaves a half-written id behind
+    # A crash never leaves a half-written id behind.
+    write_text_atomic(path, run_id + "\n", sync=Sync.NONE)
 
 
 def _json_number(value: Any) -> Any:

@@ -42,7 +42,6 @@ SIGTERM-to-SIGKILL window (see `stalwart.reliability.signals`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -55,6 +54,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.distributed import collectives
 from stalwart.regular_file import open_regular
 from stalwart.reliability.agreement import Agreed, ExitProbe, IterationAgreement
@@ -372,17 +372,10 @@ def write_exit_reason(
         "pid": os.getpid(),
     }
     target = Path(save_dir) / EXIT_REASON_FILENAME
-    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        write_text_atomic(target, json.dumps(payload, indent=2), sync=Sync.FILE)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         logger.error("stalwart: cannot write %s: %s", target, exc.strerror or exc)
         return None
     # DEBUG: the exit line (exit_message) already says why; the file is the record.

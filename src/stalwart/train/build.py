@@ -39,17 +39,16 @@ from stalwart.graphs import (
     CudaGraphImpl,
     GraphSettings,
     NullCompileCache,
-    RecomputeGranularity,
     check_graph_config,
     clip_in_optimizer_step,
     make_capturable_adamw,
 )
 from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler
 from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
-from stalwart.models import GPT
+from stalwart.models import GPT, RecomputeGranularity
+from stalwart.models.memory_model import CUDA_WORKSPACE_BYTES, MemoryEstimate, theoretical_memory
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
 from stalwart.observability.goodput import GoodputLedger, NullGoodputLedger
-from stalwart.observability.memory import CUDA_WORKSPACE_BYTES, MemoryEstimate, theoretical_memory
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
 from stalwart.reliability.replica_check import flip_gradient_bit, flip_parameter_bit
 from stalwart.reliability.signals import DataLoaderWorkerSignalGuard

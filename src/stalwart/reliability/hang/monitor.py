@@ -286,6 +286,7 @@ def _kill(pid: int, term_grace_s: float) -> None:
 
 
 def _write_hang_report(path: str, report: dict[str, object]) -> None:
+    # Not stalwart.atomic_file's write: this script imports nothing of stalwart (see above).
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
@@ -295,7 +296,7 @@ def _write_hang_report(path: str, report: dict[str, object]) -> None:
 
 
 def _append_goodput_fault(path: str, rank: int, overrun: Overrun) -> None:
-    """A ``fault`` record in the goodput ledger (``stalwart.observability.goodput_records``'s
+    """A ``fault`` record in the goodput ledger (``stalwart.observability.goodput.records``'s
     format): the next session splits its downtime into hang-until-detected and restart."""
     record = {"k": "fault", "t": round(time.time(), 6), "s": f"hang-monitor-rank{rank}",
               "cause": "hang", "rank": rank,

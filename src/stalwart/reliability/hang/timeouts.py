@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.regular_file import open_regular
 from stalwart.reliability.hang.config import (
     _TIMEOUT_KEYS,
@@ -120,12 +121,7 @@ def save_ft_state(path: str | os.PathLike[str], state: FtState, safety_factor: f
     }
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    write_text_atomic(target, json.dumps(payload, indent=2, sort_keys=True), sync=Sync.FILE)
 
 
 def _read_ft_state(target: Path) -> tuple[dict[str, object], frozenset[str], dict[str, float]]:

@@ -1,9 +1,6 @@
-"""Capture and restore every random generator a training step may consume.
-
-Covers Python ``random``, NumPy's legacy global generator, the torch CPU generator, every CUDA
-device generator (only when CUDA is already initialised, so capturing never initialises CUDA) and
-any user generators registered on an :class:`RngStateTracker` instance (e.g. a tensor-parallel
-RNG tracker). Reusable by checkpoint code.
+"""The rerun machine's generators: extra named ones (:class:`RngStateTracker`) and a snapshot
+another rank can adopt. The capture and restore of every generator is the leaf module
+`stalwart.rng_state` (re-exported here).
 """
 
 from __future__ import annotations
@@ -14,6 +11,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from stalwart.rng_state import capture_rng_state as capture_rng_state
+from stalwart.rng_state import restore_rng_state as restore_rng_state
 
 
 class RngStateTracker:
@@ -38,31 +38,6 @@ class RngStateTracker:
             if name not in self._generators:
                 raise KeyError(f"no generator registered under {name!r}")
             self._generators[name][1](state)
-
-
-def capture_rng_state(extra: RngStateTracker | None = None) -> dict[str, Any]:
-    """Snapshot of all generators (host-side copies; no device sync)."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch_cpu": torch.get_rng_state(),
-        "cuda": None,
-        "extra": extra.capture() if extra is not None else {},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any], extra: RngStateTracker | None = None) -> None:
-    """Restore a snapshot taken by :func:`capture_rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
-    if state.get("cuda") is not None:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if extra is not None and state.get("extra"):
-        extra.restore(state["extra"])
 
 
 def portable_rng_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 
 from stalwart.cli.report import main_report
-from stalwart.observability.report import (
+from stalwart.observability.run_dir import RunPaths
+from stalwart.report.html import timer_stacks
+from stalwart.report.run_report import (
     EventKind,
     append_event,
     load_run,
     timer_names,
     write_report,
 )
-from stalwart.observability.report_html import timer_stacks
-from stalwart.observability.run_dir import RunPaths
 
 SECTIONS = (
     'id="goodput"',
@@ -206,7 +206,7 @@ def test_timer_breakdown_stacks_own_time_not_parents_on_children() -> None:
 
 
 def test_one_rank_heat_map_is_visible() -> None:
-    from stalwart.observability.report_svg import heat_colour
+    from stalwart.report.svg import heat_colour
 
     assert heat_colour(1.0, 1.2) not in ("rgb(255,255,255)", "#fff", "#ffffff")
     assert heat_colour(1.5, 1.2) == "rgb(214,39,40)" and heat_colour(0.5, 1.2) == "rgb(49,130,189)"

@@ -12,8 +12,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import (
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import (
     GOODPUT_FILE,
     Bucket,
     GoodputSummary,

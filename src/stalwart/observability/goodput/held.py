@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from stalwart.observability.goodput_records import Bucket
+from stalwart.observability.goodput.records import Bucket
 
 Interval = tuple[float, float]
 

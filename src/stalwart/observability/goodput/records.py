@@ -1,6 +1,6 @@
 """The goodput ledger's file: record format, the summary (seconds per bucket, per session) and
 its text forms. The reader that survives torn and hostile files is
-:mod:`stalwart.observability.goodput_reader`.
+:mod:`stalwart.observability.goodput.reader`.
 
 Standard library only (``stalwart goodput`` reads a ledger without importing torch). The writer is
 :class:`stalwart.observability.goodput.GoodputLedger`.
@@ -151,7 +151,7 @@ def _count(value: Any) -> int | None:
 
 @dataclass
 class LedgerFile:
-    """What a read found (:func:`stalwart.observability.goodput_reader.read_ledger`): valid
+    """What a read found (:func:`stalwart.observability.goodput.reader.read_ledger`): valid
     records in file order, and what it had to skip."""
 
     records: list[Record] = field(default_factory=list)

@@ -4,7 +4,7 @@ Used when the optional ``plotly`` package is installed (``pip install 'stalwart[
 plotly.js is read from the installed package (`plotly.offline.get_plotlyjs`) and inlined once in
 the page, so the report stays one HTML file that opens without a network; each chart is a
 ``<div>`` plus a ``Plotly.newPlot`` call. Without plotly the report uses
-`stalwart.observability.report_svg` (same charts, static).
+`stalwart.report.svg` (same charts, static).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from stalwart.observability.report_svg import KIND_COLOURS, PALETTE, Points, series_colours
 from stalwart.observability.run_dir import EventKind
+from stalwart.report.svg import KIND_COLOURS, PALETTE, Points, series_colours
 
 _CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["toImage"]}
 _LAYOUT: dict[str, Any] = dict(
@@ -201,24 +201,24 @@ class SvgCharts:
         x_max: float | None = None,
         dashed: frozenset[str] = frozenset(),
     ) -> str:
-        from stalwart.observability.report_svg import line_chart
+        from stalwart.report.svg import line_chart
 
         return line_chart(data, xlabel, ylabel, x_max, dashed)
 
     def stacked_bars(
         self, labels: list[str], stacks: dict[str, list[float]], ylabel: str, xlabel: str = ""
     ) -> str:
-        from stalwart.observability.report_svg import stacked_bars
+        from stalwart.report.svg import stacked_bars
 
         return stacked_bars(labels, stacks, ylabel, xlabel)
 
     def heatmap(self, records: list[dict[str, Any]]) -> str:
-        from stalwart.observability.report_svg import straggler_heatmap
+        from stalwart.report.svg import straggler_heatmap
 
         return straggler_heatmap(records)
 
     def timeline(self, events: list[dict[str, Any]], x_max: float | None) -> str:
-        from stalwart.observability.report_svg import timeline
+        from stalwart.report.svg import timeline
 
         return timeline(events, x_max)
 

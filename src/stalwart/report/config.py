@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stalwart.observability.report_svg import _e
+from stalwart.report.svg import _e
 
 MAX_ROWS = 2000  # a hostile run.json could hold millions of keys
 MAX_VALUE_CHARS = 300

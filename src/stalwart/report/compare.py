@@ -6,7 +6,7 @@ table of each run's outcome, and the settings that differ (from each run's ``run
 
     path = write_comparison(["runs/a", "runs/b"], "compare.html")
 
-Each run is read with `stalwart.observability.report.load_run` (the same checks of hostile or
+Each run is read with `stalwart.report.run_report.load_run` (the same checks of hostile or
 torn files as one run's report); its notes are listed under its name. Section ids: ``runs``,
 ``loss``, ``learning-rate``, ``throughput``, ``memory``, ``config-diff``.
 """
@@ -19,10 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from stalwart.observability.report_config import config_diff_section
-from stalwart.observability.report_html import CSS, _section, _skipped, _table
-from stalwart.observability.report_plotly import Charts, make_charts, plotly_js
-from stalwart.observability.report_svg import Points, _e, _fmt
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.observability.run_dir import (
     LOSS_KEYS,
     LR_KEYS,
@@ -32,6 +29,10 @@ from stalwart.observability.run_dir import (
     RunArtefacts,
     series,
 )
+from stalwart.report.config import config_diff_section
+from stalwart.report.html import CSS, _section, _skipped, _table
+from stalwart.report.plotly_charts import Charts, make_charts, plotly_js
+from stalwart.report.svg import Points, _e, _fmt
 
 
 def run_labels(run_dirs: Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -183,14 +184,13 @@ def write_comparison(
         FileNotFoundError: a run directory does not exist.
         ValueError: fewer than two run directories.
     """
-    from stalwart.observability.report import load_run
+    from stalwart.report.run_report import load_run
 
     if len(run_dirs) < 2:
         raise ValueError("a comparison needs two or more run directories")
     arts = [load_run(d) for d in run_dirs]
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(render_comparison(run_labels(run_dirs), arts, interactive), encoding="utf-8")
-    os.replace(tmp, target)
+    page = render_comparison(run_labels(run_dirs), arts, interactive)
+    write_text_atomic(target, page, sync=Sync.NONE)
     return target

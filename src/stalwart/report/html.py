@@ -1,9 +1,9 @@
 """The run report page: one self-contained HTML file (no network resources).
 
-``render_html(artefacts, png_names)`` returns the whole page; `stalwart.observability.report`
-loads the artefacts and writes the file. Charts come from `stalwart.observability.report_plotly`:
+``render_html(artefacts, png_names)`` returns the whole page; `stalwart.report.run_report`
+loads the artefacts and writes the file. Charts come from `stalwart.report.plotly_charts`:
 interactive plotly charts (plotly.js inlined from the installed package) when plotly is
-installed, else the inline-SVG charts of `stalwart.observability.report_svg`.
+installed, else the inline-SVG charts of `stalwart.report.svg`.
 
 Sections (element ids, stable for tests and links): ``loss`` (training loss per log interval and
 validation loss), ``learning-rate``, ``throughput``, ``timers`` (each timer's own time per
@@ -20,9 +20,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from stalwart.observability.report_config import config_section
-from stalwart.observability.report_plotly import Charts, make_charts, plotly_js
-from stalwart.observability.report_svg import _e, _fmt
 from stalwart.observability.run_dir import (
     LOSS_KEYS,
     LR_KEYS,
@@ -35,6 +32,9 @@ from stalwart.observability.run_dir import (
     timer_names,
 )
 from stalwart.observability.timers import TIMER_PARENTS
+from stalwart.report.config import config_section
+from stalwart.report.plotly_charts import Charts, make_charts, plotly_js
+from stalwart.report.svg import _e, _fmt
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -362,7 +362,7 @@ def render_html(
     ``interactive``: plotly charts (None: when plotly is installed; True without plotly raises
     ``ImportError``), else inline SVG.
     """
-    from stalwart.observability.report_goodput import goodput_section
+    from stalwart.report.goodput import goodput_section
 
     charts = make_charts(interactive)
     sections = [goodput_section(art.run_dir), *_metric_sections(art, charts)]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from stalwart.observability.goodput_records import (
+from stalwart.observability.goodput.records import (
     FINISHED,
     Bucket,
     LedgerFile,

@@ -1,11 +1,11 @@
 """Megatron's own memory formulas (``megatron.training.theoretical_memory_usage``), for comparison
-with stalwart's estimate (`stalwart.observability.memory_model`); nothing here is used for the
+with stalwart's estimate (`stalwart.models.memory_model`); nothing here is used for the
 estimate itself."""
 
 from __future__ import annotations
 
 from stalwart.models.config import RecomputeGranularity
-from stalwart.observability.memory_model import GPTShape
+from stalwart.models.memory_model import GPTShape
 
 
 def megatron_bytes_per_parameter(dp_size: int, distributed_optimizer: bool) -> float:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stalwart.observability import report_clean as clean
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.observability.run_dir import (
     EVENTS_FILE,
     LOSS_KEYS,
@@ -46,6 +46,7 @@ from stalwart.observability.run_dir import (
     timer_label,
     timer_names,
 )
+from stalwart.report import clean
 
 __all__ = [
     "EVENTS_FILE",
@@ -78,7 +79,7 @@ def load_run(
     run_dir: str | os.PathLike[str], metrics_file: str | os.PathLike[str] | None = None
 ) -> RunArtefacts:
     """Read every known artefact; missing or unreadable ones (and records of the wrong shape,
-    see `report_clean`) are recorded in ``notes``, never raised.
+    see `stalwart.report.clean`) are recorded in ``notes``, never raised.
 
     ``metrics_file`` overrides the search for ``metrics.jsonl`` / ``*metrics*.jsonl`` in the run dir.
 
@@ -189,13 +190,12 @@ def write_report(
     Raises:
         FileNotFoundError: ``run_dir`` does not exist.
     """
-    from stalwart.observability.report_html import render_html
+    from stalwart.report.html import render_html
 
     art = load_run(run_dir, metrics_file)
     png_paths = write_pngs(art, art.run_dir / PNG_DIR) if pngs else []
     target = Path(out) if out is not None else art.run_dir / REPORT_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(render_html(art, [p.name for p in png_paths], interactive), encoding="utf-8")
-    os.replace(tmp, target)
+    page = render_html(art, [p.name for p in png_paths], interactive)
+    write_text_atomic(target, page, sync=Sync.NONE)
     return target

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from stalwart.observability.goodput_records import (
+from stalwart.observability.goodput.records import (
     MAX_LINE_BYTES,
     MAX_SPAN_S,
     Bucket,

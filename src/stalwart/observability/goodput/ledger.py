@@ -1,7 +1,7 @@
 """Goodput: where every wall-clock second of a job went, across restarts and relaunches.
 
 A :class:`GoodputLedger` keeps a cursor: at any moment the job is in exactly one
-:class:`~stalwart.observability.goodput_records.Bucket`, and every switch closes the previous
+:class:`~stalwart.observability.goodput.records.Bucket`, and every switch closes the previous
 interval. Closed intervals are appended to ``<run dir>/goodput.jsonl`` (one ``write`` each, no
 fsync on the hot path: a SIGKILL loses at most the open interval, never more than
 ``flush_interval_s`` of it, plus a torn last line that the reader skips). A session's records
@@ -55,9 +55,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stalwart.observability.goodput_held import HeldIntervals
-from stalwart.observability.goodput_reader import read_ledger
-from stalwart.observability.goodput_records import (
+from stalwart.observability.goodput.held import HeldIntervals
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import (
     FINISHED,
     GOODPUT_FILE,
     Bucket,
@@ -72,7 +72,7 @@ from stalwart.observability.goodput_records import (
     goodput_line,
     summarize,
 )
-from stalwart.observability.goodput_session import (
+from stalwart.observability.goodput.session import (
     anchored_clock,
     high_water_mark,
     launcher_start_time,
