@@ -20,7 +20,7 @@ writes it, rank 0), whichever flow reached it::
   saved one, else the latest complete one), by its name in the save directory in the layout of
   whoever saved it: the reference trainer's ``iter_0000003``, the Lightning callback's
   ``iter_0000003.ckpt``, the Hugging Face Trainer's ``checkpoint-4`` (the adapters tell the
-  shell which checkpoint they saved or loaded, ``TrainingShell.checkpoint_at``);
+  shell which checkpoint they saved or loaded, ``Shell.checkpoint_at``);
 * ``suspects`` are the (node, device) identities to exclude, ``suspect_ranks`` their ranks in
   the launch that found them.
 
@@ -55,6 +55,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.distributed import collectives
 from stalwart.iteration_dirs import iteration_dir_name, parse_iteration_dir_name, tracker_iteration
 from stalwart.reliability.rerun.types import (
@@ -163,18 +164,11 @@ def suspect_devices(diagnosis: Diagnosis, checkpoint: str | None) -> dict[str, A
 
 
 def _write_json(path: str, content: dict[str, Any]) -> bool:
-    """Atomic write (temp file, fsync, rename); False (logged) when it failed: the exit goes on."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    """Atomic write (fsync, rename); False (logged) when it failed: the exit goes on."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(content, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(content, indent=2), sync=Sync.FILE)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         logger.error("cannot write %s: %s", path, exc.strerror or exc)
         return False
     return True
