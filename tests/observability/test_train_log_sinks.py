@@ -136,10 +136,14 @@ def test_flat_megatron_tags_by_default(tmp_path: Path) -> None:
 
 def test_wandb_offline_gets_the_same_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     try:
-        import wandb  # noqa: F401
+        import wandb
     except Exception as exc:  # pragma: no cover - depends on the environment
         pytest.skip(f"wandb cannot be imported: {exc}")
     from stalwart.observability.sinks import WandbSink
+
+    # wandb keeps process-wide settings from an earlier init in this worker (the probe parity
+    # test's disabled run): start from none, as a fresh process does.
+    wandb.teardown()
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
