@@ -178,6 +178,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def _grads_of(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients of ``params``, every one of which has one."""
+    return [p.grad for p in params if p.grad is not None]
+
+
 def local_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     """L2 norm of all local gradients, in float64 so squares cannot overflow (device ops only)."""
     # FSDP2 gradients are DTensors: this rank's shard is what it computed and must check.
@@ -271,7 +276,8 @@ class GradCheckState:
     def check_after_backward(self) -> None:
         """Without DDP: check the local gradients now (after backward, before any step)."""
         params = [p for p in self.params if p.grad is not None]
-        grads = [_local(p.grad) for p in params]  # type: ignore[arg-type]
+        # A plain tensor's missing ``to_local`` costs a raised AttributeError: only others ask.
+        grads = [g if type(g) is torch.Tensor else _local(g) for g in _grads_of(params)]
         if self.num_buckets == 1 and self._sum_sq is None and grads:
             # One bucket, one call: the norm of the per-tensor norms in one reduction, in their
             # dtype as the clip computes it (fp32 grads: Megatron's fp32 norm; a few kernels
