@@ -244,9 +244,19 @@ class MicroBatches:
 
 def _detached(output: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``output`` without autograd history: a value that has none (a reported value the
-    forward step detached already, every value under ``no_grad``) is kept as it is, one
-    ``detach`` dispatch fewer each."""
-    return {k: v.detach() if v.requires_grad else v for k, v in output.items()}
+    forward step detached already, every value under ``no_grad``) is kept as it is, and a
+    tensor reported under two keys (the loss as ``"lm loss"``) is detached once."""
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    for k, v in output.items():
+        if not v.requires_grad:
+            out[k] = v
+            continue
+        d = done.get(id(v))
+        if d is None:
+            d = done[id(v)] = v.detach()
+        out[k] = d
+    return out
 
 
 class PassValues(list[dict[str, torch.Tensor]]):
@@ -271,10 +281,15 @@ def _means(reported: Reported, keys: list[str]) -> torch.Tensor:
 
 
 def _mean_of(reported: Reported, key: str) -> torch.Tensor:
-    values = [r[key].float() for r in reported]
+    values = [_float(r[key]) for r in reported]
     # One micro-batch: the mean of a view of its value, the same reduction over the same
     # elements as of a stacked copy, one copy fewer.
     return (values[0].unsqueeze(0) if len(values) == 1 else torch.stack(values)).mean()
+
+
+def _float(value: torch.Tensor) -> torch.Tensor:
+    """``value.float()``: the value itself when it is float32 already (without the dispatch)."""
+    return value if value.dtype is torch.float32 else value.float()
 
 
 def with_means(forward_backward: Callable[..., Reported]) -> Callable[..., Reported]:
@@ -301,12 +316,15 @@ def average_reported(
     :class:`PassValues` brings its means: they are copied (a graph's outputs are overwritten by
     its next replay), not computed again; the values are the same.
     """
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if isinstance(reported, PassValues):
         keys, stacked = list(reported.keys), reported.means.clone()
     else:
         keys = _reported_keys(reported)
+        if len(keys) == 1 and not distributed:  # the one mean itself, no 1-d view of it
+            return {keys[0]: _mean_of(reported, keys[0])}
         stacked = _means(reported, keys)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if distributed:
         dist.all_reduce(stacked, group=group)
         stacked = stacked / dist.get_world_size(group)
     if len(keys) == 1:  # the one value as a view, without unbind's dispatch

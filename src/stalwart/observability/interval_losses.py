@@ -70,12 +70,11 @@ class IntervalLosses:
         for key, loss in losses.items():
             self._keys.setdefault(key, None)
             if isinstance(loss, torch.Tensor):
-                copy = loss.detach().reshape(()).to(device, torch.float64, copy=True)
-                values.append(copy)
+                values.append(_copy(loss, device, torch.float64))
             else:
                 values.append(float(loss))
         if isinstance(skipped, torch.Tensor):
-            skipped = skipped.detach().reshape(()).to(device, torch.bool, copy=True)
+            skipped = _copy(skipped, device, torch.bool)
         self._pending.append(_Iteration(tuple(losses), values, skipped))
         if len(self._pending) >= MAX_DEFERRED:
             self._fold()
@@ -166,6 +165,16 @@ class IntervalLosses:
             counts[_NAN].add_(1)
         elif dev_bad is not None:
             counts[_NAN].add_(dev_bad.long())
+
+
+def _copy(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 0-d copy of the one-element ``value`` (detached, reshaped only when it needs to be:
+    each is a dispatch)."""
+    if value.requires_grad:
+        value = value.detach()
+    if value.dim():
+        value = value.reshape(())
+    return value.to(device, dtype, copy=True)
 
 
 def _value(read: Mapping[str, float | None], name: str) -> float:

@@ -287,7 +287,8 @@ class GradCheckState:
                 total = self._total_like(norms[0])
                 torch.linalg.vector_norm(torch.stack(norms), out=total)
                 self._norm_params = params if self._shareable(params, grads, total) else None
-                record_bucket_checks(self.sm, total.reshape(1), self.sm.checks, self._rows)
+                # 0-d: its one element is the one bucket's (record_run broadcasts it).
+                record_bucket_checks(self.sm, total, self.sm.checks, self._rows)
                 return
         self._norm_params = None
         self.add_grads(params, grads)
