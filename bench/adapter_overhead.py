@@ -37,9 +37,9 @@ import torch
 
 from bench_utils import percentile
 
-VOCAB, SEQ, ROWS = 512, 64, 4096
+VOCAB, ROWS = 512, 4096
 CLOCK = time.perf_counter  # --clock cpu: time.thread_time (this thread's CPU time)
-PROFILER: cProfile.Profile | None = None  # --profile: enabled after the warm-up steps
+PROFILER: Any = None  # --profile / --ops: enabled over the timed steps (cProfile, OpCounter)
 FRAMEWORKS = {"hf": ("hf", "hf+stalwart"), "lightning": ("lightning", "lightning+stalwart")}
 
 
@@ -50,14 +50,87 @@ def _model(args: argparse.Namespace) -> Any:
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=SEQ,
+        max_position_embeddings=args.seq,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).to(args.device)
 
 
-def _rows() -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+def _rows(seq: int) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, VOCAB, (ROWS, seq), generator=torch.Generator().manual_seed(1))
     return [{"input_ids": row, "labels": row} for row in ids]
+
+
+class OpCounter:
+    """``torch.profiler`` over the timed steps (``enable``/``disable`` as ``cProfile``): the
+    aten ops a step dispatches, and on CUDA the kernel launches (each costs host time)."""
+
+    def __init__(self, device: str) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = device.startswith("cuda")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.profile = profile(activities=activities)
+        self.running = False
+
+    def enable(self) -> None:
+        self.profile.__enter__()
+        self.running = True
+
+    def disable(self) -> None:
+        if self.running:
+            self.profile.__exit__(None, None, None)
+            self.running = False
+
+    def per_step(self, steps: int) -> dict[str, Any]:
+        events = self.profile.events()
+        aten = [e for e in events if e.name.startswith("aten::")]
+        top = [
+            e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")
+        ]
+        by_name: dict[str, float] = {}
+        for e in top:
+            by_name[e.name] = by_name.get(e.name, 0.0) + 1.0 / steps
+        launches = sum(1 for e in events if e.name.startswith(("cudaLaunchKernel", "cuLaunch")))
+        return {"top": len(top) / steps, "all": len(aten) / steps,
+                "launches": launches / steps, "by_name": by_name}  # fmt: skip
+
+
+def _count_ops(variants: list[Any], args: argparse.Namespace) -> None:
+    """--ops: per variant, the aten ops (top level: what Python dispatched; all: with their
+    children) and CUDA kernel launches per timed step, and where the adapters add some."""
+    global PROFILER
+    counted = {}
+    for v in variants:
+        v.run()  # warm
+        PROFILER = OpCounter(args.device)
+        v.run()
+        PROFILER.disable()
+        counted[v.name] = PROFILER.per_step(args.iters)
+        PROFILER = None
+    print("variant              aten ops/step (top level, all)  kernel launches/step")
+    for name, c in counted.items():
+        print(f"{name:20s} {c['top']:8.1f} {c['all']:8.1f}  {c['launches']:8.1f}")
+    for name, c in counted.items():
+        base = counted.get(name.split("+")[0])
+        if base is None or base is c:
+            continue
+        keys = set(c["by_name"]) | set(base["by_name"])
+        diff = {k: c["by_name"].get(k, 0.0) - base["by_name"].get(k, 0.0) for k in keys}
+        shown = sorted((k for k in diff if abs(diff[k]) >= 0.05), key=lambda k: -abs(diff[k]))
+        print(f"{name} - {name.split('+')[0]}, top-level ops per step: "
+              + ", ".join(f"{k.removeprefix('aten::')} {diff[k]:+.1f}" for k in shown))  # fmt: skip
+
+
+def _stamp(stamps: list[float], args: argparse.Namespace) -> None:
+    """A step's end: its timestamp; a profiler runs over the timed steps only (not the set-up,
+    the warm-up or the run's end, where the adapters save)."""
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    stamps.append(CLOCK())
+    if PROFILER is not None and len(stamps) == args.warmup:
+        PROFILER.enable()
+    elif PROFILER is not None and len(stamps) == args.warmup + args.iters:
+        PROFILER.disable()
 
 
 class HfVariant:
@@ -70,11 +143,7 @@ class HfVariant:
 
         class Stamp(transformers.TrainerCallback):  # type: ignore[misc]
             def on_step_end(self, *a: Any, **k: Any) -> None:
-                if args.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                stamps.append(CLOCK())
-                if len(stamps) == args.warmup and PROFILER is not None:
-                    PROFILER.enable()  # the steady state only
+                _stamp(stamps, args)
 
         self.name = name
         guarded = name.endswith("+stalwart")
@@ -88,7 +157,7 @@ class HfVariant:
         if guarded:
             callbacks.insert(0, StalwartCallback(goodput=False))
         cls = StalwartTrainer if guarded else transformers.Trainer
-        self.trainer = cls(model=_model(args), args=targs, train_dataset=_rows(),
+        self.trainer = cls(model=_model(args), args=targs, train_dataset=_rows(args.seq),
                            callbacks=callbacks)  # fmt: skip
 
     def run(self) -> None:
@@ -106,11 +175,7 @@ class LightningVariant:
 
         class Stamp(L.Callback):  # type: ignore[misc]
             def on_train_batch_end(self, *a: Any, **k: Any) -> None:
-                if args.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                stamps.append(CLOCK())
-                if len(stamps) == args.warmup and PROFILER is not None:
-                    PROFILER.enable()  # the steady state only
+                _stamp(stamps, args)
 
         class Body(L.LightningModule):  # type: ignore[misc]
             def __init__(self) -> None:
@@ -134,7 +199,7 @@ class LightningVariant:
         self.guarded = name.endswith("+stalwart")
         self.module = Guarded() if self.guarded else Plain()
         self.stamp = Stamp()
-        self.loader = torch.utils.data.DataLoader(_rows(), batch_size=args.batch)
+        self.loader = torch.utils.data.DataLoader(_rows(args.seq), batch_size=args.batch)
         self.trainer: Any = None
 
     def run(self) -> None:
@@ -166,6 +231,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sample")
     parser.add_argument("--iters", type=int, default=40, help="timed steps per window")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per window")
     parser.add_argument("--rounds", type=int, default=7)
@@ -174,6 +240,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30, help="--profile: rows")
     parser.add_argument("--callers", default=None, help="--profile: callers of matching rows")
     parser.add_argument("--dump", default=None, help="--profile: write the pstats file")
+    parser.add_argument("--ops", action="store_true",
+                        help="count the aten ops and kernel launches per step, per variant")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the main thread's CPU time (a shared CPU machine; with "
@@ -191,6 +259,9 @@ def main() -> None:
     variants = [
         (HfVariant if n.startswith("hf") else LightningVariant)(n, args, out) for n in names
     ]
+    if args.ops:
+        _count_ops(variants, args)
+        return
     if args.profile:
         global PROFILER
         (variant,) = [v for v in variants if v.name == args.profile]
