@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from bench_utils import percentile
+from source_versions import SourceVersion
 
 VOCAB, ROWS = 512, 4096
 CLOCK = time.perf_counter  # --clock cpu: time.thread_time (this thread's CPU time)
@@ -146,7 +147,7 @@ class HfVariant:
                 _stamp(stamps, args)
 
         self.name = name
-        guarded = name.endswith("+stalwart")
+        guarded = "+stalwart" in name
         targs = transformers.TrainingArguments(
             os.path.join(out, name), max_steps=args.warmup + args.iters,
             per_device_train_batch_size=args.batch, learning_rate=1e-4, save_strategy="no",
@@ -196,7 +197,7 @@ class LightningVariant:
             forward_step = Body.forward_step
 
         self.name, self.args, self.out = name, args, os.path.join(out, name)
-        self.guarded = name.endswith("+stalwart")
+        self.guarded = "+stalwart" in name
         self.module = Guarded() if self.guarded else Plain()
         self.stamp = Stamp()
         self.loader = torch.utils.data.DataLoader(_rows(args.seq), batch_size=args.batch)
@@ -246,6 +247,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the main thread's CPU time (a shared CPU machine; with "
                         "--threads 1 every op runs on it)")  # fmt: skip
+    parser.add_argument("--baseline-src", default=None,
+                        help="another stalwart source tree (its src/): its adapters run as "
+                        "variants NAME@base in the same rounds")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -256,9 +260,17 @@ def main() -> None:
     logging.disable(logging.WARNING)  # the frameworks' and the shell's lines, not the figures
     out = tempfile.mkdtemp(prefix="adapter_overhead_")
     names = [n for f in args.frameworks.split(",") for n in FRAMEWORKS[f]]
-    variants = [
-        (HfVariant if n.startswith("hf") else LightningVariant)(n, args, out) for n in names
-    ]
+    versions = {"": SourceVersion(None, "")}
+    if args.baseline_src:  # the adapters of another source tree, as variants "...@base"
+        versions["@base"] = SourceVersion(args.baseline_src, "@base")
+        names += [n + "@base" for n in names if "+stalwart" in n]
+    variants = []
+    for n in names:
+        version = versions["@base" if n.endswith("@base") else ""]
+        with version.active():
+            variant = (HfVariant if n.startswith("hf") else LightningVariant)(n, args, out)
+        variant.version = version
+        variants.append(variant)
     if args.ops:
         _count_ops(variants, args)
         return
@@ -279,7 +291,8 @@ def main() -> None:
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
-            v.run()
+            with v.version.active():
+                v.run()
             times[v.name].append(_ms_per_step(v, args))
     rows = []
     for name in names:
@@ -291,9 +304,14 @@ def main() -> None:
             "ratio": statistics.median(ratios), "ratio_p10": percentile(ratios, 0.1),
             "ratio_p90": percentile(ratios, 0.9),
         })  # fmt: skip
-        print(f"{name:20s} {rows[-1]['median_ms']:7.2f} ms ({rows[-1]['p10_ms']:.2f}-"
+        print(f"{name:25s} {rows[-1]['median_ms']:7.2f} ms ({rows[-1]['p10_ms']:.2f}-"
               f"{rows[-1]['p90_ms']:.2f})  x{rows[-1]['ratio']:.3f} ({rows[-1]['ratio_p10']:.3f}-"
               f"{rows[-1]['ratio_p90']:.3f})")  # fmt: skip
+    for name in names:
+        if name.endswith("@base"):  # this tree against the baseline tree, round by round
+            now = [a / b for a, b in zip(times[name[:-5]], times[name], strict=True)]
+            print(f"{name[:-5]} / {name}: x{statistics.median(now):.3f} "
+                  f"({percentile(now, 0.1):.3f}-{percentile(now, 0.9):.3f})")  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "rows": rows}, f)
