@@ -15,9 +15,21 @@ the first steps and the end are not in it). Windows take turns, the order rotati
 so the ratio of each round's windows cancels the drift of a shared machine; reported: the median
 ms per step with p10-p90, and the median (p10-p90) of the per-round ratios to the plain run.
 
+``--baseline-src DIR`` adds the adapters of another source tree (``DIR/stalwart``) as variants
+``hf+stalwart@base`` and ``lightning+stalwart@base`` in the same rounds and process, and prints
+this tree's per-round ratio to them (a change against what it replaced, side by side).
+``--ops`` counts what a step dispatches instead of timing it: the aten ops (top level, and with
+their children) and on CUDA the kernel launches per timed step, per variant, and by op name where
+a guarded variant adds some; each costs host time, which is what a small model's step is made of.
+
     PYTHONPATH=src python3 bench/adapter_overhead.py                        # CPU, ~2 min
     PYTHONPATH=src python3 bench/adapter_overhead.py --profile hf+stalwart  # cProfile, top 25
     PYTHONPATH=src python3 bench/adapter_overhead.py --device cuda --hidden 512 --layers 4
+    git archive 69214fc src | tar -x -C /tmp/base                           # a baseline tree
+    PYTHONPATH=src python3 bench/adapter_overhead.py --device cuda --hidden 512 --layers 4 \
+        --baseline-src /tmp/base/src
+    PYTHONPATH=src python3 bench/adapter_overhead.py --hidden 16 --layers 1 --batch 1 --seq 8 \
+        --ops                                # host-bound on CPU: what the adapters dispatch
 """
 
 from __future__ import annotations
@@ -102,17 +114,26 @@ def _count_ops(variants: list[Any], args: argparse.Namespace) -> None:
     global PROFILER
     counted = {}
     for v in variants:
-        v.run()  # warm
-        PROFILER = OpCounter(args.device)
-        v.run()
-        PROFILER.disable()
-        counted[v.name] = PROFILER.per_step(args.iters)
+        with v.version.active():
+            v.run()  # warm
+            PROFILER = OpCounter(args.device)
+            v.run()
+            PROFILER.disable()
+            counted[v.name] = PROFILER.per_step(args.iters)
+            PROFILER = cProfile.Profile()  # and the Python function calls a step makes
+            v.run()
+            PROFILER.disable()
+            counted[v.name]["calls"] = pstats.Stats(PROFILER).total_calls / args.iters
         PROFILER = None
-    print("variant              aten ops/step (top level, all)  kernel launches/step")
+    print("variant                   aten ops/step: top level, all  kernel launches  Python calls")
     for name, c in counted.items():
-        print(f"{name:20s} {c['top']:8.1f} {c['all']:8.1f}  {c['launches']:8.1f}")
+        print(
+            f"{name:25s} {c['top']:8.1f} {c['all']:8.1f}  {c['launches']:14.1f}  {c['calls']:12.1f}"
+        )
     for name, c in counted.items():
         base = counted.get(name.split("+")[0])
+        if name.endswith("@base"):
+            continue
         if base is None or base is c:
             continue
         keys = set(c["by_name"]) | set(base["by_name"])
@@ -277,10 +298,11 @@ def main() -> None:
     if args.profile:
         global PROFILER
         (variant,) = [v for v in variants if v.name == args.profile]
-        variant.run()  # warm
-        PROFILER = cProfile.Profile()
-        variant.run()
-        PROFILER.disable()
+        with variant.version.active():
+            variant.run()  # warm
+            PROFILER = cProfile.Profile()
+            variant.run()
+            PROFILER.disable()
         if args.dump:
             PROFILER.dump_stats(args.dump)
         stats = pstats.Stats(PROFILER, stream=sys.stdout).sort_stats(args.sort)
