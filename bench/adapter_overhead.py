@@ -146,6 +146,35 @@ def _count_ops(variants: list[Any], args: argparse.Namespace) -> None:
               + ", ".join(f"{k.removeprefix('aten::')} {diff[k]:+.1f}" for k in shown))  # fmt: skip
 
 
+def _break_down(variants: list[Any], args: argparse.Namespace) -> None:
+    """--breakdown: per guarded variant, the thread time of the guarded step's parts and the
+    adapter's hooks per timed step (bench/step_breakdown.py), median over --rounds windows."""
+    global PROFILER
+    from step_breakdown import Breakdown
+
+    rows: dict[str, dict[str, list[float]]] = {}
+    for r in range(args.rounds):
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            with v.version.active():
+                PROFILER = Breakdown()
+                if "+stalwart" in v.name:
+                    v.__dict__.setdefault("breakdown", PROFILER).instrument()
+                    PROFILER = v.breakdown
+                    PROFILER.ns.clear()
+                v.run()
+                PROFILER.disable()
+            row = rows.setdefault(v.name, {})
+            row.setdefault("whole step", []).append(_ms_per_step(v, args) * 1e3)
+            for label, us in PROFILER.per_step_us(args.iters).items():
+                row.setdefault(label, []).append(us)
+    PROFILER = None
+    for name, row in rows.items():
+        print(f"{name}: median of {args.rounds} windows, us per step (thread time; p10-p90)")
+        for label, values in row.items():
+            print(f"  {label:50s} {statistics.median(values):9.1f} "
+                  f"({percentile(values, 0.1):.1f}-{percentile(values, 0.9):.1f})")  # fmt: skip
+
+
 def _stamp(stamps: list[float], args: argparse.Namespace) -> None:
     """A step's end: its timestamp; a profiler runs over the timed steps only (not the set-up,
     the warm-up or the run's end, where the adapters save)."""
@@ -273,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the main thread's CPU time (a shared CPU machine; with "
                         "--threads 1 every op runs on it)")  # fmt: skip
+    parser.add_argument("--breakdown", action="store_true",
+                        help="the thread time of the guarded step's parts and the adapters' "
+                        "hooks per step (bench/step_breakdown.py); use with --clock cpu")  # fmt: skip
     parser.add_argument("--lightning-fused", action="store_true",
                         help="the Lightning variants' AdamW fused (the guarded step then gates "
                         "it on the device); default: torch's default AdamW, as the README's "
@@ -303,6 +335,9 @@ def main(argv: list[str] | None = None) -> None:
         variants.append(variant)
     if args.ops:
         _count_ops(variants, args)
+        return
+    if args.breakdown:
+        _break_down(variants, args)
         return
     if args.profile:
         global PROFILER
