@@ -174,7 +174,8 @@ def reporting_loss(forward_step: ForwardStep) -> ForwardStep:
         output = as_output(forward_step(batch, model))
         if MAIN_LOSS_KEY in output:
             return output
-        return {**output, MAIN_LOSS_KEY: output["loss"].detach()}
+        # The step detaches every reported value (the loss under both keys once).
+        return {**output, MAIN_LOSS_KEY: output["loss"]}
 
     return step
 

@@ -274,8 +274,9 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
         result = callback.step.run([batch])
         callback.result = result
         self._stalwart_grad_norm = result.grad_norm
-        loss = self._stalwart_loss  # this rank's, as the plain Trainer returns it
-        return (loss if loss is not None else torch.zeros(())).to(self.args.device)
+        loss = self._stalwart_loss  # this rank's, as the plain Trainer returns it (on its device)
+        # args.device is a property that asks Accelerate's state: only when there is no loss.
+        return loss if loss is not None else torch.zeros((), device=self.args.device)
 
     def _forward_step(self, batch: Any, model: torch.nn.Module) -> torch.Tensor:
         """The plain Trainer's loss: ``compute_loss`` with the batch's ``num_items_in_batch``

@@ -34,14 +34,29 @@ backpropagated and whose other entries are reported (averaged over micro-batches
 Reported = list[dict[str, torch.Tensor]]
 
 
+GradientSync = Callable[[bool], contextlib.AbstractContextManager[Any]]
+
+
 def no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
     """Reduce gradients only when ``sync``: DDP's ``no_sync`` or FSDP2's
     ``set_requires_gradient_sync`` (which keeps unsharded gradients until the last backward)."""
+    return gradient_sync(model)(sync)
+
+
+def gradient_sync(model: nn.Module) -> GradientSync:
+    """:func:`no_sync` for ``model``, its kind (DDP, FSDP2, neither) looked up once: each
+    lookup that misses goes through ``nn.Module.__getattr__``, which raises and catches."""
     if hasattr(model, "no_sync"):
-        return model.no_sync() if not sync else contextlib.nullcontext()  # type: ignore[operator]
+        ddp_no_sync = model.no_sync
+        return lambda sync: contextlib.nullcontext() if sync else ddp_no_sync()  # type: ignore[operator]
     set_sync = getattr(model, "set_requires_gradient_sync", None)
     if callable(set_sync):
-        return _fsdp2_sync(set_sync, sync)
+        return lambda sync: _fsdp2_sync(set_sync, sync)
+    return _always_synced
+
+
+def _always_synced(sync: bool) -> contextlib.AbstractContextManager[Any]:
+    del sync
     return contextlib.nullcontext()
 
 
@@ -55,9 +70,10 @@ def _fsdp2_sync(set_sync: Callable[[bool], None], sync: bool) -> Iterator[None]:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor moved to ``device`` (non-blocking), in dicts/lists/tuples."""
+    """``batch`` with every tensor moved to ``device`` (non-blocking), in dicts/lists/tuples.
+    A tensor already there is returned as it is (what ``.to`` returns, without its dispatch)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, list | tuple):
@@ -121,6 +137,7 @@ class MicroBatches:
     # model.parameters() walks every submodule (a Hugging Face model: hundreds of Python
     # calls per pass); the parameters do not change under a step, so they are listed once.
     _params: list[nn.Parameter] | None = field(default=None, repr=False)
+    _sync: GradientSync | None = field(default=None, repr=False)  # gradient_sync(model), once
 
     def __call__(
         self,
@@ -166,7 +183,9 @@ class MicroBatches:
         grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
         forward_timer, backward_timer = self.timers(FORWARD_COMPUTE), self.timers(BACKWARD_COMPUTE)
         weights = self.compute_weights.using()  # forward and backward: recompute needs them
-        with grad_mode, no_sync(self.model, is_last or forward_only), compute, weights:
+        if self._sync is None:
+            self._sync = gradient_sync(self.model)
+        with grad_mode, self._sync(is_last or forward_only), compute, weights:
             forward_timer.start()
             batch_timer = self.timers(BATCH_GENERATOR)
             batch_timer.start()
@@ -174,8 +193,9 @@ class MicroBatches:
             batch_timer.stop()
             with self.autocast():
                 output = as_output(self.forward_step(batch, self.model))
+            reported = _detached(output)
             self._check_losses(
-                losses, output["loss"], flush=index == stop - 1, forward_only=forward_only
+                losses, reported["loss"], flush=index == stop - 1, forward_only=forward_only
             )
             forward_timer.stop()
             if not forward_only:
@@ -188,7 +208,7 @@ class MicroBatches:
                 # The first micro-batch's fp32 gradients were zeroed above (or by the graph).
                 self.compute_weights.accumulate(overwrite=index == 0)
                 backward_timer.stop()
-        return {k: v.detach() for k, v in output.items()}
+        return reported
 
     def _check_losses(
         self, losses: list[torch.Tensor], loss: torch.Tensor, flush: bool, forward_only: bool
@@ -196,10 +216,10 @@ class MicroBatches:
         """Megatron checks each loss in its loss function; the span's losses are recorded in
         one call after the last forward instead (the same slots, verdicts and order: still
         before the last backward, where DDP's hook records the gradient checks), a few device
-        ops per pass instead of a write per micro-batch."""
+        ops per pass instead of a write per micro-batch. ``loss`` is detached."""
         if forward_only and not self.check_eval_losses:
             return
-        losses.append(loss.detach())
+        losses.append(loss)
         if flush:
             record_loss_run(self.machine, losses, self.machine.checks, self._check_rows)
 
@@ -222,6 +242,23 @@ class MicroBatches:
             buffer.update_gate(self.gate_group)
 
 
+def _detached(output: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``output`` without autograd history: a value that has none (a reported value the
+    forward step detached already, every value under ``no_grad``) is kept as it is, and a
+    tensor reported under two keys (the loss as ``"lm loss"``) is detached once."""
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    for k, v in output.items():
+        if not v.requires_grad:
+            out[k] = v
+            continue
+        d = done.get(id(v))
+        if d is None:
+            d = done[id(v)] = v.detach()
+        out[k] = d
+    return out
+
+
 class PassValues(list[dict[str, torch.Tensor]]):
     """A whole pass's reported values with their means over the micro-batches already computed
     on the device (``means[i]`` is key ``keys[i]``'s), by :func:`with_means` inside the captured
@@ -237,7 +274,22 @@ def _reported_keys(reported: Reported) -> list[str]:
 
 
 def _means(reported: Reported, keys: list[str]) -> torch.Tensor:
-    return torch.stack([torch.stack([r[k].float() for r in reported]).mean() for k in keys])
+    """The mean over the micro-batches of every key's values, one entry per key (1-d)."""
+    if len(keys) == 1:  # a view of the one mean, not a copy
+        return _mean_of(reported, keys[0]).unsqueeze(0)
+    return torch.stack([_mean_of(reported, k) for k in keys])
+
+
+def _mean_of(reported: Reported, key: str) -> torch.Tensor:
+    values = [_float(r[key]) for r in reported]
+    # One micro-batch: the mean of a view of its value, the same reduction over the same
+    # elements as of a stacked copy, one copy fewer.
+    return (values[0].unsqueeze(0) if len(values) == 1 else torch.stack(values)).mean()
+
+
+def _float(value: torch.Tensor) -> torch.Tensor:
+    """``value.float()``: the value itself when it is float32 already (without the dispatch)."""
+    return value if value.dtype is torch.float32 else value.float()
 
 
 def with_means(forward_backward: Callable[..., Reported]) -> Callable[..., Reported]:
@@ -264,12 +316,17 @@ def average_reported(
     :class:`PassValues` brings its means: they are copied (a graph's outputs are overwritten by
     its next replay), not computed again; the values are the same.
     """
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if isinstance(reported, PassValues):
         keys, stacked = list(reported.keys), reported.means.clone()
     else:
         keys = _reported_keys(reported)
+        if len(keys) == 1 and not distributed:  # the one mean itself, no 1-d view of it
+            return {keys[0]: _mean_of(reported, keys[0])}
         stacked = _means(reported, keys)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if distributed:
         dist.all_reduce(stacked, group=group)
         stacked = stacked / dist.get_world_size(group)
+    if len(keys) == 1:  # the one value as a view, without unbind's dispatch
+        return {keys[0]: stacked.reshape(())}
     return dict(zip(keys, stacked.unbind(0), strict=True))

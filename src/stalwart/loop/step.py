@@ -166,6 +166,8 @@ class GuardedStep:
         self._goodput = goodput
         self.rejected = False  # whether the last run() was rejected (exit 16/17)
         self._forward_backward = _in_regions(self.runners.forward_backward, observer)
+        # e.g. release cached memory after each forward-backward (looked up once, not per pass)
+        self._after_forward_backward = getattr(observer, "after_forward_backward", None)
         allows = getattr(observer, "allows_lookahead", True)
         self.lookahead_enabled = lookahead and allows and self.runners.optimizer.gated
         self._lookahead = LookAhead(
@@ -319,9 +321,8 @@ class GuardedStep:
         else:
             rest = fb(data_iterator=self.data, num_microbatches=n, first=len(launched.batches))
             reported = launched.reported + rest
-        after = getattr(self.observer, "after_forward_backward", None)
-        if after is not None:
-            after()  # e.g. release cached memory (outside any graph)
+        if self._after_forward_backward is not None:
+            self._after_forward_backward()  # outside any graph
         timer.stop()
         return reported
 

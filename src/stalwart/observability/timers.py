@@ -445,6 +445,7 @@ class Timers:
         self._group = group
         self._timers: dict[str, Timer] = {}
         self._null = NullTimer()
+        self._null_names: set[str] = set()  # names asked without a level that are disabled
 
     def __call__(self, name: str, log_level: int | None = None) -> Timer | NullTimer:
         """The timer ``name``; the shared NullTimer when its level exceeds ``--timing-log-level``.
@@ -453,6 +454,8 @@ class Timers:
         name (:data:`STANDARD_TIMER_LEVELS`), else 0. An explicit level must match an existing one.
         """
         existing = self._timers.get(name)
+        if existing is None and log_level is None and name in self._null_names:
+            return self._null  # the hot path asks for disabled timers on every step
         if existing is not None:
             if log_level is not None and log_level != existing.log_level:
                 raise ValueError(
@@ -463,6 +466,8 @@ class Timers:
         if not 0 <= level <= MAX_LOG_LEVEL:
             raise ValueError(f"timer log level must be 0-{MAX_LOG_LEVEL}, got {level} for {name!r}")
         if level > self.log_level:
+            if log_level is None:
+                self._null_names.add(name)
             return self._null
         timer = Timer(name, level, self.mode, self.device, self._group)
         self._timers[name] = timer

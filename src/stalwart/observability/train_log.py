@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import torch
 
+from stalwart.observability.interval_losses import IntervalLosses, TensorOrScalar
 from stalwart.observability.log_lines import (
     IntervalSummary,
     LogField,
@@ -57,11 +58,8 @@ from stalwart.observability.sinks import JsonlSink, MetricSink, NullSink, is_nul
 from stalwart.observability.throughput import interval_throughput, validate_peak_tflops
 from stalwart.observability.timers import INTERVAL_TIME, TRAINING_TIMERS, TimerReport, Timers
 
-TensorOrScalar = torch.Tensor | float | int
-
 # Name of the main loss (Megatron's "lm loss"): reported as "loss" in the metrics file.
 MAIN_LOSS_KEY = "lm loss"
-_ADVANCED, _SKIPPED, _NAN = 0, 1, 2
 
 
 @dataclass(kw_only=True)
@@ -186,11 +184,9 @@ class TrainingLog:
         self._progress = ProgressBar(
             train_iters, enabled=config.log_progress_bar if self._is_writer else False
         )
-        self._device: torch.device | None = None
-        self._sums: dict[str, torch.Tensor] = {}
-        self._counts: torch.Tensor | None = None  # [advanced, skipped, nan], int64, on device
-        # Iterations skipped without a pass (--iterations-to-skip: no loss at all), on the host.
-        self._skipped_without_pass = 0
+        # The interval's loss sums and counters: one copy per device loss per iteration, read
+        # and summed at the log step (stalwart.observability.interval_losses).
+        self._losses = IntervalLosses()
         self._iters_in_interval = 0
         self._logged_once = False
         self._pending: tuple[int, _IterationInputs] | None = None  # the unlogged last iteration
@@ -221,7 +217,7 @@ class TrainingLog:
         as Megatron's dummy step): counted as skipped, not as a NaN iteration, and averaged into
         no loss (an interval of only such iterations prints no loss).
         """
-        self._accumulate(losses, skipped)
+        self._losses.add(losses, skipped)
         self._iters_in_interval += 1
         self._consumed_samples = consumed_samples
         if self.seq_length:
@@ -258,53 +254,6 @@ class TrainingLog:
         values = self._read(inputs, interval=True) if self._is_writer else {}
         self._log_interval(iteration, inputs.global_batch_size, values)
 
-    def _ensure_state(self, losses: Mapping[str, TensorOrScalar]) -> torch.device:
-        if self._device is None:
-            tensors = [v for v in losses.values() if isinstance(v, torch.Tensor)]
-            self._device = tensors[0].device if tensors else torch.device("cpu")
-            self._counts = torch.zeros(3, dtype=torch.int64, device=self._device)
-        return self._device
-
-    def _accumulate(
-        self, losses: Mapping[str, TensorOrScalar], skipped: torch.Tensor | bool
-    ) -> None:
-        """Device-side only: add losses of advanced iterations and bump the three counters."""
-        if not losses and skipped is True:
-            self._skipped_without_pass += 1  # no loss to check; the device is not touched
-            return
-        device = self._ensure_state(losses)
-        counts = self._counts
-        assert counts is not None
-        skip_t: torch.Tensor | None = None
-        if isinstance(skipped, torch.Tensor):
-            skip_t = skipped.detach().reshape(()).to(device=device, dtype=torch.bool)
-            counts[_SKIPPED].add_(skip_t.long())
-            counts[_ADVANCED].add_((~skip_t).long())
-        else:
-            counts[_SKIPPED if skipped else _ADVANCED].add_(1)
-        host_bad = False
-        dev_bad: torch.Tensor | None = None
-        for key, loss in losses.items():
-            acc = self._sums.get(key)
-            if acc is None:
-                acc = self._sums[key] = torch.zeros((), dtype=torch.float64, device=device)
-            if isinstance(loss, torch.Tensor):
-                value = loss.detach().reshape(()).to(device=device, dtype=torch.float64)
-                bad = ~torch.isfinite(value)
-                dev_bad = bad if dev_bad is None else dev_bad | bad
-            else:
-                host_bad |= not math.isfinite(float(loss))
-                value = torch.full_like(acc, float(loss))
-            if skip_t is not None:
-                # torch.where selects, so a NaN loss of a skipped iteration does not leak in.
-                acc.add_(torch.where(skip_t, torch.zeros_like(value), value))
-            elif not skipped:
-                acc.add_(value)
-        if host_bad:
-            counts[_NAN].add_(1)
-        elif dev_bad is not None:
-            counts[_NAN].add_(dev_bad.long())
-
     # ----------------------------------------------------------------- log / sink steps
     def _read(self, inputs: _IterationInputs, *, interval: bool) -> dict[str, float | None]:
         """Read every device value this step needs in ONE transfer; host scalars pass through."""
@@ -315,11 +264,8 @@ class TrainingLog:
         )  # fmt: skip
         named.update({f"cur:{k}": v for k, v in i.losses.items()})
         if interval:
-            named.update({f"sum:{k}": v for k, v in self._sums.items()})
-            for idx, name in enumerate(("advanced", "skipped", "nan")):
-                counts = self._counts  # None: only iterations skipped without a pass so far
-                named[f"count:{name}"] = counts[idx] if counts is not None else 0
-        device = self._device or torch.device("cpu")
+            named.update(self._losses.to_read())
+        device = self._losses.device or torch.device("cpu")
         tensor_names = [k for k, v in named.items() if isinstance(v, torch.Tensor)]
         out: dict[str, float | None] = {
             k: (None if v is None else float(v))
@@ -335,6 +281,8 @@ class TrainingLog:
             )
             # Deliberate sync: the one device read of a log/sink step.
             out.update(zip(tensor_names, stacked.tolist()))
+        if interval:
+            out.update(self._losses.totals(out))
         return out
 
     def _write_iteration_scalars(
@@ -383,10 +331,10 @@ class TrainingLog:
         fields: Sequence[LogField],
     ) -> IntervalSummary:
         advanced = int(values.get("count:advanced") or 0)
-        without_pass = self._skipped_without_pass
+        without_pass = self._losses.skipped_without_pass
         averages = {
             k: (values[f"sum:{k}"] or 0.0) / advanced if advanced > 0 else math.nan
-            for k in self._sums
+            for k in self._losses.keys
         }
         if without_pass == self._iters_in_interval:
             averages = {}  # only --iterations-to-skip: no loss was computed, none is shown
@@ -471,11 +419,7 @@ class TrainingLog:
         return record
 
     def _reset_interval(self) -> None:
-        for acc in self._sums.values():
-            acc.zero_()
-        if self._counts is not None:
-            self._counts.zero_()
-        self._skipped_without_pass = 0
+        self._losses.reset()
         self._iters_in_interval = 0
         self._logged_once = True
 

@@ -185,6 +185,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def _grads_of(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients of ``params``, every one of which has one."""
+    return [p.grad for p in params if p.grad is not None]
+
+
 def local_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     """L2 norm of all local gradients, in float64 so squares cannot overflow (device ops only)."""
     # FSDP2 gradients are DTensors: this rank's shard is what it computed and must check.
@@ -278,7 +283,8 @@ class GradCheckState:
     def check_after_backward(self) -> None:
         """Without DDP: check the local gradients now (after backward, before any step)."""
         params = [p for p in self.params if p.grad is not None]
-        grads = [_local(p.grad) for p in params]  # type: ignore[arg-type]
+        # A plain tensor's missing ``to_local`` costs a raised AttributeError: only others ask.
+        grads = [g if type(g) is torch.Tensor else _local(g) for g in _grads_of(params)]
         if self.num_buckets == 1 and self._sum_sq is None and grads:
             # One bucket, one call: the norm of the per-tensor norms in one reduction, in their
             # dtype as the clip computes it (fp32 grads: Megatron's fp32 norm; a few kernels
@@ -288,7 +294,8 @@ class GradCheckState:
                 total = self._total_like(norms[0])
                 torch.linalg.vector_norm(torch.stack(norms), out=total)
                 self._norm_params = params if self._shareable(params, grads, total) else None
-                record_bucket_checks(self.sm, total.reshape(1), self.sm.checks, self._rows)
+                # 0-d: its one element is the one bucket's (record_run broadcasts it).
+                record_bucket_checks(self.sm, total, self.sm.checks, self._rows)
                 return
         self._norm_params = None
         self.add_grads(params, grads)
