@@ -34,6 +34,7 @@ from stalwart.data import (
     calculate_num_microbatches,
 )
 from stalwart.data.batch_schedule import BatchSchedule
+from stalwart.distributed.ddp_layout import needs_settled_layout, settle_bucket_layout
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import (
     CompileBooking,
@@ -294,6 +295,10 @@ def build_model(
     if isinstance(faults, FaultInjector):  # bitflip / grad_corruption: this rank's copy only
         faults.corrupt_weights = functools.partial(flip_parameter_bit, raw_model)
         faults.corrupt_grads = functools.partial(flip_gradient_bit, raw_model)
+    model = wrap_model(raw_model, config, ctx)
+    if needs_settled_layout(model):  # 3+ DDP ranks: a resume must reduce as an unbroken run
+        tokens = torch.zeros(1, config.model.seq_length, dtype=torch.long, device=ctx.device)
+        settle_bucket_layout(model, lambda m: m(tokens, tokens)["loss"])  # eager: before compile
     if config.training.compile:
         # In place (nn.Module.compile): parameter names and checkpoints stay unchanged. Under a
         # full-iteration graph Inductor's own CUDA graphs are off (they cannot nest).
@@ -302,7 +307,6 @@ def build_model(
         if config.graphs.full_iteration:
             options["triton.cudagraphs"] = False
         raw_model.compile(dynamic=False, options=options or None)
-    model = wrap_model(raw_model, config, ctx)
     seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
     return raw_model, model
 
