@@ -47,7 +47,7 @@ from stalwart.graphs import (
     clip_in_optimizer_step,
     make_capturable_adamw,
 )
-from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler
+from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler, autocast_context
 from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
 from stalwart.models import GPT
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
@@ -298,7 +298,8 @@ def build_model(
     model = wrap_model(raw_model, config, ctx)
     if needs_settled_layout(model):  # 3+ DDP ranks: a resume must reduce as an unbroken run
         tokens = torch.zeros(1, config.model.seq_length, dtype=torch.long, device=ctx.device)
-        settle_bucket_layout(model, lambda m: m(tokens, tokens)["loss"])  # eager: before compile
+        dtype = autocast_dtype(config)  # the step's autocast: the same ops as a training pass
+        settle_bucket_layout(model, lambda m: _loss(m, tokens, autocast_context(ctx.device, dtype)))
     if config.training.compile:
         # In place (nn.Module.compile): parameter names and checkpoints stay unchanged. Under a
         # full-iteration graph Inductor's own CUDA graphs are off (they cannot nest).
@@ -309,6 +310,14 @@ def build_model(
         raw_model.compile(dynamic=False, options=options or None)
     seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
     return raw_model, model
+
+
+def _loss(
+    model: nn.Module, tokens: torch.Tensor, precision: contextlib.AbstractContextManager[Any]
+) -> torch.Tensor:
+    """The GPT's training loss on ``tokens`` (eager: before ``torch.compile`` wraps it)."""
+    with precision:
+        return model(tokens, tokens)["loss"]
 
 
 def build_compile_cache(config: RunConfig, rank: int) -> CompileCache | NullCompileCache:
