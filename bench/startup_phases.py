@@ -34,7 +34,7 @@ TARGETS = [
     ("cli: parse flags, build and check the config", "stalwart.config.run:build_run_config"),
     ("process group", "stalwart.cli.train:init_distributed"),
     ("trainer build (all)", "stalwart.train.trainer:Trainer._build"),
-    ("  checkpoint manager (--save probed, locked)", "stalwart.config.checkpoint:CheckpointConfig.build"),
+    ("  checkpoint manager (--save probed, locked)", "stalwart.config.training:CheckpointConfig.build"),
     ("  goodput ledger", "stalwart.train.build:build_goodput_ledger"),
     ("  hang sections", "stalwart.train.trainer:build_section_monitor"),
     ("  data: datasets and batch schedule", "stalwart.train.build:resolve_config"),

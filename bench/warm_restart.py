@@ -154,17 +154,18 @@ def summary_table(runs: dict[str, list[dict[str, Any]]]) -> str:
 def phase_table(runs: dict[str, list[dict[str, Any]]]) -> str:
     """Median wall and CPU seconds of every start-up phase, per variant (``--phases``)."""
     order: list[str] = []
-    per: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    per: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
     for variant, rs in runs.items():
         for r in rs:
-            totals: dict[str, list[float]] = {}
+            totals: dict[str, list[Any]] = {}
             for span in sorted(r.get("phases", []), key=lambda x: x["start"]):
                 label = span["phase"]
                 if label not in order:
                     order.append(label)
-                t = totals.setdefault(label, [0.0, 0.0])
+                t = totals.setdefault(label, [0.0, None])
                 t[0] += span["end"] - span["start"]
-                t[1] += span.get("cpu", float("nan"))
+                if "cpu" in span:  # not for the interpreter's own start
+                    t[1] = (t[1] or 0.0) + span["cpu"]
             for label, (wall, cpu) in totals.items():
                 per.setdefault((variant, label), []).append((wall, cpu))
     variants = list(runs)
@@ -175,7 +176,7 @@ def phase_table(runs: dict[str, list[dict[str, Any]]]) -> str:
         cells = []
         for v in variants:
             xs = per.get((v, label), [])
-            walls, cpus = [w for w, _ in xs], [c for _, c in xs]
+            walls, cpus = [w for w, _ in xs], [c for _, c in xs if c is not None]
             cells += [f"{statistics.median(walls):.2f}" if walls else "-",
                       f"{statistics.median(cpus):.2f}" if cpus else "-"]  # fmt: skip
         lines.append(f"| {label.replace(' ', '&nbsp;', len(label) - len(label.lstrip()))} | "
