@@ -11,7 +11,8 @@ order:
 
 Measured from the relaunch's goodput ledger (``goodput.jsonl``, its last session): the
 launcher start to the end of its last ``compile`` span (compile, CUDA graph capture and the
-cache write), i.e. to the start of the first productive iteration; and the ``compile`` bucket's
+cache write), i.e. to the start of the first productive iteration (without any ``compile``
+span, as with ``TORCH_CACHING_PRECOMPILE=1``, to the end of its first iteration); and the ``compile`` bucket's
 seconds by source (cold compile, warm cache load, capture, cache write). Median and spread of
 ``--repeats``.
 
@@ -94,9 +95,15 @@ def last_session(run_dir: Path) -> dict[str, Any]:
         key = span.source.value if span.source is not None else "unattributed"
         sources[key] = sources.get(key, 0.0) + span.seconds
     before_steps = (Bucket.STARTUP, Bucket.RESTART, Bucket.HANG)  # a relaunch's start-up: restart
-    first_step = min((s.t0 for s in mine if s.bucket not in before_steps), default=start)
+    steps = sorted((s for s in mine if s.bucket not in before_steps), key=lambda s: s.t0)
+    first_step = steps[0].t0 if steps else start
+    # Nothing booked as compile (Dynamo loaded precompiled frames: TORCH_CACHING_PRECOMPILE=1):
+    # the first iteration is where the compiled code was loaded; its end is the mark.
+    work = [s for s in steps if s.bucket is Bucket.PRODUCTIVE]
+    first = [s.t1 for s in work if s.iteration == work[0].iteration] if work else []
+    ready = max(s.t1 for s in compiles) if compiles else max(first, default=None)
     return {
-        "to_first_productive_s": max(s.t1 for s in compiles) - start if compiles else None,
+        "to_first_productive_s": ready - start if ready is not None else None,
         "startup_s": first_step - start,
         "compile_s": sum(sources.values()),
         "compile_sources": sources,

@@ -82,3 +82,20 @@ def test_the_phase_table_sums_a_phase_timed_twice_and_takes_medians() -> None:
     assert lines[2] == "| interpreter start | 0.10 | - |"
     assert "| import torch | 4.00 | 1.00 |" in lines
     assert "| cli | 1.00 | 0.20 |" in lines
+
+
+def test_without_a_compile_span_the_first_iteration_ends_the_measure(tmp_path: Path) -> None:
+    # Dynamo loaded precompiled frames (TORCH_CACHING_PRECOMPILE=1): torch's counters saw no
+    # compile, the first iteration is booked productive; it is where the code was loaded.
+    clock = FakeClock(1000.0)
+    ledger = GoodputLedger(tmp_path, clock=clock, launcher_start=1000.0, print_fn=lambda s: None)
+    clock.t += 2.0
+    with ledger.step(3):
+        clock.t += 0.75
+    with ledger.span(Bucket.CHECKPOINT):  # a productive span next to it would merge with it
+        clock.t += 0.5
+    with ledger.step(4):
+        clock.t += 0.25
+    ledger.close("finished")
+    result = warm_restart.last_session(tmp_path)
+    assert result["to_first_productive_s"] == 2.75 and result["compile_s"] == 0
