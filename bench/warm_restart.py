@@ -11,11 +11,17 @@ order:
 
 Measured from the relaunch's goodput ledger (``goodput.jsonl``, its last session): the
 launcher start to the end of its last ``compile`` span (compile, CUDA graph capture and the
-cache write), i.e. to the start of the first productive iteration; and the ``compile`` bucket's
+cache write), i.e. to the start of the first productive iteration (without any ``compile``
+span, as with ``TORCH_CACHING_PRECOMPILE=1``, to the end of its first iteration); and the ``compile`` bucket's
 seconds by source (cold compile, warm cache load, capture, cache write). Median and spread of
 ``--repeats``.
 
-    PYTHONPATH=src .venv/bin/python bench/warm_restart.py --repeats 3 [--json out.json]
+``--phases``: each relaunch runs under ``bench/startup_phases.py`` (wall-clock timers around
+the start-up's parts: the imports, the process group, each builder of the trainer, the compile
+cache's open and load, the checkpoint load, the first iteration), and a table of every phase's
+median wall and CPU seconds follows, cold against warm.
+
+    PYTHONPATH=src .venv/bin/python bench/warm_restart.py --repeats 3 [--phases] [--json out.json]
     # on a GPU: --gpu, and the trainer's flags after --, e.g.
     # -- --preset gpt2-124m --bf16 --cuda-graph-impl full_iteration --optimizer-cuda-graph
 """
@@ -45,18 +51,31 @@ from stalwart.observability.goodput.records import (  # noqa: E402
     Span,
 )
 
+WARM_ENV = "warm+env"  # the warm relaunch with --warm-env's variables
 CPU_MODEL = ["--preset", "tiny", "--micro-batch-size", "4", "--use-cpu"]
 COMMON = ["--compile", "--log-interval", "1", "--no-progress-bar", "--seed", "3",
           "--eval-interval", "0", "--lr", "1e-3", "--lr-warmup-iters", "1"]  # fmt: skip
 
 
-def _train(run_dir: Path, args: argparse.Namespace, *extra: str) -> int:
+def _train(
+    run_dir: Path,
+    args: argparse.Namespace,
+    *extra: str,
+    phases: Path | None = None,
+    env_extra: dict[str, str] | None = None,
+) -> int:
+    """``stalwart train`` in a fresh process (under the phase timers when ``phases``)."""
     model = args.trainer_flags or CPU_MODEL
-    cmd = [sys.executable, "-m", "stalwart", "train", *model, *COMMON, "--save", str(run_dir),
+    entry = ["-m", "stalwart"]
+    if phases is not None:
+        entry = [str(REPO / "bench" / "startup_phases.py"), "--out", str(phases), "--"]
+    cmd = [sys.executable, *entry, "train", *model, *COMMON, "--save", str(run_dir),
            "--train-iters", str(args.train_iters), "--save-interval", str(args.save_interval),
            *extra]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    env.update(env_extra or {})
+    env["STALWART_BENCH_LAUNCH"] = repr(time.time())  # the phase timers' origin
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     if args.verbose:
         sys.stdout.write(out.stdout[-2000:] + out.stderr[-2000:])
@@ -76,9 +95,15 @@ def last_session(run_dir: Path) -> dict[str, Any]:
         key = span.source.value if span.source is not None else "unattributed"
         sources[key] = sources.get(key, 0.0) + span.seconds
     before_steps = (Bucket.STARTUP, Bucket.RESTART, Bucket.HANG)  # a relaunch's start-up: restart
-    first_step = min((s.t0 for s in mine if s.bucket not in before_steps), default=start)
+    steps = sorted((s for s in mine if s.bucket not in before_steps), key=lambda s: s.t0)
+    first_step = steps[0].t0 if steps else start
+    # Nothing booked as compile (Dynamo loaded precompiled frames: TORCH_CACHING_PRECOMPILE=1):
+    # the first iteration is where the compiled code was loaded; its end is the mark.
+    work = [s for s in steps if s.bucket is Bucket.PRODUCTIVE]
+    first = [s.t1 for s in work if s.iteration == work[0].iteration] if work else []
+    ready = max(s.t1 for s in compiles) if compiles else max(first, default=None)
     return {
-        "to_first_productive_s": max(s.t1 for s in compiles) - start if compiles else None,
+        "to_first_productive_s": ready - start if ready is not None else None,
         "startup_s": first_step - start,
         "compile_s": sum(sources.values()),
         "compile_sources": sources,
@@ -98,12 +123,18 @@ def run_once(args: argparse.Namespace, order: tuple[str, ...]) -> dict[str, dict
             "cold": shutil.copytree(first, base / "cold", ignore=no_cache),
             "warm": shutil.copytree(first, base / "warm"),
         }
+        if args.warm_env:
+            copies[WARM_ENV] = shutil.copytree(first, base / "warm-env")
         results = {}
         for variant in order:
-            rc = _train(Path(copies[variant]), args)
+            phases = base / f"{variant}.phases.json" if args.phases else None
+            env = args.warm_env if variant == WARM_ENV else None
+            rc = _train(Path(copies[variant]), args, phases=phases, env_extra=env)
             if rc != 0:
                 raise RuntimeError(f"{variant} relaunch exited {rc}")
             results[variant] = last_session(Path(copies[variant]))
+            if phases is not None:
+                results[variant]["phases"] = json.loads(phases.read_text())["spans"]
         return results
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -127,6 +158,39 @@ def summary_table(runs: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """Median wall and CPU seconds of every start-up phase, per variant (``--phases``)."""
+    order: list[str] = []
+    per: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
+    for variant, rs in runs.items():
+        for r in rs:
+            totals: dict[str, list[Any]] = {}
+            for span in sorted(r.get("phases", []), key=lambda x: x["start"]):
+                label = span["phase"]
+                if label not in order:
+                    order.append(label)
+                t = totals.setdefault(label, [0.0, None])
+                t[0] += span["end"] - span["start"]
+                if "cpu" in span:  # not for the interpreter's own start
+                    t[1] = (t[1] or 0.0) + span["cpu"]
+            for label, (wall, cpu) in totals.items():
+                per.setdefault((variant, label), []).append((wall, cpu))
+    variants = list(runs)
+    head = " | ".join(f"{v} wall s | {v} CPU s" for v in variants)
+    lines = [f"| phase (median of runs; indented: inside the one above) | {head} |",
+             "|---|" + "---|" * (2 * len(variants))]  # fmt: skip
+    for label in order:
+        cells = []
+        for v in variants:
+            xs = per.get((v, label), [])
+            walls, cpus = [w for w, _ in xs], [c for _, c in xs if c is not None]
+            cells += [f"{statistics.median(walls):.2f}" if walls else "-",
+                      f"{statistics.median(cpus):.2f}" if cpus else "-"]  # fmt: skip
+        lines.append(f"| {label.replace(' ', '&nbsp;', len(label) - len(label.lstrip()))} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, trainer = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])  # fmt: skip
@@ -138,14 +202,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", action="store_true", help="the trainer's flags after -- (no --use-cpu)")
     p.add_argument("--json", help="write all runs and the summary here")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--phases", action="store_true", help="time each start-up phase (a table)")
+    p.add_argument(
+        "--warm-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a third relaunch, warm, with this environment variable (repeatable)",
+    )
     args = p.parse_args(own)
     args.trainer_flags = trainer if (trainer or args.gpu) else None
     if args.gpu and not trainer:
         p.error("--gpu takes the trainer's model flags after --")
+    if any("=" not in kv for kv in args.warm_env):
+        p.error("--warm-env takes NAME=VALUE")
+    args.warm_env = dict(kv.split("=", 1) for kv in args.warm_env)
     runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
+    if args.warm_env:
+        runs[WARM_ENV] = []
     started = time.monotonic()
     for i in range(args.repeats):
-        order = ("cold", "warm") if i % 2 == 0 else ("warm", "cold")  # load drift hits both
+        order = tuple(runs) if i % 2 == 0 else tuple(reversed(runs))  # load drift hits all
         for variant, result in run_once(args, order).items():
             runs[variant].append(result)
             print(f"run {i + 1} {variant}: to first productive iteration "
@@ -155,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     print(summary_table(runs))
     med = {v: statistics.median(r["to_first_productive_s"] for r in rs) for v, rs in runs.items()}
     print(f"\nwarm / cold = {med['warm'] / med['cold']:.1%}; bench wall {time.monotonic() - started:.0f} s")  # fmt: skip
+    if args.phases:
+        print("\nStart-up phases of the relaunch (bench/startup_phases.py; from the launch):\n")
+        print(phase_table(runs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": runs, "median_s": med, "argv": argv}, f)

@@ -40,3 +40,62 @@ def test_last_session_is_launch_to_the_end_of_its_last_compile_span(tmp_path: Pa
     assert result["compile_sources"] == {"warm": 3.0, "save": 0.5}
     table = warm_restart.summary_table({"cold": [result], "warm": [result]})
     assert "| warm | 5.50 | 5.50-5.50 | 5.50 | 3.50 | warm 3.00, save 0.50 |" in table
+
+
+def test_the_phase_timers_time_a_real_start_up(tmp_path: Path) -> None:
+    """bench/startup_phases.py runs `stalwart train` with a timer around each start-up part;
+    every part it names exists (a moved function would silently leave its phase out)."""
+    import json
+    import os
+    import subprocess
+
+    from train_utils import REPO, TINY_FLAGS
+
+    out = tmp_path / "phases.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "bench" / "startup_phases.py"), "--out", str(out), "--",
+           "train", *TINY_FLAGS, "--train-iters", "2", "--save", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["missing"] == []
+    spans = {s["phase"]: s for s in result["spans"]}
+    for phase in ("import torch", "trainer build (all)", "  model: build, DDP, torch.compile wrapper",
+                  "checkpoint load (--load)", "first iteration (warm compile, capture)"):  # fmt: skip
+        assert spans[phase]["end"] >= spans[phase]["start"] >= 0.0, phase
+    build, model = spans["trainer build (all)"], spans["  model: build, DDP, torch.compile wrapper"]
+    assert build["start"] <= model["start"] <= model["end"] <= build["end"]  # nested by time
+    assert spans["first iteration (warm compile, capture)"]["start"] >= build["end"]
+
+
+def test_the_phase_table_sums_a_phase_timed_twice_and_takes_medians() -> None:
+    def run(scale: float) -> dict[str, object]:
+        return {"phases": [
+            {"phase": "import torch", "start": 0.0, "end": 2.0 * scale, "cpu": 1.0},
+            {"phase": "cli", "start": 2.0, "end": 2.5, "cpu": 0.1},
+            {"phase": "cli", "start": 2.5, "end": 3.0, "cpu": 0.1},
+            {"phase": "interpreter start", "start": -0.1, "end": 0.0},
+        ]}  # fmt: skip
+
+    table = warm_restart.phase_table({"warm": [run(1.0), run(2.0), run(3.0)]})
+    lines = table.splitlines()
+    assert lines[2] == "| interpreter start | 0.10 | - |"
+    assert "| import torch | 4.00 | 1.00 |" in lines
+    assert "| cli | 1.00 | 0.20 |" in lines
+
+
+def test_without_a_compile_span_the_first_iteration_ends_the_measure(tmp_path: Path) -> None:
+    # Dynamo loaded precompiled frames (TORCH_CACHING_PRECOMPILE=1): torch's counters saw no
+    # compile, the first iteration is booked productive; it is where the code was loaded.
+    clock = FakeClock(1000.0)
+    ledger = GoodputLedger(tmp_path, clock=clock, launcher_start=1000.0, print_fn=lambda s: None)
+    clock.t += 2.0
+    with ledger.step(3):
+        clock.t += 0.75
+    with ledger.span(Bucket.CHECKPOINT):  # a productive span next to it would merge with it
+        clock.t += 0.5
+    with ledger.step(4):
+        clock.t += 0.25
+    ledger.close("finished")
+    result = warm_restart.last_session(tmp_path)
+    assert result["to_first_productive_s"] == 2.75 and result["compile_s"] == 0

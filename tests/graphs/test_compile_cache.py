@@ -19,6 +19,7 @@ from stalwart.graphs import compile_cache
 from stalwart.graphs.compile_cache import (
     ARTIFACTS_FILE,
     INDUCTOR_DIR,
+    STAMP_FILE,
     CompileBooking,
     CompileCache,
     CompileCounts,
@@ -54,7 +55,8 @@ with CompileCache(sys.argv[1]) as cache:
     model(torch.randn(4, 8)).sum().backward()
     counts = CompileCounts.read().since(before)
     wrote = cache.save()
-print(json.dumps({**counts.fields(), "source": counts.source.value, "wrote": wrote}))
+print(json.dumps({**counts.fields(), "source": counts.source.value, "wrote": wrote,
+                  "loaded": cache.loaded_artifacts}))
 """
 
 
@@ -88,12 +90,27 @@ def test_a_relaunch_with_a_warm_cache_does_not_recompile(tmp_path: Path) -> None
     warm = _relaunch(cache)
     assert warm["fx_hit"] and warm["fx_miss"] == 0 and warm["aot_miss"] == 0, warm
     assert warm["aot_hit"] and warm["source"] == "warm"
+    # inductor/ holds what artifacts.bin holds (its stamp): not written there a second time.
+    assert warm["loaded"] == 0 and (cache / INDUCTOR_DIR / STAMP_FILE).is_file(), warm
 
     # Only the mega-cache file left (a directory that lost its entries, a copied file): the
     # relaunch loads it (torch.compiler.load_cache_artifacts) and still compiles nothing.
     shutil.rmtree(cache / INDUCTOR_DIR)
     from_file = _relaunch(cache)
-    assert from_file["fx_hit"] and from_file["fx_miss"] == 0, from_file
+    assert from_file["fx_hit"] and from_file["fx_miss"] == 0 and from_file["loaded"], from_file
+    assert _relaunch(cache)["loaded"] == 0  # the load stamped inductor/
+
+
+def test_a_new_artifacts_file_is_loaded_again(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "c"
+    with CompileCache(cache_dir) as cache:
+        cache.artifacts_file.write_bytes(b"v1")
+        cache._write_stamp()
+        assert cache._stamp_matches()
+        cache.artifacts_file.write_bytes(b"v2, a later save")  # another size
+        assert not cache._stamp_matches()
+        cache.stamp_file.write_bytes(b"\x00 not json")
+        assert not cache._stamp_matches()
 
 
 class _Small(torch.nn.Module):

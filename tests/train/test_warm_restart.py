@@ -108,3 +108,43 @@ def test_an_inprocess_restart_books_no_compile_for_the_rebuilt_model(
     assert compiles[0] == ("0", CompileSource.COLD) and {a for a, _ in compiles} == {"0"}, spans
     assert any(s.bucket is Bucket.PRODUCTIVE and s.session.rsplit("-", 2)[1] == "1" for s in spans)
     assert set(summarize(ledger).compile_sources) <= {"cold", "save"}
+
+
+@pytest.mark.slow
+def test_a_warm_relaunch_reloads_nothing_and_ends_bitwise_equal(tmp_path: Path) -> None:
+    """A job with --compile dies at iteration 3 and is relaunched: the relaunch compiles
+    nothing (torch's FX-graph and AOTAutograd caches under the run directory), does not write
+    artifacts.bin's entries into them again (the stamp), and ends bitwise equal to the job
+    that did not stop (which compiles nothing either: the same cache)."""
+    import subprocess
+    import sys
+
+    from stalwart.graphs.compile_cache import DEFAULT_CACHE_DIRNAME, INDUCTOR_DIR, STAMP_FILE
+
+    from train_utils import REPO, assert_params_equal, load_params
+
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    faulted, full = tmp_path / "faulted", tmp_path / "full"
+    cache = faulted / DEFAULT_CACHE_DIRNAME
+    flags = [*TINY_FLAGS, "--compile", "--train-iters", "6", "--save-interval", "2",
+             "--log-interval", "1", "--seed", "3", "--eval-interval", "0"]  # fmt: skip
+    runs = [
+        ([*flags, "--save", str(faulted), "--inject-fault", "exception",
+          "--inject-fault-iteration", "3"], 1),
+        ([*flags, "--save", str(faulted)], 0),
+        ([*flags, "--save", str(full), "--compile-cache-dir", str(cache)], 0),
+    ]  # fmt: skip
+    for argv, code in runs:
+        done = subprocess.run([sys.executable, "-m", "stalwart", "train", *argv], env=env,
+                              cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == code, done.stdout[-2000:] + done.stderr[-3000:]
+        if argv is runs[0][0]:
+            stamp = (cache / INDUCTOR_DIR / STAMP_FILE).stat().st_mtime_ns
+    assert (cache / INDUCTOR_DIR / STAMP_FILE).stat().st_mtime_ns == stamp  # no load restamped
+    sessions = summarize(read_ledger(faulted / "goodput.jsonl")).sessions
+    assert len(sessions) == 2
+    spans = [r for r in read_ledger(faulted / "goodput.jsonl").records if isinstance(r, Span)]
+    relaunch = [s.source for s in spans if s.bucket is Bucket.COMPILE and s.session == sessions[1].session]  # fmt: skip
+    assert relaunch and set(relaunch) == {CompileSource.WARM}, relaunch
+    assert_params_equal(load_params(faulted, 6), load_params(full, 6))

@@ -17,12 +17,10 @@
 The rerun injector takes one kind per launch, so the relaunch after the SIGTERM (the scheduler's)
 carries the persistent fault's flags instead of the transient's (both fire once). The reference
 is the fault-free job with the same world-size change: 2 ranks to the checkpoint the exclusion
-resumed, 1 rank from there; the final weights must be bitwise equal. Why 2 ranks, not 3: with 3
-gloo ranks a resume is not bitwise equal to an uninterrupted run (measured: resuming at 10 of 20
-differs, 2 ranks with 1 or 2 micro-batches do not), most likely because DDP's first iteration in a
-new process all-reduces with its initial bucket layout and later ones with the rebuilt one, which
-changes the ring's summation order of 3 values (a sum of 2 is commutative). Goodput comes from the
-job's ledger (``goodput.jsonl``), which also holds every action of ``stalwart launch``.
+resumed, 1 rank from there; the final weights must be bitwise equal. It runs on 2 ranks to fit a
+2-core machine: 3 or more would resume bitwise too, since DDP's bucket layout is settled before
+the first iteration (`stalwart.distributed.ddp_layout`). Goodput comes from the job's ledger
+(``goodput.jsonl``), which also holds every action of ``stalwart launch``.
 """
 
 from __future__ import annotations

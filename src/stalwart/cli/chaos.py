@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"--fault-schedule: {SCHEDULE_SAVE_INTERVAL})")  # fmt: skip
     p.add_argument(
         "--fault-schedule", action="store_true",
-        help="instead of one job per fault: one long job under stalwart launch on 3 ranks, a "
+        help="instead of one job per fault: one long job under stalwart launch on 2 ranks, a "
         "fault every iterations/6 (hang, SIGKILL, transient NaN, SIGTERM, a persistent device "
         "fault excluded), its goodput and final weights against the fault-free job",
     )  # fmt: skip

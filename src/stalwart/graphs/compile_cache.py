@@ -13,6 +13,11 @@ torch's caches at one directory for the life of a run:
   written atomically (temporary file, fsync, rename) after an iteration that compiled, by one
   writer; loaded when the cache opens, so a directory that lost its ``inductor/`` entries (or a
   copy of only the file) still starts warm. Without the API the file is neither written nor read.
+  Loading writes every artifact into ``inductor/`` again: where ``inductor/`` already holds them
+  (``inductor/artifacts.stamp`` names the size and modification time of the ``artifacts.bin``
+  whose entries it holds: written after a save or a load) the load is skipped; a relaunch on
+  the node that compiled does not pay it. An entry deleted by hand from ``inductor/`` is then
+  compiled again, not loaded: slower, the same code.
 
 A warm relaunch still runs Dynamo's trace (its guards live in the process); AOTAutograd's trace
 and Inductor's code generation and compilation come from the cache. An in-process restart keeps
@@ -45,6 +50,7 @@ copy a run directory without its ``compile_cache/`` unless you trust whoever wro
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import stat
@@ -55,11 +61,13 @@ from typing import Any
 
 from stalwart.atomic_file import Sync, write_bytes_atomic
 from stalwart.observability.goodput.records import Bucket, CompileSource
+from stalwart.regular_file import open_regular
 
 logger = logging.getLogger("stalwart.compile_cache")
 
 INDUCTOR_DIR = "inductor"
 ARTIFACTS_FILE = "artifacts.bin"
+STAMP_FILE = "artifacts.stamp"  # in INDUCTOR_DIR: the artifacts.bin whose entries it holds
 DEFAULT_CACHE_DIRNAME = "compile_cache"  # under the run directory
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
 
@@ -182,6 +190,7 @@ class CompileCache:
         self.writer = writer
         self._stack: contextlib.ExitStack | None = None
         self._saved_frames = -1  # Dynamo's frame count at the last save
+        self.loaded_artifacts = 0  # by the last open (0: warm from inductor/ itself, or cold)
 
     @property
     def inductor_dir(self) -> Path:
@@ -210,7 +219,7 @@ class CompileCache:
         os.environ[_ENV] = str(self.inductor_dir)
         self._stack = stack
         self._saved_frames = CompileCounts.read().frames  # save() writes after new compiles only
-        self.load()
+        self.loaded_artifacts = self.load()
         return self
 
     def close(self) -> None:
@@ -221,20 +230,58 @@ class CompileCache:
 
     def load(self) -> int:
         """Hot-load ``artifacts.bin`` into the caches (``torch.compiler.load_cache_artifacts``);
-        returns the number of artifacts loaded (0: no file, no API, or an unreadable file)."""
+        returns the number of artifacts loaded (0: no file, no API, an unreadable file, or
+        ``inductor/`` already holds this file's entries: its stamp matches)."""
         import torch
 
         loader = getattr(torch.compiler, "load_cache_artifacts", None)
         if loader is None or not self.artifacts_file.is_file():
             return 0
         check_cache_dir("compile cache", self.directory)  # the file may be new since __init__
+        if self._stamp_matches():
+            return 0
         try:
             data = self.artifacts_file.read_bytes()
             info = loader(data)
         except Exception as exc:  # a torn or foreign file must not stop a run: compile cold
             logger.warning("compile cache: %s not loaded (%s)", self.artifacts_file, exc)
             return 0
+        self._write_stamp()
         return _artifact_count(info)
+
+    @property
+    def stamp_file(self) -> Path:
+        return self.inductor_dir / STAMP_FILE
+
+    def _file_id(self) -> dict[str, int] | None:
+        """``artifacts.bin``'s size and modification time (None without the file)."""
+        try:
+            st = self.artifacts_file.stat()
+        except OSError:
+            return None
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    def _stamp_matches(self) -> bool:
+        """Whether ``inductor/`` holds the entries of the ``artifacts.bin`` there is now."""
+        current = self._file_id()
+        try:
+            with open_regular(self.stamp_file) as f:  # a planted FIFO must not hang the start
+                stamped = json.loads(f.read(4096))  # plain JSON: nothing in it runs
+        except (OSError, ValueError):
+            return False
+        return current is not None and stamped == current
+
+    def _write_stamp(self) -> None:
+        """After a save or a load: ``inductor/`` holds the entries of ``artifacts.bin``."""
+        current = self._file_id()
+        if current is None:
+            return
+        try:
+            write_bytes_atomic(
+                self.stamp_file, json.dumps(current).encode(), sync=Sync.FILE, mode=0o600
+            )
+        except OSError as exc:  # only the next relaunch's shortcut is lost
+            logger.warning("compile cache: %s not written (%s)", self.stamp_file, exc)
 
     def save(self) -> bool:
         """Write every artifact compiled so far to ``artifacts.bin`` (atomic: a temporary file,
@@ -253,6 +300,7 @@ class CompileCache:
             return False
         # Mode 0600, as the cache directory is 0700: what is loaded back stays this user's.
         write_bytes_atomic(self.artifacts_file, result[0], sync=Sync.FILE, mode=0o600)
+        self._write_stamp()  # this process compiled into inductor/: it holds them all
         return True
 
     def __enter__(self) -> CompileCache:
@@ -412,6 +460,7 @@ __all__ = [
     "ARTIFACTS_FILE",
     "DEFAULT_CACHE_DIRNAME",
     "INDUCTOR_DIR",
+    "STAMP_FILE",
     "CompileActivity",
     "CompileBooking",
     "CompileCache",

@@ -32,6 +32,7 @@ from stalwart.data import (
     calculate_num_microbatches,
 )
 from stalwart.data.batch_schedule import BatchSchedule
+from stalwart.distributed.ddp_layout import needs_settled_layout, settle_bucket_layout
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import (
     CompileBooking,
@@ -43,7 +44,7 @@ from stalwart.graphs import (
     clip_in_optimizer_step,
     make_capturable_adamw,
 )
-from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler
+from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler, autocast_context
 from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
 from stalwart.models import GPT, RecomputeGranularity
 from stalwart.models.memory_model import CUDA_WORKSPACE_BYTES, MemoryEstimate, theoretical_memory
@@ -284,6 +285,11 @@ def build_model(
     if isinstance(faults, FaultInjector):  # bitflip / grad_corruption: this rank's copy only
         faults.corrupt_weights = functools.partial(flip_parameter_bit, raw_model)
         faults.corrupt_grads = functools.partial(flip_gradient_bit, raw_model)
+    model = wrap_model(raw_model, config, ctx)
+    if needs_settled_layout(model):  # 3+ DDP ranks: a resume must reduce as an unbroken run
+        tokens = torch.zeros(1, config.model.seq_length, dtype=torch.long, device=ctx.device)
+        dtype = autocast_dtype(config)  # the step's autocast: the same ops as a training pass
+        settle_bucket_layout(model, lambda m: _loss(m, tokens, autocast_context(ctx.device, dtype)))
     if config.training.compile:
         # In place (nn.Module.compile): parameter names and checkpoints stay unchanged. Under a
         # full-iteration graph Inductor's own CUDA graphs are off (they cannot nest).
@@ -292,9 +298,16 @@ def build_model(
         if config.graphs.full_iteration:
             options["triton.cudagraphs"] = False
         raw_model.compile(dynamic=False, options=options or None)
-    model = wrap_model(raw_model, config, ctx)
     seed_everything(config.training.seed + 100 * ctx.rank)  # distinct dropout streams per rank
     return raw_model, model
+
+
+def _loss(
+    model: nn.Module, tokens: torch.Tensor, precision: contextlib.AbstractContextManager[Any]
+) -> torch.Tensor:
+    """The GPT's training loss on ``tokens`` (eager: before ``torch.compile`` wraps it)."""
+    with precision:
+        return model(tokens, tokens)["loss"]
 
 
 def build_compile_cache(config: RunConfig, rank: int) -> CompileCache | NullCompileCache:

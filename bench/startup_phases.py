@@ -1,0 +1,143 @@
+"""Where a ``stalwart train`` process spends its start-up: wall time per phase, to the end of its
+first iteration.
+
+Runs ``python -m stalwart <args>`` in this process with wall-clock timers wrapped around the
+start-up's parts (the imports, the process group, each builder of the trainer, the checkpoint
+load, the first iteration), and writes their spans to ``--out`` (JSON). Nothing else changes:
+the timers read ``time.perf_counter`` around the same calls (no sync, no extra work), and the
+run's exit code is this process's. A part that does not exist in this version (the trainer
+being refactored) is left out and listed under ``missing``.
+
+    PYTHONPATH=src python bench/startup_phases.py --out phases.json -- train --preset tiny ...
+
+``bench/warm_restart.py --phases`` runs its relaunches through this and prints the table.
+``STALWART_BENCH_LAUNCH`` (a ``time.time()`` taken by the caller just before it started this
+process) gives the interpreter's own start-up as the first phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+# (label, "module:attribute.path"): every call is timed; nesting is by time.
+TARGETS = [
+    ("cli: parse flags, build and check the config", "stalwart.cli.args:parse_train_args"),
+    ("cli: parse flags, build and check the config", "stalwart.config.run:build_run_config"),
+    ("process group", "stalwart.cli.train:init_distributed"),
+    ("trainer build (all)", "stalwart.train.trainer:Trainer._build"),
+    ("  checkpoint manager (--save probed, locked)", "stalwart.config.training:CheckpointConfig.build"),
+    ("  goodput ledger", "stalwart.train.build:build_goodput_ledger"),
+    ("  hang sections", "stalwart.train.trainer:build_section_monitor"),
+    ("  data: datasets and batch schedule", "stalwart.train.build:resolve_config"),
+    ("  compile cache: open (Inductor import, artifacts load)", "stalwart.graphs.compile_cache:CompileCache.open"),
+    ("    compile cache: load artifacts.bin", "stalwart.graphs.compile_cache:CompileCache.load"),
+    ("  model: build, DDP, torch.compile wrapper", "stalwart.train.build:build_model"),
+    ("    DDP bucket layout (3+ ranks: one backward)", "stalwart.train.build:settle_bucket_layout"),
+    ("  optimizer", "stalwart.train.build:build_optimizer"),
+    ("  rerun state machine", "stalwart.train.build:build_machine"),
+    ("  sampler", "stalwart.train.build:build_sampler"),
+    ("  flop count", "stalwart.train.trainer:num_floating_point_operations"),
+    ("  observability (timers, logs, sinks, memory estimate)", "stalwart.train.trainer:build_observability"),
+    ("  profiler", "stalwart.train.trainer:build_profiler"),
+    ("  guarded step (plan, graphs)", "stalwart.train.trainer:Trainer._build_step"),
+    ("checkpoint load (--load)", "stalwart.train.trainer:Trainer.load"),
+    ("first iteration (warm compile, capture)", "stalwart.train.trainer:Trainer._run_iteration"),
+    ("compile cache: save artifacts", "stalwart.graphs.compile_cache:CompileCache.save"),
+    ("CUDA initialisation (inside the phase that first used CUDA)", "torch.cuda:_lazy_init"),
+]  # fmt: skip
+
+FIRST_ONLY = {"stalwart.train.trainer:Trainer._run_iteration",
+              "stalwart.graphs.compile_cache:CompileCache.save", "torch.cuda:_lazy_init"}  # fmt: skip
+
+
+class Recorder:
+    """The spans of the timed calls (``(label, start, end)``, seconds since ``origin``)."""
+
+    def __init__(self, origin: float) -> None:
+        self.origin = origin
+        self.spans: list[dict[str, Any]] = []
+        self.missing: list[str] = []
+        self.seen: set[str] = set()
+
+    def span(self, label: str, start: float, end: float, cpu: float | None = None) -> None:
+        row = {"phase": label, "start": start - self.origin, "end": end - self.origin}
+        if cpu is not None:
+            row["cpu"] = cpu  # this process's CPU seconds (every thread) during the span
+        self.spans.append(row)
+
+    def wrap(self, label: str, target: str) -> None:
+        module_name, _, path = target.partition(":")
+        try:
+            owner: Any = importlib.import_module(module_name)
+            *parents, name = path.split(".")
+            for part in parents:
+                owner = getattr(owner, part)
+            original = getattr(owner, name)
+        except (ImportError, AttributeError):
+            self.missing.append(target)
+            return
+        setattr(owner, name, self._timed(label, target, original))
+
+    def _timed(self, label: str, target: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if target in FIRST_ONLY and target in self.seen:
+                return fn(*args, **kwargs)
+            self.seen.add(target)
+            start, cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.span(label, start, time.perf_counter(), time.process_time() - cpu)
+
+        return timed
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    own, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])  # fmt: skip
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="the JSON file ({rank}: RANK of the environment)")
+    args = p.parse_args(own)
+    args.out = args.out.replace("{rank}", os.environ.get("RANK", "0"))
+    # perf_counter and time.time() differ by a constant: the launch time maps onto perf_counter.
+    offset = time.time() - time.perf_counter()
+    launched = float(os.environ.get("STALWART_BENCH_LAUNCH", time.time())) - offset
+    rec = Recorder(launched)
+    rec.span("interpreter start (python, site, this harness)", launched, time.perf_counter())
+    start, cpu = time.perf_counter(), time.process_time()
+    import torch  # noqa: F401  (the import's own time: every trainer process pays it)
+
+    rec.span("import torch", start, time.perf_counter(), time.process_time() - cpu)
+    start, cpu = time.perf_counter(), time.process_time()
+    import stalwart.__main__ as entry
+    import stalwart.train.trainer  # noqa: F401
+
+    rec.span("import stalwart (cli, trainer and their imports)", start, time.perf_counter(),
+             time.process_time() - cpu)  # fmt: skip
+    for label, target in TARGETS:
+        rec.wrap(label, target)
+
+    def write() -> None:
+        rec.span(
+            "process end (exit handlers not included)", time.perf_counter(), time.perf_counter()
+        )
+        with open(args.out, "w") as f:
+            json.dump({"spans": rec.spans, "missing": rec.missing}, f)
+
+    atexit.register(write)
+    sys.argv = ["stalwart", *rest]
+    return entry.run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
