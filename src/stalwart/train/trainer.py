@@ -122,7 +122,6 @@ class Trainer:
         self.state = TrainState()
         self.checkpointer = self._build_checkpointer(manager)
         self.iterations_to_skip = frozenset(resolve_iterations_to_skip(config.rerun))
-        self.loaded_iteration: int | None = None
         self.loaded_path: str | None = None
         self.batch_size = gbs  # this iteration's (see _start_batch)
         self._num_microbatches: int | None = None
@@ -350,7 +349,7 @@ class Trainer:
             return
         # The machine's after_load applied rerun_verdict.json: a settled rerun trains on, a
         # suspect device was refused (SuspectDeviceError).
-        self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
+        self.loaded_path = loaded.path
         self._resume_schedule(loaded.common.get("scheduler"), not cfg.no_load_optim)
         self.shell.ledger.resumed(self.state.iteration)
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
