@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -222,9 +221,6 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe nested dict (saved in checkpoints and printed by ``--print-config``)."""
         return _jsonable(dataclasses.asdict(self))
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
 def _jsonable(value: Any) -> Any:

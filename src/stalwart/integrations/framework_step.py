@@ -100,7 +100,6 @@ class FrameworkStep:
         self.iteration = 0  # accepted iterations
         self._failed: list[Any] | None = None  # the exit-16 iteration's micro-batches
         self._rerun_first: list[Any] | None = None  # loaded: rerun from the checkpoint first
-        self.loaded_path: str | None = None
 
     def run(self, batches: list[Any]) -> StepResult:
         """One iteration on ``batches`` (its micro-batches); the loaded failed iteration first
@@ -149,7 +148,6 @@ class FrameworkStep:
         self.step.load_state_dict(state.get("step", {}))
         self.rng.load_state_dict(state["rng"])
         self.machine.load_state_dict(state.get("rerun"))
-        self.loaded_path = checkpoint_path
         if checkpoint_path is not None:
             # The framework's own layout: the verdict names this checkpoint by its name.
             name = os.path.basename(os.path.normpath(checkpoint_path))
