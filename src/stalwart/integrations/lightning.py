@@ -80,6 +80,7 @@ from stalwart.integrations.lightning_checks import (
     refuse_unsharded,
     shard_resumable_loaders,
 )
+from stalwart.iteration_dirs import iteration_dir_name
 from stalwart.loop import RngState, StepResult
 from stalwart.loop.shell import Shell, ShellConfig
 from stalwart.observability.flop_count import count_training_flops, flop_counter
@@ -95,7 +96,7 @@ STATE_VERSION = 1
 
 
 def checkpoint_path(save_dir: str, iteration: int) -> str:
-    return os.path.join(save_dir, f"iter_{iteration:07d}.ckpt")
+    return os.path.join(save_dir, iteration_dir_name(iteration) + ".ckpt")
 
 
 def latest_checkpoint(save_dir: str | None) -> str | None:
