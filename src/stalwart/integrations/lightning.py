@@ -182,10 +182,8 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             and the rerun files; None: no save (an exit 16 then says it needs one).
         count_flops: with ``LogConfig(log_throughput=True)``, count the first batch's FLOPs with
             torch's counter (TFLOP/s); False: no TFLOP/s (the shell then refuses the flag).
-        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``,
-            the probes (``sinks``, ``timers``, ``straggler``, ``memory``, ``energy``,
-            ``dumps``, ``profiler``, ``memory_release``, ``progress``), ``run_dir``,
-            ``goodput``, ``seq_length`` (``train_iters`` is the trainer's).
+        **shell: :class:`ShellConfig`'s other fields (the exits, ``ft``, ``rerun``, ``log``, the
+            probes, ...); ``train_iters`` is the trainer's.
     """
 
     def __init__(self, save_dir: str | None = None, *, count_flops: bool = True, **shell: Any):
