@@ -103,10 +103,9 @@ def write_text_atomic(
     text: str,
     *,
     sync: Sync = Sync.FILE_AND_DIR,
-    mode: int = 0o666,
 ) -> None:
     """:func:`write_atomic` of UTF-8 ``text``."""
-    write_bytes_atomic(path, text.encode("utf-8"), sync=sync, mode=mode)
+    write_bytes_atomic(path, text.encode("utf-8"), sync=sync)
 
 
 def create_exclusive(directory: str, prefix: str, mode: int = 0o666) -> tuple[int, str]:

@@ -35,7 +35,6 @@ from stalwart.observability.timers import TimerConfig
         (lambda: DataConfig(shuffle="no"), "--no-shuffle must be true or false"),
         (lambda: DataConfig(valid_fraction=math.inf), "--valid-fraction"),
         (lambda: CheckpointConfig(save_interval=-1), "--save-interval must be >= 0"),
-        (lambda: CheckpointConfig(save_on_exit=1), "CheckpointConfig.save_on_exit"),
         (lambda: StragglerConfig(straggler_threshold=math.inf), "--straggler-threshold"),
         (lambda: SinkConfig(wandb_mode="bogus"), "--wandb-mode"),
         (lambda: TimerConfig(timing_log_level=9), "--timing-log-level"),

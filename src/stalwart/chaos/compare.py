@@ -65,7 +65,7 @@ def chain_problems(save_dir: str | os.PathLike[str]) -> list[str]:
     marker must be readable. Partial (``.tmp-``) directories are never loaded, so not checked.
     """
     problems: list[str] = []
-    for root in (Path(save_dir), Path(save_dir) / "non_persistent"):
+    for root in (Path(save_dir), Path(save_dir) / layout.NON_PERSISTENT_SUBDIR):
         if not root.is_dir():
             continue
         try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field
@@ -243,7 +242,3 @@ def recovery_seconds(
         return None
     done = launch.first_iteration_after(resume[0], resume[1])
     return None if done is None else done - fault_time
-
-
-def log_path_hint(ctx: Context, plan: FaultPlan) -> str:
-    return os.fspath(ctx.work / plan.kind.value)

@@ -63,17 +63,15 @@ class Float:
         *,
         gt: float | None = None,
         ge: float | None = None,
-        lt: float | None = None,
         le: float | None = None,
     ) -> None:
-        self.gt, self.ge, self.lt, self.le = gt, ge, lt, le
+        self.gt, self.ge, self.le = gt, ge, le
 
     @property
     def allowed(self) -> str:
         lower = f"> {self.gt:g}" if self.gt is not None else None
         lower = f">= {self.ge:g}" if self.ge is not None else lower
-        upper = f"< {self.lt:g}" if self.lt is not None else None
-        upper = f"<= {self.le:g}" if self.le is not None else upper
+        upper = f"<= {self.le:g}" if self.le is not None else None
         bounds = _describe(lower, upper)
         return f"a finite number {bounds}" if bounds else "a finite number"
 
@@ -84,7 +82,7 @@ class Float:
             raise argparse.ArgumentTypeError(f"expected {self.allowed}, got {text!r}") from None
         ok = math.isfinite(value)
         ok = ok and (self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
-        ok = ok and (self.lt is None or value < self.lt) and (self.le is None or value <= self.le)
+        ok = ok and (self.le is None or value <= self.le)
         if not ok:
             raise argparse.ArgumentTypeError(f"must be {self.allowed}, got {text!r}")
         return value

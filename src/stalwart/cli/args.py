@@ -88,13 +88,11 @@ class OneLineErrorParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_train_parser(
-    prog: str = "stalwart train", *, raise_errors: bool = False
-) -> argparse.ArgumentParser:
+def build_train_parser(*, raise_errors: bool = False) -> argparse.ArgumentParser:
     """The ``stalwart train`` parser (flags only; defaults that depend on the preset are None)."""
     p = OneLineErrorParser(
-        prog=prog,
-        usage=f"{prog} [flags]   (--config run.toml for a file of them)",
+        prog="stalwart train",
+        usage="stalwart train [flags]   (--config run.toml for a file of them)",
         description=TRAIN_DESCRIPTION,
         raise_errors=raise_errors,
     )

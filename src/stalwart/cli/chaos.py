@@ -68,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _use_cpu(device: str) -> bool:
-    if device not in ("cpu", "auto"):
-        raise ValueError(f"--device: got {device!r}, allowed: cpu, auto")
+    """``--device`` (argparse allows only cpu and auto): auto is the GPUs when there are any."""
     if device == "cpu":
         return True
     import torch

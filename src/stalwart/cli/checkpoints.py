@@ -47,7 +47,6 @@ from stalwart.regular_file import open_regular
 EXIT_OK = 0
 EXIT_NOT_LOADABLE = 1
 EXIT_USAGE = 2
-NON_PERSISTENT_SUBDIR = "non_persistent"
 _DTYPES = ("fp32", "bf16", "fp16")
 EXPORT_FORMATS = ("auto", "torch", "safetensors", "hf")
 
@@ -205,8 +204,10 @@ def main_checkpoints(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"stalwart checkpoints: error: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    from stalwart.checkpoint import layout
+
     roots = [args.save_dir]
-    tier = os.path.join(args.save_dir, NON_PERSISTENT_SUBDIR)
+    tier = os.path.join(args.save_dir, layout.NON_PERSISTENT_SUBDIR)
     if os.path.isdir(tier):
         roots.append(tier)
     broken = False

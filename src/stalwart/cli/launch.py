@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from stalwart.cli.args import OneLineErrorParser
+from stalwart.iteration_dirs import tracker_iteration
 
 if TYPE_CHECKING:
     from stalwart.distributed.launch import LaunchPlan
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 PROG = "stalwart launch"
 MAX_RESTARTS_LIMIT = 10_000
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # stalwart.checkpoint.layout's
 
 DESCRIPTION = """\
 Run `stalwart train TRAIN_ARGS` under torchrun's elastic agent and act on how each launch ends:
@@ -189,9 +188,8 @@ def record_launch_action(plan: LaunchPlan, action: LaunchAction) -> None:
 
 
 def _tracker_iteration(save: str) -> int:
-    with contextlib.suppress(OSError, ValueError):
-        text = (Path(save) / TRACKER_FILENAME).read_text(encoding="ascii")[:64].strip()
-        return int(text) if text.isdigit() else 0
+    with contextlib.suppress(ValueError):
+        return tracker_iteration(save) or 0
     return 0
 
 

@@ -245,7 +245,3 @@ def _dispatch(command: str, rest: list[str]) -> int:
         "(stalwart --help)\n"
     )
     return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,6 +14,7 @@ from stalwart.checkpoint.errors import PeerLostError
 from stalwart.config.run import RunConfig
 from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import destroy_distributed, init_distributed
+from stalwart.iteration_dirs import TRACKER_FILENAME, iteration_dir_name
 from stalwart.observability.run_dir import RunPaths, run_dir_for
 from stalwart.reliability.exit import EXIT_CODE_INTERRUPTED as EXIT_INTERRUPTED
 from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
@@ -46,7 +47,8 @@ def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
         print(summary)
     if save:
         print(
-            f"Checkpoint: {save}/iter_{outcome.iteration:07d} (latest in {save}/latest_checkpointed_iteration.txt)"
+            f"Checkpoint: {save}/{iteration_dir_name(outcome.iteration)} "
+            f"(latest in {save}/{TRACKER_FILENAME})"
         )
         print(  # a longer run changes the LR schedule: say which one (Megatron's rule)
             "Resume and train 100 more iterations at the final learning rate: "

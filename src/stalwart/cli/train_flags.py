@@ -26,6 +26,11 @@ def group(p: argparse.ArgumentParser, table: str, title: str) -> Any:
     return g
 
 
+def switch(g: Any, flag: str, help: str) -> None:
+    """A flag that is off unless given (``store_true``)."""
+    g.add_argument(flag, action="store_true", help=help)
+
+
 def model_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "model", "model")
     g.add_argument(
@@ -176,7 +181,7 @@ def data_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _compile_flags(g: Any) -> None:
-    g.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    switch(g, "--compile", "torch.compile the model (inductor)")
     g.add_argument(
         "--inductor-config",
         action="append",
@@ -196,32 +201,32 @@ def _compile_flags(g: Any) -> None:
 
 
 def _precision_flags(g: Any) -> None:
-    g.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision")
-    g.add_argument("--fp16", action="store_true", help="float16 with dynamic loss scaling")
-    g.add_argument(
+    switch(g, "--bf16", "bfloat16 mixed precision")
+    switch(g, "--fp16", "float16 with dynamic loss scaling")
+    switch(
+        g,
         "--bf16-compute-weights",
-        action="store_true",
-        help="with --bf16: Linear layers run on bf16 copies of the fp32 weights made once per "
+        "with --bf16: Linear layers run on bf16 copies of the fp32 weights made once per "
         "iteration (not autocast casts per micro-batch); their grads are added into the fp32 "
         "grads after each micro-batch (one rank or DDP; not with --use-torch-fsdp2)",
     )
-    g.add_argument(
+    switch(
+        g,
         "--gradient-accumulation-fusion",
-        action="store_true",
-        help="with --bf16-compute-weights: the weight-gradient GEMMs add into the fp32 grads "
+        "with --bf16-compute-weights: the weight-gradient GEMMs add into the fp32 grads "
         "(fp32 output on CUDA) and the embedding lookup adds its rows into them, instead of a "
         "bf16 grad per micro-batch and an add (Megatron's flag)",
     )
-    g.add_argument(
+    switch(
+        g,
         "--bf16-residual-connection",
-        action="store_true",
-        help="with --bf16: keep the residual stream in bf16 instead of fp32 (Megatron's "
+        "with --bf16: keep the residual stream in bf16 instead of fp32 (Megatron's "
         "default under bf16, whose fp32 residual option is this switch off)",
     )
-    g.add_argument(
+    switch(
+        g,
         "--cross-entropy-loss-fusion",
-        action="store_true",
-        help="the output layer and the cross entropy as one op whose forward writes the loss's "
+        "the output layer and the cross entropy as one op whose forward writes the loss's "
         "gradient over the logits in place (one pass over the [tokens, vocab] logits less, no "
         "second tensor of that size; a Triton kernel on CUDA); Megatron's flag",
     )
@@ -266,8 +271,8 @@ def training_flags(p: argparse.ArgumentParser) -> None:
         help="evaluate every N iterations (default: 0 = never)",
     )
     g.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation")
-    g.add_argument("--use-cpu", action="store_true", help="train on CPU even if CUDA is present")
-    g.add_argument("--use-torch-fsdp2", action="store_true", help="shard with FSDP2, not DDP")
+    switch(g, "--use-cpu", "train on CPU even if CUDA is present")
+    switch(g, "--use-torch-fsdp2", "shard with FSDP2, not DDP")
     _compile_flags(g)
     g.add_argument(
         "--distributed-timeout-minutes",
@@ -275,11 +280,7 @@ def training_flags(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="timeout of a collective before the job fails",
     )
-    g.add_argument(
-        "--manual-gc",
-        action="store_true",
-        help="Python GC only at the same iterations on every rank",
-    )
+    switch(g, "--manual-gc", "Python GC only at the same iterations on every rank")
     g.add_argument(
         "--manual-gc-interval",
         type=int,
@@ -305,10 +306,10 @@ def optimizer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--clip-grad", type=float, default=1.0, help="gradient norm clip (default: 1.0; 0 = off)"
     )
-    g.add_argument(
+    switch(
+        g,
         "--clip-grad-in-optimizer",
-        action="store_true",
-        help="apply the --clip-grad factor inside the fused AdamW step (its grad_scale) instead "
+        "apply the --clip-grad factor inside the fused AdamW step (its grad_scale) instead "
         "of a separate pass over the gradients; the same norm, parameters equal to float32 "
         "rounding (one rank or DDP; not with --use-torch-fsdp2)",
     )
@@ -329,15 +330,15 @@ def optimizer_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         help="decay ends here, in samples (default: --train-samples)",
     )
-    g.add_argument(
+    switch(
+        g,
         "--override-opt-param-scheduler",
-        action="store_true",
-        help="resume: use this run's LR schedule over the checkpoint's",
+        "resume: use this run's LR schedule over the checkpoint's",
     )
-    g.add_argument(
+    switch(
+        g,
         "--use-checkpoint-opt-param-scheduler",
-        action="store_true",
-        help="resume: keep the checkpoint's LR schedule over this run's",
+        "resume: keep the checkpoint's LR schedule over this run's",
     )
 
 
@@ -348,27 +349,21 @@ def checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--save-interval", type=int, default=0, help="save every N iterations (default: 0 = off)"
     )
-    g.add_argument("--no-load-optim", action="store_true", help="resume without optimizer state")
-    g.add_argument("--no-load-rng", action="store_true", help="resume without the RNG states")
-    g.add_argument(
-        "--finetune", action="store_true", help="load weights only and start at iteration 0"
-    )
+    switch(g, "--no-load-optim", "resume without optimizer state")
+    switch(g, "--no-load-rng", "resume without the RNG states")
+    switch(g, "--finetune", "load weights only and start at iteration 0")
     g.add_argument(
         "--ckpt-keep-last",
         type=int,
         help="keep the last N checkpoints this job wrote (default: all)",
     )
-    g.add_argument(
-        "--ckpt-fallback",
-        action="store_true",
-        help="newest checkpoint unusable: warn, load the newest usable one",
-    )
-    g.add_argument(
+    switch(g, "--ckpt-fallback", "newest checkpoint unusable: warn, load the newest usable one")
+    switch(
+        g,
         "--verify-checkpoint-on-load",
-        action="store_true",
-        help="check every file of the checkpoint against its checksums before loading",
+        "check every file of the checkpoint against its checksums before loading",
     )
-    g.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    switch(g, "--async-save", "write checkpoints in the background")
     g.add_argument(
         "--non-persistent-save-interval",
         type=int,

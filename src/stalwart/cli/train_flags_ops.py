@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from stalwart.cli.arg_types import Float
-from stalwart.cli.train_flags import group
+from stalwart.cli.train_flags import group, switch
 from stalwart.reliability.faults import FAULT_PHASES, FaultKind
 from stalwart.reliability.inprocess.config import RestartGranularity
 from stalwart.reliability.rerun.types import RerunDiagnostic, RerunMode
@@ -53,10 +53,10 @@ def _error_injection_flags(g: Any) -> None:
         metavar="DEVICE",
         help="testing: only ranks on these device ids inject, a faulty device (default: any)",
     )
-    g.add_argument(
+    switch(
+        g,
         "--error-injection-once",
-        action="store_true",
-        help="testing: each injection fires once per job (marker in --save), like a transient fault",
+        "testing: each injection fires once per job (marker in --save), like a transient fault",
     )
 
 
@@ -75,12 +75,8 @@ def rerun_flags(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not reject NaN/Inf losses and gradient norms",
     )
-    g.add_argument(
-        "--check-for-spiky-loss", action="store_true", help="warn on a loss 10x the largest seen"
-    )
-    g.add_argument(
-        "--check-for-large-grads", action="store_true", help="warn on a grad norm 10x the largest"
-    )
+    switch(g, "--check-for-spiky-loss", "warn on a loss 10x the largest seen")
+    switch(g, "--check-for-large-grads", "warn on a grad norm 10x the largest")
     _error_injection_flags(g)
     g.add_argument(
         "--result-rejected-tracker-filename",
@@ -132,11 +128,7 @@ def hang_flags(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="section timeouts, seconds (default: setup=600,step=180,checkpointing=420,out_of_section=600)",
     )
-    g.add_argument(
-        "--calc-ft-timeouts",
-        action="store_true",
-        help="learn timeouts from observed durations (<save>/ft_state.json)",
-    )
+    switch(g, "--calc-ft-timeouts", "learn timeouts from observed durations (<save>/ft_state.json)")
     g.add_argument(
         "--ft-num-warmup-iters", type=int, default=5, help="iterations before the step timeout"
     )
@@ -144,11 +136,7 @@ def hang_flags(p: argparse.ArgumentParser) -> None:
 
 def exit_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "reliability.exit", "reliability: graceful exit")
-    g.add_argument(
-        "--exit-signal-handler",
-        action="store_true",
-        help="--exit-signal on any rank: save (with --save), exit 0",
-    )
+    switch(g, "--exit-signal-handler", "--exit-signal on any rank: save (with --save), exit 0")
     g.add_argument("--exit-signal", default="SIGTERM", metavar="SIG", help="the exit signal")
     g.add_argument(
         "--exit-duration-in-mins",
@@ -175,11 +163,7 @@ def exit_flags(p: argparse.ArgumentParser) -> None:
 
 def inprocess_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "reliability.inprocess", "reliability: in-process restart")
-    g.add_argument(
-        "--inprocess-restart",
-        action="store_true",
-        help="after a fault, retrain in-process from the newest checkpoint",
-    )
+    switch(g, "--inprocess-restart", "after a fault, retrain in-process from the newest checkpoint")
     g.add_argument(
         "--inprocess-max-iterations", type=int, default=3, help="attempts before giving up"
     )
@@ -212,10 +196,10 @@ def inprocess_flags(p: argparse.ArgumentParser) -> None:
         default=0.05,
         help="seconds between the monitor thread's checks",
     )
-    g.add_argument(
+    switch(
+        g,
         "--inprocess-empty-cuda-cache",
-        action="store_true",
-        help="Megatron's flag: the CUDA cache is always emptied (default: on)",
+        "Megatron's flag: the CUDA cache is always emptied (default: on)",
     )
     g.add_argument(
         "--inprocess-granularity",
@@ -246,9 +230,7 @@ def fault_injection_flags(p: argparse.ArgumentParser) -> None:
         metavar="PHASE",
         help="where it fires",
     )
-    g.add_argument(
-        "--inject-fault-repeat", action="store_true", help="fire at every attempt, not once"
-    )
+    switch(g, "--inject-fault-repeat", "fire at every attempt, not once")
 
 
 def _tensorboard_flags(g: Any) -> None:
@@ -267,30 +249,18 @@ def _tensorboard_flags(g: Any) -> None:
         action="store_false",
         help="do not write the loss scale to TensorBoard/W&B",
     )
-    g.add_argument(
-        "--log-world-size-to-tensorboard",
-        action="store_true",
-        help="also write the world size to TensorBoard/W&B",
-    )
-    g.add_argument(
-        "--group-metric-tags",
-        action="store_true",
-        help="<group>/<key> tags (loss/lm loss), not Megatron's flat ones",
-    )
-    g.add_argument(
-        "--log-validation-ppl-to-tensorboard",
-        action="store_true",
-        help="also write the validation perplexity",
-    )
+    switch(g, "--log-world-size-to-tensorboard", "also write the world size to TensorBoard/W&B")
+    switch(g, "--group-metric-tags", "<group>/<key> tags (loss/lm loss), not Megatron's flat ones")
+    switch(g, "--log-validation-ppl-to-tensorboard", "also write the validation perplexity")
 
 
 def logging_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "observability.logging", "observability: logging")
     g.add_argument("--log-interval", type=int, default=10, help="log line every N iterations")
-    g.add_argument(
+    switch(
+        g,
         "--log-throughput",
-        action="store_true",
-        help="Megatron's TFLOP/s per GPU field (tokens/s, TFLOP/s and MFU are always logged)",
+        "Megatron's TFLOP/s per GPU field (tokens/s, TFLOP/s and MFU are always logged)",
     )
     g.add_argument(
         "--peak-tflops",
@@ -298,19 +268,15 @@ def logging_flags(p: argparse.ArgumentParser) -> None:
         metavar="TFLOPS",
         help="dense peak TFLOP/s per GPU for MFU (default: the table of known GPUs; none on CPU)",
     )
-    g.add_argument("--log-num-zeros-in-grad", action="store_true", help="count zero gradients")
-    g.add_argument("--log-params-norm", action="store_true", help="log the parameter norm")
+    switch(g, "--log-num-zeros-in-grad", "count zero gradients")
+    switch(g, "--log-params-norm", "log the parameter norm")
     g.add_argument(
         "--no-progress-bar",
         dest="progress_bar",
         action="store_false",
         help="no progress bar (it shows on a terminal only)",
     )
-    g.add_argument(
-        "--log-progress",
-        action="store_true",
-        help="<save>/progress.txt line per persistent save (Megatron's format)",
-    )
+    switch(g, "--log-progress", "<save>/progress.txt line per persistent save (Megatron's format)")
     g.add_argument(
         "--metrics-file",
         metavar="FILE",
@@ -354,20 +320,16 @@ def timer_flags(p: argparse.ArgumentParser) -> None:
         metavar="MODE",
         help="sync: device syncs around timers; events: CUDA events",
     )
-    g.add_argument(
-        "--log-timers-to-tensorboard", action="store_true", help="write timers to the sinks"
-    )
+    switch(g, "--log-timers-to-tensorboard", "write timers to the sinks")
 
 
 def straggler_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "observability.straggler", "observability: straggler detection")
-    g.add_argument(
-        "--log-straggler", action="store_true", help="compare ranks' compute time every log line"
-    )
-    g.add_argument(
+    switch(g, "--log-straggler", "compare ranks' compute time every log line")
+    switch(
+        g,
         "--disable-straggler-on-startup",
-        action="store_true",
-        help="start --log-straggler off; touch <run dir>/straggler.toggle turns it on or off",
+        "start --log-straggler off; touch <run dir>/straggler.toggle turns it on or off",
     )
     g.add_argument(
         "--straggler-threshold", type=float, default=1.2, help="straggler: this x median time"
@@ -388,9 +350,7 @@ def memory_energy_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         help="memory line every N iterations (default: 0 = off)",
     )
-    g.add_argument(
-        "--log-memory-to-tensorboard", action="store_true", help="write memory to the sinks"
-    )
+    switch(g, "--log-memory-to-tensorboard", "write memory to the sinks")
     g.add_argument(
         "--empty-unused-memory-level",
         type=int,
@@ -436,37 +396,25 @@ def dump_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         help="MoE tokens per expert every N iterations (default: 0 = off)",
     )
-    g.add_argument(
-        "--log-dgrads",
-        action="store_true",
-        help="dgrads every --save-activations-interval (or --log-interval)",
-    )
-    g.add_argument(
-        "--log-tokens-per-expert",
-        action="store_true",
-        help="tokens per expert, same cadence as --log-dgrads",
-    )
-    g.add_argument(
+    switch(g, "--log-dgrads", "dgrads every --save-activations-interval (or --log-interval)")
+    switch(g, "--log-tokens-per-expert", "tokens per expert, same cadence as --log-dgrads")
+    switch(
+        g,
         "--dump-stats-only",
-        action="store_true",
-        help="per-module statistics instead of activation and --log-dgrads tensors",
+        "per-module statistics instead of activation and --log-dgrads tensors",
     )
 
 
 def profiler_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "observability.profiler", "observability: profiler")
-    g.add_argument(
-        "--profile",
-        action="store_true",
-        help="profile from --profile-step-start + 1 to --profile-step-end",
-    )
+    switch(g, "--profile", "profile from --profile-step-start + 1 to --profile-step-end")
     g.add_argument("--profile-step-start", type=int, default=10, help="window start")
     g.add_argument("--profile-step-end", type=int, default=12, help="window end")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="ranks to profile")
-    g.add_argument(
+    switch(
+        g,
         "--use-pytorch-profiler",
-        action="store_true",
-        help="torch.profiler traces, else a cudaProfilerStart/Stop range (nsys)",
+        "torch.profiler traces, else a cudaProfilerStart/Stop range (nsys)",
     )
     g.add_argument(
         "--profile-dir", metavar="DIR", help="where traces go (default: <run dir>/profile)"
@@ -482,9 +430,7 @@ def graph_flags(p: argparse.ArgumentParser) -> None:
         metavar="IMPL",
         help="full_iteration: all micro-batches' forward-backward in one graph",
     )
-    g.add_argument(
-        "--optimizer-cuda-graph", action="store_true", help="capture clip + AdamW as a graph"
-    )
+    switch(g, "--optimizer-cuda-graph", "capture clip + AdamW as a graph")
     g.add_argument(
         "--cuda-graph-warmup-steps", type=int, default=3, help="eager iterations before capture"
     )
@@ -494,9 +440,9 @@ def graph_flags(p: argparse.ArgumentParser) -> None:
         default=True,
         help="launch the next iteration's graph before this one's check",
     )
-    g.add_argument(
+    switch(
+        g,
         "--cuda-graph-include-optimizer",
-        action="store_true",
-        help="with full_iteration: clip + fused AdamW inside the full-iteration graph (one "
+        "with full_iteration: clip + fused AdamW inside the full-iteration graph (one "
         "graph per iteration, no speculative launch)",
     )

@@ -26,9 +26,7 @@ import enum
 import math
 import types
 import typing
-from typing import Any, TypeVar, Union
-
-_E = TypeVar("_E", bound=enum.Enum)
+from typing import Any, Union
 
 # Every integer flag is a count, size, interval, iteration or rank: 2**53 is the largest integer a
 # float holds exactly (beyond it, LR schedules and throughput figures lose meaning).
@@ -71,8 +69,6 @@ def _matches(value: object, tp: Any) -> bool:
         args = [a for a in typing.get_args(tp) if a is not Ellipsis]
         items = value if isinstance(value, list | tuple) else None
         return items is not None and all(_matches(v, args[0]) for v in items) if args else True
-    if origin is dict:
-        return isinstance(value, dict)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return isinstance(value, tp)
     return True  # other annotations: the config checks them itself
@@ -118,21 +114,6 @@ def flag_of(field: dataclasses.Field[Any]) -> str:
     """The flag that sets ``field``: its metadata's ``flag``, else ``--<name-with-dashes>``."""
     meta = field.metadata.get("stalwart", {})
     return str(meta.get("flag") or "--" + field.name.replace("_", "-"))
-
-
-def parse_enum(value: object, cls: type[_E], flag: str) -> _E:
-    """``value`` as a member of ``cls`` (a member, or its value as the CLI/TOML gives it).
-
-    Raises:
-        ValueError: ``"<flag>: got 'x', allowed: a, b"`` for anything else.
-    """
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        allowed = ", ".join(str(m.value) for m in cls)
-        raise ValueError(f"{flag}: got {value!r}, allowed: {allowed}") from None
 
 
 def check_fields(config: object) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import json
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,13 +71,6 @@ def _check_moe_flags(ns: argparse.Namespace, num_experts: int) -> None:
         )
 
 
-# The shell's probe configs, by RunConfig field: each built from its flags (one field a flag).
-_PROBE_CONFIGS: dict[str, type] = {
-    "sinks": SinkConfig, "timers": TimerConfig, "straggler": StragglerConfig,
-    "memory": MemoryConfig, "energy": EnergyConfig, "dumps": TensorDumpConfig,
-    "profiler": ProfilerConfig, "memory_release": MemoryReleaseConfig,
-    "progress": ProgressLogConfig,
-}  # fmt: skip
 DEFAULT_TRAIN_ITERS = 100  # --train-iters without --train-samples
 
 _MODEL_FLAGS = {
@@ -223,9 +216,6 @@ class RunConfig:
         """JSON-safe nested dict (saved in checkpoints and printed by ``--print-config``)."""
         return _jsonable(dataclasses.asdict(self))
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
@@ -314,6 +304,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         if getattr(ns, "exit_on_interrupt", None) is not None
         else interrupt_handling_default(os.environ, sys.stdin, sys.stdout),
     )
+    probes = typing.get_type_hints(ShellConfig)
     log, rerun = derive_combinations(
         training,
         _pick(ns, LogConfig, {"progress_bar": "log_progress_bar"}),
@@ -328,7 +319,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         checkpoint=checkpoint,
         log=log,
         run_dir=ns.run_dir,
-        **{name: _pick(ns, kind) for name, kind in _PROBE_CONFIGS.items()},
+        **{name: _pick(ns, probes[name]) for name in PROBES},  # each from its flags
         rerun=rerun,
         ft=_ft_config(ns),
         exit=exit_config,

@@ -218,10 +218,6 @@ class CheckpointConfig:
     async_save: bool = False
     non_persistent_save_interval: int = field(default=0, metadata=bounds(ge=0))
     non_persistent_ckpt_dir: str | None = None
-    save_on_exit: bool = field(default=True, metadata=bounds(flag="CheckpointConfig.save_on_exit"))
-    extra: dict[str, str] = field(
-        default_factory=dict, metadata=bounds(flag="CheckpointConfig.extra")
-    )
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -2,16 +2,13 @@
 
 from stalwart.data.blend import BlendedDataset, SampleSource, parse_data_blend
 from stalwart.data.corpus import (
-    DEFAULT_CORPUS_MAX_BYTES,
-    EXPECTED_CORPUS_SHA256,
     Corpus,
     build_corpus,
     corpus_sha256,
-    default_cache_dir,
     expected_corpus_sha256,
     load_corpus,
 )
-from stalwart.data.datasets import TokenDataset, build_datasets, check_vocab, load_tokens
+from stalwart.data.datasets import TokenDataset, build_datasets, load_tokens
 from stalwart.data.loader import WorkerMicroBatchIterator
 from stalwart.data.sampler import (
     MicroBatchIterator,
@@ -20,8 +17,6 @@ from stalwart.data.sampler import (
 )
 
 __all__ = [
-    "DEFAULT_CORPUS_MAX_BYTES",
-    "EXPECTED_CORPUS_SHA256",
     "BlendedDataset",
     "Corpus",
     "MicroBatchIterator",
@@ -31,9 +26,7 @@ __all__ = [
     "build_corpus",
     "build_datasets",
     "calculate_num_microbatches",
-    "check_vocab",
     "corpus_sha256",
-    "default_cache_dir",
     "expected_corpus_sha256",
     "load_corpus",
     "load_tokens",

@@ -163,16 +163,12 @@ def _write_cache(path: Path, corpus: Corpus) -> None:
         pass
 
 
-def load_corpus(
-    max_bytes: int = DEFAULT_CORPUS_MAX_BYTES, cache_dir: Path | None = None, use_cache: bool = True
-) -> Corpus:
+def load_corpus(max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> Corpus:
     """Return the embedded corpus, from the verified cache when possible, else built and cached."""
-    if not use_cache:
-        return build_corpus(max_bytes)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     key = _listing_key(_stdlib_files(stdlib), max_bytes)
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    path = (cache_dir or default_cache_dir()) / f"corpus-py{version}-{key}.npz"
+    path = default_cache_dir() / f"corpus-py{version}-{key}.npz"
     cached = _read_cache(path)
     if cached is not None:
         return cached

@@ -60,11 +60,9 @@ class WorkerMicroBatchIterator:
             construction (``consumed_samples`` here is the truth). Give it ``pin_memory=False``;
             pinning happens in this process (``pin_memory``), as workers cannot pin.
         num_workers: worker processes (>= 1).
-        prefetch_factor: micro-batches each worker keeps ready.
         pin_memory: pin batches in the main process (accelerator runs).
         worker_init_fn: e.g. `stalwart.reliability.signals.DataLoaderWorkerSignalGuard`, so that
             a job-wide SIGTERM does not reach the workers' inherited handlers.
-        multiprocessing_context: ``"fork"`` (Linux default), ``"spawn"`` or ``"forkserver"``.
 
     Call `close` (or drop the object) to stop the workers; an in-process restart does so and
     builds a new one.
@@ -75,21 +73,15 @@ class WorkerMicroBatchIterator:
         source: MicroBatchIterator,
         num_workers: int,
         *,
-        prefetch_factor: int = 2,
         pin_memory: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
-        multiprocessing_context: str | None = None,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"--num-workers must be an integer >= 1 here, got {num_workers!r}")
-        if prefetch_factor < 1:
-            raise ValueError(f"prefetch_factor must be >= 1, got {prefetch_factor!r}")
         self.source = source
         self.num_workers = num_workers
-        self.prefetch_factor = prefetch_factor
         self.pin_memory = pin_memory
         self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
         self._consumed = source.consumed_samples
         self._batches: Iterator[dict[str, torch.Tensor]] | None = None
 
@@ -111,10 +103,8 @@ class WorkerMicroBatchIterator:
             batch_size=None,  # items are whole micro-batches already
             sampler=_Positions(self._consumed, self.source.samples_per_micro_batch_step),
             num_workers=self.num_workers,
-            prefetch_factor=self.prefetch_factor,
             pin_memory=self.pin_memory,
             worker_init_fn=self.worker_init_fn,
-            multiprocessing_context=self.multiprocessing_context,
         )
         return iter(loader)
 

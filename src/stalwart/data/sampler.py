@@ -131,10 +131,6 @@ class MicroBatchIterator:
         start = consumed + self.dp_rank * self.micro_batch_size
         return [self.global_sample_index(start + j) for j in range(self.micro_batch_size)]
 
-    def next_indices(self) -> list[int]:
-        """Dataset indices of this rank's next micro-batch (does not advance the state)."""
-        return self.indices_at(self._consumed)
-
     def batch_at(self, consumed: int) -> dict[str, torch.Tensor]:
         """This rank's micro-batch of the step starting at ``consumed`` (pure: no state change,
         so data-loader workers can produce any position ahead of time)."""

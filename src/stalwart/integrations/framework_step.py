@@ -25,7 +25,6 @@ Usage (what the Lightning and Hugging Face adapters do)::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections import deque
@@ -33,7 +32,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from stalwart.loop import RngState, StepResult
@@ -71,8 +69,6 @@ class FrameworkStep:
         model / optimizer / forward_step: as for :class:`GuardedStep`; ``forward_step(batch,
             model)`` returns the loss or a dict with ``"loss"``.
         clip_grad: global gradient-norm clip (0: none).
-        autocast: the forward's autocast context factory (e.g. the framework's bf16 context).
-        dp_group: the data-parallel group.
         backward: the framework's backward (Lightning's ``manual_backward``), if any.
     """
 
@@ -84,8 +80,6 @@ class FrameworkStep:
         optimizer: torch.optim.Optimizer,
         forward_step: ForwardStep,
         clip_grad: float = 0.0,
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-        dp_group: dist.ProcessGroup | None = None,
         backward: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.shell = shell
@@ -94,13 +88,12 @@ class FrameworkStep:
         self.data: RerunDataIterator[Any] = RerunDataIterator(self._feed)
         self.step = shell.step(
             model, optimizer, reporting_loss(forward_step), self.data, clip_grad=clip_grad,
-            autocast=autocast, lookahead=False, dp_group=dp_group, backward=backward,
+            lookahead=False, backward=backward,
         )  # fmt: skip
         self.rng = RngState(self.machine.rng)
         self.iteration = 0  # accepted iterations
         self._failed: list[Any] | None = None  # the exit-16 iteration's micro-batches
         self._rerun_first: list[Any] | None = None  # loaded: rerun from the checkpoint first
-        self.loaded_path: str | None = None
 
     def run(self, batches: list[Any]) -> StepResult:
         """One iteration on ``batches`` (its micro-batches); the loaded failed iteration first
@@ -149,7 +142,6 @@ class FrameworkStep:
         self.step.load_state_dict(state.get("step", {}))
         self.rng.load_state_dict(state["rng"])
         self.machine.load_state_dict(state.get("rerun"))
-        self.loaded_path = checkpoint_path
         if checkpoint_path is not None:
             # The framework's own layout: the verdict names this checkpoint by its name.
             name = os.path.basename(os.path.normpath(checkpoint_path))

@@ -88,10 +88,8 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
     Args:
         save_dir: where ``exit_reason.json``, ``ft_state.json`` and the rerun files go
             (default: the Trainer's ``output_dir``).
-        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``,
-            the probes (``sinks``, ``timers``, ``straggler``, ``memory``, ``energy``,
-            ``dumps``, ``profiler``, ``memory_release``, ``progress``), ``run_dir``,
-            ``goodput``, ``seq_length`` (``train_iters`` is the Trainer's).
+        **shell: :class:`ShellConfig`'s other fields (the exits, ``ft``, ``rerun``, ``log``, the
+            probes, ...); ``train_iters`` is the Trainer's.
     """
 
     def __init__(self, save_dir: str | None = None, **shell: Any) -> None:

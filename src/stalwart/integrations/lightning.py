@@ -80,6 +80,7 @@ from stalwart.integrations.lightning_checks import (
     refuse_unsharded,
     shard_resumable_loaders,
 )
+from stalwart.iteration_dirs import iteration_dir_name
 from stalwart.loop import RngState, StepResult
 from stalwart.loop.shell import Shell, ShellConfig
 from stalwart.observability.flop_count import count_training_flops, flop_counter
@@ -95,7 +96,7 @@ STATE_VERSION = 1
 
 
 def checkpoint_path(save_dir: str, iteration: int) -> str:
-    return os.path.join(save_dir, f"iter_{iteration:07d}.ckpt")
+    return os.path.join(save_dir, iteration_dir_name(iteration) + ".ckpt")
 
 
 def latest_checkpoint(save_dir: str | None) -> str | None:
@@ -181,10 +182,8 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             and the rerun files; None: no save (an exit 16 then says it needs one).
         count_flops: with ``LogConfig(log_throughput=True)``, count the first batch's FLOPs with
             torch's counter (TFLOP/s); False: no TFLOP/s (the shell then refuses the flag).
-        **shell: :class:`ShellConfig` fields: ``exit``, ``ft``, ``rerun``, ``log``,
-            the probes (``sinks``, ``timers``, ``straggler``, ``memory``, ``energy``,
-            ``dumps``, ``profiler``, ``memory_release``, ``progress``), ``run_dir``,
-            ``goodput``, ``seq_length`` (``train_iters`` is the trainer's).
+        **shell: :class:`ShellConfig`'s other fields (the exits, ``ft``, ``rerun``, ``log``, the
+            probes, ...); ``train_iters`` is the trainer's.
     """
 
     def __init__(self, save_dir: str | None = None, *, count_flops: bool = True, **shell: Any):

@@ -9,18 +9,16 @@ the README's "Using the parts in your own loop" is the second.
 from __future__ import annotations
 
 from stalwart.loop.checkpointing import Checkpointer, LoopState, RngState, Stateful
-from stalwart.loop.compute_weights import ComputeWeights, NullComputeWeights
+from stalwart.loop.compute_weights import ComputeWeights
 from stalwart.loop.lookahead import LookAhead
 from stalwart.loop.microbatches import (
     ForwardStep,
     MicroBatches,
     PassValues,
     average_reported,
-    to_device,
     with_means,
 )
-from stalwart.loop.optimizer import reads_found_inf
-from stalwart.loop.plans import EagerPlan, GraphPlan, Plan, graph_warmup_steps
+from stalwart.loop.plans import EagerPlan, GraphPlan, Plan
 from stalwart.loop.precision import DynamicLossScaler, NullLossScaler, autocast_context
 from stalwart.loop.shell import Shell
 from stalwart.loop.shell_config import ShellConfig
@@ -37,7 +35,6 @@ __all__ = [
     "LookAhead",
     "LoopState",
     "MicroBatches",
-    "NullComputeWeights",
     "NullLossScaler",
     "PassValues",
     "Plan",
@@ -48,8 +45,5 @@ __all__ = [
     "StepResult",
     "autocast_context",
     "average_reported",
-    "graph_warmup_steps",
-    "reads_found_inf",
-    "to_device",
     "with_means",
 ]

@@ -451,9 +451,9 @@ class Shell:
     def __enter__(self) -> Shell:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is not None and not issubclass(exc_type, SystemExit) and self._finished is None:
-            self.ledger.close("fault", f"{exc_type.__name__}: {exc[0]}"[:200])
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and not isinstance(exc, SystemExit) and self._finished is None:
+            self.fault(exc)
         self.close()
 
 

@@ -44,7 +44,10 @@ def trainer_attempt(
         trainer = Trainer(config, attempt.ctx, attempt=attempt.index, compile_cache=compile_cache)
         attempt.on_abort(functools.partial(_record_hang, attempt, trainer))
         attempt.on_abort(functools.partial(trainer.checkpointer.close, abort=True))
-        attempt.before_process_group_abort(trainer.release_graphs)
+        # Graphs that captured NCCL collectives keep the communicator referenced: drop them
+        # (idempotent, safe from the monitor's thread) before the process groups are aborted;
+        # the main thread's next graph call then fails on the torn-down context.
+        attempt.before_process_group_abort(trainer.step.close)
         attempt.on_finalize(trainer.close)
         # ``compiling`` (a CompileActivity): a running compile is progress, not a hang.
         attempt.set_progress(lambda: trainer.state.iteration, activity=compiling)

@@ -44,7 +44,6 @@ from stalwart.train.trainer_parts import ConfigPart, TrainOutcome
 
 logger = logging.getLogger("stalwart.train")
 
-TrainState = LoopState  # iteration (completed) and consumed samples
 # Errors that refuse a launch (bad input or an unusable checkpoint, found after start-up: the
 # CLI's exit 2): the goodput ledger then writes nothing of the session.
 _REFUSALS = (ValueError, CheckpointError)
@@ -119,10 +118,9 @@ class Trainer:
         self.manual_gc = make_manual_gc(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval)
         on_close(self.manual_gc.close)
         self.step = self._build_step()
-        self.state = TrainState()
+        self.state = LoopState()  # iterations completed, samples consumed
         self.checkpointer = self._build_checkpointer(manager)
         self.iterations_to_skip = frozenset(resolve_iterations_to_skip(config.rerun))
-        self.loaded_iteration: int | None = None
         self.loaded_path: str | None = None
         self.batch_size = gbs  # this iteration's (see _start_batch)
         self._num_microbatches: int | None = None
@@ -167,30 +165,21 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is not None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
             # A failing rank must not enter a collective its peers never reach (they may wait in a
             # step collective): drop an in-flight async save instead of finalizing it. The previous
             # complete checkpoint stays the resume point.
             self.checkpointer.close(abort=True)
-            if issubclass(exc_type, _REFUSALS):  # a refused launch (exit 2): no goodput session
+            if isinstance(exc, _REFUSALS):  # a refused launch (exit 2): no goodput session
                 self.shell.refused()
             else:
-                self.shell.ledger.close("fault", f"{exc_type.__name__}: {exc[0]}"[:200])
+                self.shell.fault(exc)
         self.close()
 
     def close(self) -> None:
         """Release processes, files, graphs and handlers (safe to call twice)."""
         self._exit.close()
-
-    def release_graphs(self) -> None:
-        """Drop the CUDA graphs now (idempotent; safe from the restart monitor's thread).
-
-        Graphs that captured NCCL collectives keep the communicator referenced, so an in-process
-        restart calls this before aborting the process groups; the main thread's next graph call
-        then fails on the torn-down context, which ends the attempt.
-        """
-        self.step.close()
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainOutcome:
@@ -350,7 +339,7 @@ class Trainer:
             return
         # The machine's after_load applied rerun_verdict.json: a settled rerun trains on, a
         # suspect device was refused (SuspectDeviceError).
-        self.loaded_iteration, self.loaded_path = loaded.iteration, loaded.path
+        self.loaded_path = loaded.path
         self._resume_schedule(loaded.common.get("scheduler"), not cfg.no_load_optim)
         self.shell.ledger.resumed(self.state.iteration)
         self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
