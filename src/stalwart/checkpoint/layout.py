@@ -52,10 +52,6 @@ def rank_filename(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
-def legacy_rank_filename(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
-
-
 def convert_hint(path: str) -> str:
     """The one-line refusal of a checkpoint in the pickle format of stalwart before JSON state."""
     return (

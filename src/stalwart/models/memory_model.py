@@ -8,9 +8,9 @@ weights in place and runs bf16 autocast, so there is no separate bf16 parameter 
     sharded optimizer (Adam m, v sharded over DP): 10 + 8/DP (bf16) or 8 + 8/DP (fp32)
 
 Megatron's layout (bf16 param 2 + fp32 grad 4 + fp32 main param 4 + m 4 + v 4) gives the same 18
-unsharded and ``6 + 12/DP`` with its distributed optimizer; `megatron_bytes_per_parameter` returns
-it for comparison. The autocast copy is counted because ``F.linear`` saves the bf16 weight for
-backward, so the copies live from forward until backward of each micro-batch. Under full
+unsharded and ``6 + 12/DP`` with its distributed optimizer. The autocast copy is counted because
+``F.linear`` saves the bf16 weight for backward, so the copies live from forward until backward of
+each micro-batch. Under full
 recompute the recomputed layers' copies are not kept (autocast's cache is dropped when the forward
 leaves autocast; the recompute casts again, one unit at a time).
 

@@ -34,8 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-EMPTY_UNUSED_MEMORY_LEVELS = (0, 1, 2)
-
 
 def validate_empty_unused_memory_level(level: object) -> int:
     """The level as an int, or ``ValueError`` naming ``--empty-unused-memory-level``."""

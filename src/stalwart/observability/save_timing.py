@@ -65,7 +65,6 @@ class SaveTiming:
         self._pending: list[_Pending] = []
         self._blocking_ms: list[float] = []
         self._total_ms: list[float] = []
-        self.num_saves = 0
 
     @contextlib.contextmanager
     def blocking(
@@ -94,7 +93,6 @@ class SaveTiming:
                 # As Megatron: the next interval starts together on every rank (a save is a
                 # collective, so every rank is here); after a failed save, no collective.
                 interval.start(barrier=ok)
-        self.num_saves += 1
         self._blocking_ms.append(blocking_s * 1000.0)
         if async_save:
             self._pending.append(_Pending(iteration, started))

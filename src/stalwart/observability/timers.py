@@ -41,7 +41,7 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -124,18 +124,6 @@ def validate_timing_flags(log_level: int, log_option: TimingLogOption) -> None:
     _check_log_option(log_option)
 
 
-class TimerLike(Protocol):
-    """What callers may do with the object returned by ``timers(name)``."""
-
-    name: str
-
-    def start(self, barrier: bool = False) -> None: ...
-    def stop(self, barrier: bool = False) -> None: ...
-    def reset(self) -> None: ...
-    def elapsed(self, reset: bool = True, barrier: bool = False) -> float: ...
-    def active_time(self) -> float: ...
-
-
 class NullTimer:
     """Timer for names above the configured level: every call is a no-op.
 
@@ -202,10 +190,6 @@ class Timer:
     @property
     def is_running(self) -> bool:
         return self._running
-
-    def set_barrier_group(self, group: ProcessGroup | None) -> None:
-        """Group used by ``barrier=True`` (None: the default world group)."""
-        self._barrier_group = group
 
     def start(self, barrier: bool = False) -> None:
         if self._running:

@@ -39,7 +39,6 @@ from stalwart.reliability.rerun.buffer import (
     INF_RULE,
     NAN_RULE,
     DeviceCheck,
-    DeviceRule,
     ValidationBuffer,
     host_predicate,
 )
@@ -178,11 +177,6 @@ class RerunStateMachine:
     def get_mode(self) -> RerunMode:
         return self.mode
 
-    def set_mode(self, mode: RerunMode | str) -> None:
-        """Change the mode between iterations (the loop state is kept)."""
-        self.mode = RerunMode.parse(mode)
-        logger.warning("RerunStateMachine mode set to %s", self.mode.value)
-
     def set_iteration(self, iteration: int) -> None:
         """The 0-based index of the iteration about to run (messages and tracker lines print it
         + 1, the number the training log shows).
@@ -240,14 +234,6 @@ class RerunStateMachine:
         self.recorder.validate_result(
             result, rejection_func, message, comparison_func, tolerance, fatal
         )
-
-    def check_on_device(
-        self, value: torch.Tensor, rule: DeviceRule, message: str, tolerance: float = 0.0,
-        fatal: bool = True,
-    ) -> None:  # fmt: skip
-        """Record a check whose verdict the device computes (:class:`DeviceRule`), into the
-        machine's buffer: device ops only, graph-capturable, never a sync."""
-        self.recorder.check_all_on_device(value, [[DeviceCheck(rule, message, tolerance, fatal)]])
 
     def check_all_on_device(
         self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
@@ -327,11 +313,6 @@ class RerunStateMachine:
         if not self.can_begin_ahead():
             raise RuntimeError("begin_ahead() needs an initial pass with device verdicts only")
         self._look_ahead.begin(iteration)
-
-    @property
-    def ahead_iteration(self) -> int | None:
-        """The iteration begun ahead, if any."""
-        return self._look_ahead.iteration
 
     def discard_ahead(self, restore_rng: bool = True) -> bool:
         """Drop the pass begun ahead (its work ran on stale state or must rerun): its records and
@@ -442,10 +423,6 @@ class RerunStateMachine:
         if self.state is RerunState.REPLAYING_ON_PEER:
             return self.peer.determinism.applied()
         return contextlib.nullcontext()
-
-    @property
-    def replaying_on_peer(self) -> bool:
-        return self.state is RerunState.REPLAYING_ON_PEER
 
     # ------------------------------------------------------------------------ the transitions
     def _start_iteration(
