@@ -77,27 +77,11 @@ from stalwart.observability.goodput.session import (
     high_water_mark,
     launcher_start_time,
     previous_end,
-    process_start_time,
     torchrun_restart_count,
 )
 
 if TYPE_CHECKING:  # the ledger itself is standard-library only (the CLI reads it without torch)
     from stalwart.observability.train_log import IntervalInfo, LogField
-
-__all__ = [
-    "GOODPUT_FILE",
-    "Bucket",
-    "CompileSource",
-    "GoodputLedger",
-    "GoodputSummary",
-    "NullGoodputLedger",
-    "StepSpan",
-    "launcher_start_time",
-    "make_goodput_ledger",
-    "process_start_time",
-    "record_action",
-    "straggler_idle_seconds",
-]
 
 logger = logging.getLogger(__name__)
 
