@@ -504,12 +504,7 @@ class RerunStateMachine:
         if ckpt or fatal:
             self._exit_after_rerun(iterators, checkpoint=ckpt)
             return False
-        self.reporter.log0(
-            "Continuing normal execution because the failed validation was not fatal"
-        )
-        self.judge.finish()
-        self._accept(iterators)
-        return False
+        return self._continue_after_failure(iterators)
 
     def _start_rerun_from_checkpoint(self, iteration: int | None) -> bool:
         if iteration is not None and iteration != self.iteration:
@@ -535,6 +530,9 @@ class RerunStateMachine:
             self._pending_diagnosis = self.judge.checkpoint_diagnosis(self.iteration)
             self._awaiting_exit = True
             return False
+        return self._continue_after_failure(iterators)
+
+    def _continue_after_failure(self, iterators: list[RerunDataIterator[Any]]) -> bool:
         self.reporter.log0(
             "Continuing normal execution because the failed validation was not fatal"
         )
