@@ -436,20 +436,11 @@ class NullTensorDumper:
 
     num_hooks = 0
 
-    def begin_iteration(self, iteration: int) -> None:
-        return None
-
-    def begin_microbatch(self, index: int, is_last: bool) -> None:
-        return None
-
-    def end_microbatch(self) -> None:
-        return None
-
-    def end_iteration(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
+    def begin_iteration(self, iteration: int) -> None: ...
+    def begin_microbatch(self, index: int, is_last: bool) -> None: ...
+    def end_microbatch(self) -> None: ...
+    def end_iteration(self) -> None: ...
+    def close(self) -> None: ...
 
 
 def make_tensor_dumper(

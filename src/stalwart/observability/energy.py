@@ -185,17 +185,10 @@ class NullEnergyMeter:
     available = False
     reason: str | None = "disabled"
 
-    def start(self) -> None:
-        return None
-
-    def pause(self) -> None:
-        return None
-
-    def resume(self) -> None:
-        return None
-
-    def lap(self, num_iterations: int) -> None:
-        return None
+    def start(self) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def lap(self, num_iterations: int) -> None: ...
 
     def log_fields(self, info: IntervalInfo) -> list[LogField]:
         return []
@@ -203,8 +196,7 @@ class NullEnergyMeter:
     def scalars(self) -> dict[str, float]:
         return {}
 
-    def close(self) -> None:
-        return None
+    def close(self) -> None: ...
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -76,14 +76,9 @@ class NullMemoryRelease:
 
     level = 0
 
-    def after_forward_backward(self) -> None:
-        return None
-
-    def after_optimizer_step(self) -> None:
-        return None
-
-    def after_eval_step(self) -> None:
-        return None
+    def after_forward_backward(self) -> None: ...
+    def after_optimizer_step(self) -> None: ...
+    def after_eval_step(self) -> None: ...
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -133,14 +133,9 @@ class NullTimer:
 
     name = "null timer"
 
-    def start(self, barrier: bool = False) -> None:
-        return None
-
-    def stop(self, barrier: bool = False) -> None:
-        return None
-
-    def reset(self) -> None:
-        return None
+    def start(self, barrier: bool = False) -> None: ...
+    def stop(self, barrier: bool = False) -> None: ...
+    def reset(self) -> None: ...
 
     def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
         raise RuntimeError(

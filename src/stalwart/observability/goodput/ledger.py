@@ -550,7 +550,6 @@ class NullGoodputLedger:
         return self._null
 
     def drop_ahead(self) -> None: ...
-
     def add_straggler_idle(self, seconds: float) -> None: ...
     def resumed(self, iteration: int) -> None: ...
     def fault(self, cause: str, detail: str = "", since: float | None = None) -> None: ...
@@ -558,11 +557,8 @@ class NullGoodputLedger:
     def log_fields(self, info: IntervalInfo) -> list[LogField]:
         return []
 
-    def close(self, reason: str = FINISHED, detail: str = "") -> None:
-        return None
-
-    def refused(self) -> None:
-        return None
+    def close(self, reason: str = FINISHED, detail: str = "") -> None: ...
+    def refused(self) -> None: ...
 
     def __enter__(self) -> NullGoodputLedger:
         return self
