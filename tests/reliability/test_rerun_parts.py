@@ -27,7 +27,7 @@ from stalwart.reliability.rerun import (
     read_iterations_to_skip,
     restore_rng_state,
 )
-from stalwart.reliability.rerun.buffer import UNWRITTEN
+from stalwart.reliability.rerun.rules import UNWRITTEN
 
 INF, NAN = math.inf, math.nan
 

@@ -15,16 +15,18 @@ import pytest
 from stalwart.reliability.hang import monitor as hb
 from stalwart.reliability.hang.sections import (
     FaultToleranceConfig,
-    FtState,
     NullSectionMonitor,
     Section,
     SectionMonitor,
     SectionTimeouts,
     build_section_monitor,
+    parse_ft_timeouts,
+)
+from stalwart.reliability.hang.timeouts import (
+    FtState,
     ft_state_path,
     learn_timeouts,
     load_ft_state,
-    parse_ft_timeouts,
     resolve_timeouts,
     save_ft_state,
     select_sections_to_update,

@@ -58,7 +58,6 @@ from stalwart.reliability.hang import monitor as hb
 from stalwart.reliability.hang.config import (
     _TIMEOUT_KEYS,
     FT_LOG_DIRNAME,
-    FT_STATE_FILENAME,
     FaultToleranceConfig,
     Section,
     SectionTimeouts,
@@ -69,7 +68,6 @@ from stalwart.reliability.hang.timeouts import (
     FtState,
     ft_state_path,
     learn_timeouts,
-    load_ft_state,
     resolve_timeouts,
     save_ft_state,
     select_sections_to_update,
@@ -78,21 +76,13 @@ from stalwart.reliability.hang.timeouts import (
 # Config and timeout learning live in ft_config / ft_timeouts; re-exported as the public API here.
 __all__ = [
     "FT_LOG_DIRNAME",
-    "FT_STATE_FILENAME",
     "FaultToleranceConfig",
-    "FtState",
     "NullSectionMonitor",
     "Section",
     "SectionMonitor",
     "SectionTimeouts",
     "build_section_monitor",
-    "ft_state_path",
-    "learn_timeouts",
-    "load_ft_state",
     "parse_ft_timeouts",
-    "resolve_timeouts",
-    "save_ft_state",
-    "select_sections_to_update",
 ]
 
 logger = logging.getLogger(__name__)

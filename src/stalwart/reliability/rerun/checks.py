@@ -15,13 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from stalwart.reliability.rerun.buffer import (
-    INF_RULE,
-    NAN_RULE,
-    DeviceCheck,
-    DeviceRule,
-    RuleKind,
-)
+from stalwart.reliability.rerun.rules import INF_RULE, NAN_RULE, DeviceCheck, DeviceRule, RuleKind
 from stalwart.reliability.rerun.types import CheckConfig
 
 NAN_LOSS_MESSAGE = "found NaN in local forward loss calculation"

@@ -35,13 +35,7 @@ import torch.distributed as dist
 
 from stalwart.distributed import collectives
 from stalwart.reliability.rerun.ahead import LookAhead
-from stalwart.reliability.rerun.buffer import (
-    INF_RULE,
-    NAN_RULE,
-    DeviceCheck,
-    ValidationBuffer,
-    host_predicate,
-)
+from stalwart.reliability.rerun.buffer import ValidationBuffer
 from stalwart.reliability.rerun.checks import CheckRows, record_grad_checks, record_loss_checks
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator, wrapped_iterators
 from stalwart.reliability.rerun.determinism import DeterminismStats
@@ -57,6 +51,7 @@ from stalwart.reliability.rerun.replicas import (
 )
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker
+from stalwart.reliability.rerun.rules import DeviceCheck, host_predicate
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
     CallKey,
@@ -700,4 +695,4 @@ class RerunStateMachine:
         apply_verdict(self, checkpoint_path)
 
 
-__all__ = ["INF_RULE", "NAN_RULE", "Agreement", "RerunStateMachine"]
+__all__ = ["Agreement", "RerunStateMachine"]

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from stalwart.reliability.rerun.buffer import ValidationRecord
 from stalwart.reliability.rerun.rng import RngStateTracker, capture_rng_state, restore_rng_state
+from stalwart.reliability.rerun.rules import ValidationRecord
 from stalwart.reliability.rerun.types import CallKey
 
 
