@@ -73,7 +73,7 @@ from stalwart.reliability.hang.timeouts import (
     select_sections_to_update,
 )
 
-# Config and timeout learning live in ft_config / ft_timeouts; re-exported as the public API here.
+# The config lives in hang.config; its names a user's loop needs are re-exported here.
 __all__ = [
     "FT_LOG_DIRNAME",
     "FaultToleranceConfig",

@@ -30,11 +30,7 @@ from stalwart.reliability.rerun.replicas import (
     ReplicaSchedule,
     attribute_replicas,
 )
-from stalwart.reliability.rerun.rng import (
-    RngStateTracker,
-    capture_rng_state,
-    restore_rng_state,
-)
+from stalwart.reliability.rerun.rng import RngStateTracker
 from stalwart.reliability.rerun.stats import QuickStats, compare_floats
 from stalwart.reliability.rerun.tracker import read_iterations_to_skip
 from stalwart.reliability.rerun.types import (
@@ -51,6 +47,7 @@ from stalwart.reliability.rerun.types import (
     Suspect,
     device_identity,
 )
+from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 __all__ = [
     "DEVICE_ID_ENV",

@@ -10,7 +10,7 @@ the data-parallel reduction, as Megatron's ``check_grads`` does.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -361,15 +361,10 @@ def grad_check_comm_hook(
 def register_grad_check_hook(
     ddp_model: torch.nn.parallel.DistributedDataParallel,
     sm: CheckedMachine,
-    config: Any = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> GradCheckState:
-    """Register :func:`grad_check_comm_hook` on a DDP model (before the first backward).
-
-    ``config`` (a ``RerunConfig``) is accepted for compatibility; the machine's ``checks`` say
-    which checks run.
-    """
-    del config
+    """Register :func:`grad_check_comm_hook` on a DDP model (before the first backward); the
+    machine's ``checks`` say which checks run."""
     params = list(ddp_model.module.parameters())
     # The same bucket size as DDP's, so the fixed layout is its initial one.
     size = int(getattr(ddp_model, "bucket_bytes_cap", DEFAULT_BUCKET_BYTES))
