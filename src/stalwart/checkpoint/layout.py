@@ -205,7 +205,7 @@ def remove_checkpoint_dir(path: str, log: Any) -> bool:
     return refused is None
 
 
-def check_files(path: str, world_size: int | None = None) -> str | None:
+def check_files(path: str) -> str | None:
     """Cheap integrity check of a checkpoint directory without reading tensor data.
 
     Returns:

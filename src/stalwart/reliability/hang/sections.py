@@ -319,7 +319,6 @@ class SectionMonitor:
         if not self.config.calc_ft_timeouts or self._closed:
             return None
         chosen = select_sections_to_update(
-            closing=closing,
             num_timed_steps=self._num_timed_steps,
             num_checkpoints=self._num_checkpoints,
             persistent_checkpoint_loaded=self._persistent_loaded,
