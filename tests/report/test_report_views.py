@@ -22,7 +22,8 @@ from stalwart.cli.main import main
 from stalwart.cli.report import main_report
 from stalwart.observability.run_dir import EventKind, append_event
 from stalwart.observability.sinks import NullSink
-from stalwart.observability.timers import INTERVAL_TIME, Timers, TimingLogOption
+from stalwart.observability.timer_names import INTERVAL_TIME
+from stalwart.observability.timers import Timers, TimingLogOption
 from stalwart.observability.train_log import LogConfig, TrainingLog
 from stalwart.report import config as report_config
 from stalwart.report.compare import write_comparison

@@ -34,13 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalwart.observability.goodput.records import Bucket
-from stalwart.observability.timers import (
+from stalwart.observability.timer_names import (
     INTERVAL_TIME,
     SAVE_CHECKPOINT,
     SAVE_CHECKPOINT_NON_PERSISTENT,
-    Timer,
-    Timers,
 )
+from stalwart.observability.timers import Timer, Timers
 from stalwart.observability.train_log import IntervalInfo, LogField
 
 # Not "<name>-time-ms": these are per save, not per iteration (the report's timer breakdown

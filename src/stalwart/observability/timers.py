@@ -48,28 +48,18 @@ import torch.distributed as dist
 
 from stalwart.distributed import collectives
 
-# The standard names live in timer_names and are re-exported from here, as before.
+# The standard names live in timer_names; the loop and the training log import these from here.
 from stalwart.observability.timer_names import (  # noqa: F401
-    ALL_GRADS_SYNC,
     BACKWARD_COMPUTE,
     BATCH_GENERATOR,
-    EVALUATE,
     FORWARD_BACKWARD,
     FORWARD_COMPUTE,
     INTERVAL_TIME,
-    LOAD_CHECKPOINT,
     OPTIMIZER,
     OPTIMIZER_CLIP_MAIN_GRAD,
-    OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS,
-    OPTIMIZER_COPY_TO_MAIN_GRAD,
     OPTIMIZER_COUNT_ZEROS,
     OPTIMIZER_INNER_STEP,
-    OPTIMIZER_UNSCALE_AND_CHECK_INF,
-    PARAMS_ALL_GATHER,
-    SAVE_CHECKPOINT,
-    SAVE_CHECKPOINT_NON_PERSISTENT,
     STANDARD_TIMER_LEVELS,
-    TIMER_PARENTS,
     TRAINING_TIMERS,
 )
 
