@@ -46,7 +46,6 @@ class EnergyLap:
 
     joules_per_iteration_per_gpu: float
     watts_per_gpu: float
-    num_gpus: int
 
 
 def _nvml_handle(device: torch.device) -> tuple[Any, Any]:
@@ -143,7 +142,6 @@ class EnergyMeter:
         self._lap = EnergyLap(
             joules_per_iteration_per_gpu=total_j / n / max(num_iterations, 1),
             watts_per_gpu=(total_j / n) / mean_s if mean_s > 0 else 0.0,
-            num_gpus=n,
         )
         return self._lap
 
