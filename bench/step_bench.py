@@ -32,7 +32,7 @@ import torch
 from stalwart.cli.args import parse_train_args
 from stalwart.config.run import build_run_config
 from stalwart.distributed.process_group import DistributedContext, choose_device
-from stalwart.observability.timers import INTERVAL_TIME
+from stalwart.observability.timer_names import INTERVAL_TIME
 from stalwart.train.trainer import Trainer
 
 SUITES: dict[str, list[tuple[str, list[str]]]] = {

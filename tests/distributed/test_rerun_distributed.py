@@ -83,7 +83,7 @@ def _ddp_hook(rank: int, world_size: int) -> dict[str, Any]:
         ddp = DDP(model)
         sm = RerunStateMachine(mode="validate_results" if with_hook else "disabled")
         if with_hook:
-            register_grad_check_hook(ddp, sm, config)
+            register_grad_check_hook(ddp, sm)
         out = train(sm, model, opt, make_batches(N, seed=rank), config, stop=N,
                     loss_check=_no_loss_check, ddp=ddp)  # fmt: skip
         results[f"params_{with_hook}"] = [p.tolist() for p in params(out.model)]
@@ -93,7 +93,7 @@ def _ddp_hook(rank: int, world_size: int) -> dict[str, Any]:
     ddp = DDP(model)
     inj = RerunErrorInjector(1, "persistent_error", ranks=[0], at_iterations={1})
     sm = RerunStateMachine(mode="validate_results", error_injector=inj)
-    register_grad_check_hook(ddp, sm, config)
+    register_grad_check_hook(ddp, sm)
     out = train(sm, model, opt, make_batches(N, seed=rank), config, stop=N,
                 loss_check=_no_loss_check, ddp=ddp)  # fmt: skip
     results["inject"] = (out.code, out.iteration, out.passes)

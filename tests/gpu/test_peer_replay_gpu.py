@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from stalwart.models import GPT, preset_model_config
-from stalwart.reliability.rerun import ReplayDeterminism, capture_rng_state, restore_rng_state
+from stalwart.reliability.rerun import ReplayDeterminism
+from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 from train_utils import run_cli
 

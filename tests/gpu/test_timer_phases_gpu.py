@@ -20,13 +20,8 @@ from torch import nn
 
 from gpu_only import GPU_ONLY
 from stalwart.loop import EagerPlan, GraphPlan, GuardedStep
-from stalwart.observability.timers import (
-    FORWARD_BACKWARD,
-    OPTIMIZER,
-    TRAINING_TIMERS,
-    Timers,
-    TimingMode,
-)
+from stalwart.observability.timer_names import FORWARD_BACKWARD, OPTIMIZER, TRAINING_TIMERS
+from stalwart.observability.timers import Timers, TimingMode
 from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 
 pytestmark = GPU_ONLY

@@ -205,19 +205,6 @@ def test_validation_buffer_is_reset_every_training_iteration() -> None:
     assert flags.ok()
 
 
-def test_rerun_last_uses_same_static_inputs_without_reading_data() -> None:
-    ctx, fn = FakeGraphContext(), Recorder()
-    graph = FullIterationGraph(fn, context=ctx, warmup_steps=2)
-    it = _data(100)
-    losses = _call(graph, it)
-    first = [d["lm loss"].clone() for d in losses]
-    again = graph.rerun_last()
-    assert [d["lm loss"] for d in again] == first
-    assert graph.phase() is StagePhase.WARMUP and next(it)["x"][0, 0].item() == 2.0
-    with pytest.raises(RuntimeError, match="no evaluation iteration"):
-        graph.rerun_last(forward_only=True)
-
-
 def test_reset_and_teardown_drop_graphs() -> None:
     ctx, fn = FakeGraphContext(), Recorder()
     graph = FullIterationGraph(fn, context=ctx, warmup_steps=1)

@@ -38,7 +38,7 @@ def _iteration(model: GPT, dumper: TensorDumper | NullTensorDumper, it: int) -> 
     dumper.begin_iteration(it)
     last = torch.empty(0)
     for i, b in enumerate((3, 2)):
-        dumper.set_last_microbatch(i == 1)
+        dumper.begin_microbatch(i, i == 1)
         ids = torch.randint(0, CFG.vocab_size, (b, CFG.seq_length))
         out = model(ids, ids)
         assert isinstance(out, dict)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from stalwart.models import GPT, GPTConfig
-from stalwart.models.memory_megatron import megatron_bytes_per_parameter
 from stalwart.models.memory_model import (
     activation_breakdown,
     bytes_per_parameter,
@@ -47,8 +46,6 @@ def test_bytes_per_parameter() -> None:
     assert bytes_per_parameter(1, False, bf16=True) == 18  # 4 param + 4 grad + 8 Adam + 2 copy
     assert bytes_per_parameter(4, True, bf16=True) == 12  # 10 + 8/4
     assert bytes_per_parameter(1, False, bf16=False) == 16
-    assert megatron_bytes_per_parameter(1, False) == 18
-    assert megatron_bytes_per_parameter(2, True) == 12  # 6 + 12/2
 
 
 def test_dense_bf16_hand_computed() -> None:
@@ -146,19 +143,6 @@ def test_monitor_reports_once_then_interval(tmp_path: Path) -> None:
     assert [step for _, step in sink.calls] == [1, 3]
     assert len(lines) == 2  # the report lines are printed once
     assert NullMemoryMonitor().log_fields(_info(1)) == []
-
-
-def test_megatron_activation_formula_matches_its_verified_numbers() -> None:
-    """The reference's numbers for Megatron's tiny dense config (h=16, 8 heads, 4 groups, L=2,
-    ffn=64, V=128, s=8, b=2): 27008 bytes with SP + selective, 23520 without SP."""
-    from stalwart.models.memory_megatron import megatron_activation_bytes
-
-    cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=8, num_query_groups=4,
-                    ffn_hidden_size=64, vocab_size=128, seq_length=8)  # fmt: skip
-    assert megatron_activation_bytes(cfg, 2) == pytest.approx(23520.0)
-    selective = GPTConfig(**{**cfg.__dict__, "recompute_granularity": "selective"})
-    assert megatron_activation_bytes(selective, 2, sequence_parallel=True) == 27008.0
-    assert megatron_activation_bytes(selective, 2) == pytest.approx(23520.0)  # Megatron: no SP
 
 
 def test_full_recompute_keeps_one_input_per_unit_and_drops_weight_copies() -> None:

@@ -12,7 +12,8 @@ import torch
 from stalwart.observability.goodput import Bucket, GoodputLedger
 from stalwart.observability.save_timing import BLOCKING_KEY, TOTAL_KEY, SaveTiming
 from stalwart.observability.sinks import NullSink
-from stalwart.observability.timers import INTERVAL_TIME, SAVE_CHECKPOINT, Timers
+from stalwart.observability.timer_names import INTERVAL_TIME, SAVE_CHECKPOINT
+from stalwart.observability.timers import Timers
 from stalwart.observability.train_log import LogConfig, TrainingLog
 
 STEP_S, SAVE_S = 0.01, 0.25

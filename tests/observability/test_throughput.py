@@ -20,7 +20,8 @@ from stalwart.observability.throughput import (
     interval_throughput,
     peak_tflops,
 )
-from stalwart.observability.timers import INTERVAL_TIME, Timers, TimingLogOption
+from stalwart.observability.timer_names import INTERVAL_TIME
+from stalwart.observability.timers import Timers, TimingLogOption
 from stalwart.observability.train_log import LogConfig, TrainingLog
 
 from train_utils import TINY_FLAGS

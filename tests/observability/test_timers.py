@@ -5,10 +5,8 @@ import time
 import pytest
 
 from stalwart.observability.sinks import NullSink
+from stalwart.observability.timer_names import FORWARD_BACKWARD, FORWARD_COMPUTE, INTERVAL_TIME
 from stalwart.observability.timers import (
-    FORWARD_BACKWARD,
-    FORWARD_COMPUTE,
-    INTERVAL_TIME,
     NullTimer,
     Timer,
     TimerReport,

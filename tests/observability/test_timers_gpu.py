@@ -8,13 +8,8 @@ import pytest
 import torch
 
 from stalwart.observability.sinks import NullSink
-from stalwart.observability.timers import (
-    INTERVAL_TIME,
-    Timer,
-    Timers,
-    TimingLogOption,
-    TimingMode,
-)
+from stalwart.observability.timer_names import INTERVAL_TIME
+from stalwart.observability.timers import Timer, Timers, TimingLogOption, TimingMode
 from stalwart.observability.train_log import LogConfig, TrainingLog
 
 pytestmark = [

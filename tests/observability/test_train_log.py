@@ -13,7 +13,8 @@ import torch
 
 from stalwart.observability.progress import ProgressBar
 from stalwart.observability.sinks import NullSink
-from stalwart.observability.timers import INTERVAL_TIME, Timers, TimingLogOption
+from stalwart.observability.timer_names import INTERVAL_TIME
+from stalwart.observability.timers import Timers, TimingLogOption
 from stalwart.observability.train_log import (
     IntervalInfo,
     LogConfig,

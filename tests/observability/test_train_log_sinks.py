@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from stalwart.observability.sinks import FanOutSink, MetricSink, TensorBoardSink
-from stalwart.observability.timers import FORWARD_BACKWARD, INTERVAL_TIME, Timers, TimingLogOption
+from stalwart.observability.timer_names import FORWARD_BACKWARD, INTERVAL_TIME
+from stalwart.observability.timers import Timers, TimingLogOption
 from stalwart.observability.train_log import LogConfig, TrainingLog
 
 # Megatron's key names and units, grouped by a "<group>/" prefix with --group-metric-tags (one

@@ -14,9 +14,8 @@ from stalwart.reliability.rerun import (
     RerunErrorInjector,
     RerunStateMachine,
     ValidationBuffer,
-    capture_rng_state,
-    restore_rng_state,
 )
+from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,11 +20,10 @@ from stalwart.reliability.rerun import (
     RerunDataIterator,
     RerunErrorInjector,
     RerunStateMachine,
-    capture_rng_state,
     check_grads,
     check_loss,
-    restore_rng_state,
 )
+from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 MICRO = 2
 

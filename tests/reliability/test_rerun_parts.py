@@ -22,12 +22,11 @@ from stalwart.reliability.rerun import (
     RerunStateMachine,
     RngStateTracker,
     ValidationBuffer,
-    capture_rng_state,
     compare_floats,
     read_iterations_to_skip,
-    restore_rng_state,
 )
-from stalwart.reliability.rerun.buffer import UNWRITTEN
+from stalwart.reliability.rerun.rules import UNWRITTEN
+from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 INF, NAN = math.inf, math.nan
 

@@ -15,16 +15,18 @@ import pytest
 from stalwart.reliability.hang import monitor as hb
 from stalwart.reliability.hang.sections import (
     FaultToleranceConfig,
-    FtState,
     NullSectionMonitor,
     Section,
     SectionMonitor,
     SectionTimeouts,
     build_section_monitor,
+    parse_ft_timeouts,
+)
+from stalwart.reliability.hang.timeouts import (
+    FtState,
     ft_state_path,
     learn_timeouts,
     load_ft_state,
-    parse_ft_timeouts,
     resolve_timeouts,
     save_ft_state,
     select_sections_to_update,
@@ -141,17 +143,14 @@ def test_select_sections_follows_megatron_rules() -> None:
     # out_of_section is learned at every save with enough evidence, not only at shutdown
     # (Megatron learns it at shutdown only: a job killed before its end never learned it).
     every = {"setup", "step", "checkpointing", "out_of_section"}
-    assert select_sections_to_update(closing=False, **base) == every
-    assert select_sections_to_update(closing=True, **base) == every
-    assert "out_of_section" not in select_sections_to_update(
-        closing=False, **{**base, "num_checkpoints": 0}
-    )
+    assert select_sections_to_update(**base) == every
+    assert "out_of_section" not in select_sections_to_update(**{**base, "num_checkpoints": 0})
     fresh = {**base, "persistent_checkpoint_loaded": False}
-    assert select_sections_to_update(closing=True, **fresh) == {"step", "checkpointing"}
+    assert select_sections_to_update(**fresh) == {"step", "checkpointing"}
     few = {**base, "num_timed_steps": 15}
-    assert "step" not in select_sections_to_update(closing=True, **few)
+    assert "step" not in select_sections_to_update(**few)
     async_ = {**base, "async_save": True}
-    assert "checkpointing" not in select_sections_to_update(closing=False, **async_)
+    assert "checkpointing" not in select_sections_to_update(**async_)
 
 
 def test_learn_timeouts_factor_blend_and_floor() -> None:

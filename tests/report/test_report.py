@@ -13,15 +13,9 @@ from typing import Any
 import pytest
 
 from stalwart.cli.report import main_report
-from stalwart.observability.run_dir import RunPaths
+from stalwart.observability.run_dir import EventKind, RunPaths, append_event, timer_names
 from stalwart.report.html import timer_stacks
-from stalwart.report.run_report import (
-    EventKind,
-    append_event,
-    load_run,
-    timer_names,
-    write_report,
-)
+from stalwart.report.run_report import load_run, write_report
 
 SECTIONS = (
     'id="goodput"',

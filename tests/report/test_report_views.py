@@ -20,12 +20,14 @@ from test_report import _chromium, _chromium_cmd
 
 from stalwart.cli.main import main
 from stalwart.cli.report import main_report
+from stalwart.observability.run_dir import EventKind, append_event
 from stalwart.observability.sinks import NullSink
-from stalwart.observability.timers import INTERVAL_TIME, Timers, TimingLogOption
+from stalwart.observability.timer_names import INTERVAL_TIME
+from stalwart.observability.timers import Timers, TimingLogOption
 from stalwart.observability.train_log import LogConfig, TrainingLog
 from stalwart.report import config as report_config
 from stalwart.report.compare import write_comparison
-from stalwart.report.run_report import EventKind, append_event, write_report
+from stalwart.report.run_report import write_report
 
 from train_utils import TINY_FLAGS
 

@@ -13,21 +13,15 @@ from stalwart.checkpoint.layout import (
     read_tracker,
     write_tracker_atomic,
 )
-from stalwart.checkpoint.lock import SaveDirLock
 from stalwart.checkpoint.manager import CheckpointManager, LoadedCheckpoint
-from stalwart.checkpoint.safe_state import StateFormatError, dumps_state, loads_state
 
 __all__ = [
     "TRACKER_FILENAME",
     "CheckpointError",
     "CheckpointManager",
     "LoadedCheckpoint",
-    "SaveDirLock",
-    "StateFormatError",
-    "dumps_state",
     "iteration_dir_name",
     "list_complete_checkpoints",
-    "loads_state",
     "read_tracker",
     "write_tracker_atomic",
 ]

@@ -52,10 +52,6 @@ def rank_filename(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
-def legacy_rank_filename(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
-
-
 def convert_hint(path: str) -> str:
     """The one-line refusal of a checkpoint in the pickle format of stalwart before JSON state."""
     return (
@@ -209,7 +205,7 @@ def remove_checkpoint_dir(path: str, log: Any) -> bool:
     return refused is None
 
 
-def check_files(path: str, world_size: int | None = None) -> str | None:
+def check_files(path: str) -> str | None:
     """Cheap integrity check of a checkpoint directory without reading tensor data.
 
     Returns:

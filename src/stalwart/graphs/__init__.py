@@ -18,21 +18,13 @@ is the guarded step's: ``stalwart.loop.GuardedStep(..., plan=GraphPlan())``. Mea
 from __future__ import annotations
 
 from stalwart.graphs.checks import (
-    GRAPHABLE_COMPILE_MODES,
     CudaGraphImpl,
     GraphSettings,
-    RecomputeChoice,
     check_graph_config,
     graph_config_problems,
 )
 from stalwart.graphs.compile import compile_for_graph
-from stalwart.graphs.compile_cache import (
-    CompileBooking,
-    CompileCache,
-    CompileCounts,
-    NullCompileCache,
-    check_cache_dir,
-)
+from stalwart.graphs.compile_cache import CompileBooking, CompileCache, NullCompileCache
 from stalwart.graphs.full_iteration import (
     CaptureFailurePolicy,
     FullIterationGraph,
@@ -40,8 +32,6 @@ from stalwart.graphs.full_iteration import (
     GraphSignatureError,
     SignatureChangePolicy,
     StagePhase,
-    ValidationBuffer,
-    output_tensors,
 )
 from stalwart.graphs.optimizer import (
     GradNormSource,
@@ -57,20 +47,13 @@ from stalwart.graphs.optimizer import (
     set_learning_rate,
     shared_norm,
 )
-from stalwart.graphs.pool import (
-    CaptureErrorMode,
-    GraphContext,
-    supports_generator_registration,
-)
+from stalwart.graphs.pool import GraphContext
 from stalwart.graphs.static_inputs import InputSignature, StaticInputs, signature_of
 
 __all__ = [
-    "GRAPHABLE_COMPILE_MODES",
-    "CaptureErrorMode",
     "CaptureFailurePolicy",
     "CompileBooking",
     "CompileCache",
-    "CompileCounts",
     "CudaGraphImpl",
     "FullIterationGraph",
     "GradNormSource",
@@ -81,12 +64,9 @@ __all__ = [
     "InputSignature",
     "NullCompileCache",
     "OptimizerGraph",
-    "RecomputeChoice",
     "SignatureChangePolicy",
     "StagePhase",
     "StaticInputs",
-    "ValidationBuffer",
-    "check_cache_dir",
     "check_graph_config",
     "check_optimizer_graphable",
     "clip_coefficient",
@@ -98,9 +78,7 @@ __all__ = [
     "grad_norm",
     "graph_config_problems",
     "make_capturable_adamw",
-    "output_tensors",
     "set_learning_rate",
     "shared_norm",
     "signature_of",
-    "supports_generator_registration",
 ]

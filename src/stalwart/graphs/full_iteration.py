@@ -230,22 +230,6 @@ class FullIterationGraph:
         stage.kwargs = dict(kwargs)
         return lambda: self._execute(stage, mode, static)
 
-    def rerun_last(self, *, forward_only: bool = False) -> Any:
-        """Run the last iteration of a mode again on the same static inputs (rerun attribution).
-
-        Replays the graph when captured, else runs eagerly; does not read new data and does not
-        count as a warm-up step. Restore RNG state (``torch.cuda.set_rng_state`` and registered
-        generators) before calling to reproduce random ops.
-        """
-        mode = GraphMode.EVALUATION if forward_only else GraphMode.TRAINING
-        stage = self._stages[mode]
-        if stage.kwargs is None or not stage.inputs.allocated:
-            raise RuntimeError(f"no {mode.value} iteration to rerun yet")
-        if stage.phase is StagePhase.CAPTURED:
-            stage.graph.replay()
-            return self._result(stage.outputs)
-        return self._run_eager(stage, mode, stage.inputs.buffers)
-
     @property
     def device(self) -> torch.device:
         """The device of the graph's context."""

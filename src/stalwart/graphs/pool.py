@@ -46,12 +46,6 @@ class Resettable(Protocol):
     def reset(self) -> None: ...
 
 
-class GraphLike(Protocol):
-    """The part of ``torch.cuda.CUDAGraph`` the wrappers use."""
-
-    def replay(self) -> None: ...
-
-
 def supports_generator_registration() -> bool:
     """True when this torch can register extra generators with a graph (graph-safe RNG)."""
     graph_cls = getattr(torch.cuda, "CUDAGraph", None)

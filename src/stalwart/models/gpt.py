@@ -21,7 +21,7 @@ from stalwart.models.fused_grad import Linear, embedding_accumulating, linear_ac
 from stalwart.models.moe import MoEMLP, MoERouter
 from stalwart.models.recompute import layer_units, recomputed
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT"]
 
 
 class GPT(nn.Module):

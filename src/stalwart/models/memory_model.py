@@ -8,9 +8,9 @@ weights in place and runs bf16 autocast, so there is no separate bf16 parameter 
     sharded optimizer (Adam m, v sharded over DP): 10 + 8/DP (bf16) or 8 + 8/DP (fp32)
 
 Megatron's layout (bf16 param 2 + fp32 grad 4 + fp32 main param 4 + m 4 + v 4) gives the same 18
-unsharded and ``6 + 12/DP`` with its distributed optimizer; `megatron_bytes_per_parameter` returns
-it for comparison. The autocast copy is counted because ``F.linear`` saves the bf16 weight for
-backward, so the copies live from forward until backward of each micro-batch. Under full
+unsharded and ``6 + 12/DP`` with its distributed optimizer. The autocast copy is counted because
+``F.linear`` saves the bf16 weight for backward, so the copies live from forward until backward of
+each micro-batch. Under full
 recompute the recomputed layers' copies are not kept (autocast's cache is dropped when the forward
 leaves autocast; the recompute casts again, one unit at a time).
 
@@ -92,67 +92,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
 
 from stalwart.models.config import (
+    GPTConfig,
     Normalization,
     PositionEmbeddingType,
     RecomputeGranularity,
-    RecomputeMethod,
 )
 from stalwart.models.recompute import LayerUnit, layer_units
 
 MIB = 1 << 20
 CUDA_WORKSPACE_BYTES = 64 * MIB
-
-
-class GPTShape(Protocol):
-    """The fields of ``stalwart.models.GPTConfig`` the estimator reads (read-only)."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def num_attention_heads(self) -> int: ...
-    @property
-    def seq_length(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def ffn_hidden_size(self) -> int | None: ...
-    @property
-    def dropout(self) -> float: ...
-    @property
-    def num_experts(self) -> int: ...
-    @property
-    def moe_router_topk(self) -> int: ...
-    @property
-    def moe_capacity_factor(self) -> float | None: ...
-    @property
-    def position_embedding_type(self) -> PositionEmbeddingType: ...
-    @property
-    def normalization(self) -> Normalization: ...
-    @property
-    def swiglu(self) -> bool: ...
-    @property
-    def untie_embeddings_and_output_weights(self) -> bool: ...
-    @property
-    def add_bias_linear(self) -> bool: ...
-    @property
-    def query_groups(self) -> int: ...
-    @property
-    def kv_channels(self) -> int: ...
-    @property
-    def recompute_granularity(self) -> RecomputeGranularity: ...
-    @property
-    def recompute_method(self) -> RecomputeMethod | None: ...
-    @property
-    def recompute_num_layers(self) -> int | None: ...
-    @property
-    def bf16_residual_connection(self) -> bool: ...
-    @property
-    def cross_entropy_loss_fusion(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -188,11 +138,11 @@ def bytes_per_parameter(dp_size: int, sharded_optimizer: bool, bf16: bool) -> fl
     return replicated + (adam / dp_size if sharded_optimizer else adam)
 
 
-def _norm_parameters(cfg: GPTShape) -> int:
+def _norm_parameters(cfg: GPTConfig) -> int:
     return cfg.hidden_size * (1 if cfg.normalization is Normalization.RMS_NORM else 2)
 
 
-def layer_parameters(cfg: GPTShape) -> int:
+def layer_parameters(cfg: GPTConfig) -> int:
     """Parameters of one transformer layer (attention, MLP or experts + router, two norms)."""
     h = cfg.hidden_size
     f = cfg.ffn_hidden_size or 4 * h
@@ -206,7 +156,7 @@ def layer_parameters(cfg: GPTShape) -> int:
     return attn + mlp + 2 * _norm_parameters(cfg)
 
 
-def count_parameters(cfg: GPTShape) -> int:
+def count_parameters(cfg: GPTConfig) -> int:
     """Parameters of the reference GPT for any combination of the architecture switches.
 
     Word embeddings ``V*h`` (twice when untied), learned positions ``s*h`` (not with RoPE),
@@ -220,7 +170,7 @@ def count_parameters(cfg: GPTShape) -> int:
     return embeddings + cfg.num_layers * layer_parameters(cfg) + _norm_parameters(cfg)
 
 
-def _expert_slots(cfg: GPTShape, tokens: int) -> int:
+def _expert_slots(cfg: GPTConfig, tokens: int) -> int:
     """Rows the experts compute: num_experts * capacity, as ``stalwart.models.moe`` dispatches."""
     cf = cfg.moe_capacity_factor
     if cf is None:
@@ -232,7 +182,7 @@ def _expert_slots(cfg: GPTShape, tokens: int) -> int:
     return cfg.num_experts * capacity
 
 
-def compute_weight_parameters(cfg: GPTShape) -> int:
+def compute_weight_parameters(cfg: GPTConfig) -> int:
     """Parameters with a bf16 compute copy under ``--bf16-compute-weights``
     (``stalwart.models.GPT.compute_weight_slots``): all but the input lookup of untied
     embeddings, learned positions, the norms and the MoE routers (the tied embedding's copy is
@@ -249,12 +199,12 @@ def compute_weight_parameters(cfg: GPTShape) -> int:
     return count_parameters(cfg) - lookup - positions - norms - routers
 
 
-def _residual_bytes(cfg: GPTShape, bf16: bool) -> float:
+def _residual_bytes(cfg: GPTConfig, bf16: bool) -> float:
     """Bytes per element of the residual stream between layers (2: ``--bf16-residual-connection``)."""
     return 2.0 if bf16 and cfg.bf16_residual_connection else 4.0
 
 
-def _norm_saved(cfg: GPTShape, fused_rms_norm: bool, input_bytes: float = 4.0) -> float:
+def _norm_saved(cfg: GPTConfig, fused_rms_norm: bool, input_bytes: float = 4.0) -> float:
     """Bytes per token a norm saves for backward (its input, fp32 unless the norm runs on a bf16
     stream without upcasting, plus statistics)."""
     h = cfg.hidden_size
@@ -264,7 +214,7 @@ def _norm_saved(cfg: GPTShape, fused_rms_norm: bool, input_bytes: float = 4.0) -
 
 
 def _layer_bytes(
-    cfg: GPTShape, b: int, e: float, fused_rms_norm: bool, norm_input: float = 4.0
+    cfg: GPTConfig, b: int, e: float, fused_rms_norm: bool, norm_input: float = 4.0
 ) -> tuple[float, float]:
     """(attention part, MLP part) saved by one layer without full recompute."""
     h, s = cfg.hidden_size, cfg.seq_length
@@ -296,12 +246,12 @@ def _layer_bytes(
     return attn, mlp + mask
 
 
-def _norm_input_bytes(cfg: GPTShape, bf16: bool, norms_upcast: bool) -> float:
+def _norm_input_bytes(cfg: GPTConfig, bf16: bool, norms_upcast: bool) -> float:
     return 4.0 if norms_upcast else _residual_bytes(cfg, bf16)
 
 
 def activation_breakdown(
-    cfg: GPTShape,
+    cfg: GPTConfig,
     micro_batch_size: int,
     bf16: bool,
     fused_rms_norm: bool = True,
@@ -334,13 +284,13 @@ def activation_breakdown(
     return terms
 
 
-def _loss_saved(cfg: GPTShape, e: float, t: float) -> float:
+def _loss_saved(cfg: GPTConfig, e: float, t: float) -> float:
     """What the loss keeps for backward: the fp32 log-softmax output, or fused
     (``cross_entropy_loss_fusion``) the logits' gradient written over the logits (compute dtype)."""
     return (e if cfg.cross_entropy_loss_fusion else 4.0) * t * cfg.vocab_size
 
 
-def _loss_transient(cfg: GPTShape, e: float, t: float) -> float:
+def _loss_transient(cfg: GPTConfig, e: float, t: float) -> float:
     """The loss backward's transient: the log-probs' and fp32 logits' gradients; fused, only
     the lm-head input scaled by the incoming gradient and its gradient (``[t, h]`` each)."""
     if cfg.cross_entropy_loss_fusion:
@@ -349,7 +299,7 @@ def _loss_transient(cfg: GPTShape, e: float, t: float) -> float:
 
 
 def _recompute_backward_bytes(
-    cfg: GPTShape,
+    cfg: GPTConfig,
     micro_batch_size: int,
     bf16: bool,
     fused_rms_norm: bool,
@@ -399,7 +349,7 @@ def _check_estimate_args(
 
 
 def _weight_terms(
-    config: GPTShape,
+    config: GPTConfig,
     n: int,
     dp_size: int,
     sharded_optimizer: bool,
@@ -429,7 +379,7 @@ def _weight_terms(
 
 
 def theoretical_memory(
-    config: GPTShape,
+    config: GPTConfig,
     micro_batch_size: int,
     dp_size: int,
     sharded_optimizer: bool = False,
@@ -444,7 +394,7 @@ def theoretical_memory(
     """Estimate one rank's peak memory for the reference GPT trained with AdamW.
 
     Args:
-        config: a ``GPTConfig`` (or anything with its fields); recompute settings included.
+        config: the model; recompute settings included.
         micro_batch_size: sequences per micro-batch.
         dp_size: data-parallel size (only matters with ``sharded_optimizer``).
         sharded_optimizer: Adam states sharded over data-parallel ranks.

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from stalwart.models.gpt import GPTConfig
+from stalwart.models.config import GPTConfig
 
 # The Llama architecture switches shared by the llama-* presets (Megatron's Llama recipes).
 _LLAMA: dict[str, object] = {

@@ -265,10 +265,6 @@ class TensorDumper:
             elif want_dgrads:
                 self._handles.append(mod.register_full_backward_hook(self._backward_hook(name)))
 
-    def set_last_microbatch(self, is_last: bool) -> None:
-        """Tell the dumper whether the coming forward/backward is the iteration's last micro-batch."""
-        self._last_microbatch = is_last
-
     def begin_microbatch(self, index: int, is_last: bool) -> None:
         """Before micro-batch ``index``; index 0 starts a pass (a rerun pass replaces the first)."""
         self._last_microbatch = is_last
@@ -440,23 +436,11 @@ class NullTensorDumper:
 
     num_hooks = 0
 
-    def begin_iteration(self, iteration: int) -> None:
-        return None
-
-    def set_last_microbatch(self, is_last: bool) -> None:
-        return None
-
-    def begin_microbatch(self, index: int, is_last: bool) -> None:
-        return None
-
-    def end_microbatch(self) -> None:
-        return None
-
-    def end_iteration(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
+    def begin_iteration(self, iteration: int) -> None: ...
+    def begin_microbatch(self, index: int, is_last: bool) -> None: ...
+    def end_microbatch(self) -> None: ...
+    def end_iteration(self) -> None: ...
+    def close(self) -> None: ...
 
 
 def make_tensor_dumper(

@@ -46,7 +46,6 @@ class EnergyLap:
 
     joules_per_iteration_per_gpu: float
     watts_per_gpu: float
-    num_gpus: int
 
 
 def _nvml_handle(device: torch.device) -> tuple[Any, Any]:
@@ -143,7 +142,6 @@ class EnergyMeter:
         self._lap = EnergyLap(
             joules_per_iteration_per_gpu=total_j / n / max(num_iterations, 1),
             watts_per_gpu=(total_j / n) / mean_s if mean_s > 0 else 0.0,
-            num_gpus=n,
         )
         return self._lap
 
@@ -185,17 +183,10 @@ class NullEnergyMeter:
     available = False
     reason: str | None = "disabled"
 
-    def start(self) -> None:
-        return None
-
-    def pause(self) -> None:
-        return None
-
-    def resume(self) -> None:
-        return None
-
-    def lap(self, num_iterations: int) -> None:
-        return None
+    def start(self) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def lap(self, num_iterations: int) -> None: ...
 
     def log_fields(self, info: IntervalInfo) -> list[LogField]:
         return []
@@ -203,8 +194,7 @@ class NullEnergyMeter:
     def scalars(self) -> dict[str, float]:
         return {}
 
-    def close(self) -> None:
-        return None
+    def close(self) -> None: ...
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -281,8 +281,7 @@ def format_measured(measured: dict[str, float]) -> str:
 class NullMemoryMonitor:
     """Memory reporting off: no allocator reads, no file."""
 
-    def on_log_step(self, iteration: int) -> None:
-        return None
+    def on_log_step(self, iteration: int) -> None: ...
 
     def log_fields(self, info: IntervalInfo) -> list[LogField]:
         return []

@@ -34,8 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-EMPTY_UNUSED_MEMORY_LEVELS = (0, 1, 2)
-
 
 def validate_empty_unused_memory_level(level: object) -> int:
     """The level as an int, or ``ValueError`` naming ``--empty-unused-memory-level``."""
@@ -78,14 +76,9 @@ class NullMemoryRelease:
 
     level = 0
 
-    def after_forward_backward(self) -> None:
-        return None
-
-    def after_optimizer_step(self) -> None:
-        return None
-
-    def after_eval_step(self) -> None:
-        return None
+    def after_forward_backward(self) -> None: ...
+    def after_optimizer_step(self) -> None: ...
+    def after_eval_step(self) -> None: ...
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -47,14 +47,9 @@ class ProfilerWindow(Protocol):
 class NullProfilerWindow:
     """Profiling off."""
 
-    def on_iteration_start(self, completed: int) -> None:
-        pass
-
-    def on_iteration_end(self, completed: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    def on_iteration_start(self, completed: int) -> None: ...
+    def on_iteration_end(self, completed: int) -> None: ...
+    def close(self) -> None: ...
 
 
 def validate_profile_window(start: int, end: int, ranks: Sequence[int]) -> None:

@@ -233,11 +233,11 @@ class ProgressLog:
 class NullProgressLog:
     """``--log-progress`` off (or not rank 0): nothing is written."""
 
-    def start(self, flops_so_far: float) -> None:
-        del flops_so_far
+    def start(self, flops_so_far: float) -> None: ...
 
-    def on_save(self, iteration: int, flops_so_far: float, tokens: float, async_save: bool) -> None:
-        del iteration, flops_so_far, tokens, async_save
+    def on_save(
+        self, iteration: int, flops_so_far: float, tokens: float, async_save: bool
+    ) -> None: ...
 
 
 @dataclass(kw_only=True, frozen=True)

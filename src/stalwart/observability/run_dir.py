@@ -111,10 +111,6 @@ class RunPaths:
         return self.root / REPORT_FILE
 
     @property
-    def png_dir(self) -> Path:
-        return self.root / PNG_DIR
-
-    @property
     def manifest(self) -> Path:
         return self.root / MANIFEST_FILE
 

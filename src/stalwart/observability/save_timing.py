@@ -34,13 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalwart.observability.goodput.records import Bucket
-from stalwart.observability.timers import (
+from stalwart.observability.timer_names import (
     INTERVAL_TIME,
     SAVE_CHECKPOINT,
     SAVE_CHECKPOINT_NON_PERSISTENT,
-    Timer,
-    Timers,
 )
+from stalwart.observability.timers import Timer, Timers
 from stalwart.observability.train_log import IntervalInfo, LogField
 
 # Not "<name>-time-ms": these are per save, not per iteration (the report's timer breakdown
@@ -65,7 +64,6 @@ class SaveTiming:
         self._pending: list[_Pending] = []
         self._blocking_ms: list[float] = []
         self._total_ms: list[float] = []
-        self.num_saves = 0
 
     @contextlib.contextmanager
     def blocking(
@@ -94,7 +92,6 @@ class SaveTiming:
                 # As Megatron: the next interval starts together on every rank (a save is a
                 # collective, so every rank is here); after a failed save, no collective.
                 interval.start(barrier=ok)
-        self.num_saves += 1
         self._blocking_ms.append(blocking_s * 1000.0)
         if async_save:
             self._pending.append(_Pending(iteration, started))

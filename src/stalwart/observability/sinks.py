@@ -66,20 +66,11 @@ class MetricSink(Protocol):
 class NullSink:
     """Writes nothing. The sink of every non-zero rank and of runs without metric back-ends."""
 
-    def add_scalar(self, name: str, value: float, step: int) -> None:
-        return None
-
-    def add_scalars(self, values: Mapping[str, float], step: int) -> None:
-        return None
-
-    def add_text(self, name: str, text: str, step: int) -> None:
-        return None
-
-    def flush(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
+    def add_scalar(self, name: str, value: float, step: int) -> None: ...
+    def add_scalars(self, values: Mapping[str, float], step: int) -> None: ...
+    def add_text(self, name: str, text: str, step: int) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
 
 
 def is_null_sink(sink: MetricSink) -> bool:

@@ -337,17 +337,13 @@ class NullStragglerDetector:
     def iteration_region(self) -> contextlib.AbstractContextManager[None]:
         return self._noop
 
-    def on_microbatch(self, index: int, is_last: bool) -> None:
-        return None
+    def on_microbatch(self, index: int, is_last: bool) -> None: ...
 
     def graph_safe(self) -> None:
         return None  # nothing to run inside a captured graph
 
-    def step(self) -> None:
-        return None
-
-    def report(self, iteration: int, num_iterations: int | None = None) -> None:
-        return None
+    def step(self) -> None: ...
+    def report(self, iteration: int, num_iterations: int | None = None) -> None: ...
 
     @property
     def last_report(self) -> None:
@@ -359,8 +355,7 @@ class NullStragglerDetector:
     def scalars(self) -> dict[str, float]:
         return {}
 
-    def close(self) -> None:
-        return None
+    def close(self) -> None: ...
 
 
 class StragglerIdle:

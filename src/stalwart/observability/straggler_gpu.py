@@ -67,11 +67,8 @@ class GpuStatsReader(Protocol):
 class NullGpuStats:
     """No GPU fields (CPU, or no NVML): this rank contributes NaNs to the gather."""
 
-    def read(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
+    def read(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class NvmlGpuStats:

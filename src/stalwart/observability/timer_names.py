@@ -1,5 +1,5 @@
 """The standard timer names (Megatron's spelling), the level at which each is real, and how
-they nest. Re-exported by :mod:`stalwart.observability.timers`."""
+they nest."""
 
 from __future__ import annotations
 

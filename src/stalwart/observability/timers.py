@@ -41,35 +41,25 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from stalwart.distributed import collectives
 
-# The standard names live in timer_names and are re-exported from here, as before.
+# The standard names live in timer_names; the loop and the training log import these from here.
 from stalwart.observability.timer_names import (  # noqa: F401
-    ALL_GRADS_SYNC,
     BACKWARD_COMPUTE,
     BATCH_GENERATOR,
-    EVALUATE,
     FORWARD_BACKWARD,
     FORWARD_COMPUTE,
     INTERVAL_TIME,
-    LOAD_CHECKPOINT,
     OPTIMIZER,
     OPTIMIZER_CLIP_MAIN_GRAD,
-    OPTIMIZER_COPY_MAIN_TO_MODEL_PARAMS,
-    OPTIMIZER_COPY_TO_MAIN_GRAD,
     OPTIMIZER_COUNT_ZEROS,
     OPTIMIZER_INNER_STEP,
-    OPTIMIZER_UNSCALE_AND_CHECK_INF,
-    PARAMS_ALL_GATHER,
-    SAVE_CHECKPOINT,
-    SAVE_CHECKPOINT_NON_PERSISTENT,
     STANDARD_TIMER_LEVELS,
-    TIMER_PARENTS,
     TRAINING_TIMERS,
 )
 
@@ -124,18 +114,6 @@ def validate_timing_flags(log_level: int, log_option: TimingLogOption) -> None:
     _check_log_option(log_option)
 
 
-class TimerLike(Protocol):
-    """What callers may do with the object returned by ``timers(name)``."""
-
-    name: str
-
-    def start(self, barrier: bool = False) -> None: ...
-    def stop(self, barrier: bool = False) -> None: ...
-    def reset(self) -> None: ...
-    def elapsed(self, reset: bool = True, barrier: bool = False) -> float: ...
-    def active_time(self) -> float: ...
-
-
 class NullTimer:
     """Timer for names above the configured level: every call is a no-op.
 
@@ -145,14 +123,9 @@ class NullTimer:
 
     name = "null timer"
 
-    def start(self, barrier: bool = False) -> None:
-        return None
-
-    def stop(self, barrier: bool = False) -> None:
-        return None
-
-    def reset(self) -> None:
-        return None
+    def start(self, barrier: bool = False) -> None: ...
+    def stop(self, barrier: bool = False) -> None: ...
+    def reset(self) -> None: ...
 
     def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
         raise RuntimeError(
@@ -202,10 +175,6 @@ class Timer:
     @property
     def is_running(self) -> bool:
         return self._running
-
-    def set_barrier_group(self, group: ProcessGroup | None) -> None:
-        """Group used by ``barrier=True`` (None: the default world group)."""
-        self._barrier_group = group
 
     def start(self, barrier: bool = False) -> None:
         if self._running:

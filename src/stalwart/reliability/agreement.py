@@ -78,7 +78,6 @@ class IterationAgreement:
         self.probe = probe
         self.group = group
         self._agreed: Agreed | None = None
-        self.num_collectives = 0
 
     def begin(self) -> None:
         """A new iteration: its first agreement carries the exit inputs."""
@@ -131,6 +130,5 @@ class IterationAgreement:
 
         if not collectives.is_initialized() or dist.get_world_size(self.group) == 1:
             return values  # one process: nothing to agree on, no device round trip
-        self.num_collectives += 1
         # Deliberate sync: the one per-iteration agreement (rerun verdict, signal, time budget).
         return collectives.all_reduce_floats(values, dist.ReduceOp.MAX, self.group)

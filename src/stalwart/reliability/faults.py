@@ -129,8 +129,7 @@ class NullFaultInjector:
 
     fired = False
 
-    def maybe_inject(self, iteration: int, rank: int, phase: str = "step") -> None:
-        pass
+    def maybe_inject(self, iteration: int, rank: int, phase: str = "step") -> None: ...
 
 
 class FaultInjector:

@@ -31,7 +31,7 @@ from stalwart.observability.run_dir import (
     timer_label,
     timer_names,
 )
-from stalwart.observability.timers import TIMER_PARENTS
+from stalwart.observability.timer_names import TIMER_PARENTS
 from stalwart.report.config import config_section
 from stalwart.report.plotly_charts import Charts, make_charts, plotly_js
 from stalwart.report.svg import _e, _fmt

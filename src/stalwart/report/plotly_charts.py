@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import stalwart.report.svg as svg
 from stalwart.observability.run_dir import EventKind
 from stalwart.report.svg import KIND_COLOURS, PALETTE, Points, series_colours
 
@@ -189,38 +190,13 @@ def _x_range(data: dict[str, Points], x_max: float | None) -> list[float] | None
 
 
 class SvgCharts:
-    """The static fallback with the same methods (inline SVG)."""
+    """The static fallback with the same methods (inline SVG, `stalwart.report.svg`)."""
 
     interactive = False
-
-    def line(
-        self,
-        data: dict[str, Points],
-        xlabel: str,
-        ylabel: str,
-        x_max: float | None = None,
-        dashed: frozenset[str] = frozenset(),
-    ) -> str:
-        from stalwart.report.svg import line_chart
-
-        return line_chart(data, xlabel, ylabel, x_max, dashed)
-
-    def stacked_bars(
-        self, labels: list[str], stacks: dict[str, list[float]], ylabel: str, xlabel: str = ""
-    ) -> str:
-        from stalwart.report.svg import stacked_bars
-
-        return stacked_bars(labels, stacks, ylabel, xlabel)
-
-    def heatmap(self, records: list[dict[str, Any]]) -> str:
-        from stalwart.report.svg import straggler_heatmap
-
-        return straggler_heatmap(records)
-
-    def timeline(self, events: list[dict[str, Any]], x_max: float | None) -> str:
-        from stalwart.report.svg import timeline
-
-        return timeline(events, x_max)
+    line = staticmethod(svg.line_chart)
+    stacked_bars = staticmethod(svg.stacked_bars)
+    heatmap = staticmethod(svg.straggler_heatmap)
+    timeline = staticmethod(svg.timeline)
 
 
 Charts = PlotlyCharts | SvgCharts

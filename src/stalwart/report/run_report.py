@@ -37,10 +37,8 @@ from stalwart.observability.run_dir import (
     PNG_DIR,
     REPORT_FILE,
     THROUGHPUT_KEYS,
-    EventKind,
     RunArtefacts,
     RunPaths,
-    append_event,
     read_manifest,
     series,
     timer_label,
@@ -48,23 +46,7 @@ from stalwart.observability.run_dir import (
 )
 from stalwart.report import clean
 
-__all__ = [
-    "EVENTS_FILE",
-    "LOSS_KEYS",
-    "LR_KEYS",
-    "PNG_DIR",
-    "REPORT_FILE",
-    "THROUGHPUT_KEYS",
-    "EventKind",
-    "RunArtefacts",
-    "append_event",
-    "load_run",
-    "series",
-    "timer_label",
-    "timer_names",
-    "write_pngs",
-    "write_report",
-]
+__all__ = ["load_run", "write_pngs", "write_report"]
 
 
 def _find_metrics(run_dir: Path) -> Path | None:

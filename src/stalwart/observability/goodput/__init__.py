@@ -11,29 +11,21 @@ Standard library only: ``stalwart goodput`` reads the ledger without torch.
 """
 
 from stalwart.observability.goodput.ledger import (
-    GOODPUT_FILE,
-    Bucket,
-    CompileSource,
     GoodputLedger,
-    GoodputSummary,
     NullGoodputLedger,
-    StepSpan,
-    launcher_start_time,
     make_goodput_ledger,
-    process_start_time,
     record_action,
     straggler_idle_seconds,
 )
+from stalwart.observability.goodput.records import GOODPUT_FILE, Bucket, CompileSource
+from stalwart.observability.goodput.session import process_start_time
 
 __all__ = [
     "GOODPUT_FILE",
     "Bucket",
     "CompileSource",
     "GoodputLedger",
-    "GoodputSummary",
     "NullGoodputLedger",
-    "StepSpan",
-    "launcher_start_time",
     "make_goodput_ledger",
     "process_start_time",
     "record_action",

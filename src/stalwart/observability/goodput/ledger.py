@@ -77,27 +77,11 @@ from stalwart.observability.goodput.session import (
     high_water_mark,
     launcher_start_time,
     previous_end,
-    process_start_time,
     torchrun_restart_count,
 )
 
 if TYPE_CHECKING:  # the ledger itself is standard-library only (the CLI reads it without torch)
     from stalwart.observability.train_log import IntervalInfo, LogField
-
-__all__ = [
-    "GOODPUT_FILE",
-    "Bucket",
-    "CompileSource",
-    "GoodputLedger",
-    "GoodputSummary",
-    "NullGoodputLedger",
-    "StepSpan",
-    "launcher_start_time",
-    "make_goodput_ledger",
-    "process_start_time",
-    "record_action",
-    "straggler_idle_seconds",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -566,7 +550,6 @@ class NullGoodputLedger:
         return self._null
 
     def drop_ahead(self) -> None: ...
-
     def add_straggler_idle(self, seconds: float) -> None: ...
     def resumed(self, iteration: int) -> None: ...
     def fault(self, cause: str, detail: str = "", since: float | None = None) -> None: ...
@@ -574,11 +557,8 @@ class NullGoodputLedger:
     def log_fields(self, info: IntervalInfo) -> list[LogField]:
         return []
 
-    def close(self, reason: str = FINISHED, detail: str = "") -> None:
-        return None
-
-    def refused(self) -> None:
-        return None
+    def close(self, reason: str = FINISHED, detail: str = "") -> None: ...
+    def refused(self) -> None: ...
 
     def __enter__(self) -> NullGoodputLedger:
         return self

@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 GOODPUT_FILE = "goodput.jsonl"
-SCHEMA_VERSION = 1
 MAX_LINE_BYTES = 1 << 16  # a longer line is not a record this writer produced
 MAX_SPAN_S = 1e8  # ~3 years: anything longer is a corrupt record
 FINISHED = "finished"
@@ -450,7 +447,3 @@ def _clock(t: float) -> str:
     import time
 
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-
-
-def ledger_path(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / GOODPUT_FILE

@@ -1,6 +1,6 @@
 """Hang-detection settings: sections, per-section timeouts, ``--ft-timeouts`` parsing and the config.
 
-Split from :mod:`stalwart.reliability.hang.sections` (which re-exports everything here).
+:mod:`stalwart.reliability.hang.sections` re-exports the config names (the README's entry point).
 """
 
 from __future__ import annotations

@@ -58,7 +58,6 @@ from stalwart.reliability.hang import monitor as hb
 from stalwart.reliability.hang.config import (
     _TIMEOUT_KEYS,
     FT_LOG_DIRNAME,
-    FT_STATE_FILENAME,
     FaultToleranceConfig,
     Section,
     SectionTimeouts,
@@ -69,30 +68,21 @@ from stalwart.reliability.hang.timeouts import (
     FtState,
     ft_state_path,
     learn_timeouts,
-    load_ft_state,
     resolve_timeouts,
     save_ft_state,
     select_sections_to_update,
 )
 
-# Config and timeout learning live in ft_config / ft_timeouts; re-exported as the public API here.
+# The config lives in hang.config; its names a user's loop needs are re-exported here.
 __all__ = [
     "FT_LOG_DIRNAME",
-    "FT_STATE_FILENAME",
     "FaultToleranceConfig",
-    "FtState",
     "NullSectionMonitor",
     "Section",
     "SectionMonitor",
     "SectionTimeouts",
     "build_section_monitor",
-    "ft_state_path",
-    "learn_timeouts",
-    "load_ft_state",
     "parse_ft_timeouts",
-    "resolve_timeouts",
-    "save_ft_state",
-    "select_sections_to_update",
 ]
 
 logger = logging.getLogger(__name__)
@@ -329,7 +319,6 @@ class SectionMonitor:
         if not self.config.calc_ft_timeouts or self._closed:
             return None
         chosen = select_sections_to_update(
-            closing=closing,
             num_timed_steps=self._num_timed_steps,
             num_checkpoints=self._num_checkpoints,
             persistent_checkpoint_loaded=self._persistent_loaded,

@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 def select_sections_to_update(
     *,
-    closing: bool,
     num_timed_steps: int,
     num_checkpoints: int,
     persistent_checkpoint_loaded: bool,

@@ -16,7 +16,7 @@ Two kinds of records:
   device tensor or a float), with the conventions below.
 
 The rules, specs and records, and how a rejection is evaluated on the host, are in
-:mod:`stalwart.reliability.rerun.rules` (re-exported here).
+:mod:`stalwart.reliability.rerun.rules`.
 """
 
 from __future__ import annotations
@@ -29,31 +29,14 @@ import torch
 import torch.distributed as dist
 
 from stalwart.reliability.rerun.rules import (
-    DEFAULT_LARGE_SAMPLES,
-    INF_RULE,
-    NAN_RULE,
     UNWRITTEN,
     CheckSpec,
-    DeviceCheck,
     DeviceRule,
     RuleKind,
-    ValidationRecord,
-    as_scalar,
     device_rule_of,
-    evaluate_comparison,
-    evaluate_rejection,
-    host_predicate,
-    is_rejected,
 )
 from stalwart.reliability.rerun.stats import compare_floats
 from stalwart.reliability.rerun.types import CallKey
-
-__all__ = [
-    "DEFAULT_LARGE_SAMPLES", "INF_RULE", "NAN_RULE", "UNWRITTEN", "CheckSpec", "DeviceCheck",
-    "DeviceRule", "RuleKind", "ValidationBuffer", "ValidationRecord", "as_scalar",
-    "device_rule_of", "evaluate_comparison", "evaluate_rejection", "host_predicate",
-    "is_rejected",
-]  # fmt: skip
 
 
 def _capturing(device: torch.device) -> bool:

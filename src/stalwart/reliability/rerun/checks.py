@@ -10,18 +10,12 @@ the data-parallel reduction, as Megatron's ``check_grads`` does.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from stalwart.reliability.rerun.buffer import (
-    INF_RULE,
-    NAN_RULE,
-    DeviceCheck,
-    DeviceRule,
-    RuleKind,
-)
+from stalwart.reliability.rerun.rules import INF_RULE, NAN_RULE, DeviceCheck, DeviceRule, RuleKind
 from stalwart.reliability.rerun.types import CheckConfig
 
 NAN_LOSS_MESSAGE = "found NaN in local forward loss calculation"
@@ -374,15 +368,10 @@ def grad_check_comm_hook(
 def register_grad_check_hook(
     ddp_model: torch.nn.parallel.DistributedDataParallel,
     sm: CheckedMachine,
-    config: Any = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> GradCheckState:
-    """Register :func:`grad_check_comm_hook` on a DDP model (before the first backward).
-
-    ``config`` (a ``RerunConfig``) is accepted for compatibility; the machine's ``checks`` say
-    which checks run.
-    """
-    del config
+    """Register :func:`grad_check_comm_hook` on a DDP model (before the first backward); the
+    machine's ``checks`` say which checks run."""
     params = list(ddp_model.module.parameters())
     # The same bucket size as DDP's, so the fixed layout is its initial one.
     size = int(getattr(ddp_model, "bucket_bytes_cap", DEFAULT_BUCKET_BYTES))

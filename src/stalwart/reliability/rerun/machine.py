@@ -35,14 +35,7 @@ import torch.distributed as dist
 
 from stalwart.distributed import collectives
 from stalwart.reliability.rerun.ahead import LookAhead
-from stalwart.reliability.rerun.buffer import (
-    INF_RULE,
-    NAN_RULE,
-    DeviceCheck,
-    DeviceRule,
-    ValidationBuffer,
-    host_predicate,
-)
+from stalwart.reliability.rerun.buffer import ValidationBuffer
 from stalwart.reliability.rerun.checks import CheckRows, record_grad_checks, record_loss_checks
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator, wrapped_iterators
 from stalwart.reliability.rerun.determinism import DeterminismStats
@@ -58,6 +51,7 @@ from stalwart.reliability.rerun.replicas import (
 )
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker
+from stalwart.reliability.rerun.rules import DeviceCheck, host_predicate
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
     CallKey,
@@ -178,11 +172,6 @@ class RerunStateMachine:
     def get_mode(self) -> RerunMode:
         return self.mode
 
-    def set_mode(self, mode: RerunMode | str) -> None:
-        """Change the mode between iterations (the loop state is kept)."""
-        self.mode = RerunMode.parse(mode)
-        logger.warning("RerunStateMachine mode set to %s", self.mode.value)
-
     def set_iteration(self, iteration: int) -> None:
         """The 0-based index of the iteration about to run (messages and tracker lines print it
         + 1, the number the training log shows).
@@ -240,14 +229,6 @@ class RerunStateMachine:
         self.recorder.validate_result(
             result, rejection_func, message, comparison_func, tolerance, fatal
         )
-
-    def check_on_device(
-        self, value: torch.Tensor, rule: DeviceRule, message: str, tolerance: float = 0.0,
-        fatal: bool = True,
-    ) -> None:  # fmt: skip
-        """Record a check whose verdict the device computes (:class:`DeviceRule`), into the
-        machine's buffer: device ops only, graph-capturable, never a sync."""
-        self.recorder.check_all_on_device(value, [[DeviceCheck(rule, message, tolerance, fatal)]])
 
     def check_all_on_device(
         self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
@@ -327,11 +308,6 @@ class RerunStateMachine:
         if not self.can_begin_ahead():
             raise RuntimeError("begin_ahead() needs an initial pass with device verdicts only")
         self._look_ahead.begin(iteration)
-
-    @property
-    def ahead_iteration(self) -> int | None:
-        """The iteration begun ahead, if any."""
-        return self._look_ahead.iteration
 
     def discard_ahead(self, restore_rng: bool = True) -> bool:
         """Drop the pass begun ahead (its work ran on stale state or must rerun): its records and
@@ -443,10 +419,6 @@ class RerunStateMachine:
             return self.peer.determinism.applied()
         return contextlib.nullcontext()
 
-    @property
-    def replaying_on_peer(self) -> bool:
-        return self.state is RerunState.REPLAYING_ON_PEER
-
     # ------------------------------------------------------------------------ the transitions
     def _start_iteration(
         self, iterators: list[RerunDataIterator[Any]], iteration: int | None
@@ -527,12 +499,7 @@ class RerunStateMachine:
         if ckpt or fatal:
             self._exit_after_rerun(iterators, checkpoint=ckpt)
             return False
-        self.reporter.log0(
-            "Continuing normal execution because the failed validation was not fatal"
-        )
-        self.judge.finish()
-        self._accept(iterators)
-        return False
+        return self._continue_after_failure(iterators)
 
     def _start_rerun_from_checkpoint(self, iteration: int | None) -> bool:
         if iteration is not None and iteration != self.iteration:
@@ -558,6 +525,9 @@ class RerunStateMachine:
             self._pending_diagnosis = self.judge.checkpoint_diagnosis(self.iteration)
             self._awaiting_exit = True
             return False
+        return self._continue_after_failure(iterators)
+
+    def _continue_after_failure(self, iterators: list[RerunDataIterator[Any]]) -> bool:
         self.reporter.log0(
             "Continuing normal execution because the failed validation was not fatal"
         )
@@ -725,4 +695,4 @@ class RerunStateMachine:
         apply_verdict(self, checkpoint_path)
 
 
-__all__ = ["INF_RULE", "NAN_RULE", "Agreement", "RerunStateMachine"]
+__all__ = ["Agreement", "RerunStateMachine"]

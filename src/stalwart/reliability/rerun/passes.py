@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from stalwart.reliability.rerun.buffer import ValidationRecord
-from stalwart.reliability.rerun.rng import RngStateTracker, capture_rng_state, restore_rng_state
+from stalwart.reliability.rerun.rng import RngStateTracker
+from stalwart.reliability.rerun.rules import ValidationRecord
 from stalwart.reliability.rerun.types import CallKey
+from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 
 @dataclass

@@ -9,7 +9,6 @@ import math
 from typing import Any
 
 from stalwart.distributed import collectives
-from stalwart.reliability.rerun.buffer import evaluate_comparison
 from stalwart.reliability.rerun.checks import is_grad_message
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator
 from stalwart.reliability.rerun.injector import RerunErrorInjector
@@ -25,6 +24,7 @@ from stalwart.reliability.rerun.peer import (
 )
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker, adopt_rng_state, portable_rng_state
+from stalwart.reliability.rerun.rules import evaluate_comparison
 from stalwart.reliability.rerun.types import (
     CallKey,
     Diagnosis,

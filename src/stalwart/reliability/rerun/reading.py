@@ -11,13 +11,8 @@ import math
 
 import torch
 
-from stalwart.reliability.rerun.buffer import (
-    UNWRITTEN,
-    DeviceRule,
-    RuleKind,
-    ValidationBuffer,
-    ValidationRecord,
-)
+from stalwart.reliability.rerun.buffer import ValidationBuffer
+from stalwart.reliability.rerun.rules import UNWRITTEN, DeviceRule, RuleKind, ValidationRecord
 
 
 def read_values(

@@ -16,19 +16,19 @@ from typing import Any
 
 import torch
 
-from stalwart.reliability.rerun.buffer import (
+from stalwart.reliability.rerun.buffer import ValidationBuffer
+from stalwart.reliability.rerun.injector import RerunErrorInjector
+from stalwart.reliability.rerun.passes import Records
+from stalwart.reliability.rerun.reading import read_values
+from stalwart.reliability.rerun.rules import (
     CheckSpec,
     DeviceCheck,
     DeviceRule,
     RuleKind,
-    ValidationBuffer,
     ValidationRecord,
     as_scalar,
     host_predicate,
 )
-from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.passes import Records
-from stalwart.reliability.rerun.reading import read_values
 from stalwart.reliability.rerun.stats import LargeValueTracker, compare_floats, host_float
 from stalwart.reliability.rerun.types import CallKey
 from stalwart.reliability.rerun.verdicts import Items

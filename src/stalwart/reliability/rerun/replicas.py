@@ -43,9 +43,9 @@ import torch.distributed as dist
 
 from stalwart.distributed import collectives
 from stalwart.reliability.replica_check import decide_replica_consistency, tensor_fingerprints
-from stalwart.reliability.rerun.buffer import NAN_RULE, DeviceCheck, is_rejected
 from stalwart.reliability.rerun.recording import Recorder
 from stalwart.reliability.rerun.reporter import Reporter
+from stalwart.reliability.rerun.rules import NAN_RULE, DeviceCheck, is_rejected
 from stalwart.reliability.rerun.types import (
     Diagnosis,
     DiagnosisSource,

@@ -1,6 +1,6 @@
 """The rerun machine's generators: extra named ones (:class:`RngStateTracker`) and a snapshot
 another rank can adopt. The capture and restore of every generator is the leaf module
-`stalwart.rng_state` (re-exported here).
+`stalwart.rng_state`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from stalwart.rng_state import capture_rng_state as capture_rng_state
-from stalwart.rng_state import restore_rng_state as restore_rng_state
 
 
 class RngStateTracker:

@@ -10,11 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stalwart.reliability.rerun.buffer import (
-    ValidationRecord,
-    evaluate_comparison,
-    is_rejected,
-)
+from stalwart.reliability.rerun.rules import ValidationRecord, evaluate_comparison, is_rejected
 from stalwart.reliability.rerun.types import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
