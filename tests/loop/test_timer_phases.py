@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from stalwart.loop import EagerPlan, GraphPlan, GuardedStep
-from stalwart.observability.timers import (
+from stalwart.observability.timer_names import (
     FORWARD_BACKWARD,
     FORWARD_COMPUTE,
     OPTIMIZER,
     OPTIMIZER_INNER_STEP,
     TRAINING_TIMERS,
-    Timers,
 )
+from stalwart.observability.timers import Timers
 from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from stalwart.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
-from stalwart.reliability.rerun import capture_rng_state, restore_rng_state
+from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 

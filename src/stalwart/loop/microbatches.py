@@ -18,12 +18,8 @@ from torch import nn
 
 from stalwart.loop.compute_weights import NO_COMPUTE_WEIGHTS
 from stalwart.loop.precision import NullLossScaler
-from stalwart.observability.timers import (
-    BACKWARD_COMPUTE,
-    BATCH_GENERATOR,
-    FORWARD_COMPUTE,
-    NullTimer,
-)
+from stalwart.observability.timer_names import BACKWARD_COMPUTE, BATCH_GENERATOR, FORWARD_COMPUTE
+from stalwart.observability.timers import NullTimer
 from stalwart.reliability.rerun import GradCheckState, RerunStateMachine
 from stalwart.reliability.rerun.checks import CheckRows, record_loss_run
 

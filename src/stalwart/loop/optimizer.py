@@ -27,7 +27,7 @@ from stalwart.graphs import (
 )
 from stalwart.loop.microbatches import NO_TIMERS
 from stalwart.loop.precision import NullLossScaler
-from stalwart.observability.timers import (
+from stalwart.observability.timer_names import (
     OPTIMIZER_CLIP_MAIN_GRAD,
     OPTIMIZER_COUNT_ZEROS,
     OPTIMIZER_INNER_STEP,

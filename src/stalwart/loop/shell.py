@@ -49,7 +49,7 @@ from stalwart.observability.goodput import GOODPUT_FILE, Bucket, CompileSource, 
 from stalwart.observability.run_dir import EventKind, RunPaths, append_event
 from stalwart.observability.save_timing import SaveTiming
 from stalwart.observability.straggler import StragglerIdle
-from stalwart.observability.timers import INTERVAL_TIME
+from stalwart.observability.timer_names import INTERVAL_TIME
 from stalwart.observability.train_log import TensorOrScalar, TrainingLog
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind, decide, exit_inputs, leave
 from stalwart.reliability.hang.sections import Section, build_section_monitor

@@ -51,7 +51,7 @@ from stalwart.loop.microbatches import (
 from stalwart.loop.optimizer import EagerOptimizer, Stepped
 from stalwart.loop.plans import EagerPlan, GraphPlan, PlanParts
 from stalwart.loop.precision import NullLossScaler
-from stalwart.observability.timers import FORWARD_BACKWARD, OPTIMIZER
+from stalwart.observability.timer_names import FORWARD_BACKWARD, OPTIMIZER
 from stalwart.reliability.exit import Agreed, IterationAgreement
 from stalwart.reliability.replica_check import replicas_agree
 from stalwart.reliability.rerun import (

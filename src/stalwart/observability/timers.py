@@ -47,21 +47,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.distributed import collectives
-
-# The standard names live in timer_names; the loop and the training log import these from here.
-from stalwart.observability.timer_names import (  # noqa: F401
-    BACKWARD_COMPUTE,
-    BATCH_GENERATOR,
-    FORWARD_BACKWARD,
-    FORWARD_COMPUTE,
-    INTERVAL_TIME,
-    OPTIMIZER,
-    OPTIMIZER_CLIP_MAIN_GRAD,
-    OPTIMIZER_COUNT_ZEROS,
-    OPTIMIZER_INNER_STEP,
-    STANDARD_TIMER_LEVELS,
-    TRAINING_TIMERS,
-)
+from stalwart.observability.timer_names import STANDARD_TIMER_LEVELS
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

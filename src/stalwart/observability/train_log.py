@@ -56,7 +56,8 @@ from stalwart.observability.log_lines import (
 from stalwart.observability.progress import ProgressBar
 from stalwart.observability.sinks import JsonlSink, MetricSink, NullSink, is_null_sink
 from stalwart.observability.throughput import interval_throughput, validate_peak_tflops
-from stalwart.observability.timers import INTERVAL_TIME, TRAINING_TIMERS, TimerReport, Timers
+from stalwart.observability.timer_names import INTERVAL_TIME, TRAINING_TIMERS
+from stalwart.observability.timers import TimerReport, Timers
 
 # Name of the main loss (Megatron's "lm loss"): reported as "loss" in the metrics file.
 MAIN_LOSS_KEY = "lm loss"

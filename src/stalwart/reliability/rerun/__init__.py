@@ -47,7 +47,6 @@ from stalwart.reliability.rerun.types import (
     Suspect,
     device_identity,
 )
-from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 __all__ = [
     "DEVICE_ID_ENV",
@@ -76,7 +75,6 @@ __all__ = [
     "ValidationBuffer",
     "attribute_replicas",
     "bucket_layout",
-    "capture_rng_state",
     "check_grads",
     "check_loss",
     "compare_floats",
@@ -86,5 +84,4 @@ __all__ = [
     "read_iterations_to_skip",
     "register_grad_check_hook",
     "resolve_iterations_to_skip",
-    "restore_rng_state",
 ]
