@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +220,10 @@ class FaultInjector:
         if self.kind is FaultKind.SIGKILL:
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind is FaultKind.SIGTERM:
-            under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-            os.kill(os.getppid() if under_torchrun else os.getpid(), signal.SIGTERM)
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                _signal_agent_and_wait(signal.SIGTERM)
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
         elif self.kind is FaultKind.HANG:
             self._hang()
         elif self.kind is FaultKind.BITFLIP:
@@ -271,3 +274,30 @@ def build_fault_injector(
         phase=phase,
         repeat=config.inject_fault_repeat,
     )
+
+
+def _signal_agent_and_wait(signum: int, timeout_s: float = 30.0) -> None:
+    """``signum`` to the torchrun agent, which forwards it to every local worker; returns once it
+    has reached this process too (or after ``timeout_s``), so the drill's signal lands in the
+    phase it names: on a loaded machine the agent's forward can take longer than the phase.
+
+    The handler in place still runs (the relay calls it); none (the default action, or ignored):
+    nothing to wait for."""
+    previous = signal.getsignal(signum)
+    if not callable(previous):
+        os.kill(os.getppid(), signum)
+        return
+    arrived: list[bool] = []
+
+    def relay(number: int, frame: Any) -> None:
+        arrived.append(True)
+        previous(number, frame)
+
+    signal.signal(signum, relay)
+    try:
+        os.kill(os.getppid(), signum)
+        deadline = time.monotonic() + timeout_s
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.01)  # the handler runs in this (main) thread between the sleeps
+    finally:
+        signal.signal(signum, previous)
