@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from stalwart.graphs.pool import GraphContext
-from stalwart.graphs.static_inputs import InputSignature, StaticInputs, signature_of, tensor_leaves
+from stalwart.graphs.static_inputs import InputSignature, StaticInputs, signature_of
 
 logger = logging.getLogger(__name__)
 
@@ -358,8 +358,3 @@ class FullIterationGraph:
 
     def _result(self, outputs: Any) -> Any:
         return _clone_tensors(outputs) if self.clone_outputs else outputs
-
-
-def output_tensors(outputs: Any) -> list[torch.Tensor]:
-    """All tensors in a (possibly nested) output structure, e.g. the per-micro-batch loss dicts."""
-    return tensor_leaves(outputs)

@@ -46,12 +46,6 @@ class Resettable(Protocol):
     def reset(self) -> None: ...
 
 
-def supports_generator_registration() -> bool:
-    """True when this torch can register extra generators with a graph (graph-safe RNG)."""
-    graph_cls = getattr(torch.cuda, "CUDAGraph", None)
-    return graph_cls is not None and hasattr(graph_cls, "register_generator_state")
-
-
 class GraphContext:
     """Owns the private graph memory pool and the single capture side stream.
 

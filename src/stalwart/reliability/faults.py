@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 logger = logging.getLogger(__name__)
 
@@ -278,26 +278,21 @@ def build_fault_injector(
 
 def _signal_agent_and_wait(signum: int, timeout_s: float = 30.0) -> None:
     """``signum`` to the torchrun agent, which forwards it to every local worker; returns once it
-    has reached this process too (or after ``timeout_s``), so the drill's signal lands in the
-    phase it names: on a loaded machine the agent's forward can take longer than the phase.
-
-    The handler in place still runs (the relay calls it); none (the default action, or ignored):
-    nothing to wait for."""
+    has reached this process too (at most ``timeout_s``), so the drill's signal lands in the phase
+    it names: on a loaded machine the agent's forward can outlast the phase. The handler in place
+    still runs (the relay calls it); with none installed from Python there is nothing to wait for."""
     previous = signal.getsignal(signum)
-    if not callable(previous):
-        os.kill(os.getppid(), signum)
-        return
-    arrived: list[bool] = []
+    arrived: list[int] = []
+    if callable(previous):
 
-    def relay(number: int, frame: Any) -> None:
-        arrived.append(True)
-        previous(number, frame)
+        def relay(number: int, frame: FrameType | None) -> None:
+            arrived.append(number)
+            previous(number, frame)
 
-    signal.signal(signum, relay)
-    try:
-        os.kill(os.getppid(), signum)
-        deadline = time.monotonic() + timeout_s
-        while not arrived and time.monotonic() < deadline:
-            time.sleep(0.01)  # the handler runs in this (main) thread between the sleeps
-    finally:
+        signal.signal(signum, relay)
+    os.kill(os.getppid(), signum)
+    deadline = time.monotonic() + timeout_s
+    while callable(previous) and not arrived and time.monotonic() < deadline:
+        time.sleep(0.01)  # the handler runs in this (main) thread between the sleeps
+    if callable(previous):
         signal.signal(signum, previous)
