@@ -20,7 +20,8 @@ CHILD = textwrap.dedent(
     import logging, sys, time
     import torch
     from stalwart.observability.sinks import NullSink
-    from stalwart.observability.timers import INTERVAL_TIME, TimingLogOption, Timers
+    from stalwart.observability.timer_names import INTERVAL_TIME
+    from stalwart.observability.timers import TimingLogOption, Timers
     from stalwart.observability.train_log import LogConfig, TrainingLog
 
     logging.basicConfig(level=logging.INFO, format="INFO %(message)s")
