@@ -41,6 +41,8 @@ TARGETS = [
     ("  compile cache: open (Inductor import, artifacts load)", "stalwart.graphs.compile_cache:CompileCache.open"),
     ("    compile cache: load artifacts.bin", "stalwart.graphs.compile_cache:CompileCache.load"),
     ("  model: build, DDP, torch.compile wrapper", "stalwart.train.build:build_model"),
+    ("    model: DDP/FSDP2 wrapper", "stalwart.train.build:wrap_model"),
+    ("    model: torch.compile wrapper", "torch.nn.modules.module:Module.compile"),
     ("    DDP bucket layout (3+ ranks: one backward)", "stalwart.train.build:settle_bucket_layout"),
     ("  optimizer", "stalwart.train.build:build_optimizer"),
     ("  sampler", "stalwart.train.build:build_sampler"),
@@ -104,6 +106,7 @@ def main() -> int:
     own, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])  # fmt: skip
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="the JSON file ({rank}: RANK of the environment)")
+    p.add_argument("--profile", help="also a cProfile of the run after the imports (text, top 80)")
     args = p.parse_args(own)
     args.out = args.out.replace("{rank}", os.environ.get("RANK", "0"))
     # perf_counter and time.time() differ by a constant: the launch time maps onto perf_counter.
@@ -133,7 +136,22 @@ def main() -> int:
 
     atexit.register(write)
     sys.argv = ["stalwart", *rest]
-    return entry.run()
+    if not args.profile:
+        return entry.run()
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    try:
+        return profiler.runcall(entry.run)
+    finally:
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(80)
+        stats.sort_stats("tottime").print_stats(40)
+        with open(args.profile, "w") as f:
+            f.write(text.getvalue())
 
 
 if __name__ == "__main__":

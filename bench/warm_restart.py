@@ -62,13 +62,16 @@ def _train(
     args: argparse.Namespace,
     *extra: str,
     phases: Path | None = None,
+    profile: Path | None = None,
     env_extra: dict[str, str] | None = None,
 ) -> int:
-    """``stalwart train`` in a fresh process (under the phase timers when ``phases``)."""
+    """``stalwart train`` in a fresh process (under the phase timers when ``phases``, and
+    cProfile when ``profile``)."""
     model = args.trainer_flags or CPU_MODEL
     entry = ["-m", "stalwart"]
     if phases is not None:
-        entry = [str(REPO / "bench" / "startup_phases.py"), "--out", str(phases), "--"]
+        entry = [str(REPO / "bench" / "startup_phases.py"), "--out", str(phases)]
+        entry += ["--profile", str(profile), "--"] if profile is not None else ["--"]
     cmd = [sys.executable, *entry, "train", *model, *COMMON, "--save", str(run_dir),
            "--train-iters", str(args.train_iters), "--save-interval", str(args.save_interval),
            *extra]  # fmt: skip
@@ -129,7 +132,8 @@ def run_once(args: argparse.Namespace, order: tuple[str, ...]) -> dict[str, dict
         for variant in order:
             phases = base / f"{variant}.phases.json" if args.phases else None
             env = args.warm_env if variant == WARM_ENV else None
-            rc = _train(Path(copies[variant]), args, phases=phases, env_extra=env)
+            profile = Path(args.profile) / f"{variant}.prof.txt" if args.profile else None
+            rc = _train(Path(copies[variant]), args, phases=phases, profile=profile, env_extra=env)
             if rc != 0:
                 raise RuntimeError(f"{variant} relaunch exited {rc}")
             results[variant] = last_session(Path(copies[variant]))
@@ -203,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write all runs and the summary here")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--phases", action="store_true", help="time each start-up phase (a table)")
+    p.add_argument("--profile", help="a folder: a cProfile of each relaunch (implies --phases)")
     p.add_argument(
         "--warm-env",
         action="append",
@@ -211,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a third relaunch, warm, with this environment variable (repeatable)",
     )
     args = p.parse_args(own)
+    args.phases = args.phases or bool(args.profile)
     args.trainer_flags = trainer if (trainer or args.gpu) else None
     if args.gpu and not trainer:
         p.error("--gpu takes the trainer's model flags after --")
