@@ -16,6 +16,12 @@ span, as with ``TORCH_CACHING_PRECOMPILE=1``, to the end of its first iteration)
 seconds by source (cold compile, warm cache load, capture, cache write). Median and spread of
 ``--repeats``.
 
+``--launch``: two more rows, the same faulted job run under ``stalwart launch --max-restarts 1``,
+which relaunches it itself (round 1 resumes with the warm cache), its workers exec'd by torchrun
+or forked from the launcher (``--fork-workers``); timed from the fault (the end of the failed
+session's last span in the ledger), so the launcher's reaction and the relaunch's whole start
+are in the figure.
+
 ``--phases``: each relaunch runs under ``bench/startup_phases.py`` (wall-clock timers around
 the start-up's parts: the imports, the process group, each builder of the trainer, the compile
 cache's open and load, the checkpoint load, the first iteration), and a table of every phase's
@@ -52,6 +58,11 @@ from stalwart.observability.goodput.records import (  # noqa: E402
 )
 
 WARM_ENV = "warm+env"  # the warm relaunch with --warm-env's variables
+# --launch: the job under `stalwart launch`, relaunched by it (measured from the fault).
+LAUNCH_VARIANTS = {
+    "launch: exec, from the fault": False,
+    "launch --fork-workers, from the fault": True,
+}
 CPU_MODEL = ["--preset", "tiny", "--micro-batch-size", "4", "--use-cpu"]
 COMMON = ["--compile", "--log-interval", "1", "--no-progress-bar", "--seed", "3",
           "--eval-interval", "0", "--lr", "1e-3", "--lr-warmup-iters", "1"]  # fmt: skip
@@ -85,14 +96,18 @@ def _train(
     return out.returncode
 
 
-def last_session(run_dir: Path) -> dict[str, Any]:
-    """The relaunch's figures from its ledger: launcher start -> end of its last compile span."""
+def last_session(run_dir: Path, from_fault: bool = False) -> dict[str, Any]:
+    """The relaunch's figures from its ledger: launcher start (``from_fault``: the end of the
+    previous session's last span, i.e. the fault) -> end of its last compile span."""
     records = read_ledger(run_dir / "goodput.jsonl").records
     sessions = [r for r in records if isinstance(r, Marker) and r.kind is RecordKind.SESSION]
     session = sessions[-1]
     mine = [r for r in records if isinstance(r, Span) and r.session == session.session]
     compiles = [s for s in mine if s.bucket is Bucket.COMPILE]
     start = float(session.get("launcher_start", session.t))
+    if from_fault:
+        before = sessions[-2].session
+        start = max(r.t1 for r in records if isinstance(r, Span) and r.session == before)
     sources: dict[str, float] = {}
     for span in compiles:
         key = span.source.value if span.source is not None else "unattributed"
@@ -113,6 +128,30 @@ def last_session(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def run_launch(args: argparse.Namespace, fork: bool) -> dict[str, Any]:
+    """The faulted job under ``stalwart launch`` (its relaunch forked from the launcher when
+    ``fork``): round 0 compiles and dies at ``--fault-iteration``, round 1 resumes with the
+    warm cache; its figures from the fault."""
+    run_dir = Path(tempfile.mkdtemp(prefix="stalwart-warm-launch-"))
+    try:
+        model = args.trainer_flags or CPU_MODEL
+        cmd = [sys.executable, "-m", "stalwart", "launch", "--nproc-per-node", "1",
+               "--max-restarts", "1", *(["--fork-workers"] if fork else []), "--", *model, *COMMON,
+               "--save", str(run_dir), "--train-iters", str(args.train_iters),
+               "--save-interval", str(args.save_interval), "--inject-fault", "exception",
+               "--inject-fault-iteration", str(args.fault_iteration)]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"}
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+        if args.verbose or out.returncode != 0:
+            sys.stdout.write(out.stdout[-2000:] + out.stderr[-3000:])
+        if out.returncode != 0:
+            raise RuntimeError(f"stalwart launch (fork={fork}) exited {out.returncode}")
+        return last_session(run_dir, from_fault=True)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def run_once(args: argparse.Namespace, order: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     base = Path(tempfile.mkdtemp(prefix="stalwart-warm-"))
     try:
@@ -130,9 +169,14 @@ def run_once(args: argparse.Namespace, order: tuple[str, ...]) -> dict[str, dict
             copies[WARM_ENV] = shutil.copytree(first, base / "warm-env")
         results = {}
         for variant in order:
+            if variant in LAUNCH_VARIANTS:
+                results[variant] = run_launch(args, fork=LAUNCH_VARIANTS[variant])
+                continue
             phases = base / f"{variant}.phases.json" if args.phases else None
             env = args.warm_env if variant == WARM_ENV else None
-            profile = Path(args.profile) / f"{variant}.prof.txt" if args.profile else None
+            # cProfile slows a cold compile several times over: the warm relaunches only.
+            warm = variant != "cold"
+            profile = Path(args.profile) / f"{variant}.prof.txt" if args.profile and warm else None
             rc = _train(Path(copies[variant]), args, phases=phases, profile=profile, env_extra=env)
             if rc != 0:
                 raise RuntimeError(f"{variant} relaunch exited {rc}")
@@ -207,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write all runs and the summary here")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--phases", action="store_true", help="time each start-up phase (a table)")
-    p.add_argument("--profile", help="a folder: a cProfile of each relaunch (implies --phases)")
+    p.add_argument("--launch", action="store_true",
+                   help="two more: the job relaunched by `stalwart launch`, without and with "
+                   "--fork-workers, each timed from the fault")  # fmt: skip
+    p.add_argument(
+        "--profile", help="a folder: a cProfile of each warm relaunch (implies --phases)"
+    )
     p.add_argument(
         "--warm-env",
         action="append",
@@ -226,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
     if args.warm_env:
         runs[WARM_ENV] = []
+    if args.launch:
+        runs.update({variant: [] for variant in LAUNCH_VARIANTS})
     started = time.monotonic()
     for i in range(args.repeats):
         order = tuple(runs) if i % 2 == 0 else tuple(reversed(runs))  # load drift hits all

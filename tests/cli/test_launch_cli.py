@@ -151,6 +151,8 @@ def test_bad_input_exit_2_is_not_relaunched(tmp_path: Path) -> None:
      (["--", "--train-iters", "3"], "the train args need --save DIR"),
      (["--nproc-per-node", "2"], "put the train args after --"),
      (["--devices", "a,a", "--", "--save", "s"], "--devices names a device twice"),
+     (["--fork-workers", "--module", "mine", "--", "--save", "s"],
+      "--fork-workers runs `stalwart train` in the forked workers: it needs --module stalwart"),
      (["--devices", "a", "--nproc-per-node", "2", "--", "--save", "s"],
       "--nproc-per-node must be between 1 and the 1 device(s) of --devices, got 2")],
 )  # fmt: skip
@@ -169,6 +171,6 @@ def test_help_lists_the_policy() -> None:
     from stalwart.cli.launch import build_parser
 
     text = build_parser().format_help()
-    for needle in ("--max-restarts", "--devices", "--slurm-requeue", "exit 16 (resume on other",
+    for needle in ("--max-restarts", "--devices", "--slurm-requeue", "--fork-workers", "exit 16 (resume on other",
                    "relaunch without the suspect devices", "scontrol requeue"):  # fmt: skip
         assert needle in text

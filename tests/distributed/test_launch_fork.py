@@ -1,0 +1,85 @@
+"""``stalwart launch --fork-workers`` over the real trainer: 2 gloo ranks forked from the
+launcher, rank 0 dies of an injected exception, the launcher relaunches (forked again) and the
+job resumes to the end, bitwise equal to the fault-free job; a forked worker starts with an exec'd
+worker's process state (signal handlers, exit handlers)."""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stalwart.observability.goodput.reader import read_ledger
+from stalwart.observability.goodput.records import summarize
+
+from dist_utils import run_cli_on_ranks
+from train_utils import REPO, TINY_FLAGS, assert_params_equal, load_params
+
+ITERS = 6
+TRAIN = [*TINY_FLAGS, "--train-iters", str(ITERS), "--global-batch-size", "8", "--seed", "3",
+         "--save-interval", "2", "--log-interval", "1"]  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_forked_workers_restart_after_a_crash_bitwise_equal(tmp_path: Path) -> None:
+    save = tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STALWART_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    cmd = [sys.executable, "-m", "stalwart", "launch", "--fork-workers", "--nproc-per-node", "2",
+           "--devices", "a,b", "--max-restarts", "1", "--monitor-interval", "0.2", "--", *TRAIN,
+           "--save", str(save), "--inject-fault", "exception", "--inject-fault-iteration", "4"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert log.count("stalwart launch: forking the workers from the launcher") == 2, log[-3000:]
+    assert "stalwart launch: restart: rank 0 exited 1 (a failure)" in log
+    summary = summarize(read_ledger(save / "goodput.jsonl"))
+    assert [a.get("action") for a in summary.actions] == ["restart", "finished"]
+    assert summary.sessions[-1].resumed_at == 2 and summary.sessions[-1].end_reason == "finished"
+
+    ref = run_cli_on_ranks(["train", *TRAIN, "--save", str(tmp_path / "ref")], tmp_path / "logs",
+                           world_size=2, timeout_s=240)  # fmt: skip
+    assert ref.codes == [0, 0], ref.log[-3000:]
+    assert_params_equal(load_params(save, ITERS), load_params(tmp_path / "ref", ITERS))
+
+
+def _child(marker: str, argv: tuple[str, ...]) -> None:
+    from stalwart.cli.launch import forked_worker
+
+    try:
+        forked_worker(*argv)
+    finally:
+        handler = signal.getsignal(signal.SIGTERM)
+        Path(marker).write_text("default" if handler == signal.SIG_DFL else repr(handler))
+
+
+def test_a_forked_worker_starts_with_default_handlers_and_its_own_exit_code(
+    tmp_path: Path,
+) -> None:
+    launcher_exit = tmp_path / "launcher_atexit"
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # as torchrun's agent does
+
+    def launcher_handler() -> None:
+        launcher_exit.write_text("ran")
+
+    atexit.register(launcher_handler)
+    try:
+        marker = tmp_path / "sigterm"
+        child = multiprocessing.get_context("fork").Process(
+            target=_child, args=(str(marker), ("train", "--no-such-flag"))
+        )
+        child.start()
+        child.join(60)
+    finally:
+        atexit.unregister(launcher_handler)
+        signal.signal(signal.SIGTERM, previous)
+    assert child.exitcode == 2  # bad input, as `python -m stalwart train --no-such-flag`
+    assert marker.read_text() == "default"
+    assert not launcher_exit.exists()  # the launcher's exit handler did not run in the worker
