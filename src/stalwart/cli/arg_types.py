@@ -12,12 +12,18 @@ which are parsed by the same parser) gets these checks without naming them:
 Flags with a tighter range pass their own instance, e.g. ``type=Float(gt=0)``. A refused value
 reads ``argument --lr: must be a finite number > 0, got 'inf'``: argparse adds the flag name.
 Semantic ranges that depend on other flags stay in the configs' ``__post_init__``.
+
+The kinds of flag every ``stalwart`` parser declares are one helper each: `switch` (off unless
+given), `negated` (``--no-x``: on unless given), `choice` (one of a few words) and `values`
+(rows of ``(flag, type, default, help)``).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Iterable
+from typing import Any
 
 from stalwart.config.checks import INT_MAX
 
@@ -95,3 +101,27 @@ def register_checked_types(parser: argparse.ArgumentParser) -> None:
     """Make ``type=int`` / ``type=float`` of ``parser`` (and its groups) mean `Int()` / `Float()`."""
     parser.register("type", int, Int())
     parser.register("type", float, Float())
+
+
+def switch(g: Any, flag: str, help: str) -> None:
+    """A flag that is off unless given (``store_true``)."""
+    g.add_argument(flag, action="store_true", help=help)
+
+
+def negated(g: Any, flag: str, help: str) -> None:
+    """``--no-x``: the setting ``x`` is on unless this flag is given (``store_false`` into ``x``)."""
+    dest = flag.removeprefix("--no-").replace("-", "_")
+    g.add_argument(flag, dest=dest, action="store_false", help=help)
+
+
+def choice(
+    g: Any, flag: str, choices: Iterable[Any], metavar: str, help: str, *, default: Any = None
+) -> None:
+    """A flag that takes one of ``choices``: ``flag METAVAR`` (the help lists the choices)."""
+    g.add_argument(flag, default=default, choices=tuple(choices), metavar=metavar, help=help)
+
+
+def values(g: Any, *rows: tuple[str, Any, Any, str]) -> None:
+    """One value flag per ``(flag, type, default, help)`` row; a None default reads "unset"."""
+    for flag, kind, default, text in rows:
+        g.add_argument(flag, type=kind, default=default, help=text)
