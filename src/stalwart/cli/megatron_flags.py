@@ -294,6 +294,8 @@ class MegatronRefusal(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         u = self.unsupported
+        if self.holds:
+            return  # an `ALWAYS` switch: its effect holds anyway
         if u.takes_value and isinstance(values, str) and values.strip() in u.accepted:
             return  # Megatron's "off": what stalwart does anyway
         parser.error(refusal_message(u.flag, u.reason))
@@ -310,15 +312,6 @@ class MegatronAlways(MegatronRefusal):
             option_strings, dest, unsupported=Unsupported(always.flag, always.fact, False)
         )
         # Hidden, like a refusal: the group's description lists them all in one paragraph.
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        return None
 
 
 def add_megatron_refusals(parser: argparse.ArgumentParser) -> None:
