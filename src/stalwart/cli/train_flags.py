@@ -26,6 +26,12 @@ def group(p: argparse.ArgumentParser, table: str, title: str) -> Any:
     return g
 
 
+def interval(g: Any, flag: str, what: str, zero: str = "off") -> None:
+    """An every-N-iterations flag, 0 by default; its help says what 0 means (``zero``)."""
+    help = f"{what} every N iterations (default: 0 = {zero})"
+    g.add_argument(flag, type=int, default=0, help=help)
+
+
 def model_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "model", "model")
     choice(g, "--preset", PRESET_NAMES, "NAME", "model size preset", default="tiny")
@@ -220,11 +226,8 @@ def training_flags(p: argparse.ArgumentParser) -> None:
         ("--seed", Int(0, SEED_MAX), 1234, "seed of init and data"),
     )  # fmt: skip
     _precision_flags(g)
-    values(
-        g,
-        ("--eval-interval", int, 0, "evaluate every N iterations (default: 0 = never)"),
-        ("--eval-iters", int, 10, "batches per evaluation"),
-    )
+    interval(g, "--eval-interval", "evaluate", zero="never")
+    g.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation")
     switch(g, "--use-cpu", "train on CPU even if CUDA is present")
     switch(g, "--use-torch-fsdp2", "shard with FSDP2, not DDP")
     _compile_flags(g)
@@ -235,12 +238,7 @@ def training_flags(p: argparse.ArgumentParser) -> None:
         help="timeout of a collective before the job fails",
     )
     switch(g, "--manual-gc", "Python GC only at the same iterations on every rank")
-    g.add_argument(
-        "--manual-gc-interval",
-        type=int,
-        default=0,
-        help="--manual-gc every N iterations (default: 0 = around eval only)",
-    )
+    interval(g, "--manual-gc-interval", "--manual-gc", zero="around eval only")
     negated(g, "--no-manual-gc-eval", "--manual-gc: not around evaluation")
 
 
@@ -295,9 +293,7 @@ def checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "checkpoints", "checkpoints")
     g.add_argument("--save", metavar="DIR", help="checkpoint (and run) directory (default: none)")
     g.add_argument("--load", metavar="DIR", help="resume from here (default: --save)")
-    g.add_argument(
-        "--save-interval", type=int, default=0, help="save every N iterations (default: 0 = off)"
-    )
+    interval(g, "--save-interval", "save")
     switch(g, "--no-load-optim", "resume without optimizer state")
     switch(g, "--no-load-rng", "resume without the RNG states")
     switch(g, "--finetune", "load weights only and start at iteration 0")
@@ -313,12 +309,7 @@ def checkpoint_flags(p: argparse.ArgumentParser) -> None:
         "check every file of the checkpoint against its checksums before loading",
     )
     switch(g, "--async-save", "write checkpoints in the background")
-    g.add_argument(
-        "--non-persistent-save-interval",
-        type=int,
-        default=0,
-        help="also save locally every N iterations (default: 0 = off)",
-    )
+    interval(g, "--non-persistent-save-interval", "also save locally")
     g.add_argument(
         "--non-persistent-ckpt-dir",
         metavar="DIR",

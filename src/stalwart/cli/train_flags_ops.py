@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from stalwart.cli.arg_types import Float, choice, negated, switch, values
-from stalwart.cli.train_flags import group
+from stalwart.cli.train_flags import group, interval
 from stalwart.reliability.faults import FAULT_PHASES, FaultKind
 from stalwart.reliability.inprocess.config import RestartGranularity
 from stalwart.reliability.rerun.types import RerunDiagnostic, RerunMode
@@ -298,12 +298,7 @@ def straggler_flags(p: argparse.ArgumentParser) -> None:
 
 def memory_energy_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "observability.memory", "observability: memory")
-    g.add_argument(
-        "--log-memory-interval",
-        type=int,
-        default=0,
-        help="memory line every N iterations (default: 0 = off)",
-    )
+    interval(g, "--log-memory-interval", "memory line")
     switch(g, "--log-memory-to-tensorboard", "write memory to the sinks")
     g.add_argument(
         "--empty-unused-memory-level",
@@ -327,9 +322,7 @@ def dump_flags(p: argparse.ArgumentParser) -> None:
         ("--save-params-interval", "parameters (after the step)"),
         ("--save-tokens-per-expert-interval", "MoE tokens per expert"),
     ):
-        g.add_argument(
-            flag, type=int, default=0, help=f"{what} every N iterations (default: 0 = off)"
-        )
+        interval(g, flag, what)
     switch(g, "--log-dgrads", "dgrads every --save-activations-interval (or --log-interval)")
     switch(g, "--log-tokens-per-expert", "tokens per expert, same cadence as --log-dgrads")
     switch(
