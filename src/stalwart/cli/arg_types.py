@@ -1,4 +1,5 @@
-"""Checked argparse value types: every number a flag takes is finite and inside a sane range.
+"""Checked argparse value types (every number a flag takes is finite and inside a sane range),
+and one helper per kind of flag the ``stalwart`` parsers declare.
 
 `OneLineErrorParser` registers `Int` and `Float` as the meaning of ``type=int`` and ``type=float``,
 so every numeric flag (also flags added later, and values that come from a ``--config`` TOML file,
@@ -13,9 +14,9 @@ Flags with a tighter range pass their own instance, e.g. ``type=Float(gt=0)``. A
 reads ``argument --lr: must be a finite number > 0, got 'inf'``: argparse adds the flag name.
 Semantic ranges that depend on other flags stay in the configs' ``__post_init__``.
 
-The kinds of flag every ``stalwart`` parser declares are one helper each: `switch` (off unless
-given), `negated` (``--no-x``: on unless given), `choice` (one of a few words) and `values`
-(rows of ``(flag, type, default, help)``).
+The kinds of flag: `switch` (off unless given), `negated` (``--no-x``: on unless given),
+`choice` (one of a few words, shown with a short metavar) and `values` (rows of ``(flag, type,
+default, help)``), so that a parser's flags read as a table and each kind is declared one way.
 """
 
 from __future__ import annotations
