@@ -12,6 +12,7 @@ import contextlib
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
+from stalwart.cli.arg_types import switch
 from stalwart.cli.args import OneLineErrorParser
 from stalwart.iteration_dirs import tracker_iteration
 
@@ -69,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--module", default="stalwart", metavar="MOD",
                    help="worker module: stalwart runs `stalwart train`, another module gets "
                    "TRAIN_ARGS as they are (it must take --save and use stalwart's exit codes)")  # fmt: skip
-    p.add_argument("--slurm-requeue", action="store_true",
-                   help="run the scontrol commands that move the job off a node (default: print)")  # fmt: skip
+    switch(p, "--slurm-requeue",
+           "run the scontrol commands that move the job off a node (default: print)")  # fmt: skip
     return p
 
 

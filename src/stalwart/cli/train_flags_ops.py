@@ -309,7 +309,7 @@ def memory_energy_flags(p: argparse.ArgumentParser) -> None:
         "optimizer (default: 0 = never)",
     )
     e = group(p, "observability.energy", "observability: energy")
-    e.add_argument("--log-energy", action="store_true", help="energy and power per GPU (NVML)")
+    switch(e, "--log-energy", "energy and power per GPU (NVML)")
 
 
 def dump_flags(p: argparse.ArgumentParser) -> None:
