@@ -12,7 +12,6 @@ import json
 import sys
 from pathlib import Path
 
-from stalwart.cli.arg_types import switch
 from stalwart.cli.args import OneLineErrorParser
 
 EXIT_OK = 0
@@ -25,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the goodput ledger of a run directory: seconds per bucket, sessions.",
     )
     p.add_argument("run_dir", help="the run directory (holds goodput.jsonl)")
-    switch(p, "--json", "print the summary as JSON")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
 
 
