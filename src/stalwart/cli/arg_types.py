@@ -22,6 +22,7 @@ default, help)``), so that a parser's flags read as a table and each kind is dec
 from __future__ import annotations
 
 import argparse
+import enum
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -118,7 +119,13 @@ def negated(g: Any, flag: str, help: str) -> None:
 def choice(
     g: Any, flag: str, choices: Iterable[Any], metavar: str, help: str, *, default: Any = None
 ) -> None:
-    """A flag that takes one of ``choices``: ``flag METAVAR`` (the help lists the choices)."""
+    """A flag that takes one of ``choices``: ``flag METAVAR`` (the help lists the choices).
+    ``choices`` may be an Enum class (the flag takes its values; a member as ``default`` stands
+    for its value), so that the flag offers exactly what the config's enum accepts."""
+    if isinstance(choices, type) and issubclass(choices, enum.Enum):
+        choices = [member.value for member in choices]
+    if isinstance(default, enum.Enum):
+        default = default.value
     g.add_argument(flag, default=default, choices=tuple(choices), metavar=metavar, help=help)
 
 

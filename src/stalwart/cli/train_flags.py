@@ -28,8 +28,8 @@ def group(p: argparse.ArgumentParser, table: str, title: str) -> Any:
 
 def interval(g: Any, flag: str, what: str, zero: str = "off") -> None:
     """An every-N-iterations flag, 0 by default; its help says what 0 means (``zero``)."""
-    help = f"{what} every N iterations (default: 0 = {zero})"
-    g.add_argument(flag, type=int, default=0, help=help)
+    text = f"{what} every N iterations (default: 0 = {zero})"
+    g.add_argument(flag, type=int, default=0, help=text)
 
 
 def model_flags(p: argparse.ArgumentParser) -> None:
@@ -261,15 +261,7 @@ def optimizer_flags(p: argparse.ArgumentParser) -> None:
         "of a separate pass over the gradients; the same norm, parameters equal to float32 "
         "rounding (one rank or DDP; not with --use-torch-fsdp2)",
     )
-    decay_styles = (s.value for s in LRDecayStyle)
-    choice(
-        g,
-        "--lr-decay-style",
-        decay_styles,
-        "STYLE",
-        "decay shape",
-        default=LRDecayStyle.COSINE.value,
-    )
+    choice(g, "--lr-decay-style", LRDecayStyle, "STYLE", "decay shape", default=LRDecayStyle.COSINE)
     values(
         g,
         ("--lr-warmup-iters", int, 0, "linear warm-up iterations"),

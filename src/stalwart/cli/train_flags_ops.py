@@ -28,15 +28,13 @@ def _error_injection_flags(g: Any) -> None:
         default=0,
         help="testing: inject into 1 of N checks (default: 0 = off)",
     )
-    diagnostics = (d.value for d in RerunDiagnostic)
-    default = RerunDiagnostic.TRANSIENT_ERROR.value
     choice(
         g,
         "--error-injection-type",
-        diagnostics,
+        RerunDiagnostic,
         "KIND",
         "testing: what is injected",
-        default=default,
+        default=RerunDiagnostic.TRANSIENT_ERROR,
     )
     g.add_argument(
         "--error-injection-iterations",
@@ -71,7 +69,7 @@ def rerun_flags(p: argparse.ArgumentParser) -> None:
         _RERUN_MODES,
         "MODE",
         "rerun rejected iterations: transient, persistent or correct?",
-        default=RerunMode.VALIDATE_RESULTS.value,
+        default=RerunMode.VALIDATE_RESULTS,
     )
     negated(
         g, "--no-check-for-nan-in-loss-and-grad", "do not reject NaN/Inf losses and gradient norms"
@@ -180,22 +178,24 @@ def inprocess_flags(p: argparse.ArgumentParser) -> None:
         "--inprocess-empty-cuda-cache",
         "Megatron's flag: the CUDA cache is always emptied (default: on)",
     )
-    units = (r.value for r in RestartGranularity)
     choice(
         g,
         "--inprocess-granularity",
-        units,
+        RestartGranularity,
         "UNIT",
         "restart unit",
-        default=RestartGranularity.RANK.value,
+        default=RestartGranularity.RANK,
     )
 
 
 def fault_injection_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "reliability.faults", "reliability: fault injection (testing)")
-    kinds = (k.value for k in FaultKind)
     choice(
-        g, "--inject-fault", kinds, "KIND", "fire once at --inject-fault-iteration (default: none)"
+        g,
+        "--inject-fault",
+        FaultKind,
+        "KIND",
+        "fire once at --inject-fault-iteration (default: none)",
     )
     values(
         g,
