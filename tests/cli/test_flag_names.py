@@ -46,16 +46,24 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
     return {o for action in parser._actions for o in action.option_strings}
 
 
+# `stalwart.cli.arg_types`' helpers that declare a flag (its name a positional argument).
+FLAG_HELPERS = {"switch", "negated", "choice", "values"}
+
+
 def _declared(path: Path) -> set[str]:
-    """Option strings of the ``add_argument`` calls in ``path`` (a subcommand's parser)."""
+    """Option strings of the ``add_argument`` and flag-helper calls in ``path`` (a subcommand's
+    parser); `values` rows are tuples whose first item is the flag."""
     options = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
-            options |= {
-                a.value
-                for a in node.args
-                if isinstance(a, ast.Constant) and str(a.value)[:2] == "--"
-            }
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+        if name != "add_argument" and name not in FLAG_HELPERS:
+            continue
+        args = [r.elts[0] if isinstance(r, ast.Tuple) else r for r in node.args]
+        options |= {
+            a.value for a in args if isinstance(a, ast.Constant) and str(a.value)[:2] == "--"
+        }
     return options
 
 

@@ -1,4 +1,5 @@
-"""Checked argparse value types: every number a flag takes is finite and inside a sane range.
+"""Checked argparse value types (every number a flag takes is finite and inside a sane range),
+and one helper per kind of flag the ``stalwart`` parsers declare.
 
 `OneLineErrorParser` registers `Int` and `Float` as the meaning of ``type=int`` and ``type=float``,
 so every numeric flag (also flags added later, and values that come from a ``--config`` TOML file,
@@ -12,12 +13,19 @@ which are parsed by the same parser) gets these checks without naming them:
 Flags with a tighter range pass their own instance, e.g. ``type=Float(gt=0)``. A refused value
 reads ``argument --lr: must be a finite number > 0, got 'inf'``: argparse adds the flag name.
 Semantic ranges that depend on other flags stay in the configs' ``__post_init__``.
+
+The kinds of flag: `switch` (off unless given), `negated` (``--no-x``: on unless given),
+`choice` (one of a few words, shown with a short metavar) and `values` (rows of ``(flag, type,
+default, help)``), so that a parser's flags read as a table and each kind is declared one way.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import math
+from collections.abc import Iterable
+from typing import Any
 
 from stalwart.config.checks import INT_MAX
 
@@ -95,3 +103,33 @@ def register_checked_types(parser: argparse.ArgumentParser) -> None:
     """Make ``type=int`` / ``type=float`` of ``parser`` (and its groups) mean `Int()` / `Float()`."""
     parser.register("type", int, Int())
     parser.register("type", float, Float())
+
+
+def switch(g: Any, flag: str, help: str) -> None:
+    """A flag that is off unless given (``store_true``)."""
+    g.add_argument(flag, action="store_true", help=help)
+
+
+def negated(g: Any, flag: str, help: str) -> None:
+    """``--no-x``: the setting ``x`` is on unless this flag is given (``store_false`` into ``x``)."""
+    dest = flag.removeprefix("--no-").replace("-", "_")
+    g.add_argument(flag, dest=dest, action="store_false", help=help)
+
+
+def choice(
+    g: Any, flag: str, choices: Iterable[Any], metavar: str, help: str, *, default: Any = None
+) -> None:
+    """A flag that takes one of ``choices``: ``flag METAVAR`` (the help lists the choices).
+    ``choices`` may be an Enum class (the flag takes its values; a member as ``default`` stands
+    for its value), so that the flag offers exactly what the config's enum accepts."""
+    if isinstance(choices, type) and issubclass(choices, enum.Enum):
+        choices = [member.value for member in choices]
+    if isinstance(default, enum.Enum):
+        default = default.value
+    g.add_argument(flag, default=default, choices=tuple(choices), metavar=metavar, help=help)
+
+
+def values(g: Any, *rows: tuple[str, Any, Any, str]) -> None:
+    """One value flag per ``(flag, type, default, help)`` row; a None default reads "unset"."""
+    for flag, kind, default, text in rows:
+        g.add_argument(flag, type=kind, default=default, help=text)

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from stalwart.cli import train_flags as run
 from stalwart.cli import train_flags_ops as ops
-from stalwart.cli.arg_types import register_checked_types
+from stalwart.cli.arg_types import register_checked_types, switch
 from stalwart.cli.config_file import CONFIG_HELP, toml_defaults
 from stalwart.cli.help_format import FlagHelpFormatter
 from stalwart.cli.megatron_flags import add_megatron_refusals, unknown_flag_message
@@ -97,14 +97,8 @@ def build_train_parser(*, raise_errors: bool = False) -> argparse.ArgumentParser
         raise_errors=raise_errors,
     )
     p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
-    p.add_argument(
-        "--print-config",
-        action="store_true",
-        help="print the flags as the TOML that --config reads, and exit",
-    )
-    p.add_argument(
-        "--demo", action="store_true", help="the interactive CPU demo's defaults (make demo)"
-    )
+    switch(p, "--print-config", "print the flags as the TOML that --config reads, and exit")
+    switch(p, "--demo", "the interactive CPU demo's defaults (make demo)")
     for add in _GROUPS:
         add(p)
     add_megatron_refusals(p)

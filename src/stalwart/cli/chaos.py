@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from stalwart.cli.arg_types import choice, switch
 from stalwart.cli.args import OneLineErrorParser
 
 EXIT_PASSED = 0
@@ -38,19 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
                    f"--fault-schedule: {SCHEDULE_ITERATIONS})")  # fmt: skip
     p.add_argument("--save-interval", type=int, help="checkpoint every N iterations (default: 3; "
                    f"--fault-schedule: {SCHEDULE_SAVE_INTERVAL})")  # fmt: skip
-    p.add_argument(
-        "--fault-schedule", action="store_true",
-        help="instead of one job per fault: one long job under stalwart launch on 2 ranks, a "
+    switch(
+        p,
+        "--fault-schedule",
+        "instead of one job per fault: one long job under stalwart launch on 2 ranks, a "
         "fault every iterations/6 (hang, SIGKILL, transient NaN, SIGTERM, a persistent device "
         "fault excluded), its goodput and final weights against the fault-free job",
-    )  # fmt: skip
+    )
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks (torchrun workers)")
-    p.add_argument(
+    choice(
+        p,
         "--device",
+        ("cpu", "auto"),
+        "WHERE",
+        "cpu: gloo, bitwise checks hold; auto: NCCL on GPUs",
         default="cpu",
-        choices=("cpu", "auto"),
-        metavar="WHERE",
-        help="cpu: gloo, bitwise checks hold; auto: NCCL on GPUs",
     )
     p.add_argument(
         "--json", metavar="FILE", help="write the result {passed, faults} here (default: none)"
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--jobs", type=int, default=1, help="scenarios run at once (they are independent jobs)"
     )
-    p.add_argument("--no-report", action="store_true", help="skip the HTML run report")
+    switch(p, "--no-report", "skip the HTML run report")
     return p
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.atomic_file import Sync, write_atomic
+from stalwart.cli.arg_types import choice, switch
 from stalwart.cli.args import OneLineErrorParser
 from stalwart.regular_file import open_regular
 
@@ -137,11 +138,7 @@ def build_checkpoints_parser() -> argparse.ArgumentParser:
         "rewrites pickle checkpoints of an older stalwart.",
     )
     p.add_argument("save_dir", help="a --save directory")
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help="apply every check a resume applies, and every file's checksum",
-    )
+    switch(p, "--verify", "apply every check a resume applies, and every file's checksum")
     return p
 
 
@@ -151,11 +148,7 @@ def build_convert_parser() -> argparse.ArgumentParser:
         description="Rewrite pickle checkpoints of an older stalwart as JSON state.",
     )
     p.add_argument("path", help="a --save directory or one iter_* checkpoint")
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="required: the pickles are read unrestricted (they can run code)",
-    )
+    switch(p, "--trust-pickle", "required: the pickles are read unrestricted (they can run code)")
     return p
 
 
@@ -177,17 +170,16 @@ def build_export_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="output file, written atomically; with --format hf a directory (required)",
     )
-    p.add_argument(
+    choice(
+        p,
         "--format",
-        default="auto",
-        choices=EXPORT_FORMATS,
-        metavar="FORMAT",
-        help="auto: safetensors for --out *.safetensors, else torch; hf: config.json + "
+        EXPORT_FORMATS,
+        "FORMAT",
+        "auto: safetensors for --out *.safetensors, else torch; hf: config.json + "
         "model.safetensors that transformers' LlamaForCausalLM loads (Llama presets)",
+        default="auto",
     )
-    p.add_argument(
-        "--dtype", default="fp32", choices=_DTYPES, metavar="DTYPE", help="dtype of the weights"
-    )
+    choice(p, "--dtype", _DTYPES, "DTYPE", "dtype of the weights", default="fp32")
     return p
 
 

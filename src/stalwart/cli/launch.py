@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
+from stalwart.cli.arg_types import switch
 from stalwart.cli.args import OneLineErrorParser
 from stalwart.iteration_dirs import tracker_iteration
 
@@ -73,12 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--module", default="stalwart", metavar="MOD",
                    help="worker module: stalwart runs `stalwart train`, another module gets "
                    "TRAIN_ARGS as they are (it must take --save and use stalwart's exit codes)")  # fmt: skip
-    p.add_argument("--slurm-requeue", action="store_true",
-                   help="run the scontrol commands that move the job off a node (default: print)")  # fmt: skip
-    p.add_argument("--fork-workers", action="store_true",
-                   help="fork each round's workers from this launcher, which imports torch, the "
-                   "trainer and (with --compile) Dynamo and Inductor once: a relaunch skips ~7 s "
-                   "of interpreter start and imports (--module stalwart only)")  # fmt: skip
+    switch(p, "--slurm-requeue",
+           "run the scontrol commands that move the job off a node (default: print)")  # fmt: skip
+    switch(p, "--fork-workers",
+           "fork each round's workers from this launcher, which imports torch, the trainer and "
+           "(with --compile) Dynamo and Inductor once: a relaunch skips the interpreter start "
+           "and those imports (--module stalwart only)")  # fmt: skip
     return p
 
 

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from stalwart.cli.arg_types import switch
 from stalwart.cli.args import OneLineErrorParser
 from stalwart.report import write_comparison, write_report
 
@@ -33,11 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="HTML path (default: <run-dir>/report.html; for a comparison ./compare.html)",
     )
-    p.add_argument("--no-png", action="store_true", help="skip the matplotlib PNGs")
-    p.add_argument(
+    switch(p, "--no-png", "skip the matplotlib PNGs")
+    switch(
+        p,
         "--static",
-        action="store_true",
-        help="inline-SVG charts even when plotly is installed (smaller file, no JavaScript)",
+        "inline-SVG charts even when plotly is installed (smaller file, no JavaScript)",
     )
     p.add_argument(
         "--metrics-file", metavar="FILE", help="metrics JSONL (default: <run-dir>/metrics.jsonl)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from stalwart.cli.arg_types import Float, Int
+from stalwart.cli.arg_types import Float, Int, choice, negated, switch, values
 from stalwart.config.checks import SEED_MAX
 from stalwart.config.training import LRDecayStyle
 
@@ -26,38 +26,28 @@ def group(p: argparse.ArgumentParser, table: str, title: str) -> Any:
     return g
 
 
-def switch(g: Any, flag: str, help: str) -> None:
-    """A flag that is off unless given (``store_true``)."""
-    g.add_argument(flag, action="store_true", help=help)
+def interval(g: Any, flag: str, what: str, zero: str = "off") -> None:
+    """An every-N-iterations flag, 0 by default; its help says what 0 means (``zero``)."""
+    text = f"{what} every N iterations (default: 0 = {zero})"
+    g.add_argument(flag, type=int, default=0, help=text)
 
 
 def model_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "model", "model")
-    g.add_argument(
-        "--preset", choices=PRESET_NAMES, default="tiny", metavar="NAME", help="model size preset"
-    )
-    g.add_argument("--num-layers", type=int, help=f"transformer layers {_PRESET}")
-    g.add_argument("--hidden-size", type=int, help=f"model width {_PRESET}")
-    g.add_argument("--num-attention-heads", type=int, help=f"attention heads {_PRESET}")
-    g.add_argument("--seq-length", type=int, help=f"tokens per sample {_PRESET}")
-    g.add_argument(
-        "--ffn-hidden-size", type=int, help="MLP width (default: the preset's, else 4 x hidden)"
-    )
-    g.add_argument("--vocab-size", type=int, help=f"vocabulary size {_PRESET}")
-    g.add_argument(
-        "--hidden-dropout",
-        type=float,
-        help="dropout everywhere: embeddings, attention, residuals (default: 0.0)",
-    )
-    g.add_argument(
-        "--num-experts",
-        type=Int(1),
-        help="MoE experts per layer, >= 1 (default: none, a dense MLP; Megatron's meaning)",
-    )
-    g.add_argument("--moe-router-topk", type=int, help="experts per token (default: 2)")
-    g.add_argument(
-        "--moe-aux-loss-coeff", type=float, help="load-balancing loss weight (default: 0.01)"
-    )
+    choice(g, "--preset", PRESET_NAMES, "NAME", "model size preset", default="tiny")
+    values(
+        g,
+        ("--num-layers", int, None, f"transformer layers {_PRESET}"),
+        ("--hidden-size", int, None, f"model width {_PRESET}"),
+        ("--num-attention-heads", int, None, f"attention heads {_PRESET}"),
+        ("--seq-length", int, None, f"tokens per sample {_PRESET}"),
+        ("--ffn-hidden-size", int, None, "MLP width (default: the preset's, else 4 x hidden)"),
+        ("--vocab-size", int, None, f"vocabulary size {_PRESET}"),
+        ("--hidden-dropout", float, None, "dropout everywhere: embeddings, attention, residuals (default: 0.0)"),
+        ("--num-experts", Int(1), None, "MoE experts per layer, >= 1 (default: none, a dense MLP; Megatron's meaning)"),
+        ("--moe-router-topk", int, None, "experts per token (default: 2)"),
+        ("--moe-aux-loss-coeff", float, None, "load-balancing loss weight (default: 0.01)"),
+    )  # fmt: skip
     g.add_argument(
         "--moe-expert-capacity-factor",
         "--moe-capacity-factor",
@@ -65,53 +55,30 @@ def model_flags(p: argparse.ArgumentParser) -> None:
         type=Float(gt=0),
         help="per-expert capacity; tokens beyond it are dropped (default: 1.25)",
     )
-    g.add_argument(
-        "--init-method-std", type=Float(gt=0), help="std of the weight init (default: 0.02)"
-    )
-    _megatron_model_flags(g)
-
-
-def _megatron_model_flags(g: Any) -> None:
-    """Megatron's flags whose value stalwart's model derives from others: accepted when they
-    agree (checked by ``stalwart.config.model.check_megatron_model_flags``), refused otherwise."""
-    g.add_argument(
-        "--max-position-embeddings",
-        type=Int(1),
-        help=">= --seq-length; = --seq-length with learned positions (default: unset)",
-    )
-    g.add_argument(
-        "--kv-channels",
-        type=Int(1),
-        help="= --hidden-size / --num-attention-heads (default: unset)",
-    )
-    g.add_argument(
-        "--attention-dropout",
-        type=float,
-        help="= --hidden-dropout, the one dropout (default: unset)",
-    )
-    g.add_argument(
-        "--make-vocab-size-divisible-by",
-        type=Int(1),
-        help="--vocab-size must be a multiple: no padding (default: unset)",
-    )
+    # The last four are Megatron's flags whose value stalwart's model derives from others:
+    # accepted when they agree (``stalwart.config.model.check_megatron_model_flags``).
+    values(
+        g,
+        ("--init-method-std", Float(gt=0), None, "std of the weight init (default: 0.02)"),
+        ("--max-position-embeddings", Int(1), None, ">= --seq-length; = --seq-length with learned positions"),
+        ("--kv-channels", Int(1), None, "= --hidden-size / --num-attention-heads"),
+        ("--attention-dropout", float, None, "= --hidden-dropout, the one dropout"),
+        ("--make-vocab-size-divisible-by", Int(1), None, "--vocab-size must be a multiple: no padding"),
+    )  # fmt: skip
 
 
 def architecture_flags(p: argparse.ArgumentParser) -> None:
     """Megatron's Llama switches; unset flags keep the preset's value (llama-* presets set them)."""
     g = group(p, "model.architecture", "model: architecture (GPT-2 unless a llama-* preset)")
-    g.add_argument(
+    choice(
+        g,
         "--position-embedding-type",
-        choices=("learned_absolute", "rope"),
-        metavar="KIND",
-        help=f"learned absolute positions (GPT-2) or rotary embeddings (Llama) {_PRESET}",
+        ("learned_absolute", "rope"),
+        "KIND",
+        f"learned absolute positions (GPT-2) or rotary embeddings (Llama) {_PRESET}",
     )
     g.add_argument("--rotary-base", type=int, help="RoPE base, rope only (default: 10000)")
-    g.add_argument(
-        "--normalization",
-        choices=("LayerNorm", "RMSNorm"),
-        metavar="KIND",
-        help=f"norm of every layer {_PRESET}",
-    )
+    choice(g, "--normalization", ("LayerNorm", "RMSNorm"), "KIND", f"norm of every layer {_PRESET}")
     g.add_argument("--norm-epsilon", type=Float(gt=0), help="epsilon of every norm (default: 1e-5)")
     for flag, text in (
         ("--swiglu", "SwiGLU MLP (3 matrices) instead of GELU"),
@@ -129,18 +96,20 @@ def architecture_flags(p: argparse.ArgumentParser) -> None:
 
 def recompute_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "model.recompute", "model: activation recompute")
-    g.add_argument(
+    choice(
+        g,
         "--recompute-granularity",
-        choices=("full", "selective"),
-        metavar="KIND",
-        help="selective: the attention core; full: whole layers (with --recompute-method and "
+        ("full", "selective"),
+        "KIND",
+        "selective: the attention core; full: whole layers (with --recompute-method and "
         "--recompute-num-layers) (default: off)",
     )
-    g.add_argument(
+    choice(
+        g,
         "--recompute-method",
-        choices=("uniform", "block"),
-        metavar="KIND",
-        help="full: uniform groups of --recompute-num-layers, or block: the first ones",
+        ("uniform", "block"),
+        "KIND",
+        "full: uniform groups of --recompute-num-layers, or block: the first ones",
     )
     g.add_argument(
         "--recompute-num-layers",
@@ -158,20 +127,16 @@ def data_flags(p: argparse.ArgumentParser) -> None:
         help="file.txt (bytes) or file.bin (token ids); several blend equally, 'w1 p1 w2 p2' by "
         "weight (default: the embedded corpus)",
     )
-    g.add_argument(
+    choice(
+        g,
         "--data-dtype",
+        ("uint16", "uint32"),
+        "DTYPE",
+        "dtype of the token ids of a .bin file",
         default="uint16",
-        choices=("uint16", "uint32"),
-        metavar="DTYPE",
-        help="dtype of the token ids of a .bin file",
     )
     g.add_argument("--valid-fraction", type=float, default=0.02, help="held-out share of the data")
-    g.add_argument(
-        "--no-shuffle",
-        dest="shuffle",
-        action="store_false",
-        help="read samples in order instead of a seeded shuffle",
-    )
+    negated(g, "--no-shuffle", "read samples in order instead of a seeded shuffle")
     g.add_argument(
         "--num-workers",
         type=int,
@@ -230,24 +195,22 @@ def _precision_flags(g: Any) -> None:
         "gradient over the logits in place (one pass over the [tokens, vocab] logits less, no "
         "second tensor of that size; a Triton kernel on CUDA); Megatron's flag",
     )
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**16, help="fp16 starting scale")
-    g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16 scale floor")
-    g.add_argument(
-        "--loss-scale-window", type=int, default=1000, help="fp16: clean iterations to grow"
+    values(
+        g,
+        ("--initial-loss-scale", float, 2.0**16, "fp16 starting scale"),
+        ("--min-loss-scale", float, 1.0, "fp16 scale floor"),
+        ("--loss-scale-window", int, 1000, "fp16: clean iterations to grow"),
+        ("--hysteresis", int, 2, "fp16: overflows before shrinking"),
     )
-    g.add_argument("--hysteresis", type=int, default=2, help="fp16: overflows before shrinking")
 
 
 def training_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "training", "training")
-    g.add_argument(
-        "--micro-batch-size", type=int, help="samples per rank per forward-backward (default: 8)"
-    )
-    g.add_argument(
-        "--global-batch-size",
-        type=int,
-        help="samples per iteration (default: micro batch x data-parallel ranks)",
-    )
+    values(
+        g,
+        ("--micro-batch-size", int, None, "samples per rank per forward-backward (default: 8)"),
+        ("--global-batch-size", int, None, "samples per iteration (default: micro batch x data-parallel ranks)"),
+    )  # fmt: skip
     g.add_argument(
         "--rampup-batch-size",
         type=int,
@@ -255,21 +218,15 @@ def training_flags(p: argparse.ArgumentParser) -> None:
         metavar=("START", "INCR", "SAMPLES"),
         help="grow the global batch from START by INCR over SAMPLES samples (default: off)",
     )
-    # None here, 100 in build_run_config: --train-samples must know whether it was given.
-    g.add_argument("--train-iters", type=int, help="iterations to train in total (default: 100)")
-    g.add_argument(
-        "--train-samples",
-        type=int,
-        help="train this many samples instead; the LR schedule then counts samples",
-    )
-    g.add_argument("--seed", type=Int(0, SEED_MAX), default=1234, help="seed of init and data")
+    values(
+        g,
+        # None here, 100 in build_run_config: --train-samples must know whether it was given.
+        ("--train-iters", int, None, "iterations to train in total (default: 100)"),
+        ("--train-samples", int, None, "train this many samples instead; the LR schedule then counts samples"),
+        ("--seed", Int(0, SEED_MAX), 1234, "seed of init and data"),
+    )  # fmt: skip
     _precision_flags(g)
-    g.add_argument(
-        "--eval-interval",
-        type=int,
-        default=0,
-        help="evaluate every N iterations (default: 0 = never)",
-    )
+    interval(g, "--eval-interval", "evaluate", zero="never")
     g.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation")
     switch(g, "--use-cpu", "train on CPU even if CUDA is present")
     switch(g, "--use-torch-fsdp2", "shard with FSDP2, not DDP")
@@ -281,30 +238,21 @@ def training_flags(p: argparse.ArgumentParser) -> None:
         help="timeout of a collective before the job fails",
     )
     switch(g, "--manual-gc", "Python GC only at the same iterations on every rank")
-    g.add_argument(
-        "--manual-gc-interval",
-        type=int,
-        default=0,
-        help="--manual-gc every N iterations (default: 0 = around eval only)",
-    )
-    g.add_argument(
-        "--no-manual-gc-eval",
-        dest="manual_gc_eval",
-        action="store_false",
-        help="--manual-gc: not around evaluation",
-    )
+    interval(g, "--manual-gc-interval", "--manual-gc", zero="around eval only")
+    negated(g, "--no-manual-gc-eval", "--manual-gc: not around evaluation")
 
 
 def optimizer_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "optimizer", "optimizer and learning-rate schedule (AdamW)")
-    g.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of decay")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1")
-    g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW beta2")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
-    g.add_argument(
-        "--clip-grad", type=float, default=1.0, help="gradient norm clip (default: 1.0; 0 = off)"
+    values(
+        g,
+        ("--lr", float, 3e-4, "peak learning rate"),
+        ("--min-lr", float, 0.0, "learning rate at the end of decay"),
+        ("--weight-decay", float, 0.1, "AdamW weight decay"),
+        ("--adam-beta1", float, 0.9, "AdamW beta1"),
+        ("--adam-beta2", float, 0.95, "AdamW beta2"),
+        ("--adam-eps", float, 1e-8, "AdamW epsilon"),
+        ("--clip-grad", float, 1.0, "gradient norm clip (default: 1.0; 0 = off)"),
     )
     switch(
         g,
@@ -313,22 +261,13 @@ def optimizer_flags(p: argparse.ArgumentParser) -> None:
         "of a separate pass over the gradients; the same norm, parameters equal to float32 "
         "rounding (one rank or DDP; not with --use-torch-fsdp2)",
     )
-    g.add_argument(
-        "--lr-decay-style",
-        default=LRDecayStyle.COSINE.value,
-        choices=tuple(s.value for s in LRDecayStyle),
-        metavar="STYLE",
-        help="decay shape",
-    )
-    g.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up iterations")
-    g.add_argument("--lr-decay-iters", type=int, help="decay ends here (default: --train-iters)")
-    g.add_argument(
-        "--lr-warmup-samples", type=int, default=0, help="warm-up samples (--train-samples)"
-    )
-    g.add_argument(
-        "--lr-decay-samples",
-        type=int,
-        help="decay ends here, in samples (default: --train-samples)",
+    choice(g, "--lr-decay-style", LRDecayStyle, "STYLE", "decay shape", default=LRDecayStyle.COSINE)
+    values(
+        g,
+        ("--lr-warmup-iters", int, 0, "linear warm-up iterations"),
+        ("--lr-decay-iters", int, None, "decay ends here (default: --train-iters)"),
+        ("--lr-warmup-samples", int, 0, "warm-up samples (--train-samples)"),
+        ("--lr-decay-samples", int, None, "decay ends here, in samples (default: --train-samples)"),
     )
     switch(
         g,
@@ -346,9 +285,7 @@ def checkpoint_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "checkpoints", "checkpoints")
     g.add_argument("--save", metavar="DIR", help="checkpoint (and run) directory (default: none)")
     g.add_argument("--load", metavar="DIR", help="resume from here (default: --save)")
-    g.add_argument(
-        "--save-interval", type=int, default=0, help="save every N iterations (default: 0 = off)"
-    )
+    interval(g, "--save-interval", "save")
     switch(g, "--no-load-optim", "resume without optimizer state")
     switch(g, "--no-load-rng", "resume without the RNG states")
     switch(g, "--finetune", "load weights only and start at iteration 0")
@@ -364,12 +301,7 @@ def checkpoint_flags(p: argparse.ArgumentParser) -> None:
         "check every file of the checkpoint against its checksums before loading",
     )
     switch(g, "--async-save", "write checkpoints in the background")
-    g.add_argument(
-        "--non-persistent-save-interval",
-        type=int,
-        default=0,
-        help="also save locally every N iterations (default: 0 = off)",
-    )
+    interval(g, "--non-persistent-save-interval", "also save locally")
     g.add_argument(
         "--non-persistent-ckpt-dir",
         metavar="DIR",

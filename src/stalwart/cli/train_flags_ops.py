@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from stalwart.cli.arg_types import Float
-from stalwart.cli.train_flags import group, switch
+from stalwart.cli.arg_types import Float, choice, negated, switch, values
+from stalwart.cli.train_flags import group, interval
 from stalwart.reliability.faults import FAULT_PHASES, FaultKind
 from stalwart.reliability.inprocess.config import RestartGranularity
 from stalwart.reliability.rerun.types import RerunDiagnostic, RerunMode
@@ -28,12 +28,13 @@ def _error_injection_flags(g: Any) -> None:
         default=0,
         help="testing: inject into 1 of N checks (default: 0 = off)",
     )
-    g.add_argument(
+    choice(
+        g,
         "--error-injection-type",
-        default=RerunDiagnostic.TRANSIENT_ERROR.value,
-        choices=tuple(d.value for d in RerunDiagnostic),
-        metavar="KIND",
-        help="testing: what is injected",
+        RerunDiagnostic,
+        "KIND",
+        "testing: what is injected",
+        default=RerunDiagnostic.TRANSIENT_ERROR,
     )
     g.add_argument(
         "--error-injection-iterations",
@@ -62,18 +63,16 @@ def _error_injection_flags(g: Any) -> None:
 
 def rerun_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "reliability.rerun", "reliability: rerun state machine (result validation)")
-    g.add_argument(
+    choice(
+        g,
         "--rerun-mode",
-        default=RerunMode.VALIDATE_RESULTS.value,
-        choices=_RERUN_MODES,
-        metavar="MODE",
-        help="rerun rejected iterations: transient, persistent or correct?",
+        _RERUN_MODES,
+        "MODE",
+        "rerun rejected iterations: transient, persistent or correct?",
+        default=RerunMode.VALIDATE_RESULTS,
     )
-    g.add_argument(
-        "--no-check-for-nan-in-loss-and-grad",
-        dest="check_for_nan_in_loss_and_grad",
-        action="store_false",
-        help="do not reject NaN/Inf losses and gradient norms",
+    negated(
+        g, "--no-check-for-nan-in-loss-and-grad", "do not reject NaN/Inf losses and gradient norms"
     )
     switch(g, "--check-for-spiky-loss", "warn on a loss 10x the largest seen")
     switch(g, "--check-for-large-grads", "warn on a grad norm 10x the largest")
@@ -164,90 +163,60 @@ def exit_flags(p: argparse.ArgumentParser) -> None:
 def inprocess_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "reliability.inprocess", "reliability: in-process restart")
     switch(g, "--inprocess-restart", "after a fault, retrain in-process from the newest checkpoint")
-    g.add_argument(
-        "--inprocess-max-iterations", type=int, default=3, help="attempts before giving up"
-    )
-    g.add_argument(
-        "--inprocess-soft-timeout",
-        type=float,
-        default=60.0,
-        help="no progress for X seconds: restart",
-    )
-    g.add_argument(
-        "--inprocess-hard-timeout", type=float, default=90.0, help="no progress for X seconds: kill"
-    )
-    g.add_argument(
-        "--inprocess-heartbeat-interval", type=float, default=1.0, help="seconds between beats"
-    )
-    g.add_argument(
-        "--inprocess-heartbeat-timeout",
-        type=float,
-        help="a peer silent this long has failed (default: --inprocess-soft-timeout)",
-    )
-    g.add_argument(
-        "--inprocess-barrier-timeout",
-        type=float,
-        default=300.0,
-        help="seconds to wait for every rank at a restart's rendezvous",
-    )
-    g.add_argument(
-        "--inprocess-monitor-thread-interval",
-        type=float,
-        default=0.05,
-        help="seconds between the monitor thread's checks",
-    )
+    values(
+        g,
+        ("--inprocess-max-iterations", int, 3, "attempts before giving up"),
+        ("--inprocess-soft-timeout", float, 60.0, "no progress for X seconds: restart"),
+        ("--inprocess-hard-timeout", float, 90.0, "no progress for X seconds: kill"),
+        ("--inprocess-heartbeat-interval", float, 1.0, "seconds between beats"),
+        ("--inprocess-heartbeat-timeout", float, None, "a peer silent this long has failed (default: --inprocess-soft-timeout)"),
+        ("--inprocess-barrier-timeout", float, 300.0, "seconds to wait for every rank at a restart's rendezvous"),
+        ("--inprocess-monitor-thread-interval", float, 0.05, "seconds between the monitor thread's checks"),
+    )  # fmt: skip
     switch(
         g,
         "--inprocess-empty-cuda-cache",
         "Megatron's flag: the CUDA cache is always emptied (default: on)",
     )
-    g.add_argument(
+    choice(
+        g,
         "--inprocess-granularity",
-        default=RestartGranularity.RANK.value,
-        choices=tuple(r.value for r in RestartGranularity),
-        metavar="UNIT",
-        help="restart unit",
+        RestartGranularity,
+        "UNIT",
+        "restart unit",
+        default=RestartGranularity.RANK,
     )
 
 
 def fault_injection_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "reliability.faults", "reliability: fault injection (testing)")
-    g.add_argument(
+    choice(
+        g,
         "--inject-fault",
-        choices=tuple(k.value for k in FaultKind),
-        metavar="KIND",
-        help="fire once at --inject-fault-iteration (default: none)",
+        FaultKind,
+        "KIND",
+        "fire once at --inject-fault-iteration (default: none)",
     )
-    g.add_argument("--inject-fault-iteration", type=int, help="iteration to fire at (as logged)")
-    g.add_argument(
-        "--inject-fault-hang-seconds", type=float, help="hang duration (default: forever)"
+    values(
+        g,
+        ("--inject-fault-iteration", int, None, "iteration to fire at (as logged)"),
+        ("--inject-fault-hang-seconds", float, None, "hang duration (default: forever)"),
+        ("--inject-fault-rank", int, 0, "rank that fires"),
     )
-    g.add_argument("--inject-fault-rank", type=int, default=0, help="rank that fires")
-    g.add_argument(
-        "--inject-fault-phase",
-        default="step",
-        choices=FAULT_PHASES,
-        metavar="PHASE",
-        help="where it fires",
-    )
+    choice(g, "--inject-fault-phase", FAULT_PHASES, "PHASE", "where it fires", default="step")
     switch(g, "--inject-fault-repeat", "fire at every attempt, not once")
 
 
 def _tensorboard_flags(g: Any) -> None:
     """TensorBoard (and W&B: the same keys) flags of the logging group, in Megatron spelling."""
     g.add_argument("--tensorboard-dir", metavar="DIR", help="TensorBoard events (default: none)")
-    g.add_argument("--tensorboard-log-interval", type=int, default=1, help="every N iterations")
-    g.add_argument(
-        "--tensorboard-queue-size",
-        type=int,
-        default=1000,
-        help="events buffered before a write",
+    values(
+        g,
+        ("--tensorboard-log-interval", int, 1, "every N iterations"),
+        ("--tensorboard-queue-size", int, 1000, "events buffered before a write"),
     )
-    g.add_argument(
-        "--no-log-loss-scale-to-tensorboard",
-        dest="log_loss_scale_to_tensorboard",
-        action="store_false",
-        help="do not write the loss scale to TensorBoard/W&B",
+    negated(
+        g, "--no-log-loss-scale-to-tensorboard", "do not write the loss scale to TensorBoard/W&B"
     )
     switch(g, "--log-world-size-to-tensorboard", "also write the world size to TensorBoard/W&B")
     switch(g, "--group-metric-tags", "<group>/<key> tags (loss/lm loss), not Megatron's flat ones")
@@ -270,12 +239,7 @@ def logging_flags(p: argparse.ArgumentParser) -> None:
     )
     switch(g, "--log-num-zeros-in-grad", "count zero gradients")
     switch(g, "--log-params-norm", "log the parameter norm")
-    g.add_argument(
-        "--no-progress-bar",
-        dest="progress_bar",
-        action="store_false",
-        help="no progress bar (it shows on a terminal only)",
-    )
+    negated(g, "--no-progress-bar", "no progress bar (it shows on a terminal only)")
     switch(g, "--log-progress", "<save>/progress.txt line per persistent save (Megatron's format)")
     g.add_argument(
         "--metrics-file",
@@ -289,11 +253,8 @@ def logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", metavar="NAME", help="W&B project (default: no W&B)")
     g.add_argument("--wandb-exp-name", metavar="NAME", help="W&B run name (default: W&B's)")
     g.add_argument("--wandb-save-dir", metavar="DIR", help="W&B files (default: W&B's)")
-    g.add_argument(
-        "--wandb-mode",
-        choices=("online", "offline", "disabled"),
-        metavar="MODE",
-        help="W&B mode (default: W&B's)",
+    choice(
+        g, "--wandb-mode", ("online", "offline", "disabled"), "MODE", "W&B mode (default: W&B's)"
     )
 
 
@@ -306,19 +267,16 @@ def timer_flags(p: argparse.ArgumentParser) -> None:
         choices=(0, 1, 2),
         help="0: iteration time; 1: + forward-backward, optimizer; 2: + all",
     )
-    g.add_argument(
-        "--timing-log-option",
-        default="minmax",
-        choices=("max", "minmax", "all"),
-        metavar="HOW",
-        help="across ranks",
+    choice(
+        g, "--timing-log-option", ("max", "minmax", "all"), "HOW", "across ranks", default="minmax"
     )
-    g.add_argument(
+    choice(
+        g,
         "--timing-mode",
+        ("sync", "events"),
+        "MODE",
+        "sync: device syncs around timers; events: CUDA events",
         default="sync",
-        choices=("sync", "events"),
-        metavar="MODE",
-        help="sync: device syncs around timers; events: CUDA events",
     )
     switch(g, "--log-timers-to-tensorboard", "write timers to the sinks")
 
@@ -331,25 +289,16 @@ def straggler_flags(p: argparse.ArgumentParser) -> None:
         "--disable-straggler-on-startup",
         "start --log-straggler off; touch <run dir>/straggler.toggle turns it on or off",
     )
-    g.add_argument(
-        "--straggler-threshold", type=float, default=1.2, help="straggler: this x median time"
-    )
-    g.add_argument(
-        "--straggler-minmax-count",
-        type=int,
-        default=1,
-        help="name the N slowest and fastest ranks",
+    values(
+        g,
+        ("--straggler-threshold", float, 1.2, "straggler: this x median time"),
+        ("--straggler-minmax-count", int, 1, "name the N slowest and fastest ranks"),
     )
 
 
 def memory_energy_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "observability.memory", "observability: memory")
-    g.add_argument(
-        "--log-memory-interval",
-        type=int,
-        default=0,
-        help="memory line every N iterations (default: 0 = off)",
-    )
+    interval(g, "--log-memory-interval", "memory line")
     switch(g, "--log-memory-to-tensorboard", "write memory to the sinks")
     g.add_argument(
         "--empty-unused-memory-level",
@@ -360,42 +309,20 @@ def memory_energy_flags(p: argparse.ArgumentParser) -> None:
         "optimizer (default: 0 = never)",
     )
     e = group(p, "observability.energy", "observability: energy")
-    e.add_argument("--log-energy", action="store_true", help="energy and power per GPU (NVML)")
+    switch(e, "--log-energy", "energy and power per GPU (NVML)")
 
 
 def dump_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "observability.dumps", "observability: dumps")
     g.add_argument("--dump-dir", metavar="DIR", help="where dumps go (default: the run dir)")
-    g.add_argument(
-        "--save-activations-interval",
-        type=int,
-        default=0,
-        help="module inputs/outputs every N iterations (default: 0 = off)",
-    )
-    g.add_argument(
-        "--save-dgrads-interval",
-        type=int,
-        default=0,
-        help="module input/output grads every N iterations (default: 0 = off)",
-    )
-    g.add_argument(
-        "--save-wgrads-interval",
-        type=int,
-        default=0,
-        help="parameter grads (unclipped) every N iterations (default: 0 = off)",
-    )
-    g.add_argument(
-        "--save-params-interval",
-        type=int,
-        default=0,
-        help="parameters (after the step) every N iterations (default: 0 = off)",
-    )
-    g.add_argument(
-        "--save-tokens-per-expert-interval",
-        type=int,
-        default=0,
-        help="MoE tokens per expert every N iterations (default: 0 = off)",
-    )
+    for flag, what in (
+        ("--save-activations-interval", "module inputs/outputs"),
+        ("--save-dgrads-interval", "module input/output grads"),
+        ("--save-wgrads-interval", "parameter grads (unclipped)"),
+        ("--save-params-interval", "parameters (after the step)"),
+        ("--save-tokens-per-expert-interval", "MoE tokens per expert"),
+    ):
+        interval(g, flag, what)
     switch(g, "--log-dgrads", "dgrads every --save-activations-interval (or --log-interval)")
     switch(g, "--log-tokens-per-expert", "tokens per expert, same cadence as --log-dgrads")
     switch(
@@ -423,12 +350,13 @@ def profiler_flags(p: argparse.ArgumentParser) -> None:
 
 def graph_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "graphs", "CUDA graphs")
-    g.add_argument(
+    choice(
+        g,
         "--cuda-graph-impl",
+        ("none", "full_iteration"),
+        "IMPL",
+        "full_iteration: all micro-batches' forward-backward in one graph",
         default="none",
-        choices=("none", "full_iteration"),
-        metavar="IMPL",
-        help="full_iteration: all micro-batches' forward-backward in one graph",
     )
     switch(g, "--optimizer-cuda-graph", "capture clip + AdamW as a graph")
     g.add_argument(
