@@ -21,17 +21,8 @@ from stalwart.config.model import architecture_overrides, check_megatron_model_f
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.graphs.checks import CudaGraphImpl
 from stalwart.loop.plans import EagerPlan, GraphPlan
-from stalwart.loop.shell_config import PROBES, ShellConfig
+from stalwart.loop.shell_config import PROBES, ProbeConfigs, ShellConfig
 from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
-from stalwart.observability.dumps import TensorDumpConfig
-from stalwart.observability.energy import EnergyConfig
-from stalwart.observability.memory import MemoryConfig
-from stalwart.observability.memory_release import MemoryReleaseConfig
-from stalwart.observability.profiler import ProfilerConfig
-from stalwart.observability.progress_log import ProgressLogConfig
-from stalwart.observability.sinks import SinkConfig
-from stalwart.observability.straggler import StragglerConfig
-from stalwart.observability.timers import TimerConfig
 from stalwart.observability.train_log import LogConfig
 from stalwart.reliability.exit import ExitConfig
 from stalwart.reliability.faults import FaultInjectionConfig
@@ -154,10 +145,11 @@ class GraphConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
-class RunConfig:
-    """The whole run: one field per component. Frozen: values one component's flags set from
-    another's are derived before it is built (`derive_combinations`), and `check_combinations`
-    only checks; ``dataclasses.replace`` makes a changed copy."""
+class RunConfig(ProbeConfigs):
+    """The whole run: one field per component (the probes' from ``ProbeConfigs``, so they come
+    first in ``to_dict()``). Frozen: values one component's flags set from another's are derived
+    before it is built (`derive_combinations`), and `check_combinations` only checks;
+    ``dataclasses.replace`` makes a changed copy."""
 
     preset: str
     model: GPTConfig
@@ -167,15 +159,6 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     run_dir: str | None = None  # --run-dir (default: --save)
-    sinks: SinkConfig = field(default_factory=SinkConfig)
-    timers: TimerConfig = field(default_factory=TimerConfig)
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    energy: EnergyConfig = field(default_factory=EnergyConfig)
-    dumps: TensorDumpConfig = field(default_factory=TensorDumpConfig)
-    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
-    memory_release: MemoryReleaseConfig = field(default_factory=MemoryReleaseConfig)
-    progress: ProgressLogConfig = field(default_factory=ProgressLogConfig)
     rerun: RerunConfig = field(default_factory=RerunConfig)
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -304,7 +287,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         if getattr(ns, "exit_on_interrupt", None) is not None
         else interrupt_handling_default(os.environ, sys.stdin, sys.stdout),
     )
-    probes = typing.get_type_hints(ShellConfig)
+    probes = typing.get_type_hints(ProbeConfigs)
     log, rerun = derive_combinations(
         training,
         _pick(ns, LogConfig, {"progress_bar": "log_progress_bar"}),

@@ -1,15 +1,16 @@
 """What the shell around a training step does: the components' own configs, composed.
 
 Each probe keeps its config beside it (``StragglerConfig`` in ``observability/straggler.py``,
-...), one field per Megatron flag, each with ``build()``. The trainer's ``RunConfig`` holds the
-same probe configs (``RunConfig.shell_config``); the Lightning and HF callbacks take them as
-keyword arguments; a hand-written loop builds this directly.
+...), one field per Megatron flag, each with ``build()``. ``ProbeConfigs`` declares them once:
+``ShellConfig`` and the trainer's ``RunConfig`` both derive from it (``RunConfig.shell_config``
+hands them over); the Lightning and HF callbacks take them as keyword arguments; a hand-written
+loop builds this directly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,15 +32,29 @@ from stalwart.reliability.rerun import RerunConfig, RerunMode
 if TYPE_CHECKING:
     from stalwart.loop.shell import Shell
 
-# The probe configs, by their ShellConfig field (the parity test walks every field of each).
-PROBES: tuple[str, ...] = (
-    "sinks", "timers", "straggler", "memory", "energy", "dumps", "profiler", "memory_release",
-    "progress",
-)  # fmt: skip
+
+@dataclass(kw_only=True, frozen=True)
+class ProbeConfigs:
+    """The probes' configs, declared once: ``ShellConfig`` and the trainer's ``RunConfig``
+    hold the same fields (each a component's config, everything off by default)."""
+
+    sinks: SinkConfig = field(default_factory=SinkConfig)
+    timers: TimerConfig = field(default_factory=TimerConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    energy: EnergyConfig = field(default_factory=EnergyConfig)
+    dumps: TensorDumpConfig = field(default_factory=TensorDumpConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    memory_release: MemoryReleaseConfig = field(default_factory=MemoryReleaseConfig)
+    progress: ProgressLogConfig = field(default_factory=ProgressLogConfig)
+
+
+# The probe configs, by their field name (the parity test walks every field of each).
+PROBES: tuple[str, ...] = tuple(f.name for f in fields(ProbeConfigs))
 
 
 @dataclass(kw_only=True, frozen=True)
-class ShellConfig:
+class ShellConfig(ProbeConfigs):
     """What the shell does (each component config validates itself).
 
     Attributes:
@@ -53,7 +68,7 @@ class ShellConfig:
         exit / ft / rerun / log: the signal/duration/interval exits (default: the SIGTERM
             handler on), hang detection, the rerun machine (default: disabled), the log line.
         sinks / timers / straggler / memory / energy / dumps / profiler / memory_release /
-            progress: the probes (:data:`PROBES`), everything off by default.
+            progress: the probes (:class:`ProbeConfigs`), everything off by default.
     """
 
     train_iters: int
@@ -68,15 +83,6 @@ class ShellConfig:
     log: LogConfig = field(
         default_factory=lambda: LogConfig(log_interval=10, log_progress_bar=False)
     )
-    sinks: SinkConfig = field(default_factory=SinkConfig)
-    timers: TimerConfig = field(default_factory=TimerConfig)
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    energy: EnergyConfig = field(default_factory=EnergyConfig)
-    dumps: TensorDumpConfig = field(default_factory=TensorDumpConfig)
-    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
-    memory_release: MemoryReleaseConfig = field(default_factory=MemoryReleaseConfig)
-    progress: ProgressLogConfig = field(default_factory=ProgressLogConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.train_iters, bool) or not isinstance(self.train_iters, int):
@@ -124,4 +130,4 @@ class ShellConfig:
         )  # fmt: skip
 
 
-__all__ = ["PROBES", "ShellConfig"]
+__all__ = ["PROBES", "ProbeConfigs", "ShellConfig"]

@@ -52,28 +52,26 @@ class RerunDataIterator(Generic[T]):
 
     def __next__(self) -> T:
         if self._served is not None:
-            if self.replay_pos >= len(self._served):
-                raise RuntimeError(
-                    "RerunDataIterator: the peer replay consumed more micro-batches than the "
-                    "replayed rank recorded (control flow must be deterministic)"
-                )
-            item = self._served[self.replay_pos]
-            self.replay_pos += 1
-            return item
+            overrun = "the peer replay consumed more micro-batches than the replayed rank recorded"
+            return self._replayed(self._served, overrun)
         if self.replaying:
-            if self.replay_pos >= len(self.saved_microbatches):
-                raise RuntimeError(
-                    "RerunDataIterator: no more batches to replay; the rerun consumed more "
-                    "micro-batches than the initial run (control flow must be deterministic)"
-                )
-            item = self.saved_microbatches[self.replay_pos]
-            self.replay_pos += 1
-            return item
+            overrun = (
+                "no more batches to replay; the rerun consumed more micro-batches than the "
+                "initial run"
+            )
+            return self._replayed(self.saved_microbatches, overrun)
         item = self._prefetched.pop(0) if self._prefetched else self._pull()
         self._current += 1
         if self.record:
             self.saved_microbatches.append(copy.copy(item))
         return item
+
+    def _replayed(self, items: list[T], overrun: str) -> T:
+        """The next of ``items`` (a replay); ``overrun`` says what reading past them means."""
+        if self.replay_pos >= len(items):
+            raise RuntimeError(f"RerunDataIterator: {overrun} (control flow must be deterministic)")
+        self.replay_pos += 1
+        return items[self.replay_pos - 1]
 
     def _pull(self) -> T:
         item = next(self.iterable)

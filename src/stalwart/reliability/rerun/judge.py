@@ -123,23 +123,16 @@ class EventJudge:
         v, cmp = self._rerun_value(ev, items, iteration)
         reproducible = not cmp > ev.tolerance
         requests, self.diagnosis = second_rerun_requests(ev, reproducible)
-        if not reproducible:
-            report.track(iteration, _STATUS.SECOND_RERUN_NOT_REPRODUCIBLE, v, ev.message)
-            logger.warning(
-                "Second rerun: unexpected result is not reproducible on a different GPU, "
-                "therefore was likely incorrect (%s != %s)", ev.initial_result, v,
-            )  # fmt: skip
-            report.log_failure(
-                iteration, "Possible persistent error!", True, f"(message='{ev.message}')"
-            )
-            return requests
-        report.track(iteration, _STATUS.SECOND_RERUN_REPRODUCIBLE, v, ev.message)
-        logger.warning(
-            "Second rerun: unexpected result is reproducible on a different GPU, "
-            "therefore it was likely correct (%s = %s)", ev.initial_result, v,
+        status = (
+            _STATUS.SECOND_RERUN_REPRODUCIBLE
+            if reproducible
+            else _STATUS.SECOND_RERUN_NOT_REPRODUCIBLE
+        )
+        report.track(iteration, status, v, ev.message)
+        report.log_repeat_verdict(
+            logger, iteration, "Second rerun", "a different GPU", reproducible=reproducible,
+            values=(ev.initial_result, v), message=ev.message, fatal=True,
         )  # fmt: skip
-        line = f"Correct result (but possible Application error) ({ev.message})"
-        report.log_failure(iteration, line, True)
         return requests
 
     def checkpoint_diagnosis(self, iteration: int) -> Diagnosis | None:

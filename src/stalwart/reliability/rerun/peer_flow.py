@@ -188,26 +188,16 @@ class PeerReplay:
             + (f"({report.peer_identity[0]}/{report.peer_identity[1]})")
         )
         value = math.nan if report is None else report.value
-        if report is not None and report.reproducible:
-            status = RerunValidationStatus.PEER_REPLAY_REPRODUCIBLE
-            logger.warning(
-                "Peer replay: unexpected result is reproducible on %s, therefore it was likely "
-                "correct (%s = %s)", where, request.initial, value,
-            )  # fmt: skip
-            reporter.log_failure(
-                iteration,
-                f"Correct result (but possible Application error) ({request.message})",
-                request.fatal,
-            )
-        else:
-            status = RerunValidationStatus.PEER_REPLAY_NOT_REPRODUCIBLE
-            logger.warning(
-                "Peer replay: unexpected result is not reproducible on %s, therefore was likely "
-                "incorrect (%s != %s)", where, request.initial, value,
-            )  # fmt: skip
-            reporter.log_failure(
-                iteration, "Possible persistent error!", True, f"(message='{request.message}')"
-            )
+        reproducible = report is not None and report.reproducible
+        reporter.log_repeat_verdict(
+            logger, iteration, "Peer replay", where, reproducible=reproducible,
+            values=(request.initial, value), message=request.message, fatal=request.fatal,
+        )  # fmt: skip
+        status = (
+            RerunValidationStatus.PEER_REPLAY_REPRODUCIBLE
+            if reproducible
+            else RerunValidationStatus.PEER_REPLAY_NOT_REPRODUCIBLE
+        )
         # Where the value was computed: the peer's device.
         identity = report.peer_identity if report is not None else device_identity()
         reporter.track(iteration, status, value, request.message, identity=identity)

@@ -84,6 +84,29 @@ class Reporter:
         )
         (logger.error if fatal else logger.warning)(f"{line} {detail}" if detail else line)
 
+    def log_repeat_verdict(
+        self, log: logging.Logger, iteration: int, who: str, where: str, *, reproducible: bool,
+        values: tuple[object, object], message: str, fatal: bool,
+    ) -> None:  # fmt: skip
+        """The lines of a rejected result repeated on another device (``who``: "Second rerun" on
+        ``where`` "a different GPU", or "Peer replay" on a peer): the warning on ``log`` (the
+        caller's), then Megatron's failure line. Reproducible there, the result was likely
+        correct (failure line fatal as ``fatal``); otherwise a possible persistent error."""
+        initial, value = values
+        if reproducible:
+            log.warning(
+                "%s: unexpected result is reproducible on %s, therefore it was likely correct "
+                "(%s = %s)", who, where, initial, value,
+            )  # fmt: skip
+            line = f"Correct result (but possible Application error) ({message})"
+            self.log_failure(iteration, line, fatal)
+            return
+        log.warning(
+            "%s: unexpected result is not reproducible on %s, therefore was likely incorrect "
+            "(%s != %s)", who, where, initial, value,
+        )  # fmt: skip
+        self.log_failure(iteration, "Possible persistent error!", True, f"(message='{message}')")
+
     def log0(self, message: str) -> None:
         """A warning on rank 0 only (the lines every rank would print alike)."""
         if self.rank == 0:
