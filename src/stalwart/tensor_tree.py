@@ -1,6 +1,5 @@
-"""Walks of a nested structure of tensors in dicts (any ``Mapping``), lists and tuples: the
-graphs' static inputs and the checkpoint's host copy share them (a leaf: it imports nothing of
-stalwart)."""
+"""Walks of tensors nested in dicts (any ``Mapping``), lists and tuples, shared by the graphs'
+static inputs and the checkpoint's host copy (a leaf: it imports nothing of stalwart)."""
 
 from __future__ import annotations
 
