@@ -31,6 +31,7 @@ from stalwart.checkpoint.optimizer_state import (
     canonical_learning_rates,
     keep_optimizer_implementation,
 )
+from stalwart.tensor_tree import map_tensors
 
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
@@ -222,19 +223,15 @@ def new_checkpoint_group(group: Any) -> Any:
 
 def _host_copy(obj: Any, pin: bool) -> Any:
     """Deep copy of every tensor in a nested state dict into (optionally pinned) host memory."""
-    if isinstance(obj, dict):
-        return {k: _host_copy(v, pin) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_host_copy(v, pin) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_host_copy(v, pin) for v in obj)
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is not torch.Tensor:  # DTensor & co.: keep the wrapper, copy its data
-            return obj.detach().clone().cpu()
-        out = torch.empty_like(obj, device="cpu", pin_memory=pin)
-        out.copy_(obj.detach())
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if type(t) is not torch.Tensor:  # DTensor & co.: keep the wrapper, copy its data
+            return t.detach().clone().cpu()
+        out = torch.empty_like(t, device="cpu", pin_memory=pin)
+        out.copy_(t.detach())
         return out
-    return obj
+
+    return map_tensors(obj, copy)
 
 
 class AsyncWriter:

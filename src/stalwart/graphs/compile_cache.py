@@ -60,6 +60,7 @@ from types import TracebackType
 from typing import Any
 
 from stalwart.atomic_file import Sync, write_bytes_atomic
+from stalwart.fixed_paths import FixedPath
 from stalwart.observability.goodput.records import Bucket, CompileSource
 from stalwart.regular_file import open_regular
 
@@ -182,6 +183,10 @@ class CompileCache:
     ``close``; ``close`` is idempotent.
     """
 
+    inductor_dir = FixedPath("directory", INDUCTOR_DIR)
+    artifacts_file = FixedPath("directory", ARTIFACTS_FILE)
+    stamp_file = FixedPath("directory", INDUCTOR_DIR, STAMP_FILE)
+
     def __init__(
         self, directory: str | os.PathLike[str], *, writer: bool = True, flag: str = "compile cache"
     ) -> None:
@@ -191,14 +196,6 @@ class CompileCache:
         self._stack: contextlib.ExitStack | None = None
         self._saved_frames = -1  # Dynamo's frame count at the last save
         self.loaded_artifacts = 0  # by the last open (0: warm from inductor/ itself, or cold)
-
-    @property
-    def inductor_dir(self) -> Path:
-        return self.directory / INDUCTOR_DIR
-
-    @property
-    def artifacts_file(self) -> Path:
-        return self.directory / ARTIFACTS_FILE
 
     def has_artifacts(self) -> bool:
         return self.artifacts_file.is_file()
@@ -248,10 +245,6 @@ class CompileCache:
             return 0
         self._write_stamp()
         return _artifact_count(info)
-
-    @property
-    def stamp_file(self) -> Path:
-        return self.inductor_dir / STAMP_FILE
 
     def _file_id(self) -> dict[str, int] | None:
         """``artifacts.bin``'s size and modification time (None without the file)."""

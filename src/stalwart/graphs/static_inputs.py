@@ -16,10 +16,12 @@ replayed iteration: at small model sizes the host, not the device, sets the pace
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
+
+from stalwart.tensor_tree import map_tensors, tensor_leaves
 
 _CONST_TYPES = (type(None), bool, int, float, str)
 
@@ -64,18 +66,6 @@ class InputSignature:
         if self.batches != other.batches:
             return f"micro-batch shapes/dtypes changed from {self.batches} to {other.batches}"
         return "no difference"
-
-
-def _allocate_like(src: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(src, torch.Tensor):
-        return make(src)
-    if isinstance(src, Mapping):
-        return {key: _allocate_like(value, make) for key, value in src.items()}
-    if isinstance(src, list):
-        return [_allocate_like(value, make) for value in src]
-    if isinstance(src, tuple):
-        return tuple(_allocate_like(value, make) for value in src)
-    return src  # constant leaf: frozen into the graph, checked by the signature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,17 +129,6 @@ def _copy_into(dst: Any, src: Any, whole: tuple[_SharedLayout, torch.Tensor] | N
         d.copy_(s, non_blocking=True)
 
 
-def tensor_leaves(obj: Any) -> list[torch.Tensor]:
-    """All tensors of a nested structure, in a deterministic order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for value in obj.values() for t in tensor_leaves(value)]
-    if isinstance(obj, (list, tuple)):
-        return [t for value in obj for t in tensor_leaves(value)]
-    return []
-
-
 class StaticInputs:
     """Fixed-address buffers for the micro-batches of one captured stage (training or evaluation).
 
@@ -197,16 +176,17 @@ class StaticInputs:
         return self._buffers
 
     def _allocate(self, batches: Any) -> None:
+        # Constant leaves stay as they are: frozen into the graph, checked by the signature.
         layout = _SharedLayout.of(tensor_leaves(batches))
         if layout is None:
             self._whole = None
-            self._buffers = _allocate_like(
+            self._buffers = map_tensors(
                 batches, lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device)
             )
             return
         base = torch.empty(layout.numel, dtype=layout.dtype, device=self.device)
         self._whole = (layout, base)
-        self._buffers = _allocate_like(
+        self._buffers = map_tensors(
             batches, lambda t: base.as_strided(t.shape, t.stride(), t.storage_offset())
         )
 

@@ -56,17 +56,16 @@ class UnusedMemoryRelease:
         self._empty_cache = empty_cache or torch.cuda.empty_cache
 
     def after_forward_backward(self) -> None:
-        if self.level >= 1:
-            # Deliberate sync: cudaFree waits for the device (the user asked for it).
-            self._empty_cache()
+        self._release_from(1)
 
     def after_optimizer_step(self) -> None:
-        if self.level >= 2:
-            # Deliberate sync: cudaFree waits for the device (the user asked for it).
-            self._empty_cache()
+        self._release_from(2)
 
     def after_eval_step(self) -> None:
-        if self.level >= 1:
+        self._release_from(1)
+
+    def _release_from(self, level: int) -> None:
+        if self.level >= level:
             # Deliberate sync: cudaFree waits for the device (the user asked for it).
             self._empty_cache()
 

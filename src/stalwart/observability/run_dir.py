@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.atomic_file import Sync, write_text_atomic
+from stalwart.fixed_paths import FixedPath
 from stalwart.observability.sinks import append_line
 from stalwart.regular_file import open_regular
 
@@ -64,6 +65,15 @@ class RunPaths:
     root: Path
     metrics: Path
 
+    # The artefacts of fixed names (not fields: derived from ``root``).
+    events = FixedPath("root", EVENTS_FILE)
+    straggler = FixedPath("root", STRAGGLER_FILE)
+    memory = FixedPath("root", MEMORY_FILE)
+    exit_reason = FixedPath("root", EXIT_REASON_FILE)
+    chaos = FixedPath("root", CHAOS_FILE)
+    report = FixedPath("root", REPORT_FILE)
+    manifest = FixedPath("root", MANIFEST_FILE)
+
     @classmethod
     def for_run(
         cls, root: str | os.PathLike[str], metrics_file: str | os.PathLike[str] | None = None
@@ -85,34 +95,6 @@ class RunPaths:
             if path.is_file():
                 return cls(base, path)
         return default
-
-    @property
-    def events(self) -> Path:
-        return self.root / EVENTS_FILE
-
-    @property
-    def straggler(self) -> Path:
-        return self.root / STRAGGLER_FILE
-
-    @property
-    def memory(self) -> Path:
-        return self.root / MEMORY_FILE
-
-    @property
-    def exit_reason(self) -> Path:
-        return self.root / EXIT_REASON_FILE
-
-    @property
-    def chaos(self) -> Path:
-        return self.root / CHAOS_FILE
-
-    @property
-    def report(self) -> Path:
-        return self.root / REPORT_FILE
-
-    @property
-    def manifest(self) -> Path:
-        return self.root / MANIFEST_FILE
 
     def write_manifest(self, config: Mapping[str, Any] | None = None) -> Path:
         """Record where this run's artefacts are, and the run's settings (``config``: a JSON-safe

@@ -170,29 +170,22 @@ class StragglerDetector:
     def compute(self) -> Iterator[None]:
         """Mark a compute region (forward and/or backward). Nesting is not supported."""
         timing = self._timing
-        if not self.enabled:
-            yield
+        in_graph = self.enabled and timing.capturing()
+        if not self.enabled or (in_graph and not timing.graph_events):
+            yield  # off, or a graph that cannot be timed inside: its replay is timed as a whole
             return
-        if timing.capturing():
-            if not timing.graph_events:
-                yield  # cannot time inside this graph: the replay is timed as a whole
-                return
-            if not self._in_capture:  # a new capture replaces the previous graph's regions
-                self._graph_compute, self._in_capture = [], True
-            region = timing.begin(in_graph=True)
-            try:
-                yield
-            finally:
-                timing.end(region)
-                self._graph_compute.append(region)
-            return
-        region = timing.begin(in_graph=False)
+        if in_graph and not self._in_capture:  # a new capture replaces the last graph's regions
+            self._graph_compute, self._in_capture = [], True
+        region = timing.begin(in_graph=in_graph)
         try:
             yield
         finally:
             timing.end(region)
-            self._interval.compute.append(region)
-            self._eager_regions += 1
+            if in_graph:
+                self._graph_compute.append(region)
+            else:
+                self._interval.compute.append(region)
+                self._eager_regions += 1
 
     @contextlib.contextmanager
     def iteration_region(self) -> Iterator[None]:

@@ -29,6 +29,7 @@ from stalwart.observability.goodput.records import (
     Record,
     RecordKind,
     Span,
+    json_count,
 )
 from stalwart.regular_file import open_regular
 
@@ -67,18 +68,12 @@ def _time(obj: dict[str, Any], key: str, ceiling: float) -> float:
     return number
 
 
-def _count(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**53:
-        return None
-    return value
-
-
 def _clean(value: Any) -> Any:
     """Only short strings, finite numbers and counts survive into a marker's fields."""
     if isinstance(value, str):
         return value[:512]
     if isinstance(value, int) and not isinstance(value, bool):
-        return _count(value)
+        return json_count(value)
     if isinstance(value, float) and math.isfinite(value):
         return value
     return None
@@ -110,7 +105,7 @@ def _parse_span(obj: dict[str, Any], session: str, ceiling: float) -> Span:
     if not 0.0 <= t1 - t0 <= MAX_SPAN_S:
         raise _Invalid("'t1' before 't0', or a span longer than 3 years")
     iteration = obj.get("it")
-    if iteration is not None and _count(iteration) is None:
+    if iteration is not None and json_count(iteration) is None:
         raise _Invalid("'it' is not an iteration count")
     idle = obj.get("idle", 0.0)
     if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle >= 0.0:

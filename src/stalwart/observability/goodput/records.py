@@ -140,7 +140,8 @@ class Marker:
 Record = Span | Marker
 
 
-def _count(value: Any) -> int | None:
+def json_count(value: Any) -> int | None:
+    """``value`` when it is a count JSON holds exactly (an int, not a bool, in [0, 2**53)); else None."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**53:
         return None
     return value
@@ -344,8 +345,8 @@ def _new_session(record: Marker) -> dict[str, Any]:
         "started": record.t,
         "ended": record.t,
         "end_reason": None,
-        "restart_count": _count(record.get("restart_count")) or 0,
-        "attempt": _count(record.get("attempt")) or 0,
+        "restart_count": json_count(record.get("restart_count")) or 0,
+        "attempt": json_count(record.get("attempt")) or 0,
         "resumed_at": None,
         "last_iteration": None,
         "startup_s": 0.0,
@@ -365,7 +366,7 @@ def _fold(info: dict[str, Any], record: Record) -> None:
         if record.iteration is not None:
             info["last_iteration"] = record.iteration
     elif record.kind is RecordKind.RESUME:
-        info["resumed_at"] = _count(record.get("it"))
+        info["resumed_at"] = json_count(record.get("it"))
     elif record.kind is RecordKind.END:
         info["end_reason"] = str(record.get("reason") or "unknown")
         info["ended"] = max(info["ended"], record.t)
