@@ -40,6 +40,10 @@ def test_last_session_is_launch_to_the_end_of_its_last_compile_span(tmp_path: Pa
     assert result["compile_sources"] == {"warm": 3.0, "save": 0.5}
     table = warm_restart.summary_table({"cold": [result], "warm": [result]})
     assert "| warm | 5.50 | 5.50-5.50 | 5.50 | 3.50 | warm 3.00, save 0.50 |" in table
+    # --launch: from the fault (the failed session's last span ended 5 s before the relaunch).
+    from_fault = warm_restart.last_session(tmp_path, from_fault=True)
+    assert from_fault["to_first_productive_s"] == 5.0 + 2.0 + 3.0 + 0.5
+    assert from_fault["startup_s"] == 5.0 + 2.0
 
 
 def test_the_phase_timers_time_a_real_start_up(tmp_path: Path) -> None:
