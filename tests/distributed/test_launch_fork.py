@@ -50,6 +50,39 @@ def test_forked_workers_restart_after_a_crash_bitwise_equal(tmp_path: Path) -> N
     assert_params_equal(load_params(save, ITERS), load_params(tmp_path / "ref", ITERS))
 
 
+@pytest.mark.distributed
+def test_sigterm_to_the_launcher_forked_workers_save_and_it_exits_at_once(tmp_path: Path) -> None:
+    """Preemption: the agent forwards SIGTERM, the forked workers save and return, and the
+    launcher exits 143 without waiting out torch's 30 s for workers it no longer reads."""
+    import time
+
+    save = tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STALWART_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src"))
+    train = [*TINY_FLAGS, "--train-iters", "1000000", "--global-batch-size", "8",
+             "--save-interval", "100000", "--exit-signal-handler", "--save", str(save)]  # fmt: skip
+    cmd = [sys.executable, "-m", "stalwart", "launch", "--fork-workers", "--nproc-per-node", "2",
+           "--devices", "a,b", "--max-restarts", "1", "--monitor-interval", "0.2", "--", *train]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=REPO)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        metrics = save / "metrics.jsonl"
+        while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, log[-3000:]
+    assert "stalwart launch: preempted" in log and "forcefully exiting" not in log, log[-3000:]
+    assert took < 20, took  # torch's own wait for unread workers is 30 s
+    assert (save / "latest_checkpointed_iteration.txt").exists()
+
+
 def _child(marker: str, argv: tuple[str, ...]) -> None:
     from stalwart.cli.launch import forked_worker
 

@@ -301,3 +301,23 @@ def forked_worker(*argv: str) -> None:
         atexit._run_exitfuncs()
     if code:
         raise SystemExit(code)
+    _exit_after_return()
+
+
+def _exit_after_return() -> None:
+    """Let this worker exit right after torch hands its return value to the agent.
+
+    torchrun's ``_wrap`` (this function's caller in a forked worker) writes the return value to
+    a pipe, then waits on an event until the agent has read every rank's value; an agent that is
+    shutting down (the launcher got SIGTERM: the workers save and return) never reads it, and
+    the worker would wait 30 s for its SIGKILL. The value is in the pipe before the wait, so the
+    event is set here, before the return; without that frame (another torch), nothing changes.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_wrap":
+            event = frame.f_locals.get("queue_finished_reading_event")
+            if event is not None:
+                event.set()
+            return
+        frame = frame.f_back  # type: ignore[assignment]
