@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from stalwart.chaos.fault_schedule import EXPECTED_ACTIONS, check_shape, schedule
@@ -41,3 +43,17 @@ def test_bad_schedule_flags_are_one_line(
     assert main_chaos(["--fault-schedule", *args]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_fork_workers_goes_to_every_launch_and_only_with_the_schedule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stalwart.chaos.fault_schedule import DEVICES, ScheduleConfig, _launcher
+    from stalwart.cli.chaos import main_chaos
+
+    forked = ScheduleConfig(tmp_path, 1200, 100, fork_workers=True)
+    assert "--fork-workers" in _launcher(forked, 2, DEVICES, 4)
+    assert "--fork-workers" not in _launcher(ScheduleConfig(tmp_path, 1200, 100), 2, DEVICES, 4)
+    assert main_chaos(["--fork-workers"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "stalwart chaos: error: --fork-workers goes with --fault-schedule"

@@ -57,6 +57,7 @@ class ScheduleConfig:
     seed: int = 0
     timeout: float = 3600.0  # seconds per stalwart launch invocation
     log_interval: int = 50
+    fork_workers: bool = False  # stalwart launch --fork-workers: relaunches skip the imports
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,13 @@ class ScheduleResult:
                 "commands": self.commands}  # fmt: skip
 
 
-def _launcher(nproc: int, devices: tuple[str, ...], max_restarts: int) -> list[str]:
+def _launcher(
+    config: ScheduleConfig, nproc: int, devices: tuple[str, ...], max_restarts: int
+) -> list[str]:
     return [sys.executable, "-m", "stalwart", "launch", "--nproc-per-node", str(nproc),
             "--devices", ",".join(devices), "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.2", "--"]  # fmt: skip
+            "--monitor-interval", "0.2", *(["--fork-workers"] if config.fork_workers else []),
+            "--"]  # fmt: skip
 
 
 def _base(config: ScheduleConfig, save: Path) -> list[str]:
@@ -155,7 +159,7 @@ def run_schedule(config: ScheduleConfig, say: Any = print) -> ScheduleResult:
     second_args = [*_base(config, save), "--exit-signal-handler", *FT_FLAGS,
                    *_injection(faults["persistent_device"], devices="dev-b")]  # fmt: skip
     spec = LaunchSpec(
-        second_args, 2, launcher=_launcher(2, DEVICES, 4), env={"OMP_NUM_THREADS": "1"}
+        second_args, 2, launcher=_launcher(config, 2, DEVICES, 4), env={"OMP_NUM_THREADS": "1"}
     )
     res.commands.append(" ".join([*(spec.launcher or []), *second_args]))
     say(f"chaos schedule: relaunch after the SIGTERM (as a scheduler would), {save}")
@@ -177,7 +181,9 @@ def _first_launch(config: ScheduleConfig, res: ScheduleResult,
     args = [*_base(config, save), "--exit-signal-handler", *FT_FLAGS,
             "--inject-fault", "hang", "--inject-fault-iteration", str(hang.iteration),
             "--inject-fault-rank", str(hang.rank), *_injection(faults["transient_nan"])]  # fmt: skip
-    spec = LaunchSpec(args, 2, launcher=_launcher(2, DEVICES, 4), env={"OMP_NUM_THREADS": "1"})
+    spec = LaunchSpec(
+        args, 2, launcher=_launcher(config, 2, DEVICES, 4), env={"OMP_NUM_THREADS": "1"}
+    )
     res.commands.append(" ".join([*(spec.launcher or []), *args]))
     say(f"chaos schedule: {config.iterations} iterations, faults at "
         + ", ".join(f"{f.kind}@{f.iteration}" for f in faults.values()))  # fmt: skip
@@ -230,9 +236,12 @@ def _reference_and_compare(config: ScheduleConfig, res: ScheduleResult, save: Pa
     base = _base(config, ref)
     env = {"OMP_NUM_THREADS": "1"}
     two = LaunchSpec(
-        [*base, "--exit-interval", str(switch)], 2, launcher=_launcher(2, DEVICES, 0), env=env
+        [*base, "--exit-interval", str(switch)],
+        2,
+        launcher=_launcher(config, 2, DEVICES, 0),
+        env=env,
     )
-    one = LaunchSpec(base, 1, launcher=_launcher(1, ("dev-a",), 0), env=env)
+    one = LaunchSpec(base, 1, launcher=_launcher(config, 1, ("dev-a",), 0), env=env)
     for name, spec in (("2-ranks", two), ("1-rank", one)):
         code = finish(Job(spec, config.work_dir / "reference" / f"{name}.log"), config.timeout).code
         res.check(code == 0, f"reference {name} exited {code}")

@@ -118,13 +118,16 @@ class Job:
         return True
 
     def worker_pid(self, rank: int) -> int | None:
-        """PID of the live worker process with ``RANK=rank`` (a child of torchrun)."""
+        """PID of the live worker process with ``RANK=rank`` (a child of torchrun): its
+        environment says so, or, forked from ``stalwart launch --fork-workers`` (the launcher's
+        environment), its name ``stalwart-r<rank>``."""
         for pid in _children(self.proc.pid):
             try:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
             except OSError:
                 continue
-            if f"RANK={rank}".encode() in environ:
+            if f"RANK={rank}".encode() in environ or name == f"stalwart-r{rank}":
                 return pid
         return None
 

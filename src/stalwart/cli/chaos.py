@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fault every iterations/6 (hang, SIGKILL, transient NaN, SIGTERM, a persistent device "
         "fault excluded), its goodput and final weights against the fault-free job",
     )
+    switch(p, "--fork-workers", "--fault-schedule: its stalwart launch forks the workers "
+           "(a relaunch skips the interpreter start and imports)")  # fmt: skip
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks (torchrun workers)")
     choice(
         p,
@@ -115,6 +117,9 @@ def main_chaos(argv: list[str]) -> int:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     if ns.fault_schedule:
         return _main_schedule(ns)
+    if ns.fork_workers:
+        sys.stderr.write("stalwart chaos: error: --fork-workers goes with --fault-schedule\n")
+        return EXIT_USAGE
     ns.iterations = 12 if ns.iterations is None else ns.iterations
     ns.save_interval = 3 if ns.save_interval is None else ns.save_interval
     ns.timeout = 300.0 if ns.timeout is None else ns.timeout
@@ -183,7 +188,8 @@ def _main_schedule(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         sys.stderr.write(f"stalwart chaos: error: {exc}\n")
         return EXIT_USAGE
-    config = ScheduleConfig(work, iterations, save_interval, seed=ns.seed, timeout=timeout)
+    config = ScheduleConfig(work, iterations, save_interval, seed=ns.seed, timeout=timeout,
+                            fork_workers=ns.fork_workers)  # fmt: skip
     print(f"chaos: work directory {work}", flush=True)
     result = run_schedule(config, lambda line: print(line, flush=True))
     print(format_result(result))

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from stalwart.cli.arg_types import switch
@@ -291,6 +292,10 @@ def forked_worker(*argv: str) -> None:
     # lock's release) must run, and a forked process ends in os._exit, which skips them.
     atexit._clear()
     sys.argv = [sys.argv[0], *argv]
+    # It runs the launcher's command line: the name (`ps -o comm`, /proc/PID/comm) tells the
+    # ranks apart, as an exec'd worker's environment does.
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(f"stalwart-r{os.environ.get('RANK', '')}")
     from stalwart.cli.main import main
 
     try:
