@@ -116,3 +116,48 @@ def test_a_forked_worker_starts_with_default_handlers_and_its_own_exit_code(
     assert child.exitcode == 2  # bad input, as `python -m stalwart train --no-such-flag`
     assert marker.read_text() == "default"
     assert not launcher_exit.exists()  # the launcher's exit handler did not run in the worker
+
+
+def test_a_launcher_with_cuda_initialised_execs_the_round_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from stalwart.distributed.launch import _forked_launch
+
+    calls: list[tuple[object, object]] = []
+
+    def launch(config: object, entrypoint: object) -> object:
+        calls.append((config, entrypoint))
+        return lambda *args: args
+
+    def worker(*argv: str) -> None:
+        raise AssertionError("not forked")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    forked = _forked_launch(launch, worker, "config", "/usr/bin/python")
+    assert calls == [("config", "/usr/bin/python")]  # torchrun's exec entrypoint, unchanged
+    assert forked("-u", "-m", "stalwart", "train") == ("-u", "-m", "stalwart", "train")
+    assert "CUDA is initialised in the launcher" in capsys.readouterr().err
+
+
+def test_the_forked_round_runs_the_worker_with_the_args_after_the_module() -> None:
+    import dataclasses
+
+    from stalwart.distributed.launch import _forked_launch
+
+    @dataclasses.dataclass
+    class Config:
+        start_method: str = "spawn"
+
+    seen: list[tuple[object, object]] = []
+
+    def launch(config: Config, entrypoint: object) -> object:
+        seen.append((config.start_method, entrypoint))
+        return lambda *args: args
+
+    def worker(*argv: str) -> None: ...
+
+    forked = _forked_launch(launch, worker, Config(), "/usr/bin/python")
+    assert seen == [("fork", worker)]
+    assert forked("-u", "-m", "stalwart", "train", "--save", "x") == ("train", "--save", "x")
