@@ -13,6 +13,9 @@ being refactored) is left out and listed under ``missing``.
 ``bench/warm_restart.py --phases`` runs its relaunches through this and prints the table.
 ``STALWART_BENCH_LAUNCH`` (a ``time.time()`` taken by the caller just before it started this
 process) gives the interpreter's own start-up as the first phase.
+
+With ``launch --fork-workers`` after ``--``, the launcher runs untimed and each worker it forks
+for a restart (round 1 on) is timed from its fork instead ({rank} and {round} in the paths).
 """
 
 from __future__ import annotations
@@ -101,6 +104,54 @@ class Recorder:
         return timed
 
 
+def _dump(rec: Recorder, out: str, profiler: Any, profile: str | None) -> None:
+    rec.span("process end (exit handlers not included)", time.perf_counter(), time.perf_counter())
+    with open(out, "w") as f:
+        json.dump({"spans": rec.spans, "missing": rec.missing}, f)
+    if profiler is None or profile is None:
+        return
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)
+    with open(profile, "w") as f:
+        f.write(text.getvalue())
+
+
+def time_forked_restarts(out: str, profile: str | None) -> None:
+    """Wrap the function ``stalwart launch --fork-workers`` forks its workers into: a worker of
+    a restart round runs under the phase timers (and cProfile), from its fork; it ends in
+    ``os._exit`` (no exit handlers), so it writes its files itself."""
+    import stalwart.cli.launch as launch
+
+    original = launch.forked_worker
+
+    def worker(*argv: str) -> None:
+        round_ = os.environ.get("STALWART_LAUNCH_ROUND", "0")
+        if round_ == "0":
+            return original(*argv)
+        rec = Recorder(time.perf_counter())
+        for label, target in TARGETS:
+            rec.wrap(label, target)
+        where = {"rank": os.environ.get("RANK", "0"), "round": round_}
+        profiler = None
+        if profile is not None:
+            import cProfile
+
+            profiler = cProfile.Profile()
+        try:
+            if profiler is None:
+                return original(*argv)
+            return profiler.runcall(original, *argv)
+        finally:
+            _dump(rec, out.format(**where), profiler, profile and profile.format(**where))
+
+    launch.forked_worker = worker
+
+
 def main() -> int:
     argv = sys.argv[1:]
     own, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])  # fmt: skip
@@ -108,6 +159,12 @@ def main() -> int:
     p.add_argument("--out", required=True, help="the JSON file ({rank}: RANK of the environment)")
     p.add_argument("--profile", help="also a cProfile of the run after the imports (text, top 80)")
     args = p.parse_args(own)
+    if rest[:1] == ["launch"]:
+        import stalwart.__main__ as launcher
+
+        time_forked_restarts(args.out, args.profile)
+        sys.argv = ["stalwart", *rest]
+        return launcher.run()
     args.out = args.out.replace("{rank}", os.environ.get("RANK", "0"))
     # perf_counter and time.time() differ by a constant: the launch time maps onto perf_counter.
     offset = time.time() - time.perf_counter()
@@ -127,31 +184,15 @@ def main() -> int:
     for label, target in TARGETS:
         rec.wrap(label, target)
 
-    def write() -> None:
-        rec.span(
-            "process end (exit handlers not included)", time.perf_counter(), time.perf_counter()
-        )
-        with open(args.out, "w") as f:
-            json.dump({"spans": rec.spans, "missing": rec.missing}, f)
-
-    atexit.register(write)
     sys.argv = ["stalwart", *rest]
     if not args.profile:
+        atexit.register(_dump, rec, args.out, None, None)
         return entry.run()
     import cProfile
-    import io
-    import pstats
 
     profiler = cProfile.Profile()
-    try:
-        return profiler.runcall(entry.run)
-    finally:
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("cumulative").print_stats(80)
-        stats.sort_stats("tottime").print_stats(40)
-        with open(args.profile, "w") as f:
-            f.write(text.getvalue())
+    atexit.register(_dump, rec, args.out, profiler, args.profile)
+    return profiler.runcall(entry.run)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,13 @@ def run_launch(args: argparse.Namespace, fork: bool) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix="stalwart-warm-launch-"))
     try:
         model = args.trainer_flags or CPU_MODEL
-        cmd = [sys.executable, "-m", "stalwart", "launch", "--nproc-per-node", "1",
+        entry = ["-m", "stalwart"]
+        phases = run_dir / "phases-{rank}-{round}.json"
+        if fork and args.profile:  # the forked restart under the phase timers and cProfile
+            profile = Path(args.profile) / "fork-{rank}-{round}.prof.txt"
+            entry = [str(REPO / "bench" / "startup_phases.py"), "--out", str(phases),
+                     "--profile", str(profile), "--"]  # fmt: skip
+        cmd = [sys.executable, *entry, "launch", "--nproc-per-node", "1",
                "--max-restarts", "1", *(["--fork-workers"] if fork else []), "--", *model, *COMMON,
                "--save", str(run_dir), "--train-iters", str(args.train_iters),
                "--save-interval", str(args.save_interval), "--inject-fault", "exception",
@@ -147,7 +153,11 @@ def run_launch(args: argparse.Namespace, fork: bool) -> dict[str, Any]:
             sys.stdout.write(out.stdout[-2000:] + out.stderr[-3000:])
         if out.returncode != 0:
             raise RuntimeError(f"stalwart launch (fork={fork}) exited {out.returncode}")
-        return last_session(run_dir, from_fault=True)
+        result = last_session(run_dir, from_fault=True)
+        timed = Path(str(phases).format(rank=0, round=1))
+        if timed.is_file():
+            result["phases"] = json.loads(timed.read_text())["spans"]
+        return result
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import importlib
 import os
 import signal
 import sys
@@ -257,21 +258,55 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+# What a restarted worker imports after its start, beyond the trainer's own imports: its lazy
+# imports (the checkpoint load, the run's start), and with --compile what a compile imports on
+# its first call (Dynamo's trace, AOTAutograd's cache, Inductor's backends and passes). Imported
+# once by the launcher, they are not imported again by every restart: where the installed torch
+# has no bytecode cache, each costs its source compilation too. A name this torch lacks is passed
+# over. Measured: the modules new in a worker after its first compiled iteration, the costliest.
+RESTART_IMPORTS = (
+    "stalwart.cli.main",
+    "stalwart.cli.run_start",
+    "stalwart.config.memory_check",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.tensor.experimental",
+    "psutil",
+)
+COMPILE_IMPORTS = (
+    "torch._dynamo",
+    "torch._inductor.codecache",
+    "torch._inductor.compile_fx",
+    "torch._inductor.config",
+    "torch._inductor.runtime.triton_heuristics",  # GPU builds: loads the cached kernels
+    "torch._inductor.codegen.triton",
+    "torch._inductor.codegen.cuda_combined_scheduling",
+    "torch._inductor.codegen.wrapper_fxir",
+    "torch._inductor.codegen.memory_planning",
+    "torch._inductor.choices",
+    "torch._inductor.bounds",
+    "torch._inductor.fx_passes.pad_mm",
+    "torch._inductor.fx_passes.quantization",
+    "torch._functorch._aot_autograd.subclass_codegen",
+    "torch.fx.experimental.validator",
+    "torch.export._trace",
+    "torch.utils.cpp_extension",
+    "sympy.physics.units",
+    "triton.compiler.compiler",
+)
+
+
 def forking_worker(compiles: bool) -> Callable[..., None]:
     """``--fork-workers``: import now what every worker would import after its start (the
-    trainer; Dynamo and Inductor when it compiles), once in this launcher, and return the
-    function the forked workers run. Nothing here initialises CUDA (checked before each fork)."""
+    trainer, `RESTART_IMPORTS`; `COMPILE_IMPORTS` when it compiles), once in this launcher, and
+    return the function the forked workers run. Nothing here initialises CUDA (checked before
+    each fork)."""
     import stalwart.cli.train
     import stalwart.train.trainer  # noqa: F401
 
-    if compiles:
-        import torch._dynamo
-        import torch._inductor.codecache
-        import torch._inductor.compile_fx
-        import torch._inductor.config
-
-        with contextlib.suppress(ImportError):  # Triton (GPU builds): loads the cached kernels
-            import torch._inductor.runtime.triton_heuristics  # noqa: F401
+    for name in RESTART_IMPORTS + (COMPILE_IMPORTS if compiles else ()):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     return forked_worker
 
 

@@ -277,11 +277,18 @@ def build_data(config: RunConfig, ctx: DistributedContext) -> TrainData:
 
 
 def build_model(
-    config: RunConfig, ctx: DistributedContext, faults: FaultInjector | NullFaultInjector
+    config: RunConfig,
+    ctx: DistributedContext,
+    faults: FaultInjector | NullFaultInjector,
+    for_loading: bool = False,
 ) -> tuple[GPT, nn.Module]:
-    """The GPT (same initial weights on every rank) and its DDP/FSDP2 wrapper."""
+    """The GPT (same initial weights on every rank) and its DDP/FSDP2 wrapper; ``for_loading``
+    (a checkpoint will overwrite every weight): zero weights built on the device instead."""
     seed_everything(config.training.seed)  # identical initial weights on every rank
-    raw_model = GPT(config.model).to(ctx.device)
+    if for_loading:
+        raw_model = GPT.for_loading(config.model, ctx.device)
+    else:
+        raw_model = GPT(config.model).to(ctx.device)
     if isinstance(faults, FaultInjector):  # bitflip / grad_corruption: this rank's copy only
         faults.corrupt_weights = functools.partial(flip_parameter_bit, raw_model)
         faults.corrupt_grads = functools.partial(flip_gradient_bit, raw_model)

@@ -105,7 +105,11 @@ class Trainer:
         on_close(self.shell.close)
         self.shell.handle_signals()  # now: a SIGTERM during set-up only raises the flag
         self.compiles = build.build_compile_booking(config, ctx.rank, self.compile_cache, self.shell.ledger, on_close)  # fmt: skip
-        self.raw_model, self.model = build.build_model(config, ctx, self.faults)
+        # A tracked complete checkpoint is loaded or the load fails (it never starts afresh), so
+        # the model's random initialisation would be overwritten: it is skipped.
+        resuming = config.checkpoint.load_dir is not None
+        self.blank_model = resuming and manager.latest_iteration() is not None
+        self.raw_model, self.model = build.build_model(config, ctx, self.faults, self.blank_model)
         self.optimizer = build.build_optimizer(self.model, config)
         self.scheduler = LRScheduler(self.optimizer, config.optim, t.train_iters, t.train_samples)
         self.sampler = build.build_sampler(config, ctx, self.data.train, self.data.num_microbatches)
@@ -332,6 +336,8 @@ class Trainer:
             load_optim=not (cfg.no_load_optim or cfg.finetune), skip=skip
         )
         if loaded is None:
+            if self.blank_model:  # the checkpoint seen at build time is gone: no weights
+                raise CheckpointError(f"--load {cfg.load_dir}: its checkpoint went away at start")
             return
         self.shell.sections.on_checkpoint_loaded(persistent=not loaded.non_persistent)
         if cfg.finetune:
