@@ -7,7 +7,7 @@ import enum
 
 import pytest
 
-from stalwart.cli.arg_types import choice, negated, switch, values
+from stalwart.cli.arg_types import OneOf, negated, switch, values
 
 
 class _Colour(enum.Enum):
@@ -19,9 +19,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(exit_on_error=False)
     switch(p, "--fast", "go fast")
     negated(p, "--no-check-for-nan", "do not check")
-    choice(p, "--colour", _Colour, "NAME", "a colour", default=_Colour.BLUE)
-    choice(p, "--mode", ("a", "b"), "MODE", "a mode")
-    values(p, ("--lr", float, 0.5, "rate"), ("--steps", int, None, "steps"))
+    values(
+        p,
+        ("--colour", OneOf(_Colour, "NAME"), _Colour.BLUE, "a colour"),
+        ("--mode", OneOf(("a", "b"), "MODE"), None, "a mode"),
+        ("--lr", float, 0.5, "rate"),
+        ("--steps", int, None, "steps"),
+    )
     return p
 
 
@@ -46,3 +50,11 @@ def test_given() -> None:
 def test_an_enum_choice_takes_only_the_enum_values() -> None:
     with pytest.raises(argparse.ArgumentError, match="invalid choice: 'RED'"):
         _parser().parse_args(["--colour", "RED"])
+
+
+def test_a_one_of_row_shows_its_metavar_and_refuses_other_words() -> None:
+    p = _parser()
+    mode = next(a for a in p._actions if a.dest == "mode")
+    assert (mode.metavar, mode.choices, mode.type) == ("MODE", ("a", "b"), None)
+    with pytest.raises(argparse.ArgumentError, match="invalid choice: 'c'"):
+        p.parse_args(["--mode", "c"])

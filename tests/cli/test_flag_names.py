@@ -47,7 +47,7 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 
 
 # `stalwart.cli.arg_types`' helpers that declare a flag (its name a positional argument).
-FLAG_HELPERS = {"switch", "negated", "choice", "values"}
+FLAG_HELPERS = {"switch", "negated", "values"}
 
 
 def _declared(path: Path) -> set[str]:

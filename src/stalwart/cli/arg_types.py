@@ -14,9 +14,10 @@ Flags with a tighter range pass their own instance, e.g. ``type=Float(gt=0)``. A
 reads ``argument --lr: must be a finite number > 0, got 'inf'``: argparse adds the flag name.
 Semantic ranges that depend on other flags stay in the configs' ``__post_init__``.
 
-The kinds of flag: `switch` (off unless given), `negated` (``--no-x``: on unless given),
-`choice` (one of a few words, shown with a short metavar) and `values` (rows of ``(flag, type,
-default, help)``), so that a parser's flags read as a table and each kind is declared one way.
+The kinds of flag: `switch` (off unless given), `negated` (``--no-x``: on unless given) and
+`values` (rows of ``(flag, kind, default, help)``, where the kind is a type, or `OneOf` a few
+words shown with a short metavar), so that a parser's flags read as a table and each kind is
+declared one way.
 """
 
 from __future__ import annotations
@@ -116,20 +117,24 @@ def negated(g: Any, flag: str, help: str) -> None:
     g.add_argument(flag, dest=dest, action="store_false", help=help)
 
 
-def choice(
-    g: Any, flag: str, choices: Iterable[Any], metavar: str, help: str, *, default: Any = None
-) -> None:
-    """A flag that takes one of ``choices``: ``flag METAVAR`` (the help lists the choices).
-    ``choices`` may be an Enum class (the flag takes its values; a member as ``default`` stands
-    for its value), so that the flag offers exactly what the config's enum accepts."""
-    if isinstance(choices, type) and issubclass(choices, enum.Enum):
-        choices = [member.value for member in choices]
-    if isinstance(default, enum.Enum):
-        default = default.value
-    g.add_argument(flag, default=default, choices=tuple(choices), metavar=metavar, help=help)
+class OneOf:
+    """The kind of a `values` row whose flag takes one of ``choices``: ``flag METAVAR`` (the help
+    lists the choices). ``choices`` may be an Enum class (the flag takes its values; a member as
+    the row's default stands for its value), so that the flag offers exactly what the config's
+    enum accepts."""
+
+    def __init__(self, choices: Iterable[Any], metavar: str) -> None:
+        if isinstance(choices, type) and issubclass(choices, enum.Enum):
+            choices = [member.value for member in choices]
+        self.choices, self.metavar = tuple(choices), metavar
 
 
 def values(g: Any, *rows: tuple[str, Any, Any, str]) -> None:
-    """One value flag per ``(flag, type, default, help)`` row; a None default reads "unset"."""
+    """One value flag per ``(flag, kind, default, help)`` row, ``kind`` a type or a `OneOf`; a
+    None default reads "unset"."""
     for flag, kind, default, text in rows:
-        g.add_argument(flag, type=kind, default=default, help=text)
+        if not isinstance(kind, OneOf):
+            g.add_argument(flag, type=kind, default=default, help=text)
+            continue
+        default = default.value if isinstance(default, enum.Enum) else default
+        g.add_argument(flag, default=default, choices=kind.choices, metavar=kind.metavar, help=text)

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stalwart.cli.arg_types import choice, switch
+from stalwart.cli.arg_types import OneOf, switch, values
 from stalwart.cli.args import OneLineErrorParser
 
 EXIT_PASSED = 0
@@ -48,15 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     switch(p, "--fork-workers", "--fault-schedule: its stalwart launch forks the workers "
            "(a relaunch skips the interpreter start and imports)")  # fmt: skip
-    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks (torchrun workers)")
-    choice(
+    values(
         p,
-        "--device",
-        ("cpu", "auto"),
-        "WHERE",
-        "cpu: gloo, bitwise checks hold; auto: NCCL on GPUs",
-        default="cpu",
-    )
+        ("--nproc-per-node", int, 2, "ranks (torchrun workers)"),
+        ("--device", OneOf(("cpu", "auto"), "WHERE"), "cpu", "cpu: gloo, bitwise checks hold; auto: NCCL on GPUs"),
+    )  # fmt: skip
     p.add_argument(
         "--json", metavar="FILE", help="write the result {passed, faults} here (default: none)"
     )

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.atomic_file import Sync, write_atomic
-from stalwart.cli.arg_types import choice, switch
+from stalwart.cli.arg_types import OneOf, switch, values
 from stalwart.cli.args import OneLineErrorParser
 from stalwart.regular_file import open_regular
 
@@ -170,16 +170,13 @@ def build_export_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="output file, written atomically; with --format hf a directory (required)",
     )
-    choice(
+    values(
         p,
-        "--format",
-        EXPORT_FORMATS,
-        "FORMAT",
-        "auto: safetensors for --out *.safetensors, else torch; hf: config.json + "
-        "model.safetensors that transformers' LlamaForCausalLM loads (Llama presets)",
-        default="auto",
-    )
-    choice(p, "--dtype", _DTYPES, "DTYPE", "dtype of the weights", default="fp32")
+        ("--format", OneOf(EXPORT_FORMATS, "FORMAT"), "auto",
+         "auto: safetensors for --out *.safetensors, else torch; hf: config.json + "
+         "model.safetensors that transformers' LlamaForCausalLM loads (Llama presets)"),
+        ("--dtype", OneOf(_DTYPES, "DTYPE"), "fp32", "dtype of the weights"),
+    )  # fmt: skip
     return p
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from stalwart.cli.arg_types import Float, Int, choice, negated, switch, values
+from stalwart.cli.arg_types import Float, Int, OneOf, negated, switch, values
 from stalwart.config.checks import SEED_MAX
 from stalwart.config.training import LRDecayStyle
 
@@ -34,9 +34,9 @@ def interval(g: Any, flag: str, what: str, zero: str = "off") -> None:
 
 def model_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "model", "model")
-    choice(g, "--preset", PRESET_NAMES, "NAME", "model size preset", default="tiny")
     values(
         g,
+        ("--preset", OneOf(PRESET_NAMES, "NAME"), "tiny", "model size preset"),
         ("--num-layers", int, None, f"transformer layers {_PRESET}"),
         ("--hidden-size", int, None, f"model width {_PRESET}"),
         ("--num-attention-heads", int, None, f"attention heads {_PRESET}"),
@@ -70,16 +70,14 @@ def model_flags(p: argparse.ArgumentParser) -> None:
 def architecture_flags(p: argparse.ArgumentParser) -> None:
     """Megatron's Llama switches; unset flags keep the preset's value (llama-* presets set them)."""
     g = group(p, "model.architecture", "model: architecture (GPT-2 unless a llama-* preset)")
-    choice(
+    values(
         g,
-        "--position-embedding-type",
-        ("learned_absolute", "rope"),
-        "KIND",
-        f"learned absolute positions (GPT-2) or rotary embeddings (Llama) {_PRESET}",
-    )
-    g.add_argument("--rotary-base", type=int, help="RoPE base, rope only (default: 10000)")
-    choice(g, "--normalization", ("LayerNorm", "RMSNorm"), "KIND", f"norm of every layer {_PRESET}")
-    g.add_argument("--norm-epsilon", type=Float(gt=0), help="epsilon of every norm (default: 1e-5)")
+        ("--position-embedding-type", OneOf(("learned_absolute", "rope"), "KIND"), None,
+         f"learned absolute positions (GPT-2) or rotary embeddings (Llama) {_PRESET}"),
+        ("--rotary-base", int, None, "RoPE base, rope only (default: 10000)"),
+        ("--normalization", OneOf(("LayerNorm", "RMSNorm"), "KIND"), None, f"norm of every layer {_PRESET}"),
+        ("--norm-epsilon", Float(gt=0), None, "epsilon of every norm (default: 1e-5)"),
+    )  # fmt: skip
     for flag, text in (
         ("--swiglu", "SwiGLU MLP (3 matrices) instead of GELU"),
         ("--untie-embeddings-and-output-weights", "an output layer of its own, not the embedding"),
@@ -96,26 +94,15 @@ def architecture_flags(p: argparse.ArgumentParser) -> None:
 
 def recompute_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "model.recompute", "model: activation recompute")
-    choice(
+    values(
         g,
-        "--recompute-granularity",
-        ("full", "selective"),
-        "KIND",
-        "selective: the attention core; full: whole layers (with --recompute-method and "
-        "--recompute-num-layers) (default: off)",
-    )
-    choice(
-        g,
-        "--recompute-method",
-        ("uniform", "block"),
-        "KIND",
-        "full: uniform groups of --recompute-num-layers, or block: the first ones",
-    )
-    g.add_argument(
-        "--recompute-num-layers",
-        type=int,
-        help="full: layers per group (uniform) or recomputed (block)",
-    )
+        ("--recompute-granularity", OneOf(("full", "selective"), "KIND"), None,
+         "selective: the attention core; full: whole layers (with --recompute-method and "
+         "--recompute-num-layers) (default: off)"),
+        ("--recompute-method", OneOf(("uniform", "block"), "KIND"), None,
+         "full: uniform groups of --recompute-num-layers, or block: the first ones"),
+        ("--recompute-num-layers", int, None, "full: layers per group (uniform) or recomputed (block)"),
+    )  # fmt: skip
 
 
 def data_flags(p: argparse.ArgumentParser) -> None:
@@ -127,15 +114,11 @@ def data_flags(p: argparse.ArgumentParser) -> None:
         help="file.txt (bytes) or file.bin (token ids); several blend equally, 'w1 p1 w2 p2' by "
         "weight (default: the embedded corpus)",
     )
-    choice(
+    values(
         g,
-        "--data-dtype",
-        ("uint16", "uint32"),
-        "DTYPE",
-        "dtype of the token ids of a .bin file",
-        default="uint16",
-    )
-    g.add_argument("--valid-fraction", type=float, default=0.02, help="held-out share of the data")
+        ("--data-dtype", OneOf(("uint16", "uint32"), "DTYPE"), "uint16", "dtype of the token ids of a .bin file"),
+        ("--valid-fraction", float, 0.02, "held-out share of the data"),
+    )  # fmt: skip
     negated(g, "--no-shuffle", "read samples in order instead of a seeded shuffle")
     g.add_argument(
         "--num-workers",
@@ -261,9 +244,9 @@ def optimizer_flags(p: argparse.ArgumentParser) -> None:
         "of a separate pass over the gradients; the same norm, parameters equal to float32 "
         "rounding (one rank or DDP; not with --use-torch-fsdp2)",
     )
-    choice(g, "--lr-decay-style", LRDecayStyle, "STYLE", "decay shape", default=LRDecayStyle.COSINE)
     values(
         g,
+        ("--lr-decay-style", OneOf(LRDecayStyle, "STYLE"), LRDecayStyle.COSINE, "decay shape"),
         ("--lr-warmup-iters", int, 0, "linear warm-up iterations"),
         ("--lr-decay-iters", int, None, "decay ends here (default: --train-iters)"),
         ("--lr-warmup-samples", int, 0, "warm-up samples (--train-samples)"),

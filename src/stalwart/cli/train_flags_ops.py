@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from stalwart.cli.arg_types import Float, choice, negated, switch, values
+from stalwart.cli.arg_types import Float, OneOf, negated, switch, values
 from stalwart.cli.train_flags import group, interval
 from stalwart.reliability.faults import FAULT_PHASES, FaultKind
 from stalwart.reliability.inprocess.config import RestartGranularity
@@ -22,20 +22,12 @@ _RERUN_MODES = (*(m.value for m in RerunMode), "report_stats")
 
 def _error_injection_flags(g: Any) -> None:
     """Megatron's testing switches of the rerun machine (fault injection into its checks)."""
-    g.add_argument(
-        "--error-injection-rate",
-        type=int,
-        default=0,
-        help="testing: inject into 1 of N checks (default: 0 = off)",
-    )
-    choice(
+    values(
         g,
-        "--error-injection-type",
-        RerunDiagnostic,
-        "KIND",
-        "testing: what is injected",
-        default=RerunDiagnostic.TRANSIENT_ERROR,
-    )
+        ("--error-injection-rate", int, 0, "testing: inject into 1 of N checks (default: 0 = off)"),
+        ("--error-injection-type", OneOf(RerunDiagnostic, "KIND"), RerunDiagnostic.TRANSIENT_ERROR,
+         "testing: what is injected"),
+    )  # fmt: skip
     g.add_argument(
         "--error-injection-iterations",
         type=int,
@@ -63,14 +55,11 @@ def _error_injection_flags(g: Any) -> None:
 
 def rerun_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "reliability.rerun", "reliability: rerun state machine (result validation)")
-    choice(
+    values(
         g,
-        "--rerun-mode",
-        _RERUN_MODES,
-        "MODE",
-        "rerun rejected iterations: transient, persistent or correct?",
-        default=RerunMode.VALIDATE_RESULTS,
-    )
+        ("--rerun-mode", OneOf(_RERUN_MODES, "MODE"), RerunMode.VALIDATE_RESULTS,
+         "rerun rejected iterations: transient, persistent or correct?"),
+    )  # fmt: skip
     negated(
         g, "--no-check-for-nan-in-loss-and-grad", "do not reject NaN/Inf losses and gradient norms"
     )
@@ -178,32 +167,22 @@ def inprocess_flags(p: argparse.ArgumentParser) -> None:
         "--inprocess-empty-cuda-cache",
         "Megatron's flag: the CUDA cache is always emptied (default: on)",
     )
-    choice(
+    values(
         g,
-        "--inprocess-granularity",
-        RestartGranularity,
-        "UNIT",
-        "restart unit",
-        default=RestartGranularity.RANK,
-    )
+        ("--inprocess-granularity", OneOf(RestartGranularity, "UNIT"), RestartGranularity.RANK, "restart unit"),
+    )  # fmt: skip
 
 
 def fault_injection_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "reliability.faults", "reliability: fault injection (testing)")
-    choice(
-        g,
-        "--inject-fault",
-        FaultKind,
-        "KIND",
-        "fire once at --inject-fault-iteration (default: none)",
-    )
     values(
         g,
+        ("--inject-fault", OneOf(FaultKind, "KIND"), None, "fire once at --inject-fault-iteration (default: none)"),
         ("--inject-fault-iteration", int, None, "iteration to fire at (as logged)"),
         ("--inject-fault-hang-seconds", float, None, "hang duration (default: forever)"),
         ("--inject-fault-rank", int, 0, "rank that fires"),
-    )
-    choice(g, "--inject-fault-phase", FAULT_PHASES, "PHASE", "where it fires", default="step")
+        ("--inject-fault-phase", OneOf(FAULT_PHASES, "PHASE"), "step", "where it fires"),
+    )  # fmt: skip
     switch(g, "--inject-fault-repeat", "fire at every attempt, not once")
 
 
@@ -253,9 +232,8 @@ def logging_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", metavar="NAME", help="W&B project (default: no W&B)")
     g.add_argument("--wandb-exp-name", metavar="NAME", help="W&B run name (default: W&B's)")
     g.add_argument("--wandb-save-dir", metavar="DIR", help="W&B files (default: W&B's)")
-    choice(
-        g, "--wandb-mode", ("online", "offline", "disabled"), "MODE", "W&B mode (default: W&B's)"
-    )
+    wandb_modes = OneOf(("online", "offline", "disabled"), "MODE")
+    values(g, ("--wandb-mode", wandb_modes, None, "W&B mode (default: W&B's)"))
 
 
 def timer_flags(p: argparse.ArgumentParser) -> None:
@@ -267,17 +245,11 @@ def timer_flags(p: argparse.ArgumentParser) -> None:
         choices=(0, 1, 2),
         help="0: iteration time; 1: + forward-backward, optimizer; 2: + all",
     )
-    choice(
-        g, "--timing-log-option", ("max", "minmax", "all"), "HOW", "across ranks", default="minmax"
-    )
-    choice(
+    values(
         g,
-        "--timing-mode",
-        ("sync", "events"),
-        "MODE",
-        "sync: device syncs around timers; events: CUDA events",
-        default="sync",
-    )
+        ("--timing-log-option", OneOf(("max", "minmax", "all"), "HOW"), "minmax", "across ranks"),
+        ("--timing-mode", OneOf(("sync", "events"), "MODE"), "sync", "sync: device syncs around timers; events: CUDA events"),
+    )  # fmt: skip
     switch(g, "--log-timers-to-tensorboard", "write timers to the sinks")
 
 
@@ -350,14 +322,11 @@ def profiler_flags(p: argparse.ArgumentParser) -> None:
 
 def graph_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "graphs", "CUDA graphs")
-    choice(
+    values(
         g,
-        "--cuda-graph-impl",
-        ("none", "full_iteration"),
-        "IMPL",
-        "full_iteration: all micro-batches' forward-backward in one graph",
-        default="none",
-    )
+        ("--cuda-graph-impl", OneOf(("none", "full_iteration"), "IMPL"), "none",
+         "full_iteration: all micro-batches' forward-backward in one graph"),
+    )  # fmt: skip
     switch(g, "--optimizer-cuda-graph", "capture clip + AdamW as a graph")
     g.add_argument(
         "--cuda-graph-warmup-steps", type=int, default=3, help="eager iterations before capture"

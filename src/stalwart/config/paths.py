@@ -30,38 +30,42 @@ def _check_ancestors(flag: str, path: Path) -> None:
         return
 
 
-def check_output_dir(flag: str, value: str | None) -> None:
-    """``value`` (None: unset) names a directory that exists or can be created."""
+def _existing(flag: str, value: str | None, takes: str) -> Path | None:
+    """``value``'s path when it exists (the caller checks what it is); None when unset, or new
+    with a writable directory as its nearest existing ancestor. ``takes``: what the flag takes."""
     if value is None:
-        return
+        return None
     if not value.strip():
-        raise ValueError(f"{flag} is empty (it takes a directory)")
+        raise ValueError(f"{flag} is empty (it takes {takes})")
     path = Path(value)
     if path.exists():
-        if not path.is_dir():
-            raise ValueError(f"{flag} {value!r} is a file, not a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} {value!r} is not writable")
-        return
+        return path
     _check_ancestors(flag, path)
+    return None
+
+
+def check_output_dir(flag: str, value: str | None) -> None:
+    """``value`` (None: unset) names a directory that exists or can be created."""
+    path = _existing(flag, value, "a directory")
+    if path is None:
+        return
+    if not path.is_dir():
+        raise ValueError(f"{flag} {value!r} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {value!r} is not writable")
 
 
 def check_output_file(flag: str, value: str | None) -> None:
     """``value`` (None: unset) names a file that can be written (created or appended)."""
-    if value is None:
+    path = _existing(flag, value, "a file path")
+    if path is None:
         return
-    if not value.strip():
-        raise ValueError(f"{flag} is empty (it takes a file path)")
-    path = Path(value)
     if path.is_dir():
         raise ValueError(f"{flag} {value!r} is a directory (it names a file to write)")
-    if path.exists():
-        if not path.is_file():  # a FIFO blocks the first append until a reader comes
-            raise ValueError(f"{flag} {value!r} is not a regular file (it names a file to write)")
-        if not os.access(path, os.W_OK):
-            raise ValueError(f"{flag} {value!r} is not writable")
-        return
-    _check_ancestors(flag, path)
+    if not path.is_file():  # a FIFO blocks the first append until a reader comes
+        raise ValueError(f"{flag} {value!r} is not a regular file (it names a file to write)")
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {value!r} is not writable")
 
 
 def check_files_in(flag: str, directory: str | None, names: tuple[str, ...]) -> None:
