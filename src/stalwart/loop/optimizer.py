@@ -117,7 +117,7 @@ class OptimizerRunner(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # object's repr: a dataclass's would print every parameter
 class EagerOptimizer:
     """Clip + ``optimizer.step()`` eagerly; gated on the machine's skip gate when possible.
 

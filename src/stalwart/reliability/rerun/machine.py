@@ -127,17 +127,13 @@ class RerunStateMachine:
     ) -> None:
         self.mode = RerunMode.parse(mode)
         self.injector = error_injector or RerunErrorInjector()
-        tracker = (
-            TrackerFile(result_rejected_tracker_filename)
-            if result_rejected_tracker_filename
-            else None
-        )
+        tracker_name = result_rejected_tracker_filename
+        tracker = TrackerFile(tracker_name) if tracker_name else None
         self.process_group = process_group
         self.rng = rng_tracker or RngStateTracker()
         self.checks = checks or CheckConfig()
-        self._agree: Agreement = agreement or functools.partial(
-            collectives.all_reduce_any, group=process_group
-        )
+        any_rank = functools.partial(collectives.all_reduce_any, group=process_group)
+        self._agree: Agreement = agreement or any_rank
         self.device = torch.device(device) if device is not None else None
         self.replicas = replicas
         # The state of the iteration and its passes.
@@ -156,8 +152,7 @@ class RerunStateMachine:
         self.reporter = Reporter(process_group, tracker)
         self.judge = EventJudge(self.injector, self.reporter)
         self.recorder = Recorder(self.injector, self._inject_decision, self._may_record)
-        # Megatron's recording calls on the machine are the recorder's own methods (their
-        # contracts are documented there).
+        # Megatron's recording calls on the machine are the recorder's (contracts there).
         self.check_buffer = self.recorder.check_buffer
         self.attach_buffer = self.recorder.attach_buffer
         self.validate_result = self.recorder.validate_result
