@@ -94,7 +94,7 @@ class Run:
             plan=plan, clip_grad=1.0, lookahead=lookahead,
         )  # fmt: skip
         if graphed:  # the fake graph never captures: allow the whole-pass launch in warm-up
-            self.step._lookahead._ready = lambda: True
+            self.step._lookahead.ready = lambda: True
 
     def _forward(self, batch: dict[str, torch.Tensor], model: nn.Module) -> Any:
         self.seen.append(batch["x"])

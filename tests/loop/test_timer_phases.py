@@ -81,7 +81,7 @@ def _run(plan: str, lookahead: bool, num_microbatches: int) -> dict[str, float]:
         num_microbatches=num_microbatches, plan=graph_plan, timers=timers, lookahead=lookahead,
     )  # fmt: skip
     if plan == "graph_warmup":  # the fake graph never captures: allow the whole-pass launch
-        step._lookahead._ready = lambda: True
+        step._lookahead.ready = lambda: True
     total = WARMUP + MEASURED
     for it in range(total):
         if it == WARMUP:  # warm-up and capture iterations are not measured

@@ -38,7 +38,7 @@ that draws from the global Python/NumPy RNG sees its draws for a discarded launc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.loop.microbatches import Reported
@@ -55,6 +55,7 @@ class Launched:
     reported: Reported
 
 
+@dataclass(eq=False)
 class LookAhead:
     """Launches the next iteration's first micro-batches (or the whole graphed pass).
 
@@ -68,25 +69,18 @@ class LookAhead:
             begins the next pass and queues its input copies, and :meth:`launch` only replays.
     """
 
-    def __init__(
-        self,
-        machine: RerunStateMachine,
-        data: RerunDataIterator[Any],
-        forward_backward: Callable[..., Reported],
-        splittable: bool,
-        ready: Callable[[], bool],
-        stage_pass: Callable[..., Callable[[], Reported]] | None = None,
-    ) -> None:
-        self._machine = machine
-        self._data = data
-        self._fb = forward_backward
-        self._splittable = splittable
-        self._ready = ready
-        self._stage_pass = stage_pass
-        self._launched: Launched | None = None
-        self._staged: tuple[int, int, list[Any], Callable[[], Reported]] | None = None
-        self.num_launched = 0
-        self.num_used = 0
+    machine: RerunStateMachine
+    data: RerunDataIterator[Any]
+    forward_backward: Callable[..., Reported]
+    splittable: bool
+    ready: Callable[[], bool]
+    stage_pass: Callable[..., Callable[[], Reported]] | None = None
+    num_launched: int = field(default=0, init=False)
+    num_used: int = field(default=0, init=False)
+    _launched: Launched | None = field(default=None, init=False, repr=False)
+    _staged: tuple[int, int, list[Any], Callable[[], Reported]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     @property
     def pending(self) -> Launched | None:
@@ -102,18 +96,18 @@ class LookAhead:
         Returns whether the launch was staged."""
         if self._launched is not None or self._staged is not None or not self._can_launch():
             return False
-        count = 1 if self._splittable else num_microbatches
-        if self._stage_pass is None:
-            self._data.peek(count)
+        count = 1 if self.splittable else num_microbatches
+        if self.stage_pass is None:
+            self.data.peek(count)
             return False
-        self._machine.begin_ahead(iteration)
-        batches = self._data.peek(count)
-        fire = self._stage_pass(data_iterator=iter(batches), num_microbatches=num_microbatches)
+        self.machine.begin_ahead(iteration)
+        batches = self.data.peek(count)
+        fire = self.stage_pass(data_iterator=iter(batches), num_microbatches=num_microbatches)
         self._staged = (iteration, num_microbatches, list(batches), fire)
         return True
 
     def _can_launch(self) -> bool:
-        return self._ready() and self._machine.can_begin_ahead()
+        return self.ready() and self.machine.can_begin_ahead()
 
     def launch(self, iteration: int, num_microbatches: int) -> bool:
         """Queue ``iteration``'s first work now (after this pass's gated step was enqueued and
@@ -129,13 +123,15 @@ class LookAhead:
             return True
         if self._launched is not None or not self._can_launch():
             return False
-        count = 1 if self._splittable else num_microbatches
-        self._machine.begin_ahead(iteration)
-        batches = self._data.peek(count)
+        count = 1 if self.splittable else num_microbatches
+        self.machine.begin_ahead(iteration)
+        batches = self.data.peek(count)
         # A graph's pass is one call with the usual keywords (extra ones would change its
         # signature); eager runs the prefix.
-        span = {"first": 0, "stop": count} if self._splittable else {}
-        reported = self._fb(data_iterator=iter(batches), num_microbatches=num_microbatches, **span)
+        span = {"first": 0, "stop": count} if self.splittable else {}
+        reported = self.forward_backward(
+            data_iterator=iter(batches), num_microbatches=num_microbatches, **span
+        )
         self._launched = Launched(iteration, num_microbatches, list(batches), reported)
         self.num_launched += 1
         return True
@@ -162,7 +158,7 @@ class LookAhead:
         staged, self._staged = self._staged, None
         if launched is None and staged is None:
             return False
-        self._machine.discard_ahead(restore_rng=restore_rng)
+        self.machine.discard_ahead(restore_rng=restore_rng)
         return True
 
     def forget(self) -> None:

@@ -12,6 +12,7 @@ reads ``found_inf``, checked on CPU with torch 2.13 and on CUDA with 2.11). Any 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -90,18 +91,13 @@ def count_zeros(parameters: list[nn.Parameter]) -> torch.Tensor:
     return torch.stack([(g == 0).sum() for g in grads]).sum()
 
 
+@dataclass(eq=False)
 class Stepped:
     """What one optimizer step produced (device tensors; no sync)."""
 
-    def __init__(
-        self,
-        grad_norm: torch.Tensor | None,
-        num_zeros: torch.Tensor | None = None,
-        skipped: bool = False,
-    ) -> None:
-        self.grad_norm = grad_norm
-        self.num_zeros = num_zeros
-        self.skipped = skipped
+    grad_norm: torch.Tensor | None
+    num_zeros: torch.Tensor | None = None
+    skipped: bool = False
 
 
 class OptimizerRunner(Protocol):
@@ -121,36 +117,37 @@ class OptimizerRunner(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(eq=False, repr=False)  # object's repr: a dataclass's would print every parameter
 class EagerOptimizer:
-    """Clip + ``optimizer.step()`` eagerly; gated on the machine's skip gate when possible."""
+    """Clip + ``optimizer.step()`` eagerly; gated on the machine's skip gate when possible.
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: list[nn.Parameter],
-        *,
-        clip_grad: float,
-        gate: torch.Tensor | None,
-        loss_scaler: NullLossScaler,
-        log_num_zeros: bool = False,
-        timers: Any = NO_TIMERS,
-        norm_source: GradNormSource | None = None,
-    ) -> None:
-        self.optimizer = optimizer
-        self.params = params
-        self.clip_grad = clip_grad
-        self.loss_scaler = loss_scaler
-        self.log_num_zeros = log_num_zeros
-        self.timers = timers
+    ``gate`` is kept only where the optimizer reads it (:func:`reads_found_inf`), and
+    ``norm_source`` only without loss scaling.
+    """
+
+    optimizer: torch.optim.Optimizer
+    params: list[nn.Parameter]
+    _: KW_ONLY
+    clip_grad: float
+    gate: torch.Tensor | None
+    loss_scaler: NullLossScaler
+    log_num_zeros: bool = False
+    timers: Any = NO_TIMERS
+    norm_source: GradNormSource | None = None
+    gated: bool = field(init=False)
+
+    def __post_init__(self) -> None:
         # The check's norm is of the gradients as the backward left them: with loss scaling the
         # clip sees them unscaled, so it computes its own.
-        scaled = loss_scaler.dynamic or loss_scaler.scale != 1.0
-        self.norm_source = None if scaled else norm_source
-        self.gate = gate if gate is not None and reads_found_inf(optimizer) else None
-        self.gated = self.gate is not None and not loss_scaler.dynamic and not log_num_zeros
+        if self.loss_scaler.dynamic or self.loss_scaler.scale != 1.0:
+            self.norm_source = None
+        if self.gate is not None and not reads_found_inf(self.optimizer):
+            self.gate = None
+        dynamic = self.loss_scaler.dynamic
+        self.gated = self.gate is not None and not dynamic and not self.log_num_zeros
         if self.gate is not None:
             # torch's fused optimizers read this attribute (the GradScaler API): 1.0 = skip.
-            innermost(optimizer).found_inf = self.gate  # type: ignore[attr-defined]
+            innermost(self.optimizer).found_inf = self.gate  # type: ignore[attr-defined]
 
     def step(self, *, gated: bool, overlap: bool = True) -> Stepped:
         """``gated``: the device decides from the gate (before the read); otherwise the host

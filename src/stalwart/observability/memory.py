@@ -35,7 +35,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -180,6 +180,7 @@ def validate_memory_args(log_interval: int, log_memory_interval: int | None) -> 
         )
 
 
+@dataclass(eq=False)
 class MemoryMonitor:
     """Theoretical-vs-measured report once, then periodic measured memory.
 
@@ -192,29 +193,20 @@ class MemoryMonitor:
     call: host only, no device sync.
     """
 
-    def __init__(
-        self,
-        device: torch.device,
-        estimate: MemoryFootprint | None,
-        run_dir: str | os.PathLike[str] | None = None,
-        rank: int = 0,
-        log_interval: int = 1,
-        log_memory_interval: int | None = None,
-        to_tensorboard: bool = False,
-        sink: MetricSink | None = None,
-        log: Callable[[str], None] = print,
-    ) -> None:
-        validate_memory_args(log_interval, log_memory_interval)
-        self.device = device
-        self.estimate = estimate
-        self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.rank = rank
-        self.log_memory_interval = log_memory_interval
-        self.to_tensorboard = to_tensorboard
-        self.sink = sink
-        self._log = log
-        self._reported = False
-        self._last: dict[str, float] = {}
+    device: torch.device
+    estimate: MemoryFootprint | None
+    run_dir: str | os.PathLike[str] | None = None
+    rank: int = 0
+    log_interval: InitVar[int] = 1
+    log_memory_interval: int | None = None
+    to_tensorboard: bool = False
+    sink: MetricSink | None = None
+    log: Callable[[str], None] = print
+    _reported: bool = field(default=False, init=False, repr=False)
+    _last: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self, log_interval: int) -> None:
+        validate_memory_args(log_interval, self.log_memory_interval)
 
     def on_log_step(self, iteration: int) -> dict[str, float] | None:
         """Read memory if due (first call or interval); returns the measured dict when read."""
@@ -235,19 +227,20 @@ class MemoryMonitor:
     def _first_report(self, iteration: int, measured: dict[str, float]) -> None:
         if self.rank == 0 and self.estimate is not None:
             est = self.estimate
-            self._log(
+            self.log(
                 f"Theoretical memory footprints: weight and optimizer="
                 f"{est.weights_optimizer_bytes / MIB:.2f} MB, activation="
                 f"{est.activation_bytes / MIB:.2f} MB, total={est.total_bytes / MIB:.2f} MB"
             )
-        self._log(f"[Rank {self.rank}] (after {iteration} iterations) {format_measured(measured)}")
+        self.log(f"[Rank {self.rank}] (after {iteration} iterations) {format_measured(measured)}")
         if self.rank != 0 or self.estimate is None or self.run_dir is None:
             return
         record = compare(self.estimate, measured)
         record.update(iteration=iteration, time=time.time(), device=str(self.device))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = Path(self.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
         text = json.dumps(record, indent=1)
-        write_text_atomic(self.run_dir / MEMORY_FILE, text, sync=Sync.NONE)
+        write_text_atomic(run_dir / MEMORY_FILE, text, sync=Sync.NONE)
 
     def log_fields(self, info: IntervalInfo) -> list[LogField]:
         """`LogFieldProvider`: the peak-memory field at the steps that read memory."""

@@ -51,7 +51,7 @@ from stalwart.reliability.rerun.replicas import (
 )
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker
-from stalwart.reliability.rerun.rules import DeviceCheck, host_predicate
+from stalwart.reliability.rerun.rules import host_predicate
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
     CallKey,
@@ -127,17 +127,13 @@ class RerunStateMachine:
     ) -> None:
         self.mode = RerunMode.parse(mode)
         self.injector = error_injector or RerunErrorInjector()
-        tracker = (
-            TrackerFile(result_rejected_tracker_filename)
-            if result_rejected_tracker_filename
-            else None
-        )
+        tracker_name = result_rejected_tracker_filename
+        tracker = TrackerFile(tracker_name) if tracker_name else None
         self.process_group = process_group
         self.rng = rng_tracker or RngStateTracker()
         self.checks = checks or CheckConfig()
-        self._agree: Agreement = agreement or functools.partial(
-            collectives.all_reduce_any, group=process_group
-        )
+        any_rank = functools.partial(collectives.all_reduce_any, group=process_group)
+        self._agree: Agreement = agreement or any_rank
         self.device = torch.device(device) if device is not None else None
         self.replicas = replicas
         # The state of the iteration and its passes.
@@ -156,6 +152,11 @@ class RerunStateMachine:
         self.reporter = Reporter(process_group, tracker)
         self.judge = EventJudge(self.injector, self.reporter)
         self.recorder = Recorder(self.injector, self._inject_decision, self._may_record)
+        # Megatron's recording calls on the machine are the recorder's (contracts there).
+        self.check_buffer = self.recorder.check_buffer
+        self.attach_buffer = self.recorder.attach_buffer
+        self.validate_result = self.recorder.validate_result
+        self.check_all_on_device = self.recorder.check_all_on_device
         self._saver = StateSaver(
             self.rng, state_save_func, state_restore_func,
             self.recorder.save_trackers, self.recorder.restore_trackers,
@@ -207,35 +208,6 @@ class RerunStateMachine:
     def buffer(self) -> ValidationBuffer | None:
         """The machine's one device check buffer (None before the first device check)."""
         return self.recorder.buffer
-
-    def check_buffer(self, device: torch.device) -> ValidationBuffer:
-        """The device check buffer, created on ``device`` on first use."""
-        return self.recorder.check_buffer(device)
-
-    def attach_buffer(self, buffer: ValidationBuffer) -> None:
-        """Also read ``buffer`` (slots declared with ``add_check``) in the per-iteration sync."""
-        self.recorder.attach_buffer(buffer)
-
-    def validate_result(
-        self,
-        result: torch.Tensor | float,
-        rejection_func: Callable[..., Any] | None,
-        message: str,
-        comparison_func: Callable[..., Any] | None = None,
-        tolerance: float = 0.0,
-        fatal: bool = True,
-    ) -> None:
-        """Record a host-evaluated check of ``result`` (:meth:`Recorder.validate_result`)."""
-        self.recorder.validate_result(
-            result, rejection_func, message, comparison_func, tolerance, fatal
-        )
-
-    def check_all_on_device(
-        self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
-    ) -> None:
-        """Record ``checks[i]`` of element ``i`` of ``values`` in one device op
-        (:meth:`Recorder.check_all_on_device`)."""
-        self.recorder.check_all_on_device(values, checks)
 
     def check_loss(self, loss: torch.Tensor) -> None:
         """Megatron's loss checks of one micro-batch's local loss, as :attr:`checks` says."""
