@@ -6,6 +6,7 @@ worker's process state (signal handlers, exit handlers)."""
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing
 import os
 import signal
@@ -161,3 +162,22 @@ def test_the_forked_round_runs_the_worker_with_the_args_after_the_module() -> No
     forked = _forked_launch(launch, worker, Config(), "/usr/bin/python")
     assert seen == [("fork", worker)]
     assert forked("-u", "-m", "stalwart", "train", "--save", "x") == ("train", "--save", "x")
+
+
+def test_the_launcher_imports_a_restart_s_modules_without_initialising_cuda() -> None:
+    code = (
+        "import json, sys, torch\n"
+        "from stalwart.cli.launch import COMPILE_IMPORTS, RESTART_IMPORTS, forking_worker\n"
+        "fresh = [n for n in RESTART_IMPORTS + COMPILE_IMPORTS if n not in sys.modules]\n"
+        "forking_worker(compiles=True)\n"
+        "left = [n for n in fresh if n not in sys.modules]\n"
+        "print(json.dumps([len(fresh), left, torch.cuda.is_initialized()]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=REPO, check=True).stdout  # fmt: skip
+    fresh, left, cuda = json.loads(out)
+    assert fresh >= 10  # most of them are not imported by the trainer itself
+    # Only what this torch lacks is passed over (the CPU wheel has no Triton).
+    assert set(left) <= {"triton.compiler.compiler", "psutil"}
+    assert cuda is False

@@ -140,3 +140,29 @@ def test_ignore_index_labels() -> None:
     labels[:, :4] = -100
     full = model(ids[:, :], labels)
     assert isinstance(full, dict) and torch.isfinite(full["lm loss"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True},
+        {"num_experts": 4, "moe_router_topk": 2},
+    ],
+    ids=["learned", "rope", "moe"],
+)
+def test_for_loading_is_zero_and_computes_as_the_model_once_loaded(overrides) -> None:
+    cfg = _cfg(**overrides)
+    torch.manual_seed(0)
+    fresh = GPT(cfg)
+    blank = GPT.for_loading(cfg, "cpu")
+    assert all(p.device.type == "cpu" and not p.is_meta for p in blank.parameters())
+    assert all(bool((p == 0).all()) for p in blank.parameters())
+    # Non-persistent buffers are no checkpoint's: they must equal a freshly built model's.
+    fresh_buffers = dict(fresh.named_buffers())
+    for name, buf in blank.named_buffers():
+        assert torch.equal(buf, fresh_buffers[name]), name
+    blank.load_state_dict(fresh.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    fresh.eval(), blank.eval()
+    assert torch.equal(fresh(ids, ids)["loss"], blank(ids, ids)["loss"])
