@@ -31,7 +31,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from stalwart.atomic_file import write_text_atomic
+from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.safe_state import StateFormatError, read_state_file
 from stalwart.regular_file import open_regular
@@ -183,22 +183,85 @@ def _check_checksums(path: str) -> CheckResult:
             "its files were not checked against checksums"
         )
         return CheckResult(None, note)
+    entries = _trusted_entries(path, raw_marker, recorded)
+    if isinstance(entries, str):
+        return CheckResult(entries)
+    return CheckResult(_check_files_against(path, entries))
+
+
+def _trusted_entries(
+    path: str, raw_marker: bytes, recorded: Any
+) -> dict[str, tuple[int, str]] | str:
+    """The manifest's entries once marker, ``metadata.json`` and manifest agree (only the
+    manifest is hashed); else why not."""
+    manifest = os.path.join(path, MANIFEST_FILENAME)
     if not isinstance(recorded, str) or not _CRC_RE.match(recorded):
-        return CheckResult(
-            f"{MANIFEST_FILENAME} is there but marker {layout.COMPLETE_MARKER} records no checksum of it"
-        )
+        return f"{MANIFEST_FILENAME} is there but marker {layout.COMPLETE_MARKER} records no checksum of it"
     try:
         if crc32_file(manifest)[1] != recorded:
-            return CheckResult(f"{MANIFEST_FILENAME} does not match the checksum in the marker")
+            return f"{MANIFEST_FILENAME} does not match the checksum in the marker"
         expected = layout.marker_text(json.loads(_small(path, layout.METADATA_FILENAME)), recorded)
     except FileNotFoundError:
-        return CheckResult(f"{MANIFEST_FILENAME} is missing (the marker records one)")
+        return f"{MANIFEST_FILENAME} is missing (the marker records one)"
     except (OSError, ValueError, TypeError) as exc:
-        return CheckResult(f"cannot check the checksums: {exc}")
-    problem = _check_files_against(path, _parse_manifest(manifest))
-    if problem is None and raw_marker != expected.encode("utf-8"):
-        problem = f"marker {layout.COMPLETE_MARKER} does not match metadata.json and the manifest"
-    return CheckResult(problem)
+        return f"cannot check the checksums: {exc}"
+    entries = _parse_manifest(manifest)
+    if isinstance(entries, str):
+        return entries
+    if raw_marker != expected.encode("utf-8"):
+        return f"marker {layout.COMPLETE_MARKER} does not match metadata.json and the manifest"
+    return entries
+
+
+def manifest_entries(path: str) -> dict[str, tuple[int, str]] | str:
+    """``{relative path: (size, digest)}`` of the manifest of ``path``, once its marker,
+    ``metadata.json`` and manifest agree, and every file of the directory is listed there as a
+    regular file of that size (no file is hashed: see :func:`digest_bytes`); else why not. A
+    directory without a manifest has none to trust: refused."""
+    try:
+        raw_marker, marker = _read_marker(path)
+    except (OSError, ValueError) as exc:
+        return f"marker {layout.COMPLETE_MARKER} is unreadable: {exc}"
+    entries = _trusted_entries(path, raw_marker, marker.get(MARKER_KEY))
+    if isinstance(entries, str):
+        return entries
+    problem = _check_listing(path, entries)
+    if problem is not None:
+        return problem
+    for rel, (size, _) in entries.items():
+        try:
+            actual = os.lstat(os.path.join(path, rel)).st_size
+        except OSError as exc:
+            return f"file {rel} is unreadable: {exc.strerror or exc}"
+        if actual != size:
+            return f"file {rel} has {actual} bytes, {MANIFEST_FILENAME} says {size}"
+    return entries
+
+
+def digest_bytes(*parts: bytes | bytearray | memoryview) -> str:
+    """The manifest's digest of a file whose bytes are ``parts`` joined, computed in memory
+    (a CRC-32 per 64 MiB block across the parts, as `digests` reads them from disk)."""
+    crcs, crc, filled = [], 0, 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while len(view):
+            take = min(BLOCK_BYTES - filled, len(view))
+            crc, filled, view = zlib.crc32(view[:take], crc), filled + take, view[take:]
+            if filled == BLOCK_BYTES:
+                crcs.append(crc)
+                crc, filled = 0, 0
+    if filled or not crcs:
+        crcs.append(crc)
+    return "-".join(f"{c:08x}" for c in crcs)
+
+
+def write_manifest_entries(path: str, files: dict[str, tuple[int, str]]) -> None:
+    """Write ``<path>/checksums.json`` of digests computed in memory (:func:`digest_bytes`)
+    instead of reading the files back (a local checkpoint's shard: its bytes are at hand)."""
+    body = {"format": MANIFEST_FORMAT, "algorithm": "crc32", "block_bytes": BLOCK_BYTES,
+            "files": {rel: list(entry) for rel, entry in sorted(files.items())}}  # fmt: skip
+    text = json.dumps(body, indent=0, sort_keys=True) + "\n"
+    write_text_atomic(os.path.join(path, MANIFEST_FILENAME), text, sync=Sync.NONE)
 
 
 def _small(path: str, name: str) -> bytes:
@@ -249,9 +312,8 @@ def _entry_ok(value: Any) -> bool:
     )
 
 
-def _check_files_against(path: str, entries: dict[str, tuple[int, str]] | str) -> str | None:
-    if isinstance(entries, str):
-        return entries
+def _check_listing(path: str, entries: dict[str, tuple[int, str]]) -> str | None:
+    """Every file under ``path`` is in the manifest, every entry a regular file."""
     unlisted = sorted(set(_listed_files(path)) - set(entries))
     if unlisted:
         return f"file {unlisted[0]} is not in {MANIFEST_FILENAME} (not written by this save)"
@@ -263,6 +325,15 @@ def _check_files_against(path: str, entries: dict[str, tuple[int, str]] | str) -
             return f"file {rel} is missing (listed in {MANIFEST_FILENAME})"
         except OSError as exc:
             return f"file {rel} is unreadable: {exc.strerror or exc}"
+    return None
+
+
+def _check_files_against(path: str, entries: dict[str, tuple[int, str]] | str) -> str | None:
+    if isinstance(entries, str):
+        return entries
+    problem = _check_listing(path, entries)
+    if problem is not None:
+        return problem
     try:
         found = digests([os.path.join(path, rel) for rel in sorted(entries)])
     except OSError as exc:

@@ -232,7 +232,11 @@ class LoadedCheckpoint:
         per_rank: this rank's ``per_rank`` dict; None when the world size changed and no file
             exists for this rank (the caller decides how to re-derive RNG/data state).
         saved_world_size: the world size at save time.
-        non_persistent: True when it came from the non-persistent directory.
+        non_persistent: True when it came from the non-persistent directory, a local copy or
+            an in-memory snapshot.
+        source: for a local copy or an in-memory snapshot, which one ("the local copy of
+            iteration 40"; ``path`` then names the iteration under ``--load``, where its rerun
+            verdict would be); None for a directory.
     """
 
     iteration: int
@@ -241,6 +245,7 @@ class LoadedCheckpoint:
     per_rank: dict[str, Any] | None
     saved_world_size: int
     non_persistent: bool = False
+    source: str | None = None
 
 
 def try_load(

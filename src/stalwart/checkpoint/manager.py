@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from stalwart.checkpoint import dcp_io, integrity, layout
+from stalwart.checkpoint import dcp_io, integrity, layout, resume
 from stalwart.checkpoint.commit import PendingSave, SaveSteps
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.checkpoint.loading import (
@@ -61,6 +61,7 @@ from stalwart.checkpoint.loading import (
     try_load,
 )
 from stalwart.checkpoint.lock import SaveDirLocks
+from stalwart.checkpoint.resume import CopyChoice, CopyTier
 from stalwart.distributed import collectives
 
 logger = logging.getLogger("stalwart.checkpoint")
@@ -90,6 +91,11 @@ class CheckpointManager:
             mismatch makes it unusable (``fallback`` then tries the previous one).
         checksums: write each checkpoint's checksum manifest (`stalwart.checkpoint.integrity`);
             False only to measure its cost (``bench/checkpoint_save.py``).
+        copies: where non-persistent saves go instead of ``non_persistent_dir``
+            (``--non-persistent-ckpt-type local`` / ``in_memory``: a
+            `stalwart.checkpoint.local.LocalCheckpoints` or
+            `stalwart.checkpoint.in_memory.InMemorySnapshots`); a resume then takes the newest
+            complete iteration among the directories and these copies (`stalwart.checkpoint.resume`).
 
     Raises:
         ValueError: naming the flags, for ``keep_last < 1`` or overlapping directories.
@@ -109,6 +115,7 @@ class CheckpointManager:
         job_id: str | None = None,
         verify_on_load: bool = False,
         checksums: bool = True,
+        copies: CopyTier | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(
@@ -132,6 +139,9 @@ class CheckpointManager:
         self._group = process_group
         self._rank, self._world_size, self._src = dcp_io.group_rank_info(process_group)
         self._pending: PendingSave | None = None
+        self._copies = copies
+        if copies is not None:
+            copies.bind(process_group)
         self._closed = False
         self._ckpt_group: Any = None
         self._async: dcp_io.AsyncWriter | None = None
@@ -175,6 +185,8 @@ class CheckpointManager:
         outcome = collectives.broadcast_object(refused, self._src, self._group)
         if outcome is not None:
             raise ValueError(str(outcome))
+        if self._copies is not None:
+            self._copies.check_writable()
 
     def _where(self, non_persistent: bool) -> tuple[str, bool]:
         """(the flag naming that root, whether stalwart creates the root itself: the default
@@ -220,11 +232,15 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError("CheckpointManager.save() called after close()")
+        if non_persistent and self._copies is not None:
+            state = dcp_io.gather_state(model, optimizer, for_save=True)
+            self._copies.save(iteration, state, common, per_rank)
+            return
         root = self._np_dir if non_persistent else self._save_dir
         if root is None:
             flags = "--save or --non-persistent-ckpt-dir" if non_persistent else "--save"
             raise ValueError(f"checkpoint save requested but {flags} is not set")
-        self.finalize()
+        self._maybe_finalize_dir(blocking=True)
         started = time.monotonic()
         tmp = self._steps.begin(root, iteration, *self._where(non_persistent))
         facts = self._steps.write_small_files(tmp, iteration, common, per_rank, non_persistent)
@@ -275,9 +291,17 @@ class CheckpointManager:
         renamed into place and the tracker advanced; returns its iteration. Without a pending save
         it returns None and issues no collective.
 
+        A local or in-memory copy in flight is finalized the same way (see ``copies``); the
+        iteration committed last is returned.
+
         Raises:
             CheckpointError: the background write failed on some rank (the partial save is removed).
         """
+        committed = self._maybe_finalize_dir(blocking)
+        copied = self._copies.maybe_finalize(blocking) if self._copies is not None else None
+        return committed if copied is None else copied
+
+    def _maybe_finalize_dir(self, blocking: bool) -> int | None:
         pending = self._pending
         if pending is None or pending.future is None:
             return None
@@ -355,47 +379,87 @@ class CheckpointManager:
         """
         self.finalize()
         rejected: set[str] = set()
+        optim = optimizer if load_optim else None
         while True:
             choice = self._decide(iteration, rejected)
             if choice is None:
                 return None
             started = time.monotonic()
-            problem, loaded = try_load(
-                choice,
-                model,
-                optimizer if load_optim else None,
-                strict=strict,
-                check_common=check_common,
-                rank=self._rank,
-                world_size=self._world_size,
-                group=self._group,
-            )
+            problem, loaded = self._load_choice(choice, model, optim, strict, check_common)
             if problem is None and loaded is not None:
                 if self._rank == 0:
                     logger.info(
                         "loaded checkpoint iteration %d from %s in %.2fs",
                         loaded.iteration,
-                        loaded.path,
+                        loaded.source or loaded.path,
                         time.monotonic() - started,
                     )
                 return loaded
-            if not self._fallback or iteration is not None:
-                raise CheckpointError(problem or f"loading {choice.path} failed")
+            # A local or in-memory copy that fails to load is not the newest complete one:
+            # the next decision passes over it whatever --ckpt-fallback says.
+            copy = isinstance(choice, CopyChoice) and choice.from_tier
+            what = choice.resume.detail if isinstance(choice, CopyChoice) else choice.path
+            if not copy and (not self._fallback or iteration is not None):
+                raise CheckpointError(problem or f"loading {what} failed")
             logger.warning(
-                "checkpoint %s unusable (%s); falling back (--ckpt-fallback)", choice.path, problem
+                "checkpoint %s unusable (%s); falling back%s",
+                what,
+                problem,
+                "" if copy else " (--ckpt-fallback)",
             )
-            rejected.add(choice.path)
+            rejected.add(choice.rejected_key() if isinstance(choice, CopyChoice) else choice.path)
 
-    def _decide(self, iteration: int | None, rejected: set[str]) -> Choice | None:
+    def _load_choice(
+        self,
+        choice: Choice | CopyChoice,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        strict: bool,
+        check_common: Callable[[dict[str, Any]], None] | None,
+    ) -> tuple[str | None, LoadedCheckpoint | None]:
+        if isinstance(choice, CopyChoice) and choice.from_tier:
+            assert self._copies is not None
+            problem, small = self._copies.load(
+                choice.offer.plan, model, optimizer, strict=strict, check_common=check_common
+            )
+            if problem is not None or small is None:
+                return problem, None
+            it = choice.resume.iteration
+            # The iteration's name under --load: where its rerun verdict would be.
+            path = os.path.join(self._load_dir or "", layout.iteration_dir_name(it))
+            source = f"the {choice.resume.kind.value} of iteration {it}"
+            return None, LoadedCheckpoint(it, path, *small, True, source=source)
+        disk = choice.disk if isinstance(choice, CopyChoice) else choice
+        assert disk is not None
+        return try_load(
+            disk,
+            model,
+            optimizer,
+            strict=strict,
+            check_common=check_common,
+            rank=self._rank,
+            world_size=self._world_size,
+            group=self._group,
+        )
+
+    def _decide(self, iteration: int | None, rejected: set[str]) -> Choice | CopyChoice | None:
+        copies = self._copies if iteration is None else None
         decision: tuple[Choice | None, str | None] = (None, None)
         if self._rank == 0:
             try:
                 choice = self._locator().choose(iteration, rejected, logger)
-                if choice is None and not rejected:
+                if choice is None and not rejected and (copies is None or self._load_explicit):
                     nothing_to_load(self._load_dir, self._load_explicit, logger)
                 decision = (choice, None)
             except CheckpointError as exc:
                 decision = (None, str(exc))
+        if copies is not None:
+            picked = resume.decide(decision, copies, self._group, rejected)
+            if self._rank == 0 and picked is not None:
+                resume.log_choice(picked, logger)
+            elif self._rank == 0 and not rejected:
+                nothing_to_load(self._load_dir, self._load_explicit, logger)
+            return picked
         choice, error = cast(
             "tuple[Choice | None, str | None]",
             collectives.broadcast_object(decision, self._src, self._group),
@@ -417,7 +481,11 @@ class CheckpointManager:
         try:
             self._close_writes(abort)
         finally:
-            self._locks.release()  # every exit path: the next job may use the directory
+            try:
+                if self._copies is not None:
+                    self._copies.close(abort=abort)
+            finally:
+                self._locks.release()  # every exit path: the next job may use the directory
 
     def _close_writes(self, abort: bool) -> None:
         try:

@@ -105,7 +105,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--dist-ckpt-strictness", _CKPT),
     Unsupported("--ckpt-assume-constant-structure", _CKPT, False),
     Unsupported("--use-persistent-ckpt-worker", "--async-save writes from a worker of its own", False),
-    Unsupported("--non-persistent-ckpt-type", "non-persistent checkpoints are local files: --non-persistent-ckpt-dir"),
     Unsupported("--pretrained-checkpoint", "use --load DIR --finetune"),
     # Reliability and observability.
     Unsupported("--exit-signal-handler-for-training", "it exits 0 without saving; use --exit-signal-handler and --exit-on-interrupt", False),

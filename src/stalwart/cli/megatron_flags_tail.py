@@ -96,13 +96,9 @@ TAIL: tuple[tuple[str, str, str], ...] = (
      "--load-main-params-from-ckpt --no-strict-fsdp-dtensor-load "
      "--ckpt-convert-update-legacy-dist-opt-format --dist-ckpt-save-pre-mcore-014 "
      "--dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient"),
-    ("non-persistent checkpoints are local files: --non-persistent-ckpt-dir",
-     "--non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir "
-     "--non-persistent-local-ckpt-algo", ""),
     ("--load reads the directory's latest checkpoint", "--ckpt-step", ""),
     (f"model parallelism; {_DP}", "--model-parallel-size",
      "--use-mp-args-from-checkpoint-args --use-tp-pp-dp-mapping"),
-    ("no replication of local checkpoints", "--replication-jump --replication-factor", "--replication"),
     # mixed precision
     ("no separate precision for residual connections: --bf16 or --fp16 sets it", "",
      "--fp32-residual-connection"),

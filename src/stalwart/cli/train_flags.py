@@ -13,6 +13,7 @@ from typing import Any
 
 from stalwart.cli.arg_types import Float, Int, OneOf, negated, switch, values
 from stalwart.config.checks import SEED_MAX
+from stalwart.checkpoint.non_persistent import LocalAlgo, NonPersistentType
 from stalwart.config.training import LRDecayStyle
 
 PRESET_NAMES = ("tiny", "small", "gpt2-124m", "llama-tiny", "llama-150m")
@@ -284,9 +285,52 @@ def checkpoint_flags(p: argparse.ArgumentParser) -> None:
         "check every file of the checkpoint against its checksums before loading",
     )
     switch(g, "--async-save", "write checkpoints in the background")
-    interval(g, "--non-persistent-save-interval", "also save locally")
+    interval(g, "--non-persistent-save-interval", "also save a non-persistent checkpoint")
+    non_persistent_flags(g)
+
+
+def non_persistent_flags(g: Any) -> None:
+    """Megatron's non-persistent checkpoint types (``stalwart.checkpoint.non_persistent``)."""
+    values(
+        g,
+        (
+            "--non-persistent-ckpt-type",
+            OneOf(NonPersistentType, "TYPE"),
+            NonPersistentType.GLOBAL,
+            "where non-persistent saves go: global (a directory), local (each node's own "
+            "directory, written in the background), in_memory (host memory, for "
+            "--inprocess-restart)",
+        ),
+        (
+            "--non-persistent-local-ckpt-algo",
+            OneOf(LocalAlgo, "ALGO"),
+            None,
+            "local: fully_parallel (each rank writes its part of the replicated state) or atomic "
+            "(each rank its whole state) (default: fully_parallel)",
+        ),
+        (
+            "--replication-jump",
+            int,
+            None,
+            "ranks between two holders of a local shard (default: the ranks per node)",
+        ),
+        (
+            "--replication-factor",
+            int,
+            None,
+            "copies of each local shard, on as many nodes (default: 2)",
+        ),
+    )
     g.add_argument(
         "--non-persistent-ckpt-dir",
+        "--non-persistent-global-ckpt-dir",
+        dest="non_persistent_ckpt_dir",
         metavar="DIR",
-        help="fast local checkpoints (default: <save>/non_persistent)",
+        help="global: the non-persistent checkpoints' directory (default: <save>/non_persistent)",
     )
+    g.add_argument(
+        "--non-persistent-local-ckpt-dir",
+        metavar="DIR",
+        help="local: each node's directory for its ranks' copies (local NVMe or /dev/shm)",
+    )
+    switch(g, "--replication", "local: also store each rank's shard on its peers' nodes")

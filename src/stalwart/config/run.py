@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalwart.checkpoint.non_persistent import NonPersistentType
 from stalwart.config.checks import bounds, check_fields
 from stalwart.config.model import architecture_overrides, check_megatron_model_flags
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
@@ -347,6 +348,11 @@ def check_combinations(config: RunConfig) -> None:
     _check_timeout_hierarchy(config)
     if config.inprocess.inprocess_restart and not config.checkpoint.save:
         raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
+    if (
+        config.checkpoint.non_persistent_ckpt_type is NonPersistentType.IN_MEMORY
+        and not config.inprocess.inprocess_restart
+    ):  # a relaunched process has no memory of the last one: only a restart in it can use them
+        raise ValueError("--non-persistent-ckpt-type in_memory needs --inprocess-restart")
     if config.progress.log_progress and not config.checkpoint.save:
         raise ValueError("--log-progress needs --save (progress.txt is written there)")
     if config.rerun.error_injection_once and not config.checkpoint.save:

@@ -10,10 +10,13 @@ tolerance, logging, graphs) live next to their components and are aggregated by 
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stalwart.checkpoint import CheckpointManager
+from stalwart.checkpoint.in_memory import InMemorySnapshots
+from stalwart.checkpoint.non_persistent import LocalAlgo, NonPersistentType, build_copies
 from stalwart.config.checks import SEED_MAX, bounds, check_fields
 from stalwart.config.inductor import parse_inductor_options
 from stalwart.data.blend import parse_data_blend
@@ -63,14 +66,7 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.lr_decay_style, str):
-            allowed = ", ".join(s.value for s in LRDecayStyle)
-            try:  # the one conversion (frozen: through object.__setattr__)
-                object.__setattr__(self, "lr_decay_style", LRDecayStyle(self.lr_decay_style))
-            except ValueError:
-                raise ValueError(
-                    f"--lr-decay-style: got {self.lr_decay_style!r}, allowed: {allowed}"
-                ) from None
+        _to_enum(self, "lr_decay_style", LRDecayStyle, "--lr-decay-style")
         check_fields(self)
         _require(
             self.clip_grad > 0 or not self.clip_grad_in_optimizer,
@@ -217,9 +213,22 @@ class CheckpointConfig:
     verify_checkpoint_on_load: bool = False
     async_save: bool = False
     non_persistent_save_interval: int = field(default=0, metadata=bounds(ge=0))
-    non_persistent_ckpt_dir: str | None = None
+    non_persistent_ckpt_dir: str | None = None  # = --non-persistent-global-ckpt-dir
+    # Megatron's non-persistent checkpoint types (stalwart.checkpoint.non_persistent): where
+    # the --non-persistent-save-interval saves go, and the local type's directory and replicas.
+    non_persistent_ckpt_type: NonPersistentType = NonPersistentType.GLOBAL
+    non_persistent_local_ckpt_dir: str | None = None
+    non_persistent_local_ckpt_algo: LocalAlgo | None = None  # unset: fully_parallel
+    replication: bool = False
+    replication_jump: int | None = field(default=None, metadata=bounds(gt=0))
+    replication_factor: int | None = field(default=None, metadata=bounds(ge=2))
 
     def __post_init__(self) -> None:
+        for name, kind, flag in (
+            ("non_persistent_ckpt_type", NonPersistentType, "--non-persistent-ckpt-type"),
+            ("non_persistent_local_ckpt_algo", LocalAlgo, "--non-persistent-local-ckpt-algo"),
+        ):
+            _to_enum(self, name, kind, flag)
         check_fields(self)
         if self.non_persistent_save_interval and not self.save:
             # Saving and resuming are keyed on --save; the directory defaults to <save>/non_persistent.
@@ -231,15 +240,66 @@ class CheckpointConfig:
             raise ValueError("--save-interval needs --save (a checkpoint directory)")
         if self.async_save and not self.save:
             raise ValueError("--async-save needs --save (a checkpoint directory)")
+        self._check_non_persistent_type()
+
+    def _check_non_persistent_type(self) -> None:
+        """Every flag of a type applies to it: each other combination is one refusal."""
+        kind = self.non_persistent_ckpt_type
+        flag = f"--non-persistent-ckpt-type {kind.value}"
+        _require(
+            kind is NonPersistentType.GLOBAL or self.non_persistent_save_interval > 0,
+            f"{flag} needs --non-persistent-save-interval (without it nothing is saved there)",
+        )
+        _require(
+            kind is NonPersistentType.GLOBAL or self.non_persistent_ckpt_dir is None,
+            f"--non-persistent-ckpt-dir (--non-persistent-global-ckpt-dir) is the global "
+            f"type's directory; {flag} does not use it",
+        )
+        local = kind is NonPersistentType.LOCAL
+        for given, name in (
+            (self.non_persistent_local_ckpt_dir is not None, "--non-persistent-local-ckpt-dir"),
+            (self.non_persistent_local_ckpt_algo is not None, "--non-persistent-local-ckpt-algo"),
+            (self.replication, "--replication"),
+        ):
+            _require(local or not given, f"{name} applies to --non-persistent-ckpt-type local")
+        _require(
+            not local or bool(self.non_persistent_local_ckpt_dir),
+            f"{flag} needs --non-persistent-local-ckpt-dir (a directory on each node: local "
+            "NVMe or /dev/shm)",
+        )
+        for value, name in (
+            (self.replication_jump, "--replication-jump"),
+            (self.replication_factor, "--replication-factor"),
+        ):
+            _require(value is None or self.replication, f"{name} applies with --replication")
+        if local:
+            _check_local_dir(
+                self.non_persistent_local_ckpt_dir or "", self.save, self.non_persistent_ckpt_dir
+            )
 
     @property
     def load_dir(self) -> str | None:
         """``--load`` defaults to ``--save`` (auto-resume)."""
         return self.load if self.load is not None else self.save
 
-    def build(self, before_commit: Callable[[int], None] | None = None) -> CheckpointManager:
+    def build(
+        self,
+        before_commit: Callable[[int], None] | None = None,
+        snapshots: InMemorySnapshots | None = None,
+    ) -> CheckpointManager:
         """The checkpoint manager; ``--save`` is probed for writing and locked first (before any
-        work; if building fails, atexit releases the lock). ``before_commit``: see the manager."""
+        work; if building fails, atexit releases the lock). ``before_commit``: see the manager.
+        ``snapshots``: an in-process restart's in-memory snapshots (``in_memory``), which outlive
+        this manager. Collective with ``local`` (the copies' own group)."""
+        copies = build_copies(
+            self.non_persistent_ckpt_type,
+            local_dir=self.non_persistent_local_ckpt_dir,
+            algo=self.non_persistent_local_ckpt_algo or LocalAlgo.FULLY_PARALLEL,
+            replication=self.replication,
+            jump=self.replication_jump,
+            factor=self.replication_factor,
+            snapshots=snapshots,
+        )
         manager = CheckpointManager(
             self.save,
             self.load_dir,
@@ -249,7 +309,31 @@ class CheckpointConfig:
             verify_on_load=self.verify_checkpoint_on_load,
             non_persistent_dir=self.non_persistent_ckpt_dir,
             before_commit=before_commit,
+            copies=copies,
         )
         if self.save:
             manager.check_writable()
         return manager
+
+
+def _to_enum(config: object, name: str, kind: type[enum.Enum], flag: str) -> None:
+    """A flag's string value as its enum (``ValueError`` naming ``flag`` and the values)."""
+    value = getattr(config, name)
+    if isinstance(value, str) and not isinstance(value, kind):
+        allowed = ", ".join(str(m.value) for m in kind)
+        try:  # the one conversion (frozen: through object.__setattr__)
+            object.__setattr__(config, name, kind(value))
+        except ValueError:
+            raise ValueError(f"{flag}: got {value!r}, allowed: {allowed}") from None
+
+
+def _check_local_dir(local: str, save: str | None, global_dir: str | None) -> None:
+    """The local copies' directory is one of its own: the same directory as --save or the
+    global type's would put two locks of one job on it."""
+    here = os.path.realpath(local)
+    for other, name in ((save, "--save"), (global_dir, "--non-persistent-ckpt-dir")):
+        if other is not None and os.path.realpath(other) == here:
+            raise ValueError(
+                f"--non-persistent-local-ckpt-dir {local} is the same directory as {name}; "
+                "give the local copies a directory of their own (on each node's local disk)"
+            )

@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from stalwart.checkpoint.in_memory import InMemorySnapshots
+from stalwart.checkpoint.non_persistent import NonPersistentType
 from stalwart.config.run import RunConfig
 from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import DistributedContext, choose_device, init_distributed
@@ -28,6 +30,7 @@ def trainer_attempt(
     config: RunConfig,
     compile_cache: CompileCache | NullCompileCache | None = None,
     compiling: Callable[[], object] | None = None,
+    snapshots: InMemorySnapshots | None = None,
 ) -> Callable[[Attempt], TrainOutcome]:
     """The train function of one attempt: build a Trainer from ``config``, resume, train.
 
@@ -36,12 +39,20 @@ def trainer_attempt(
     complete checkpoint. What outlives the attempts is ``compile_cache``, owned by the caller
     (outside the restartable scope), and the compiled code Dynamo keeps on the model's code
     objects: the rebuilt model passes the same guards, so a restarted attempt compiles nothing
-    and only re-captures its CUDA graphs. On a fault the wrapper first discards an in-flight
+    and only re-captures its CUDA graphs. ``snapshots`` (``--non-persistent-ckpt-type
+    in_memory``) outlive the attempts too: a restarted attempt resumes from the newest one
+    every rank holds when it is newer than the checkpoints on disk, and reads no file. On a fault the wrapper first discards an in-flight
     async save without collectives (abort), then closes the Trainer (finalize).
     """
 
     def body(attempt: Attempt) -> TrainOutcome:
-        trainer = Trainer(config, attempt.ctx, attempt=attempt.index, compile_cache=compile_cache)
+        trainer = Trainer(
+            config,
+            attempt.ctx,
+            attempt=attempt.index,
+            compile_cache=compile_cache,
+            snapshots=snapshots,
+        )
         attempt.on_abort(functools.partial(_record_hang, attempt, trainer))
         attempt.on_abort(functools.partial(trainer.checkpointer.close, abort=True))
         # Graphs that captured NCCL collectives keep the communicator referenced: drop them
@@ -92,13 +103,17 @@ def run_training_inprocess(config: RunConfig) -> tuple[int, TrainOutcome | None]
     restarter = build_restarter(config)
     cache = build_compile_cache(config, env_int("RANK", 0))
     activity = CompileActivity() if config.training.compile else None
+    in_memory = config.checkpoint.non_persistent_ckpt_type is NonPersistentType.IN_MEMORY
+    snapshots = InMemorySnapshots() if in_memory else None
     try:
         with cache:
-            outcome = restarter.run(trainer_attempt(config, cache, activity))
+            outcome = restarter.run(trainer_attempt(config, cache, activity, snapshots))
     except InProcessRestartExhausted as exc:
         sys.stderr.write(f"stalwart train: {exc}\n")
         return exc.exit_code, None
     finally:
         if activity is not None:
             activity.close()
+        if snapshots is not None:
+            snapshots.release()
     return outcome.exit_code, outcome

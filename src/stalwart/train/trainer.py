@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from stalwart.checkpoint import CheckpointError
+from stalwart.checkpoint.in_memory import InMemorySnapshots
 from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
 from stalwart.distributed.process_group import DistributedContext
@@ -67,14 +68,18 @@ class Trainer:
         print_fn: Any = print,
         attempt: int = 0,
         compile_cache: CompileCache | NullCompileCache | None = None,
+        snapshots: InMemorySnapshots | None = None,
     ) -> None:
         """``compile_cache``: an open cache that outlives this trainer (an in-process restart's,
-        owned by the restart wrapper); None: the trainer opens its own and closes it."""
+        owned by the restart wrapper); None: the trainer opens its own and closes it.
+        ``snapshots``: the in-process restart's in-memory snapshots (``--non-persistent-ckpt-type
+        in_memory``), which outlive this trainer too."""
         self.ctx = ctx
         self.print = print_fn if ctx.is_main else (lambda *a, **k: None)
         self.started = time.monotonic()
         self._exit = contextlib.ExitStack()
         self.compile_cache = compile_cache  # None: _build opens the trainer's own
+        self.snapshots = snapshots
         try:
             self._build(config, ctx, attempt)
         except BaseException as exc:
@@ -91,7 +96,7 @@ class Trainer:
         # --save probed and locked before any work (atexit releases it if building fails). No
         # lambda over self: atexit keeps the manager, in-process restart must free the trainer.
         commit = functools.partial(self.faults.maybe_inject, rank=ctx.rank, phase="commit")
-        manager = config.checkpoint.build(before_commit=commit)
+        manager = config.checkpoint.build(before_commit=commit, snapshots=self.snapshots)
         on_close(manager.close)
         self.config, self.data = build.resolve_config(config, ctx)
         config, t = self.config, self.config.training
@@ -348,7 +353,9 @@ class Trainer:
         self.loaded_path = loaded.path
         self._resume_schedule(loaded.common.get("scheduler"), not cfg.no_load_optim)
         self.shell.ledger.resumed(self.state.iteration)
-        self.print(f"resumed from {loaded.path} at iteration {self.state.iteration}")
+        self.print(
+            f"resumed from {loaded.source or loaded.path} at iteration {self.state.iteration}"
+        )
 
     def _resume_schedule(self, saved: Any, load_optim: bool) -> None:
         """Megatron's rule for a changed LR schedule (``ValueError`` unless a flag says which
