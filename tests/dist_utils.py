@@ -138,8 +138,38 @@ class RankExits:
         return self.stdout + self.stderr
 
 
+def record_checkpoint_reads(report: str, root: str) -> None:
+    """For a rank (``run_cli_on_ranks(prelude=...)``): append to ``report`` the path of every
+    file inside a checkpoint directory (``iter_NNNNNNN``, tmp directories excluded) under
+    ``root`` that this process opens for reading, as the interpreter's audit events see them
+    (``open``, ``os.open``; an audit hook stays for the process's life)."""
+    import re
+    import sys
+
+    roots = "|".join(re.escape(r) for r in {os.path.abspath(root), os.path.realpath(root)})
+    inside = re.compile(rf"^(?:{roots})/(?:.+/)?iter_\d{{7,}}/")
+    fd = os.open(report, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event != "open" or len(args) < 3 or not isinstance(args[0], str):
+            return
+        mode, flags = args[1], args[2]
+        reading = (mode is None and isinstance(flags, int) and flags & 3 == os.O_RDONLY) or (
+            isinstance(mode, str) and "r" in mode and "+" not in mode
+        )
+        if reading and inside.match(args[0]):
+            os.write(fd, (args[0] + "\n").encode())
+
+    sys.addaudithook(hook)
+
+
 def _cli_rank(
-    argv: list[str], environ: dict[str, str], cwd: str, out_path: str, err_path: str
+    argv: list[str],
+    environ: dict[str, str],
+    cwd: str,
+    out_path: str,
+    err_path: str,
+    prelude: Callable[[], None] | None = None,
 ) -> None:
     # The rank's stdout and stderr go to files at the descriptor level, as a torchrun worker's
     # go to torchrun's, so C-level output (gloo, faulthandler) is kept too.
@@ -150,6 +180,8 @@ def _cli_rank(
         file_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file_fd, fd)
         os.close(file_fd)
+    if prelude is not None:
+        prelude()
     from stalwart.cli.main import main
 
     raise SystemExit(main(argv))  # the process exit code, as `python -m stalwart` gives it
@@ -164,6 +196,7 @@ def run_cli_on_ranks(
     unset: tuple[str, ...] = (),
     timeout_s: float = 180.0,
     grace_s: float = 30.0,
+    prelude: Callable[[], None] | None = None,
 ) -> RankExits:
     """``stalwart <argv>`` on ``world_size`` ranks, each a fresh process forked from the fork
     server (torch already imported), with torchrun's environment (``RANK``, ``WORLD_SIZE``,
@@ -176,6 +209,7 @@ def run_cli_on_ranks(
     ``log_dir/rank<N>.out|.err`` keep the output; ``unset``: variables of this process's
     environment the ranks do not inherit. ``world_size=1``: one process without torchrun's
     variables, as ``python -m stalwart`` runs (a fresh process, without its torch import).
+    ``prelude``: a picklable function each rank calls before the CLI (a test's audit hook).
     """
     ctx = _context()
     port = free_port()
@@ -192,7 +226,8 @@ def run_cli_on_ranks(
                     "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0"}  # fmt: skip
         environ = {**base, **torchrun} if world_size > 1 else base
-        procs.append(ctx.Process(target=_cli_rank, args=(argv, environ, os.getcwd(), *paths[rank])))
+        args = (argv, environ, os.getcwd(), *paths[rank], prelude)
+        procs.append(ctx.Process(target=_cli_rank, args=args))
     for p in procs:
         p.start()
     first_failure = 0

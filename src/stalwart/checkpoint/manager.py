@@ -443,30 +443,49 @@ class CheckpointManager:
         )
 
     def _decide(self, iteration: int | None, rejected: set[str]) -> Choice | CopyChoice | None:
-        copies = self._copies if iteration is None else None
-        decision: tuple[Choice | None, str | None] = (None, None)
-        if self._rank == 0:
-            try:
-                choice = self._locator().choose(iteration, rejected, logger)
-                if choice is None and not rejected and (copies is None or self._load_explicit):
-                    nothing_to_load(self._load_dir, self._load_explicit, logger)
-                decision = (choice, None)
-            except CheckpointError as exc:
-                decision = (None, str(exc))
-        if copies is not None:
-            picked = resume.decide(decision, copies, self._group, rejected)
-            if self._rank == 0 and picked is not None:
-                resume.log_choice(picked, logger)
-            elif self._rank == 0 and not rejected:
-                nothing_to_load(self._load_dir, self._load_explicit, logger)
-            return picked
+        if self._copies is not None and iteration is None:
+            return self._decide_with_copies(rejected)
         choice, error = cast(
             "tuple[Choice | None, str | None]",
-            collectives.broadcast_object(decision, self._src, self._group),
+            collectives.broadcast_object(
+                self._disk_decision(iteration, rejected, True) if self._rank == 0 else None,
+                self._src,
+                self._group,
+            ),
         )
         if error is not None:
             raise CheckpointError(error)
         return choice
+
+    def _disk_decision(
+        self, iteration: int | None, rejected: set[str], fresh_start_note: bool
+    ) -> tuple[Choice | None, str | None]:
+        """Rank 0's checked choice among the directories, or the error to raise everywhere."""
+        try:
+            choice = self._locator().choose(iteration, rejected, logger)
+            if choice is None and not rejected and (fresh_start_note or self._load_explicit):
+                nothing_to_load(self._load_dir, self._load_explicit, logger)
+            return choice, None
+        except CheckpointError as exc:
+            return None, str(exc)
+
+    def _decide_with_copies(self, rejected: set[str]) -> CopyChoice | None:
+        assert self._copies is not None
+        roots = [(self._load_dir, False), (self._np_dir, True)]
+        head = resume.tracked_head(roots) if self._rank == 0 and not rejected else "checked"
+        picked = resume.decide(
+            self._copies,
+            head,
+            lambda: self._disk_decision(None, rejected, False),
+            self._group,
+            (self._rank, self._src),
+            rejected,
+        )
+        if self._rank == 0 and picked is not None:
+            resume.log_choice(picked, logger)
+        elif self._rank == 0 and not rejected:
+            nothing_to_load(self._load_dir, self._load_explicit, logger)
+        return picked
 
     # ------------------------------------------------------------------- close
     def close(self, *, abort: bool = False) -> None:

@@ -1,7 +1,10 @@
 """The one decision of a resume when a `CheckpointManager` also keeps local or in-memory copies:
-every rank sends what it found (rank 0: the persistent or global checkpoint its trackers name;
-every rank: the copies it can read) in one all-gather, then every rank makes the same pure
-choice (`stalwart.checkpoint.local_plan.choose_copy`): the newest complete iteration wins.
+every rank sends what it found (rank 0: the newest iteration its trackers name; every rank: the
+copies it can read) in one all-gather, then every rank makes the same pure choice
+(`stalwart.checkpoint.local_plan.choose_copy`): the newest complete iteration wins. A copy at
+least as new as the trackers' wins without a file of a checkpoint directory being read (an
+in-process restart from memory reads none); otherwise rank 0 checks the directories' choice as
+a resume without copies does and broadcasts it (a second collective).
 
 `CopyTier` is what the manager needs of such copies (`stalwart.checkpoint.local.LocalCheckpoints`
 and `stalwart.checkpoint.in_memory.InMemorySnapshots` are the two).
@@ -10,13 +13,15 @@ and `stalwart.checkpoint.in_memory.InMemorySnapshots` are the two).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from torch import nn
 from torch.optim import Optimizer
 
+from stalwart.checkpoint import layout
 from stalwart.checkpoint.errors import CheckpointError
 from stalwart.checkpoint.loading import Choice
 from stalwart.checkpoint.local import TierPlan
@@ -85,31 +90,79 @@ def _excluded(kind: CopyKind, rejected: set[str]) -> set[int]:
     return {int(key[len(prefix) :]) for key in rejected if key.startswith(prefix)}
 
 
+DiskDecision = tuple[Choice | None, str | None]  # rank 0's (choice, error)
+
+
+def tracked_head(roots: list[tuple[str | None, bool]]) -> tuple[int, bool] | str | None:
+    """The newest iteration a tracker of ``roots`` ((directory, non-persistent) pairs) names
+    with its ``COMPLETE`` marker there, and whether it is non-persistent; only the trackers are
+    read, no file of a checkpoint. None: no tracker; a string: a tracker is unreadable."""
+    found: list[tuple[int, bool]] = []
+    for root, non_persistent in roots:
+        if root is None:
+            continue
+        try:
+            tracked = layout.read_tracker(root)
+        except CheckpointError as exc:
+            return str(exc)
+        if tracked is not None and layout.is_complete(
+            os.path.join(root, layout.iteration_dir_name(tracked))
+        ):
+            found.append((tracked, non_persistent))
+    # The newest; the persistent one on a tie.
+    return max(found, key=lambda f: (f[0], not f[1])) if found else None
+
+
 def decide(
-    disk_decision: tuple[Choice | None, str | None],
     tier: CopyTier,
+    head: tuple[int, bool] | str | None,
+    disk_decision: Callable[[], DiskDecision],
     group: Any,
+    ranks: tuple[int, int],
     rejected: set[str],
 ) -> CopyChoice | None:
-    """Gather every rank's findings (one collective) and choose (see module docstring).
-    ``disk_decision``: rank 0's (choice, error); the other ranks' is ignored.
+    """Gather rank 0's ``head`` (:func:`tracked_head`) and every rank's copies in one
+    collective. When a copy is at least as new, every rank takes it and no checkpoint
+    directory is read; else rank 0's ``disk_decision()`` (the checked choice among the
+    directories) is broadcast and the newest of the two wins (see module docstring).
+    ``ranks``: this rank in ``group`` and the global rank of the group's rank 0.
 
     Raises:
         CheckpointError: rank 0's error (an explicit ``--load`` without a checkpoint, ...).
     """
-    gathered = collectives.all_gather_objects((disk_decision, tier.report()), group)
-    disk, error = gathered[0][0]  # type: ignore[index]
-    if error is not None:
-        raise CheckpointError(str(error))
+    gathered = collectives.all_gather_objects((head, tier.report()), group)
+    head = gathered[0][0]  # type: ignore[index]
     offer = tier.plan([g[1] for g in gathered], _excluded(tier.kind, rejected))  # type: ignore[index]
     candidates: dict[CopyKind, int] = {}
-    if disk is not None:
-        candidates[CopyKind.GLOBAL if disk.non_persistent else CopyKind.PERSISTENT] = disk.iteration
+    newest = offer.iteration is not None and (
+        head is None or (not isinstance(head, str) and offer.iteration >= head[0])
+    )
+    disk = None
+    if newest and isinstance(head, tuple):
+        candidates[_disk_kind(head[1])] = head[0]
+    elif not newest:
+        mine = disk_decision() if ranks[0] == 0 else None
+        outcome = collectives.broadcast_object(mine, ranks[1], group)
+        disk, error = cast(DiskDecision, outcome)
+        if error is not None:
+            raise CheckpointError(str(error))
+        if disk is not None:
+            candidates[_disk_kind(disk.non_persistent)] = disk.iteration
     if offer.iteration is not None:
         candidates[tier.kind] = offer.iteration
-    notes = [f"{tier.kind.value}s: {offer.why}"] if offer.why else []
+    return _choose(tier.kind, candidates, offer, disk)
+
+
+def _disk_kind(non_persistent: bool) -> CopyKind:
+    return CopyKind.GLOBAL if non_persistent else CopyKind.PERSISTENT
+
+
+def _choose(
+    kind: CopyKind, candidates: dict[CopyKind, int], offer: TierPlan, disk: Choice | None
+) -> CopyChoice | None:
+    notes = [f"not the {kind.value}: {offer.why}"] if offer.why else []
     resume = choose_copy(candidates, notes)
-    if resume is not None and resume.kind is tier.kind and offer.where:
+    if resume is not None and resume.kind is kind and offer.where:
         resume = choose_copy(candidates, [*notes, offer.where])
     return None if resume is None else CopyChoice(resume, disk, offer)
 
@@ -119,4 +172,4 @@ def log_choice(choice: CopyChoice, log: logging.Logger) -> None:
     log.info("resuming from %s", choice.resume.detail)
 
 
-__all__ = ["CopyChoice", "CopyTier", "decide", "log_choice"]
+__all__ = ["CopyChoice", "CopyTier", "decide", "log_choice", "tracked_head"]

@@ -1,0 +1,159 @@
+"""Local copies and in-memory snapshots on 2 gloo ranks (issue 43): a SIGKILL between
+persistent saves resumes from the newest local copy; a lost node's copies come from their
+replicas; without replicas the job falls back to the newest complete copy and says which; an
+in-process restart resumes from memory without reading a checkpoint file. Every run ends bitwise
+equal to the fault-free job (the session's shared 2-rank reference).
+
+Fake nodes: ``STALWART_FAKE_NODE_SIZE=1`` puts each rank on a node of its own, whose local
+directory is ``<local>/fake_node_<rank>``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dist_utils import record_checkpoint_reads, run_cli_on_ranks
+from train_utils import TINY_FLAGS, assert_params_equal, load_params
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+# The shared reference's job (seed 3, global batch 8, 12 iterations), other save intervals:
+# persistent at 6 and 12, non-persistent at 2, 4, 8, 10.
+JOB = [
+    "train",
+    *TINY_FLAGS,
+    "--train-iters",
+    "12",
+    "--seed",
+    "3",
+    "--global-batch-size",
+    "8",
+    "--save-interval",
+    "6",
+    "--non-persistent-save-interval",
+    "2",
+]
+FAKE_NODES = {"STALWART_FAKE_NODE_SIZE": "1", "PYTHONUNBUFFERED": "1"}
+KILL = ["--inject-fault", "sigkill", "--inject-fault-rank", "1", "--inject-fault-iteration", "11"]
+
+
+def _local(root: Path, *extra: str) -> list[str]:
+    return [
+        *JOB,
+        "--save",
+        str(root / "save"),
+        "--non-persistent-ckpt-type",
+        "local",
+        "--non-persistent-local-ckpt-dir",
+        str(root / "local"),
+        *extra,
+    ]
+
+
+def _ok(proc) -> str:
+    assert proc.returncode == 0, proc.log[-4000:]
+    return proc.log
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job with replicas (2 fake nodes, factor 2), rank 1 SIGKILLed during iteration 11:
+    local copies of 8 (complete) and maybe 10 on both nodes, the persistent checkpoint of 6."""
+    root = tmp_path_factory.mktemp("killed")
+    proc = run_cli_on_ranks(_local(root, "--replication", *KILL), root / "logs", env=FAKE_NODES)
+    assert proc.codes[1] == -9, proc.log[-3000:]
+    assert (root / "save" / "latest_checkpointed_iteration.txt").read_text() == "6\n"
+    return root
+
+
+def _copy(killed: Path, tmp_path: Path) -> Path:
+    shutil.copytree(killed, tmp_path / "job", symlinks=True, ignore=shutil.ignore_patterns("logs"))
+    for lock in (tmp_path / "job").rglob(".stalwart.lock"):
+        lock.unlink()  # the killed job's (a relaunch on the same host takes it over anyway)
+    return tmp_path / "job"
+
+
+def _resumed_local(log: str) -> int:
+    match = re.search(r"resumed from the local copy of iteration (\d+) at iteration \1", log)
+    assert match, log[-4000:]
+    return int(match.group(1))
+
+
+def test_sigkill_resumes_from_the_newest_local_copy_bitwise(
+    killed: Path, tmp_path: Path, two_rank_reference: Path
+) -> None:
+    job = _copy(killed, tmp_path)
+    log = _ok(run_cli_on_ranks(_local(job, "--replication"), tmp_path / "logs", env=FAKE_NODES))
+    assert _resumed_local(log) in (8, 10)  # 10 when its write ended before the kill
+    assert "also found the persistent checkpoint of iteration 6" in log
+    assert_params_equal(load_params(two_rank_reference), load_params(job / "save"))
+
+
+def test_a_lost_node_directory_is_covered_by_the_replicas(
+    killed: Path, tmp_path: Path, two_rank_reference: Path
+) -> None:
+    job = _copy(killed, tmp_path)
+    shutil.rmtree(job / "local" / "fake_node_1")  # node 1 is gone, its disk with it
+    log = _ok(run_cli_on_ranks(_local(job, "--replication"), tmp_path / "logs", env=FAKE_NODES))
+    it = _resumed_local(log)
+    assert it in (8, 10)
+    assert "rank 1's shard from rank 0's directory" in log, log[-4000:]
+    assert_params_equal(load_params(two_rank_reference), load_params(job / "save"))
+
+
+def test_without_replicas_a_lost_node_falls_back_to_the_newest_complete_copy(
+    killed: Path, tmp_path: Path, two_rank_reference: Path
+) -> None:
+    """What a job without --replication has on disk (rank 0's own shards only), node 1 gone:
+    the local copies are incomplete, the persistent checkpoint of 6 is loaded, and the line
+    says which and why."""
+    job = _copy(killed, tmp_path)
+    shutil.rmtree(job / "local" / "fake_node_1")
+    for replica in (job / "local" / "fake_node_0").rglob("shard_00001"):
+        shutil.rmtree(replica)
+    log = _ok(run_cli_on_ranks(_local(job), tmp_path / "logs", env=FAKE_NODES))
+    line = re.search(r"resuming from the persistent checkpoint of iteration 6 \(.*", log)
+    assert line, log[-4000:]
+    assert re.search(
+        r"not the local copy: iteration 1?\d lacks rank 1's shard .*"
+        r"--replication is off",
+        line.group(0),
+    ), line.group(0)
+    assert re.search(r"resumed from \S+iter_0000006 at iteration 6", log)
+    assert_params_equal(load_params(two_rank_reference), load_params(job / "save"))
+
+
+def test_in_process_restart_resumes_from_memory_without_reading_a_checkpoint_file(
+    tmp_path: Path, two_rank_reference: Path
+) -> None:
+    save, reads = tmp_path / "save", tmp_path / "reads.txt"
+    args = [
+        *JOB,
+        "--save",
+        str(save),
+        "--non-persistent-ckpt-type",
+        "in_memory",
+        "--inprocess-restart",
+        "--inject-fault",
+        "exception",
+        "--inject-fault-rank",
+        "1",
+        "--inject-fault-iteration",
+        "9",
+    ]
+    audit = functools.partial(record_checkpoint_reads, str(reads), str(save))
+    log = _ok(run_cli_on_ranks(args, tmp_path / "logs", env=FAKE_NODES, prelude=audit))
+    assert "in-process restart attempt 1: rank 1 failed at iteration 9" in log, log[-4000:]
+    assert "resumed from the in-memory snapshot of iteration 8 at iteration 8" in log
+    assert "also found the persistent checkpoint of iteration 6" in log
+    assert not reads.exists() or reads.read_text() == "", reads.read_text()
+    assert_params_equal(load_params(two_rank_reference), load_params(save))
+    # The audit sees a resume from disk: the same job again has nothing left to train and
+    # loads iteration 12's checkpoint, reading its files.
+    _ok(run_cli_on_ranks(args, tmp_path / "logs2", env=FAKE_NODES, prelude=audit))
+    assert "iter_0000012/" in reads.read_text()
