@@ -16,8 +16,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from dist_utils import record_checkpoint_reads, run_cli_on_ranks
+from dist_utils import record_checkpoint_reads, run_cli_on_ranks, run_distributed
 from train_utils import TINY_FLAGS, assert_params_equal, load_params
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -157,3 +158,55 @@ def test_in_process_restart_resumes_from_memory_without_reading_a_checkpoint_fil
     # loads iteration 12's checkpoint, reading its files.
     _ok(run_cli_on_ranks(args, tmp_path / "logs2", env=FAKE_NODES, prelude=audit))
     assert "iter_0000012/" in reads.read_text()
+
+
+def _tiny(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _save_on_two_ranks(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    import os
+
+    from stalwart.checkpoint import dcp_io
+    from stalwart.checkpoint.local import LocalCheckpoints
+    from stalwart.checkpoint.replication import CliqueReplication
+
+    os.environ["STALWART_FAKE_NODE_SIZE"] = "1"
+    model, optimizer = _tiny(0)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    local = LocalCheckpoints(root, replication=CliqueReplication(jump=1, factor=2))
+    local.check_writable()
+    local.save(5, dcp_io.gather_state(model, optimizer, for_save=True), {"it": 5}, {"r": rank})
+    assert local.maybe_finalize(blocking=True) == 5
+    local.close()
+    return {
+        k: v.clone()
+        for k, v in dcp_io.gather_state(model, optimizer)["optim"]["state"]["0.weight"].items()
+    } | {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_two_rank_local_copy_resumes_on_one_rank_from_one_node(tmp_path, monkeypatch) -> None:
+    """``fully_parallel`` spreads the replicated state over the 2 ranks; after node 1 is gone, a
+    1-rank job (an exclusion) reads rank 1's part from its replica on node 0 (what the fault
+    schedule's exclusion does with local copies)."""
+    from stalwart.checkpoint import dcp_io
+    from stalwart.checkpoint.local import LocalCheckpoints
+
+    saved = run_distributed(_save_on_two_ranks, 2, (str(tmp_path / "local"),))[0]
+    shutil.rmtree(tmp_path / "local" / "fake_node_1")
+    monkeypatch.setenv("STALWART_FAKE_NODE_SIZE", "1")
+    model, optimizer = _tiny(7)
+    local = LocalCheckpoints(str(tmp_path / "local"))
+    offer = local.plan([local.report()], exclude=set())
+    assert offer.iteration == 5 and "rank 1's shard from rank 0's directory" in offer.where
+    problem, small = local.load(offer.plan, model, optimizer, strict=True, check_common=None)
+    assert problem is None and small == ({"it": 5}, {"r": 0}, 2)
+    state = dcp_io.gather_state(model, optimizer)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    for key, value in state["optim"]["state"]["0.weight"].items():
+        assert torch.equal(value, saved[key]), key
+    local.close()
