@@ -19,7 +19,7 @@ from stalwart.checkpoint.local_plan import (
     common_snapshot,
     plan_local,
 )
-from stalwart.checkpoint.replication import CliqueReplication
+from stalwart.checkpoint.replication import Replication
 from stalwart.checkpoint.safe_state import StateFormatError
 from stalwart.checkpoint.shard_format import encode_header, parse_shard, split_tensors, tensor_table
 
@@ -108,16 +108,17 @@ def test_the_newest_copy_wins_and_a_tie_goes_to_the_cheapest() -> None:
     assert common_snapshot([[], []]) == (None, None)
 
 
-def test_cliques_span_nodes_and_must_tile_the_world() -> None:
-    clique = CliqueReplication(jump=4, factor=2)
-    assert [clique.clique(r, 16) for r in (0, 5, 11)] == [[0, 4], [1, 5], [11, 15]]
-    assert clique.peers(12, 16) == [8]
-    with pytest.raises(
-        ValueError,
-        match=r"world size \(12\) must be a multiple of "
-        r"--replication-jump \(4\) x --replication-factor \(2\)",
-    ):
-        clique.check(12)
+def test_replicas_go_to_other_nodes_and_a_small_world_says_how_many_copies_are_left() -> None:
+    ring = Replication(jump=4, factor=2)  # 4 ranks per node
+    assert [ring.holders(r, 16) for r in (0, 5, 13)] == [[0, 4], [5, 9], [13, 1]]
+    assert ring.receives_from(1, 16) == [13] and ring.sends_to(1, 16) == [5]
+    assert ring.shortfall(16, 4) is None
+    assert "only 1 node(s), not --replication-factor 2" in ring.shortfall(4, 4)  # one node
+    assert Replication(jump=1, factor=2).holders(0, 1) == [0]  # after an exclusion to 1 rank
+    assert "only 1 node(s)" in Replication(jump=1, factor=2).shortfall(1, 1)
+    three = Replication(jump=1, factor=3)
+    assert [three.holders(r, 3) for r in range(3)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    assert three.receives_from(0, 3) == [2, 1]
 
 
 def test_fully_parallel_spreads_bytes_evenly() -> None:

@@ -171,13 +171,13 @@ def _save_on_two_ranks(rank: int, world_size: int, root: str) -> dict[str, torch
 
     from stalwart.checkpoint import dcp_io
     from stalwart.checkpoint.local import LocalCheckpoints
-    from stalwart.checkpoint.replication import CliqueReplication
+    from stalwart.checkpoint.replication import Replication
 
     os.environ["STALWART_FAKE_NODE_SIZE"] = "1"
     model, optimizer = _tiny(0)
     model(torch.randn(4, 8)).pow(2).mean().backward()
     optimizer.step()
-    local = LocalCheckpoints(root, replication=CliqueReplication(jump=1, factor=2))
+    local = LocalCheckpoints(root, replication=Replication(jump=1, factor=2))
     local.check_writable()
     local.save(5, dcp_io.gather_state(model, optimizer, for_save=True), {"it": 5}, {"r": rank})
     assert local.maybe_finalize(blocking=True) == 5

@@ -20,11 +20,19 @@ is the fault-free job with the same world-size change: 2 ranks to the checkpoint
 resumed, 1 rank from there; the final weights must be bitwise equal. It runs on 2 ranks to fit a
 2-core machine: 3 or more would resume bitwise too, since DDP's bucket layout is settled before
 the first iteration (`stalwart.distributed.ddp_layout`). Goodput comes from the job's ledger
-(``goodput.jsonl``), which also holds every action of ``stalwart launch``.
+(``goodput.jsonl``), which also holds every action of ``stalwart launch``, and so does the lost
+work per fault: the iterations the next session recomputed (the last one the faulted session
+completed, less the one the next session resumed from) and their seconds.
+
+With ``non_persistent_interval`` (``--non-persistent-save-interval``) the job also saves
+non-persistent checkpoints of ``non_persistent_type``: ``local`` copies go to
+``<work>/job/local`` on two fake nodes (``STALWART_FAKE_NODE_SIZE=1``: a node per rank) with
+``--replication``, so the exclusion's one rank finds both ranks' shards on its node.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -35,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.chaos.runner import Job, LaunchResult, LaunchSpec, finish
+from stalwart.checkpoint.local_layout import FAKE_NODE_ENV
 
 DEVICES = ("dev-a", "dev-b")
 EXPECTED_ACTIONS = ["restart", "restart", "restart", "preempted", "exclude", "finished"]
@@ -58,6 +67,8 @@ class ScheduleConfig:
     timeout: float = 3600.0  # seconds per stalwart launch invocation
     log_interval: int = 50
     fork_workers: bool = False  # stalwart launch --fork-workers: relaunches skip the imports
+    non_persistent_interval: int = 0  # --non-persistent-save-interval (0: none)
+    non_persistent_type: str = "global"  # --non-persistent-ckpt-type: global or local
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,22 @@ def _base(config: ScheduleConfig, save: Path) -> list[str]:
             str(config.log_interval), "--save", str(save)]  # fmt: skip
 
 
+def _non_persistent(config: ScheduleConfig, job: Path) -> tuple[list[str], dict[str, str]]:
+    """The faulted job's non-persistent flags and environment (none without an interval)."""
+    if not config.non_persistent_interval:
+        return [], {}
+    flags = [
+        "--non-persistent-save-interval",
+        str(config.non_persistent_interval),
+        "--non-persistent-ckpt-type",
+        config.non_persistent_type,
+    ]
+    if config.non_persistent_type != "local":
+        return flags, {}
+    local = ["--non-persistent-local-ckpt-dir", str(job / "local"), "--replication"]
+    return [*flags, *local], {FAKE_NODE_ENV: "1"}
+
+
 def _injection(fault: ScheduledFault, devices: str | None = None) -> list[str]:
     kind = "persistent_error" if fault.kind == "persistent_device" else "transient_error"
     where = (
@@ -156,10 +183,14 @@ def run_schedule(config: ScheduleConfig, say: Any = print) -> ScheduleResult:
     save = config.work_dir / "job" / "ckpt"
     started = time.time()
     first = _first_launch(config, res, faults, save, say)
-    second_args = [*_base(config, save), "--exit-signal-handler", *FT_FLAGS,
+    extra, env = _non_persistent(config, save.parent)
+    second_args = [*_base(config, save), *extra, "--exit-signal-handler", *FT_FLAGS,
                    *_injection(faults["persistent_device"], devices="dev-b")]  # fmt: skip
     spec = LaunchSpec(
-        second_args, 2, launcher=_launcher(config, 2, DEVICES, 4), env={"OMP_NUM_THREADS": "1"}
+        second_args,
+        2,
+        launcher=_launcher(config, 2, DEVICES, 4),
+        env={"OMP_NUM_THREADS": "1", **env},
     )
     res.commands.append(" ".join([*(spec.launcher or []), *second_args]))
     say(f"chaos schedule: relaunch after the SIGTERM (as a scheduler would), {save}")
@@ -178,11 +209,12 @@ def run_schedule(config: ScheduleConfig, say: Any = print) -> ScheduleResult:
 def _first_launch(config: ScheduleConfig, res: ScheduleResult,
                   faults: dict[str, ScheduledFault], save: Path, say: Any) -> LaunchResult:  # fmt: skip
     hang = faults["hang"]
-    args = [*_base(config, save), "--exit-signal-handler", *FT_FLAGS,
+    extra, env = _non_persistent(config, save.parent)
+    args = [*_base(config, save), *extra, "--exit-signal-handler", *FT_FLAGS,
             "--inject-fault", "hang", "--inject-fault-iteration", str(hang.iteration),
             "--inject-fault-rank", str(hang.rank), *_injection(faults["transient_nan"])]  # fmt: skip
     spec = LaunchSpec(
-        args, 2, launcher=_launcher(config, 2, DEVICES, 4), env={"OMP_NUM_THREADS": "1"}
+        args, 2, launcher=_launcher(config, 2, DEVICES, 4), env={"OMP_NUM_THREADS": "1", **env}
     )
     res.commands.append(" ".join([*(spec.launcher or []), *args]))
     say(f"chaos schedule: {config.iterations} iterations, faults at "
@@ -223,6 +255,42 @@ def _read_ledger(res: ScheduleResult, save: Path, faults: dict[str, ScheduledFau
     for row, action in zip(res.faults, res.actions, strict=False):
         row["action"] = action["action"]
         row["detail"] = action["detail"]
+    _lost_work(res, summary.sessions, read_ledger(save / "goodput.jsonl").records)
+
+
+def lost_work_per_fault(sessions: list[Any], records: list[Any]) -> list[dict[str, Any]]:
+    """Per gap between two sessions of the ledger (pure): the iterations the later one
+    recomputed (what the earlier completed, less what the later resumed from) and the seconds
+    of its lost-work spans."""
+    from stalwart.observability.goodput.records import Bucket, Span
+
+    seconds: dict[str, float] = {}
+    for record in records:
+        if isinstance(record, Span) and record.bucket is Bucket.LOST_WORK:
+            seconds[record.session] = seconds.get(record.session, 0.0) + record.seconds
+    gaps = []
+    for before, after in itertools.pairwise(sessions):
+        done = before.last_iteration or 0
+        recomputed = max(0, done - (after.resumed_at or 0))
+        gaps.append(
+            {
+                "completed": done,
+                "resumed_at": after.resumed_at or 0,
+                "recomputed": recomputed,
+                "lost_work_s": round(seconds.get(after.session, 0.0), 3),
+            }
+        )
+    return gaps
+
+
+def _lost_work(res: ScheduleResult, sessions: list[Any], records: list[Any]) -> None:
+    gaps = lost_work_per_fault(sessions, records)
+    res.check(
+        len(gaps) == len(res.faults),
+        f"{len(sessions)} sessions in the ledger, expected {len(res.faults) + 1}",
+    )
+    for row, gap in zip(res.faults, gaps, strict=False):
+        row.update(gap)
 
 
 def _reference_and_compare(config: ScheduleConfig, res: ScheduleResult, save: Path,
@@ -263,7 +331,8 @@ def format_result(res: ScheduleResult) -> str:
     secs = g.get("seconds", {})
     lines.append("buckets (s): " + ", ".join(f"{k} {v:.1f}" for k, v in secs.items() if v))
     lines += [f"  {f['kind']:<18} iteration {f['iteration']:<6} -> {f.get('action', '?')}: "
-              f"{f.get('detail', '')}" for f in res.faults]  # fmt: skip
+              f"recomputed {f.get('recomputed', '?')} iterations ({f.get('lost_work_s', 0):.1f} s "
+              f"of lost work); {f.get('detail', '')}" for f in res.faults]  # fmt: skip
     lines += [f"  problem: {p}" for p in res.problems]
     return "\n".join(lines)
 

@@ -1,10 +1,10 @@
 """Node-local checkpoints (``--non-persistent-ckpt-type local``): every rank writes its shard
-to its node's directory in the background and, with ``--replication``, to its clique's peers
+to its node's directory in the background and, with ``--replication``, to its holders
 over the process group; a resume reads the newest iteration complete across all ranks'
 directories, replicas included.
 
 A save blocks only for the host copy (`stalwart.checkpoint.staging`); a background thread then
-swaps shards with the clique's peers (`stalwart.checkpoint.replication`, gloo) and writes the own
+swaps shards with the holders (`stalwart.checkpoint.replication`, gloo) and writes the own
 shard and the received ones (`stalwart.checkpoint.local_layout`: atomic, checksummed). The next
 ``maybe_finalize`` (top of a step) asks every rank whether its write is done (one all-reduce,
 only while one is in flight); once every rank's is, the iteration is complete everywhere and
@@ -63,7 +63,7 @@ from stalwart.checkpoint.local_plan import (
     source_owner,
 )
 from stalwart.checkpoint.lock import SaveDirLock
-from stalwart.checkpoint.replication import CliqueReplication
+from stalwart.checkpoint.replication import Replication
 from stalwart.checkpoint.safe_state import StateFormatError
 from stalwart.checkpoint.shard_format import (
     Shard,
@@ -139,7 +139,9 @@ class LocalCheckpoints:
     Args:
         local_dir: ``--non-persistent-local-ckpt-dir`` (each node's own directory).
         algo: ``--non-persistent-local-ckpt-algo``: ``fully_parallel`` or ``atomic``.
-        replication: ``--replication-jump/--replication-factor`` (None: no replicas).
+        replication: ``--replication-jump/--replication-factor`` (None: no replicas; fewer
+            copies than asked for, a world too small or replicas on their owner's node, is one
+            warning).
         process_group: the group the checkpoint spans (default: the world).
         job_id: this job's identity for the directory locks (see `stalwart.checkpoint.lock`).
     """
@@ -151,7 +153,7 @@ class LocalCheckpoints:
         local_dir: str,
         *,
         algo: str = FULLY_PARALLEL,
-        replication: CliqueReplication | None = None,
+        replication: Replication | None = None,
         process_group: Any = None,
         job_id: str | None = None,
     ) -> None:
@@ -163,8 +165,7 @@ class LocalCheckpoints:
         self._group = process_group
         self._rank, self._world, self._src = dcp_io.group_rank_info(process_group)
         self.place = local_layout.NodePlace.from_env(local_dir, self._rank, self._world)
-        self.replication = replication or CliqueReplication()
-        self.replication.check(self._world)
+        self.replication = replication or Replication()
         self._own_dir = self.place.rank_dir(self._rank)
         self._io_group = dcp_io.new_checkpoint_group(process_group)
         token = local_layout.save_token() if self._rank == 0 else None
@@ -177,14 +178,9 @@ class LocalCheckpoints:
         self._warn_same_node()
 
     def _warn_same_node(self) -> None:
-        jump, per_node = self.replication.jump, self.place.ranks_per_node
-        if self._rank == 0 and self.replication.factor > 1 and jump % per_node:
-            logger.warning(
-                "--replication-jump %d is not a multiple of the %d ranks per node: some "
-                "replicas are on their owner's node and do not survive its loss",
-                jump,
-                per_node,
-            )
+        short = self.replication.shortfall(self._world, self.place.ranks_per_node)
+        if self._rank == 0 and short is not None:
+            logger.warning("%s", short)
 
     def bind(self, process_group: Any) -> None:
         """The manager's group (this tier was built for it)."""
@@ -256,14 +252,19 @@ class LocalCheckpoints:
     def _write(self, facts: dict[str, Any], header: bytes, staged: Staged) -> None:
         """The background part: wait for the host copy, swap with the peers, write."""
         staged.wait()
-        peers = self.replication.peers(self._rank, self._world)
+        rank, world = self._rank, self._world
+        peers = self.replication.receives_from(rank, world)
         head = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         received = replication.exchange(
-            [head, staged.data], [self._global(p) for p in peers], self._io_group
+            [head, staged.data],
+            [self._global(p) for p in self.replication.sends_to(rank, world)],
+            [self._global(p) for p in peers],
+            self._io_group,
         )
         local_layout.remove_leftovers(self._own_dir, logger)
         local_layout.write_shard(self._own_dir, facts, header, staged.data)
-        for peer, (their_head, their_data) in zip(peers, received.values(), strict=True):
+        for peer in peers:
+            their_head, their_data = received[self._global(peer)]
             raw = bytes(their_head.numpy())
             theirs = read_facts(raw, f"rank {peer}'s shard")
             if (theirs.get("owner"), theirs.get("iteration")) != (peer, facts["iteration"]):

@@ -31,15 +31,16 @@ Nothing read from a checkpoint directory can run code: the small state is JSON
 (`stalwart.checkpoint.safe_state`), DCP's pickled metadata and non-tensor entries go through an
 allow-list unpickler (`stalwart.checkpoint.dcp_safe`).
 
-``before_commit(iteration)`` (a constructor argument) runs on rank 0 after every rank's shards
-are written and before the marker/rename/tracker update: the trainer's fault injector uses it
-(``--inject-fault-phase commit``) to widen or kill the commit window in tests.
+``before_commit(iteration)`` runs on rank 0 inside every commit window (the fault injector's
+``--inject-fault-phase commit``). ``copies`` take the non-persistent saves of the ``local`` and
+``in_memory`` types instead of a directory (`stalwart.checkpoint.non_persistent`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -82,8 +83,7 @@ class CheckpointManager:
             It must not be ``--save`` or inside it (other than that default), nor hold it.
         process_group: group the checkpoint spans (default: the world). With ``async_save`` and a
             process group, the constructor is collective (it creates a gloo group for DCP).
-        before_commit: called with the iteration on rank 0 inside every commit window (after all
-            shards are written, before the marker); tests use it to act inside that window.
+        before_commit: called with the iteration on rank 0 inside every commit window.
         job_id: this job's identity for the save-directory lock (default: from the launcher's
             environment, see `stalwart.checkpoint.lock`).
         verify_on_load: ``--verify-checkpoint-on-load``: ``load`` also checks every file of the
@@ -160,6 +160,11 @@ class CheckpointManager:
             before_commit,
             logger,
         )
+
+    @property
+    def copies(self) -> CopyTier | None:
+        """The local or in-memory copies the non-persistent saves go to (None: a directory)."""
+        return self._copies
 
     # ------------------------------------------------------------------ checks
     def check_writable(self) -> None:
@@ -419,16 +424,8 @@ class CheckpointManager:
     ) -> tuple[str | None, LoadedCheckpoint | None]:
         if isinstance(choice, CopyChoice) and choice.from_tier:
             assert self._copies is not None
-            problem, small = self._copies.load(
-                choice.offer.plan, model, optimizer, strict=strict, check_common=check_common
-            )
-            if problem is not None or small is None:
-                return problem, None
-            it = choice.resume.iteration
-            # The iteration's name under --load: where its rerun verdict would be.
-            path = os.path.join(self._load_dir or "", layout.iteration_dir_name(it))
-            source = f"the {choice.resume.kind.value} of iteration {it}"
-            return None, LoadedCheckpoint(it, path, *small, True, source=source)
+            load = functools.partial(self._copies.load, strict=strict, check_common=check_common)
+            return resume.load_copy(choice, load, model, optimizer, self._load_dir)
         disk = choice.disk if isinstance(choice, CopyChoice) else choice
         assert disk is not None
         return try_load(
@@ -471,20 +468,16 @@ class CheckpointManager:
 
     def _decide_with_copies(self, rejected: set[str]) -> CopyChoice | None:
         assert self._copies is not None
-        roots = [(self._load_dir, False), (self._np_dir, True)]
-        head = resume.tracked_head(roots) if self._rank == 0 and not rejected else "checked"
         picked = resume.decide(
             self._copies,
-            head,
+            [(self._load_dir, False), (self._np_dir, True)],
             lambda: self._disk_decision(None, rejected, False),
             self._group,
             (self._rank, self._src),
             rejected,
         )
-        if self._rank == 0 and picked is not None:
-            resume.log_choice(picked, logger)
-        elif self._rank == 0 and not rejected:
-            nothing_to_load(self._load_dir, self._load_explicit, logger)
+        if self._rank == 0 and picked is None and not rejected and not self._load_explicit:
+            nothing_to_load(self._load_dir, self._load_explicit, logger)  # the fresh start line
         return picked
 
     # ------------------------------------------------------------------- close

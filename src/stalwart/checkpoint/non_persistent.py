@@ -23,7 +23,7 @@ from stalwart.checkpoint import dcp_io
 from stalwart.checkpoint.in_memory import InMemorySnapshots
 from stalwart.checkpoint.local import LocalCheckpoints
 from stalwart.checkpoint.local_layout import NodePlace
-from stalwart.checkpoint.replication import CliqueReplication
+from stalwart.checkpoint.replication import Replication
 from stalwart.checkpoint.resume import CopyTier
 
 DEFAULT_REPLICATION_FACTOR = 2  # Megatron's --replication-factor default
@@ -62,8 +62,7 @@ def build_copies(
     ``jump`` defaults to the ranks per node (replicas on other nodes), ``factor`` to 2.
 
     Raises:
-        ValueError: naming the flag (no directory for ``local``, cliques that do not tile the
-            world size).
+        ValueError: naming the flag (no directory for ``local``).
     """
     if kind is NonPersistentType.GLOBAL:
         return None
@@ -75,7 +74,7 @@ def build_copies(
     if replication:
         rank, world, _ = dcp_io.group_rank_info(process_group)
         per_node = NodePlace.from_env(local_dir, rank, world).ranks_per_node
-        clique = CliqueReplication(jump or per_node, factor or DEFAULT_REPLICATION_FACTOR)
+        clique = Replication(jump or per_node, factor or DEFAULT_REPLICATION_FACTOR)
     return LocalCheckpoints(
         local_dir, algo=algo.value, replication=clique, process_group=process_group, job_id=job_id
     )

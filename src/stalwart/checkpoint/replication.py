@@ -1,18 +1,19 @@
 """Which ranks hold copies of each other's local checkpoint (``--replication``), and moving a
 shard's bytes between ranks over a process group (no shared storage needed).
 
-Clique replication, as Megatron's ``--replication-jump J --replication-factor K``: the world is
-cut into blocks of ``J * K`` consecutive ranks, and inside a block the ranks ``r, r + J, ...,
-r + (K - 1) J`` form a clique whose members each store every member's shard. With ``J`` the
-ranks per node (the default), a clique spans ``K`` nodes, so losing a node loses no shard while
-fewer than ``K`` nodes of a clique are gone.
+Megatron's ``--replication-jump J --replication-factor K``: rank ``r``'s shard is held by ranks
+``r, r + J, ..., r + (K - 1) J`` (modulo the world size), so each rank stores its own shard and
+the shards of ``r - J, ..., r - (K - 1) J``. With ``J`` the ranks per node (the default), the
+``K`` copies of a shard are on ``K`` different nodes, and losing fewer than ``K`` nodes loses no
+shard. The ring works for every world size: after an exclusion shrinks the job, a shard has as
+many copies as there are distinct holders (one line warns when that is fewer than ``K``).
 
-    >>> CliqueReplication(jump=2, factor=2).clique(1, world_size=8)
+    >>> Replication(jump=2, factor=2).holders(1, world_size=8)
     [1, 3]
-    >>> CliqueReplication(jump=2, factor=2).clique(6, world_size=8)
-    [4, 6]
-    >>> CliqueReplication(jump=1, factor=1).clique(3, world_size=4)   # replication off
-    [3]
+    >>> Replication(jump=2, factor=3).receives_from(1, world_size=8)
+    [7, 5]
+    >>> Replication(jump=1, factor=2).holders(0, world_size=1)   # one rank: no replica
+    [0]
 
 The bytes move over a gloo group in every case (a checkpoint's own group, see
 `stalwart.checkpoint.dcp_io.new_checkpoint_group`): they are already in host memory, and the
@@ -29,35 +30,44 @@ import torch
 import torch.distributed as dist
 
 
+def _distinct(ranks: list[int]) -> list[int]:
+    return list(dict.fromkeys(ranks))
+
+
 @dataclass(frozen=True)
-class CliqueReplication:
-    """``jump`` (ranks between two members of a clique) and ``factor`` (members per clique;
-    1: no replication)."""
+class Replication:
+    """``jump`` (ranks between two holders of a shard) and ``factor`` (holders per shard, the
+    owner included; 1: no replication)."""
 
     jump: int = 1
     factor: int = 1
 
-    def check(self, world_size: int) -> None:
-        """``ValueError`` naming the flags unless the cliques tile ``world_size``."""
-        block = self.jump * self.factor
-        if self.jump < 1 or self.factor < 1 or world_size % block:
-            raise ValueError(
-                f"--replication: the world size ({world_size}) must be a multiple of "
-                f"--replication-jump ({self.jump}) x --replication-factor ({self.factor}); "
-                "the jump is the ranks per node by default, so replicas land on other nodes"
-            )
+    def holders(self, rank: int, world_size: int) -> list[int]:
+        """The ranks that store ``rank``'s shard, the owner first."""
+        return _distinct([(rank + i * self.jump) % world_size for i in range(self.factor)])
 
-    def clique(self, rank: int, world_size: int) -> list[int]:
-        """The ranks that hold ``rank``'s shard (``rank`` included), ascending."""
-        if self.factor == 1:
-            return [rank]
-        block = self.jump * self.factor
-        base = (rank // block) * block + rank % self.jump
-        return [base + i * self.jump for i in range(self.factor)]
+    def sends_to(self, rank: int, world_size: int) -> list[int]:
+        return self.holders(rank, world_size)[1:]
 
-    def peers(self, rank: int, world_size: int) -> list[int]:
-        """The other members of ``rank``'s clique."""
-        return [r for r in self.clique(rank, world_size) if r != rank]
+    def receives_from(self, rank: int, world_size: int) -> list[int]:
+        """The ranks whose shards ``rank`` stores besides its own."""
+        owners = [(rank - i * self.jump) % world_size for i in range(self.factor)]
+        return [r for r in _distinct(owners) if r != rank]
+
+    def shortfall(self, world_size: int, ranks_per_node: int) -> str | None:
+        """Why some shard has fewer than ``factor`` copies on distinct nodes; None if none."""
+        nodes = {
+            len({h // ranks_per_node for h in self.holders(r, world_size)})
+            for r in range(world_size)
+        }
+        fewest = min(nodes)
+        if self.factor == 1 or fewest >= self.factor:
+            return None
+        return (
+            f"--replication: with {world_size} rank(s), {ranks_per_node} per node and "
+            f"--replication-jump {self.jump}, some shards are on only {fewest} node(s), not "
+            f"--replication-factor {self.factor}: losing their node loses them"
+        )
 
 
 def _wait(requests: list[Any]) -> None:
@@ -66,32 +76,30 @@ def _wait(requests: list[Any]) -> None:
 
 
 def exchange(
-    parts: list[torch.Tensor], peers: list[int], group: Any
+    parts: list[torch.Tensor], sends_to: list[int], receives_from: list[int], group: Any
 ) -> dict[int, list[torch.Tensor]]:
     """Send ``parts`` (contiguous CPU ``uint8`` tensors: a shard's header and data) to every
-    peer and receive each peer's parts (collective among a clique: each member calls it with
-    the others as ``peers``). Ranks are global ranks; sizes go first, then the bytes.
+    rank of ``sends_to`` and receive the parts of every rank of ``receives_from`` (each rank
+    calls it with the lists of `Replication`, so every send has its receive). Ranks are global
+    ranks; the sizes go first, then the bytes.
 
     Raises:
         RuntimeError: a peer went away (gloo's error, on this rank's thread).
     """
-    if not peers:
-        return {}
     sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
-    theirs = {peer: torch.empty(len(parts), dtype=torch.int64) for peer in peers}
-    requests = [dist.isend(sizes, peer, group=group) for peer in peers]
-    requests += [dist.irecv(theirs[peer], peer, group=group) for peer in peers]
+    theirs = {peer: torch.empty(len(parts), dtype=torch.int64) for peer in receives_from}
+    requests = [dist.isend(sizes, peer, group=group) for peer in sends_to]
+    requests += [dist.irecv(theirs[peer], peer, group=group) for peer in receives_from]
     _wait(requests)
     received = {
         peer: [torch.empty(int(n), dtype=torch.uint8) for n in theirs[peer].tolist()]
-        for peer in peers
+        for peer in receives_from
     }
     requests = []
-    for peer in peers:
+    for peer in sends_to:
         requests += [dist.isend(part, peer, group=group) for part in parts if part.numel()]
-        requests += [
-            dist.irecv(buffer, peer, group=group) for buffer in received[peer] if buffer.numel()
-        ]
+    for peer in receives_from:
+        requests += [dist.irecv(b, peer, group=group) for b in received[peer] if b.numel()]
     _wait(requests)
     return received
 
@@ -117,4 +125,4 @@ def receive_from(sender: int, count: int, group: Any) -> list[torch.Tensor]:
     return parts
 
 
-__all__ = ["CliqueReplication", "exchange", "receive_from", "send_to"]
+__all__ = ["Replication", "exchange", "receive_from", "send_to"]

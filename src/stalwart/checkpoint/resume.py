@@ -23,10 +23,12 @@ from torch.optim import Optimizer
 
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.errors import CheckpointError
-from stalwart.checkpoint.loading import Choice
+from stalwart.checkpoint.loading import Choice, LoadedCheckpoint
 from stalwart.checkpoint.local import TierPlan
 from stalwart.checkpoint.local_plan import CopyKind, ResumeChoice, choose_copy
 from stalwart.distributed import collectives
+
+logger = logging.getLogger("stalwart.checkpoint")
 
 
 class CopyTier(Protocol):
@@ -115,21 +117,23 @@ def tracked_head(roots: list[tuple[str | None, bool]]) -> tuple[int, bool] | str
 
 def decide(
     tier: CopyTier,
-    head: tuple[int, bool] | str | None,
+    roots: list[tuple[str | None, bool]],
     disk_decision: Callable[[], DiskDecision],
     group: Any,
     ranks: tuple[int, int],
     rejected: set[str],
 ) -> CopyChoice | None:
-    """Gather rank 0's ``head`` (:func:`tracked_head`) and every rank's copies in one
+    """Gather rank 0's :func:`tracked_head` of ``roots`` and every rank's copies in one
     collective. When a copy is at least as new, every rank takes it and no checkpoint
     directory is read; else rank 0's ``disk_decision()`` (the checked choice among the
-    directories) is broadcast and the newest of the two wins (see module docstring).
-    ``ranks``: this rank in ``group`` and the global rank of the group's rank 0.
+    directories) is broadcast and the newest of the two wins (see module docstring). Rank 0
+    logs the choice. ``ranks``: this rank in ``group`` and the global rank of its rank 0; after
+    a failed load (``rejected``) the directories are always checked.
 
     Raises:
         CheckpointError: rank 0's error (an explicit ``--load`` without a checkpoint, ...).
     """
+    head = tracked_head(roots) if ranks[0] == 0 and not rejected else "checked"
     gathered = collectives.all_gather_objects((head, tier.report()), group)
     head = gathered[0][0]  # type: ignore[index]
     offer = tier.plan([g[1] for g in gathered], _excluded(tier.kind, rejected))  # type: ignore[index]
@@ -150,7 +154,10 @@ def decide(
             candidates[_disk_kind(disk.non_persistent)] = disk.iteration
     if offer.iteration is not None:
         candidates[tier.kind] = offer.iteration
-    return _choose(tier.kind, candidates, offer, disk)
+    picked = _choose(tier.kind, candidates, offer, disk)
+    if picked is not None and ranks[0] == 0:
+        logger.info("resuming from %s", picked.resume.detail)
+    return picked
 
 
 def _disk_kind(non_persistent: bool) -> CopyKind:
@@ -167,9 +174,23 @@ def _choose(
     return None if resume is None else CopyChoice(resume, disk, offer)
 
 
-def log_choice(choice: CopyChoice, log: logging.Logger) -> None:
-    """Rank 0's one line: which copy every rank loads, and why."""
-    log.info("resuming from %s", choice.resume.detail)
+def load_copy(
+    choice: CopyChoice,
+    load: Callable[..., tuple[str | None, tuple[Any, Any, int] | None]],
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    load_dir: str | None,
+) -> tuple[str | None, LoadedCheckpoint | None]:
+    """``load(plan, model, optimizer)`` (the tier's, collective) as a `LoadedCheckpoint` whose
+    ``path`` names the iteration under ``load_dir`` (where its rerun verdict would be) and whose
+    ``source`` says which copy it is."""
+    problem, small = load(choice.offer.plan, model, optimizer)
+    if problem is not None or small is None:
+        return problem, None
+    it = choice.resume.iteration
+    path = os.path.join(load_dir or "", layout.iteration_dir_name(it))
+    source = f"the {choice.resume.kind.value} of iteration {it}"
+    return None, LoadedCheckpoint(it, path, *small, True, source=source)
 
 
-__all__ = ["CopyChoice", "CopyTier", "decide", "log_choice", "tracked_head"]
+__all__ = ["CopyChoice", "CopyTier", "decide", "load_copy", "tracked_head"]

@@ -50,6 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
            "(a relaunch skips the interpreter start and imports)")  # fmt: skip
     values(
         p,
+        (
+            "--non-persistent-save-interval",
+            int,
+            0,
+            "--fault-schedule: the job also saves a "
+            "non-persistent checkpoint every N iterations (default: 0 = none)",
+        ),
+        (
+            "--non-persistent-ckpt-type",
+            OneOf(("global", "local"), "TYPE"),
+            "global",
+            "--fault-schedule: where those go: global (<save>/non_persistent) or local (a "
+            "directory per fake node, replicated to the other)",
+        ),
+    )
+    values(
+        p,
         ("--nproc-per-node", int, 2, "ranks (torchrun workers)"),
         ("--device", OneOf(("cpu", "auto"), "WHERE"), "cpu", "cpu: gloo, bitwise checks hold; auto: NCCL on GPUs"),
     )  # fmt: skip
@@ -113,9 +130,14 @@ def main_chaos(argv: list[str]) -> int:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     if ns.fault_schedule:
         return _main_schedule(ns)
-    if ns.fork_workers:
-        sys.stderr.write("stalwart chaos: error: --fork-workers goes with --fault-schedule\n")
-        return EXIT_USAGE
+    for flag, given in (
+        ("--fork-workers", ns.fork_workers),
+        ("--non-persistent-save-interval", ns.non_persistent_save_interval),
+        ("--non-persistent-ckpt-type", ns.non_persistent_ckpt_type != "global"),
+    ):
+        if given:
+            sys.stderr.write(f"stalwart chaos: error: {flag} goes with --fault-schedule\n")
+            return EXIT_USAGE
     ns.iterations = 12 if ns.iterations is None else ns.iterations
     ns.save_interval = 3 if ns.save_interval is None else ns.save_interval
     ns.timeout = 300.0 if ns.timeout is None else ns.timeout
@@ -180,12 +202,19 @@ def _main_schedule(ns: argparse.Namespace) -> int:
                 "--fault-schedule runs its own faults on 2 CPU ranks: leave --faults, "
                 "--nproc-per-node and --device unset"
             )
+        if ns.non_persistent_ckpt_type != "global" and not ns.non_persistent_save_interval:
+            raise ValueError(
+                f"--non-persistent-ckpt-type {ns.non_persistent_ckpt_type} needs "
+                "--non-persistent-save-interval"
+            )
         work = _check_run(timeout, ns)
     except ValueError as exc:
         sys.stderr.write(f"stalwart chaos: error: {exc}\n")
         return EXIT_USAGE
     config = ScheduleConfig(work, iterations, save_interval, seed=ns.seed, timeout=timeout,
-                            fork_workers=ns.fork_workers)  # fmt: skip
+                            fork_workers=ns.fork_workers,
+                            non_persistent_interval=ns.non_persistent_save_interval,
+                            non_persistent_type=ns.non_persistent_ckpt_type)  # fmt: skip
     print(f"chaos: work directory {work}", flush=True)
     result = run_schedule(config, lambda line: print(line, flush=True))
     print(format_result(result))

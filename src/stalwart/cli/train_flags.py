@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from stalwart.checkpoint.non_persistent import LocalAlgo, NonPersistentType
 from stalwart.cli.arg_types import Float, Int, OneOf, negated, switch, values
 from stalwart.config.checks import SEED_MAX
-from stalwart.checkpoint.non_persistent import LocalAlgo, NonPersistentType
 from stalwart.config.training import LRDecayStyle
 
 PRESET_NAMES = ("tiny", "small", "gpt2-124m", "llama-tiny", "llama-150m")
