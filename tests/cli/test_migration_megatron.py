@@ -31,6 +31,7 @@ ROWS: list[tuple[str, bool]] = [
     ("--tokenizer-type NullTokenizer --vocab-size 512 --make-vocab-size-divisible-by 128", False),
     ("--data-path tokens.bin", False),
     ("--save ckpt --load ckpt --save-interval 2", False),
+    ("--non-persistent-save-interval 1 --non-persistent-ckpt-type global --non-persistent-global-ckpt-dir np", False),
     ("--eval-interval 2 --eval-iters 1 --log-interval 1", False),
     ("--tensorboard-dir tb --tensorboard-queue-size 1 --log-timers-to-tensorboard", False),
     ("--log-validation-ppl-to-tensorboard --log-memory-to-tensorboard --log-throughput", False),
@@ -60,7 +61,7 @@ ACCEPTED = [flag for flags, refused in ROWS if not refused for flag in flags.spl
 
 def _in(tmp: Path, flags: list[str]) -> list[str]:
     """The flags with their file names under ``tmp``."""
-    names = {"tokens.bin", "ckpt", "tb"}
+    names = {"tokens.bin", "ckpt", "tb", "np"}
     return [str(tmp / f) if f in names else f for f in flags]
 
 
