@@ -238,20 +238,40 @@ def manifest_entries(path: str) -> dict[str, tuple[int, str]] | str:
     return entries
 
 
-def digest_bytes(*parts: bytes | bytearray | memoryview) -> str:
-    """The manifest's digest of a file whose bytes are ``parts`` joined, computed in memory
-    (a CRC-32 per 64 MiB block across the parts, as `digests` reads them from disk)."""
-    crcs, crc, filled = [], 0, 0
+def _blocks(parts: tuple[bytes | bytearray | memoryview, ...]) -> list[list[memoryview]]:
+    """The 64 MiB blocks of ``parts`` joined, each as the slices of the parts it spans."""
+    blocks: list[list[memoryview]] = [[]]
+    filled = 0
     for part in parts:
         view = memoryview(part).cast("B")
         while len(view):
             take = min(BLOCK_BYTES - filled, len(view))
-            crc, filled, view = zlib.crc32(view[:take], crc), filled + take, view[take:]
+            blocks[-1].append(view[:take])
+            filled, view = filled + take, view[take:]
             if filled == BLOCK_BYTES:
-                crcs.append(crc)
-                crc, filled = 0, 0
-    if filled or not crcs:
-        crcs.append(crc)
+                blocks.append([])
+                filled = 0
+    return blocks if blocks[-1] or len(blocks) == 1 else blocks[:-1]
+
+
+def _crc_of(slices: list[memoryview]) -> int:
+    crc = 0
+    for piece in slices:
+        crc = zlib.crc32(piece, crc)
+    return crc
+
+
+def digest_bytes(*parts: bytes | bytearray | memoryview, threads: int = 1) -> str:
+    """The manifest's digest of a file whose bytes are ``parts`` joined, computed in memory
+    (a CRC-32 per 64 MiB block across the parts, as `digests` reads them from disk), the blocks
+    on up to ``threads`` threads (``zlib.crc32`` releases the GIL)."""
+    blocks = _blocks(parts)
+    workers = max(1, min(threads, len(blocks), _MAX_THREADS))
+    if workers == 1:
+        crcs = [_crc_of(b) for b in blocks]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(workers, "stalwart-crc") as pool:
+            crcs = list(pool.map(_crc_of, blocks))
     return "-".join(f"{c:08x}" for c in crcs)
 
 

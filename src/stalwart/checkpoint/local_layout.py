@@ -29,6 +29,7 @@ on fake node ``n``, whose directory is ``<dir>/fake_node_<n>`` (and ``R`` is the
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import json
@@ -56,6 +57,7 @@ LOCAL_FLAG = "--non-persistent-local-ckpt-dir"
 _RANK_RE = re.compile(r"^rank_(\d{5,})$")
 _SHARD_RE = re.compile(r"^shard_(\d{5,})$")
 _MAX_SHARD_BYTES = 1 << 44
+_CRC_THREADS = min(8, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -158,17 +160,18 @@ def write_shard(rank_dir: str, facts: dict[str, Any], header: bytes, data: torch
     os.mkdir(tmp)
     try:
         payload = tensor_bytes(data) if data.numel() else memoryview(b"")
-        fd = os.open(os.path.join(tmp, SHARD_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(payload)
+        with concurrent.futures.ThreadPoolExecutor(1, "stalwart-local-crc") as crc:
+            # The checksums of the bytes in memory, on other threads, while they are written.
+            digest = crc.submit(integrity.digest_bytes, header, payload, threads=_CRC_THREADS)
+            _write_new(os.path.join(tmp, SHARD_FILE), header, payload)
+            shard_digest = digest.result()
         meta = json.dumps(facts, indent=2) + "\n"
         with open(os.path.join(tmp, layout.METADATA_FILENAME), "x", encoding="utf-8") as f:
             f.write(meta)
         integrity.write_manifest_entries(
             tmp,
             {
-                SHARD_FILE: (len(header) + len(payload), integrity.digest_bytes(header, payload)),
+                SHARD_FILE: (len(header) + len(payload), shard_digest),
                 layout.METADATA_FILENAME: (
                     len(meta.encode()),
                     integrity.digest_bytes(meta.encode()),
@@ -180,6 +183,13 @@ def write_shard(rank_dir: str, facts: dict[str, Any], header: bytes, data: torch
     except BaseException:
         remove_own_tree(tmp)
         raise
+
+
+def _write_new(path: str, *parts: bytes | memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    with os.fdopen(fd, "wb") as f:
+        for part in parts:
+            f.write(part)
 
 
 def _publish(tmp: str, final: str) -> str:
@@ -287,7 +297,7 @@ def read_shard(path: str) -> bytearray:
         raise CheckpointError(
             f"local checkpoint {path}: {SHARD_FILE} is unreadable: {exc}"
         ) from exc
-    if got != size or integrity.digest_bytes(data) != digest:
+    if got != size or integrity.digest_bytes(data, threads=_CRC_THREADS) != digest:
         raise CheckpointError(f"local checkpoint {path}: {SHARD_FILE} does not match its checksum")
     return data
 

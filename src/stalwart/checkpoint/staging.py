@@ -66,6 +66,21 @@ class Staged:
         return entry_view(self.data, entry)
 
 
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every pair: the device's in one foreach launch (hundreds of
+    tensors), a CPU tensor (a step count going up to the device buffer) alone."""
+    same = [(d, t) for d, t in pairs if t.device == d.device]
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None and same:
+        foreach([d for d, _ in same], [t for _, t in same])
+    else:
+        for dst, src in same:
+            dst.copy_(src)
+    for dst, src in pairs:
+        if src.device != dst.device:
+            dst.copy_(src)
+
+
 class HostStager:
     """Reusable host buffers (pinned on CUDA) filled from tensors (see module docstring).
 
@@ -147,8 +162,7 @@ class HostStager:
         if staging is not None:
             if self._last_d2h is not None:
                 current.wait_event(self._last_d2h)  # the buffer's previous host copy is done
-            for tensor, entry in pairs:  # a CPU tensor (a step count) goes up: a few bytes
-                entry_view(staging, entry).copy_(tensor.detach())
+            _copy_all([(entry_view(staging, e), t.detach()) for t, e in pairs])
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             if staging is not None:
