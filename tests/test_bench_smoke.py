@@ -97,3 +97,20 @@ def test_checkpoint_save_bench_measures_the_checksums(capsys, tmp_path: Path) ->
     assert "of the async save's total" in text
     result = __import__("json").loads(out.read_text())
     assert len(result["manifest_s"]) == 1 and set(result["samples_s"]) == set(checkpoint_save.MODES)
+
+
+def test_local_snapshot_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Every variant took every due snapshot (the benchmark checks it), the table prints."""
+    import local_snapshot  # type: ignore[import-not-found]
+
+    out = tmp_path / "result.json"
+    argv = "--device cpu --preset tiny --iters 10 --rounds 1 --warmup 10".split()
+    argv += ["--num-microbatches", "1", "--extra", TINY, "--local-dir", str(tmp_path)]
+    argv += ["--json", str(out)]
+    assert local_snapshot.main(argv) == 0
+    assert "| local |" in capsys.readouterr().out
+    result = __import__("json").loads(out.read_text())
+    assert result["snapshots"] == {
+        "local": {"snapshots": 2, "newest": 20},
+        "in_memory": {"snapshots": 2, "newest": 20},
+    }
