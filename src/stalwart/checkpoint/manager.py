@@ -45,7 +45,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -58,7 +58,6 @@ from stalwart.checkpoint.loading import (
     CheckpointLocator,
     Choice,
     LoadedCheckpoint,
-    nothing_to_load,
     try_load,
 )
 from stalwart.checkpoint.lock import SaveDirLocks
@@ -366,7 +365,9 @@ class CheckpointManager:
     ) -> LoadedCheckpoint | None:
         """Load the newest checkpoint (or ``iteration``) into ``model``/``optimizer`` in place.
 
-        Rank 0 chooses the checkpoint and broadcasts it, so all ranks load the same iteration.
+        Rank 0 chooses the checkpoint and broadcasts it, so all ranks load the same iteration;
+        with ``copies``, every rank's findings are gathered and every rank makes the same choice
+        (`stalwart.checkpoint.resume`).
         ``load_optim=False`` (``--no-load-optim``/``--finetune``) restores only the model.
         ``check_common(common)`` runs on the checkpoint's small ``common`` dict before any tensor
         is read; a ``ValueError`` from it (e.g. the model was saved with other shapes) propagates
@@ -440,45 +441,9 @@ class CheckpointManager:
         )
 
     def _decide(self, iteration: int | None, rejected: set[str]) -> Choice | CopyChoice | None:
-        if self._copies is not None and iteration is None:
-            return self._decide_with_copies(rejected)
-        choice, error = cast(
-            "tuple[Choice | None, str | None]",
-            collectives.broadcast_object(
-                self._disk_decision(iteration, rejected, True) if self._rank == 0 else None,
-                self._src,
-                self._group,
-            ),
-        )
-        if error is not None:
-            raise CheckpointError(error)
-        return choice
-
-    def _disk_decision(
-        self, iteration: int | None, rejected: set[str], fresh_start_note: bool
-    ) -> tuple[Choice | None, str | None]:
-        """Rank 0's checked choice among the directories, or the error to raise everywhere."""
-        try:
-            choice = self._locator().choose(iteration, rejected, logger)
-            if choice is None and not rejected and (fresh_start_note or self._load_explicit):
-                nothing_to_load(self._load_dir, self._load_explicit, logger)
-            return choice, None
-        except CheckpointError as exc:
-            return None, str(exc)
-
-    def _decide_with_copies(self, rejected: set[str]) -> CopyChoice | None:
-        assert self._copies is not None
-        picked = resume.decide(
-            self._copies,
-            [(self._load_dir, False), (self._np_dir, True)],
-            lambda: self._disk_decision(None, rejected, False),
-            self._group,
-            (self._rank, self._src),
-            rejected,
-        )
-        if self._rank == 0 and picked is None and not rejected and not self._load_explicit:
-            nothing_to_load(self._load_dir, self._load_explicit, logger)  # the fresh start line
-        return picked
+        where = resume.Roots(self._load_dir, self._np_dir, self._load_explicit)
+        decider = resume.Decider(where, self._locator(), self._copies, self._group)
+        return decider.decide(iteration, rejected, self._rank, self._src)
 
     # ------------------------------------------------------------------- close
     def close(self, *, abort: bool = False) -> None:

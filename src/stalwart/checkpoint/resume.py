@@ -23,7 +23,12 @@ from torch.optim import Optimizer
 
 from stalwart.checkpoint import layout
 from stalwart.checkpoint.errors import CheckpointError
-from stalwart.checkpoint.loading import Choice, LoadedCheckpoint
+from stalwart.checkpoint.loading import (
+    CheckpointLocator,
+    Choice,
+    LoadedCheckpoint,
+    nothing_to_load,
+)
 from stalwart.checkpoint.local import TierPlan
 from stalwart.checkpoint.local_plan import CopyKind, ResumeChoice, choose_copy
 from stalwart.distributed import collectives
@@ -193,4 +198,77 @@ def load_copy(
     return None, LoadedCheckpoint(it, path, *small, True, source=source)
 
 
-__all__ = ["CopyChoice", "CopyTier", "decide", "load_copy", "tracked_head"]
+@dataclass(frozen=True)
+class Roots:
+    """The directories a manager resumes from: ``--load`` (persistent), the global
+    non-persistent one, and whether ``--load`` was named apart from ``--save``."""
+
+    load_dir: str | None
+    np_dir: str | None
+    load_explicit: bool
+
+
+@dataclass(frozen=True)
+class Decider:
+    """A `CheckpointManager`'s choice of what to load (collective): among its directories
+    (rank 0 decides and broadcasts), or with ``copies``, :func:`decide`."""
+
+    roots: Roots
+    locator: CheckpointLocator
+    copies: CopyTier | None
+    group: Any
+
+    def decide(
+        self, iteration: int | None, rejected: set[str], rank: int, src: int
+    ) -> Choice | CopyChoice | None:
+        """``rank``: this rank in the group; ``src``: the global rank of the group's rank 0.
+
+        Raises:
+            CheckpointError: on every rank, rank 0's error.
+        """
+        if self.copies is not None and iteration is None:
+            return self._with_copies(rejected, rank, src)
+        mine = self._disk(iteration, rejected, True) if rank == 0 else None
+        choice, error = cast(DiskDecision, collectives.broadcast_object(mine, src, self.group))
+        if error is not None:
+            raise CheckpointError(error)
+        return choice
+
+    def _disk(
+        self, iteration: int | None, rejected: set[str], fresh_start_note: bool
+    ) -> DiskDecision:
+        """Rank 0's checked choice among the directories, or the error to raise everywhere."""
+        roots = self.roots
+        try:
+            choice = self.locator.choose(iteration, rejected, logger)
+            if choice is None and not rejected and (fresh_start_note or roots.load_explicit):
+                nothing_to_load(roots.load_dir, roots.load_explicit, logger)
+            return choice, None
+        except CheckpointError as exc:
+            return None, str(exc)
+
+    def _with_copies(self, rejected: set[str], rank: int, src: int) -> CopyChoice | None:
+        assert self.copies is not None
+        roots = self.roots
+        picked = decide(
+            self.copies,
+            [(roots.load_dir, False), (roots.np_dir, True)],
+            lambda: self._disk(None, rejected, False),
+            self.group,
+            (rank, src),
+            rejected,
+        )
+        if rank == 0 and picked is None and not rejected and not roots.load_explicit:
+            nothing_to_load(roots.load_dir, roots.load_explicit, logger)  # the fresh start line
+        return picked
+
+
+__all__ = [
+    "CopyChoice",
+    "CopyTier",
+    "Decider",
+    "Roots",
+    "decide",
+    "load_copy",
+    "tracked_head",
+]
