@@ -297,40 +297,30 @@ def non_persistent_flags(g: Any) -> None:
             "--non-persistent-ckpt-type",
             OneOf(NonPersistentType, "TYPE"),
             NonPersistentType.GLOBAL,
-            "where non-persistent saves go: global (a directory), local (each node's own "
-            "directory, written in the background), in_memory (host memory, for "
-            "--inprocess-restart)",
+            "where they go",
         ),
         (
             "--non-persistent-local-ckpt-algo",
             OneOf(LocalAlgo, "ALGO"),
             None,
-            "local: fully_parallel (each rank writes its part of the replicated state) or atomic "
-            "(each rank its whole state) (default: fully_parallel)",
+            "local: spread the state over the ranks (unset: fully_parallel)",
         ),
         (
             "--replication-jump",
             int,
             None,
-            "ranks between two holders of a local shard (default: the ranks per node)",
+            "local: ranks between a shard's copies (default: per node)",
         ),
-        (
-            "--replication-factor",
-            int,
-            None,
-            "copies of each local shard, on as many nodes (default: 2)",
-        ),
+        ("--replication-factor", int, None, "local: copies of each shard (default: 2)"),
     )
     g.add_argument(
         "--non-persistent-ckpt-dir",
         "--non-persistent-global-ckpt-dir",
         dest="non_persistent_ckpt_dir",
         metavar="DIR",
-        help="global: the non-persistent checkpoints' directory (default: <save>/non_persistent)",
+        help="global: their directory (default: <save>/non_persistent)",
     )
     g.add_argument(
-        "--non-persistent-local-ckpt-dir",
-        metavar="DIR",
-        help="local: each node's directory for its ranks' copies (local NVMe or /dev/shm)",
+        "--non-persistent-local-ckpt-dir", metavar="DIR", help="local: each node's directory"
     )
-    switch(g, "--replication", "local: also store each rank's shard on its peers' nodes")
+    switch(g, "--replication", "local: copy each shard to other nodes")
