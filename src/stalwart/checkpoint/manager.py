@@ -365,9 +365,8 @@ class CheckpointManager:
     ) -> LoadedCheckpoint | None:
         """Load the newest checkpoint (or ``iteration``) into ``model``/``optimizer`` in place.
 
-        Rank 0 chooses the checkpoint and broadcasts it, so all ranks load the same iteration;
-        with ``copies``, every rank's findings are gathered and every rank makes the same choice
-        (`stalwart.checkpoint.resume`).
+        Rank 0 chooses the checkpoint and broadcasts it, so all ranks load the same iteration
+        (with ``copies``: every rank makes the same choice, `stalwart.checkpoint.resume`).
         ``load_optim=False`` (``--no-load-optim``/``--finetune``) restores only the model.
         ``check_common(common)`` runs on the checkpoint's small ``common`` dict before any tensor
         is read; a ``ValueError`` from it (e.g. the model was saved with other shapes) propagates

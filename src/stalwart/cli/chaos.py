@@ -119,6 +119,18 @@ def _check_run(timeout: float, ns: argparse.Namespace) -> Path:
     return _work_dir(ns.work_dir)
 
 
+def _schedule_only(ns: argparse.Namespace) -> str | None:
+    """The first flag given that only the fault schedule takes, or None."""
+    for flag, given in (
+        ("--fork-workers", ns.fork_workers),
+        ("--non-persistent-save-interval", ns.non_persistent_save_interval),
+        ("--non-persistent-ckpt-type", ns.non_persistent_ckpt_type != "global"),
+    ):
+        if given:
+            return flag
+    return None
+
+
 def main_chaos(argv: list[str]) -> int:
     """Parse, run the campaign, report; returns the exit code."""
     from stalwart.chaos.campaign import CampaignConfig, format_table, run_campaign
@@ -130,14 +142,10 @@ def main_chaos(argv: list[str]) -> int:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     if ns.fault_schedule:
         return _main_schedule(ns)
-    for flag, given in (
-        ("--fork-workers", ns.fork_workers),
-        ("--non-persistent-save-interval", ns.non_persistent_save_interval),
-        ("--non-persistent-ckpt-type", ns.non_persistent_ckpt_type != "global"),
-    ):
-        if given:
-            sys.stderr.write(f"stalwart chaos: error: {flag} goes with --fault-schedule\n")
-            return EXIT_USAGE
+    misplaced = _schedule_only(ns)
+    if misplaced is not None:
+        sys.stderr.write(f"stalwart chaos: error: {misplaced} goes with --fault-schedule\n")
+        return EXIT_USAGE
     ns.iterations = 12 if ns.iterations is None else ns.iterations
     ns.save_interval = 3 if ns.save_interval is None else ns.save_interval
     ns.timeout = 300.0 if ns.timeout is None else ns.timeout
