@@ -39,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -101,19 +102,40 @@ class _Pending:
     started: float
 
 
-def _in_background(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """``fn()`` on a daemon thread (a write stuck on a dead peer never blocks the exit)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
+class _Writer:
+    """One daemon thread that runs the background part of each save in turn (a write stuck on
+    a dead peer never blocks the interpreter's exit; no thread to start per save)."""
 
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # reported by maybe_finalize
-                future.set_exception(exc)
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
-    threading.Thread(target=run, name="stalwart-local-ckpt", daemon=True).start()
-    return future
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="stalwart-local-ckpt", daemon=True
+            )
+            self._thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # reported by maybe_finalize
+                    future.set_exception(exc)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
 
 
 def assign_owners(sizes: list[tuple[str, int]], world_size: int) -> dict[str, int]:
@@ -175,6 +197,7 @@ class LocalCheckpoints:
         self._lock = SaveDirLock(self.place.root, flag=flag, job_id=job_id) if first else None
         self._stager: HostStager | None = None
         self._pending: _Pending | None = None
+        self._writer = _Writer()
         self._warn_same_node()
 
     def _warn_same_node(self) -> None:
@@ -240,7 +263,7 @@ class LocalCheckpoints:
         header = encode_header(facts, skeleton, table)
         parts = [local_part(t)[0] for t in mine.values()]
         staged = self._stager_for(parts).stage(parts, table, size)
-        future = _in_background(lambda: self._write(facts, header, staged))
+        future = self._writer.submit(lambda: self._write(facts, header, staged))
         self._pending = _Pending(iteration, future, time.monotonic())
 
     def _stager_for(self, tensors: list[torch.Tensor]) -> HostStager:
@@ -432,6 +455,7 @@ class LocalCheckpoints:
                 self.maybe_finalize(blocking=True)
         finally:
             self._pending = None
+            self._writer.stop()
             if self._lock is not None:
                 self._lock.release()
             if self._io_group is not None and not abort:

@@ -66,6 +66,8 @@ def _encode(obj: Any, path: str) -> Any:
     if isinstance(obj, np.generic) and obj.dtype.kind in "biuf":
         return _encode(obj.item(), path)
     if isinstance(obj, list):
+        if all(type(v) is int or type(v) is str for v in obj):
+            return obj  # JSON as it is (a Python RNG state's 625 ints): no walk per element
         return [_encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
         return {TAG: "tuple", "items": [_encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]}

@@ -48,6 +48,7 @@ PLACEHOLDER = "__shard_tensor__"
 ALIGN = 64
 MAX_HEADER_BYTES = 256 << 20  # the state's JSON and the table; tensors are never in it
 _PREFIX = len(MAGIC) + 8
+_SCALARS = (int, float, str, bool, type(None))
 
 DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
@@ -114,6 +115,8 @@ def split_tensors(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
                 for k, v in obj.items()
             }
         if isinstance(obj, (list, tuple)):
+            if all(type(v) in _SCALARS for v in obj):
+                return obj  # no tensor below (an RNG state's ints): nothing to walk
             walked = [walk(v, [*keys, i]) for i, v in enumerate(obj)]
             return walked if isinstance(obj, list) else tuple(walked)
         return obj
