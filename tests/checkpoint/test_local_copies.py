@@ -195,3 +195,22 @@ def test_a_second_job_on_the_same_local_directory_is_refused(tmp_path: Path) -> 
     assert "in use by another job" in error[0] and "Traceback" not in proc.stderr
     assert not (tmp_path / "save" / "iter_0000001").exists()
     assert os.path.exists(local / LOCK_FILENAME)  # theirs, left alone
+
+
+def test_another_jobs_copies_are_neither_loaded_nor_deleted(saved, caplog) -> None:
+    """A second job (another --save) on the same local directory after the first ended: it
+    starts from scratch, and its retention leaves the first job's copy alone."""
+    root, _, _ = saved
+    model = make_model(seed=3)
+    copies = LocalCheckpoints(str(root / "local"), job=str(root / "other-save"))
+    manager = CheckpointManager(str(root / "other-save"), copies=copies)
+    manager.check_writable()
+    with caplog.at_level(logging.WARNING, logger="stalwart.checkpoint"):
+        assert manager.load(model, None) is None
+    assert "belong to another job" in caplog.text
+    manager.save(6, model, None, {"it": 6}, {}, non_persistent=True)
+    manager.save(8, model, None, {"it": 8}, {}, non_persistent=True)
+    manager.close()
+    theirs = root / "local" / "rank_00000"
+    assert (theirs / "iter_0000004" / "shard_00000" / "shard.bin").is_file()
+    assert not (theirs / "iter_0000006").exists() and (theirs / "iter_0000008").is_dir()

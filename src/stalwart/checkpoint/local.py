@@ -39,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -166,6 +167,8 @@ class LocalCheckpoints:
             warning).
         process_group: the group the checkpoint spans (default: the world).
         job_id: this job's identity for the directory locks (see `stalwart.checkpoint.lock`).
+        job: whose copies these are (the trainer: ``--save``'s real path; default: the local
+            directory's): copies of another job in the directory are never loaded or deleted.
     """
 
     kind = CopyKind.LOCAL
@@ -178,6 +181,7 @@ class LocalCheckpoints:
         replication: Replication | None = None,
         process_group: Any = None,
         job_id: str | None = None,
+        job: str | None = None,
     ) -> None:
         if algo not in LOCAL_ALGOS:
             raise ValueError(
@@ -189,6 +193,7 @@ class LocalCheckpoints:
         self.place = local_layout.NodePlace.from_env(local_dir, self._rank, self._world)
         self.replication = replication or Replication()
         self._own_dir = self.place.rank_dir(self._rank)
+        self._job = job if job is not None else os.path.realpath(local_dir)
         self._io_group = dcp_io.new_checkpoint_group(process_group)
         token = local_layout.save_token() if self._rank == 0 else None
         self._session = str(collectives.broadcast_object(token, self._src, process_group))
@@ -258,7 +263,7 @@ class LocalCheckpoints:
         table, size = tensor_table(mine)
         save_id = f"{self._session}:{iteration}"
         facts = local_layout.shard_facts(
-            iteration, self._rank, self._world, self._algo, save_id, sharded
+            iteration, self._rank, self._world, self._algo, save_id, sharded, self._job
         )
         header = encode_header(facts, skeleton, table)
         parts = [local_part(t)[0] for t in mine.values()]
@@ -321,7 +326,7 @@ class LocalCheckpoints:
         if any_failed:
             self._warn_failed(pending, pending.future.exception())
             return None
-        local_layout.prune(self._own_dir, pending.iteration, logger)
+        local_layout.prune(self._own_dir, pending.iteration, self._job, logger)
         if self._rank == 0:
             copies = self.replication.factor
             logger.info(
@@ -352,16 +357,30 @@ class LocalCheckpoints:
 
     # -------------------------------------------------------------------- load
     def report(self) -> list[Held]:
-        """The complete shards this rank can read: its share of its node's rank directories."""
+        """The complete shards of this job this rank can read: its share of its node's rank
+        directories (another job's copies there: one warning)."""
         dirs = local_layout.rank_dirs(self.place.root, logger)
         per_node, mine = self.place.ranks_per_node, self.place.local_rank
+        found = [
+            f
+            for i, (_, path) in enumerate(dirs)
+            if i % per_node == mine
+            for f in local_layout.scan(path, logger)
+        ]
+        foreign = sorted({f.job for f in found if f.job != self._job})
+        if foreign:
+            logger.warning(
+                "local copies in %s belong to another job (%s), not this one (%s): not used",
+                self.place.root,
+                ", ".join(foreign)[:200],
+                self._job,
+            )
         return [
             Held(
                 self._rank, f.iteration, f.owner, f.world_size, f.algo, f.save_id, f.sharded, f.path
             )
-            for i, (_, path) in enumerate(dirs)
-            if i % per_node == mine
-            for f in local_layout.scan(path, logger)
+            for f in found
+            if f.job == self._job
         ]
 
     def plan(self, reports: list[Any], exclude: set[int]) -> TierPlan:

@@ -103,13 +103,18 @@ class FoundShard:
     algo: str
     save_id: str
     sharded: bool
+    job: str
     path: str
 
 
+_FACT_KEYS = ("iteration", "owner", "world_size", "algo", "save_id", "sharded", "job")
+
+
 def shard_facts(
-    iteration: int, owner: int, world_size: int, algo: str, save_id: str, sharded: bool
+    iteration: int, owner: int, world_size: int, algo: str, save_id: str, sharded: bool, job: str
 ) -> dict[str, Any]:
-    """A shard's ``metadata.json`` (and marker) facts."""
+    """A shard's ``metadata.json`` (and marker) facts; ``job`` names the job whose copies they
+    are (its ``--save``): a job never resumes from, or deletes, another's."""
     return {
         "format": LOCAL_FORMAT,
         "iteration": iteration,
@@ -118,6 +123,7 @@ def shard_facts(
         "algo": algo,
         "save_id": save_id,
         "sharded": sharded,
+        "job": job,
     }
 
 
@@ -212,20 +218,16 @@ def _facts(path: str) -> FoundShard | str:
     try:
         with open_regular(os.path.join(path, layout.METADATA_FILENAME)) as f:
             facts = json.loads(f.read(1 << 16))
-        found = FoundShard(
-            **{
-                k: facts[k]
-                for k in ("iteration", "owner", "world_size", "algo", "save_id", "sharded")
-            },
-            path=path,
-        )
+        found = FoundShard(**{k: facts[k] for k in _FACT_KEYS}, path=path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{layout.METADATA_FILENAME} is unreadable ({type(exc).__name__})"
     ints = (found.iteration, found.owner, found.world_size)
     if facts.get("format") != LOCAL_FORMAT or not all(type(i) is int and i >= 0 for i in ints):
         return f"{layout.METADATA_FILENAME} is not a {LOCAL_FORMAT} shard's"
-    if found.owner >= found.world_size or not isinstance(found.save_id, str):
+    if found.owner >= found.world_size:
         return f"{layout.METADATA_FILENAME} names owner {found.owner} of {found.world_size} ranks"
+    if not isinstance(found.save_id, str) or not isinstance(found.job, str):
+        return f"{layout.METADATA_FILENAME} has a malformed save_id or job field"
     if not isinstance(found.algo, str) or not isinstance(found.sharded, bool):
         return f"{layout.METADATA_FILENAME} has a malformed algo or sharded field"
     return found
@@ -311,18 +313,29 @@ def remove_leftovers(rank_dir: str, log: logging.Logger) -> None:
                     remove_own_tree(os.path.join(iter_dir, name))
 
 
-def prune(rank_dir: str, newest: int, log: logging.Logger) -> list[int]:
-    """Retention: remove the iterations older than ``newest`` (complete on every rank) under
-    ``rank_dir``, which only this rank writes; never through a link. Returns them."""
+def prune(rank_dir: str, newest: int, job: str, log: logging.Logger) -> list[int]:
+    """Retention: remove this job's shards of the iterations older than ``newest`` (complete on
+    every rank) under ``rank_dir``, and the iterations left empty; never through a link, never
+    another job's copies. Returns the iterations removed."""
     removed = []
     for iteration, iter_dir in _children(rank_dir, _ITER_RE, log):
-        if iteration < newest:
-            refused = remove_own_tree(iter_dir)
-            if refused is not None:
-                log.warning("%s", refused)
-            else:
-                removed.append(iteration)
+        if iteration >= newest:
+            continue
+        for _, shard_dir in _children(iter_dir, _SHARD_RE, log):
+            facts = _facts(shard_dir)
+            if isinstance(facts, str) or facts.job == job:  # ours, or garbage under our lock
+                _remove(shard_dir, log)
+        remaining = [n for n in os.listdir(iter_dir) if _SHARD_RE.match(n)]
+        if not remaining and _remove(iter_dir, log):
+            removed.append(iteration)
     return removed
+
+
+def _remove(path: str, log: logging.Logger) -> bool:
+    refused = remove_own_tree(path)
+    if refused is not None:
+        log.warning("%s", refused)
+    return refused is None
 
 
 def save_token() -> str:

@@ -55,11 +55,13 @@ def build_copies(
     factor: int | None = None,
     process_group: Any = None,
     job_id: str | None = None,
+    job: str | None = None,
     snapshots: InMemorySnapshots | None = None,
 ) -> CopyTier | None:
     """The copies of ``kind`` (None for ``global``); collective for ``local``.
 
     ``jump`` defaults to the ranks per node (replicas on other nodes), ``factor`` to 2.
+    ``job``: whose local copies (the trainer passes ``--save``'s real path).
 
     Raises:
         ValueError: naming the flag (no directory for ``local``).
@@ -76,7 +78,12 @@ def build_copies(
         per_node = NodePlace.from_env(local_dir, rank, world).ranks_per_node
         clique = Replication(jump or per_node, factor or DEFAULT_REPLICATION_FACTOR)
     return LocalCheckpoints(
-        local_dir, algo=algo.value, replication=clique, process_group=process_group, job_id=job_id
+        local_dir,
+        algo=algo.value,
+        replication=clique,
+        process_group=process_group,
+        job_id=job_id,
+        job=job,
     )
 
 

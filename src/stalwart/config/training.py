@@ -298,6 +298,7 @@ class CheckpointConfig:
             replication=self.replication,
             jump=self.replication_jump,
             factor=self.replication_factor,
+            job=os.path.realpath(self.save) if self.save else None,
             snapshots=snapshots,
         )
         manager = CheckpointManager(
