@@ -104,8 +104,9 @@ def test_local_snapshot_runs_on_cpu(capsys: pytest.CaptureFixture[str], tmp_path
     import local_snapshot  # type: ignore[import-not-found]
 
     out = tmp_path / "result.json"
-    argv = "--device cpu --preset tiny --iters 10 --rounds 1 --warmup 10".split()
-    argv += ["--num-microbatches", "1", "--extra", TINY, "--local-dir", str(tmp_path)]
+    argv = ["--device", "cpu", "--preset", "tiny", "--iters", "10", "--rounds", "1"]
+    argv += ["--warmup", "10", "--num-microbatches", "1", "--extra", TINY]
+    argv += ["--local-dir", str(tmp_path)]
     argv += ["--json", str(out)]
     assert local_snapshot.main(argv) == 0
     assert "| local |" in capsys.readouterr().out

@@ -26,35 +26,15 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 # The shared reference's job (seed 3, global batch 8, 12 iterations), other save intervals:
 # persistent at 6 and 12, non-persistent at 2, 4, 8, 10.
-JOB = [
-    "train",
-    *TINY_FLAGS,
-    "--train-iters",
-    "12",
-    "--seed",
-    "3",
-    "--global-batch-size",
-    "8",
-    "--save-interval",
-    "6",
-    "--non-persistent-save-interval",
-    "2",
-]
+JOB = ["train", *TINY_FLAGS, "--train-iters", "12", "--seed", "3", "--global-batch-size", "8"]
+JOB += ["--save-interval", "6", "--non-persistent-save-interval", "2"]
 FAKE_NODES = {"STALWART_FAKE_NODE_SIZE": "1", "PYTHONUNBUFFERED": "1"}
 KILL = ["--inject-fault", "sigkill", "--inject-fault-rank", "1", "--inject-fault-iteration", "11"]
 
 
 def _local(root: Path, *extra: str) -> list[str]:
-    return [
-        *JOB,
-        "--save",
-        str(root / "save"),
-        "--non-persistent-ckpt-type",
-        "local",
-        "--non-persistent-local-ckpt-dir",
-        str(root / "local"),
-        *extra,
-    ]
+    where = ["--save", str(root / "save"), "--non-persistent-local-ckpt-dir", str(root / "local")]
+    return [*JOB, *where, "--non-persistent-ckpt-type", "local", *extra]
 
 
 def _ok(proc) -> str:
@@ -65,19 +45,24 @@ def _ok(proc) -> str:
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The job with replicas (2 fake nodes, factor 2), rank 1 SIGKILLed during iteration 11:
-    local copies of 8 (complete) and maybe 10 on both nodes, the persistent checkpoint of 6."""
+    local copies of 8 (complete) and maybe 10 on both nodes, the persistent checkpoint of 6.
+    Kept in ``pristine/``: a test puts it back in place (:func:`_fresh`) and relaunches there
+    (local copies belong to the job whose --save is at that path)."""
     root = tmp_path_factory.mktemp("killed")
     proc = run_cli_on_ranks(_local(root, "--replication", *KILL), root / "logs", env=FAKE_NODES)
     assert proc.codes[1] == -9, proc.log[-3000:]
     assert (root / "save" / "latest_checkpointed_iteration.txt").read_text() == "6\n"
+    for name in ("save", "local"):
+        shutil.copytree(root / name, root / "pristine" / name, symlinks=True)
     return root
 
 
-def _copy(killed: Path, tmp_path: Path) -> Path:
-    shutil.copytree(killed, tmp_path / "job", symlinks=True, ignore=shutil.ignore_patterns("logs"))
-    for lock in (tmp_path / "job").rglob(".stalwart.lock"):
-        lock.unlink()  # the killed job's (a relaunch on the same host takes it over anyway)
-    return tmp_path / "job"
+def _fresh(killed: Path) -> Path:
+    """The killed job's directories as the kill left them, in place."""
+    for name in ("save", "local"):
+        shutil.rmtree(killed / name)
+        shutil.copytree(killed / "pristine" / name, killed / name, symlinks=True)
+    return killed
 
 
 def _resumed_local(log: str) -> int:
@@ -89,7 +74,7 @@ def _resumed_local(log: str) -> int:
 def test_sigkill_resumes_from_the_newest_local_copy_bitwise(
     killed: Path, tmp_path: Path, two_rank_reference: Path
 ) -> None:
-    job = _copy(killed, tmp_path)
+    job = _fresh(killed)
     log = _ok(run_cli_on_ranks(_local(job, "--replication"), tmp_path / "logs", env=FAKE_NODES))
     assert _resumed_local(log) in (8, 10)  # 10 when its write ended before the kill
     assert "also found the persistent checkpoint of iteration 6" in log
@@ -99,7 +84,7 @@ def test_sigkill_resumes_from_the_newest_local_copy_bitwise(
 def test_a_lost_node_directory_is_covered_by_the_replicas(
     killed: Path, tmp_path: Path, two_rank_reference: Path
 ) -> None:
-    job = _copy(killed, tmp_path)
+    job = _fresh(killed)
     shutil.rmtree(job / "local" / "fake_node_1")  # node 1 is gone, its disk with it
     log = _ok(run_cli_on_ranks(_local(job, "--replication"), tmp_path / "logs", env=FAKE_NODES))
     it = _resumed_local(log)
@@ -114,7 +99,7 @@ def test_without_replicas_a_lost_node_falls_back_to_the_newest_complete_copy(
     """What a job without --replication has on disk (rank 0's own shards only), node 1 gone:
     the local copies are incomplete, the persistent checkpoint of 6 is loaded, and the line
     says which and why."""
-    job = _copy(killed, tmp_path)
+    job = _fresh(killed)
     shutil.rmtree(job / "local" / "fake_node_1")
     for replica in (job / "local" / "fake_node_0").rglob("shard_00001"):
         shutil.rmtree(replica)
