@@ -41,6 +41,7 @@ from stalwart.checkpoint.local import TierPlan
 from stalwart.checkpoint.local_plan import CopyKind, common_snapshot
 from stalwart.checkpoint.safe_state import StateFormatError
 from stalwart.checkpoint.shard_format import (
+    device_first,
     encode_header,
     local_part,
     parse_parts,
@@ -97,6 +98,7 @@ class InMemorySnapshots:
     ) -> None:
         """Start the host copy of this rank's state of ``iteration`` into the next buffer."""
         skeleton, tensors = split_tensors({"state": state, "common": common, "per_rank": per_rank})
+        tensors = device_first(tensors)
         table, size = tensor_table(tensors)
         header = encode_header({"iteration": iteration}, skeleton, table)
         parts = [local_part(t)[0] for t in tensors.values()]

@@ -69,6 +69,7 @@ from stalwart.checkpoint.replication import Replication
 from stalwart.checkpoint.safe_state import StateFormatError
 from stalwart.checkpoint.shard_format import (
     Shard,
+    device_first,
     encode_header,
     local_part,
     parse_shard,
@@ -258,7 +259,7 @@ class LocalCheckpoints:
         with the clique) in the background. An earlier save is finalized (blocking) first."""
         self.maybe_finalize(blocking=True)
         skeleton, tensors = split_tensors({"state": state, "common": common, "per_rank": per_rank})
-        mine = self._owned(tensors)
+        mine = device_first(self._owned(tensors))
         sharded = any(local_part(t)[1] for t in tensors.values())
         table, size = tensor_table(mine)
         save_id = f"{self._session}:{iteration}"

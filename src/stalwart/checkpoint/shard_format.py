@@ -124,6 +124,11 @@ def split_tensors(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     return walk(tree, []), tensors
 
 
+def device_first(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with the CPU's after the others (the order `HostStager` copies best)."""
+    return dict(sorted(tensors.items(), key=lambda item: local_part(item[1])[0].is_cpu))
+
+
 def tensor_table(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorEntry], int]:
     """The table of ``tensors`` (in their order, each at a multiple of 64) and the data size."""
     table, offset = [], 0

@@ -11,6 +11,7 @@ thread never waits. Before the device buffer is written again, the current strea
 the previous host copy on the device (no host sync). When the device has no room for the buffer,
 the side stream copies the live tensors directly and the current stream waits for it before
 its next kernel: still no host sync, but the step stalls for the copy (one warning says so).
+CPU tensors among them are copied on the caller's thread (see :meth:`HostStager.stage`).
 On the CPU the copy is one memcpy per tensor on the caller's thread.
 
     >>> import torch
@@ -67,18 +68,14 @@ class Staged:
 
 
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every pair: the device's in one foreach launch (hundreds of
-    tensors), a CPU tensor (a step count going up to the device buffer) alone."""
-    same = [(d, t) for d, t in pairs if t.device == d.device]
+    """``dst.copy_(src)`` for every pair, in one foreach launch where torch has it (hundreds
+    of tensors)."""
     foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None and same:
-        foreach([d for d, _ in same], [t for _, t in same])
-    else:
-        for dst, src in same:
-            dst.copy_(src)
+    if foreach is not None:
+        foreach([d for d, _ in pairs], [s for _, s in pairs])
+        return
     for dst, src in pairs:
-        if src.device != dst.device:
-            dst.copy_(src)
+        dst.copy_(src)
 
 
 class HostStager:
@@ -114,21 +111,26 @@ class HostStager:
         return buffer[:size]
 
     def stage(self, tensors: list[torch.Tensor], table: list[TensorEntry], size: int) -> Staged:
-        """Start copying ``tensors`` (in ``table``'s order) into the next host buffer."""
+        """Start copying ``tensors`` (in ``table``'s order) into the next host buffer. CPU
+        tensors (an RNG state, a step count) are copied on the caller's thread and never go
+        through the device (a copy from pageable memory could wait for the stream); put them
+        after the device's in the table, so that one copy of the device buffer brings the rest.
+        """
         slot, self._next = self._next, (self._next + 1) % len(self._host)
         if self._host_done[slot] is not None:
             self._host_done[slot].synchronize()  # that buffer's copy ended long ago: no wait
         host = self._host_buffer(slot, size)
         pairs = list(zip(tensors, table, strict=True))
-        staging = self._device_copy(size) if self.cuda else None
-        if staging is None:  # the CPU's tensors now; the device's (if any) by the side stream
-            for tensor, entry in pairs:
-                if tensor.device.type == "cpu":
-                    entry_view(host, entry).copy_(tensor.detach())
-            pairs = [(t, e) for t, e in pairs if t.device.type != "cpu"]
-        if not pairs:
+        for tensor, entry in pairs:
+            if tensor.device.type == "cpu":
+                entry_view(host, entry).copy_(tensor.detach())
+        device = [(t, e) for t, e in pairs if t.device.type != "cpu"]
+        if not device or not self.cuda:
             return Staged(host, slot)
-        done = self._copy_from_device(pairs, host, staging)
+        end = max(e.offset + e.nbytes for _, e in device)
+        after = all(e.offset >= end for t, e in pairs if t.device.type == "cpu")
+        staging = self._device_copy(end) if after else None
+        done = self._copy_from_device(device, host[:end] if after else host, staging)
         self._host_done[slot] = done
         return Staged(host, slot, done)
 
