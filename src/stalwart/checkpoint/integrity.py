@@ -278,9 +278,9 @@ def digest_bytes(*parts: bytes | bytearray | memoryview, threads: int = 1) -> st
 def write_manifest_entries(path: str, files: dict[str, tuple[int, str]]) -> None:
     """Write ``<path>/checksums.json`` of digests computed in memory (:func:`digest_bytes`)
     instead of reading the files back (a local checkpoint's shard: its bytes are at hand)."""
-    body = {"format": MANIFEST_FORMAT, "algorithm": "crc32", "block_bytes": BLOCK_BYTES,
-            "files": {rel: list(entry) for rel, entry in sorted(files.items())}}  # fmt: skip
-    text = json.dumps(body, indent=0, sort_keys=True) + "\n"
+    listed = {rel: list(entry) for rel, entry in sorted(files.items())}
+    body = {"format": MANIFEST_FORMAT, "algorithm": "crc32", "block_bytes": BLOCK_BYTES}
+    text = json.dumps({**body, "files": listed}, indent=0, sort_keys=True) + "\n"
     write_text_atomic(os.path.join(path, MANIFEST_FILENAME), text, sync=Sync.NONE)
 
 
