@@ -26,6 +26,8 @@ import re
 import stat
 from pathlib import Path
 
+INDUCTOR_DIR = "inductor"  # Inductor's caches (TORCHINDUCTOR_CACHE_DIR)
+ARTIFACTS_FILE = "artifacts.bin"  # torch's mega-cache
 # A checkpoint's directory: iter_0000010, and its in-progress form iter_0000010.tmp-...
 _CHECKPOINT_DIR = re.compile(r"^iter_\d{7,}")
 _WRITE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
@@ -204,9 +206,32 @@ def cache_dir_problem(directory: Path, fixed: dict[str, bool]) -> str | None:
     return tree_problem(directory, info.st_mode, umask)
 
 
+def check_cache_dir(flag: str, directory: str | os.PathLike[str]) -> None:
+    """``ValueError`` (one line naming ``flag``) unless ``directory`` can hold a trusted cache
+    (`stalwart.graphs.cache_trust`): it and everything below it are this user's, no links,
+    not writable by others; every directory above it is this user's or root's and writable by
+    its owner only (or sticky); it is not inside a checkpoint directory; a missing directory
+    needs a writable parent. Only looks: nothing is created."""
+    text = os.fspath(directory)
+    if not text.strip():
+        raise ValueError(f"{flag} is empty (it takes a directory)")
+    root = Path(text)
+    why = "the cache holds generated code that the run executes; use a directory only you write"
+    problem = cache_dir_problem(root, {INDUCTOR_DIR: True, ARTIFACTS_FILE: False})
+    if problem is not None:
+        raise ValueError(f"{flag} {text!r}: {problem} ({why})")
+    if not root.exists():
+        parent = next((p for p in root.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {text!r}: {str(parent)!r} is not a writable directory")
+
+
 __all__ = [
+    "ARTIFACTS_FILE",
+    "INDUCTOR_DIR",
     "ancestor_problem",
     "cache_dir_problem",
+    "check_cache_dir",
     "checkpoint_problem",
     "current_umask",
     "entry_problem",

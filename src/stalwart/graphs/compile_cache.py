@@ -65,14 +65,12 @@ from typing import Any
 
 from stalwart.atomic_file import Sync, write_bytes_atomic
 from stalwart.fixed_paths import FixedPath
-from stalwart.graphs.cache_trust import cache_dir_problem
+from stalwart.graphs.cache_trust import ARTIFACTS_FILE, INDUCTOR_DIR, check_cache_dir
 from stalwart.observability.goodput.records import Bucket, CompileSource
 from stalwart.regular_file import open_regular
 
 logger = logging.getLogger("stalwart.compile_cache")
 
-INDUCTOR_DIR = "inductor"
-ARTIFACTS_FILE = "artifacts.bin"
 STAMP_FILE = "artifacts.stamp"  # in INDUCTOR_DIR: the artifacts.bin whose entries it holds
 DEFAULT_CACHE_DIRNAME = "compile_cache"  # under the run directory
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -130,26 +128,6 @@ class CompileCounts:
         """The ledger record's counters."""
         return {"frames": self.frames, "fx_hit": self.fx_hits, "fx_miss": self.fx_misses,
                 "aot_hit": self.aot_hits, "aot_miss": self.aot_misses}  # fmt: skip
-
-
-def check_cache_dir(flag: str, directory: str | os.PathLike[str]) -> None:
-    """``ValueError`` (one line naming ``flag``) unless ``directory`` can hold a trusted cache
-    (`stalwart.graphs.cache_trust`): it and everything below it are this user's, no links,
-    not writable by others; every directory above it is this user's or root's and writable by
-    its owner only (or sticky); it is not inside a checkpoint directory; a missing directory
-    needs a writable parent. Only looks: nothing is created."""
-    text = os.fspath(directory)
-    if not text.strip():
-        raise ValueError(f"{flag} is empty (it takes a directory)")
-    root = Path(text)
-    why = "the cache holds generated code that the run executes; use a directory only you write"
-    problem = cache_dir_problem(root, {INDUCTOR_DIR: True, ARTIFACTS_FILE: False})
-    if problem is not None:
-        raise ValueError(f"{flag} {text!r}: {problem} ({why})")
-    if not root.exists():
-        parent = next((p for p in root.absolute().parents if p.exists()), None)
-        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} {text!r}: {str(parent)!r} is not a writable directory")
 
 
 class CompileCache:
