@@ -15,7 +15,8 @@ no module-level singleton (``get_rerun_state_machine`` and friends: the machine 
 passed to the loop); ``RerunStateMachine``'s keyword arguments have Megatron's names but not its
 positional order; ``Timers.log`` returns the text (rank 0) instead of logging it on a ``rank``;
 ``DistributedSignalHandler.signals_received`` returns the agreed bool, not the per-rank list;
-the machine's and the iterator's ``state_dict`` take no arguments.
+the machine's and the iterator's ``state_dict`` take no arguments; ``Timers`` takes a
+``TimingLogOption``, not Megatron's string (a string is a ``TypeError`` that names the fix).
 """
 
 from __future__ import annotations
