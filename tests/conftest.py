@@ -35,8 +35,13 @@ def two_rank_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Free what failed tests left (their frames, cyclic garbage) while CUDA is whole: not at
-    the interpreter's shutdown (`session_guard`)."""
+    """The session is over: from here on only its summary and the interpreter's exit run. If
+    they hang (a thread the exit waits for, a destructor, a CUDA synchronize), the stacks are
+    printed and the process ends with code 1. Then what failed tests left (their frames,
+    cyclic garbage) is freed while CUDA is whole, not at the interpreter's shutdown
+    (`session_guard`)."""
+    if session_guard.is_pytest_main_process(sys.argv, os.environ):
+        session_guard.arm_exit_watchdog(session_guard.exit_timeout())
     session_guard.release_leftovers()
 
 
@@ -44,10 +49,3 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     line = session_guard.leftovers()
     if line is not None:
         terminalreporter.write_line(line, yellow=True)
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """The last hook: from here on only the interpreter's exit runs. If that hangs (a thread it
-    waits for, a destructor), the stacks are printed and the process ends with code 1."""
-    if session_guard.is_pytest_main_process(sys.argv, os.environ):
-        session_guard.arm_exit_watchdog(session_guard.exit_timeout())
