@@ -159,8 +159,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_verify_and_fallback(
     assert "\n" not in message and len(message) < 600, message
     if damage == "bytes_entry":
         assert "BadZipFile: File is not a zip file" in message  # the cause, then what to run
-    if damage == "tensor_entry":  # not torch's advice to load with weights_only=False
-        assert "weights_only" not in message and "damaged or foreign data" in message
+    assert "weights_only" not in message  # never torch's advice to load with weights_only=False
     with caplog.at_level(logging.WARNING, logger="stalwart.checkpoint"):
         loaded, state = _load(save, fallback=True)
     assert loaded is not None and loaded.iteration == 1  # type: ignore[attr-defined]
@@ -227,3 +226,23 @@ def test_stalwart_train_on_a_garbage_tracker(
     assert "falling back to the newest complete checkpoint (--ckpt-fallback)" in caplog.text
     loaded = f"loaded checkpoint iteration 4 from {save / layout.iteration_dir_name(4)}"
     assert loaded in caplog.text
+
+
+def test_torch_s_weights_only_advice_becomes_the_reason() -> None:
+    from stalwart.checkpoint.dcp_io import _first_line
+
+    torch_said = pickle.UnpicklingError(
+        "Weights only load failed. In PyTorch 2.6, we changed the default value of the "
+        "`weights_only` argument in `torch.load` from `False` to `True`. Re-running `torch.load` "
+        "with `weights_only` set to `False` will likely succeed, but it can result in arbitrary "
+        "code execution. Do it only if you got the file from a trusted source.\nPlease file an "
+        "issue with the following so that we can make `weights_only=True` compatible with your "
+        "use case: WeightsUnpickler error: \n\nUnsupported operand 0\n\nCheck the documentation "
+        "of torch.load to learn more about types accepted by default with weights_only "
+        "https://pytorch.org/docs/stable/generated/torch.load.html."
+    )
+    assert _first_line(torch_said) == (
+        "UnpicklingError: not a tensor torch reads safely (damaged or foreign data): "
+        "Unsupported operand 0"
+    )
+    assert _first_line(ValueError("plain\nsecond")) == "ValueError: plain"

@@ -251,7 +251,7 @@ def test_help_lists_the_policy() -> None:
 
 
 def test_config_file_train_args_set_save_run_dir_and_batch_and_the_ledger_is_the_trainer_s(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from stalwart.cli.launch import build_plan, record_launch_action
     from stalwart.distributed.launch import RoundResult, run_launches
@@ -279,6 +279,8 @@ def test_config_file_train_args_set_save_run_dir_and_batch_and_the_ledger_is_the
     (save / "suspect_devices.json").write_text(
         json.dumps({"suspects": [{"host": plan.host, "device": "b"}]})
     )
+    for name in ("STALWART_VISIBLE_DEVICES", "STALWART_LAUNCH_ROUND"):  # each round sets them:
+        monkeypatch.setenv(name, "")  # restored (unset) after the test, for the tests after it
     rounds = iter([RoundResult({0: 17, 1: 17, 2: 17}), RoundResult({0: 0})])
     assert run_launches(plan, record_launch_action, lambda argv, worker: next(rounds)) == 0
     assert _actions(run_dir) == ["exclude", "finished"] == _events(run_dir)  # the batch was known
