@@ -160,15 +160,14 @@ class WandbSink:
             ) from exc
         created = _make_dirs(save_dir)
         run_id = _read_run_id(resume_file)
+        wandb_mode = cast(Any, None if mode is None else mode.value)  # its stub wants a Literal
         try:
             self._run = wandb.init(
                 project=project,
                 name=exp_name,
                 dir=save_dir,
                 config=dict(config or {}),
-                mode=cast(
-                    Any, None if mode is None else mode.value
-                ),  # wandb's stub wants a Literal
+                mode=wandb_mode,
                 id=run_id,
                 resume="allow" if run_id else None,
             )
@@ -221,13 +220,13 @@ def _make_dirs(path: str | None) -> list[str]:
     """``os.makedirs(path)``; the directories it created, outermost first."""
     if not path:
         return []
-    missing = []
+    missing: list[str] = []
     head = os.path.abspath(path)
     while not os.path.exists(head):
-        missing.append(head)
+        missing.insert(0, head)
         head = os.path.dirname(head)
     os.makedirs(path, exist_ok=True)
-    return missing[::-1]
+    return missing
 
 
 def _wandb_start_failure(project: str, exc: Exception) -> str:
