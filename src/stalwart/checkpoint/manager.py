@@ -57,6 +57,7 @@ from stalwart.checkpoint.loading import (
     CheckpointLocator,
     Choice,
     LoadedCheckpoint,
+    load_failure,
     nothing_to_load,
     try_load,
 )
@@ -380,7 +381,7 @@ class CheckpointManager:
                     )
                 return loaded
             if not self._fallback or iteration is not None:
-                raise CheckpointError(problem or f"loading {choice.path} failed")
+                raise load_failure(choice, problem, explicit=iteration is not None)
             logger.warning(
                 "checkpoint %s unusable (%s); falling back (--ckpt-fallback)", choice.path, problem
             )
