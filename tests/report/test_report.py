@@ -19,6 +19,7 @@ from stalwart.report.run_report import load_run, write_report
 
 SECTIONS = (
     'id="goodput"',
+    'id="ettr"',
     'id="loss"',
     'id="learning-rate"',
     'id="throughput"',
@@ -401,7 +402,7 @@ def test_report_sections_render_in_headless_chromium(tmp_path: Path, interactive
         assert _distinct_colours(img) > 50  # not blank
         for sid, box in sections.items():
             assert box["w"] > 100 and box["h"] > 40, (sid, box)
-            if sid not in ("chaos", "config"):  # a verdict and a table; the others: a chart
+            if sid not in ("chaos", "config", "ettr"):  # a verdict, tables; the others: a chart
                 assert box["charts"] >= 1, (sid, box)
             crop = img.crop(
                 (int(box["x"]), int(box["y"]), int(box["x"] + box["w"]), int(box["y"] + box["h"]))
