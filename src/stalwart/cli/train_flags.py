@@ -15,7 +15,7 @@ from stalwart.cli.arg_types import Float, Int, OneOf, negated, switch, values
 from stalwart.config.checks import SEED_MAX
 from stalwart.config.training import LRDecayStyle
 
-PRESET_NAMES = ("tiny", "small", "gpt2-124m", "llama-tiny", "llama-150m")
+PRESET_NAMES = ("tiny", "small", "gpt2-124m", "llama-tiny", "llama-150m", "llama-1b")
 _PRESET = "(default: the preset's)"
 
 
@@ -75,6 +75,7 @@ def architecture_flags(p: argparse.ArgumentParser) -> None:
         ("--position-embedding-type", OneOf(("learned_absolute", "rope"), "KIND"), None,
          f"learned absolute positions (GPT-2) or rotary embeddings (Llama) {_PRESET}"),
         ("--rotary-base", int, None, "RoPE base, rope only (default: 10000)"),
+        ("--rope-scaling-factor", Float(gt=0), None, "Llama 3.x RoPE scaling factor, with --use-rope-scaling (default: 8.0)"),
         ("--normalization", OneOf(("LayerNorm", "RMSNorm"), "KIND"), None, f"norm of every layer {_PRESET}"),
         ("--norm-epsilon", Float(gt=0), None, "epsilon of every norm (default: 1e-5)"),
     )  # fmt: skip
@@ -82,6 +83,7 @@ def architecture_flags(p: argparse.ArgumentParser) -> None:
         ("--swiglu", "SwiGLU MLP (3 matrices) instead of GELU"),
         ("--untie-embeddings-and-output-weights", "an output layer of its own, not the embedding"),
         ("--disable-bias-linear", "no biases in attention/MLP linear layers"),
+        ("--use-rope-scaling", "Llama 3.x RoPE frequency scaling (rope only)"),
         ("--group-query-attention", "GQA with --num-query-groups K/V heads"),
     ):
         g.add_argument(flag, action="store_true", default=None, help=f"{text} {_PRESET}")
