@@ -254,7 +254,6 @@ ALWAYS: tuple[Always, ...] = (
     Always("--no-rope-fusion", "RoPE is PyTorch ops"),
     Always("--no-persist-layer-norm", "norms are torch.nn.functional ops"),
     Always("--use-cpu-initialization", "the model is initialised on the CPU, then moved to the device"),
-    Always("--no-gradient-accumulation-fusion", "gradient-accumulation fusion is off unless --gradient-accumulation-fusion"),
     Always("--no-create-attention-mask-in-dataloader", "attention is causal in the kernel; no mask is built"),
 )  # fmt: skip
 
