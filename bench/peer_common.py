@@ -47,7 +47,12 @@ class Spec:
     compile: bool
     tokens_path: str
     work_dir: str
+    profile_peers: list[str] = dataclasses.field(default_factory=list)
     seed: int = 1234
+
+    def profiles(self, peer: str) -> bool:
+        """Whether ``peer`` is profiled after its timed iterations."""
+        return self.profile_iters > 0 and peer in self.profile_peers
 
     @property
     def timed_end(self) -> int:
@@ -103,7 +108,7 @@ class Clock:
         self.device = torch.device(spec.device)
         self.t0 = float(os.environ.get("PEERS_T0", time.time()))
         self.trace_path = trace_path
-        self.profile = profile and spec.profile_iters > 0
+        self.profile = profile
         self.windows_ms: list[float] = []
         self.first_iteration_s: float | None = None
         self.steady_s: float | None = None
@@ -179,7 +184,7 @@ def run_child(peer: str, spec_path: Path, result_path: Path) -> int:
     spec = Spec(**json.loads(spec_path.read_text()))
     result: dict[str, Any] = {"peer": peer, **environment(spec)}
     trace = spec_path.parent / "trace.json"
-    clock = Clock(spec, trace, profile=not peer.startswith("stalwart"))
+    clock = Clock(spec, trace, profile=spec.profiles(peer) and not peer.startswith("stalwart"))
     module, function = PEER_MODULES[peer]
     try:
         run = getattr(importlib.import_module(module), function)

@@ -23,7 +23,7 @@ GRAPHS = ["--compile", "--cuda-graph-impl", "full_iteration", "--optimizer-cuda-
 ALL_CHECKS = ["--check-for-spiky-loss", "--check-for-large-grads"]
 
 
-def stalwart_flags(spec: Spec, run_dir: Path, extra: list[str]) -> list[str]:
+def stalwart_flags(spec: Spec, run_dir: Path, extra: list[str], profile: bool) -> list[str]:
     """``stalwart train`` flags for ``spec`` (its profiler over the profiled iterations)."""
     n = str
     flags = [
@@ -56,19 +56,19 @@ def stalwart_flags(spec: Spec, run_dir: Path, extra: list[str]) -> list[str]:
         flags += ["--bf16", *(GRAPHS if spec.compile else [])]
     else:
         flags += ["--use-cpu"]
-    if spec.profile_iters > 0:
+    if profile:
         start, end = spec.timed_end, spec.timed_end + spec.profile_iters
         flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", n(start)]
         flags += ["--profile-step-end", n(end), "--profile-dir", str(run_dir / "profile")]
     return flags + extra
 
 
-def _run_stalwart(spec: Spec, clock: Clock, extra: list[str]) -> dict[str, Any]:
+def _run_stalwart(spec: Spec, clock: Clock, peer: str, extra: list[str]) -> dict[str, Any]:
     from stalwart.cli.main import main
     from stalwart.train.trainer import Trainer
 
     run_dir = Path(spec.work_dir) / "stalwart-run" / ("-".join(extra) or "default")
-    flags = stalwart_flags(spec, run_dir, extra)
+    flags = stalwart_flags(spec, run_dir, extra, spec.profiles(peer))
     original = Trainer._after_iteration
 
     def timed(self: Trainer, result: Any) -> None:
@@ -90,13 +90,13 @@ def _run_stalwart(spec: Spec, clock: Clock, extra: list[str]) -> dict[str, Any]:
 
 def run_stalwart(spec: Spec, clock: Clock) -> dict[str, Any]:
     """Compiled full-iteration graphs (the same numerics as eager), every check on."""
-    return _run_stalwart(spec, clock, [])
+    return _run_stalwart(spec, clock, "stalwart", [])
 
 
 def run_stalwart_bf16_residual(spec: Spec, clock: Clock) -> dict[str, Any]:
     """... and the numerics switch: the residual stream in bf16."""
     extra = ["--bf16-residual-connection"] if spec.device == "cuda" else []
-    return _run_stalwart(spec, clock, extra)
+    return _run_stalwart(spec, clock, "stalwart-bf16-residual", extra)
 
 
 def run_hf(spec: Spec, clock: Clock) -> dict[str, Any]:

@@ -88,12 +88,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--warmup", type=int, default=6, help="untimed iterations (compile, capture)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations")
+    p.add_argument("--iters", type=int, default=12, help="timed iterations")
     p.add_argument("--window", type=int, default=2, help="iterations per timed window")
     p.add_argument("--profile-iters", type=int, default=2, help="0: no profile")
+    p.add_argument(
+        "--profile-peers",
+        default="stalwart,stalwart-bf16-residual,torchtitan,torchtitan-fallback",
+        help="the peers profiled after their timed iterations",
+    )
     p.add_argument("--log-interval", type=int, default=10, help="each trainer's own logging")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--budget-s", type=float, default=540.0, help="all peers; later ones skip")
+    p.add_argument("--budget-s", type=float, default=450.0, help="all peers; later ones skip")
     p.add_argument("--peer-timeout-s", type=float, default=300.0)
     p.add_argument("--out", default="runs/peers", help="table, JSON and traces (8 files at most)")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, no compile (a test)")
@@ -121,6 +126,7 @@ def make_spec(args: argparse.Namespace, work: Path) -> Spec:
         compile=not smoke,
         tokens_path=str(work / "tokens.bin"),
         work_dir=str(work),
+        profile_peers=list(PEER_MODULES) if smoke else args.profile_peers.split(","),
     )
 
 
@@ -141,7 +147,7 @@ def run_peer(peer: str, spec: Spec, timeout: float, note: str | None = None) -> 
     spec_path, result_path = peer_dir / "spec.json", peer_dir / "result.json"
     spec_path.write_text(json.dumps(spec.__dict__))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PEERS_T0=repr(time.time()))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), *_search_path(peer)])
     env["TORCHINDUCTOR_CACHE_DIR"] = str(peer_dir / "inductor")  # cold: each compiles anew
     env["TRITON_CACHE_DIR"] = str(peer_dir / "triton")
     cmd = [sys.executable, str(BENCH / "peers.py"), "--child", peer, "--spec", str(spec_path)]
@@ -199,6 +205,16 @@ def run_all(args: argparse.Namespace, spec: Spec) -> list[dict[str, Any]]:
             queue.insert(0, "torchtitan-fallback")
             print(f"torchtitan's trainer did not run here: {why}", flush=True)
     return results
+
+
+def _search_path(peer: str) -> list[str]:
+    """``PYTHONPATH`` for ``peer``'s process: the carried torchtitan wheels (and the packages they
+    bring: ``datasets``, ``tyro``, ...) only for the torchtitan peers, so the others import what
+    they would without them."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if peer.startswith("torchtitan"):
+        return paths
+    return [p for p in paths if not (Path(p) / "torchtitan").is_dir()]
 
 
 def _cannot_run(peer: str, spec: Spec) -> str | None:
