@@ -14,6 +14,7 @@ import json
 import os
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +104,15 @@ class Clock:
     device sync to a device sync), peak memory at the end of the timed iterations, and the
     profiler window after them (``profile=False``: the peer profiles itself)."""
 
-    def __init__(self, spec: Spec, trace_path: Path, profile: bool = True) -> None:
+    def __init__(
+        self,
+        spec: Spec,
+        trace_path: Path,
+        profile: bool = True,
+        on_window: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.spec = spec
+        self.on_window = on_window  # each new window: what is measured so far (a timeout keeps it)
         self.device = torch.device(spec.device)
         self.t0 = float(os.environ.get("PEERS_T0", time.time()))
         self.trace_path = trace_path
@@ -148,6 +156,8 @@ class Clock:
             self._mark = now
         if i == spec.timed_end:
             self.memory = peak_memory(self.device)
+        if self.on_window is not None and spec.warmup < i <= spec.timed_end:
+            self.on_window(self.result())
         if self._profiler is not None and i == spec.timed_end + spec.profile_iters:
             self._sync()
             self._profiler.__exit__(None, None, None)
@@ -184,7 +194,12 @@ def run_child(peer: str, spec_path: Path, result_path: Path) -> int:
     spec = Spec(**json.loads(spec_path.read_text()))
     result: dict[str, Any] = {"peer": peer, **environment(spec)}
     trace = spec_path.parent / "trace.json"
-    clock = Clock(spec, trace, profile=spec.profiles(peer) and not peer.startswith("stalwart"))
+
+    def partial(measured: dict[str, Any]) -> None:
+        result_path.write_text(json.dumps({**result, **measured, "partial": True}, default=str))
+
+    profile = spec.profiles(peer) and not peer.startswith("stalwart")
+    clock = Clock(spec, trace, profile=profile, on_window=partial)
     module, function = PEER_MODULES[peer]
     try:
         run = getattr(importlib.import_module(module), function)

@@ -47,6 +47,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -98,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-interval", type=int, default=10, help="each trainer's own logging")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--budget-s", type=float, default=450.0, help="all peers; later ones skip")
+    p.add_argument("--budget-s", type=float, default=440.0, help="all peers; later ones skip")
     p.add_argument("--peer-timeout-s", type=float, default=300.0)
     p.add_argument("--out", default="runs/peers", help="table, JSON and traces (8 files at most)")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, no compile (a test)")
@@ -156,15 +157,21 @@ def run_peer(peer: str, spec: Spec, timeout: float, note: str | None = None) -> 
     start = time.perf_counter()
     log = peer_dir / "log.txt"
     with open(log, "w") as fh:
+        # Its own process group: a timeout also ends its compile workers.
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
-            code: int | str = subprocess.run(
-                cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout
-            ).returncode
+            code: int | str = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             code = f"timed out after {timeout:.0f} s"
     result: dict[str, Any] = {"peer": peer}
     if result_path.exists():
         result = json.loads(result_path.read_text())
+    if code != 0 and result.get("partial"):
+        result["error"] = f"exit {code} after {len(result.get('windows_ms', []))} windows"
     if code != 0 and not result.get("windows_ms"):
         tail = log.read_text(errors="replace")[-1500:]
         result.setdefault("error", f"exit {code}: {tail.strip().splitlines()[-1] if tail else ''}")
@@ -180,9 +187,9 @@ def run_peer(peer: str, spec: Spec, timeout: float, note: str | None = None) -> 
 
 
 def run_all(args: argparse.Namespace, spec: Spec) -> list[dict[str, Any]]:
-    """Each peer while the budget lasts (a peer is skipped when the longest so far no longer
-    fits); a torchtitan trainer that cannot run is followed by its fallback. ``--smoke``: the
-    peers at once (CPU processes; the figures mean nothing)."""
+    """Each peer while the budget lasts (its timeout: what is left; skipped under a minute); a
+    torchtitan trainer that cannot run is followed by its fallback. ``--smoke``: the peers at
+    once (CPU processes; the figures mean nothing)."""
     queue = [p.strip() for p in args.peers.split(",") if p.strip()]
     skipped = [{"peer": p, "error": why} for p in queue if (why := _cannot_run(p, spec))]
     queue = [p for p in queue if not _cannot_run(p, spec)]
@@ -190,19 +197,19 @@ def run_all(args: argparse.Namespace, spec: Spec) -> list[dict[str, Any]]:
         with ThreadPoolExecutor(max(1, len(queue))) as pool:
             return [*pool.map(lambda p: run_peer(p, spec, args.peer_timeout_s), queue), *skipped]
     end = time.perf_counter() + args.budget_s
-    longest, results = 0.0, skipped
+    results, notes = skipped, {}
     while queue:
         peer = queue.pop(0)
         left = end - time.perf_counter()
-        if longest and left < max(longest, 60.0):
+        if left < 60.0:
             results.append({"peer": peer, "error": f"skipped: {left:.0f} s of the budget left"})
             continue
-        result = run_peer(peer, spec, min(args.peer_timeout_s, left))
-        longest = max(longest, result["wall_s"])
+        result = run_peer(peer, spec, min(args.peer_timeout_s, left), notes.get(peer))
         results.append(result)
         why = str(result.get("error", "no timings"))
         if peer == "torchtitan" and not result.get("windows_ms") and _fallback_can_run(why):
             queue.insert(0, "torchtitan-fallback")
+            notes["torchtitan-fallback"] = f"run because torchtitan's trainer did not: {why}"
             print(f"torchtitan's trainer did not run here: {why}", flush=True)
     return results
 
