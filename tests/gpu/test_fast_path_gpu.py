@@ -54,17 +54,22 @@ def _config(shape: str, metrics: Path, *extra: str) -> RunConfig:
     return build_run_config(parse_train_args(argv), argv)
 
 
-def _train(config: RunConfig, metrics: Path) -> tuple[list[float], dict[str, torch.Tensor], Any]:
-    """Every iteration's loss, the final fp32 parameters (on the CPU) and the graph phase."""
+def _run(config: RunConfig) -> tuple[dict[str, torch.Tensor], Any]:
+    """Train ``config``; the final fp32 parameters (on the CPU) and the graph phase."""
     ctx = DistributedContext(device=torch.device("cuda", 0))
     with Trainer(config, ctx) as trainer:
         assert trainer.train().exit_code == 0
-        params = {
-            n: p.detach().float().cpu().clone() for n, p in trainer.raw_model.named_parameters()
-        }
-        phase = (
-            trainer.step.runners.evaluate.phase(GraphMode.TRAINING) if config.graphs.any else None
-        )
+        named = trainer.raw_model.named_parameters()
+        params = {n: p.detach().float().cpu().clone() for n, p in named}
+        runner = trainer.step.runners.evaluate
+        phase = runner.phase(GraphMode.TRAINING) if config.graphs.any else None
+    return params, phase
+
+
+def _train(config: RunConfig, metrics: Path) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    """Every iteration's loss, the final parameters and the graph phase; the trainer's memory
+    is given back before the next one (two llama-1b trainers do not fit at once)."""
+    params, phase = _run(config)
     gc.collect()
     torch.cuda.empty_cache()
     torch._dynamo.reset()
