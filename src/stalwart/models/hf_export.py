@@ -13,7 +13,7 @@ biases (``--disable-bias-linear``) the export writes zero biases, which GPT-2 ad
 A Llama-architecture `GPTConfig` (RoPE, RMSNorm, SwiGLU, no biases, dense MLP: the ``llama-*``
 presets) is the same function as ``transformers``' Llama: the fused ``attn.qkv`` splits into
 ``q_proj | k_proj | v_proj``, ``mlp.fc1`` into ``gate_proj | up_proj``, and RoPE is the same
-rotate-half layout with the same frequencies. Pure functions of the config and the state dict::
+rotate-half layout with the same frequencies (Llama 3.x scaling as ``rope_scaling``). Pure functions of the config and the state dict::
 
     >>> from stalwart.models import GPT, preset_model_config
     >>> cfg = preset_model_config("llama-tiny", num_layers=1, hidden_size=32, vocab_size=64,
@@ -41,6 +41,11 @@ from typing import Any
 import torch
 
 from stalwart.models.config import GPTConfig, Normalization
+from stalwart.models.functional import (
+    ROPE_SCALING_CONTEXT,
+    ROPE_SCALING_HIGH_FREQ_FACTOR,
+    ROPE_SCALING_LOW_FREQ_FACTOR,
+)
 
 
 def llama_incompatibility(config: GPTConfig) -> str | None:
@@ -64,7 +69,7 @@ def hf_llama_config(config: GPTConfig) -> dict[str, Any]:
     problem = llama_incompatibility(config)
     if problem is not None:
         raise ValueError(f"not a Llama architecture: {problem}")
-    return {
+    hf: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": config.vocab_size,
@@ -84,6 +89,15 @@ def hf_llama_config(config: GPTConfig) -> dict[str, Any]:
         "initializer_range": config.init_std,
         "torch_dtype": "float32",
     }
+    if config.use_rope_scaling:
+        hf["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": float(config.rope_scaling_factor),
+            "low_freq_factor": ROPE_SCALING_LOW_FREQ_FACTOR,
+            "high_freq_factor": ROPE_SCALING_HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": ROPE_SCALING_CONTEXT,
+        }
+    return hf
 
 
 def hf_llama_state(config: GPTConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
