@@ -1,35 +1,45 @@
-# Two entry points for a fresh machine: `make demo` and `make test`. Both bootstrap .venv.
+# Two entry points for a fresh machine: `make demo` and `make test`. Both bootstrap one .venv:
+# the demo with only what it uses (the core, tqdm, plotly: the `demo` extra), the tests with the
+# `dev` extra (a superset: every feature extra and the tools). Each set has its stamp; installing
+# dev marks the demo's set installed too, and a demo-only .venv gets the rest on `make test`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.stalwart-installed
+DEMO_STAMP := $(VENV)/.stalwart-demo
+DEV_STAMP := $(VENV)/.stalwart-dev
 
 .PHONY: demo docs test lint typecheck unit chaos gpu-check clean
 
-$(STAMP): pyproject.toml constraints-dev.txt
+$(DEMO_STAMP): pyproject.toml constraints-dev.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints-dev.txt -e '.[demo]'
+	touch $(DEMO_STAMP)
+
+$(DEV_STAMP): pyproject.toml constraints-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints-dev.txt -e '.[dev]'
-	touch $(STAMP)
+	touch $(DEV_STAMP) $(DEMO_STAMP)
 
 # One run directory holds everything: checkpoints, metrics.jsonl, events, memory, straggler, report.
-demo: $(STAMP)
+# The report's charts are interactive (plotly); its PNG copies (matplotlib) are not installed here.
+demo: $(DEMO_STAMP)
 	$(BIN)/stalwart train --preset tiny --demo --save runs/demo --log-straggler --log-throughput \
 		--timing-log-level 1
-	$(BIN)/stalwart report runs/demo
+	$(BIN)/stalwart report --no-png runs/demo
 	@echo "Open the report: xdg-open runs/demo/report.html   (macOS: open runs/demo/report.html)"
 
 # API reference from the docstrings (pdoc, installed on demand) into build/docs/index.html.
-docs: $(STAMP)
+docs: $(DEV_STAMP)
 	$(BIN)/python -c "import pdoc" 2>/dev/null || $(BIN)/pip install -q -c constraints-dev.txt pdoc
 	$(BIN)/pdoc --docformat google --no-show-source -o build/docs stalwart
 	@echo "API docs: build/docs/index.html"
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/ruff format --check src tests bench examples
 
-typecheck: $(STAMP)
+typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
 # Two workers on CI's two cores: much of the suite waits on its own subprocesses (torchrun
@@ -38,13 +48,13 @@ typecheck: $(STAMP)
 # so the run does not end on one worker's backlog of slow tests.
 PYTEST_WORKERS ?= 2
 PYTEST_DIST ?= worksteal
-unit: $(STAMP)
+unit: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" --timeout=600 -n $(PYTEST_WORKERS) \
 		$(if $(filter-out 0,$(PYTEST_WORKERS)),--dist $(PYTEST_DIST)) --durations=25 tests
 
 test: lint typecheck unit
 
-chaos: $(STAMP)
+chaos: $(DEV_STAMP)
 	$(BIN)/python bench/chaos.py --json runs/chaos.json
 
 gpu-check:

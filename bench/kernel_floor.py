@@ -8,7 +8,12 @@ For each preset, in one process, side by side:
   checks on: loss and gradient NaN/Inf, gated optimizer, speculative launch where it applies) on
   the ``--base`` (default ``graph_compiled``: ``--compile --cuda-graph-impl full_iteration
   --optimizer-cuda-graph``, i.e. today's graph + compiled model with fused AdamW in its own
-  graph), with each ingredient of the lower floor: ``today`` (none), ``optimizer_in_graph``
+  graph), with each ingredient of the lower floor. Since the fast path
+  (``stalwart.config.fast_path``) that base turns on every same-numerics ingredient itself:
+  ``today`` is the base alone (what a user gets), ``best`` adds the numerics switch
+  ``--bf16-residual-connection``, ``fast_path_off`` is the base with every fast-path setting
+  given off (today before the fast path), and the ingredient rows below are measured on top of
+  ``fast_path_off`` (each turns on only its own): ``optimizer_in_graph``
   (``--cuda-graph-include-optimizer``), ``bf16_weights`` (``--bf16-compute-weights``),
   ``bf16_residual`` (``--bf16-residual-connection``), ``weights_residual`` (both), ``all``
   (all three), ``weights_residual_clip`` (the best set with ``--clip-grad-in-optimizer``: the
@@ -24,7 +29,8 @@ Every variant is built and warmed up first (compile, capture), then they take tu
 ``--iters`` iterations timed from a device sync to a device sync (the order rotates every round).
 Reported: median ms/iteration over the windows, min-max, TFLOP/s (Megatron's formula), and the
 median of the per-round ratios ``reduce_overhead / variant`` (> 1: faster than reduce-overhead)
-and ``today / variant`` (what each ingredient buys). Then the kernel floor of each variant
+and ``today / variant`` (what each ingredient buys; ``best``'s is the issue-45 target: today
+within 3% of the best set). Then the kernel floor of each variant
 (``bench/kernel_sum.py``): ``--profile-iters`` iterations under torch.profiler, the sum of their
 kernel times per iteration against the unprofiled median wall time (``wall - kernels``: what
 launches and replay add), the union of the kernel intervals, the kernel count, and the sum split
@@ -40,6 +46,9 @@ gpt2-124m, >= 3x at tiny; the trainer >= 45% of 989 TFLOP/s at gpt2-124m.
 
     PYTHONPATH=src python3 bench/kernel_floor.py --presets small,gpt2-124m --budget-s 200 \\
         --trainer-iters 0 --json $OUT/kernel_floor.json       # the H200 (scripts/gpu_check.sh)
+    PYTHONPATH=src python3 bench/kernel_floor.py --presets gpt2-124m --variants \\
+        reduce_overhead,today,best,fast_path_off --profile-iters 0 --trainer-iters 0 \\
+        --budget-s 400                                        # the fast path vs the best set
     PYTHONPATH=src python3 bench/kernel_floor.py --smoke       # CPU, seconds; figures meaningless
 """
 
@@ -61,6 +70,8 @@ from typing import Any
 import torch
 
 from stalwart.cli.args import parse_train_args
+from stalwart.config import fast_path
+from stalwart.config.inductor import known_inductor_options
 from stalwart.config.run import RunConfig, build_run_config
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.models import GPT, num_floating_point_operations
@@ -85,8 +96,14 @@ BASES = {
 BEST = ["--bf16-compute-weights", "--bf16-residual-connection"]
 NO_MIX_ORDER = ["--inductor-config", "triton.mix_order_reduction=False"]
 SPLIT_64 = ["--inductor-config", "triton.mix_order_reduction_split_size=64"]
+# The fast path's settings (stalwart.config.fast_path): off, each unless a variant sets it.
+FAST_PATH_SWITCHES = [f"--{name.replace('_', '-')}" for name in fast_path.SWITCHES]
 INGREDIENTS = {
     "today": [],
+    # The fast path and the numerics switch: the fastest set with every check on.
+    "best": ["--bf16-residual-connection"],
+    # today before the fast path: every fast-path setting given off.
+    "fast_path_off": [],
     "optimizer_in_graph": ["--cuda-graph-include-optimizer"],
     "bf16_weights": ["--bf16-compute-weights"],
     "bf16_residual": ["--bf16-residual-connection"],
@@ -124,6 +141,7 @@ INGREDIENTS = {
     ],
 }
 BASELINES = ("reduce_overhead", "plain_eager")
+ON_THE_FAST_PATH = ("today", "best")  # the variants that keep the fast path's defaults
 # Priority order: the baseline, the best set (the target's ratio; built even when compiles eat
 # the budget: bf16 weights + bf16 residual, the clip in the step, no mix-order reduction,
 # gradient accumulation fusion, the fused loss, the optimizer in its own graph so the next
@@ -132,9 +150,9 @@ BASELINES = ("reduce_overhead", "plain_eager")
 # then the single ingredients (those sharing a compiled model graph with an earlier variant
 # compile from the cache).
 DEFAULT_VARIANTS = (
-    "reduce_overhead,weights_residual_clip_nomix_fused_ce,weights_residual_clip_nomix_fused,"
-    "weights_residual,weights_residual_clip,"
-    "today,all,optimizer_in_graph,bf16_weights,bf16_residual"
+    "reduce_overhead,today,best,fast_path_off,weights_residual_clip_nomix_fused_ce,"
+    "weights_residual_clip_nomix_fused,weights_residual,weights_residual_clip,"
+    "all,optimizer_in_graph,bf16_weights,bf16_residual"
 )
 PRESET_WEIGHT = {"gpt2-124m": 3.0, "small": 2.0}  # budget shares (others 1)
 TFLOPS_LINE = re.compile(r"iteration\s+(\d+)/.*?throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
@@ -151,7 +169,26 @@ def variant_flags(preset: str, name: str, args: argparse.Namespace) -> list[str]
     flags += ["--global-batch-size", str(mbs * args.num_microbatches)]
     if name in BASELINES:
         return flags
-    return flags + BASES[args.base] + INGREDIENTS[name]
+    own = INGREDIENTS[name]
+    off = (
+        fast_path_off(own) if args.base == "graph_compiled" and name not in ON_THE_FAST_PATH else []
+    )
+    return flags + BASES[args.base] + off + own
+
+
+def fast_path_off(own: list[str]) -> list[str]:
+    """The flags that turn off every fast-path setting ``own`` does not set: ``--no-<switch>``
+    and ``--inductor-config KEY=<this torch's default>`` (an ingredient row measures its own
+    flags over today before the fast path)."""
+    off = [f"--no-{flag[2:]}" for flag in FAST_PATH_SWITCHES if flag not in own]
+    given = {
+        own[i + 1].partition("=")[0] for i, f in enumerate(own[:-1]) if f == "--inductor-config"
+    }
+    known = known_inductor_options()
+    for key, _ in fast_path.INDUCTOR_OPTIONS:
+        if key in known and key not in given:
+            off += ["--inductor-config", f"{key}={known[key]}"]
+    return off
 
 
 def config_of(flags: list[str]) -> RunConfig:
@@ -461,6 +498,13 @@ def print_targets(results: list[dict[str, Any]], trainer: dict[str, Any] | None)
         was = f"; today {today['vs_baseline']:.3f}x" if today else ""
         print(f"- {result['preset']}: best {best['variant']} {best['vs_baseline']:.3f}x "
               f"{result['baseline']}{shown}{verdict}{was}")  # fmt: skip
+        fast = next((r for r in rows if r["variant"] == "best" and "vs_today" in r), None)
+        if fast is not None:  # today / best per round: today within 3% of the best set
+            ok = "PASS" if fast["vs_today"] <= 1.03 else "FAIL"
+            print(
+                f"- {result['preset']}: today / best = {fast['vs_today']:.3f} "
+                f"(target <= 1.03: today within 3% of the best set) {ok}"
+            )
     if trainer and "tflops" in trainer:
         ok = " PASS" if trainer["fraction_of_peak"] >= 0.45 else " FAIL"
         print(f"- trainer {trainer['preset']} {trainer['variant']}: {trainer['tflops']:.1f} "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import stat
 from collections.abc import Callable
 
 
@@ -58,15 +59,20 @@ def write_atomic(
     """``write(tmp)`` fills a new temporary file next to ``path`` (by its path: ``torch.save``,
     ``safetensors``' ``save_file`` and ``open(tmp, "wb")`` all work), then it replaces ``path``.
 
-    The temporary file is created with ``mode`` minus the umask before ``write`` runs, and
-    ``write`` truncates it, so ``path`` ends with that mode (``0o600`` for a private file).
-    The directory must exist. Raises what ``write`` or the filesystem raised, with the temporary
-    file removed; ``path`` then keeps its previous content."""
+    ``path`` ends with ``mode`` minus the umask (``0o600`` for a private file): the temporary
+    file is created so before ``write`` runs, and gets that mode back if ``write`` changed it (a
+    library that writes a new file of its own under the name, as safetensors does with 0600,
+    whatever the umask). The directory must exist. Raises what ``write`` or the filesystem
+    raised, with the temporary file removed; ``path`` then keeps its previous content."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = create_exclusive(directory, f".{os.path.basename(path)}.", mode)
-    os.close(fd)
+    try:
+        created = stat.S_IMODE(os.fstat(fd).st_mode)  # ``mode`` as the umask (or an ACL) left it
+    finally:
+        os.close(fd)
     try:
         write(tmp)
+        _restore_mode(tmp, created)
         if sync is not Sync.NONE:
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -80,6 +86,15 @@ def write_atomic(
         raise
     if sync is Sync.FILE_AND_DIR:
         fsync_dir(directory)
+
+
+def _restore_mode(tmp: str, mode: int) -> None:
+    """Give ``tmp`` the permission bits its creation got, where ``write`` left others."""
+    st = os.lstat(tmp)
+    if not stat.S_ISREG(st.st_mode):  # a link or anything else is not what write() may leave
+        raise OSError(f"{tmp} is not a regular file after it was written")
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(tmp, mode)
 
 
 def write_bytes_atomic(

@@ -47,8 +47,20 @@ def tracker_iteration(root: str) -> int | None:
     # ASCII digits only: str.isdigit() accepts '²' and other digits that int() then rejects.
     text = content.strip()
     if len(content) > _TRACKER_MAX_BYTES or not (text.isascii() and text.isdigit()):
-        shown = content[:40].decode("utf-8", "backslashreplace")
         raise ValueError(
-            f"checkpoint tracker {path} must hold a non-negative iteration integer, got {shown!r}"
+            f"checkpoint tracker {path} must hold a non-negative iteration integer, got "
+            + _shown(content)
         )
     return int(text)
+
+
+def _shown(content: bytes) -> str:
+    """A damaged tracker's content for a one-line message."""
+    if len(content) > _TRACKER_MAX_BYTES:
+        return f"a file of more than {_TRACKER_MAX_BYTES} bytes"
+    if not content.strip():
+        return "an empty file" if not content else "only whitespace"
+    text = content.strip()[:40]
+    if text.isascii() and text.decode().isprintable():
+        return repr(text.decode())
+    return f"binary data {text!r}"

@@ -1,5 +1,6 @@
 """``stalwart export``: safetensors for ``--out *.safetensors`` (not a pickle), and a Hugging Face
-``LlamaForCausalLM`` directory (``--format hf``) that transformers loads to the same logits."""
+``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory (``--format hf``) that transformers loads to
+the same logits."""
 
 from __future__ import annotations
 
@@ -23,13 +24,19 @@ LLAMA = [
     "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "96",
     "--vocab-size", "512", "--seq-length", "32",
 ]  # fmt: skip
+# GPT-2 with an untied output layer, no biases and its own MLP width: still GPT2LMHeadModel.
+GPT2_VARIANT = ["--untie-embeddings-and-output-weights", "--disable-bias-linear",
+                "--ffn-hidden-size", "96", "--norm-epsilon", "1e-6"]  # fmt: skip
+# RoPE with LayerNorm and GELU: neither GPT-2 nor Llama.
+MIXED = ["--position-embedding-type", "rope"]
 
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("export")
     out = {}
-    for name, flags in (("gpt", []), ("llama", LLAMA)):
+    runs = (("gpt", []), ("llama", LLAMA), ("gpt2_variant", GPT2_VARIANT), ("mixed", MIXED))
+    for name, flags in runs:
         save = root / name
         run_training(make_config(*flags, "--train-iters", "3", "--save", str(save)),
                      DistributedContext())  # fmt: skip
@@ -53,24 +60,41 @@ def test_safetensors_suffix_writes_safetensors(saves: dict[str, Path], tmp_path:
     assert_params_equal(model.state_dict(), load_params(saves["gpt"]))
 
 
-def test_hf_layout_gives_the_same_logits_in_transformers(
-    saves: dict[str, Path], tmp_path: Path
-) -> None:
+def _logits_ours_and_hf(save: Path, tmp_path: Path, hf_class: str) -> tuple[Any, Any]:
+    """Export ``save`` twice (torch payload, HF directory); the logits of both on one batch."""
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    assert main(["export", "--load", str(saves["llama"]), "--format", "hf", "--out", str(out)]) == 0
+    assert main(["export", "--load", str(save), "--format", "hf", "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    assert json.loads((out / "config.json").read_text())["architectures"] == [hf_class]
+    hf = getattr(transformers, hf_class).from_pretrained(str(out)).eval()
     payload = tmp_path / "w.pt"
-    assert main(["export", "--load", str(saves["llama"]), "--out", str(payload)]) == 0
+    assert main(["export", "--load", str(save), "--out", str(payload)]) == 0
     saved = torch.load(payload, weights_only=True)
     ours = GPT(GPTConfig(**saved["model_config"])).eval()
     ours.load_state_dict(saved["model"])
     ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = ours(ids)
-        got = hf(input_ids=ids).logits
+        return ours(ids), hf(input_ids=ids).logits
+
+
+def test_hf_layout_gives_the_same_logits_in_transformers(
+    saves: dict[str, Path], tmp_path: Path
+) -> None:
+    expected, got = _logits_ours_and_hf(saves["llama"], tmp_path, "LlamaForCausalLM")
     assert got.shape == expected.shape == (2, 17, 512)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt2_variant"])
+def test_gpt2_exports_as_gpt2lmheadmodel_with_the_same_logits(
+    saves: dict[str, Path], tmp_path: Path, name: str
+) -> None:
+    """The default preset (tied embeddings, learned positions, exact GELU, biases) and a
+    variant (untied, no biases, its own MLP width and epsilon): float32 logits within 1e-4."""
+    expected, got = _logits_ours_and_hf(saves[name], tmp_path, "GPT2LMHeadModel")
+    assert got.shape == expected.shape == (2, 17, 512)
+    assert expected.abs().max() > 0.1  # a trained model, not all zeros
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -96,10 +120,12 @@ def test_refusals_are_one_line(
 
         monkeypatch.setattr(builtins, "__import__", no_safetensors)
     out = tmp_path / ("hf" if fmt == "hf" else "w.safetensors")
-    # GPT-2 (learned positions, LayerNorm, GELU, biases) has no Llama layout.
-    assert main(["export", "--load", str(saves["gpt"]), "--format", fmt, "--out", str(out)]) == 2
+    # RoPE with LayerNorm and GELU is neither GPT-2 nor Llama: the line names both.
+    assert main(["export", "--load", str(saves["mixed"]), "--format", fmt, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+    if fmt == "hf":
+        assert "not GPT-2 (RoPE" in err and "not Llama (LayerNorm" in err, err
     assert not out.exists() or not any(out.iterdir())
 
 

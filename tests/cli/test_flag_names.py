@@ -73,7 +73,9 @@ def _subcommand_options(path: Path) -> set[str]:
         "chaos/": "cli/chaos.py",
         "report/": "cli/report.py",
         "checkpoint/": "cli/checkpoints.py",  # "run: stalwart checkpoints convert --trust-pickle"
+        "graphs/cache_trust.py": "cli/checkpoints.py",  # "stalwart checkpoints --verify would fail"
         "distributed/launch": "cli/launch.py",
+        "observability/goodput/ettr_report": "cli/goodput.py",  # stalwart goodput --project
     }
     if rel == "chaos/fault_schedule.py":  # a chaos scenario whose jobs run under stalwart launch
         return _declared(SRC / "cli/chaos.py") | _declared(SRC / "cli/launch.py")

@@ -79,4 +79,5 @@ def test_report_has_the_goodput_section(tmp_path) -> None:
     assert page.count("<rect") > 5 and "session 1" in page
     empty = tmp_path / "empty"
     empty.mkdir()
+    (empty / "metrics.jsonl").write_text('{"iteration": 1, "lm loss": 1.0}\n')  # a run, no ledger
     assert "goodput.jsonl: not available" in write_report(empty, pngs=False).read_text()

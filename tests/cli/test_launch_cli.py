@@ -105,31 +105,105 @@ def test_exit_16_moves_to_the_spares(tmp_path: Path) -> None:
     assert _launch_lines(tmp_path / "save", 0) == ["g0,g1 2", "g2,g3 2"]
 
 
-@pytest.mark.parametrize("run_it", [False, True])
-def test_exit_16_without_spares_under_slurm_moves_the_job(tmp_path: Path, run_it: bool) -> None:
+SLURM_NODE = "slurm-node-7"  # SLURM's NodeName, unlike any hostname of the test machine
+
+
+def _scontrol(tmp_path: Path, body: str = "") -> dict[str, str]:
+    """A stand-in scontrol that logs its arguments, then runs ``body``; the SLURM job's env."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol.calls"
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n{body}\n')
     (bin_dir / "scontrol").chmod(0o755)
-    env = {"SLURM_JOB_ID": "77", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    proc = _launch(tmp_path, ["--nproc-per-node", "2", *(["--slurm-requeue"] if run_it else [])],
-                   [{"codes": {"0": 16, "1": 16}}], env_extra=env)  # fmt: skip
+    return {
+        "SLURM_JOB_ID": "77",
+        "SLURMD_NODENAME": SLURM_NODE,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    }
+
+
+def _calls(tmp_path: Path) -> list[str]:
+    calls = tmp_path / "scontrol.calls"
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
+@pytest.mark.parametrize("run_it", [False, True])
+def test_exit_16_without_spares_under_slurm_moves_the_job_off_slurm_s_node_name(
+    tmp_path: Path, run_it: bool
+) -> None:
+    proc = _launch(
+        tmp_path,
+        ["--nproc-per-node", "2", *(["--slurm-requeue"] if run_it else [])],
+        [{"codes": {"0": 16, "1": 16}}],
+        env_extra=_scontrol(tmp_path),
+    )
     assert proc.returncode == 16, proc.stderr[-3000:]
-    host = socket.gethostname()
+    # SLURM's node name, not the hostname: ExcNodeList takes only names SLURM knows.
+    assert socket.gethostname() != SLURM_NODE
     assert (
-        f"requeue: exit 16 (resume on other hardware): move SLURM job 77 off node(s) {host}"
+        f"requeue: exit 16 (resume on other hardware): move SLURM job 77 off node(s) {SLURM_NODE}"
         in proc.stderr
     )
     if run_it:
-        assert calls.read_text().splitlines() == [
-            f"update JobId=77 ExcNodeList={host}",
-            "requeue 77",
-        ]
+        assert _calls(tmp_path) == [f"update JobId=77 ExcNodeList={SLURM_NODE}", "requeue 77"]
     else:
-        assert not calls.exists()
-        assert f"to move the job, run: scontrol update JobId=77 ExcNodeList={host}" in proc.stderr
+        assert not _calls(tmp_path)
+        assert (
+            f"to move the job, run: scontrol update JobId=77 ExcNodeList={SLURM_NODE}"
+            in proc.stderr
+        )
     assert len(_launch_lines(tmp_path / "save", 0)) == 1
+
+
+def _own_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("stalwart launch:")]
+
+
+def test_slurm_requeue_without_scontrol_is_one_line_and_keeps_the_verdict_code(
+    tmp_path: Path,
+) -> None:
+    env = _scontrol(tmp_path)
+    no_scontrol = [
+        d for d in os.environ["PATH"].split(os.pathsep) if d and not Path(d, "scontrol").exists()
+    ]
+    env["PATH"] = os.pathsep.join([str(tmp_path / "empty"), *no_scontrol])
+    proc = _launch(tmp_path, ["--nproc-per-node", "2", "--slurm-requeue"],
+                   [{"codes": {"0": 16, "1": 16}}], env_extra=env)  # fmt: skip
+    assert proc.returncode == 16, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert _own_lines(proc.stderr)[-1] == (
+        f"stalwart launch: scontrol update JobId=77 ExcNodeList={SLURM_NODE}: scontrol is not on "
+        f"PATH; the job stays: run scontrol update JobId=77 ExcNodeList={SLURM_NODE}; scontrol "
+        "requeue 77 by hand"
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (
+            'echo "slurm_update error: Invalid node name specified" >&2; exit 1',
+            "exited 1 (slurm_update error: Invalid node name specified)",
+        ),
+        ("kill -KILL $$", "exited -9"),
+    ],
+)
+def test_slurm_requeue_with_a_failing_scontrol_is_one_line_and_stops_there(
+    tmp_path: Path, body: str, said: str
+) -> None:
+    proc = _launch(
+        tmp_path,
+        ["--nproc-per-node", "2", "--slurm-requeue"],
+        [{"codes": {"0": 16, "1": 16}}],
+        env_extra=_scontrol(tmp_path, body),
+    )
+    assert proc.returncode == 16, proc.stderr[-3000:]
+    assert _calls(tmp_path) == [f"update JobId=77 ExcNodeList={SLURM_NODE}"]  # no requeue after it
+    line = _own_lines(proc.stderr)[-1]
+    assert line.startswith(
+        f"stalwart launch: scontrol update JobId=77 ExcNodeList={SLURM_NODE}: {said}; the job stays"
+    )
+    assert "Invalid node name" not in proc.stderr.replace(line, "")  # scontrol's words once: ours
 
 
 def test_bad_input_exit_2_is_not_relaunched(tmp_path: Path) -> None:
@@ -174,3 +248,118 @@ def test_help_lists_the_policy() -> None:
     for needle in ("--max-restarts", "--devices", "--slurm-requeue", "--fork-workers", "exit 16 (resume on other",
                    "relaunch without the suspect devices", "scontrol requeue"):  # fmt: skip
         assert needle in text
+
+
+def test_config_file_train_args_set_save_run_dir_and_batch_and_the_ledger_is_the_trainer_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stalwart.cli.launch import build_plan, record_launch_action
+    from stalwart.distributed.launch import RoundResult, run_launches
+    from stalwart.observability.run_dir import run_dir_for
+
+    save, run_dir = tmp_path / "ckpt", tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'save = "{save}"\nrun_dir = "{run_dir}"\n[training]\nglobal_batch_size = 12\n'
+        "micro_batch_size = 2\nuse_cpu = true\n"
+    )
+    train_args = ["--config", str(config), "--preset", "tiny"]
+    plan = build_plan(["--nproc-per-node", "3", "--devices", "a,b,c", "--", *train_args])
+    assert (plan.save, plan.run_dir) == (str(save), str(run_dir))
+    assert (plan.global_batch_size, plan.micro_batch_size) == (12, 2)
+    assert plan.device_env == "STALWART_VISIBLE_DEVICES"  # use_cpu from the file
+    # The trainer's own reading of the same args: the same run directory.
+    from stalwart.cli.args import parse_train_args
+    from stalwart.config.run import build_run_config
+
+    trainer = build_run_config(parse_train_args(train_args), train_args)
+    assert run_dir_for(trainer.checkpoint.save, trainer.run_dir) == plan.run_dir
+    save.mkdir()
+    (save / "suspect_devices.json").write_text(
+        json.dumps({"suspects": [{"host": plan.host, "device": "b"}]})
+    )
+    for name in ("STALWART_VISIBLE_DEVICES", "STALWART_LAUNCH_ROUND"):  # each round sets them:
+        monkeypatch.setenv(name, "")  # restored (unset) after the test, for the tests after it
+    rounds = iter([RoundResult({0: 17, 1: 17, 2: 17}), RoundResult({0: 0})])
+    assert run_launches(plan, record_launch_action, lambda argv, worker: next(rounds)) == 0
+    assert _actions(run_dir) == ["exclude", "finished"] == _events(run_dir)  # the batch was known
+    assert not (save / "goodput.jsonl").exists()
+
+
+def test_the_command_line_wins_over_the_config_file(tmp_path: Path) -> None:
+    from stalwart.cli.launch import build_plan
+
+    config = tmp_path / "run.toml"
+    config.write_text('save = "from-file"\nglobal_batch_size = 12\nuse_cpu = true\n')
+    plan = build_plan(
+        [
+            "--devices",
+            "a",
+            "--",
+            "--config",
+            str(config),
+            "--save",
+            "cli",
+            "--global-batch-size",
+            "24",
+        ]
+    )
+    assert (plan.save, plan.run_dir, plan.global_batch_size) == ("cli", "cli", 24)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "--config: file not found: "),
+        (b"save = [unclosed", "--config: cannot read "),
+        (b"\x00\xff\xfe binary", "--config: cannot read "),
+        (b'sav = "x"\n', "unknown key 'sav' (keys are flag names)"),
+        (b"global_batch_size = -4\n", "key 'global_batch_size': "),
+        (b"train_iters = 3\n", "the train args need --save DIR (or save in their --config file)"),
+    ],
+)
+def test_a_bad_config_file_in_the_train_args_is_one_line_and_exit_2(
+    tmp_path: Path, content: bytes | None, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stalwart.cli.main import main
+
+    config = tmp_path / "run.toml"
+    if content is not None:
+        config.write_bytes(content)
+    assert main(["launch", "--", "--config", str(config), "--use-cpu"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("stalwart launch: error: ") and message in err, err
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"SLURMD_NODENAME": "bad node"},
+            "environment variable SLURMD_NODENAME='bad node': must be",
+        ),
+        ({"SLURM_JOB_ID": "77"}, "--slurm-requeue needs $SLURMD_NODENAME"),
+        (
+            {"SLURMD_NODENAME": "n1"},
+            "--slurm-requeue runs scontrol for the SLURM job: $SLURM_JOB_ID is not set",
+        ),
+    ],
+)
+def test_slurm_environment_problems_are_one_line_at_the_start(
+    env: dict[str, str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from stalwart.cli.main import main
+
+    for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURMD_NODENAME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["launch", "--slurm-requeue", "--", "--save", "s", "--use-cpu"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("stalwart launch: error: ") and message in err, err

@@ -19,6 +19,7 @@ ROWS: list[tuple[str, bool]] = [
     ("--max-position-embeddings 32", False),
     ("--ffn-hidden-size 96 --swiglu --normalization RMSNorm --norm-epsilon 1e-5", False),
     ("--position-embedding-type rope --rotary-base 500000", False),
+    ("--use-rope-scaling --rope-scaling-factor 32", False),
     ("--untie-embeddings-and-output-weights --disable-bias-linear", False),
     ("--group-query-attention --num-query-groups 2", False),
     ("--attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02", False),

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -219,6 +221,30 @@ def test_reset_and_teardown_drop_graphs() -> None:
     assert graph.phase() is StagePhase.WARMUP and ctx.closed
     with pytest.raises(RuntimeError, match="torn down"):
         _call(graph, it)
+
+
+def test_a_graph_dropped_without_teardown_is_freed_at_once() -> None:
+    """A test that fails, or an attempt that raises, before ``teardown`` drops its graphs: they
+    are freed then (reference counting), with the CUDA graphs they captured. Held by their
+    context, graph and context formed a cycle that only a full collection frees: on a GPU that
+    can come during a later capture, or at interpreter shutdown (where a failed GPU test's graph
+    left ``pytest -m gpu`` hanging after its summary). ``teardown`` still resets the others."""
+    gc.disable()  # only reference counting frees anything here
+    try:
+        ctx = FakeGraphContext()
+        dropped_graph = FullIterationGraph(Recorder(), context=ctx, warmup_steps=1)
+        kept = FullIterationGraph(Recorder(), context=ctx, warmup_steps=1)
+        it = _data(100)
+        for graph in (dropped_graph, dropped_graph, kept, kept):
+            _call(graph, it)
+        assert dropped_graph.phase() is kept.phase() is StagePhase.CAPTURED
+        dropped = weakref.ref(dropped_graph)  # its stages are the only holders of its graphs
+        del graph, dropped_graph
+        assert dropped() is None  # while the context lives on
+        ctx.teardown()
+        assert kept.phase() is StagePhase.WARMUP and ctx.closed
+    finally:
+        gc.enable()
 
 
 def test_instances_do_not_share_state() -> None:

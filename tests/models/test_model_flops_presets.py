@@ -44,8 +44,9 @@ def test_flops_rejects_bad_batch() -> None:
 
 
 def test_presets_and_overrides() -> None:
-    assert set(PRESETS) == {"tiny", "small", "gpt2-124m", "llama-tiny", "llama-150m"}
-    assert all(PRESET_MICRO_BATCH_SIZE[n] == 8 for n in PRESETS)
+    assert set(PRESETS) == {"tiny", "small", "gpt2-124m", "llama-tiny", "llama-150m", "llama-1b"}
+    assert all(PRESET_MICRO_BATCH_SIZE[n] == 8 for n in PRESETS if n != "llama-1b")
+    assert PRESET_MICRO_BATCH_SIZE["llama-1b"] == 4
     tiny = preset_model_config("tiny", dropout=0.1)
     assert (tiny.num_layers, tiny.hidden_size, tiny.num_attention_heads) == (2, 256, 4)
     assert (tiny.seq_length, tiny.vocab_size, tiny.dropout) == (256, 8192, 0.1)
@@ -71,6 +72,7 @@ def test_preset_errors() -> None:
         ("gpt2-124m", 124_475_904),
         ("llama-tiny", 5_670_144),
         ("llama-150m", 152_783_616),
+        ("llama-1b", 1_235_814_400),
     ],
 )
 def test_preset_parameter_counts(name: str, params: int) -> None:

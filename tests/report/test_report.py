@@ -19,6 +19,7 @@ from stalwart.report.run_report import load_run, write_report
 
 SECTIONS = (
     'id="goodput"',
+    'id="ettr"',
     'id="loss"',
     'id="learning-rate"',
     'id="throughput"',
@@ -207,10 +208,38 @@ def test_one_rank_heat_map_is_visible() -> None:
 
 
 def test_missing_artefacts_are_notes(tmp_path: Path) -> None:
+    # A run that stopped before its first log line: no metrics, its exit reason.
+    (tmp_path / "exit_reason.json").write_text('{"reason": "signal", "iteration": 0}')
     path = write_report(tmp_path, pngs=False)
     page = path.read_text()
     assert "metrics JSONL not found" in page and "straggler.jsonl not found" in page
     assert 'id="chaos"' not in page
+
+
+@pytest.mark.parametrize("source", ["empty", "tensorboard", "comparison"])
+def test_a_directory_without_run_artefacts_is_one_line_exit_2_and_writes_nothing(
+    tmp_path: Path, source: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stalwart.cli.main import main
+
+    empty = tmp_path / "logs"
+    empty.mkdir()
+    if source == "tensorboard":
+        (empty / "events.out.tfevents.1700000000.host.1.0").write_bytes(b"\x18\x00" * 64)
+    if source == "comparison":
+        run = tmp_path / "run"
+        make_run(run)
+        argv = ["report", str(run), str(empty), "-o", str(tmp_path / "compare.html")]
+    else:
+        argv = ["report", str(empty)]
+    before = sorted(tmp_path.rglob("*"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"stalwart report: error: {empty} holds no run artefacts: looked for ")
+    assert "metrics.jsonl" in err and "goodput.jsonl" in err and "events.jsonl" in err
+    assert ("TensorBoard's event files" in err) == (source == "tensorboard")
+    assert sorted(tmp_path.rglob("*")) == before  # no report.html, no report/*.png
 
 
 def test_metrics_file_outside_the_run_dir_found_through_the_manifest(tmp_path: Path) -> None:
@@ -373,7 +402,7 @@ def test_report_sections_render_in_headless_chromium(tmp_path: Path, interactive
         assert _distinct_colours(img) > 50  # not blank
         for sid, box in sections.items():
             assert box["w"] > 100 and box["h"] > 40, (sid, box)
-            if sid not in ("chaos", "config"):  # a verdict and a table; the others: a chart
+            if sid not in ("chaos", "config", "ettr"):  # a verdict, tables; the others: a chart
                 assert box["charts"] >= 1, (sid, box)
             crop = img.crop(
                 (int(box["x"]), int(box["y"]), int(box["x"] + box["w"]), int(box["y"] + box["h"]))

@@ -54,6 +54,32 @@ def test_the_default_cache_under_the_run_dir_is_checked_too(
     assert code == 2 and "--run-dir's compile cache" in err, err
 
 
+def test_a_cache_in_another_runs_checkpoint_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--compile-cache-dir <another run>/iter_N/cc`` would change that run's checkpoint (its
+    manifest no longer matches: ``stalwart checkpoints --verify`` fails)."""
+    checkpoint = tmp_path / "other_run" / "iter_0000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "COMPLETE").write_text("{}\n")
+    code, err = _train_exit(capsys, "--compile", "--compile-cache-dir", str(checkpoint / "cc"))
+    assert code == 2 and "inside the checkpoint directory" in err, err
+    assert not (checkpoint / "cc").exists()
+
+
+def test_a_run_dir_others_can_write_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run directory made under umask 002: a group member could swap the default cache."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_dir.chmod(0o775)
+    code, err = _train_exit(capsys, "--compile", "--run-dir", str(run_dir))
+    assert code == 2 and "--run-dir's compile cache" in err, err
+    assert "writable by its group without the sticky bit" in err, err
+    assert not (run_dir / "compile_cache").exists()
+
+
 def test_compile_cache_dir_without_compile_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -78,9 +78,22 @@ def _dcp_errors_as_runtime_error() -> Iterator[None]:
         raise RuntimeError(describe_failure(exc)) from exc
 
 
+_WEIGHTS_ONLY = "Weights only load failed"
+
+
 def _first_line(err: BaseException) -> str:
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0].strip() if lines else ''}".rstrip(": ")
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if lines and lines[0].startswith(_WEIGHTS_ONLY):
+        # torch's first line advises weights_only=False, which would run whatever the damaged
+        # or planted bytes hold; the reason is further down (e.g. "Unsupported operand 0").
+        reason = next(
+            (ln for ln in lines[1:] if not ln.startswith(("Please file", "Check the"))), ""
+        )
+        return (
+            f"{type(err).__name__}: not a tensor torch reads safely (damaged or foreign data)"
+            + (f": {reason.rstrip(': ')}" if reason else "")
+        )
+    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def describe_failure(exc: BaseException) -> str:

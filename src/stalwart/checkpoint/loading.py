@@ -59,10 +59,21 @@ class CheckpointLocator:
         return result.problem
 
     def latest_tracked(self) -> int | None:
-        """Newest tracked iteration whose directory is complete; None if there is none."""
+        """Newest tracked iteration whose directory is complete; None if there is none. A
+        damaged tracker counts as its root's newest complete checkpoint with ``fallback`` (what
+        `choose` falls back to), else raises as `choose` does.
+
+        Raises:
+            CheckpointError: a damaged tracker without ``fallback``.
+        """
         best = None
         for root, _ in self._roots:
-            tracked = layout.read_tracker(root)
+            try:
+                tracked = layout.read_tracker(root)
+            except CheckpointError as exc:
+                if not self._fallback:
+                    raise CheckpointError(f"{exc}{diagnosis_hint(root, fallback=True)}") from None
+                tracked = max(layout.list_complete_checkpoints(root), default=None)
             if tracked is None:
                 continue
             if layout.is_complete(os.path.join(root, layout.iteration_dir_name(tracked))):
@@ -101,7 +112,8 @@ class CheckpointLocator:
             if os.path.isdir(path):
                 problem = self._problem(path, log)
                 if problem is not None:
-                    raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+                    hint = diagnosis_hint(root, fallback=False)  # an explicit one never falls back
+                    raise CheckpointError(f"checkpoint {path} is unusable: {problem}{hint}")
                 return Choice(iteration, path, non_persistent)
         dirs = ", ".join(root for root, _ in self._roots)
         name = layout.iteration_dir_name(iteration)
@@ -116,8 +128,11 @@ class CheckpointLocator:
                 tracked = layout.read_tracker(root)
             except CheckpointError as exc:
                 if not self._fallback:
-                    raise
-                log.warning("%s; falling back to complete checkpoints (--ckpt-fallback)", exc)
+                    raise CheckpointError(f"{exc}{diagnosis_hint(root, fallback=True)}") from None
+                log.warning(
+                    "%s; falling back to the newest complete checkpoint (--ckpt-fallback)",
+                    exc,
+                )
                 garbage = True
                 continue
             if tracked is not None:
@@ -150,13 +165,39 @@ class CheckpointLocator:
                 return choice
             message = f"checkpoint {choice.path} is unusable: {problem}"
             if not self._fallback:
-                raise CheckpointError(message)
+                raise CheckpointError(
+                    message + diagnosis_hint(_root_of(choice.path), fallback=True)
+                )
             log.warning("%s; trying an older one (--ckpt-fallback)", message)
+        roots = ", ".join(root for root, _ in self._roots)
         raise CheckpointError(
-            "no usable checkpoint found in "
-            + ", ".join(root for root, _ in self._roots)
+            f"no usable checkpoint found in {roots}"
             + (f" (rejected: {sorted(rejected)})" if rejected else "")
+            + diagnosis_hint(self._roots[0][0], fallback=False)
         )
+
+
+def _root_of(path: str) -> str:
+    return os.path.dirname(os.path.normpath(path)) or "."
+
+
+def diagnosis_hint(root: str, *, fallback: bool) -> str:
+    """What to run about a damaged checkpoint under ``root``, appended to its one-line error:
+    the command that names the damage, and ``--ckpt-fallback`` where it applies (a resume from
+    the newest checkpoint; never an explicit iteration, e.g. ``stalwart export --iteration``)."""
+    hint = f"; `stalwart checkpoints --verify {root}` names what is damaged"
+    if fallback:
+        hint += ", --ckpt-fallback resumes from the newest usable checkpoint"
+    return hint
+
+
+def load_failure(choice: Choice, problem: str | None, *, explicit: bool) -> CheckpointError:
+    """The error of a chosen checkpoint that did not load, with `diagnosis_hint` when it is
+    damaged (a checkpoint of an older stalwart's pickle format says how to convert it instead)."""
+    message = problem or f"loading {choice.path} failed"
+    if layout.is_legacy(choice.path):
+        return CheckpointError(message)
+    return CheckpointError(message + diagnosis_hint(_root_of(choice.path), fallback=not explicit))
 
 
 def nothing_to_load(load_dir: str | None, explicit: bool, log: logging.Logger) -> None:

@@ -58,6 +58,7 @@ from stalwart.checkpoint.loading import (
     CheckpointLocator,
     Choice,
     LoadedCheckpoint,
+    load_failure,
     try_load,
 )
 from stalwart.checkpoint.lock import SaveDirLocks
@@ -400,18 +401,15 @@ class CheckpointManager:
                         time.monotonic() - started,
                     )
                 return loaded
-            # A local or in-memory copy that fails to load is not the newest complete one:
-            # the next decision passes over it whatever --ckpt-fallback says.
+            # A copy (local, in-memory) that failed is passed over whatever --ckpt-fallback says.
             copy = isinstance(choice, CopyChoice) and choice.from_tier
             what = choice.resume.detail if isinstance(choice, CopyChoice) else choice.path
             if not copy and (not self._fallback or iteration is not None):
-                raise CheckpointError(problem or f"loading {what} failed")
-            logger.warning(
-                "checkpoint %s unusable (%s); falling back%s",
-                what,
-                problem,
-                "" if copy else " (--ckpt-fallback)",
-            )
+                disk = choice.disk if isinstance(choice, CopyChoice) else choice
+                assert disk is not None
+                raise load_failure(disk, problem, explicit=iteration is not None)
+            flag = "" if copy else " (--ckpt-fallback)"
+            logger.warning("checkpoint %s unusable (%s); falling back%s", what, problem, flag)
             rejected.add(choice.rejected_key() if isinstance(choice, CopyChoice) else choice.path)
 
     def _load_choice(

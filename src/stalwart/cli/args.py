@@ -105,13 +105,15 @@ def build_train_parser(*, raise_errors: bool = False) -> argparse.ArgumentParser
     return p
 
 
-def parse_train_args(argv: list[str]) -> argparse.Namespace:
+def parse_train_args(argv: list[str], *, raise_errors: bool = False) -> argparse.Namespace:
     """Parse ``stalwart train`` flags, applying ``--config run.toml`` values as defaults.
 
     The namespace's ``config_file_keys`` holds the destinations the file set (they count as
-    given explicitly, e.g. ``--demo`` does not override them).
+    given explicitly, e.g. ``--demo`` does not override them). ``raise_errors``: a bad flag or
+    file is a ``ValueError`` (one line) instead of the parser's exit (``stalwart launch`` reads
+    the train args it hands on).
     """
-    parser = build_train_parser()
+    parser = build_train_parser(raise_errors=raise_errors)
     pre, _ = parser.parse_known_args(argv)
     defaults: dict[str, Any] = {}
     given = [a for a in argv if a == "--config" or a.startswith("--config=")]

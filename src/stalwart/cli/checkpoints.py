@@ -26,8 +26,9 @@ no optimizer state, loadable with ``torch.load(FILE, weights_only=True)`` into
 ``stalwart.models.GPT(GPTConfig(**model_config))``. ``--out FILE.safetensors`` (or ``--format
 safetensors``) writes the same state dict as safetensors, its metadata holding ``model_config``
 (JSON), ``iteration`` and ``source``. ``--format hf --out DIR`` writes a Hugging Face layout of
-a Llama-architecture checkpoint: ``config.json`` and ``model.safetensors`` under
-``LlamaForCausalLM`` names (`stalwart.models.hf_export`), for ``from_pretrained(DIR)``.
+a GPT-2- or Llama-architecture checkpoint: ``config.json`` and ``model.safetensors`` under
+``GPT2LMHeadModel`` or ``LlamaForCausalLM`` names (`stalwart.models.hf_export`), for
+``from_pretrained(DIR)``.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def build_export_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(
         prog="stalwart export",
         description="Write one checkpoint's model weights: a torch.save file, a safetensors "
-        "file (--out *.safetensors), or a Hugging Face LlamaForCausalLM directory (--format hf).",
+        "file (--out *.safetensors), or a Hugging Face GPT2LMHeadModel / LlamaForCausalLM "
+        "directory (--format hf).",
     )
     p.add_argument("--load", required=True, metavar="DIR", help="a --save directory (required)")
     p.add_argument(
@@ -300,14 +302,15 @@ def _safetensors_save() -> Any:
 
 
 def _write_hf(out: str, config: Any, state: dict, dtype: str, path: str, save: Any) -> None:
-    """``--format hf``: ``config.json`` + ``model.safetensors`` of ``LlamaForCausalLM``."""
-    from stalwart.models.hf_export import hf_llama_config, hf_llama_state
+    """``--format hf``: ``config.json`` + ``model.safetensors`` of ``GPT2LMHeadModel`` or
+    ``LlamaForCausalLM`` (`stalwart.models.hf_export.hf_config_and_state`)."""
+    from stalwart.models.hf_export import hf_config_and_state
 
     try:
-        hf_config = {**hf_llama_config(config), "torch_dtype": dtype}
+        hf_config, hf_state = hf_config_and_state(config, state)
     except ValueError as exc:
         raise ValueError(f"--format hf: checkpoint {path}: {exc}") from None
-    hf_state = hf_llama_state(config, state)
+    hf_config["torch_dtype"] = dtype
     os.makedirs(out, exist_ok=True)
     weights = os.path.join(out, "model.safetensors")
     _atomic(weights, lambda tmp: save(hf_state, tmp, metadata={"format": "pt"}))

@@ -140,6 +140,10 @@ def _token(flag: str, value: object) -> str:
 def _value_tokens(action: argparse.Action, value: object) -> list[str]:
     flag = next(o for o in action.option_strings if o.startswith("--"))
     many = action.nargs not in (None, "?")
+    if isinstance(value, list) and isinstance(action, argparse._AppendAction) and not many:
+        # A repeatable flag (--inductor-config K=V ...): one occurrence per item, as
+        # --print-config writes the list.
+        return [f"{flag}={_token(flag, v)}" for v in value]
     if isinstance(value, list):
         if not many:
             raise _KeyError(f"{flag} takes one value, not a list")

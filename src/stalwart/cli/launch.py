@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -204,6 +205,51 @@ def _tracker_iteration(save: str) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class TrainSettings:
+    """What the launcher reads of the train args: where the verdicts and the ledger are, the
+    batch it must keep on fewer ranks, and what decides the device kind and the imports."""
+
+    save: str | None
+    run_dir: str | None
+    global_batch_size: int | None
+    micro_batch_size: int | None
+    use_cpu: bool
+    compile: bool
+
+
+def train_settings(module: str, train_args: list[str]) -> TrainSettings:
+    """The train args as the worker reads them. ``--module stalwart``: parsed and built by
+    ``stalwart train``'s own parser and config (``--config FILE`` included, the command line
+    winning, the preset's micro batch), so a bad train arg is one line here, before any launch;
+    another module: its ``--save``, ``--run-dir``, ``--global-batch-size``,
+    ``--micro-batch-size``, ``--use-cpu`` and ``--compile`` as given on the command line."""
+    if module != "stalwart":
+        return TrainSettings(
+            save=_flag_value(train_args, "--save"),
+            run_dir=_flag_value(train_args, "--run-dir"),
+            global_batch_size=_int_value(train_args, "--global-batch-size"),
+            micro_batch_size=_int_value(train_args, "--micro-batch-size"),
+            use_cpu="--use-cpu" in train_args,
+            compile="--compile" in train_args,
+        )
+    from stalwart.cli.args import parse_train_args
+    from stalwart.config.run import build_run_config
+
+    try:
+        config = build_run_config(parse_train_args(train_args, raise_errors=True), train_args)
+    except ValueError as exc:
+        _error(f"train args: {exc}")
+    return TrainSettings(
+        save=config.checkpoint.save,
+        run_dir=config.run_dir,
+        global_batch_size=config.training.global_batch_size,
+        micro_batch_size=config.training.micro_batch_size,
+        use_cpu=config.training.use_cpu,
+        compile=config.training.compile,
+    )
+
+
 def build_plan(argv: list[str]) -> LaunchPlan:
     """The launch plan of ``argv``; SystemExit(2) after one line on stderr when it is bad."""
     from stalwart.distributed.launch import LaunchPlan
@@ -215,41 +261,66 @@ def build_plan(argv: list[str]) -> LaunchPlan:
             f"--max-restarts (the restart budget) must be in [0, {MAX_RESTARTS_LIMIT}], got {ns.max_restarts}"
         )
     nnodes = _nnodes(ns.nnodes)
-    save = _flag_value(train_args, "--save")
-    if not save:
-        _error(
-            "the train args need --save DIR: the verdicts (suspect_devices.json) and the checkpoint to resume are there"
-        )
     if ns.fork_workers and ns.module != "stalwart":
         _error(
             "--fork-workers runs `stalwart train` in the forked workers: it needs --module stalwart"
         )
+    train = train_settings(ns.module, train_args)
+    if not train.save:
+        _error(
+            "the train args need --save DIR (or save in their --config file): the verdicts "
+            "(suspect_devices.json) and the checkpoint to resume are there"
+        )
+    slurm_job, host = _slurm_node(ns.slurm_requeue)
     if ns.fork_workers:
         # NVML answers "is there a GPU" without initialising CUDA in this process: a worker
         # forked from a process that initialised CUDA cannot use it.
         os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    cuda = _cuda_available() and "--use-cpu" not in train_args
+    cuda = _cuda_available() and not train.use_cpu
     devices = _devices(ns, cuda)
     nproc = ns.nproc_per_node or len(devices)
     command = ["-m", ns.module, *(["train"] if ns.module == "stalwart" else []), *train_args]
     torchrun = [*torchrun_args, "--nnodes", ns.nnodes]
     _check_torchrun_args([*torchrun, "--nproc-per-node", str(nproc), *command])
-    from stalwart.distributed.launch_env import env_token
+    return LaunchPlan(
+        torchrun_args=torchrun,
+        command=command,
+        devices=tuple(devices[:nproc]),
+        spares=tuple(devices[nproc:]),
+        save=train.save,
+        run_dir=train.run_dir or train.save,
+        max_restarts=ns.max_restarts,
+        device_env="CUDA_VISIBLE_DEVICES" if cuda else "STALWART_VISIBLE_DEVICES",
+        nnodes=nnodes,
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
+        slurm_job=slurm_job,
+        run_slurm=ns.slurm_requeue,
+        host=host,
+        worker=forking_worker(train.compile) if ns.fork_workers else None,
+    )
+
+
+def _slurm_node(run_slurm: bool) -> tuple[str | None, str]:
+    """(SLURM's job id or None, this node's name as SLURM knows it: ``$SLURMD_NODENAME``; the
+    hostname outside SLURM); a bad value, or ``--slurm-requeue`` where scontrol could not name
+    this node, is one line."""
+    from stalwart.distributed.launch_env import env_token, node_name
 
     try:
-        slurm_job = env_token("SLURM_JOB_ID", "") or None
+        slurm_job = env_token("SLURM_JOB_ID", "") or env_token("SLURM_JOBID", "") or None
+        host = node_name()
+        slurm_node = env_token("SLURMD_NODENAME", "")
     except ValueError as exc:
         _error(str(exc))
-    return LaunchPlan(
-        torchrun_args=torchrun, command=command, devices=tuple(devices[:nproc]),
-        spares=tuple(devices[nproc:]), save=save,
-        run_dir=_flag_value(train_args, "--run-dir") or save, max_restarts=ns.max_restarts,
-        device_env="CUDA_VISIBLE_DEVICES" if cuda else "STALWART_VISIBLE_DEVICES",
-        nnodes=nnodes, global_batch_size=_int_value(train_args, "--global-batch-size"),
-        micro_batch_size=_int_value(train_args, "--micro-batch-size"), slurm_job=slurm_job,
-        run_slurm=ns.slurm_requeue,
-        worker=forking_worker("--compile" in train_args) if ns.fork_workers else None,
-    )  # fmt: skip
+    if run_slurm and slurm_job is None:
+        _error("--slurm-requeue runs scontrol for the SLURM job: $SLURM_JOB_ID is not set")
+    if run_slurm and not slurm_node:
+        _error(
+            "--slurm-requeue needs $SLURMD_NODENAME (SLURM's name of this node, for "
+            "ExcNodeList): run stalwart launch inside the job on its node (sbatch script or srun)"
+        )
+    return slurm_job, host
 
 
 def _cuda_available() -> bool:

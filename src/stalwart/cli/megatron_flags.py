@@ -153,7 +153,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--recompute-activations", "use --recompute-granularity selective", False),
     Unsupported("--rotary-percent", "RoPE rotates the whole head", accepted=("1", "1.0")),
     Unsupported("--rotary-seq-len-interpolation-factor", "no RoPE interpolation"),
-    Unsupported("--use-rope-scaling", "no RoPE scaling", False),
     Unsupported("--no-position-embedding", "learned positions are --position-embedding-type learned_absolute; RoPE models have no position table already", False),
     Unsupported("--moe-ffn-hidden-size", f"{_MOE} of --ffn-hidden-size"),
     Unsupported("--moe-layer-freq", "with --num-experts every layer's MLP is MoE", accepted=("1",)),
@@ -254,7 +253,6 @@ ALWAYS: tuple[Always, ...] = (
     Always("--no-rope-fusion", "RoPE is PyTorch ops"),
     Always("--no-persist-layer-norm", "norms are torch.nn.functional ops"),
     Always("--use-cpu-initialization", "the model is initialised on the CPU, then moved to the device"),
-    Always("--no-gradient-accumulation-fusion", "gradient-accumulation fusion is off unless --gradient-accumulation-fusion"),
     Always("--no-create-attention-mask-in-dataloader", "attention is causal in the kernel; no mask is built"),
 )  # fmt: skip
 

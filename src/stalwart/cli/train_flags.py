@@ -16,7 +16,7 @@ from stalwart.cli.arg_types import Float, Int, OneOf, negated, switch, values
 from stalwart.config.checks import SEED_MAX
 from stalwart.config.training import LRDecayStyle
 
-PRESET_NAMES = ("tiny", "small", "gpt2-124m", "llama-tiny", "llama-150m")
+PRESET_NAMES = ("tiny", "small", "gpt2-124m", "llama-tiny", "llama-150m", "llama-1b")
 _PRESET = "(default: the preset's)"
 
 
@@ -31,6 +31,20 @@ def interval(g: Any, flag: str, what: str, zero: str = "off") -> None:
     """An every-N-iterations flag, 0 by default; its help says what 0 means (``zero``)."""
     text = f"{what} every N iterations (default: 0 = {zero})"
     g.add_argument(flag, type=int, default=0, help=text)
+
+
+FAST_PATH_DEFAULT = "(default: on with --compile and full-iteration graphs, else off)"
+
+
+def fast_path(g: Any, flag: str, text: str) -> None:
+    """A ``--x/--no-x`` switch that compiled full-iteration graphs turn on unless it is given
+    (`stalwart.config.fast_path`): unset is None."""
+    g.add_argument(
+        flag,
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"{text} {FAST_PATH_DEFAULT}",
+    )
 
 
 def model_flags(p: argparse.ArgumentParser) -> None:
@@ -76,6 +90,7 @@ def architecture_flags(p: argparse.ArgumentParser) -> None:
         ("--position-embedding-type", OneOf(("learned_absolute", "rope"), "KIND"), None,
          f"learned absolute positions (GPT-2) or rotary embeddings (Llama) {_PRESET}"),
         ("--rotary-base", int, None, "RoPE base, rope only (default: 10000)"),
+        ("--rope-scaling-factor", Float(gt=0), None, "Llama 3.x RoPE scaling factor, with --use-rope-scaling (default: 8.0)"),
         ("--normalization", OneOf(("LayerNorm", "RMSNorm"), "KIND"), None, f"norm of every layer {_PRESET}"),
         ("--norm-epsilon", Float(gt=0), None, "epsilon of every norm (default: 1e-5)"),
     )  # fmt: skip
@@ -83,6 +98,7 @@ def architecture_flags(p: argparse.ArgumentParser) -> None:
         ("--swiglu", "SwiGLU MLP (3 matrices) instead of GELU"),
         ("--untie-embeddings-and-output-weights", "an output layer of its own, not the embedding"),
         ("--disable-bias-linear", "no biases in attention/MLP linear layers"),
+        ("--use-rope-scaling", "Llama 3.x RoPE frequency scaling (rope only)"),
         ("--group-query-attention", "GQA with --num-query-groups K/V heads"),
     ):
         g.add_argument(flag, action="store_true", default=None, help=f"{text} {_PRESET}")
@@ -152,32 +168,29 @@ def _compile_flags(g: Any) -> None:
 def _precision_flags(g: Any) -> None:
     switch(g, "--bf16", "bfloat16 mixed precision")
     switch(g, "--fp16", "float16 with dynamic loss scaling")
-    switch(
+    fast_path(
         g,
         "--bf16-compute-weights",
-        "with --bf16: Linear layers run on bf16 copies of the fp32 weights made once per "
-        "iteration (not autocast casts per micro-batch); their grads are added into the fp32 "
-        "grads after each micro-batch (one rank or DDP; not with --use-torch-fsdp2)",
+        "with --bf16: bf16 copies of the Linear weights made once per iteration, not autocast's "
+        "per micro-batch; their grads added into the fp32 grads (not with --use-torch-fsdp2)",
     )
-    switch(
+    fast_path(
         g,
         "--gradient-accumulation-fusion",
-        "with --bf16-compute-weights: the weight-gradient GEMMs add into the fp32 grads "
-        "(fp32 output on CUDA) and the embedding lookup adds its rows into them, instead of a "
-        "bf16 grad per micro-batch and an add (Megatron's flag)",
+        "with --bf16-compute-weights: the weight-gradient GEMMs and the lookup add into the "
+        "fp32 grads (no bf16 grad per micro-batch)",
     )
     switch(
         g,
         "--bf16-residual-connection",
-        "with --bf16: keep the residual stream in bf16 instead of fp32 (Megatron's "
-        "default under bf16, whose fp32 residual option is this switch off)",
+        "with --bf16: the residual stream in bf16, not fp32 (Megatron's default under bf16); "
+        "changes the numerics, so never on by default",
     )
-    switch(
+    fast_path(
         g,
         "--cross-entropy-loss-fusion",
-        "the output layer and the cross entropy as one op whose forward writes the loss's "
-        "gradient over the logits in place (one pass over the [tokens, vocab] logits less, no "
-        "second tensor of that size; a Triton kernel on CUDA); Megatron's flag",
+        "the output layer and the loss as one op whose forward writes the logits' gradient in "
+        "place (a Triton kernel on CUDA)",
     )
     values(
         g,
@@ -238,12 +251,11 @@ def optimizer_flags(p: argparse.ArgumentParser) -> None:
         ("--adam-eps", float, 1e-8, "AdamW epsilon"),
         ("--clip-grad", float, 1.0, "gradient norm clip (default: 1.0; 0 = off)"),
     )
-    switch(
+    fast_path(
         g,
         "--clip-grad-in-optimizer",
-        "apply the --clip-grad factor inside the fused AdamW step (its grad_scale) instead "
-        "of a separate pass over the gradients; the same norm, parameters equal to float32 "
-        "rounding (one rank or DDP; not with --use-torch-fsdp2)",
+        "the --clip-grad factor inside the fused AdamW step, not a pass over the gradients "
+        "(the same norm; not with --use-torch-fsdp2)",
     )
     values(
         g,

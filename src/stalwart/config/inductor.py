@@ -28,7 +28,8 @@ _RESERVED = frozenset({"triton.cudagraphs"})
 _LITERALS = (bool, int, float, str, type(None))
 
 
-def _known_options() -> dict[str, Any]:
+def known_inductor_options() -> dict[str, Any]:
+    """The running torch's Inductor options and their current values."""
     import torch._inductor.config as inductor_config
 
     return inductor_config.get_config_copy()
@@ -85,7 +86,7 @@ def parse_inductor_options(items: Iterable[str] | None) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if not items:
         return options
-    known = _known_options()
+    known = known_inductor_options()
     for item in items:
         key, sep, text = item.partition("=")
         key = key.strip()
@@ -105,4 +106,4 @@ def parse_inductor_options(items: Iterable[str] | None) -> dict[str, Any]:
     return options
 
 
-__all__ = ["parse_inductor_options"]
+__all__ = ["known_inductor_options", "parse_inductor_options"]

@@ -2,7 +2,8 @@
 
 Unset flags keep the preset's value. Flags that would do nothing in the resulting model are
 refused instead of ignored (``ValueError`` naming the flag): ``--num-query-groups`` without
-grouped-query attention, ``--rotary-base`` without RoPE. Value checks are ``GPTConfig``'s.
+grouped-query attention, ``--rotary-base`` without RoPE, ``--rope-scaling-factor`` without
+``--use-rope-scaling``. Value checks are ``GPTConfig``'s.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from stalwart.models import PRESETS, GPTConfig
 _PASS_THROUGH = {
     "position_embedding_type": "position_embedding_type",
     "rotary_base": "rotary_base",
+    "use_rope_scaling": "use_rope_scaling",
+    "rope_scaling_factor": "rope_scaling_factor",
     "normalization": "normalization",
     "norm_epsilon": "layernorm_epsilon",
     "swiglu": "swiglu",
@@ -45,6 +48,9 @@ def architecture_overrides(ns: argparse.Namespace) -> dict[str, Any]:
     position = overrides.get("position_embedding_type", preset.get("position_embedding_type"))
     if "rotary_base" in overrides and position != "rope":
         raise ValueError("--rotary-base needs --position-embedding-type rope")
+    scaling = overrides.get("use_rope_scaling", preset.get("use_rope_scaling", False))
+    if "rope_scaling_factor" in overrides and not scaling:
+        raise ValueError("--rope-scaling-factor needs --use-rope-scaling")
     return overrides
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from stalwart.checkpoint.non_persistent import NonPersistentType
 from stalwart.config.checks import bounds, check_fields
+from stalwart.config.fast_path import fast_path_values
 from stalwart.config.model import architecture_overrides, check_megatron_model_flags
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.graphs.checks import CudaGraphImpl
@@ -263,6 +264,7 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     explicit = explicit_flags(ns, argv)
     if getattr(ns, "demo", False):
         _apply_demo_defaults(ns, explicit)
+    vars(ns).update(fast_path_values(ns))  # compiled full-iteration graphs: the fast same run
     overrides = {
         dst: getattr(ns, src) for src, dst in _MODEL_FLAGS.items() if getattr(ns, src) is not None
     }

@@ -31,14 +31,14 @@ import itertools
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from stalwart.distributed.launch_env import node_name
 from stalwart.distributed.launch_policy import (
     ActionKind,
     Identity,
@@ -60,7 +60,10 @@ class LaunchPlan:
     (``--nnodes``, ``--rdzv-*``, ``--standalone``, ...); ``command``: the worker entry as torchrun
     takes it (``-m stalwart train ARGS``); ``devices``/``spares``: this node's devices in use and
     spare; ``device_env``: the variable that hands them to the workers; ``slurm_job``: SLURM's job
-    id (None outside SLURM); ``run_slurm``: run the requeue commands instead of printing them;
+    id (None outside SLURM); ``host``: this node as the verdicts and SLURM name it
+    (`stalwart.distributed.launch_env.node_name`); ``run_slurm``: run the requeue commands
+    instead of printing them (a missing or failing ``scontrol`` is one line, the action's exit
+    code kept);
     ``worker``: with it, each worker is forked from this launcher and runs ``worker(*args)``
     (``args``: the command after ``-m MODULE``) instead of torchrun exec'ing a fresh interpreter
     (see :func:`torchrun_round`).
@@ -79,6 +82,7 @@ class LaunchPlan:
     micro_batch_size: int | None = None
     slurm_job: str | None = None
     run_slurm: bool = False
+    host: str = field(default_factory=node_name)
     worker: Callable[..., None] | None = None
 
 
@@ -170,19 +174,50 @@ def _set_round_env(plan: LaunchPlan, index: int) -> None:
     os.environ["STALWART_LAUNCH_ROUND"] = str(index)
 
 
+SCONTROL_TIMEOUT_S = 120.0  # slurmctld answers in seconds; a hung one must not hold the job
+
+
 def _move_job(plan: LaunchPlan, action: LaunchAction) -> int:
-    """Print, or run (``--slurm-requeue``), the commands that move the job off a node."""
+    """Print, or run (``--slurm-requeue``), the commands that move the job off a node; the
+    action's exit code either way (a command that cannot run or fails is one line)."""
     for command in action.commands:
         if not plan.run_slurm:
             sys.stderr.write(f"stalwart launch: to move the job, run: {' '.join(command)}\n")
             continue
-        done = subprocess.run(list(command), check=False)
-        if done.returncode != 0:
+        failure = _run_slurm_command(command)
+        if failure:
+            rest = action.commands[action.commands.index(command) :]
             sys.stderr.write(
-                f"stalwart launch: {' '.join(command)} exited {done.returncode}; the job stays\n"
+                f"stalwart launch: {' '.join(command)}: {failure}; the job stays: run "
+                f"{'; '.join(' '.join(c) for c in rest)} by hand\n"
             )
-            return action.exit_code
+            break
+    sys.stderr.flush()
     return action.exit_code
+
+
+def _run_slurm_command(command: Sequence[str]) -> str:
+    """Run one scheduler command; empty on success, else why it failed (one line)."""
+    try:
+        done = subprocess.run(
+            list(command),
+            check=False,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=SCONTROL_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+    except FileNotFoundError:
+        return f"{command[0]} is not on PATH"
+    except subprocess.TimeoutExpired:
+        return f"no answer within {SCONTROL_TIMEOUT_S:.0f} s"
+    except OSError as exc:
+        return f"cannot run {command[0]}: {exc.strerror or exc}"
+    if done.returncode == 0:
+        return ""
+    said = next((ln.strip() for ln in (done.stderr + done.stdout).splitlines() if ln.strip()), "")
+    return f"exited {done.returncode}" + (f" ({said[:300]})" if said else "")
 
 
 def run_launches(
@@ -196,14 +231,13 @@ def run_launches(
     launch``'s: `stalwart.cli.launch.record_launch_action`, its line, ledger and event records;
     this module imports no observability)."""
     restarts_left = plan.max_restarts
-    host = socket.gethostname()
     for index in itertools.count():
         _set_round_env(plan, index)
         argv = [*plan.torchrun_args, "--nproc-per-node", str(len(plan.devices)),
                 "--max-restarts", "0", *plan.command]  # fmt: skip
         result = launch_round(argv, plan.worker)
         outcome = LaunchOutcome(
-            exit_codes=result.exit_codes, devices=plan.devices, host=host,
+            exit_codes=result.exit_codes, devices=plan.devices, host=plan.host,
             restarts_left=restarts_left, first_failed=result.first_failed,
             launcher_signal=result.launcher_signal, suspects=read_suspects(plan.save),
             spares=plan.spares, nnodes=plan.nnodes, slurm_job=plan.slurm_job,

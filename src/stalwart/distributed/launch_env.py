@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 
 # Values that land in file names, log prefixes and tracker lines: printable, no whitespace.
@@ -27,6 +28,7 @@ _TOKEN_VARS = (
     "TORCHELASTIC_RUN_ID",
     "SLURM_JOB_ID",
     "SLURM_JOBID",
+    "SLURMD_NODENAME",
 )
 
 
@@ -70,6 +72,18 @@ def env_token(name: str, default: str, *, environ: Mapping[str, str] | None = No
             "without spaces"
         )
     return raw
+
+
+def node_name(environ: Mapping[str, str] | None = None) -> str:
+    """This node's name as the scheduler knows it: ``$SLURMD_NODENAME`` (checked as
+    `env_token`) when set, else the hostname (outside SLURM, where no other name exists).
+
+    SLURM's node name may differ from the hostname (``NodeName`` vs ``NodeHostname`` in
+    slurm.conf), and only the former is what ``scontrol update ExcNodeList=`` takes: the verdict
+    files (``suspect_devices.json``) and ``stalwart launch`` both name a node by this function, so
+    that a suspect's node is compared with the launcher's own under one name.
+    """
+    return env_token("SLURMD_NODENAME", "", environ=environ) or socket.gethostname()
 
 
 VISIBLE_DEVICES_ENV = "STALWART_VISIBLE_DEVICES"

@@ -27,12 +27,17 @@ nothing. Open the cache outside the restartable scope and pass it in (`CompileCa
 collaborator; nothing here is module state).
 
 Trust. Inductor's caches hold generated code that the process imports and runs (Python modules,
-shared libraries, pickled graphs), so a cache directory is code. It must be one this job's user
-wrote: `check_cache_dir` refuses a directory (or its ``inductor/`` or ``artifacts.bin``) that is
-a symbolic link, is owned by another user or is writable by its group or by everyone, in one
-line (``ValueError``); a new directory is created with mode 0700, the file with 0600. The
+shared libraries, pickled graphs), so a cache directory is code. It must be one that only this
+job's user can write, for the whole run: `check_cache_dir` refuses, in one line (``ValueError``),
+a directory that is a symbolic link, another user's, or writable by its group or everyone; one
+with anything below it that is a link, another user's or writable by others who can reach it;
+one under a directory that another user owns or can write without the sticky bit (they could
+swap the cache after the check: `stalwart.graphs.cache_trust` says why the whole path is judged);
+one inside a checkpoint directory. `CompileCache` judges it again when it opens, right before
+the first load and compile. A new directory is created with mode 0700, the file with 0600. The
 default lives under the run directory. A cache copied from elsewhere becomes the copier's own:
-copy a run directory without its ``compile_cache/`` unless you trust whoever wrote it.
+copy a run directory without its ``compile_cache/`` unless you trust whoever wrote it. A damaged
+``artifacts.bin`` is one warning line; the run compiles without it and writes it again.
 
     >>> import tempfile
     >>> import torch
@@ -53,7 +58,6 @@ import contextlib
 import json
 import logging
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -61,13 +65,12 @@ from typing import Any
 
 from stalwart.atomic_file import Sync, write_bytes_atomic
 from stalwart.fixed_paths import FixedPath
+from stalwart.graphs.cache_trust import ARTIFACTS_FILE, INDUCTOR_DIR, check_cache_dir
 from stalwart.observability.goodput.records import Bucket, CompileSource
 from stalwart.regular_file import open_regular
 
 logger = logging.getLogger("stalwart.compile_cache")
 
-INDUCTOR_DIR = "inductor"
-ARTIFACTS_FILE = "artifacts.bin"
 STAMP_FILE = "artifacts.stamp"  # in INDUCTOR_DIR: the artifacts.bin whose entries it holds
 DEFAULT_CACHE_DIRNAME = "compile_cache"  # under the run directory
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -127,53 +130,6 @@ class CompileCounts:
                 "aot_hit": self.aot_hits, "aot_miss": self.aot_misses}  # fmt: skip
 
 
-def _problem(path: Path, what: str, *, directory: bool) -> str | None:
-    """Why ``path`` (if it exists) must not be used as a cache, or None."""
-    try:
-        info = path.lstat()
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(info.st_mode):
-        return f"{what} is a symbolic link"
-    if directory and not stat.S_ISDIR(info.st_mode):
-        return f"{what} is not a directory"
-    if not directory and not stat.S_ISREG(info.st_mode):
-        return f"{what} is not a regular file"
-    if hasattr(os, "getuid") and info.st_uid != os.getuid():
-        return f"{what} is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & stat.S_IWOTH:
-        return f"{what} is writable by every user (mode {mode:o})"
-    if mode & stat.S_IWGRP:  # a group member could plant code that this run executes
-        return f"{what} is writable by its group (mode {mode:o}; chmod g-w)"
-    return None
-
-
-def check_cache_dir(flag: str, directory: str | os.PathLike[str]) -> None:
-    """``ValueError`` (one line naming ``flag``) unless ``directory`` can hold a trusted cache:
-    it, its ``inductor/`` and its ``artifacts.bin`` are, where they exist, this user's, not
-    writable by group or others and not symbolic links; a missing directory needs a writable
-    parent.
-    Only looks (``lstat``): nothing is created."""
-    text = os.fspath(directory)
-    if not text.strip():
-        raise ValueError(f"{flag} is empty (it takes a directory)")
-    root = Path(text)
-    why = "the cache holds generated code that the run executes; use a directory only you write"
-    for path, what, is_dir in (
-        (root, "it", True),
-        (root / INDUCTOR_DIR, INDUCTOR_DIR, True),
-        (root / ARTIFACTS_FILE, ARTIFACTS_FILE, False),
-    ):
-        problem = _problem(path, what, directory=is_dir)
-        if problem is not None:
-            raise ValueError(f"{flag} {text!r}: {problem} ({why})")
-    if not root.exists():
-        parent = next((p for p in root.absolute().parents if p.exists()), None)
-        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"{flag} {text!r}: {str(parent)!r} is not a writable directory")
-
-
 class CompileCache:
     """torch's compile caches in ``directory`` while open (see the module docstring).
 
@@ -191,22 +147,32 @@ class CompileCache:
         self, directory: str | os.PathLike[str], *, writer: bool = True, flag: str = "compile cache"
     ) -> None:
         check_cache_dir(flag, directory)
-        self.directory = Path(directory).absolute()
+        # The real path: what was judged (every directory above it) is what torch reads.
+        self.directory = Path(os.path.realpath(directory))
         self.writer = writer
+        self.flag = flag
         self._stack: contextlib.ExitStack | None = None
         self._saved_frames = -1  # Dynamo's frame count at the last save
         self.loaded_artifacts = 0  # by the last open (0: warm from inductor/ itself, or cold)
+        self._damaged = False  # artifacts.bin failed to load: rewritten after the next compile
 
     def has_artifacts(self) -> bool:
-        return self.artifacts_file.is_file()
+        """Whether ``artifacts.bin`` holds this cache's artifacts (False when it is missing, or
+        failed to load: the next compiling iteration writes it again)."""
+        return self.artifacts_file.is_file() and not self._damaged
 
     def open(self) -> CompileCache:
-        """Switch the caches on and point them here; load ``artifacts.bin`` if present."""
+        """Switch the caches on and point them here; load ``artifacts.bin`` if present.
+
+        The directory is judged again first (``ValueError``), at its use: before the first
+        load and compile (the module docstring of `stalwart.graphs.cache_trust` says why that
+        judgement then holds for the whole run)."""
         if self._stack is not None:
             return self
         import torch._functorch.config as functorch_config
         import torch._inductor.config as inductor_config
 
+        check_cache_dir(self.flag, self.directory)  # before creating anything in it
         for path in (self.directory, self.inductor_dir):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         stack = contextlib.ExitStack()
@@ -216,7 +182,7 @@ class CompileCache:
         os.environ[_ENV] = str(self.inductor_dir)
         self._stack = stack
         self._saved_frames = CompileCounts.read().frames  # save() writes after new compiles only
-        self.loaded_artifacts = self.load()
+        self.loaded_artifacts = self._load()
         return self
 
     def close(self) -> None:
@@ -227,24 +193,46 @@ class CompileCache:
 
     def load(self) -> int:
         """Hot-load ``artifacts.bin`` into the caches (``torch.compiler.load_cache_artifacts``);
-        returns the number of artifacts loaded (0: no file, no API, an unreadable file, or
-        ``inductor/`` already holds this file's entries: its stamp matches)."""
+        returns the number of artifacts loaded (0: no file, no API, a damaged file, or
+        ``inductor/`` already holds this file's entries: its stamp matches). The directory is
+        judged first (``ValueError``): the file may be new since the cache opened."""
+        check_cache_dir(self.flag, self.directory)
+        return self._load()
+
+    def _load(self) -> int:
         import torch
 
         loader = getattr(torch.compiler, "load_cache_artifacts", None)
         if loader is None or not self.artifacts_file.is_file():
             return 0
-        check_cache_dir("compile cache", self.directory)  # the file may be new since __init__
         if self._stamp_matches():
             return 0
         try:
-            data = self.artifacts_file.read_bytes()
-            info = loader(data)
+            with open_regular(self.artifacts_file) as f:
+                data = f.read()
+            with _TorchCacheLog() as torch_log:
+                info = loader(data)
         except Exception as exc:  # a torn or foreign file must not stop a run: compile cold
-            logger.warning("compile cache: %s not loaded (%s)", self.artifacts_file, exc)
-            return 0
+            return self._not_loaded(f"{type(exc).__name__}: {exc}")
+        if info is None:  # torch logged why (a traceback), and loaded nothing
+            return self._not_loaded(torch_log.reason or "torch could not read it")
+        self._damaged = False
         self._write_stamp()
         return _artifact_count(info)
+
+    def _not_loaded(self, reason: str) -> int:
+        """One line for an ``artifacts.bin`` that did not load; nothing is stamped, and the
+        file is written again after the next iteration that compiles."""
+        self._damaged = True
+        first = reason.strip().splitlines()[0] if reason.strip() else "unknown reason"
+        shown = first if len(first) <= 160 else first[:157] + "..."
+        logger.warning(
+            "compile cache: %s is damaged or not torch's (%s); not loaded: this run compiles "
+            "without it and writes it again after its first compiled iteration",
+            self.artifacts_file,
+            shown,
+        )
+        return 0
 
     def _file_id(self) -> dict[str, int] | None:
         """``artifacts.bin``'s size and modification time (None without the file)."""
@@ -293,6 +281,7 @@ class CompileCache:
             return False
         # Mode 0600, as the cache directory is 0700: what is loaded back stays this user's.
         write_bytes_atomic(self.artifacts_file, result[0], sync=Sync.FILE, mode=0o600)
+        self._damaged = False
         self._write_stamp()  # this process compiled into inductor/: it holds them all
         return True
 
@@ -433,6 +422,32 @@ class CompileActivity:
             with contextlib.suppress(ValueError):
                 handler.remove_start_callback(self._started)
                 handler.remove_end_callback(self._ended)
+
+
+class _TorchCacheLog(logging.Filter):
+    """While active, keeps torch's own report of an unreadable ``artifacts.bin`` (a warning with
+    a 10-line traceback on ``torch.compiler._cache``) off the terminal, and keeps its reason for
+    our one line."""
+
+    _LOGGER = "torch.compiler._cache"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason = ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        self.reason = f"{type(exc).__name__}: {exc}" if exc is not None else record.getMessage()
+        return False
+
+    def __enter__(self) -> _TorchCacheLog:
+        logging.getLogger(self._LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger(self._LOGGER).removeFilter(self)
 
 
 def _restore_env(name: str, value: str | None) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -70,7 +71,10 @@ class GraphContext:
         # (NCCL kernels in the graph need every peer capturing the same sequence) and none
         # replays before all have finished. None: the world barrier, a no-op without a group.
         self._barrier = barrier
-        self._owners: list[Resettable] = []
+        # Weak: a graph dropped without teardown (a failed test, an attempt that raised) is freed
+        # with its captured graphs at once, not kept in a cycle with its context until a full
+        # collection (which may come during a later capture, or at interpreter shutdown).
+        self._owners: list[weakref.ref[Resettable]] = []
         self._closed = False
         self._stream: Any = self._new_stream()
         self._overlap_stream: Any = None  # created on first use (overlapped optimizer replay)
@@ -191,9 +195,11 @@ class GraphContext:
             collectives.barrier()
 
     def register(self, owner: Resettable) -> None:
-        """Track a graph owner so :meth:`teardown` can drop its graphs."""
+        """Track a graph owner so :meth:`teardown` can drop its graphs (weakly: an owner
+        nobody else holds is gone, and its graphs with it)."""
         self._require_open()
-        self._owners.append(owner)
+        self._owners = [ref for ref in self._owners if ref() is not None]
+        self._owners.append(weakref.ref(owner))
 
     @property
     def closed(self) -> bool:
@@ -201,15 +207,17 @@ class GraphContext:
         return self._closed
 
     def teardown(self) -> None:
-        """Reset every registered owner, drop the pool and stream. Idempotent.
+        """Reset every registered owner still alive, drop the pool and stream. Idempotent.
 
         Call on in-process restart and at the end of training: a graph captured against freed
         buffers or old communicators must never be replayed.
         """
         if self._closed:
             return
-        for owner in self._owners:
-            owner.reset()
+        for ref in self._owners:
+            owner = ref()
+            if owner is not None:
+                owner.reset()
         self._owners.clear()
         self.join_overlapped()
         self._pool = None

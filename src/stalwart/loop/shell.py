@@ -86,8 +86,14 @@ class Shell:
         self._consumed = 0
         try:
             config.check_extras()  # before anything is built or written
+            # The sinks first: a W&B run that cannot start (no login) fails before the ledger
+            # writes the run directory, so such a start leaves nothing behind.
+            self.sink = config.sinks.build(
+                rank=rank, run_dir=config.artefact_dir, config=run_config
+            )
+            self._exit.callback(self.sink.close)
             self._build_reliability(attempt, loss_scaler)
-            self._build_probes(run_config, memory_estimate)
+            self._build_probes(memory_estimate)
         except BaseException:
             self._exit.close()
             raise
@@ -119,11 +125,9 @@ class Shell:
         interval = cfg.rerun.check_weight_hash_across_dp_replicas_interval
         self.replicas = ReplicaConsistencyChecker(interval)
 
-    def _build_probes(self, run_config: Mapping[str, Any] | None, estimate: Any) -> None:
+    def _build_probes(self, estimate: Any) -> None:
         cfg, run_dir, on_close = self.config, self.config.artefact_dir, self._exit.callback
         self.timers = cfg.timers.build(self.device)
-        self.sink = cfg.sinks.build(rank=self.rank, run_dir=run_dir, config=run_config)
-        on_close(self.sink.close)
         self.straggler = cfg.straggler.build(self.device, self.rank, self.world_size, run_dir)
         on_close(self.straggler.close)
         memory = cfg.memory.build(

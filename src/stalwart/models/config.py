@@ -117,6 +117,11 @@ class GPTConfig:
     # Llama switches (Megatron names).
     position_embedding_type: PositionEmbeddingType = PositionEmbeddingType.LEARNED_ABSOLUTE
     rotary_base: int = 10000
+    # Llama 3.x frequency scaling of RoPE (Megatron's --use-rope-scaling, --rope-scaling-factor):
+    # wavelengths past 8192 tokens are divided by the factor, those under 2048 kept, those
+    # between blended (low/high frequency factors 1 and 4, as Llama 3.1 and 3.2).
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     normalization: Normalization = Normalization.LAYER_NORM
     swiglu: bool = False
     untie_embeddings_and_output_weights: bool = False
@@ -235,11 +240,15 @@ class GPTConfig:
             ("--swiglu", self.swiglu),
             ("--untie-embeddings-and-output-weights", self.untie_embeddings_and_output_weights),
             ("--disable-bias-linear", self.add_bias_linear),
+            ("--use-rope-scaling", self.use_rope_scaling),
             ("--bf16-residual-connection", self.bf16_residual_connection),
             ("--cross-entropy-loss-fusion", self.cross_entropy_loss_fusion),
         ):
             _require_bool(value, flag)
         _require_int(self.rotary_base, "--rotary-base", 1)
+        _require_positive(self.rope_scaling_factor, "--rope-scaling-factor")
+        if self.use_rope_scaling and not self.uses_rope:
+            raise ValueError("--use-rope-scaling needs --position-embedding-type rope")
         if self.num_query_groups is not None:
             _require_int(self.num_query_groups, "--num-query-groups", 1)
             if self.num_attention_heads % self.num_query_groups != 0:

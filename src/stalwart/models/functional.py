@@ -6,6 +6,8 @@ captured CUDA graph and under ``torch.compile`` without host syncs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
@@ -20,13 +22,40 @@ SDPA_HAS_GQA = TorchVersion(torch.__version__) >= "2.5"
 GQA_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def rotary_tables(head_dim: int, seq_length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+# Llama 3.x RoPE scaling (Megatron's and Meta's constants): the context the frequencies were
+# trained for, and the wavelengths (in units of it) where scaling starts and ends.
+ROPE_SCALING_CONTEXT = 8192
+ROPE_SCALING_LOW_FREQ_FACTOR = 1.0
+ROPE_SCALING_HIGH_FREQ_FACTOR = 4.0
+
+
+def llama3_scaled_frequencies(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.x frequency scaling: channels whose wavelength exceeds ``8192 / 1`` tokens turn
+    ``factor`` times slower, those under ``8192 / 4`` keep their frequency, and those between
+    move linearly (in ``8192 / wavelength``) from one to the other."""
+    wavelength = 2 * math.pi / inv_freq
+    context, low, high = (
+        ROPE_SCALING_CONTEXT,
+        ROPE_SCALING_LOW_FREQ_FACTOR,
+        ROPE_SCALING_HIGH_FREQ_FACTOR,
+    )
+    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    return (1.0 - blend) * inv_freq / factor + blend * inv_freq
+
+
+def rotary_tables(
+    head_dim: int, seq_length: int, base: float, scaling_factor: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos, sin)`` of shape ``[seq_length, head_dim]`` for rotate-half RoPE.
 
     Channel ``i`` and ``i + head_dim/2`` rotate together at frequency ``base^(-2i/head_dim)``
-    (Megatron's non-interleaved layout). Computed in float64 so long sequences keep their angles.
+    (Megatron's non-interleaved layout), scaled as Llama 3.x does when ``scaling_factor`` is
+    given (:func:`llama3_scaled_frequencies`). Computed in float64 so long sequences keep their
+    angles.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling_factor is not None:
+        inv_freq = llama3_scaled_frequencies(inv_freq, scaling_factor)
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()

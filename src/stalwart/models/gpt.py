@@ -21,7 +21,13 @@ from stalwart.models.fused_grad import Linear, embedding_accumulating, linear_ac
 from stalwart.models.moe import MoEMLP, MoERouter
 from stalwart.models.recompute import layer_units, recomputed
 
-__all__ = ["GPT"]
+__all__ = ["GPT", "rope_tables"]
+
+
+def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE ``(cos, sin)`` tables of ``config`` (its base and Llama 3.x scaling)."""
+    factor = config.rope_scaling_factor if config.use_rope_scaling else None
+    return rotary_tables(config.kv_channels, config.seq_length, config.rotary_base, factor)
 
 
 class GPT(nn.Module):
@@ -73,7 +79,7 @@ class GPT(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, h)
         self.position_embeddings: nn.Embedding | None = None
         if config.uses_rope:
-            cos, sin = rotary_tables(config.kv_channels, config.seq_length, config.rotary_base)
+            cos, sin = rope_tables(config)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
@@ -112,7 +118,7 @@ class GPT(nn.Module):
             for tensor in (*model.parameters(), *model.buffers()):
                 tensor.zero_()
             if model.rope_cos is not None and model.rope_sin is not None:
-                cos, sin = rotary_tables(config.kv_channels, config.seq_length, config.rotary_base)
+                cos, sin = rope_tables(config)
                 model.rope_cos.copy_(cos)
                 model.rope_sin.copy_(sin)
         return model

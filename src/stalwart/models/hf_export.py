@@ -1,10 +1,19 @@
-"""The reference GPT's weights under Hugging Face ``LlamaForCausalLM`` names (``stalwart export
---format hf``).
+"""The reference GPT's weights under Hugging Face names (``stalwart export --format hf``):
+``GPT2LMHeadModel`` for the GPT-2 architecture, ``LlamaForCausalLM`` for the Llama one.
+
+A GPT-2-architecture `GPTConfig` (learned positions, LayerNorm, a GELU MLP, multi-head attention:
+the default, ``tiny``, ``small`` and ``gpt2-124m`` presets) is the same function as
+``transformers``' GPT-2 with ``activation_function="gelu"``: the reference GPT's GELU is the exact
+(erf) one, which is transformers' ``"gelu"``; OpenAI's GPT-2 used the tanh approximation
+(``"gelu_new"``), so an OpenAI checkpoint and this export differ in that one function. GPT-2's
+``Conv1D`` layers store ``[in, out]``, the transpose of ``nn.Linear``'s ``[out, in]``; the fused
+``attn.qkv`` is already GPT-2's ``c_attn`` layout (``q | k | v``, heads contiguous). Without
+biases (``--disable-bias-linear``) the export writes zero biases, which GPT-2 adds exactly.
 
 A Llama-architecture `GPTConfig` (RoPE, RMSNorm, SwiGLU, no biases, dense MLP: the ``llama-*``
 presets) is the same function as ``transformers``' Llama: the fused ``attn.qkv`` splits into
 ``q_proj | k_proj | v_proj``, ``mlp.fc1`` into ``gate_proj | up_proj``, and RoPE is the same
-rotate-half layout with the same frequencies. Pure functions of the config and the state dict::
+rotate-half layout with the same frequencies (Llama 3.x scaling as ``rope_scaling``). Pure functions of the config and the state dict::
 
     >>> from stalwart.models import GPT, preset_model_config
     >>> cfg = preset_model_config("llama-tiny", num_layers=1, hidden_size=32, vocab_size=64,
@@ -16,6 +25,12 @@ rotate-half layout with the same frequencies. Pure functions of the config and t
     (16, 32)
     >>> hf_llama_config(cfg)["num_key_value_heads"]
     2
+    >>> gpt2 = preset_model_config("tiny", num_layers=1, hidden_size=32, vocab_size=64)
+    >>> config, state = hf_config_and_state(gpt2, GPT(gpt2).state_dict())
+    >>> config["architectures"], config["activation_function"]
+    (['GPT2LMHeadModel'], 'gelu')
+    >>> tuple(state["transformer.h.0.attn.c_attn.weight"].shape)  # Conv1D: [in, out]
+    (32, 96)
 """
 
 from __future__ import annotations
@@ -26,6 +41,11 @@ from typing import Any
 import torch
 
 from stalwart.models.config import GPTConfig, Normalization
+from stalwart.models.functional import (
+    ROPE_SCALING_CONTEXT,
+    ROPE_SCALING_HIGH_FREQ_FACTOR,
+    ROPE_SCALING_LOW_FREQ_FACTOR,
+)
 
 
 def llama_incompatibility(config: GPTConfig) -> str | None:
@@ -49,7 +69,7 @@ def hf_llama_config(config: GPTConfig) -> dict[str, Any]:
     problem = llama_incompatibility(config)
     if problem is not None:
         raise ValueError(f"not a Llama architecture: {problem}")
-    return {
+    hf: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": config.vocab_size,
@@ -69,6 +89,15 @@ def hf_llama_config(config: GPTConfig) -> dict[str, Any]:
         "initializer_range": config.init_std,
         "torch_dtype": "float32",
     }
+    if config.use_rope_scaling:
+        hf["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": float(config.rope_scaling_factor),
+            "low_freq_factor": ROPE_SCALING_LOW_FREQ_FACTOR,
+            "high_freq_factor": ROPE_SCALING_HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": ROPE_SCALING_CONTEXT,
+        }
+    return hf
 
 
 def hf_llama_state(config: GPTConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -96,3 +125,104 @@ def hf_llama_state(config: GPTConfig, state: Mapping[str, torch.Tensor]) -> dict
     if config.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = state["output_layer.weight"]
     return {name: t.detach().clone().contiguous() for name, t in out.items()}
+
+
+# GPT-2's <|endoftext|>: transformers' GPT2Config default for bos/eos, kept where it is a token.
+_GPT2_EOS = 50256
+
+
+def gpt2_incompatibility(config: GPTConfig) -> str | None:
+    """Why ``config`` is not a GPT-2 architecture (None when it is)."""
+    problems = []
+    if config.uses_rope:
+        problems.append("RoPE (GPT-2: --position-embedding-type learned_absolute)")
+    if config.normalization is not Normalization.LAYER_NORM:
+        problems.append("RMSNorm (GPT-2: --normalization LayerNorm)")
+    if config.swiglu:
+        problems.append("a SwiGLU MLP (GPT-2: GELU, no --swiglu)")
+    if config.query_groups != config.num_attention_heads:
+        problems.append("grouped-query attention (GPT-2: no --num-query-groups)")
+    if config.is_moe:
+        problems.append("experts (GPT-2 is dense)")
+    return "; ".join(problems) or None
+
+
+def hf_gpt2_config(config: GPTConfig) -> dict[str, Any]:
+    """``config.json`` of the equivalent ``GPT2LMHeadModel`` (``ValueError`` if there is none)."""
+    problem = gpt2_incompatibility(config)
+    if problem is not None:
+        raise ValueError(f"not a GPT-2 architecture: {problem}")
+    eos = _GPT2_EOS if config.vocab_size > _GPT2_EOS else None
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_embd": config.hidden_size,
+        "n_layer": config.num_layers,
+        "n_head": config.num_attention_heads,
+        "n_inner": config.ffn_size,
+        "n_positions": config.seq_length,
+        "n_ctx": config.seq_length,
+        "activation_function": "gelu",  # exact GELU (erf), as F.gelu; GPT-2's own is "gelu_new"
+        "layer_norm_epsilon": config.layernorm_epsilon,
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+        "initializer_range": config.init_std,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_gpt2_state(config: GPTConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a `GPT` state dict of a GPT-2-architecture ``config``) under HF GPT-2 names:
+    linear weights transposed to ``Conv1D``'s ``[in, out]``, zero biases where the model has
+    none; the tied output layer is ``transformer.wte`` (no ``lm_head.weight`` of its own)."""
+    hf_gpt2_config(config)  # refuses a non-GPT-2 architecture
+    out = {
+        "transformer.wte.weight": state["word_embeddings.weight"],
+        "transformer.wpe.weight": state["position_embeddings.weight"],
+    }
+    for i in range(config.num_layers):
+        src, dst = f"layers.{i}.", f"transformer.h.{i}."
+        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            out[dst + theirs + ".weight"] = state[src + ours + ".weight"]
+            out[dst + theirs + ".bias"] = state[src + ours + ".bias"]
+        for ours, theirs in (
+            ("attn.qkv", "attn.c_attn"),
+            ("attn.proj", "attn.c_proj"),
+            ("mlp.fc1", "mlp.c_fc"),
+            ("mlp.fc2", "mlp.c_proj"),
+        ):
+            weight = state[src + ours + ".weight"]
+            bias = state.get(src + ours + ".bias")
+            if bias is None:  # --disable-bias-linear: GPT-2 adds zeros, exactly
+                bias = weight.new_zeros(len(weight))
+            out[dst + theirs + ".weight"] = weight.t()
+            out[dst + theirs + ".bias"] = bias
+    out["transformer.ln_f.weight"] = state["final_layernorm.weight"]
+    out["transformer.ln_f.bias"] = state["final_layernorm.bias"]
+    if config.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = state["output_layer.weight"]
+    return {name: t.detach().clone().contiguous() for name, t in out.items()}
+
+
+def hf_config_and_state(
+    config: GPTConfig, state: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(config.json, state under HF names)`` of the transformers model that computes what
+    ``config`` does: ``GPT2LMHeadModel`` or ``LlamaForCausalLM``. ``ValueError`` (one line,
+    naming what stands in the way of each) when neither does."""
+    gpt2, llama = gpt2_incompatibility(config), llama_incompatibility(config)
+    if gpt2 is None:
+        return hf_gpt2_config(config), hf_gpt2_state(config, state)
+    if llama is None:
+        return hf_llama_config(config), hf_llama_state(config, state)
+    raise ValueError(
+        f"no transformers model computes this architecture: not GPT-2 ({gpt2}); not Llama ({llama})"
+    )

@@ -73,11 +73,34 @@ PRESETS: Mapping[str, Mapping[str, object]] = MappingProxyType(
                 **_LLAMA,
             }
         ),
+        # Llama 3.2 1B (meta-llama/Llama-3.2-1B's config.json): 1,235,814,400 parameters, of
+        # which 262.7M the word embeddings, tied to the output layer as Llama 3.2 1B ties them;
+        # GQA 32 heads : 8 groups (head dim 64), SwiGLU 8192, RoPE base 500,000 with Llama 3's
+        # scaling (factor 32), RMSNorm epsilon 1e-5, trained at 2048 tokens here.
+        "llama-1b": MappingProxyType(
+            {
+                "num_layers": 16,
+                "hidden_size": 2048,
+                "num_attention_heads": 32,
+                "num_query_groups": 8,
+                "ffn_hidden_size": 8192,
+                "seq_length": 2048,
+                "vocab_size": 128256,
+                "rotary_base": 500000,
+                "use_rope_scaling": True,
+                "rope_scaling_factor": 32.0,
+                **_LLAMA,
+                "untie_embeddings_and_output_weights": False,
+            }
+        ),
     }
 )
 """Preset name -> read-only ``GPTConfig`` field values (other fields keep their defaults)."""
 
-PRESET_MICRO_BATCH_SIZE: Mapping[str, int] = MappingProxyType({name: 8 for name in PRESETS})
+# llama-1b: 4 x 2048 tokens (a [8192, 128256] logits tensor per micro-batch).
+PRESET_MICRO_BATCH_SIZE: Mapping[str, int] = MappingProxyType(
+    {name: 4 if name == "llama-1b" else 8 for name in PRESETS}
+)
 """Preset name -> default ``--micro-batch-size``."""
 
 

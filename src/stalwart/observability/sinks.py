@@ -18,6 +18,7 @@ Optional dependencies (``tensorboard``, ``wandb``) are imported when a sink is c
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import json
@@ -132,7 +133,9 @@ class WandbSink:
     instead of scattering the job over several runs.
 
     Keys are grouped exactly as in :class:`TensorBoardSink` (``grouped``), so both back-ends show
-    the same tags.
+    the same tags. A run that does not start (``wandb.init`` raised: no login, a refused key) is
+    a ``ValueError`` of one line naming ``--wandb-project``, and the save directories this
+    construction made are removed again.
     """
 
     def __init__(
@@ -155,18 +158,24 @@ class WandbSink:
             raise ImportError(
                 "--wandb-project needs the 'wandb' package: pip install 'stalwart[wandb]'"
             ) from exc
-        if save_dir:
-            os.makedirs(save_dir, exist_ok=True)
+        created = _make_dirs(save_dir)
         run_id = _read_run_id(resume_file)
-        self._run = wandb.init(
-            project=project,
-            name=exp_name,
-            dir=save_dir,
-            config=dict(config or {}),
-            mode=cast(Any, None if mode is None else mode.value),  # wandb's stub wants a Literal
-            id=run_id,
-            resume="allow" if run_id else None,
-        )
+        wandb_mode = cast(Any, None if mode is None else mode.value)  # its stub wants a Literal
+        try:
+            self._run = wandb.init(
+                project=project,
+                name=exp_name,
+                dir=save_dir,
+                config=dict(config or {}),
+                mode=wandb_mode,
+                id=run_id,
+                resume="allow" if run_id else None,
+            )
+        except Exception as exc:  # no login, a refused key, no server: wandb's own error types
+            for path in reversed(created):  # what this start made for W&B, while still empty
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            raise ValueError(_wandb_start_failure(project, exc)) from None
         if resume_file and not run_id:
             _write_run_id(resume_file, str(self._run.id))
         self._run.define_metric("iteration")
@@ -205,6 +214,30 @@ class WandbSink:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def _make_dirs(path: str | None) -> list[str]:
+    """``os.makedirs(path)``; the directories it created, outermost first."""
+    if not path:
+        return []
+    missing: list[str] = []
+    head = os.path.abspath(path)
+    while not os.path.exists(head):
+        missing.insert(0, head)
+        head = os.path.dirname(head)
+    os.makedirs(path, exist_ok=True)
+    return missing
+
+
+def _wandb_start_failure(project: str, exc: Exception) -> str:
+    """One line for a W&B run that did not start (wandb's message is its first line)."""
+    said = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    return (
+        f"--wandb-project {project}: W&B did not start a run ({type(exc).__name__}"
+        + (f": {said[:300]}" if said else "")
+        + "): log in with `wandb login` or set WANDB_API_KEY, or pass --wandb-mode offline "
+        "(sync later with `wandb sync`)"
+    )
 
 
 def _read_run_id(path: str | None) -> str | None:
@@ -373,15 +406,14 @@ def build_sinks(
 
     Raises:
         TypeError: ``wandb_mode`` is not a :class:`WandbMode` (or None), on every rank.
+        ValueError: W&B did not start a run (no login, a refused key): one line naming
+            ``--wandb-project`` and what to do; nothing of TensorBoard written yet.
     """
     _check_wandb_mode(wandb_mode)
     if rank != 0:
         return NullSink()
     children: list[MetricSink] = []
-    if tensorboard_dir:
-        children.append(
-            TensorBoardSink(tensorboard_dir, max_queue=tensorboard_queue_size, grouped=grouped)
-        )
+    # W&B first: a run that cannot start (no login) fails before TensorBoard writes a file.
     if wandb_project:
         save_dir = wandb_save_dir or (
             os.path.join(tensorboard_dir, "wandb") if tensorboard_dir else None
@@ -396,6 +428,10 @@ def build_sinks(
                 wandb_resume_file,
                 grouped=grouped,
             )
+        )
+    if tensorboard_dir:
+        children.insert(
+            0, TensorBoardSink(tensorboard_dir, max_queue=tensorboard_queue_size, grouped=grouped)
         )
     if not children:
         return NullSink()

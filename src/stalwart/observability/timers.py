@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from stalwart.distributed import collectives
 from stalwart.observability.timer_names import STANDARD_TIMER_LEVELS
+from stalwart.observability.timer_report import TimerReport, TimingLogOption, check_log_option
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -67,23 +68,6 @@ class TimingMode(enum.Enum):
     EVENTS = "events"
 
 
-class TimingLogOption(enum.Enum):
-    """``--timing-log-option``: which figures across ranks the timer text shows."""
-
-    MAX = "max"
-    MINMAX = "minmax"
-    ALL = "all"
-
-
-def _check_log_option(log_option: object) -> None:
-    # A string would silently print min/max for anything but a known value: parse it once.
-    if not isinstance(log_option, TimingLogOption):
-        raise TypeError(
-            f"the timers' log option must be a TimingLogOption, got {log_option!r} "
-            "(parse it once: TimingLogOption('max'))"
-        )
-
-
 def validate_timing_flags(log_level: int, log_option: TimingLogOption) -> None:
     """Check ``--timing-log-level``/``--timing-log-option`` as a config holds them.
 
@@ -97,7 +81,7 @@ def validate_timing_flags(log_level: int, log_option: TimingLogOption) -> None:
         )
     if not 0 <= log_level <= MAX_LOG_LEVEL:
         raise ValueError(f"--timing-log-level must be one of 0, 1, 2, got {log_level}")
-    _check_log_option(log_option)
+    check_log_option(log_option)
 
 
 class NullTimer:
@@ -112,6 +96,8 @@ class NullTimer:
     def start(self, barrier: bool = False) -> None: ...
     def stop(self, barrier: bool = False) -> None: ...
     def reset(self) -> None: ...
+    def set_barrier_group(self, barrier_group: ProcessGroup | None) -> None: ...
+    def set_elapsed(self, value: float) -> None: ...
 
     def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
         raise RuntimeError(
@@ -161,6 +147,25 @@ class Timer:
     @property
     def is_running(self) -> bool:
         return self._running
+
+    def set_barrier_group(self, barrier_group: ProcessGroup | None) -> None:
+        """The group that ``barrier=True`` waits for in :meth:`start`, :meth:`stop` and
+        :meth:`elapsed` (Megatron's API; None: the default world group). A timer of a phase that
+        only some ranks run (one pipeline stage, one replica group) barriers with its peers
+        only, so the ranks outside it are not held up."""
+        self._barrier_group = barrier_group
+
+    def set_elapsed(self, value: float) -> None:
+        """Set the accumulated seconds since the last reset to ``value`` (Megatron's API).
+
+        Work timed but not yet read (CUDA event pairs, deferred figures) is replaced: it still
+        counts in :meth:`active_time`, like a :meth:`reset`. A running timer keeps running.
+        """
+        self._pending_active_only.extend(self._pending)
+        self._pending = []
+        self._deferred_active_only.extend(self._deferred)
+        self._deferred = []
+        self._elapsed_s = float(value)
 
     def start(self, barrier: bool = False) -> None:
         if self._running:
@@ -266,70 +271,6 @@ class Timer:
         """Seconds this timer has been running since creation, across resets."""
         self._resolve()
         return self._active_s
-
-
-@dataclass(frozen=True)
-class TimerReport:
-    """Per-rank milliseconds (already divided by the normalizer) for a list of timer names.
-
-    ``ms[r][i]`` is rank ``r``'s value for ``names[i]``; 0 means "not timed on that rank" and is
-    excluded from min/max, as in Megatron.
-    """
-
-    names: tuple[str, ...]
-    ms: tuple[tuple[float, ...], ...]
-
-    def min_max(self) -> dict[str, tuple[float, float]]:
-        """Name -> (min, max) over ranks with a positive value; names without one are omitted."""
-        out: dict[str, tuple[float, float]] = {}
-        for i, name in enumerate(self.names):
-            values = [row[i] for row in self.ms if row[i] > 0.0]
-            if values:
-                out[name] = (min(values), max(values))
-        return out
-
-    def format(self, log_option: TimingLogOption) -> str | None:
-        """Megatron's text for ``MAX`` / ``MINMAX`` / ``ALL``; None when nothing was timed.
-
-        Raises:
-            TypeError: ``log_option`` is not a :class:`TimingLogOption`.
-        """
-        _check_log_option(log_option)
-        if log_option is TimingLogOption.ALL:
-            return self._format_all()
-        pairs = self.min_max()
-        if not pairs:
-            return None
-        if log_option is TimingLogOption.MAX:
-            text = "max time across ranks (ms):"
-            for name, (_, hi) in pairs.items():
-                text += "\n    " + (name + " ").ljust(48, ".") + f": {hi:.2f}"
-        else:
-            text = "(min, max) time across ranks (ms):"
-            for name, (lo, hi) in pairs.items():
-                text += "\n    " + (name + " ").ljust(48, ".") + f": ({lo:.2f}, {hi:.2f})"
-        return text
-
-    def _format_all(self) -> str | None:
-        text = "times across ranks (ms):"
-        found = False
-        for i, name in enumerate(self.names):
-            per_rank = [(r, row[i]) for r, row in enumerate(self.ms) if row[i] > 0.0]
-            if not per_rank:
-                continue
-            found = True
-            text += f"\n  {name}:"
-            for r, value in per_rank:
-                text += f"\n     rank {r:2d}: {value:.2f}"
-        return text if found else None
-
-    def scalars(self) -> dict[str, float]:
-        """Metrics-file scalars: ``"<name>-time-ms"`` -> max over ranks (milliseconds)."""
-        return {f"{name}-time-ms": hi for name, (_, hi) in self.min_max().items()}
-
-    def megatron_scalars(self) -> dict[str, float]:
-        """Dashboard scalars, Megatron's keys and unit: ``"<name>-time"`` -> max over ranks (s)."""
-        return {f"{name}-time": hi / 1000.0 for name, (_, hi) in self.min_max().items()}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -500,3 +441,16 @@ class Timers:
         scalars = rep.megatron_scalars()
         if scalars:
             writer.add_scalars(scalars, iteration)
+
+
+__all__ = [
+    "MAX_LOG_LEVEL",
+    "NullTimer",
+    "Timer",
+    "TimerConfig",
+    "TimerReport",
+    "Timers",
+    "TimingLogOption",
+    "TimingMode",
+    "validate_timing_flags",
+]

@@ -362,10 +362,12 @@ def render_html(
     ``interactive``: plotly charts (None: when plotly is installed; True without plotly raises
     ``ImportError``), else inline SVG.
     """
+    from stalwart.report.ettr import ettr_section
     from stalwart.report.goodput import goodput_section
 
     charts = make_charts(interactive)
-    sections = [goodput_section(art.run_dir), *_metric_sections(art, charts)]
+    sections = [goodput_section(art.run_dir), ettr_section(art.run_dir)]
+    sections += _metric_sections(art, charts)
     sections += [
         _memory_section(art, charts),
         _straggler_section(art, charts),

@@ -30,12 +30,19 @@ import os
 from pathlib import Path
 
 from stalwart.atomic_file import Sync, write_text_atomic
+from stalwart.observability.goodput.records import GOODPUT_FILE
 from stalwart.observability.run_dir import (
+    CHAOS_FILE,
     EVENTS_FILE,
+    EXIT_REASON_FILE,
     LOSS_KEYS,
     LR_KEYS,
+    MANIFEST_FILE,
+    MEMORY_FILE,
+    METRICS_FILE,
     PNG_DIR,
     REPORT_FILE,
+    STRAGGLER_FILE,
     THROUGHPUT_KEYS,
     RunArtefacts,
     RunPaths,
@@ -46,7 +53,39 @@ from stalwart.observability.run_dir import (
 )
 from stalwart.report import clean
 
-__all__ = ["load_run", "write_pngs", "write_report"]
+__all__ = ["NoRunArtefacts", "load_run", "write_pngs", "write_report"]
+
+
+# What a run directory holds besides its metrics; a report needs one of them at least.
+SIDE_ARTEFACTS = (
+    EVENTS_FILE,
+    GOODPUT_FILE,
+    STRAGGLER_FILE,
+    MEMORY_FILE,
+    EXIT_REASON_FILE,
+    CHAOS_FILE,
+    MANIFEST_FILE,
+)
+
+
+class NoRunArtefacts(FileNotFoundError):
+    """The directory holds nothing a run writes: a report of it would be empty."""
+
+
+def _check_run_artefacts(root: Path, metrics: Path | None) -> None:
+    if (metrics is not None and metrics.exists()) or any(
+        (root / n).exists() for n in SIDE_ARTEFACTS
+    ):
+        return
+    tensorboard = any(root.glob("events.out.tfevents.*")) or any(
+        root.glob("*/events.out.tfevents.*")
+    )
+    raise NoRunArtefacts(
+        f"{root} holds no run artefacts: looked for {METRICS_FILE} (or the metrics path in "
+        f"{MANIFEST_FILE}, or *metrics*.jsonl), {', '.join(SIDE_ARTEFACTS)}; pass the run "
+        "directory (--save or --run-dir of the run)"
+        + ("; TensorBoard's event files here are TensorBoard's to show" if tensorboard else "")
+    )
 
 
 def _find_metrics(run_dir: Path) -> Path | None:
@@ -67,6 +106,8 @@ def load_run(
 
     Raises:
         FileNotFoundError: ``run_dir`` does not exist or is not a directory.
+        NoRunArtefacts: ``run_dir`` holds none of a run's artefacts (an empty directory, a
+            TensorBoard directory): one line naming what was looked for.
     """
     root = Path(run_dir)
     if not root.is_dir():
@@ -74,6 +115,7 @@ def load_run(
     art = RunArtefacts(run_dir=root)
     notes = art.notes
     metrics = Path(metrics_file) if metrics_file is not None else _find_metrics(root)
+    _check_run_artefacts(root, metrics)
     if metrics is None or not metrics.exists():
         notes.append(
             "metrics JSONL not found: loss, learning-rate, throughput and timer charts skipped"
@@ -170,7 +212,8 @@ def write_report(
     ``interactive``: plotly charts (None: when plotly is installed), else inline SVG.
 
     Raises:
-        FileNotFoundError: ``run_dir`` does not exist.
+        FileNotFoundError: ``run_dir`` does not exist, or holds no run artefact
+            (`NoRunArtefacts`; nothing is written then).
     """
     from stalwart.report.html import render_html
 

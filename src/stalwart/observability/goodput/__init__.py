@@ -6,6 +6,9 @@
 * `reader`: ``read_ledger``, the one place a line of ``goodput.jsonl`` becomes a record.
 * `held`: what waits for a step's end or for the look-ahead's next step.
 * `session`: process start times and what earlier sessions left.
+* `recovery`: each recovery from a fault (detection, teardown, restart, recompile, lost work).
+* `ettr`: ETTR at N GPUs from those costs under a failure model (pure functions);
+  `ettr_report`: ``stalwart goodput --project``.
 
 Standard library only: ``stalwart goodput`` reads the ledger without torch.
 """

@@ -181,7 +181,7 @@ class GoodputLedger:
 
     # ------------------------------------------------------------------ set-up
     def _open_append(self) -> int:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         size = os.fstat(fd).st_size
         if size:
             with open(self.path, "rb") as f:
@@ -517,7 +517,7 @@ def record_action(
     record = Marker(RecordKind.ACTION, time.time() if when is None else when, "launch", fields)
     path = Path(run_dir) / GOODPUT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         size = os.fstat(fd).st_size
         prefix = b""

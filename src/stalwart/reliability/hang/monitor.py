@@ -301,7 +301,7 @@ def _append_goodput_fault(path: str, rank: int, overrun: Overrun) -> None:
     record = {"k": "fault", "t": round(time.time(), 6), "s": f"hang-monitor-rank{rank}",
               "cause": "hang", "rank": rank,
               "detail": f"{overrun.section} open {overrun.elapsed_s:.1f} s > {overrun.timeout_s:g} s"}  # fmt: skip
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         size = os.fstat(fd).st_size
         with open(path, "rb") as f:  # end a torn last line first, so this record stays readable

@@ -108,7 +108,7 @@ class RerunErrorInjector:
         path = os.path.join(self.marker_dir, f".stalwart_rerun_injected_{iteration + 1}_{rank}")
         try:
             os.makedirs(self.marker_dir, exist_ok=True)
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
         except FileExistsError:
             logger.warning(
                 "not injecting at iteration %d: %s exists (fired once)", iteration + 1, path

@@ -173,6 +173,25 @@ class RerunStateMachine:
     def get_mode(self) -> RerunMode:
         return self.mode
 
+    def set_mode(self, mode: RerunMode | str) -> None:
+        """Change the mode between iterations (Megatron's API; logs a warning, as Megatron does).
+
+        Megatron's evaluation switches to ``disabled`` and back with ``get_mode``/``set_mode``;
+        :meth:`disabled` does the same as a context manager and also keeps evaluation's checks
+        out of training's device buffer. Raises ``RuntimeError`` while an iteration's passes run
+        (or one begun ahead is pending, or the machine awaits its exit): a mode changed mid-way
+        would judge a pass by rules it was not recorded under.
+        """
+        parsed = RerunMode.parse(mode)
+        busy = self.state is not RerunState.NOT_RUNNING_YET
+        if busy or self._look_ahead.pending or self._awaiting_exit:
+            raise RuntimeError(
+                f"set_mode({parsed.value!r}) between iterations only; the machine is in state "
+                f"{self.state.name}"
+            )
+        self.mode = parsed
+        logger.warning("RerunStateMachine mode set to %s", parsed.value)
+
     def set_iteration(self, iteration: int) -> None:
         """The 0-based index of the iteration about to run (messages and tracker lines print it
         + 1, the number the training log shows).

@@ -7,12 +7,17 @@ working; behaviour is re-implemented from a behavioural spec, not copied.
 from __future__ import annotations
 
 import enum
-import socket
 from dataclasses import dataclass
 
 import torch
 
-from stalwart.distributed.launch_env import VISIBLE_DEVICES_ENV, env_device_list, env_int, env_token
+from stalwart.distributed.launch_env import (
+    VISIBLE_DEVICES_ENV,
+    env_device_list,
+    env_int,
+    env_token,
+    node_name,
+)
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
 """The launcher should restart the job from the checkpoint just saved (or the same one)."""
@@ -124,14 +129,15 @@ class RerunValidationStatus(str, enum.Enum):  # noqa: UP042 (StrEnum needs Pytho
 def device_identity() -> Identity:
     """(node, device) of this process, read now.
 
-    The device is ``$STALWART_DEVICE_ID`` when set; else entry ``LOCAL_RANK`` of
+    The node is `stalwart.distributed.launch_env.node_name` (SLURM's node name, else the
+    hostname). The device is ``$STALWART_DEVICE_ID`` when set; else entry ``LOCAL_RANK`` of
     ``$STALWART_VISIBLE_DEVICES`` (fake device ids on CPU/gloo, set by ``stalwart launch``);
     else, once CUDA is initialised, the physical id of the current device: its entry of
     ``$CUDA_VISIBLE_DEVICES`` when set (a relaunch with a remapped list must name the same GPU
     as the launch that suspected it), else its index; else ``cpu:<LOCAL_RANK>``. Reading it
     never initialises CUDA.
     """
-    node = socket.gethostname()
+    node = node_name()  # SLURM's name where it has one: what `stalwart launch` compares
     override = env_token(DEVICE_ID_ENV, "")
     if override:
         return node, override
