@@ -76,7 +76,7 @@ class ShellConfig(ProbeConfigs):
     run_dir: str | None = None
     goodput: bool = True
     seq_length: int | None = None
-    exit: ExitConfig = field(default_factory=lambda: ExitConfig(exit_signal_handler=True))
+    exit: ExitConfig = field(default_factory=ExitConfig)
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     # Disabled unless asked for; a framework draws its own progress bar.
     rerun: RerunConfig = field(default_factory=lambda: RerunConfig(rerun_mode=RerunMode.DISABLED))

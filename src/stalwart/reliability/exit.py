@@ -105,7 +105,9 @@ class ExitConfig:
     """Exit and save-cadence settings (Megatron flags). Intervals of 0 or None are disabled.
 
     Attributes:
-        exit_signal_handler: install `DistributedSignalHandler` (``--exit-signal-handler``).
+        exit_signal_handler: install `DistributedSignalHandler` (``--exit-signal-handler``). On
+            unless turned off by name: a preempted job saves whatever else a loop configures
+            (the CLI passes Megatron's default, off, unless ``--exit-signal-handler``).
         exit_signal: the signal it handles (``--exit-signal``; a name or `signal.Signals`).
         exit_duration_in_mins: wall-clock budget of this run in minutes.
         exit_interval: exit when ``iteration % exit_interval == 0``.
@@ -116,7 +118,7 @@ class ExitConfig:
             CLI turns it on for a single-process run on a terminal). Every rank must share it.
     """
 
-    exit_signal_handler: bool = False
+    exit_signal_handler: bool = True
     exit_signal: signal.Signals | str = signal.SIGTERM
     exit_duration_in_mins: float | None = None
     exit_interval: int | None = None
