@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib.util
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import torch  # noqa: E402
 
 from stalwart.distributed.process_group import DistributedContext  # noqa: E402
 from stalwart.integrations import hf, lightning  # noqa: E402
-from stalwart.loop import Shell, ShellConfig  # noqa: E402
+from stalwart.loop import Names, Shell, ShellConfig  # noqa: E402
 from stalwart.loop.shell_config import PROBES  # noqa: E402
 from stalwart.observability.dumps import TensorDumpConfig  # noqa: E402
 from stalwart.observability.energy import EnergyConfig, EnergyMeter  # noqa: E402
@@ -172,16 +173,17 @@ def _loop(save: Path, probes: dict[str, Any]) -> None:
     with config.build() as shell:
         step = shell.step(model, optimizer, lambda b, m: m(b).square().mean(), batches)
         shell.start()
-        for it in range(ITERS):
-            with shell.iteration(it):
+        for _ in range(ITERS):
+            with shell.iteration() as it:
                 result = step.run(it, launch_next=False)
-            shell.record(it + 1, result, batch_size=4)
-            decision = shell.decide(it + 1, result, finished=it + 1 == ITERS)
+            shell.record(result, batch_size=4)
+            decision = shell.decide(result)
             if decision.exit:
-                shell.finish(decision, it + 1)
+                shell.finish(decision)
                 break
 
 
+SPELLING = {"trainer": Names.CLI, "lightning": Names.LIGHTNING, "hf": Names.HF, "loop": Names.LOOP}
 RUNNERS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
     "trainer": _trainer, "lightning": _lightning, "hf": _hf, "loop": _loop,
 }  # fmt: skip
@@ -329,5 +331,6 @@ def test_log_energy_without_nvml_is_refused_in_one_line_on_each_path(
     path: str, tmp_path: Path
 ) -> None:
     probes = {"energy": EnergyConfig(log_energy=True)}
-    with pytest.raises(ValueError, match=r"^--log-energy needs the 'nvidia-ml-py' package"):
+    name = re.escape(SPELLING[path].spell("energy.log_energy"))
+    with pytest.raises(ValueError, match=rf"^{name} needs the 'nvidia-ml-py' package"):
         RUNNERS[path](tmp_path / "save", probes)

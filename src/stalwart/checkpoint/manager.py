@@ -151,6 +151,11 @@ class CheckpointManager:
             logger,
         )
 
+    @property
+    def async_save(self) -> bool:
+        """Whether saves finish in the background (``--async-save``)."""
+        return self._async is not None
+
     # ------------------------------------------------------------------ checks
     def check_writable(self) -> None:
         """Create the save directories, probe-write a file on every rank, then take the lock of

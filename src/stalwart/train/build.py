@@ -35,7 +35,6 @@ from stalwart.data.batch_schedule import BatchSchedule
 from stalwart.distributed.ddp_layout import needs_settled_layout, settle_bucket_layout
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import (
-    CompileBooking,
     CompileCache,
     CudaGraphImpl,
     GraphSettings,
@@ -49,7 +48,6 @@ from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
 from stalwart.models import GPT, RecomputeGranularity
 from stalwart.models.memory_model import CUDA_WORKSPACE_BYTES, MemoryEstimate, theoretical_memory
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
-from stalwart.observability.goodput import GoodputLedger, NullGoodputLedger
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
 from stalwart.reliability.replica_check import flip_gradient_bit, flip_parameter_bit
 from stalwart.reliability.signals import DataLoaderWorkerSignalGuard
@@ -327,21 +325,20 @@ def build_compile_cache(config: RunConfig, rank: int) -> CompileCache | NullComp
     return CompileCache(directory, writer=rank == 0, flag=flag)
 
 
-def build_compile_booking(
+def open_compile_cache(
     config: RunConfig,
     rank: int,
     given: CompileCache | NullCompileCache | None,
-    ledger: GoodputLedger | NullGoodputLedger,
     on_close: Callable[[Callable[[], None]], object],
-) -> CompileBooking:
-    """The booking of compiling iterations into ``ledger``, over ``given`` (an open cache its
-    owner keeps: the in-process restart wrapper's) or this run's own cache, opened now and
-    closed through ``on_close``."""
-    cache = given
-    if cache is None:
-        cache = build_compile_cache(config, rank).open()
-        on_close(cache.close)
-    return CompileBooking(cache, ledger, enabled=config.training.compile)
+) -> CompileCache | NullCompileCache:
+    """The persistent compile cache the shell writes after an iteration that compiled:
+    ``given`` (an open cache its owner keeps: the in-process restart wrapper's), or this run's
+    own, opened now and closed through ``on_close``."""
+    if given is not None:
+        return given
+    cache = build_compile_cache(config, rank).open()
+    on_close(cache.close)
+    return cache
 
 
 def build_compute_weights(
