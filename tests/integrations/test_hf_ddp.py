@@ -55,9 +55,12 @@ def _fault_on_rank_1(rank: int, out: str, peer: bool) -> dict[str, Any]:
 
     _, _, reference = train(out + "-reference", f"dev{rank}")
     fault = dict(
-        error_injection_rate=1, error_injection_type="persistent_error",
-        error_injection_iterations=[3], error_injection_ranks=[1], rerun_peer_replay=peer,
-    )  # fmt: skip
+        error_injection_rate=1,
+        error_injection_type="persistent_error",
+        error_injection_iterations=[3],
+        error_injection_ranks=[1],
+        rerun_peer_replay=peer,
+    )
     elsewhere = ("dev0", "dev3")[rank]  # rank 1 on dev3 now
     codes = [train(out, f"dev{rank}", **fault)[0]]
     if not peer:  # the relaunch after 16 reruns the iteration elsewhere: the diagnosis, 17
@@ -69,9 +72,14 @@ def _fault_on_rank_1(rank: int, out: str, peer: bool) -> dict[str, Any]:
 
 def _worker(rank: int, port: int, out: str, peer: bool, results: Any) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1",
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        OMP_NUM_THREADS="1",
+    )
     try:
         results.put((rank, "ok", _fault_on_rank_1(rank, out, peer)))
     except BaseException:

@@ -82,10 +82,16 @@ def _shard_and_resume(rank: int, tmp_path: Path) -> dict[str, Any]:
             return _loader()
 
     trainer = L.Trainer(
-        max_steps=t.STEPS, accelerator="cpu", devices=2, strategy="ddp",
-        callbacks=[t.StalwartCallback(str(tmp_path / "own"))], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        max_steps=t.STEPS,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        callbacks=[t.StalwartCallback(str(tmp_path / "own"))],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     try:
         trainer.fit(OwnLoader())
         refused = ""
@@ -118,8 +124,9 @@ def _fault_on_rank_1(rank: int, tmp_path: Path, at: int, peer: bool) -> dict[str
         )  # fmt: skip
         module = t.TinyLlama()
         try:
-            trainer.fit(module, _loader(), ckpt_path=t.latest_checkpoint(str(save)),
-                        weights_only=True)  # fmt: skip
+            trainer.fit(
+                module, _loader(), ckpt_path=t.latest_checkpoint(str(save)), weights_only=True
+            )
         except SystemExit as exc:
             return exc.code, None, None
         return callback.exit_code, trainer.global_step, t._params(module)
@@ -127,9 +134,12 @@ def _fault_on_rank_1(rank: int, tmp_path: Path, at: int, peer: bool) -> dict[str
     _, _, reference = fit(tmp_path / "reference", f"dev{rank}")
     save = tmp_path / "out"
     fault = dict(
-        error_injection_rate=1, error_injection_type="persistent_error",
-        error_injection_iterations=[at], error_injection_ranks=[1], rerun_peer_replay=peer,
-    )  # fmt: skip
+        error_injection_rate=1,
+        error_injection_type="persistent_error",
+        error_injection_iterations=[at],
+        error_injection_ranks=[1],
+        rerun_peer_replay=peer,
+    )
     elsewhere = ("dev0", "dev3")[rank]  # rank 1 on dev3 now
     codes = [fit(save, f"dev{rank}", **fault)[0]]
     if not peer:  # the relaunch after 16 reruns the iteration elsewhere: the diagnosis, 17
@@ -141,10 +151,17 @@ def _fault_on_rank_1(rank: int, tmp_path: Path, at: int, peer: bool) -> dict[str
 
 def _worker(scenario: str, rank: int, port: int, tmp: str, results: Any) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", NODE_RANK="0",
-        TORCHELASTIC_RUN_ID="stalwart-test", OMP_NUM_THREADS="1",
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        GROUP_RANK="0",
+        NODE_RANK="0",
+        TORCHELASTIC_RUN_ID="stalwart-test",
+        OMP_NUM_THREADS="1",
+    )
     try:
         if scenario == "shard":
             got = _shard_and_resume(rank, Path(tmp))

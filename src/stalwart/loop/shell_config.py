@@ -97,9 +97,12 @@ class ShellConfig(ProbeConfigs):
         return self.run_dir or self.save_dir
 
     def check(
-        self, names: Names = Names.LOOP, *, device: torch.device | None = None,
+        self,
+        names: Names = Names.LOOP,
+        *,
+        device: torch.device | None = None,
         world_size: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Every rule between the shell's settings (with ``device`` and ``world_size``: also
         what the job must have), raised as one ``ValueError`` naming the settings as ``names``
         spells them. The shell checks before it builds or writes anything, so a refused start
@@ -108,11 +111,17 @@ class ShellConfig(ProbeConfigs):
         for path, value, why in (
             ("progress.log_progress", self.progress.log_progress, "progress.txt is written there"),
             ("exit.save_interval", self.exit.save_interval, "a checkpoint directory"),
-            ("exit.non_persistent_save_interval", self.exit.non_persistent_save_interval,
-             "the non-persistent checkpoints' directory defaults to <save>/non_persistent"),
-            ("rerun.error_injection_once", self.rerun.error_injection_once,
-             "the fired-once markers live there"),
-        ):  # fmt: skip
+            (
+                "exit.non_persistent_save_interval",
+                self.exit.non_persistent_save_interval,
+                "the non-persistent checkpoints' directory defaults to <save>/non_persistent",
+            ),
+            (
+                "rerun.error_injection_once",
+                self.rerun.error_injection_once,
+                "the fired-once markers live there",
+            ),
+        ):
             if value and not self.save_dir:
                 raise ValueError(f"{spell(path)} needs {spell('save_dir')} ({why})")
         intervals = (spell("memory.log_memory_interval"), spell("log.log_interval"))

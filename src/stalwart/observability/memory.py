@@ -171,9 +171,10 @@ def compare(estimate: MemoryFootprint | None, measured: dict[str, float]) -> dic
 
 
 def validate_memory_args(
-    log_interval: int, log_memory_interval: int | None,
+    log_interval: int,
+    log_memory_interval: int | None,
     names: tuple[str, str] = ("--log-memory-interval", "--log-interval"),
-) -> None:  # fmt: skip
+) -> None:
     """``--log-memory-interval`` is off when None or 0, else a positive multiple of the log
     interval (``names``: the two settings as the caller's path spells them)."""
     if not log_memory_interval:

@@ -94,11 +94,17 @@ class Trainer:
         # The shell: ledger, watchdog, signal handler, agreement, rerun machine, probes, log,
         # the iterations (count, skip list, compile booking into this run's cache).
         self.shell = config.shell_config().build(
-            rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, print_fn=self.print,
-            attempt=attempt, loss_scaler=self.loss_scaler, run_config=config.to_dict(),
-            memory_estimate=build.memory_estimate(config, ctx), names=Names.CLI,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            device=ctx.device,
+            print_fn=self.print,
+            attempt=attempt,
+            loss_scaler=self.loss_scaler,
+            run_config=config.to_dict(),
+            memory_estimate=build.memory_estimate(config, ctx),
+            names=Names.CLI,
             compile_cache=cache,
-        )  # fmt: skip
+        )
         on_close(self.shell.close)
         self.shell.handle_signals()  # now: a SIGTERM during set-up only raises the flag
         # A tracked complete checkpoint is loaded or the load fails (it never starts afresh), so
@@ -134,24 +140,33 @@ class Trainer:
         config, ctx = self.config, self.ctx
         dtype = build.autocast_dtype(config)
         return self.shell.step(
-            self.model, self.optimizer, gpt_forward_step, self.train_data,
-            num_microbatches=self.data.num_microbatches, faults=self.faults,
-            plan=config.graphs.build(), clip_grad=config.optim.clip_grad,
-            loss_scaler=self.loss_scaler, autocast=lambda: autocast_context(ctx.device, dtype),
+            self.model,
+            self.optimizer,
+            gpt_forward_step,
+            self.train_data,
+            num_microbatches=self.data.num_microbatches,
+            faults=self.faults,
+            plan=config.graphs.build(),
+            clip_grad=config.optim.clip_grad,
+            loss_scaler=self.loss_scaler,
+            autocast=lambda: autocast_context(ctx.device, dtype),
             compute_weights=build.build_compute_weights(config, self.raw_model, ctx),
             lookahead=config.graphs.cuda_graph_speculative_launch,
-        )  # fmt: skip
+        )
 
     def _build_checkpointer(self, manager: Any) -> Checkpointer:
         current = self.config.to_dict()["model"]
         # The shell registers the step (first: it settles a launch), the count, every RNG and
         # the rerun machine; the trainer its data, schedule and config.
         return self.shell.checkpointer(
-            manager, self.model, self.optimizer, data=self.train_data,
+            manager,
+            self.model,
+            self.optimizer,
+            data=self.train_data,
             common={"scheduler": self.scheduler, "config": ConfigPart(self.config)},
             check_common=lambda common: check_model_matches(common, current, logger.warning),
             upgrade_common=upgrade_common_layout,
-        )  # fmt: skip
+        )
 
     def __enter__(self) -> Trainer:
         return self
@@ -241,10 +256,11 @@ class Trainer:
         it = self.state.iteration
         self.manual_gc.on_iteration_end(it)
         self.shell.record(
-            result, batch_size=self.batch_size,  # losses empty: an iteration skipped
+            result,
+            batch_size=self.batch_size,  # losses empty: an iteration skipped
             learning_rate=self.scheduler.last_lr,
             loss_scale=self.loss_scaler.scale if cfg.training.fp16 else None,
-        )  # fmt: skip
+        )
         if cfg.training.eval_interval and it % cfg.training.eval_interval == 0:
             self.run_evaluation()
 
