@@ -83,7 +83,7 @@ def run_iterations(c: Trainer, iteration: int, n: int, device: torch.device) -> 
         if cuda:
             marks[-1].record()
         result = c.step.run(it + 1)
-        c.log.on_iteration(
+        c.shell.log.on_iteration(
             it + 1,
             losses=result.losses,
             learning_rate=c.scheduler.last_lr,

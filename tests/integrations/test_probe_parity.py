@@ -123,7 +123,7 @@ def _trainer(save: Path, probes: dict[str, Any]) -> None:
     config = make_config("--train-iters", str(ITERS), "--save", str(save),
                          "--log-interval", "1", *_flags(probes))  # fmt: skip
     for name, probe in probes.items():
-        assert getattr(config, name) == probe, name  # the flags map one to one
+        assert getattr(config.shell, name) == probe, name  # the flags map one to one
     with Trainer(config, DistributedContext()) as trainer:
         trainer.train()
 

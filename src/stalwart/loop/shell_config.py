@@ -114,7 +114,7 @@ class ShellConfig(ProbeConfigs):
             (
                 "exit.non_persistent_save_interval",
                 self.exit.non_persistent_save_interval,
-                "the non-persistent checkpoints' directory defaults to <save>/non_persistent",
+                "its directory defaults to <save>/non_persistent",
             ),
             (
                 "rerun.error_injection_once",
@@ -124,6 +124,8 @@ class ShellConfig(ProbeConfigs):
         ):
             if value and not self.save_dir:
                 raise ValueError(f"{spell(path)} needs {spell('save_dir')} ({why})")
+        signals = (spell("exit.exit_signal"), spell("ft.stack_dump_signal"))
+        self.ft.check_exit_signal(self.exit.signal_enum, signals)
         intervals = (spell("memory.log_memory_interval"), spell("log.log_interval"))
         validate_memory_args(self.log.log_interval, self.memory.log_memory_interval, intervals)
         if device is not None:

@@ -93,7 +93,7 @@ class Trainer:
         cache = build.open_compile_cache(config, ctx.rank, self.compile_cache, on_close)
         # The shell: ledger, watchdog, signal handler, agreement, rerun machine, probes, log,
         # the iterations (count, skip list, compile booking into this run's cache).
-        self.shell = config.shell_config().build(
+        self.shell = config.shell.build(
             rank=ctx.rank,
             world_size=ctx.world_size,
             device=ctx.device,
