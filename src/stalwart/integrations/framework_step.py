@@ -157,13 +157,13 @@ def refuse_framework_saves(config: ShellConfig, names: Names) -> None:
     adapter spells them): every rule of :meth:`ShellConfig.check`, and a non-persistent save
     interval: a framework's checkpoint (``trainer.save_checkpoint``, ``checkpoint-N``) is
     persistent, so such a save would outlive the job it was meant not to."""
-    config.check(names)
     if config.exit.non_persistent_save_interval:
         raise ValueError(
             f"{names.spell('exit.non_persistent_save_interval')}: the framework's checkpoints "
             "are persistent (it has no non-persistent kind); save with "
             f"{names.spell('exit.save_interval')} instead"
         )
+    config.check(names)
 
 
 def reporting_loss(forward_step: ForwardStep) -> ForwardStep:

@@ -174,10 +174,9 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             self._saving.enter_context(shell.saving(non_persistent=non_persistent))
         if decision.exit:
             control.should_training_stop = True
+            self._pending_exit = decision  # 16/17 leave after the save; 0 at the loop's end
             if self._saving is None:
-                self._leave(decision)
-            else:
-                self._pending_exit = decision
+                self._leave_on_code()
 
     def _record(self, optimizer: Any, result: StepResult | None) -> None:
         losses = {"lm loss": self.loss} if self.loss is not None else {}  # a plain Trainer's
@@ -197,9 +196,7 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         if self._saving is not None:
             self._saving.close()
             self._saving = None
-        decision, self._pending_exit = self._pending_exit, None
-        if decision is not None:
-            self._leave(decision)
+        self._leave_on_code()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The Trainer's evaluation metrics (its ``eval_loss`` as Megatron's ``lm loss``):
@@ -209,20 +206,24 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         if self.shell is not None and "eval_loss" in metrics:
             self.shell.record_eval({"lm loss": float(metrics["eval_loss"])})
 
-    def _leave(self, decision: ExitDecision) -> None:
-        code = self.require_shell().finish(decision)
-        if code:
+    def _leave_on_code(self) -> None:
+        """An exit 16/17 decided: finish and raise now (through the Trainer to the launcher).
+        A graceful one finishes at the Trainer's end (its evaluation after this step is still
+        the run's)."""
+        decision = self._pending_exit
+        if decision is not None and decision.exit_code:
+            code = self.require_shell().finish(decision)
             self._close()
-            raise SystemExit(code)  # 16/17: through the Trainer to the launcher
+            raise SystemExit(code)
 
     # ---------------------------------------------------------------- the end
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         shell = self.shell
-        if shell is not None and shell.exit_code is None:  # the Trainer's loop ended first
-            done = ExitDecision(
+        if shell is not None and shell.exit_code is None:
+            ended = ExitDecision(  # the Trainer's loop ended before a decision did
                 SaveKind.NONE, True, ExitReason.FINISHED, "the trainer's loop ended"
             )
-            shell.finish(done)
+            shell.finish(self._pending_exit or ended)
         self._close()
 
     def fault(self, error: BaseException) -> None:

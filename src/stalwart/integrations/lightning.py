@@ -215,6 +215,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         self._counter: Any = None  # torch's FLOP counter, around the first iteration
         self._counted = not count_flops
         self._stepped = -1  # Lightning's global_step at the last iteration's end
+        self._pending_exit: ExitDecision | None = None  # a graceful exit: at the loop's end
         self._begun = False
 
     @property
@@ -385,10 +386,14 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             collectives.barrier()  # no rank resumes from a pointer another has not written
 
     def _leave(self, trainer: Any, decision: ExitDecision) -> None:
-        code = self._require_shell().finish(decision)
-        self._close()
-        if code:
-            raise SystemExit(code)  # 16/17: through Lightning's teardown to the launcher
+        """16/17: finish and raise now (through Lightning's teardown to the launcher). A
+        graceful exit stops Lightning's loop and finishes at its end (an evaluation Lightning
+        runs after this batch is still the run's)."""
+        if decision.exit_code:
+            code = self._require_shell().finish(decision)
+            self._close()
+            raise SystemExit(code)
+        self._pending_exit = decision
         trainer.should_stop = True
 
     # ---------------------------------------------------------------- evaluation
@@ -454,12 +459,12 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
     # ---------------------------------------------------------------- the end
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         shell = self.shell
-        if shell is not None and shell.exit_code is None:  # Lightning's loop ended first
+        if shell is not None and shell.exit_code is None:
             self._end_step(trainer)
-            done = ExitDecision(
+            ended = ExitDecision(  # Lightning's loop ended before a decision did
                 SaveKind.NONE, True, ExitReason.FINISHED, "the trainer's loop ended"
             )
-            shell.finish(done)
+            shell.finish(self._pending_exit or ended)
         self._close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
