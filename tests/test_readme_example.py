@@ -95,6 +95,8 @@ def test_readme_loop_exits_16_then_17_on_another_device_like_the_trainer(
         save, tracker = tmp_path / name, tmp_path / f"{name}.txt"
         monkeypatch.setenv(DEVICE_ID_ENV, "gpu-a")
         codes[name].append(job(save, tracker))
+        # The same fault reports the same iteration on every path: the completed ones.
+        assert json.loads((save / "exit_reason.json").read_text())["iteration"] == LOGGED - 1
         codes[name].append(job(save, tracker))  # rescheduled on the same GPU
         monkeypatch.setenv(DEVICE_ID_ENV, "gpu-b")
         codes[name].append(job(save, tracker))
