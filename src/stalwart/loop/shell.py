@@ -31,7 +31,6 @@ Without a guarded step (a framework's own), :meth:`decide` agrees on the exit in
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import sys
 import time
@@ -54,8 +53,8 @@ from stalwart.observability.goodput import Bucket, CompileSource
 from stalwart.observability.run_dir import EventKind, RunPaths, append_event
 from stalwart.observability.timer_names import INTERVAL_TIME
 from stalwart.observability.train_log import TensorOrScalar, TrainingLog
-from stalwart.reliability.exit import ExitDecision, SaveKind, decide, exit_inputs
-from stalwart.reliability.rerun import RerunVerdict, resolve_iterations_to_skip
+from stalwart.reliability.exit import ExitDecision, SaveKind
+from stalwart.reliability.rerun import resolve_iterations_to_skip
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +88,6 @@ class Shell:
         self.started = time.monotonic()
         self._exit = contextlib.ExitStack()
         self.exits = ExitPath(self)  # its saves, its exit code
-        self._evaluated = False  # since the last decide: agree on the exit inputs again
         self._step: GuardedStep | None = None
         self._model: nn.Module | None = None  # the unwrapped model (replica check, norms)
         self._began = False  # an iteration began: a ValueError now is no refused start
@@ -237,6 +235,11 @@ class Shell:
             )
             self._exit.callback(self._log.close)
         return self._log
+
+    @property
+    def watched(self) -> nn.Module | None:
+        """The model :meth:`watch` was given (the replica check and parameter norms read it)."""
+        return self._model
 
     @property
     def built_log(self) -> TrainingLog | None:
@@ -444,7 +447,7 @@ class Shell:
             yield
         self.compiles.book(None, before)  # the evaluation's own graphs go into the cache too
         self.compiles.save()
-        self._evaluated = True
+        self.exits.evaluated = True  # the next decide agrees on the exit inputs again
 
     @contextlib.contextmanager
     def eval_iteration(self) -> Iterator[None]:
@@ -468,40 +471,8 @@ class Shell:
         finished: bool | None = None,
         can_save: bool | None = None,
     ) -> ExitDecision:
-        """The one save/exit decision after the iteration just run (over the completed ones).
-        ``result``: the guarded step's (its verdict and agreed inputs), else the inputs are
-        agreed here; ``finished``: default, the last training iteration is done. The replica
-        check runs when due (its interval, or before any save)."""
-        if result is not None:
-            agreed, verdict = result.agreed, result.verdict
-            if self._evaluated:  # a signal during the evaluation stops at this iteration
-                agreed = self.agreement.agree_again()
-        else:
-            self.agreement.begin()
-            agreed, verdict = self.agreement.finish(), RerunVerdict()
-        self._evaluated = False
-        iteration = self.completed
-        finished = self.iterations.finished if finished is None else finished
-        inputs = exit_inputs(agreed, rerun=verdict, finished=finished)
-        can = self.config.save_dir is not None if can_save is None else can_save
-        decision = decide(iteration, inputs, self.config.exit, can_save=can, spell=self._spell_exit)
-        saving = decision.save is not SaveKind.NONE
-        if (
-            not verdict.exit
-            and self._model is not None
-            and self.replicas.due(iteration, saving=saving)
-        ):
-            inputs = dataclasses.replace(inputs, replica=self.replicas.check(self._model))
-            decision = decide(
-                iteration, inputs, self.config.exit, can_save=can, spell=self._spell_exit
-            )
-        if decision.exit and self._log is not None:  # agreed on every rank
-            self._log.flush()  # the iterations since the last log line
-            self._log.end_progress()  # save and exit lines print below the bar
-        return decision
-
-    def _spell_exit(self, name: str) -> str:
-        return self.names.spell(name if name in ("train_iters", "save_dir") else f"exit.{name}")
+        """The one save/exit decision after the iteration just run (:meth:`ExitPath.decide`)."""
+        return self.exits.decide(result, finished=finished, can_save=can_save)
 
     def act(self, decision: ExitDecision, checkpointer: Checkpointer) -> int | None:
         """Do what ``decision`` says with ``checkpointer``: save (persistent or not, as
@@ -513,21 +484,9 @@ class Shell:
                 checkpointer.save(self.completed, non_persistent=non_persistent)
         return self.finish(decision, checkpointer) if decision.exit else None
 
-    def saving(
-        self,
-        *,
-        non_persistent: bool = False,
-        async_save: bool = False,
-        flops_so_far: float | None = None,
-        tokens_so_far: float | None = None,
-    ) -> contextlib.AbstractContextManager[None]:
-        """Around a save of the completed iterations (:meth:`ExitPath.saving`)."""
-        return self.exits.saving(
-            non_persistent=non_persistent,
-            async_save=async_save,
-            flops_so_far=flops_so_far,
-            tokens_so_far=tokens_so_far,
-        )
+    def saving(self, **options: Any) -> contextlib.AbstractContextManager[None]:
+        """Around a save of the completed iterations (:meth:`ExitPath.saving`: its options)."""
+        return self.exits.saving(**options)
 
     def maybe_finalize(self, checkpointer: Any) -> None:
         """Complete a pending async save that finished in the background (its section)."""

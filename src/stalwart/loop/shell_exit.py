@@ -1,18 +1,29 @@
-"""The shell's saves and its one exit path: what a save does around the loop's (or the
-framework's) checkpoint, and what an exit records before the process ends. It owns the exit
-code and the framework checkpoints' names (a rerun verdict names the one to train on from).
+"""The end of the shell's iterations: the one agreed save/exit decision, what a save does
+around the loop's (or the framework's) checkpoint, and what an exit records before the process
+ends. It owns the exit code and the framework checkpoints' names (a rerun verdict names the one
+to train on from).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from stalwart.loop.step import StepResult
 from stalwart.observability.run_dir import EventKind
-from stalwart.reliability.exit import ExitDecision, ExitReason, leave
+from stalwart.reliability.exit import (
+    ExitDecision,
+    ExitReason,
+    SaveKind,
+    decide,
+    exit_inputs,
+    leave,
+)
 from stalwart.reliability.hang.sections import Section
+from stalwart.reliability.rerun import RerunVerdict
 
 if TYPE_CHECKING:
     from stalwart.loop.shell import Shell
@@ -29,6 +40,48 @@ class ExitPath:
         self.code: int | None = None  # what finish() returned
         self._checkpoints: dict[int, str] = {}  # a framework's checkpoint names by iteration
         self._latest: str | None = None
+        self.evaluated = False  # since the last decide: agree on the exit inputs again
+
+    def decide(
+        self,
+        result: StepResult | None = None,
+        *,
+        finished: bool | None = None,
+        can_save: bool | None = None,
+    ) -> ExitDecision:
+        """The one save/exit decision after the iteration just run (over the completed ones).
+        ``result``: the guarded step's (its verdict and agreed inputs), else the inputs are
+        agreed here; ``finished``: default, the last training iteration is done; ``can_save``:
+        default, a save directory is set. The replica check runs when due (its interval, or
+        before any save). Its reasons name the settings as the shell's path spells them."""
+        shell = self.shell
+        if result is not None:
+            agreed, verdict = result.agreed, result.verdict
+            if self.evaluated:  # a signal during the evaluation stops at this iteration
+                agreed = shell.agreement.agree_again()
+        else:
+            shell.agreement.begin()
+            agreed, verdict = shell.agreement.finish(), RerunVerdict()
+        self.evaluated = False
+        iteration, config, model = shell.completed, shell.config, shell.watched
+        finished = shell.iterations.finished if finished is None else finished
+        inputs = exit_inputs(agreed, rerun=verdict, finished=finished)
+        can = config.save_dir is not None if can_save is None else can_save
+        decision = decide(iteration, inputs, config.exit, can_save=can, spell=self._spell)
+        saving = decision.save is not SaveKind.NONE
+        if not verdict.exit and model is not None and shell.replicas.due(iteration, saving=saving):
+            inputs = dataclasses.replace(inputs, replica=shell.replicas.check(model))
+            decision = decide(iteration, inputs, config.exit, can_save=can, spell=self._spell)
+        log = shell.built_log
+        if decision.exit and log is not None:  # agreed on every rank
+            log.flush()  # the iterations since the last log line
+            log.end_progress()  # save and exit lines print below the bar
+        return decision
+
+    def _spell(self, name: str) -> str:
+        """An :class:`ExitConfig` field (or ``train_iters``, ``save_dir``) as the path spells it."""
+        path = name if name in ("train_iters", "save_dir") else f"exit.{name}"
+        return str(self.shell.names.spell(path))
 
     @contextlib.contextmanager
     def saving(
