@@ -297,6 +297,27 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     _check_sample_flags(ns)
     training = _pick(ns, TrainingConfig)
     checkpoint = _pick(ns, CheckpointConfig)
+    shell = _shell_config(ns, training, checkpoint.save, model.seq_length)
+    config = RunConfig(
+        preset=ns.preset,
+        model=model,
+        shell=shell,
+        data=_pick(ns, DataConfig),
+        optim=_pick(ns, OptimizerConfig),
+        training=training,
+        checkpoint=checkpoint,
+        faults=_pick(ns, FaultInjectionConfig),
+        inprocess=_pick(ns, InProcessConfig),
+        graphs=_pick(ns, GraphConfig),
+    )
+    check_combinations(config)
+    return config
+
+
+def _shell_config(
+    ns: argparse.Namespace, training: TrainingConfig, save: str | None, seq_length: int
+) -> ShellConfig:
+    """The shell's part of the run from its flags (the run-wide values are the components')."""
     exit_config = ExitConfig(
         exit_signal_handler=ns.exit_signal_handler,
         exit_signal=ns.exit_signal,
@@ -316,31 +337,17 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         _pick(ns, LogConfig, {"progress_bar": "log_progress_bar"}),
         _pick(ns, RerunConfig),
     )
-    shell = ShellConfig(
+    return ShellConfig(
         train_iters=training.train_iters,
-        save_dir=checkpoint.save,
+        save_dir=save,
         run_dir=ns.run_dir,
-        seq_length=model.seq_length,
+        seq_length=seq_length,
         log=log,
         **{name: _pick(ns, probes[name]) for name in PROBES},  # each from its flags
         rerun=rerun,
         ft=_ft_config(ns),
         exit=exit_config,
     )
-    config = RunConfig(
-        preset=ns.preset,
-        model=model,
-        shell=shell,
-        data=_pick(ns, DataConfig),
-        optim=_pick(ns, OptimizerConfig),
-        training=training,
-        checkpoint=checkpoint,
-        faults=_pick(ns, FaultInjectionConfig),
-        inprocess=_pick(ns, InProcessConfig),
-        graphs=_pick(ns, GraphConfig),
-    )
-    check_combinations(config)
-    return config
 
 
 def _ft_config(ns: argparse.Namespace) -> FaultToleranceConfig:
