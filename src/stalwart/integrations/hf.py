@@ -21,10 +21,16 @@ What the callback does, hook by hook (it maps stalwart's decisions onto ``Traine
   the Trainer's step; then the training-log line (timers, memory, energy, stragglers, goodput,
   TensorBoard/W&B/``metrics.jsonl``) and one agreed decision: a save sets
   ``control.should_save`` (the Trainer's own ``checkpoint-N``, inside the ``checkpointing``
-  section and the save timer), an exit sets ``control.should_training_stop``;
-* ``on_save``: stalwart's part of the checkpoint (``stalwart_state_rank<r>.pt``: the guarded
-  step, the rerun machine, every RNG, after an exit 16 the failed iteration's batch), then the
-  exit: 16 and 17 raise ``SystemExit(code)`` so the code reaches the launcher; 0 stops.
+  section and the save timer), an exit sets ``control.should_training_stop``; after a rejected
+  iteration (16/17) the Trainer's ``global_step``, epoch and LR schedule are put back to the
+  iteration's start (it is not a step), so ``checkpoint-N`` holds N completed iterations and a
+  relaunch is handed the rejected batch again;
+* ``on_save``: stalwart's part of the checkpoint (``stalwart_state_rank<r>.pt``: the completed
+  count, the guarded step, the rerun machine, every RNG), then the exit: 16 and 17 raise
+  ``SystemExit(code)`` so the code reaches the launcher; a graceful one finishes at the
+  Trainer's end (its evaluation after the last step is still the run's);
+* ``on_evaluate`` (and ``StalwartTrainer.evaluate``): the evaluation in the shell's (goodput,
+  the watchdog) and its ``eval_loss`` in the validation lines and sinks.
 
 :class:`StalwartTrainer` is needed for the rerun state machine (and for TFLOP/s: it counts the
 first step's FLOPs with torch's counter): it overrides ``training_step`` so that a
@@ -36,16 +42,17 @@ rejected iteration never touches the weights). The loss is the plain Trainer's
 follows is a no-op during ``train()`` and the ``grad_norm`` it logs is the guarded step's (the
 norm before the clip, as the Trainer's).
 
-Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch); tensor dumps need
-:class:`StalwartTrainer` and start at the second step (the guarded step is built inside the
-first); the Trainer counts a
-rejected iteration (exit 16) as a step, so its checkpoint is named one step on: stalwart's state
-in it says the iteration was not done and the resume reruns it from the saved batch. DeepSpeed
-and SageMaker's model parallelism are not supported by the subclass. The callback alone (on a
-plain ``Trainer``) gives the sections, the exit, the goodput ledger and the log line without
-the loss (the Trainer does not hand it to callbacks; its own ``logs`` carry it).
-A resume is exact when the Trainer's data order is (it restores its RNG and skips the consumed
-batches; tested bitwise on one process).
+Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch; refused before training);
+tensor dumps need :class:`StalwartTrainer` and start at the second step (the guarded step is
+built inside the first); no non-persistent saves (the Trainer's checkpoints are persistent:
+refused in one line). DeepSpeed and SageMaker's model parallelism are not supported by the
+subclass. The callback alone (on a plain ``Trainer``) gives the sections, the exit, the goodput
+ledger and the log line without the loss (the Trainer does not hand it to callbacks; its own
+``logs`` carry it); what needs the guarded step (the rerun machine, the skip list, dumps) is
+refused at start there. A resume is exact when the Trainer's data order is (it restores its RNG
+and skips the consumed batches; tested bitwise on one process, and after 17 and 16 on 2 ranks).
+An error the user's model raises inside the Trainer is the last thing printed: the shell is
+released (silently) before it reaches the user.
 """
 
 from __future__ import annotations

@@ -31,9 +31,14 @@ What the callback does, hook by hook:
   (TFLOP/s in the log line);
 * ``on_train_batch_end``: the training-log line (timers, memory, energy, stragglers, goodput,
   TensorBoard/W&B/JSONL), then one agreed decision: save through ``trainer.save_checkpoint``
-  (``<save_dir>/iter_NNNNNNN.ckpt``, the signal, ``--save-interval``, duration, exit interval,
-  the last step), then stop. Exits 16 and 17 raise ``SystemExit(code)`` after the save and the
-  exit record, so the code reaches the launcher; graceful exits stop the trainer (exit 0).
+  (``<save_dir>/iter_NNNNNNN.ckpt``, the signal, ``ExitConfig.save_interval``, duration, exit
+  interval, the last step), then stop. After a rejected iteration the save holds Lightning's
+  loop and the loader's position as at its start (a relaunch is handed its batch again). Exits
+  16 and 17 raise ``SystemExit(code)`` after the save and the exit record, so the code reaches
+  the launcher; graceful exits stop the trainer and finish at its end (exit 0);
+* ``on_validation_*``: Lightning's validation inside the shell's evaluation (goodput, the
+  watchdog's evaluation sections), its mean loss (what ``validation_step`` returns, else the
+  ``val*`` metrics logged) in the validation lines and sinks.
 
 The rerun state machine needs to own forward-backward and the optimizer step: a
 :class:`GuardedModule` runs in manual optimization; its ``training_step`` hands the batch (one
@@ -41,7 +46,9 @@ micro-batch, one iteration) to a :class:`stalwart.loop.GuardedStep` that runs ``
 ``manual_backward``, the device checks, a replay on the same batch and RNG when a check fails,
 the clip (``stalwart_clip_grad``) and the optimizer step, gated on the device for fused
 Adam/AdamW/SGD (a rejected iteration never touches the weights). Step-interval LR schedulers are
-stepped after each accepted iteration (``ReduceLROnPlateau`` is not: it needs a metric).
+stepped after each accepted or skipped iteration (``ReduceLROnPlateau`` is not: it needs a
+metric); a skipped one (``RerunConfig.iterations_to_skip``, the tracker file) counts as one of
+``max_steps``.
 
 Under DDP the step is built on the strategy's wrapper (the checks run in DDP's comm hook on each
 rank's own gradients, so a fault is blamed on its rank and replayed on a peer), and a
