@@ -18,7 +18,7 @@ Disabled is `NullProfilerWindow` (no per-iteration cost). Usage in a hand-writte
         rank=rank, world_size=world_size, device=device, run_dir=None)
     for completed in range(start, train_iters):
         window.on_iteration_start(completed)
-        step.run(it)
+        step.run(completed + 1)                        # numbered from 1, as logged
         window.on_iteration_end(completed + 1)
     window.close()
 """
