@@ -90,7 +90,7 @@ def count_host_reads(sites: collections.Counter[str], cpu_too: bool) -> Iterator
 def run_iterations(trainer: Trainer, start: int, iters: int) -> int:
     for it in range(start, start + iters):
         trainer.scheduler.set_iteration(it)
-        if trainer.step.run(it).verdict.exit:
+        if trainer.step.run(it + 1).verdict.exit:
             raise RuntimeError("the rerun state machine asked to exit")
     return start + iters
 

@@ -63,7 +63,7 @@ class Variant:
         t = self.trainer
         for _ in range(iters):
             t.scheduler.set_iteration(self.iteration)
-            result = t.step.run(self.iteration)
+            result = t.step.run(self.iteration + 1)
             if result.verdict.exit:
                 raise RuntimeError(f"{self.name}: the rerun state machine asked to exit")
             self.iteration += 1

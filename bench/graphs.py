@@ -260,7 +260,7 @@ def build_guarded(preset: str) -> Callable[[list[dict]], None]:
     def guarded_step(data: list[dict]) -> None:
         if not batches:
             batches.extend(data)
-        if step.run(iteration[0]).verdict.exit:
+        if step.run(iteration[0] + 1).verdict.exit:
             raise RuntimeError("benchmark data tripped a check")
         iteration[0] += 1
 

@@ -113,7 +113,7 @@ class Variant:
         t = self.trainer
         for _ in range(iters):
             t.scheduler.set_iteration(self.iteration)
-            result = t.step.run(self.iteration, launch_next=True)
+            result = t.step.run(self.iteration + 1, launch_next=True)
             if result.verdict.exit:
                 raise RuntimeError(f"{self.name}: the rerun state machine asked to exit")
             if losses is not None:

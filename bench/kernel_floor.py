@@ -209,7 +209,7 @@ class TrainerVariant:
         launched = t.step.num_launched
         for _ in range(iters):
             t.scheduler.set_iteration(self.iteration)
-            if t.step.run(self.iteration).verdict.exit:
+            if t.step.run(self.iteration + 1).verdict.exit:
                 raise RuntimeError(f"{self.name}: the rerun state machine asked to exit")
             self.iteration += 1
         self.counted[0] += iters

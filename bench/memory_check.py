@@ -78,7 +78,7 @@ def measure(preset: str, variant: str, bf16: bool, device_kind: str, iters: int)
 
     def step() -> None:
         c.scheduler.set_iteration(count[0])
-        c.step.run(count[0])
+        c.step.run(count[0] + 1)
         count[0] += 1
 
     n = c.raw_model.num_parameters()

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def step() -> None:
         c.scheduler.set_iteration(iteration[0])
-        c.step.run(iteration[0])
+        c.step.run(iteration[0] + 1)
         iteration[0] += 1
 
     def check() -> None:
@@ -106,7 +106,7 @@ def _sampled(c: Trainer, args: argparse.Namespace, device: torch.device) -> dict
     def step(on: bool) -> float:
         c.machine.replicas = gate if on else None  # None: record_replicas returns at once
         c.scheduler.set_iteration(iteration[0])
-        ms = _timed(lambda: c.step.run(iteration[0]), device)
+        ms = _timed(lambda: c.step.run(iteration[0] + 1), device)
         iteration[0] += 1
         return ms
 

@@ -82,8 +82,8 @@ def run_iterations(c: Trainer, iteration: int, n: int, device: torch.device) -> 
         marks.append(torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter())
         if cuda:
             marks[-1].record()
-        result = c.step.run(it)
-        c.log.on_iteration(
+        result = c.step.run(it + 1)
+        c.shell.log.on_iteration(
             it + 1,
             losses=result.losses,
             learning_rate=c.scheduler.last_lr,

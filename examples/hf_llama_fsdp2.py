@@ -38,8 +38,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stalwart.checkpoint import CheckpointManager
-from stalwart.loop import Checkpointer, LoopState, RngState, ShellConfig
-from stalwart.reliability.exit import ExitConfig, SaveKind
+from stalwart.loop import ShellConfig
+from stalwart.reliability.exit import ExitConfig
 from stalwart.reliability.hang.sections import FaultToleranceConfig, SectionTimeouts
 from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 
@@ -119,36 +119,39 @@ def run(job: Job) -> tuple[int, nn.Module]:
         enable_ft=job.hang_timeout_s > 0, ft_num_warmup_iters=0, poll_interval_s=0.1,
         timeouts=SectionTimeouts(setup=120, step=job.hang_timeout_s or 180, out_of_section=120),
     )  # fmt: skip
-    config = ShellConfig(train_iters=job.iters, save_dir=job.save_dir, ft=ft,
-                         exit=ExitConfig(exit_signal_handler=True, save_interval=1000),
-                         rerun=RerunConfig(**rerun_flags))  # fmt: skip
+    config = ShellConfig(
+        train_iters=job.iters,
+        save_dir=job.save_dir,
+        ft=ft,
+        exit=ExitConfig(save_interval=1000),  # the SIGTERM handler is on unless turned off
+        rerun=RerunConfig(**rerun_flags),
+    )
+    global_batch = MICRO_BATCH * MICROBATCHES * job.world_size
     with config.build(rank=job.rank, world_size=job.world_size) as shell:
         data = RerunDataIterator(batches(job.rank))
-        step = shell.step(model, optimizer, forward_step, data, num_microbatches=MICROBATCHES,
-                          clip_grad=1.0, lookahead=False)  # fmt: skip
-        state = LoopState()
-        ckpt = Checkpointer(CheckpointManager(job.save_dir), model, optimizer,
-                            common={"step": step, "loop": state, "data": data},
-                            per_rank={"rng": RngState(shell.machine.rng), "rerun": shell.machine})  # fmt: skip
+        step = shell.step(
+            model,
+            optimizer,
+            forward_step,
+            data,
+            num_microbatches=MICROBATCHES,
+            clip_grad=1.0,
+            lookahead=False,
+        )
+        ckpt = shell.checkpointer(CheckpointManager(job.save_dir), model, optimizer, data=data)
         try:
-            shell.start(resumed=ckpt.load())  # resume, if there is a checkpoint
+            shell.start(ckpt)  # resume, if there is a checkpoint
             while True:
-                _scheduler_and_hardware_events(job, state.iteration + 1)
+                _scheduler_and_hardware_events(job, shell.completed + 1)
                 shell.maybe_finalize(ckpt)
-                with shell.iteration(state.iteration):
-                    if job.hang_at == state.iteration + 1 and job.rank == job.world_size - 1:
+                with shell.iteration() as it:
+                    if job.hang_at == it.number and job.rank == job.world_size - 1:
                         _stuck_in_the_step()
-                    result = step.run(state.iteration, launch_next=False)
-                if not result.verdict.exit:  # a rejected iteration is not done
-                    state.iteration += 1
-                shell.record(state.iteration, result, batch_size=MICRO_BATCH * MICROBATCHES * job.world_size)  # fmt: skip
-                done = state.iteration >= job.iters
-                decision = shell.decide(state.iteration, result, finished=done)
-                if decision.save is not SaveKind.NONE:  # e.g. before an exit 16, on SIGTERM
-                    with shell.saving(state.iteration):
-                        ckpt.save(state.iteration)
-                if decision.exit:
-                    return shell.finish(decision, state.iteration, ckpt), model
+                    result = step.run(it)
+                shell.record(result, batch_size=global_batch)
+                code = shell.act(shell.decide(result), ckpt)  # e.g. before an exit 16, SIGTERM
+                if code is not None:
+                    return code, model
         finally:
             ckpt.close()
 

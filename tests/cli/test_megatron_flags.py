@@ -135,9 +135,10 @@ def test_new_megatron_flags_check_their_values(
 
 
 def test_no_log_loss_scale_to_tensorboard_turns_it_off() -> None:
-    assert make_config().log.log_loss_scale_to_tensorboard is True
+    assert make_config().shell.log.log_loss_scale_to_tensorboard is True
     assert (
-        make_config("--no-log-loss-scale-to-tensorboard").log.log_loss_scale_to_tensorboard is False
+        make_config("--no-log-loss-scale-to-tensorboard").shell.log.log_loss_scale_to_tensorboard
+        is False
     )
 
 

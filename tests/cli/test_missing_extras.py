@@ -45,7 +45,9 @@ def test_the_shell_refuses_a_missing_extra_before_building(
     config = ShellConfig(
         train_iters=2, save_dir=str(tmp_path / "s"), sinks=SinkConfig(wandb_project="p")
     )
-    with pytest.raises(ValueError, match=r"--wandb-project needs .*stalwart\[wandb\]"):
+    with pytest.raises(
+        ValueError, match=r"^ShellConfig\.sinks\.wandb_project needs .*stalwart\[wandb\]"
+    ):
         config.build()
     assert not (tmp_path / "s").exists()
 

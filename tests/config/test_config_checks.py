@@ -9,11 +9,12 @@ import pytest
 
 from stalwart.config.checks import bounds, check_fields
 from stalwart.config.run import GraphConfig
-from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
+from stalwart.config.training import DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.observability.profiler import ProfilerConfig
 from stalwart.observability.sinks import SinkConfig
 from stalwart.observability.straggler import StragglerConfig
 from stalwart.observability.timers import TimerConfig
+from stalwart.reliability.exit import ExitConfig
 
 
 @pytest.mark.parametrize(
@@ -34,7 +35,7 @@ from stalwart.observability.timers import TimerConfig
         (lambda: TrainingConfig(min_loss_scale=4.0, initial_loss_scale=2.0), "--min-loss-scale"),
         (lambda: DataConfig(shuffle="no"), "--no-shuffle must be true or false"),
         (lambda: DataConfig(valid_fraction=math.inf), "--valid-fraction"),
-        (lambda: CheckpointConfig(save_interval=-1), "--save-interval must be >= 0"),
+        (lambda: ExitConfig(save_interval=-1), "--save-interval: must be an integer >= 0"),
         (lambda: StragglerConfig(straggler_threshold=math.inf), "--straggler-threshold"),
         (lambda: SinkConfig(wandb_mode="bogus"), "--wandb-mode"),
         (lambda: TimerConfig(timing_log_level=9), "--timing-log-level"),

@@ -24,12 +24,12 @@ from train_utils import TINY_FLAGS, make_config
 def test_derived_values_are_set_when_built_and_the_config_is_frozen() -> None:
     config = make_config("--fp16")
     # fp16 turns the NaN check off; the default progress bar means "only on a TTY" (None).
-    assert config.rerun.check_for_nan_in_loss_and_grad is False
-    assert make_config().rerun.check_for_nan_in_loss_and_grad is True
-    assert config.log.log_progress_bar is False  # TINY_FLAGS has --no-progress-bar
+    assert config.shell.rerun.check_for_nan_in_loss_and_grad is False
+    assert make_config().shell.rerun.check_for_nan_in_loss_and_grad is True
+    assert config.shell.log.log_progress_bar is False  # TINY_FLAGS has --no-progress-bar
     argv = [f for f in TINY_FLAGS if f != "--no-progress-bar"]
-    assert build_run_config(parse_train_args(argv), argv).log.log_progress_bar is None
-    for target, name, value in ((config, "timers", None), (config.timers, "timing_mode", "events"),
+    assert build_run_config(parse_train_args(argv), argv).shell.log.log_progress_bar is None
+    for target, name, value in ((config.shell, "timers", None), (config.shell.timers, "timing_mode", "events"),
                                 (config.graphs, "cuda_graph_impl", "none")):  # fmt: skip
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(target, name, value)
@@ -45,16 +45,18 @@ def test_derive_combinations_is_pure_and_check_combinations_changes_nothing() ->
     assert derive_combinations(TrainingConfig(), log, rerun)[1] is rerun  # nothing to derive
 
     # A config built without the derivation keeps its values through the checks.
-    config = dataclasses.replace(
-        make_config(),
-        training=fp16,
-        log=log,
-        rerun=RerunConfig(check_for_nan_in_loss_and_grad=True),
+    built = make_config()
+    shell = dataclasses.replace(
+        built.shell, log=log, rerun=RerunConfig(check_for_nan_in_loss_and_grad=True)
     )
+    config = dataclasses.replace(built, training=fp16, shell=shell)
     before = config.to_dict()
     check_combinations(config)
     assert config.to_dict() == before
-    assert config.rerun.check_for_nan_in_loss_and_grad is True and config.log.log_progress_bar
+    assert (
+        config.shell.rerun.check_for_nan_in_loss_and_grad is True
+        and config.shell.log.log_progress_bar
+    )
 
 
 MODE_FLAGS = {
@@ -96,11 +98,11 @@ def test_the_config_parses_each_mode_once_naming_the_flag() -> None:
 
 def test_log_option_and_wandb_mode_are_enums_from_the_flag_to_the_components() -> None:
     config = make_config("--timing-log-option", "all", "--wandb-mode", "disabled")
-    assert config.timers.timing_log_option is TimingLogOption.ALL
-    assert config.sinks.wandb_mode is WandbMode.DISABLED
+    assert config.shell.timers.timing_log_option is TimingLogOption.ALL
+    assert config.shell.sinks.wandb_mode is WandbMode.DISABLED
     assert config.to_dict()["timers"]["timing_log_option"] == "all"  # the flag's value
     assert config.to_dict()["sinks"]["wandb_mode"] == "disabled"
-    shell = config.shell_config().build()
+    shell = config.shell.build()
     shell.close()
     timers = shell.timers
     assert timers.log_option is TimingLogOption.ALL
@@ -115,12 +117,12 @@ def test_log_option_and_wandb_mode_are_enums_from_the_flag_to_the_components() -
 
 def test_timing_mode_is_an_enum_from_the_flag_to_the_timers() -> None:
     config = make_config("--timing-mode", "events", "--timing-log-level", "1")
-    assert config.timers.timing_mode is TimingMode.EVENTS
-    assert make_config().timers.timing_mode is TimingMode.SYNC
+    assert config.shell.timers.timing_mode is TimingMode.EVENTS
+    assert make_config().shell.timers.timing_mode is TimingMode.SYNC
     assert TimerConfig(timing_mode="events").timing_mode is TimingMode.EVENTS
     with pytest.raises(ValueError, match="--timing-mode: got 'bogus', allowed: sync, events"):
         TimerConfig(timing_mode="bogus")
-    shell = config.shell_config().build()
+    shell = config.shell.build()
     shell.close()
     timers = shell.timers
     assert timers.mode is TimingMode.EVENTS and timers.log_level == 1

@@ -73,7 +73,7 @@ def _job(rank: int, *, weights: bool, tied: bool, nan_call: int = -1) -> dict[st
     torch.manual_seed(7 + rank)  # dropout draws: the same in both paths
     verdicts, losses = [], []
     for it in range(ITERS):
-        result = step.run(it, launch_next=False)
+        result = step.run(it + 1, launch_next=False)
         verdicts.append((result.verdict.exit, result.verdict.exit_code, result.skipped))
         losses.append(float(result.losses["lm loss"]) if "lm loss" in result.losses else None)
         if result.verdict.exit:
@@ -107,7 +107,7 @@ def _trainer(rank: int, world_size: int) -> dict[str, Any]:
     try:
         fb = trainer.step.runners.forward_backward
         wiring = (type(fb.grad_checks) is ReducedGradChecks, fb.model is trainer.raw_model)
-        losses = [float(trainer.step.run(it, launch_next=False).losses["lm loss"]) for it in (0, 1)]
+        losses = [float(trainer.step.run(it, launch_next=False).losses["lm loss"]) for it in (1, 2)]
         params = [p.detach().numpy().copy() for p in trainer.raw_model.parameters()]
     finally:
         trainer.close()

@@ -58,7 +58,7 @@ def _job(rank: int, lookahead: bool, poison: bool) -> dict[str, Any]:
     try:
         for it in range(ITERS):
             state["iteration"] = it
-            result = step.run(it, launch_next=it + 1 < ITERS)
+            result = step.run(it + 1, launch_next=it + 1 < ITERS)
             codes.append(result.verdict.exit_code)
             if result.verdict.exit:
                 d = result.verdict.diagnosis

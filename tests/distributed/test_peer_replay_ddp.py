@@ -103,7 +103,7 @@ def _job(rank: int, scenario: dict[str, Any], tracker: str) -> dict[str, Any]:
     for it in range(ITERS):
         if observer is not None:
             observer.iteration = it
-        result = step.run(it, launch_next=it + 1 < ITERS)
+        result = step.run(it + 1, launch_next=it + 1 < ITERS)
         codes.append(result.verdict.exit_code)
         if result.verdict.exit:
             verdict = result.verdict

@@ -75,7 +75,7 @@ def _run(check: str, spike: bool, tracker: Path, lookahead: bool) -> dict[str, A
             captured = step.runners.lookahead_ready()  # the full-iteration graph is captured
             if spike:
                 target.fill_(int(calls.item()) + 1)  # its first micro-batch, first pass
-        results.append(step.run(it, launch_next=it + 1 < ITERS))
+        results.append(step.run(it + 1, launch_next=it + 1 < ITERS))
     torch.cuda.synchronize()
     out = {
         "params": [p.detach().clone() for p in params],

@@ -487,7 +487,7 @@ def _guarded(graphed: bool, lookahead: bool, poison_call: int, iters: int = 8) -
     )  # fmt: skip
     results = []
     for it in range(iters):
-        results.append(step.run(it, launch_next=it + 1 < iters))
+        results.append(step.run(it + 1, launch_next=it + 1 < iters))
         if results[-1].verdict.exit:
             break
     torch.cuda.synchronize()

@@ -80,7 +80,7 @@ class Job:
         for it in range(ITERS):
             if it == self.nan_iteration:  # every pass of it: a reproducible fault (exit 16)
                 self.poison.fill_(float("nan"))
-            results.append(self.step.run(it, launch_next=False))
+            results.append(self.step.run(it + 1, launch_next=False))
             if results[-1].verdict.exit:
                 break
         torch.cuda.synchronize()

@@ -87,7 +87,7 @@ def _run(
             timers.report(names, reset=True)
         # Steady state: every measured iteration launches the next (the window gains the last
         # one's launch and lacks the first one's: each pass counted once).
-        result = step.run(it, launch_next=True)
+        result = step.run(it + 1, launch_next=True)
         assert not result.skipped
     report = timers.report(names, normalizer=MEASURED)
     used = step.num_used

@@ -125,6 +125,8 @@ def test_injected_fault_exits_16_then_17_on_another_device(
         with pytest.raises(SystemExit) as info:
             _train(tmp_path / "out", resume=True, rerun=rerun)
         codes.append(info.value.code)
+        reason = json.loads((tmp_path / "out" / "exit_reason.json").read_text())
+        assert reason["iteration"] == 2, reason  # the completed ones, as on every path
     assert codes == [16, 17]
     lines = (tmp_path / "t.txt").read_text().splitlines()
     assert [(line.split(" device=")[1].split()[0], line.split(" status=")[1].split()[0])
@@ -159,9 +161,10 @@ def test_callback_alone_on_a_plain_trainer_saves_and_stops_on_sigterm(
 def test_after_17_the_suspect_device_is_refused_and_other_hardware_trains_to_the_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    """The way forward after an exit 17 in the Trainer's layout (``checkpoint-N``, one step on
-    from the completed iterations): the verdict names the checkpoint it saved, the suspect
-    device is refused (16, one line) and a launch elsewhere trains on to ``max_steps``."""
+    """The way forward after an exit 17 in the Trainer's layout (``checkpoint-N``, N the
+    completed iterations: the rejected one is not a step): the verdict names the checkpoint it
+    saved, the suspect device is refused (16, one line) and a launch elsewhere trains on to
+    ``max_steps``."""
     out = tmp_path / "out"
     tracker = str(tmp_path / "t.txt")
     rerun = RerunConfig(
@@ -174,7 +177,7 @@ def test_after_17_the_suspect_device_is_refused_and_other_hardware_trains_to_the
             _train(out, resume=True, rerun=rerun)
         assert info.value.code == code
     verdict = json.loads((out / "rerun_verdict.json").read_text())
-    assert verdict["checkpoint"] == "checkpoint-3" and (out / verdict["checkpoint"]).is_dir()
+    assert verdict["checkpoint"] == "checkpoint-2" and (out / verdict["checkpoint"]).is_dir()
     capsys.readouterr()
     healthy = RerunConfig(result_rejected_tracker_filename=tracker)  # no bad device any more
     monkeypatch.setenv(DEVICE_ID_ENV, "gpu-a")

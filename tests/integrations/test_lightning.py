@@ -127,6 +127,8 @@ def test_injected_fault_exits_16_then_17_on_another_device(
         with pytest.raises(SystemExit) as info:
             _fit(tmp_path / "out", rerun=rerun)
         codes.append(info.value.code)
+        reason = json.loads((tmp_path / "out" / "exit_reason.json").read_text())
+        assert reason["iteration"] == 2, reason  # the completed ones, as on every path
     assert codes == [16, 17]
     lines = (tmp_path / "t.txt").read_text().splitlines()
     assert [(line.split(" device=")[1].split()[0], line.split(" status=")[1].split()[0])

@@ -82,10 +82,16 @@ def _shard_and_resume(rank: int, tmp_path: Path) -> dict[str, Any]:
             return _loader()
 
     trainer = L.Trainer(
-        max_steps=t.STEPS, accelerator="cpu", devices=2, strategy="ddp",
-        callbacks=[t.StalwartCallback(str(tmp_path / "own"))], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        max_steps=t.STEPS,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        callbacks=[t.StalwartCallback(str(tmp_path / "own"))],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     try:
         trainer.fit(OwnLoader())
         refused = ""
@@ -97,43 +103,73 @@ def _shard_and_resume(rank: int, tmp_path: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _nan_on_rank_1(rank: int, tmp_path: Path) -> dict[str, Any]:
+def _fault_on_rank_1(rank: int, tmp_path: Path, at: int, peer: bool) -> dict[str, Any]:
+    """A bad device behind rank 1 (its NaN reproduces wherever rank 1 runs it) at iteration
+    ``at``: with the peer replay, exit 17 in the same launch; without, exit 16, then 17 from the
+    relaunch on other devices. Then a launch with rank 1's device replaced trains on; its final
+    weights against the fault-free run's."""
     import lightning.pytorch as L
     import test_lightning as t
+    import torch
 
     from stalwart.reliability.rerun import DEVICE_ID_ENV, RerunConfig
 
-    def fit(device: str, **rerun: Any) -> Any:
+    def fit(save: Path, device: str, **rerun: Any) -> Any:
         os.environ[DEVICE_ID_ENV] = device
-        callback = t.StalwartCallback(str(tmp_path / "out"), rerun=RerunConfig(**rerun))
+        callback = t.StalwartCallback(str(save), rerun=RerunConfig(**rerun))
         trainer = L.Trainer(
             max_steps=t.STEPS, accelerator="cpu", devices=2, strategy="ddp",
             callbacks=[callback], enable_checkpointing=False, logger=False,
             enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
-        save = str(tmp_path / "out")
-        trainer.fit(t.TinyLlama(), _loader(), ckpt_path=t.latest_checkpoint(save),
-                    weights_only=True)  # fmt: skip
-        return callback.exit_code, trainer.global_step
+        module = t.TinyLlama()
+        try:
+            trainer.fit(
+                module, _loader(), ckpt_path=t.latest_checkpoint(str(save)), weights_only=True
+            )
+        except SystemExit as exc:
+            return exc.code, None, None
+        return callback.exit_code, trainer.global_step, t._params(module)
 
-    try:  # a bad device behind rank 1: its NaN reproduces wherever rank 1 runs it
-        fit(f"dev{rank}", error_injection_rate=1, error_injection_type="persistent_error",
-            error_injection_iterations=[3], error_injection_ranks=[1])  # fmt: skip
-        first: Any = None
-    except SystemExit as exc:
-        first = exc.code
-    return {"first": first, "after": fit(("dev0", "dev3")[rank])}  # rank 1 on dev3 now
+    _, _, reference = fit(tmp_path / "reference", f"dev{rank}")
+    save = tmp_path / "out"
+    fault = dict(
+        error_injection_rate=1,
+        error_injection_type="persistent_error",
+        error_injection_iterations=[at],
+        error_injection_ranks=[1],
+        rerun_peer_replay=peer,
+    )
+    elsewhere = ("dev0", "dev3")[rank]  # rank 1 on dev3 now
+    codes = [fit(save, f"dev{rank}", **fault)[0]]
+    if not peer:  # the relaunch after 16 reruns the iteration elsewhere: the diagnosis, 17
+        codes.append(fit(save, elsewhere, **fault)[0])
+    code, steps, params = fit(save, elsewhere)
+    same = all(torch.equal(a, b) for a, b in zip(reference.values(), params.values(), strict=True))
+    return {"codes": codes, "after": (code, steps), "same": same}
 
 
 def _worker(scenario: str, rank: int, port: int, tmp: str, results: Any) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", NODE_RANK="0",
-        TORCHELASTIC_RUN_ID="stalwart-test", OMP_NUM_THREADS="1",
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        GROUP_RANK="0",
+        NODE_RANK="0",
+        TORCHELASTIC_RUN_ID="stalwart-test",
+        OMP_NUM_THREADS="1",
+    )
     try:
-        body = _shard_and_resume if scenario == "shard" else _nan_on_rank_1
-        results.put((rank, "ok", body(rank, Path(tmp))))
+        if scenario == "shard":
+            got = _shard_and_resume(rank, Path(tmp))
+        else:  # "17": the peer replay's verdict at an epoch's first batch; "16": Megatron's
+            got = _fault_on_rank_1(
+                rank, Path(tmp), *((4, True) if scenario == "17" else (3, False))
+            )
+        results.put((rank, "ok", got))
     except BaseException:
         import traceback
 
@@ -184,10 +220,24 @@ def test_ddp_shards_sigterm_on_one_rank_saves_once_and_resumes_bitwise(tmp_path:
 
 
 def test_ddp_persistent_nan_on_rank_1_is_blamed_on_rank_1_alone(tmp_path: Path) -> None:
-    got = _run("nan", tmp_path)
-    assert got[0]["first"] == got[1]["first"] == 17, got  # diagnosed in the same launch
+    """Exit 17 in the launch (peer replay), at the first batch of the second epoch; the launch
+    on other devices resumes at that batch and ends bitwise equal to the run without a fault."""
+    got = _run("17", tmp_path)
+    assert got[0]["codes"] == got[1]["codes"] == [17], got  # diagnosed in the same launch
     suspects = json.loads((tmp_path / "out" / "suspect_devices.json").read_text())
     assert [(s["rank"], s["device"]) for s in suspects["suspects"]] == [(1, "dev1")]
     verdict = json.loads((tmp_path / "out" / "rerun_verdict.json").read_text())
+    assert verdict["checkpoint"] == "iter_0000003.ckpt", verdict  # the completed iterations
     assert (tmp_path / "out" / verdict["checkpoint"]).is_file(), verdict
     assert got[0]["after"] == got[1]["after"] == (0, 5), got  # dev1 replaced: trains on
+    assert got[0]["same"] and got[1]["same"], got  # bitwise the run without the fault
+
+
+def test_ddp_exit_16_then_17_elsewhere_then_trains_on_bitwise(tmp_path: Path) -> None:
+    """Megatron's way (no peer replay): exit 16 with a checkpoint, the relaunch on other
+    devices reruns the iteration there (17: persistent on rank 1's device), a launch without
+    that device trains on from the checkpoint, bitwise as the run without the fault."""
+    got = _run("16", tmp_path)
+    assert got[0]["codes"] == got[1]["codes"] == [16, 17], got
+    assert got[0]["after"] == got[1]["after"] == (0, 5), got
+    assert got[0]["same"] and got[1]["same"], got

@@ -1,23 +1,35 @@
-"""Parity by construction: every field of every probe config (``ShellConfig``'s ``PROBES``) has
-an effect on each path (the reference trainer through its CLI flags, Lightning, the Hugging Face
-Trainer, a hand-written loop on ``stalwart.loop.Shell``) or is refused there in one line.
+"""Parity by construction: every field of every ``ShellConfig`` sub-config (the probes, ``log``,
+``rerun``, ``ft``, ``exit``) and the shell's own fields (``run_dir``, ``goodput``, ...) has an
+effect on each path (the reference trainer, Lightning, the Hugging Face Trainer, a hand-written
+loop on ``stalwart.loop.Shell``) or is refused there in one line naming it as that path spells
+it (:class:`stalwart.loop.Names`).
 
-One run per path with every field set at once to a value unlike its default; then each field's
-effect is read from the files the run wrote and from the components its shell built. ``CHECKS``
-is keyed by (probe, field) and walked against the dataclass fields: a probe field without an
-entry fails ``test_every_probe_field_has_a_check``. ``log_energy`` needs NVML: without pynvml
-every path refuses it at start-up in one line naming ``--log-energy`` (with it, the meter runs).
-Dump fields that another field masks by design (``--log-dgrads`` under ``--dump-stats-only``
-and a Megatron interval; tokens per expert on a model without MoE routers) are checked on the
-dumper the path's shell built from them: its ``DumpConfig`` is the one the fields map to.
+Two runs per path, each with many fields set at once to values unlike their defaults: run A
+(every field but the exits': probes, log, rerun with an injected transient error and skips,
+hang detection, run directory, no goodput) and run B (the exits: a save interval, an exit
+interval, a SIGUSR1 that the handler catches and does not act on). Each field's effect is read
+from the files the run wrote, what it printed, and the parts its shell built. ``CHECKS`` is
+keyed by (section, field) and walked against the dataclasses: a field without an entry fails
+``test_every_shell_field_has_a_check``, and a field a run leaves at its default fails it too.
+
+Where a field's effect cannot show in these runs it is checked on what the path's shell built
+from it (``reached``): the hang monitor's NVRx settings (only a hang shows them), the injector's
+seed (an injection rate of 1 draws nothing that depends on it), the exits that end a run earlier
+than the others (a phase transition, a time budget: the decision the path's shell makes with its
+own config and spelling). ``log_energy`` needs NVML: without pynvml every path refuses it in one
+line; ``exit.non_persistent_save_interval`` is refused on the frameworks (their checkpoints are
+persistent) and honoured by the trainer and the loop (``<save>/non_persistent``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import enum
-import importlib.util
-from collections.abc import Callable
+import io
+import json
+import re
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,186 +39,77 @@ L = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from parity_paths import (  # noqa: E402
+    DEVICE,
+    FRAMEWORKS,
+    HAS_NVML,
+    ITERS,
+    RUNNERS,
+    SIGNALS,
+    _run_a,
+    _run_b,
+)
 
-from stalwart.distributed.process_group import DistributedContext  # noqa: E402
 from stalwart.integrations import hf, lightning  # noqa: E402
-from stalwart.loop import Shell, ShellConfig  # noqa: E402
-from stalwart.loop.shell_config import PROBES  # noqa: E402
-from stalwart.observability.dumps import TensorDumpConfig  # noqa: E402
+from stalwart.loop import Names, Shell, ShellConfig  # noqa: E402
 from stalwart.observability.energy import EnergyConfig, EnergyMeter  # noqa: E402
-from stalwart.observability.memory import MemoryConfig, MemoryMonitor  # noqa: E402
+from stalwart.observability.memory import MemoryMonitor  # noqa: E402
 from stalwart.observability.memory_release import (  # noqa: E402
     MemoryReleaseConfig,
     UnusedMemoryRelease,
 )
 from stalwart.observability.metric_names import grouped_name  # noqa: E402
-from stalwart.observability.profiler import ProfilerConfig  # noqa: E402
-from stalwart.observability.progress_log import ProgressLogConfig  # noqa: E402
-from stalwart.observability.sinks import SinkConfig, TensorBoardSink, WandbSink  # noqa: E402
-from stalwart.observability.straggler import StragglerConfig, StragglerDetector  # noqa: E402
-from stalwart.observability.timers import TimerConfig, TimingLogOption, TimingMode  # noqa: E402
-from stalwart.observability.train_log import LogConfig  # noqa: E402
-from stalwart.reliability.rerun import RerunDataIterator  # noqa: E402
-from stalwart.train.trainer import Trainer  # noqa: E402
+from stalwart.observability.sinks import TensorBoardSink, WandbSink  # noqa: E402
+from stalwart.observability.straggler import StragglerDetector  # noqa: E402
+from stalwart.observability.timers import TimingLogOption, TimingMode  # noqa: E402
+from stalwart.reliability.exit import ExitConfig, ExitInputs, ExitReason, decide  # noqa: E402
+from stalwart.reliability.hang.sections import (  # noqa: E402
+    SectionMonitor,
+)
+from stalwart.reliability.rerun import DEVICE_ID_ENV  # noqa: E402
+from stalwart.train import trainer as trainer_module  # noqa: E402
+from stalwart.train.forward_step import gpt_forward_step  # noqa: E402
 
-from train_utils import make_config  # noqa: E402
-
-ITERS, VOCAB, SEQ = 4, 64, 8
 PATHS = ("trainer", "lightning", "hf", "loop")
-HAS_NVML = importlib.util.find_spec("pynvml") is not None
+SPELLING = {"trainer": Names.CLI, "lightning": Names.LIGHTNING, "hf": Names.HF, "loop": Names.LOOP}
 
 
-def _probes(root: Path) -> dict[str, Any]:
-    """Every probe field unlike its default (``log_energy`` aside: see the module docstring)."""
-    return {
-        "sinks": SinkConfig(
-            metrics_file=str(root / "m.jsonl"), tensorboard_dir=str(root / "tb"),
-            tensorboard_queue_size=7, group_metric_tags=True, wandb_project="p",
-            wandb_exp_name="e", wandb_save_dir=str(root / "wb"), wandb_mode="disabled",
-        ),
-        "timers": TimerConfig(timing_log_level=2, timing_log_option="all", timing_mode="events"),
-        "straggler": StragglerConfig(
-            log_straggler=True, disable_straggler_on_startup=True, straggler_threshold=1.5,
-            straggler_minmax_count=2,
-        ),
-        "memory": MemoryConfig(log_memory_interval=2, log_memory_to_tensorboard=True),
-        "energy": EnergyConfig(log_energy=HAS_NVML),
-        "dumps": TensorDumpConfig(
-            dump_dir=str(root / "dumps"), save_activations_interval=3, log_dgrads=True,
-            log_tokens_per_expert=True, dump_stats_only=True, save_dgrads_interval=2,
-            save_wgrads_interval=2, save_tokens_per_expert_interval=2, save_params_interval=2,
-        ),
-        "profiler": ProfilerConfig(
-            profile=True, profile_step_start=1, profile_step_end=2, profile_ranks=[0, 1],
-            use_pytorch_profiler=True, profile_dir=str(root / "prof"),
-        ),
-        "memory_release": MemoryReleaseConfig(empty_unused_memory_level=2),
-        "progress": ProgressLogConfig(log_progress=True),
-    }  # fmt: skip
-
-
-def _flags(probes: dict[str, Any]) -> list[str]:
-    """The trainer's flags for ``probes``: each field is the flag of the same name."""
-    argv: list[str] = []
-    for config in probes.values():
-        for f in dataclasses.fields(config):
-            value = getattr(config, f.name)
-            if value == f.default or (value is False and f.default is False):
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            if value is True:
-                argv.append(flag)
-            elif isinstance(value, list):
-                argv += [flag, *map(str, value)]
-            else:
-                argv += [flag, str(value.value if isinstance(value, enum.Enum) else value)]
-    return argv
-
-
-# ---------------------------------------------------------------------------- the four paths
-def _llama() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-def _tokens() -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, VOCAB, (32, SEQ), generator=torch.Generator().manual_seed(7))
-    return [{"input_ids": row, "labels": row} for row in ids]
-
-
-def _trainer(save: Path, probes: dict[str, Any]) -> None:
-    config = make_config("--train-iters", str(ITERS), "--save", str(save),
-                         "--log-interval", "1", *_flags(probes))  # fmt: skip
-    for name, probe in probes.items():
-        assert getattr(config, name) == probe, name  # the flags map one to one
-    with Trainer(config, DistributedContext()) as trainer:
-        trainer.train()
-
-
-class _Module(lightning.GuardedModule, L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = _llama()
-
-    def forward_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
-def _lightning(save: Path, probes: dict[str, Any]) -> None:
-    callback = lightning.StalwartCallback(str(save), log=LogConfig(log_interval=1), **probes)
-    trainer = L.Trainer(
-        max_steps=ITERS, accelerator="cpu", devices=1, callbacks=[callback],
-        enable_checkpointing=False, logger=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )  # fmt: skip
-    loader = torch.utils.data.DataLoader(_tokens(), batch_size=4, shuffle=False)
-    trainer.fit(_Module(), loader)
-
-
-def _hf(save: Path, probes: dict[str, Any]) -> None:
-    callback = hf.StalwartCallback(log=LogConfig(log_interval=1), **probes)
-    args = transformers.TrainingArguments(
-        str(save), max_steps=ITERS, per_device_train_batch_size=4, learning_rate=1e-2,
-        save_strategy="no", report_to=[], use_cpu=True, seed=3, logging_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
-    hf.StalwartTrainer(
-        model=_llama(), args=args, train_dataset=_tokens(), callbacks=[callback]
-    ).train()
-
-
-def _loop(save: Path, probes: dict[str, Any]) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batches = RerunDataIterator(iter([torch.randn(4, 4) for _ in range(ITERS)]))
-    config = ShellConfig(train_iters=ITERS, save_dir=str(save), log=LogConfig(log_interval=1),
-                         **probes)  # fmt: skip
-    with config.build() as shell:
-        step = shell.step(model, optimizer, lambda b, m: m(b).square().mean(), batches)
-        shell.start()
-        for it in range(ITERS):
-            with shell.iteration(it):
-                result = step.run(it, launch_next=False)
-            shell.record(it + 1, result, batch_size=4)
-            decision = shell.decide(it + 1, result, finished=it + 1 == ITERS)
-            if decision.exit:
-                shell.finish(decision, it + 1)
-                break
-
-
-RUNNERS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
-    "trainer": _trainer, "lightning": _lightning, "hf": _hf, "loop": _loop,
-}  # fmt: skip
-
-
+# --------------------------------------------------------------------------------- the runs
 @dataclasses.dataclass
 class Run:
+    path: str
     shell: Shell
     save: Path
-    probes: dict[str, Any]
+    fields: dict[str, Any]
+    out: str  # what it printed
     released: int  # the memory release's calls
+    signals: dict[str, Any]  # run B: what its first forward saw
 
     def child(self, kind: type) -> Any:
         sink = self.shell.sink
         return next(c for c in getattr(sink, "children", (sink,)) if isinstance(c, kind))
 
     def dumps(self, *parts: str) -> Path:
-        return Path(self.probes["dumps"].dump_dir, *parts)
+        return Path(self.fields["dumps"].dump_dir, *parts)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        text = Path(self.fields["sinks"].metrics_file).read_text()
+        return [json.loads(line) for line in text.splitlines() if line]
+
+    def training(self) -> list[dict[str, Any]]:
+        return [
+            m for m in self.metrics() if m.get("split", "train") == "train" and "iteration" in m
+        ]
+
+    def reason(self) -> dict[str, Any]:
+        return json.loads((self.save / "exit_reason.json").read_text())
+
+    def spell(self, setting: str) -> str:
+        return SPELLING[self.path].spell(setting)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """One run per path, every probe field set; the shell each built and what it wrote."""
-    built: list[Shell] = []
-    released: list[str] = []
+@contextlib.contextmanager
+def _spies(built: list[Shell], released: list[str]) -> Iterator[None]:
     original_init, original_build = Shell.__init__, MemoryReleaseConfig.build
 
     def spy(self: Shell, *args: Any, **kwargs: Any) -> None:
@@ -217,43 +120,124 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         original_build(self, device)  # checked as on CUDA; CPU has no cache to empty: count
         return UnusedMemoryRelease(self.empty_unused_memory_level, lambda: released.append("x"))
 
-    out: dict[str, Run] = {}
+    def forward(batch: Any, model: Any) -> Any:
+        SIGNALS.maybe_send()
+        return gpt_forward_step(batch, model)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Shell, "__init__", spy)
         mp.setattr(MemoryReleaseConfig, "build", release)
-        for path in PATHS:
-            root = tmp_path_factory.mktemp(path)
-            probes = _probes(root)
-            released.clear()
-            RUNNERS[path](root / "save", probes)
-            (shell,) = built[-1:]
-            out[path] = Run(shell, root / "save", probes, len(released))
+        mp.setattr(trainer_module, "gpt_forward_step", forward)
+        mp.setenv(DEVICE_ID_ENV, DEVICE)
+        yield
+
+
+def _run(path: str, root: Path, fields: dict[str, Any], sigusr1: bool) -> Run:
+    built: list[Shell] = []
+    released: list[str] = []
+    out = io.StringIO()
+    SIGNALS.armed, SIGNALS.seen = sigusr1, {}
+    previous = signal.getsignal(signal.SIGUSR1)
+    with _spies(built, released), contextlib.redirect_stdout(out):
+        RUNNERS[path](root / "save", fields)
+    assert signal.getsignal(signal.SIGUSR1) == previous  # the handler was uninstalled
+    (shell,) = built[-1:]
+    return Run(path, shell, root / "save", fields, out.getvalue(), len(released), SIGNALS.seen)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Run]:
+    """Runs A and B of every path; the shell each built and what it wrote and printed."""
+    out: dict[tuple[str, str], Run] = {}
+    for path in PATHS:
+        root = tmp_path_factory.mktemp(f"{path}-a")
+        out[(path, "a")] = _run(path, root, _run_a(root), sigusr1=False)
+        root = tmp_path_factory.mktemp(f"{path}-b")
+        out[(path, "b")] = _run(path, root, _run_b(root, path), sigusr1=True)
     return out
 
 
-def _reached(probe: str, name: str) -> Callable[[Run], bool]:
+# ------------------------------------------------------------------------------- the checks
+def _reached(section: str, name: str) -> Callable[[Run], bool]:
     """The path's shell holds the value set (the adapter dropped nothing)."""
-    return lambda r: getattr(getattr(r.shell.config, probe), name) == getattr(r.probes[probe], name)
+
+    def check(r: Run) -> bool:
+        value = (
+            getattr(r.shell.config, section)
+            if not name
+            else getattr(getattr(r.shell.config, section), name)
+        )
+        return bool(value == (r.fields[section] if not name else getattr(r.fields[section], name)))
+
+    return check
 
 
 def _dumper_built_from_its_fields(r: Run) -> bool:
-    dumper = r.shell.observer.dumper
-    return dumper.config == r.probes["dumps"].dump_config(log_interval=1)
+    return r.shell.observer.dumper.config == r.fields["dumps"].dump_config(log_interval=1)
 
 
 def _stats_iterations(r: Run) -> list[int]:
     lines = r.dumps("tensor_stats", "rank0.jsonl").read_text().splitlines()
-    return [int(line.split('"iteration": ')[1].split(",")[0]) for line in lines]
+    return sorted({int(line.split('"iteration": ')[1].split(",")[0]) for line in lines})
 
 
-CHECKS: dict[tuple[str, str], Callable[[Run], bool]] = {
-    ("sinks", "metrics_file"): lambda r: Path(r.probes["sinks"].metrics_file).read_text().count("\n") >= ITERS,
-    ("sinks", "tensorboard_dir"): lambda r: any(Path(r.probes["sinks"].tensorboard_dir).glob("events.out.tfevents*")),
+def _monitor(r: Run) -> MemoryMonitor:
+    return next(p for p in r.shell.log.providers if isinstance(p, MemoryMonitor))
+
+
+def _trace(r: Run) -> str:
+    found = sorted(Path(r.fields["profiler"].profile_dir).glob("trace_rank0_*.json"))
+    return str(found[0]) if found else ""
+
+
+def _tb_tags(r: Run) -> dict[str, list[int]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(r.fields["sinks"].tensorboard_dir)
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _statuses(r: Run) -> list[tuple[int, str]]:
+    lines = Path(r.fields["rerun"].result_rejected_tracker_filename).read_text().splitlines()
+    new = [line for line in lines if "jobID=old" not in line]
+    return [
+        (int(x.split(" iteration=")[1].split()[0]), x.split(" status=")[1].split()[0]) for x in new
+    ]
+
+
+def _has(key: str) -> Callable[[Run], bool]:
+    return lambda r: any(m.get(key) is not None for m in r.training())
+
+
+def _checkpoint(r: Run, iteration: int) -> bool:
+    names = {"lightning": f"iter_{iteration:07d}.ckpt", "hf": f"checkpoint-{iteration}"}
+    return (r.save / names.get(r.path, f"iter_{iteration:07d}")).exists()
+
+
+def _decided(r: Run, iteration: int, inputs: ExitInputs) -> Any:
+    """The decision the path's shell makes with its own exit config and spelling."""
+
+    def spell(name: str) -> str:
+        return r.spell(name if name in ("train_iters", "save_dir") else f"exit.{name}")
+
+    return decide(iteration, inputs, r.shell.config.exit, spell=spell)
+
+
+A = dict[tuple[str, str], Callable[[Run], bool]]
+CHECKS_A: A = {
+    ("", "train_iters"): lambda r: (r.reason()["iteration"] == ITERS == r.training()[-1]["iteration"]),
+    ("", "save_dir"): lambda r: (r.reason()["reason"] == "finished" and (r.save / "progress.txt").exists()),
+    ("", "run_dir"): lambda r: ((Path(r.fields["run_dir"]) / "memory.json").exists() and not (r.save / "memory.json").exists()),
+    ("", "goodput"): lambda r: (not list(r.save.parent.rglob("goodput.jsonl")) and "goodput" not in r.out),
+    ("", "seq_length"): _has("tokens_per_second"),
+    ("sinks", "metrics_file"): lambda r: len(r.training()) >= ITERS,
+    ("sinks", "tensorboard_dir"): lambda r: any(Path(r.fields["sinks"].tensorboard_dir).glob("events.out.tfevents*")),
     ("sinks", "tensorboard_queue_size"): lambda r: r.child(TensorBoardSink)._writer.max_queue == 7,
     ("sinks", "group_metric_tags"): lambda r: r.child(TensorBoardSink)._tag is grouped_name,
     ("sinks", "wandb_project"): lambda r: r.child(WandbSink)._run.project == "p",
     ("sinks", "wandb_exp_name"): lambda r: r.child(WandbSink)._run.name == "e",
-    ("sinks", "wandb_save_dir"): lambda r: Path(r.probes["sinks"].wandb_save_dir).is_dir(),
+    ("sinks", "wandb_save_dir"): lambda r: Path(r.fields["sinks"].wandb_save_dir).is_dir(),
     ("sinks", "wandb_mode"): lambda r: r.child(WandbSink)._run.disabled is True,
     ("timers", "timing_log_level"): lambda r: r.shell.timers.log_level == 2,
     ("timers", "timing_log_option"): lambda r: r.shell.timers.log_option is TimingLogOption.ALL,
@@ -262,65 +246,184 @@ CHECKS: dict[tuple[str, str], Callable[[Run], bool]] = {
     ("straggler", "disable_straggler_on_startup"): lambda r: r.shell.straggler.enabled is False,
     ("straggler", "straggler_threshold"): lambda r: r.shell.straggler.threshold == 1.5,
     ("straggler", "straggler_minmax_count"): lambda r: r.shell.straggler.minmax_count == 2,
-    ("memory", "log_memory_interval"): lambda r: _monitor(r).log_memory_interval == 2,
+    ("memory", "log_memory_interval"): lambda r: (_monitor(r).log_memory_interval == 2 and "memory (MB)" in r.out),
     ("memory", "log_memory_to_tensorboard"): lambda r: _monitor(r).to_tensorboard is True,
-    ("energy", "log_energy"): lambda r: isinstance(r.shell.energy, EnergyMeter),  # with NVML
+    ("energy", "log_energy"): lambda r: isinstance(r.shell.energy, EnergyMeter),
     ("dumps", "dump_dir"): lambda r: r.dumps("params").is_dir(),
-    ("dumps", "save_activations_interval"): lambda r: _stats_iterations(r) == [3],
-    ("dumps", "log_dgrads"): lambda r: _dumper_built_from_its_fields(r) and _reached("dumps", "log_dgrads")(r),
-    ("dumps", "log_tokens_per_expert"): lambda r: _dumper_built_from_its_fields(r) and _reached("dumps", "log_tokens_per_expert")(r),
-    ("dumps", "dump_stats_only"): lambda r: r.dumps("tensor_stats").is_dir() and not r.dumps("activations").exists(),
-    ("dumps", "save_dgrads_interval"): lambda r: r.dumps("dgrads", "iter_0000002").exists(),
-    ("dumps", "save_wgrads_interval"): lambda r: r.dumps("wgrads", "iter_0000002").exists(),
-    ("dumps", "save_tokens_per_expert_interval"): lambda r: _dumper_built_from_its_fields(r) and r.shell.observer.dumper.config.save_tokens_per_expert_interval == 2,
-    ("dumps", "save_params_interval"): lambda r: r.dumps("params", "iter_0000002").exists(),
-    ("profiler", "profile"): lambda r: any(Path(r.probes["profiler"].profile_dir).glob("trace_rank0_*.json")),
-    ("profiler", "profile_step_start"): lambda r: "_iters2-" in _trace(r),  # <start + 1>-<end>
+    ("dumps", "save_activations_interval"): lambda r: _stats_iterations(r) == [3, 6],
+    ("dumps", "log_dgrads"): lambda r: (_dumper_built_from_its_fields(r) and _reached("dumps", "log_dgrads")(r)),
+    ("dumps", "log_tokens_per_expert"): lambda r: (_dumper_built_from_its_fields(r) and _reached("dumps", "log_tokens_per_expert")(r)),
+    ("dumps", "dump_stats_only"): lambda r: (r.dumps("tensor_stats").is_dir() and not r.dumps("activations").exists()),
+    ("dumps", "save_dgrads_interval"): lambda r: r.dumps("dgrads", "iter_0000003").exists(),
+    ("dumps", "save_wgrads_interval"): lambda r: r.dumps("wgrads", "iter_0000003").exists(),
+    ("dumps", "save_tokens_per_expert_interval"): lambda r: (_dumper_built_from_its_fields(r) and r.shell.observer.dumper.config.save_tokens_per_expert_interval == 3),
+    ("dumps", "save_params_interval"): lambda r: r.dumps("params", "iter_0000003").exists(),
+    ("profiler", "profile"): lambda r: any(Path(r.fields["profiler"].profile_dir).glob("trace_rank0_*.json")),
+    ("profiler", "profile_step_start"): lambda r: "_iters2-" in _trace(r),
     ("profiler", "profile_step_end"): lambda r: _trace(r).endswith("-2.json"),
-    ("profiler", "profile_ranks"): lambda r: _reached("profiler", "profile_ranks")(r) and bool(_trace(r)),
+    ("profiler", "profile_ranks"): lambda r: (_reached("profiler", "profile_ranks")(r) and bool(_trace(r))),
     ("profiler", "use_pytorch_profiler"): lambda r: bool(_trace(r)),
-    ("profiler", "profile_dir"): lambda r: Path(_trace(r)).parent == Path(r.probes["profiler"].profile_dir),
+    ("profiler", "profile_dir"): lambda r: (Path(_trace(r)).parent == Path(r.fields["profiler"].profile_dir)),
     ("memory_release", "empty_unused_memory_level"): lambda r: r.released >= ITERS,
     ("progress", "log_progress"): lambda r: "Starting job" in (r.save / "progress.txt").read_text(),
+    ("log", "log_interval"): lambda r: ([m["iteration"] for m in r.training()] == list(range(1, ITERS + 1))),
+    ("log", "tensorboard_log_interval"): lambda r: _tb_tags(r)["batch/batch-size"] == [2, 4, 6],
+    ("log", "log_throughput"): lambda r: "TFLOP/s" in r.out,
+    ("log", "log_num_zeros_in_grad"): _has("num_zeros"),
+    ("log", "log_params_norm"): _has("params_norm"),
+    ("log", "log_timers_to_tensorboard"): lambda r: any(t.endswith("forward-backward-time") for t in _tb_tags(r)),
+    ("log", "log_loss_scale_to_tensorboard"): lambda r: (not any("loss-scale" in t for t in _tb_tags(r))),
+    ("log", "log_world_size_to_tensorboard"): lambda r: any(t.endswith("world-size") for t in _tb_tags(r)),
+    ("log", "log_validation_ppl_to_tensorboard"): lambda r: any(k.endswith("validation ppl") for m in r.metrics() for k in m),
+    ("log", "log_progress_bar"): lambda r: r.shell.log._progress.enabled is True,
+    ("log", "log_timestamp"): lambda r: (" iteration        1/" in r.out and not re.search(r"\[20\d\d-", r.out)),
+    ("log", "peak_tflops"): _has("mfu_percent"),
+    ("rerun", "rerun_mode"): lambda r: (4, "initial_run") in _statuses(r),
+    ("rerun", "check_for_nan_in_loss_and_grad"): lambda r: (r.shell.machine.checks.nan_and_inf is False),
+    ("rerun", "check_for_spiky_loss"): lambda r: r.shell.machine.checks.spiky_loss is True,
+    ("rerun", "check_for_large_grads"): lambda r: r.shell.machine.checks.large_grads is True,
+    ("rerun", "error_injection_rate"): lambda r: len(_statuses(r)) >= 2,
+    ("rerun", "error_injection_type"): lambda r: ((4, "first_rerun_not_reproducible") in _statuses(r)),
+    ("rerun", "error_injection_seed"): lambda r: _reached("rerun", "error_injection_seed")(r),
+    ("rerun", "error_injection_iterations"): lambda r: {i for i, _ in _statuses(r)} == {4},
+    ("rerun", "error_injection_ranks"): lambda r: r.shell.machine.injector.ranks == {0},
+    ("rerun", "error_injection_devices"): lambda r: r.shell.machine.injector.devices == {DEVICE},
+    ("rerun", "error_injection_once"): lambda r: (r.save / ".stalwart_rerun_injected_4_0").exists(),
+    ("rerun", "result_rejected_tracker_filename"): lambda r: bool(_statuses(r)),
+    ("rerun", "iterations_to_skip"): lambda r: (f"skipping iteration 2 ({r.spell('rerun.iterations_to_skip')})" in r.out),
+    ("rerun", "spiky_loss_factor"): lambda r: r.shell.machine.checks.spiky_loss_factor == 5.0,
+    ("rerun", "large_grads_factor"): lambda r: r.shell.machine.checks.large_grads_factor == 6.0,
+    ("rerun", "check_weight_hash_across_dp_replicas_interval"): lambda r: (r.shell.replicas.interval == 2),
+    ("rerun", "check_weight_hash_sample_fraction"): lambda r: r.shell.machine.replicas is not None,
+    ("rerun", "rerun_peer_replay"): lambda r: r.shell.machine.peer.enabled is False,
+    ("ft", "enable_ft"): lambda r: isinstance(r.shell.sections, SectionMonitor),
+    ("ft", "calc_ft_timeouts"): lambda r: (r.save / "ft_state.json").exists(),
+    **{
+        ("ft", name): _reached("ft", name)
+        for name in (
+            "timeouts",
+            "ft_num_warmup_iters",
+            "safety_factor",
+            "blend_alpha",
+            "min_learned_timeout_s",
+            "min_steps_for_step_update",
+            "poll_interval_s",
+            "stack_dump_signal",
+            "kill_grace_s",
+            "stack_dump_wait_s",
+            "abort_grace_s",
+        )
+    },
 }  # fmt: skip
 
-
-def _monitor(r: Run) -> MemoryMonitor:
-    return next(p for p in r.shell.log.providers if isinstance(p, MemoryMonitor))
-
-
-def _trace(r: Run) -> str:
-    found = sorted(Path(r.probes["profiler"].profile_dir).glob("trace_rank0_*.json"))
-    return str(found[0]) if found else ""
+CHECKS_B: A = {
+    ("exit", "exit_signal_handler"): lambda r: r.reason()["reason"] == "interval",
+    ("exit", "exit_signal"): lambda r: bool(r.signals) and r.reason()["iteration"] == 4,
+    ("exit", "exit_on_interrupt"): lambda r: (
+        r.signals.get("int") not in (signal.default_int_handler, signal.SIG_DFL)
+    ),
+    ("exit", "exit_interval"): lambda r: (
+        (r.reason()["reason"], r.reason()["iteration"]) == ("interval", 4)
+    ),
+    ("exit", "save_interval"): lambda r: _checkpoint(r, 2) and _checkpoint(r, 4),
+    ("exit", "non_persistent_save_interval"): lambda r: (
+        r.save / "non_persistent" / "iter_0000003"
+    ).exists(),
+    ("exit", "phase_transition_iterations"): lambda r: (
+        (d := _decided(r, 5, ExitInputs())).reason is ExitReason.PHASE
+        and d.detail == r.spell("exit.phase_transition_iterations")
+    ),
+    ("exit", "exit_duration_in_mins"): lambda r: (
+        (d := _decided(r, 1, ExitInputs(elapsed_minutes_max=2e6))).reason is ExitReason.DURATION
+        and r.spell("exit.exit_duration_in_mins") in d.detail
+    ),
+}
+CHECKS = {**CHECKS_A, **CHECKS_B}
+REFUSED = {("exit", "non_persistent_save_interval"): FRAMEWORKS}  # one line at construction
 
 
 def _fields() -> list[tuple[str, str]]:
     config = ShellConfig(train_iters=1)
-    return [(p, f.name) for p in PROBES for f in dataclasses.fields(getattr(config, p))]
+    out: list[tuple[str, str]] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out += [(f.name, g.name) for g in dataclasses.fields(value)]
+        else:
+            out.append(("", f.name))
+    return out
 
 
-def test_every_probe_field_has_a_check_and_the_runs_set_it_unlike_its_default() -> None:
+def _set_value(section: str, name: str, root: Path) -> Any:
+    fields = {**_run_a(root), **_run_b(root, "loop")}
+    if not section:
+        return fields.get(name)
+    return getattr(fields[section], name)
+
+
+def test_every_shell_field_has_a_check_and_the_runs_set_it_unlike_its_default(
+    tmp_path: Path,
+) -> None:
     fields = _fields()
     missing = sorted(set(fields) - set(CHECKS))
-    assert not missing, f"probe fields with no parity check (add one to CHECKS): {missing}"
+    assert not missing, f"ShellConfig fields with no parity check (add one to CHECKS): {missing}"
     assert not sorted(set(CHECKS) - set(fields)), "checks of fields that no longer exist"
-    probes, defaults = _probes(Path("/r")), ShellConfig(train_iters=1)
-    same = [(p, n) for p, n in fields if getattr(probes[p], n) == getattr(getattr(defaults, p), n)]
-    assert same == ([] if HAS_NVML else [("energy", "log_energy")]), same  # a check must fail
+    defaults = ShellConfig(train_iters=1)
+    framework_owned = {("", "train_iters"), ("", "save_dir")}  # each path's own setting
+    same = [
+        (s, n)
+        for s, n in fields
+        if (s, n) not in framework_owned
+        if _set_value(s, n, tmp_path)
+        == (getattr(getattr(defaults, s), n) if s else getattr(defaults, n))
+    ]
+    # A transient error is the one injected type a run goes on after (its status is checked).
+    expected = [("rerun", "error_injection_type")] + (
+        [] if HAS_NVML else [("energy", "log_energy")]
+    )
+    assert sorted(same) == sorted(expected), same  # a check must fail
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_every_probe_field_has_its_effect_on_each_path(path: str, runs: dict[str, Run]) -> None:
-    run = runs[path]
-    for name, probe in run.probes.items():
-        assert getattr(run.shell.config, name) == probe, f"{path}: {name} not passed through"
-    failed = [
-        f"{probe}.{name}"
-        for probe, name in _fields()
-        if (probe, name) != ("energy", "log_energy") or HAS_NVML
-        if not CHECKS[(probe, name)](run)
-    ]
+def test_every_shell_field_has_its_effect_on_each_path(
+    path: str, runs: dict[tuple[str, str], Run]
+) -> None:
+    failed = []
+    for checks, run in ((CHECKS_A, runs[(path, "a")]), (CHECKS_B, runs[(path, "b")])):
+        for section in run.fields:
+            if section in ("run_dir", "goodput", "seq_length"):
+                continue
+            assert getattr(run.shell.config, section) == run.fields[section], f"{path}: {section}"
+        for (section, name), check in checks.items():
+            if (section, name) == ("energy", "log_energy") and not HAS_NVML:
+                continue
+            if path in REFUSED.get((section, name), ()):
+                continue
+            if not check(run):
+                failed.append(f"{section}.{name}" if section else name)
     assert not failed, f"{path}: no effect of {failed}"
+
+
+def test_iterations_to_skip_and_the_tracker_files_skips_are_counted_skipped_on_each_path(
+    runs: dict[tuple[str, str], Run],
+) -> None:
+    """Iteration 2 (``iterations_to_skip``) and 5 (the tracker file of an earlier job) are
+    skipped: announced as the path spells the setting, logged as skipped, not trained."""
+    for path in PATHS:
+        r = runs[(path, "a")]
+        assert f"skipping iteration 5 ({r.spell('rerun.iterations_to_skip')})" in r.out, path
+        skipped = {m["iteration"] for m in r.training() if m.get("skipped_iterations")}
+        assert skipped == {2, 5}, (path, skipped)
+
+
+@pytest.mark.parametrize("path", FRAMEWORKS)
+def test_a_non_persistent_save_interval_is_refused_by_a_framework_in_one_line(path: str) -> None:
+    """A framework's checkpoint is persistent: the setting would outlive the job it was meant
+    not to. Refused when the callback is built, named as the callback spells it."""
+    callback = lightning.StalwartCallback if path == "lightning" else hf.StalwartCallback
+    name = re.escape(SPELLING[path].spell("exit.non_persistent_save_interval"))
+    with pytest.raises(ValueError, match=rf"^{name}: the framework's checkpoints are persistent"):
+        callback(exit=ExitConfig(non_persistent_save_interval=2))
 
 
 @pytest.mark.skipif(HAS_NVML, reason="with NVML the energy meter runs (checked above)")
@@ -329,5 +432,6 @@ def test_log_energy_without_nvml_is_refused_in_one_line_on_each_path(
     path: str, tmp_path: Path
 ) -> None:
     probes = {"energy": EnergyConfig(log_energy=True)}
-    with pytest.raises(ValueError, match=r"^--log-energy needs the 'nvidia-ml-py' package"):
+    name = re.escape(SPELLING[path].spell("energy.log_energy"))
+    with pytest.raises(ValueError, match=rf"^{name} needs the 'nvidia-ml-py' package"):
         RUNNERS[path](tmp_path / "save", probes)

@@ -42,21 +42,21 @@ def test_shell_around_a_hand_written_step_saves_and_exits_on_sigterm(
     try:
         shell.resumed(0)
         shell.start()
-        for it in range(10):
-            with shell.iteration(it):
+        for _ in range(10):
+            with shell.iteration() as it:
                 opt.zero_grad()
                 loss = model(torch.ones(2, 4)).square().mean()
                 loss.backward()
                 opt.step()
-                if it == 2:
+                if it.number == 3:
                     os.kill(os.getpid(), signal.SIGTERM)  # the handler only raises a flag
-            shell.record(it + 1, losses={"lm loss": loss.detach()}, batch_size=2)
-            decision = shell.decide(it + 1, finished=it + 1 == 10)
+            shell.record(losses={"lm loss": loss.detach()}, batch_size=2)
+            decision = shell.decide()
             if decision.save is not SaveKind.NONE:
-                with shell.saving(it + 1):
-                    saved.append(it + 1)
+                with shell.saving():
+                    saved.append(shell.completed)
             if decision.exit:
-                code = shell.finish(decision, it + 1)
+                code = shell.finish(decision)
                 break
     finally:
         shell.close()
@@ -74,7 +74,10 @@ def test_shell_around_a_hand_written_step_saves_and_exits_on_sigterm(
     ("fields", "needle"),
     [
         ({"dumps": TensorDumpConfig(save_params_interval=1)}, "tensor dumps"),
-        ({"log": LogConfig(log_num_zeros_in_grad=True)}, r"LogConfig\.log_num_zeros_in_grad"),
+        (
+            {"log": LogConfig(log_num_zeros_in_grad=True)},
+            r"ShellConfig\.log\.log_num_zeros_in_grad",
+        ),
     ],
 )
 def test_settings_of_the_guarded_step_are_refused_without_it(
@@ -84,5 +87,5 @@ def test_settings_of_the_guarded_step_are_refused_without_it(
     with ShellConfig(train_iters=2, save_dir=str(tmp_path), **fields).build() as shell:
         shell.start()
         refused = pytest.raises(ValueError, match=rf"^{needle}.*: needs the guarded step")
-        with refused, shell.iteration(0):
+        with refused, shell.iteration():
             pass

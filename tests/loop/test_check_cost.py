@@ -60,11 +60,11 @@ def _step(layers: int, checked: bool) -> GuardedStep:
 
 def _ops_per_iteration(step: GuardedStep, iters: int = 2) -> tuple[float, collections.Counter]:
     for it in range(2):  # warm-up: slots, views and index tensors are made once
-        step.run(it)
+        step.run(it + 1)
     count = OpCount()
     with count:
         for it in range(2, 2 + iters):
-            assert not step.run(it).verdict.exit
+            assert not step.run(it + 1).verdict.exit
     return sum(count.ops.values()) / iters, count.ops
 
 

@@ -61,7 +61,7 @@ class Job:
     def train(self, iters: int = ITERS) -> list[Any]:
         results = []
         for it in range(iters):
-            results.append(self.step.run(it, launch_next=False))
+            results.append(self.step.run(it + 1, launch_next=False))
             if results[-1].verdict.exit:
                 break
         return results

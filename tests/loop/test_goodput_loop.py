@@ -64,7 +64,7 @@ def test_a_users_loop_books_the_replay_as_rerun(tmp_path) -> None:
     done = 0
     for it in range(6):
         with ledger.step(it + 1) as span:
-            result = step.run(it, launch_next=it + 1 < 6)
+            result = step.run(it + 1, launch_next=it + 1 < 6)
             if result.verdict.exit:
                 span.abandon(Bucket.RERUN)
         if result.verdict.exit:
@@ -125,7 +125,7 @@ def test_straggler_regions_live_in_the_captured_graph_and_evaluation_stays_out(t
         observer=detector, lookahead=False,
     )  # fmt: skip
     for it in range(4):  # warm-up, capture (+ its replay), two replays
-        step.run(it, launch_next=False)
+        step.run(it + 1, launch_next=False)
         detector.step()
     assert timing.graph_regions == 2  # one per micro-batch, recorded once, at capture
     step.evaluate(iter(_batches(8)), eval_iters=2, num_microbatches=2)  # forward only
@@ -176,7 +176,7 @@ def test_one_rejected_iteration_buckets_computed_by_hand(tmp_path, lookahead: bo
     for it in range(3):
         steps_before = steps["n"]
         with ledger.step(it + 1) as span:
-            result = step.run(it, launch_next=it + 1 < 3)
+            result = step.run(it + 1, launch_next=it + 1 < 3)
             if result.verdict.exit:
                 span.abandon(Bucket.RERUN)
         if result.verdict.exit:

@@ -111,7 +111,7 @@ class Run:
         torch.manual_seed(123)  # the noise draws start from the same state in every run
         results = []
         for it in range(num_iters):
-            result = self.step.run(it, launch_next=it + 1 < num_iters)
+            result = self.step.run(it + 1, launch_next=it + 1 < num_iters)
             results.append(result)
             if result.verdict.exit:
                 break
@@ -277,7 +277,7 @@ def test_settle_drops_the_launch_and_the_next_run_is_unchanged() -> None:
     torch.manual_seed(123)
     settled_results = []
     for it in range(NUM_ITERS):
-        settled_results.append(settled.step.run(it, launch_next=it + 1 < NUM_ITERS))
+        settled_results.append(settled.step.run(it + 1, launch_next=it + 1 < NUM_ITERS))
         settled.step.settle()  # e.g. a checkpoint or an evaluation between iterations
     _same_results(settled_results, plain.train())
     _same_params(settled, plain)
@@ -314,14 +314,14 @@ def test_a_non_fused_optimizer_steps_after_the_read_and_never_launches() -> None
     assert not step.runners.optimizer.gated and not step.lookahead_enabled
     before = [p.detach().clone() for p in model.parameters()]
     for it in range(3):
-        assert not step.run(it).verdict.exit
+        assert not step.run(it + 1).verdict.exit
     assert step.num_launched == 0
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_evaluation_settles_and_checks_in_disabled_mode() -> None:
     run = Run(lookahead=True)
-    run.step.run(0, launch_next=True)
+    run.step.run(1, launch_next=True)
     assert run.step._lookahead.pending is not None
     losses = run.step.evaluate(iter(_batches()), 2)
     assert run.step._lookahead.pending is None and set(losses) == {"lm loss"}

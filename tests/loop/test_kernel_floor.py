@@ -84,7 +84,7 @@ class Job:
         torch.manual_seed(7)  # dropout draws start from the same state in every job
         results = []
         for it in range(ITERS):
-            results.append(self.step.run(it, launch_next=False))
+            results.append(self.step.run(it + 1, launch_next=False))
             if results[-1].verdict.exit:
                 break
         assert results[-1].verdict.exit == exits
@@ -187,7 +187,7 @@ def test_optimizer_in_graph_skips_a_rejected_step_on_the_device() -> None:
     assert graphed.step.runners.optimizer._in_pass is False  # the rerun's step was held
     _assert_params(graphed, eager)
     clean = Job(cfg, in_graph=True)
-    clean.step.run(0, launch_next=False), clean.step.run(1, launch_next=False)
+    clean.step.run(1, launch_next=False), clean.step.run(2, launch_next=False)
     _assert_params(graphed, clean)  # the rejected step touched nothing
 
 
@@ -276,7 +276,7 @@ def test_trainer_wires_the_flags_into_its_step() -> None:
         weights = trainer.step.runners.forward_backward.compute_weights
         assert isinstance(weights, ComputeWeights) and weights.dtype == torch.bfloat16
         assert trainer.raw_model.config.bf16_residual_connection
-        result = trainer.step.run(0, launch_next=False)
+        result = trainer.step.run(1, launch_next=False)
         assert torch.isfinite(result.losses["lm loss"]) and weights.copies
         from stalwart.observability.memory import MemoryMonitor
 
@@ -337,9 +337,9 @@ def test_norm_and_position_grads_skip_autograd_accumulation() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     job = Job(_config(), weights=True)
-    job.step.run(0, launch_next=False)
+    job.step.run(1, launch_next=False)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        job.step.run(1, launch_next=False)
+        job.step.run(2, launch_next=False)
 
     def under_accumulate_grad(event: Any) -> bool:
         parent = event.cpu_parent

@@ -66,7 +66,7 @@ def _step(weights: bool, residual: bool, in_graph: bool) -> tuple[GuardedStep, F
 def _per_iteration(weights: bool, residual: bool, in_graph: bool) -> dict[str, Any]:
     step, context = _step(weights, residual, in_graph)
     for it in range(WARMUP):
-        step.run(it)
+        step.run(it + 1)
     reads: collections.Counter[str] = collections.Counter()
     saved = {name: getattr(torch.Tensor, name) for name in READS}
 
@@ -83,7 +83,7 @@ def _per_iteration(weights: bool, residual: bool, in_graph: bool) -> dict[str, A
             setattr(torch.Tensor, name, counted(name))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for it in range(WARMUP, WARMUP + MEASURED):
-                step.run(it)
+                step.run(it + 1)
     finally:
         for name, original in saved.items():
             setattr(torch.Tensor, name, original)

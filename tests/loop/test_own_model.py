@@ -74,7 +74,7 @@ class Job:
         results = []
         while self.state.iteration < until:
             result = self.step.run(
-                self.state.iteration, launch_next=self.state.iteration + 1 < until
+                self.state.iteration + 1, launch_next=self.state.iteration + 1 < until
             )
             results.append(result)
             if result.verdict.exit:

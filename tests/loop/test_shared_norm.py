@@ -48,10 +48,10 @@ def _train(path: str, *, fused_clip: bool = False) -> tuple[list[Any], list[torc
         machine=RerunConfig().build("cpu"), data=RerunDataIterator(token_batches(4 * ITERS * MICRO)),
         num_microbatches=MICRO, plan=optimizer_plan(path), clip_grad=0.5, lookahead=False,
     )  # fmt: skip
-    results = [step.run(it, launch_next=False) for it in range(ITERS - 1)]
+    results = [step.run(it + 1, launch_next=False) for it in range(ITERS - 1)]
     count = OpCount()
     with count:
-        results.append(step.run(ITERS - 1, launch_next=False))
+        results.append(step.run(ITERS, launch_next=False))
     step.close()
     assert not any(r.verdict.exit for r in results)
     return (

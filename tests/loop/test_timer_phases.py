@@ -88,7 +88,7 @@ def _run(plan: str, lookahead: bool, num_microbatches: int) -> dict[str, float]:
             timers.report(timers.enabled_names(TRAINING_TIMERS), reset=True)
         # Steady state: every measured iteration launches the next one, so the window holds
         # one launch it did not start with (the first's) and one it ends with (the next's).
-        result = step.run(it, launch_next=True)
+        result = step.run(it + 1, launch_next=True)
         assert not result.skipped
     if lookahead:
         assert step.num_used >= MEASURED - 1  # the launches did happen
@@ -195,7 +195,7 @@ def _run_in_graph(
     for it in range(WARMUP + MEASURED):
         if it == WARMUP:
             timers.report(names, reset=True)
-        step.run(it, launch_next=True)
+        step.run(it + 1, launch_next=True)
     report = timers.report(names, normalizer=MEASURED)
     assert report is not None
     return {name: hi for name, (_, hi) in report.min_max().items()}

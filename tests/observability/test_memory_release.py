@@ -46,14 +46,14 @@ def test_flags_reach_the_config() -> None:
     argv = ["--save-wgrads-interval", "5", "--save-params-interval", "7"]
     argv += ["--empty-unused-memory-level", "2", "--no-exit-on-interrupt"]
     config = build_run_config(parse_train_args(argv), argv)
-    dumps = config.dumps
+    dumps = config.shell.dumps
     assert (dumps.save_wgrads_interval, dumps.save_params_interval) == (5, 7)
     assert (
-        config.memory_release.empty_unused_memory_level == 2
-        and config.exit.exit_on_interrupt is False
+        config.shell.memory_release.empty_unused_memory_level == 2
+        and config.shell.exit.exit_on_interrupt is False
     )
     on = ["--exit-on-interrupt"]
-    assert build_run_config(parse_train_args(on), on).exit.exit_on_interrupt is True
+    assert build_run_config(parse_train_args(on), on).shell.exit.exit_on_interrupt is True
 
 
 @pytest.mark.parametrize(

@@ -68,12 +68,12 @@ def test_decision_table(iteration: int, inputs: ExitInputs, kwargs: dict, expect
 
 
 def test_signal_ignored_without_handler_flag() -> None:
-    cfg = ExitConfig(save_interval=5)
+    cfg = ExitConfig(save_interval=5, exit_signal_handler=False)
     assert decide(5, SIG, cfg) == ExitDecision(P, False, None, "")
 
 
 def test_everything_disabled_never_exits() -> None:
-    cfg = ExitConfig()
+    cfg = ExitConfig(exit_signal_handler=False)
     assert not cfg.needs_agreement
     for it in range(1, 50):
         assert decide(it, ExitInputs(True, 1e9), cfg) == ExitDecision()
@@ -96,6 +96,15 @@ def test_config_validation(kwargs: dict, flag: str) -> None:
         ExitConfig(**kwargs)
 
 
+def test_the_signal_handler_is_on_unless_turned_off_by_name() -> None:
+    """Whatever else a loop sets, a SIGTERM saves: the README's ``ExitConfig(save_interval=100)``
+    turned the handler off before (issue 41)."""
+    for cfg in (ExitConfig(), ExitConfig(save_interval=100), ExitConfig(exit_interval=7)):
+        assert cfg.exit_signal_handler and cfg.handles_signals, cfg
+        assert decide(5, SIG, cfg).reason is ExitReason.SIGNAL
+    assert not ExitConfig(exit_signal_handler=False).handles_signals
+
+
 def test_config_normalises_signal_and_phases() -> None:
     cfg = ExitConfig(exit_signal="usr1", phase_transition_iterations=(9, 3))
     assert cfg.exit_signal is signal.SIGUSR1 and cfg.phase_transition_iterations == (3, 9)
@@ -106,7 +115,8 @@ def test_gather_without_group_and_without_need() -> None:
         handler._received = signal.SIGUSR1
         cfg = ExitConfig(exit_signal_handler=True, exit_signal="SIGUSR1")
         assert gather_exit_inputs(cfg, handler, 3.0) == ExitInputs(True, 3.0, signal.SIGUSR1)
-        assert gather_exit_inputs(ExitConfig(), handler, 3.0) == ExitInputs(False, 3.0)
+        off = ExitConfig(exit_signal_handler=False)
+        assert gather_exit_inputs(off, handler, 3.0) == ExitInputs(False, 3.0)
 
 
 def test_write_exit_reason(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -426,3 +426,22 @@ def test_timeline_falls_back_to_metric_counters(tmp_path: Path) -> None:
     page = write_report(tmp_path, pngs=False).read_text()
     assert "2 in the log interval ending here" in page
     assert "1 in the log interval ending here" in page
+
+
+def test_a_missing_sections_hint_names_the_setting_as_the_runs_path_spells_it(
+    tmp_path: Path,
+) -> None:
+    """A loop's run (no run.json settings) that logged no learning rate is told about
+    ``Shell.record(learning_rate=...)``, not the CLI's metrics-file flags; a CLI run the flags."""
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    rows = [{"split": "train", "iteration": i, "loss": 2.0} for i in (1, 2)]
+    (loop / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = write_report(loop, pngs=False, interactive=False).read_text()
+    assert "Shell.record(learning_rate=...)" in page and "TimerConfig(timing_log_level" in page
+    assert "--save or --metrics-file" not in page and "--timing-log-level" not in page
+    empty = tmp_path / "cli"
+    empty.mkdir()
+    RunPaths.for_run(empty, metrics_file=None).write_manifest({"preset": "tiny"})
+    page = write_report(empty, pngs=False, interactive=False).read_text()
+    assert "--save or --metrics-file" in page and "ShellConfig" not in page

@@ -89,7 +89,7 @@ def test_the_shell_agrees_again_after_its_evaluation(tmp_path: Path) -> None:
             if it == 2:
                 with shell.evaluation():
                     os.kill(os.getpid(), signal.SIGTERM)  # the handler only raises a flag
-            decisions.append(shell.decide(it, result=result))
+            decisions.append(shell.decide(result))
     finally:
         shell.close()
     assert [d.exit for d in decisions] == [False, True]

@@ -166,6 +166,11 @@ class CheckpointManager:
         """The local or in-memory copies the non-persistent saves go to (None: a directory)."""
         return self._copies
 
+    @property
+    def async_save(self) -> bool:
+        """Whether saves finish in the background (``--async-save``)."""
+        return self._async is not None
+
     # ------------------------------------------------------------------ checks
     def check_writable(self) -> None:
         """Create the save directories, probe-write a file on every rank, then take the lock of

@@ -242,7 +242,7 @@ def train_settings(module: str, train_args: list[str]) -> TrainSettings:
         _error(f"train args: {exc}")
     return TrainSettings(
         save=config.checkpoint.save,
-        run_dir=config.run_dir,
+        run_dir=config.shell.run_dir,
         global_batch_size=config.training.global_batch_size,
         micro_batch_size=config.training.micro_batch_size,
         use_cpu=config.training.use_cpu,

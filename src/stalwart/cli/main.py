@@ -78,13 +78,16 @@ def _check_before_start(config: RunConfig) -> None:
     from stalwart.config.memory_check import check_run_fits
     from stalwart.distributed.launch_env import env_int
     from stalwart.distributed.process_group import choose_device
+    from stalwart.loop.naming import Names
 
-    config.shell_config().check_extras()  # a missing tensorboard/wandb/pynvml: one line, before any work
     world = env_int("WORLD_SIZE", 1, minimum=1)
     device = choose_device(env_int("LOCAL_RANK", 0), config.training.use_cpu)
     local_world = env_int("LOCAL_WORLD_SIZE", world, minimum=1)
     check_run_fits(config, device, world_size=world, local_world_size=local_world)
     _check_output_paths(config)
+    # The shell's rules (a missing tensorboard/wandb/pynvml, --profile on this device, ...): one
+    # line before the first, so a refused start announces no run directory it never creates.
+    config.shell.check(Names.CLI, device=device, world_size=world)
 
 
 def _check_output_paths(config: RunConfig) -> None:
@@ -98,15 +101,18 @@ def _check_output_paths(config: RunConfig) -> None:
     if config.checkpoint.save is not None and not config.checkpoint.save.strip():
         raise ValueError("--save is empty (it takes a directory)")
     for flag, value in (
-        ("--run-dir", config.run_dir),
-        ("--tensorboard-dir", config.sinks.tensorboard_dir),
-        ("--wandb-save-dir", config.sinks.wandb_save_dir),
-        ("--dump-dir", config.dumps.dump_dir),
-        ("--profile-dir", config.profiler.profile_dir),
+        ("--run-dir", config.shell.run_dir),
+        ("--tensorboard-dir", config.shell.sinks.tensorboard_dir),
+        ("--wandb-save-dir", config.shell.sinks.wandb_save_dir),
+        ("--dump-dir", config.shell.dumps.dump_dir),
+        ("--profile-dir", config.shell.profiler.profile_dir),
     ):
         check_output_dir(flag, value)
-    check_output_file("--metrics-file", config.sinks.metrics_file)
-    for flag, directory in (("--run-dir", config.run_dir), ("--save", config.checkpoint.save)):
+    check_output_file("--metrics-file", config.shell.sinks.metrics_file)
+    for flag, directory in (
+        ("--run-dir", config.shell.run_dir),
+        ("--save", config.checkpoint.save),
+    ):
         # The files the run appends to there (a planted FIFO would block the first append).
         check_files_in(flag, directory, (PROGRESS_FILE, GOODPUT_FILE, METRICS_FILE, EVENTS_FILE))
     _check_cache_env(config)

@@ -46,7 +46,7 @@ MEGATRON_DEFAULTS: tuple[MegatronDefault, ...] = (
     MegatronDefault("--adam-beta2", "adam_beta2", 0.999, lambda c: c.optim.adam_beta2),
     MegatronDefault("--lr-decay-style", "lr_decay_style", "linear", lambda c: c.optim.lr_decay_style.value),
     MegatronDefault("--hidden-dropout", "hidden_dropout", 0.1, lambda c: c.model.dropout),
-    MegatronDefault("--log-interval", "log_interval", 100, lambda c: c.log.log_interval),
+    MegatronDefault("--log-interval", "log_interval", 100, lambda c: c.shell.log.log_interval),
     MegatronDefault("--eval-interval", "eval_interval", 1000, lambda c: c.training.eval_interval),
     MegatronDefault("--eval-iters", "eval_iters", 100, lambda c: c.training.eval_iters,
                     lambda c: c.training.eval_interval > 0),
@@ -101,12 +101,12 @@ def default_run_dir(
 def with_default_run_dir(config: RunConfig, env: Mapping[str, str]) -> RunConfig:
     """``config`` with `default_run_dir` as ``--run-dir`` when it has neither --save nor
     --run-dir (a changed copy; the original is left as it was)."""
-    if config.checkpoint.save is not None or config.run_dir is not None:
+    if config.checkpoint.save is not None or config.shell.run_dir is not None:
         return config  # given (an empty one is refused by the path checks, not replaced)
     run_dir = default_run_dir(env)
     if run_dir is None:
         return config
-    return dataclasses.replace(config, run_dir=run_dir)
+    return config.replace_shared(run_dir=run_dir)
 
 
 def start_line(config: RunConfig, explicit: set[str]) -> str:

@@ -37,8 +37,8 @@ def _loss_summary(metrics_file: str) -> str | None:
 
 def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:
     save = config.checkpoint.save
-    run_dir = run_dir_for(save, config.run_dir)
-    metrics = config.sinks.metrics_file or (
+    run_dir = run_dir_for(save, config.shell.run_dir)
+    metrics = config.shell.sinks.metrics_file or (
         str(RunPaths.for_run(run_dir).metrics) if run_dir else None
     )
     print(f"\nDemo finished at iteration {outcome.iteration} ({outcome.reason.value}).")
@@ -96,7 +96,7 @@ def _run_inprocess(config: RunConfig, demo: bool) -> int:
 def _keep_flight_recorder(config: RunConfig) -> None:
     """With hang detection on, NCCL's flight recorder dumps into the FT log directory when the
     watchdog's soft tier asks (set before any process group exists; the user's settings win)."""
-    if config.ft.enable_ft:
+    if config.shell.ft.enable_ft:
         from stalwart.reliability.hang.monitor_client import enable_flight_recorder
         from stalwart.reliability.hang.sections import FT_LOG_DIRNAME
 

@@ -22,6 +22,7 @@ from stalwart.config.fast_path import fast_path_values
 from stalwart.config.model import architecture_overrides, check_megatron_model_flags
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.graphs.checks import CudaGraphImpl
+from stalwart.loop.naming import Names
 from stalwart.loop.plans import EagerPlan, GraphPlan
 from stalwart.loop.shell_config import PROBES, ProbeConfigs, ShellConfig
 from stalwart.models import PRESET_MICRO_BATCH_SIZE, GPTConfig, preset_model_config
@@ -146,27 +147,48 @@ class GraphConfig:
         )
 
 
+# The shell's fields that are the run's own values elsewhere (one value each, kept equal).
+_SHARED = {"train_iters": "training.train_iters", "save_dir": "checkpoint.save",
+           "seq_length": "model.seq_length"}  # fmt: skip
+
+
 @dataclass(kw_only=True, frozen=True)
-class RunConfig(ProbeConfigs):
-    """The whole run: one field per component (the probes' from ``ProbeConfigs``, so they come
-    first in ``to_dict()``). Frozen: values one component's flags set from another's are derived
-    before it is built (`derive_combinations`), and `check_combinations` only checks;
-    ``dataclasses.replace`` makes a changed copy."""
+class RunConfig:
+    """The whole run: one field per component; ``shell`` is the :class:`ShellConfig` the
+    trainer's shell is built from (its exits, hang detection, rerun machine, log, probes and run
+    directory: declared and checked there once). Frozen: values one component's flags set from
+    another's are derived before it is built (`derive_combinations`), and `check_combinations`
+    only checks; ``dataclasses.replace`` (or :meth:`replace_shared`) makes a changed copy."""
 
     preset: str
     model: GPTConfig
+    shell: ShellConfig
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    run_dir: str | None = None  # --run-dir (default: --save)
-    rerun: RerunConfig = field(default_factory=RerunConfig)
-    ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    exit: ExitConfig = field(default_factory=ExitConfig)
     faults: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     graphs: GraphConfig = field(default_factory=GraphConfig)
+
+    def __post_init__(self) -> None:
+        for name, path in _SHARED.items():
+            component, attribute = path.split(".")
+            if getattr(self.shell, name) != getattr(getattr(self, component), attribute):
+                raise ValueError(f"RunConfig: shell.{name} differs from {path}")
+
+    def replace_shared(self, **values: Any) -> RunConfig:
+        """A copy with ``train_iters``/``save_dir``/``run_dir`` changed where they live (the
+        shell and its component), e.g. ``--train-samples``' derived iterations."""
+        shell = dataclasses.replace(self.shell, **values)
+        changes: dict[str, Any] = {"shell": shell}
+        if "train_iters" in values:
+            changes["training"] = dataclasses.replace(
+                self.training, train_iters=values["train_iters"]
+            )
+        if "save_dir" in values:
+            changes["checkpoint"] = dataclasses.replace(self.checkpoint, save=values["save_dir"])
+        return dataclasses.replace(self, **changes)
 
     def compile_cache_location(self) -> tuple[str, str] | None:
         """(flag, directory) of ``--compile``'s persistent cache: ``--compile-cache-dir``, else
@@ -177,8 +199,9 @@ class RunConfig(ProbeConfigs):
             return None
         if self.training.compile_cache_dir is not None:
             return "--compile-cache-dir", self.training.compile_cache_dir
-        run_dir, flag = (self.run_dir, "--run-dir") if self.run_dir else (
-            self.checkpoint.save, "--save")  # fmt: skip
+        run_dir = self.shell.run_dir
+        flag = "--run-dir" if run_dir else "--save"
+        run_dir = run_dir or self.checkpoint.save
         if not run_dir:
             return None
         return f"{flag}'s compile cache", os.path.join(run_dir, DEFAULT_CACHE_DIRNAME)
@@ -186,20 +209,20 @@ class RunConfig(ProbeConfigs):
     @property
     def artefact_dir(self) -> str | None:
         """Where run artefacts go: ``--run-dir``, else ``--save``, else nowhere."""
-        return self.run_dir or self.checkpoint.save
-
-    def shell_config(self) -> ShellConfig:
-        """The shell's part of the run: its probes, exits, hang detection, rerun and log."""
-        probes = {name: getattr(self, name) for name in PROBES}
-        return ShellConfig(
-            train_iters=self.training.train_iters, save_dir=self.checkpoint.save,
-            run_dir=self.run_dir, seq_length=self.model.seq_length, exit=self.exit, ft=self.ft,
-            rerun=self.rerun, log=self.log, **probes,
-        )  # fmt: skip
+        return self.shell.artefact_dir
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe nested dict (saved in checkpoints and printed by ``--print-config``)."""
-        return _jsonable(dataclasses.asdict(self))
+        """JSON-safe nested dict (saved in checkpoints and ``run.json``): each component's
+        settings under its name, the shell's sub-configs and ``run_dir`` at the top level as
+        before the shell held them (its run-wide values are the other components')."""
+        flat = _jsonable(dataclasses.asdict(self))
+        shell = flat.pop("shell")
+        ordered = {name: shell[name] for name in PROBES}
+        for name in ("preset", "model", "data", "optim", "training", "checkpoint"):
+            ordered[name] = flat.pop(name)
+        for name in ("log", "run_dir", "rerun", "ft", "exit"):
+            ordered[name] = shell[name]
+        return {**ordered, **flat}
 
 
 def _jsonable(value: Any) -> Any:
@@ -277,6 +300,27 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
     _check_sample_flags(ns)
     training = _pick(ns, TrainingConfig)
     checkpoint = _pick(ns, CheckpointConfig)
+    shell = _shell_config(ns, training, checkpoint.save, model.seq_length)
+    config = RunConfig(
+        preset=ns.preset,
+        model=model,
+        shell=shell,
+        data=_pick(ns, DataConfig),
+        optim=_pick(ns, OptimizerConfig),
+        training=training,
+        checkpoint=checkpoint,
+        faults=_pick(ns, FaultInjectionConfig),
+        inprocess=_pick(ns, InProcessConfig),
+        graphs=_pick(ns, GraphConfig),
+    )
+    check_combinations(config)
+    return config
+
+
+def _shell_config(
+    ns: argparse.Namespace, training: TrainingConfig, save: str | None, seq_length: int
+) -> ShellConfig:
+    """The shell's part of the run from its flags (the run-wide values are the components')."""
     exit_config = ExitConfig(
         exit_signal_handler=ns.exit_signal_handler,
         exit_signal=ns.exit_signal,
@@ -296,25 +340,17 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         _pick(ns, LogConfig, {"progress_bar": "log_progress_bar"}),
         _pick(ns, RerunConfig),
     )
-    config = RunConfig(
-        preset=ns.preset,
-        model=model,
-        data=_pick(ns, DataConfig),
-        optim=_pick(ns, OptimizerConfig),
-        training=training,
-        checkpoint=checkpoint,
-        log=log,
+    return ShellConfig(
+        train_iters=training.train_iters,
+        save_dir=save,
         run_dir=ns.run_dir,
+        seq_length=seq_length,
+        log=log,
         **{name: _pick(ns, probes[name]) for name in PROBES},  # each from its flags
         rerun=rerun,
         ft=_ft_config(ns),
         exit=exit_config,
-        faults=_pick(ns, FaultInjectionConfig),
-        inprocess=_pick(ns, InProcessConfig),
-        graphs=_pick(ns, GraphConfig),
     )
-    check_combinations(config)
-    return config
 
 
 def _ft_config(ns: argparse.Namespace) -> FaultToleranceConfig:
@@ -346,7 +382,7 @@ def derive_combinations(
 def check_combinations(config: RunConfig) -> None:
     """Cross-component rules (each component validated its own fields already): raises
     ``ValueError`` naming the flags, changes nothing."""
-    config.ft.check_exit_signal(config.exit.signal_enum)
+    config.shell.check(Names.CLI)  # the shell's own rules (its device rules: before start)
     _check_timeout_hierarchy(config)
     if config.inprocess.inprocess_restart and not config.checkpoint.save:
         raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
@@ -355,16 +391,20 @@ def check_combinations(config: RunConfig) -> None:
         and not config.inprocess.inprocess_restart
     ):  # a relaunched process has no memory of the last one: only a restart in it can use them
         raise ValueError("--non-persistent-ckpt-type in_memory needs --inprocess-restart")
-    if config.progress.log_progress and not config.checkpoint.save:
-        raise ValueError("--log-progress needs --save (progress.txt is written there)")
-    if config.rerun.error_injection_once and not config.checkpoint.save:
-        raise ValueError("--error-injection-once needs --save (the fired-once markers live there)")
+    if (
+        config.checkpoint.non_persistent_ckpt_type is not NonPersistentType.GLOBAL
+        and not config.shell.exit.non_persistent_save_interval
+    ):  # the type says where the non-persistent saves go: without their interval there are none
+        raise ValueError(
+            f"--non-persistent-ckpt-type {config.checkpoint.non_persistent_ckpt_type.value} needs "
+            "--non-persistent-save-interval (without it nothing is saved there)"
+        )
     if config.faults.inject_fault and not config.checkpoint.save:
         raise ValueError("--inject-fault needs --save (the fired-once marker lives there)")
     for flag, value in (
         ("--check-weight-hash-across-dp-replicas-interval",
-         config.rerun.check_weight_hash_across_dp_replicas_interval),
-        ("--check-weight-hash-sample-fraction", config.rerun.check_weight_hash_sample_fraction),
+         config.shell.rerun.check_weight_hash_across_dp_replicas_interval),
+        ("--check-weight-hash-sample-fraction", config.shell.rerun.check_weight_hash_sample_fraction),
     ):  # fmt: skip
         if value and config.training.use_torch_fsdp2:
             raise ValueError(
@@ -403,7 +443,7 @@ def check_combinations(config: RunConfig) -> None:
 
 def _check_timeout_hierarchy(config: RunConfig) -> None:
     """Refuse hang-handling timeouts where a lower tier can never fire first (one line)."""
-    ft, inprocess = config.ft, config.inprocess
+    ft, inprocess = config.shell.ft, config.inprocess
     check_timeout_hierarchy(
         step_s=ft.timeouts.step if ft.enable_ft else None,
         checkpointing_s=ft.timeouts.checkpointing if ft.enable_ft else None,

@@ -200,11 +200,12 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
-    """Checkpoint saving and loading (``--save``, ``--load``, ``--save-interval``, ...)."""
+    """Checkpoint saving and loading (``--save``, ``--load``, ``--async-save``, ...). When to
+    save (``--save-interval``, ``--non-persistent-save-interval``) is the shell's
+    ``ExitConfig``: one decision over every save and exit."""
 
     save: str | None = None
     load: str | None = None
-    save_interval: int = field(default=0, metadata=bounds(ge=0))
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
@@ -212,7 +213,6 @@ class CheckpointConfig:
     ckpt_fallback: bool = False
     verify_checkpoint_on_load: bool = False
     async_save: bool = False
-    non_persistent_save_interval: int = field(default=0, metadata=bounds(ge=0))
     non_persistent_ckpt_dir: str | None = None  # = --non-persistent-global-ckpt-dir
     # Megatron's non-persistent checkpoint types (stalwart.checkpoint.non_persistent): where
     # the --non-persistent-save-interval saves go, and the local type's directory and replicas.
@@ -230,14 +230,6 @@ class CheckpointConfig:
         ):
             _to_enum(self, name, kind, flag)
         check_fields(self)
-        if self.non_persistent_save_interval and not self.save:
-            # Saving and resuming are keyed on --save; the directory defaults to <save>/non_persistent.
-            raise ValueError(
-                "--non-persistent-save-interval needs --save "
-                "(--non-persistent-ckpt-dir defaults to <save>/non_persistent)"
-            )
-        if self.save_interval and not self.save:
-            raise ValueError("--save-interval needs --save (a checkpoint directory)")
         if self.async_save and not self.save:
             raise ValueError("--async-save needs --save (a checkpoint directory)")
         self._check_non_persistent_type()
@@ -246,10 +238,6 @@ class CheckpointConfig:
         """Every flag of a type applies to it: each other combination is one refusal."""
         kind = self.non_persistent_ckpt_type
         flag = f"--non-persistent-ckpt-type {kind.value}"
-        _require(
-            kind is NonPersistentType.GLOBAL or self.non_persistent_save_interval > 0,
-            f"{flag} needs --non-persistent-save-interval (without it nothing is saved there)",
-        )
         _require(
             kind is NonPersistentType.GLOBAL or self.non_persistent_ckpt_dir is None,
             f"--non-persistent-ckpt-dir (--non-persistent-global-ckpt-dir) is the global "

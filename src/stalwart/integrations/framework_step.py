@@ -5,22 +5,22 @@ A framework owns its data loader and checkpoints; the rerun state machine needs 
 forward-backward (it replays the iteration on the same micro-batches and RNG) and the
 optimizer step (a rejected iteration must never touch the weights). :class:`FrameworkStep`
 feeds the batches the framework hands over into a :class:`stalwart.loop.GuardedStep` (no
-look-ahead: the next batch is not known before the framework's next call) and keeps the state
-the framework's checkpoint has to carry (:meth:`state_dict`): the iteration count, every RNG,
-the rerun machine and, after an exit 16, the failed iteration's micro-batches.
+look-ahead: the next batch is not known before the framework's next call) for the shell's
+current iteration (a skipped one consumes its batch without training), and keeps the state the
+framework's checkpoint has to carry (:meth:`state_dict`): the completed count, every RNG and
+the rerun machine.
 
-Why the micro-batches: the framework counts the failed iteration's batches as consumed, so a
-relaunch (on other hardware) resumes its data loader *after* them; the machine needs to rerun
-exactly that iteration. :meth:`run` therefore runs the saved micro-batches first when the loaded
-state asks for the rerun from the checkpoint (and the framework's batch of that call is not
-used: that rerun always ends the job, with 16 again on the same device or 17 with the
-diagnosis). A settled verdict (``rerun_verdict.json``, :meth:`apply_verdict`) drops them.
+After a rejected iteration (exit 16 or 17) the adapters save the framework's state as it was
+at that iteration's start (its data position, its step count, its schedule), so a relaunch is
+handed the rejected iteration's batch again: rerun from the checkpoint (exit 16's protocol) or,
+once a verdict settled it, trained on, bitwise as the run without the fault.
 
 Usage (what the Lightning and Hugging Face adapters do)::
 
     fstep = FrameworkStep(shell, model=model, optimizer=optimizer, forward_step=fwd)
-    result = fstep.run([batch])                 # one iteration of one (or more) micro-batches
-    decision = shell.decide(fstep.iteration, result=result, finished=...)
+    with shell.iteration():
+        result = fstep.run([batch])             # one iteration of one (or more) micro-batches
+    decision = shell.decide(result)
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from stalwart.loop import RngState, StepResult
+from stalwart.loop import Names, RngState, ShellConfig, StepResult
 from stalwart.loop.microbatches import ForwardStep, as_output
 from stalwart.observability.train_log import MAIN_LOSS_KEY
-from stalwart.reliability.rerun import RerunDataIterator, RerunState
+from stalwart.reliability.rerun import RerunDataIterator
 from stalwart.reliability.rerun.verdict_file import apply_verdict
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class FrameworkStep:
 
     Args:
         shell: the :class:`stalwart.loop.Shell`, which builds the guarded step (its machine,
-            agreement, timers, observer and goodput ledger).
+            agreement, timers, observer and goodput ledger) and counts the iterations.
         model / optimizer / forward_step: as for :class:`GuardedStep`; ``forward_step(batch,
             model)`` returns the loss or a dict with ``"loss"``.
         clip_grad: global gradient-norm clip (0: none).
@@ -87,40 +87,36 @@ class FrameworkStep:
         self._feed = _Feed()
         self.data: RerunDataIterator[Any] = RerunDataIterator(self._feed)
         self.step = shell.step(
-            model, optimizer, reporting_loss(forward_step), self.data, clip_grad=clip_grad,
-            lookahead=False, backward=backward,
-        )  # fmt: skip
+            model,
+            optimizer,
+            reporting_loss(forward_step),
+            self.data,
+            clip_grad=clip_grad,
+            lookahead=False,
+            backward=backward,
+        )
         self.rng = RngState(self.machine.rng)
-        self.iteration = 0  # accepted iterations
-        self._failed: list[Any] | None = None  # the exit-16 iteration's micro-batches
-        self._rerun_first: list[Any] | None = None  # loaded: rerun from the checkpoint first
+        self.skipped = False  # the last run() was a skipped iteration (the skip list)
+
+    @property
+    def iteration(self) -> int:
+        """Iterations completed (the shell's count)."""
+        return int(self.shell.completed)
 
     def run(self, batches: list[Any]) -> StepResult:
-        """One iteration on ``batches`` (its micro-batches); the loaded failed iteration first
-        (see the module docstring). The result's verdict says whether to exit (16/17)."""
+        """The shell's current iteration on ``batches`` (its micro-batches; a skipped one
+        consumes them). The result's verdict says whether to exit (16/17)."""
         if not batches:
             raise ValueError("FrameworkStep.run: an iteration needs at least one micro-batch")
-        if self._rerun_first is not None:
-            replay, self._rerun_first = self._rerun_first, None
-            result = self._run(replay)
-            if result.verdict.exit:
-                return result
-        return self._run(batches)
-
-    def _run(self, batches: list[Any]) -> StepResult:
+        it = self.shell.current
+        if it is None:
+            raise RuntimeError("FrameworkStep.run: call it inside shell.iteration()")
+        self.skipped = it.skipped
         self._feed.queue.extend(batches)
         try:
-            result = self.step.run(self.iteration, num_microbatches=len(batches), launch_next=False)
+            return self.step.run(it, num_microbatches=len(batches), launch_next=False)
         finally:
             self._feed.queue.clear()
-        if result.verdict.exit:
-            # A diagnosis (the rerun from a checkpoint's, or the peer replay's) rides on the
-            # verdict; the shell's leave() writes rerun_verdict.json from it.
-            self._failed = list(batches) if result.verdict.checkpoint else None
-        else:
-            self.iteration += 1
-            self._failed = None
-        return result
 
     # --------------------------------------------------------------------------- Stateful
     def state_dict(self) -> dict[str, Any]:
@@ -131,14 +127,13 @@ class FrameworkStep:
             "step": self.step.state_dict(),
             "rng": self.rng.state_dict(),
             "rerun": self.machine.state_dict(),
-            "failed_microbatches": _detached(self._failed) if self._failed is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], *, checkpoint_path: str | None = None) -> None:
         """Restore (before the first :meth:`run`); ``checkpoint_path`` names the loaded
         checkpoint for the rerun verdict file. Raises ``SuspectDeviceError`` (exit 16) on a
         device a verdict names as faulty."""
-        self.iteration = int(state["iteration"])
+        self.shell.state.iteration = int(state["iteration"])
         self.step.load_state_dict(state.get("step", {}))
         self.rng.load_state_dict(state["rng"])
         self.machine.load_state_dict(state.get("rerun"))
@@ -147,15 +142,28 @@ class FrameworkStep:
             name = os.path.basename(os.path.normpath(checkpoint_path))
             self.shell.checkpoint_at(self.iteration, name)
             apply_verdict(
-                self.machine, checkpoint_path, iteration=self.iteration,
+                self.machine,
+                checkpoint_path,
+                iteration=self.iteration,
                 root=self.shell.config.save_dir,
-            )  # fmt: skip
-        failed = state.get("failed_microbatches")
-        if failed is not None and self.machine.state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
-            self._rerun_first = list(failed)
+            )
 
     def close(self) -> None:
         self.step.close()
+
+
+def refuse_framework_saves(config: ShellConfig, names: Names) -> None:
+    """The adapter's start-up refusals (``ValueError``, one line naming the settings as the
+    adapter spells them): every rule of :meth:`ShellConfig.check`, and a non-persistent save
+    interval: a framework's checkpoint (``trainer.save_checkpoint``, ``checkpoint-N``) is
+    persistent, so such a save would outlive the job it was meant not to."""
+    if config.exit.non_persistent_save_interval:
+        raise ValueError(
+            f"{names.spell('exit.non_persistent_save_interval')}: the framework's checkpoints "
+            "are persistent (it has no non-persistent kind); save with "
+            f"{names.spell('exit.save_interval')} instead"
+        )
+    config.check(names)
 
 
 def reporting_loss(forward_step: ForwardStep) -> ForwardStep:
@@ -172,19 +180,4 @@ def reporting_loss(forward_step: ForwardStep) -> ForwardStep:
     return step
 
 
-def _detached(batches: list[Any]) -> list[Any]:
-    """The micro-batches on the CPU (a checkpoint is read on any device)."""
-
-    def cpu(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.detach().cpu()
-        if isinstance(value, Mapping):  # dicts, and Hugging Face's BatchEncoding
-            return {k: cpu(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [cpu(v) for v in value]
-        return value
-
-    return [cpu(b) for b in batches]
-
-
-__all__ = ["FrameworkStep", "reporting_loss"]
+__all__ = ["FrameworkStep", "refuse_framework_saves", "reporting_loss"]

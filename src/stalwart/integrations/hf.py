@@ -21,10 +21,16 @@ What the callback does, hook by hook (it maps stalwart's decisions onto ``Traine
   the Trainer's step; then the training-log line (timers, memory, energy, stragglers, goodput,
   TensorBoard/W&B/``metrics.jsonl``) and one agreed decision: a save sets
   ``control.should_save`` (the Trainer's own ``checkpoint-N``, inside the ``checkpointing``
-  section and the save timer), an exit sets ``control.should_training_stop``;
-* ``on_save``: stalwart's part of the checkpoint (``stalwart_state_rank<r>.pt``: the guarded
-  step, the rerun machine, every RNG, after an exit 16 the failed iteration's batch), then the
-  exit: 16 and 17 raise ``SystemExit(code)`` so the code reaches the launcher; 0 stops.
+  section and the save timer), an exit sets ``control.should_training_stop``; after a rejected
+  iteration (16/17) the Trainer's ``global_step``, epoch and LR schedule are put back to the
+  iteration's start (it is not a step), so ``checkpoint-N`` holds N completed iterations and a
+  relaunch is handed the rejected batch again;
+* ``on_save``: stalwart's part of the checkpoint (``stalwart_state_rank<r>.pt``: the completed
+  count, the guarded step, the rerun machine, every RNG), then the exit: 16 and 17 raise
+  ``SystemExit(code)`` so the code reaches the launcher; a graceful one finishes at the
+  Trainer's end (its evaluation after the last step is still the run's);
+* ``on_evaluate`` (and ``StalwartTrainer.evaluate``): the evaluation in the shell's (goodput,
+  the watchdog) and its ``eval_loss`` in the validation lines and sinks.
 
 :class:`StalwartTrainer` is needed for the rerun state machine (and for TFLOP/s: it counts the
 first step's FLOPs with torch's counter): it overrides ``training_step`` so that a
@@ -36,20 +42,22 @@ rejected iteration never touches the weights). The loss is the plain Trainer's
 follows is a no-op during ``train()`` and the ``grad_norm`` it logs is the guarded step's (the
 norm before the clip, as the Trainer's).
 
-Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch); tensor dumps need
-:class:`StalwartTrainer` and start at the second step (the guarded step is built inside the
-first); the Trainer counts a
-rejected iteration (exit 16) as a step, so its checkpoint is named one step on: stalwart's state
-in it says the iteration was not done and the resume reruns it from the saved batch. DeepSpeed
-and SageMaker's model parallelism are not supported by the subclass. The callback alone (on a
-plain ``Trainer``) gives the sections, the exit, the goodput ledger and the log line without
-the loss (the Trainer does not hand it to callbacks; its own ``logs`` carry it).
-A resume is exact when the Trainer's data order is (it restores its RNG and skips the consumed
-batches; tested bitwise on one process).
+Limits: ``gradient_accumulation_steps=1`` (an iteration is one batch; refused before training);
+tensor dumps need :class:`StalwartTrainer` and start at the second step (the guarded step is
+built inside the first); no non-persistent saves (the Trainer's checkpoints are persistent:
+refused in one line). DeepSpeed and SageMaker's model parallelism are not supported by the
+subclass. The callback alone (on a plain ``Trainer``) gives the sections, the exit, the goodput
+ledger and the log line without the loss (the Trainer does not hand it to callbacks; its own
+``logs`` carry it); what needs the guarded step (the rerun machine, the skip list, dumps) is
+refused at start there. A resume is exact when the Trainer's data order is (it restores its RNG
+and skips the consumed batches; tested bitwise on one process, and after 17 and 16 on 2 ranks).
+An error the user's model raises inside the Trainer is the last thing printed: the shell is
+released (silently) before it reaches the user.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -58,8 +66,8 @@ from typing import Any
 import torch
 
 from stalwart.integrations import require
-from stalwart.integrations.framework_step import FrameworkStep
-from stalwart.loop import StepResult
+from stalwart.integrations.framework_step import FrameworkStep, refuse_framework_saves
+from stalwart.loop import Names, StepResult
 from stalwart.loop.shell import Shell, ShellConfig
 from stalwart.observability.flop_count import count_training_flops
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
@@ -69,6 +77,7 @@ transformers = require("transformers", extra="hf", what="stalwart.integrations.h
 
 logger = logging.getLogger(__name__)
 
+NAMES = Names.HF  # its messages name StalwartCallback(exit=ExitConfig(...)), max_steps
 STATE_FILE = "stalwart_state_rank{rank}.pt"
 CHECKPOINT_PREFIX = "checkpoint-"
 
@@ -93,11 +102,13 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
     """
 
     def __init__(self, save_dir: str | None = None, **shell: Any) -> None:
-        # Bad fields fail here, early (the save directory defaults to the output_dir).
-        ShellConfig(train_iters=1, save_dir=save_dir or ".", **shell)
+        # Bad fields and settings this path cannot honour fail here, early, in one line (the
+        # save directory defaults to the output_dir).
+        refuse_framework_saves(ShellConfig(train_iters=1, save_dir=save_dir or ".", **shell), NAMES)
         self.save_dir = save_dir
         self._shell_fields = shell
         self.shell: Shell | None = None
+        self.guarded = False  # StalwartTrainer runs the step (set before train starts)
         self.step: FrameworkStep | None = None  # set by StalwartTrainer
         self.result: StepResult | None = None  # the last guarded step's
         self.loss: torch.Tensor | None = None  # the last step's loss (StalwartTrainer)
@@ -106,6 +117,7 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         self._pending_exit: ExitDecision | None = None
         self._exit_code: int | None = None  # kept after close
         self._global_batch = 0
+        self._epoch = 0.0  # the Trainer's epoch before the step (a rejected one: put back)
 
     @property
     def exit_code(self) -> int | None:
@@ -115,15 +127,22 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.shell is None:
             save_dir = self.save_dir or args.output_dir
-            os.makedirs(save_dir, exist_ok=True)
             config = ShellConfig(
                 train_iters=int(state.max_steps), save_dir=save_dir, **self._shell_fields
             )
             self.shell = config.build(
-                rank=args.process_index, world_size=args.world_size, device=args.device
+                rank=args.process_index,
+                world_size=args.world_size,
+                device=args.device,
+                names=NAMES,
             )
+            # An error the Trainer does not report to callbacks (a plain Trainer's): released
+            # at exit, silently, before the interpreter tears its modules down.
+            atexit.register(self._abandon)
+        if not self.guarded:
+            self.shell.refuse_without_step()  # the Trainer's own step: what needs ours
         if kwargs.get("model") is not None:  # StalwartTrainer's step sets it again
-            self.shell.watch(kwargs["model"])  # --log-params-norm and the replica check
+            self.shell.watch(kwargs["model"])  # log_params_norm and the replica check
         # args.world_size is a property that asks accelerate's state: once, not every step.
         self._global_batch = args.per_device_train_batch_size * args.world_size
         self.shell.resumed(int(state.global_step))
@@ -137,71 +156,100 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
     # ---------------------------------------------------------------- per step
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         shell = self.require_shell()
+        self._epoch = state.epoch
         self._in_step = contextlib.ExitStack()
-        self._in_step.enter_context(shell.iteration(int(state.global_step)))
+        self._in_step.enter_context(shell.iteration())
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         shell = self.require_shell()
         if self._in_step is not None:
             self._in_step.close()
             self._in_step = None
-        it, result = int(state.global_step), self.result
-        self.result = None
-        if result is None or not result.verdict.exit:
-            self._record(args, it, kwargs.get("optimizer"), result)
-        finished = it >= state.max_steps
-        decision = shell.decide(it, result=result, finished=finished)
+        result, self.result = self.result, None
+        if result is not None and result.verdict.exit:
+            # The Trainer counted the rejected iteration as a step: its state (and the
+            # checkpoint saved now) is put back to the iteration's start, so a relaunch skips
+            # the completed batches only and is handed the rejected one again.
+            state.global_step, state.epoch = shell.completed, self._epoch
+        else:
+            self._record(kwargs.get("optimizer"), result)
+        decision = shell.decide(result)
         if decision.save is not SaveKind.NONE:
             control.should_save = True  # the Trainer saves right after this hook, then on_save
             self._saving = contextlib.ExitStack()
             non_persistent = decision.save is SaveKind.NON_PERSISTENT
-            self._saving.enter_context(shell.saving(it, non_persistent=non_persistent))
+            self._saving.enter_context(shell.saving(non_persistent=non_persistent))
         if decision.exit:
             control.should_training_stop = True
+            self._pending_exit = decision  # 16/17 leave after the save; 0 at the loop's end
             if self._saving is None:
-                self._leave(decision, it)
-            else:
-                self._pending_exit = decision
+                self._leave_on_code()
 
-    def _record(self, args: Any, it: int, optimizer: Any, result: StepResult | None) -> None:
+    def _record(self, optimizer: Any, result: StepResult | None) -> None:
         losses = {"lm loss": self.loss} if self.loss is not None else {}  # a plain Trainer's
         lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
         self.require_shell().record(
-            it, result, batch_size=self._global_batch, losses=losses, learning_rate=lr
+            result, batch_size=self._global_batch, losses=losses, learning_rate=lr
         )
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         shell = self.require_shell()
-        it = int(state.global_step)
-        folder = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{it}")
+        folder = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{state.global_step}")
         if self.step is not None:
             step_state = self.step.state_dict()  # collective: every rank, unconditionally
             os.makedirs(folder, exist_ok=True)  # rank 0 may not have created it yet
             torch.save(step_state, os.path.join(folder, STATE_FILE.format(rank=shell.rank)))
-            # The Trainer counts a rejected iteration as a step: the name is not the count.
-            shell.checkpoint_at(self.step.iteration, os.path.basename(folder))
+        shell.checkpoint_at(shell.completed, os.path.basename(folder))
         if self._saving is not None:
             self._saving.close()
             self._saving = None
-        decision, self._pending_exit = self._pending_exit, None
-        if decision is not None:
-            self._leave(decision, it)
+        self._leave_on_code()
 
-    def _leave(self, decision: ExitDecision, it: int) -> None:
-        code = self.require_shell().finish(decision, it)
-        if code:
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer's evaluation metrics (its ``eval_loss`` as Megatron's ``lm loss``):
+        the validation lines and sinks (``StalwartTrainer`` also wraps the evaluation in the
+        shell's, for goodput and the watchdog)."""
+        metrics = kwargs.get("metrics") or {}
+        if self.shell is not None and "eval_loss" in metrics:
+            self.shell.record_eval({"lm loss": float(metrics["eval_loss"])})
+
+    def _leave_on_code(self) -> None:
+        """An exit 16/17 decided: finish and raise now (through the Trainer to the launcher).
+        A graceful one finishes at the Trainer's end (its evaluation after this step is still
+        the run's)."""
+        decision = self._pending_exit
+        if decision is not None and decision.exit_code:
+            code = self.require_shell().finish(decision)
             self._close()
-            raise SystemExit(code)  # 16/17: through the Trainer to the launcher
+            raise SystemExit(code)
 
     # ---------------------------------------------------------------- the end
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         shell = self.shell
-        if shell is not None and shell.exit_code is None:  # the Trainer's loop ended first
-            done = ExitDecision(
+        if shell is not None and shell.exit_code is None:
+            ended = ExitDecision(  # the Trainer's loop ended before a decision did
                 SaveKind.NONE, True, ExitReason.FINISHED, "the trainer's loop ended"
             )
-            shell.finish(done, int(state.global_step))
+            shell.finish(self._pending_exit or ended)
         self._close()
+
+    def fault(self, error: BaseException) -> None:
+        """The Trainer raised ``error`` (``StalwartTrainer`` tells): the step's contexts end
+        with it, the ledger records the fault, everything is released, before the error
+        reaches the user (nothing of stalwart's prints after it)."""
+        stack, self._in_step = self._in_step, None
+        if stack is not None:
+            stack.__exit__(type(error), error, error.__traceback__)
+        if self.shell is not None and self.shell.exit_code is None:
+            self.shell.fault(error)
+        self._close()
+
+    def _abandon(self) -> None:
+        """At interpreter exit, a shell still open (the Trainer raised without telling):
+        released without a word, the ledger's fault recorded."""
+        if self.shell is not None:
+            self.shell.print = lambda *a, **k: None
+            self.fault(RuntimeError("the Trainer's loop raised"))
 
     def _close(self) -> None:
         for stack in (self._in_step, self._saving):
@@ -212,6 +260,7 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             self.step.close()
             self.step = None
         if self.shell is not None:
+            atexit.unregister(self._abandon)
             self._exit_code = self.shell.exit_code
             self.shell.close()
             self.shell = None
@@ -232,6 +281,21 @@ class _SteppedByTheGuardedStep:
         return getattr(self.optimizer, name)
 
 
+class _HeldSchedule:
+    """The Trainer's LR scheduler for the step that follows a rejected iteration: its
+    ``step()`` does not advance the schedule and puts the scheduler back (so the exit's
+    checkpoint holds the schedule of the iteration's start)."""
+
+    def __init__(self, trainer: Any, scheduler: Any) -> None:
+        self.trainer, self.scheduler = trainer, scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.trainer.lr_scheduler = self.scheduler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
 class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
     """A ``Trainer`` whose step runs under stalwart's rerun state machine (module docstring).
     Needs a :class:`StalwartCallback` in ``callbacks``."""
@@ -244,8 +308,19 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_checkpoint(self.args.output_dir)
         self._stalwart_resume = resume_from_checkpoint or None
+        callback = self._stalwart_callback()
+        if self.args.gradient_accumulation_steps != 1:  # before anything starts: a refusal
+            raise ValueError(
+                "TrainingArguments(gradient_accumulation_steps=...) must be 1 with "
+                "StalwartTrainer (an iteration is one batch), got "
+                f"{self.args.gradient_accumulation_steps}"
+            )
+        callback.guarded = True
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        except Exception as exc:  # the user's error: ours is released first, silently after
+            callback.fault(exc)
+            raise
         finally:
             seen = self.__dict__.get("optimizer")  # set by the Trainer (untyped)
             if isinstance(seen, _SteppedByTheGuardedStep):
@@ -271,10 +346,22 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
             self.optimizer = _SteppedByTheGuardedStep(self.optimizer)
         result = callback.step.run([batch])
         callback.result = result
+        if result.verdict.exit:  # not a step: the Trainer's schedule does not advance either
+            scheduler: Any = getattr(self, "lr_scheduler", None)
+            self.lr_scheduler = _HeldSchedule(self, scheduler)
         self._stalwart_grad_norm = result.grad_norm
         loss = self._stalwart_loss  # this rank's, as the plain Trainer returns it (on its device)
         # args.device is a property that asks Accelerate's state: only when there is no loss.
         return loss if loss is not None else torch.zeros((), device=self.args.device)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's evaluation inside the shell's (goodput's evaluation bucket, the
+        watchdog's evaluation sections); its metrics reach the shell through the callback."""
+        shell = self._stalwart_callback().shell
+        if shell is None:  # not during train(): nothing of the run to account it to
+            return super().evaluate(*args, **kwargs)
+        with shell.evaluation():
+            return super().evaluate(*args, **kwargs)
 
     def _forward_step(self, batch: Any, model: torch.nn.Module) -> torch.Tensor:
         """The plain Trainer's loss: ``compute_loss`` with the batch's ``num_items_in_batch``
@@ -300,11 +387,6 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
     def _build_step(
         self, callback: StalwartCallback, model: torch.nn.Module, batch: Any
     ) -> FrameworkStep:
-        if self.args.gradient_accumulation_steps != 1:
-            raise ValueError(
-                "StalwartTrainer: gradient_accumulation_steps must be 1 (an iteration is one "
-                f"batch), got {self.args.gradient_accumulation_steps}"
-            )
         shell = callback.require_shell()
         if shell.config.log.log_throughput:
             counted = count_training_flops(model, self._forward_step, batch)

@@ -31,9 +31,14 @@ What the callback does, hook by hook:
   (TFLOP/s in the log line);
 * ``on_train_batch_end``: the training-log line (timers, memory, energy, stragglers, goodput,
   TensorBoard/W&B/JSONL), then one agreed decision: save through ``trainer.save_checkpoint``
-  (``<save_dir>/iter_NNNNNNN.ckpt``, the signal, ``--save-interval``, duration, exit interval,
-  the last step), then stop. Exits 16 and 17 raise ``SystemExit(code)`` after the save and the
-  exit record, so the code reaches the launcher; graceful exits stop the trainer (exit 0).
+  (``<save_dir>/iter_NNNNNNN.ckpt``, the signal, ``ExitConfig.save_interval``, duration, exit
+  interval, the last step), then stop. After a rejected iteration the save holds Lightning's
+  loop and the loader's position as at its start (a relaunch is handed its batch again). Exits
+  16 and 17 raise ``SystemExit(code)`` after the save and the exit record, so the code reaches
+  the launcher; graceful exits stop the trainer and finish at its end (exit 0);
+* ``on_validation_*``: Lightning's validation inside the shell's evaluation (goodput, the
+  watchdog's evaluation sections), its mean loss (what ``validation_step`` returns, else the
+  ``val*`` metrics logged) in the validation lines and sinks.
 
 The rerun state machine needs to own forward-backward and the optimizer step: a
 :class:`GuardedModule` runs in manual optimization; its ``training_step`` hands the batch (one
@@ -41,7 +46,9 @@ micro-batch, one iteration) to a :class:`stalwart.loop.GuardedStep` that runs ``
 ``manual_backward``, the device checks, a replay on the same batch and RNG when a check fails,
 the clip (``stalwart_clip_grad``) and the optimizer step, gated on the device for fused
 Adam/AdamW/SGD (a rejected iteration never touches the weights). Step-interval LR schedulers are
-stepped after each accepted iteration (``ReduceLROnPlateau`` is not: it needs a metric).
+stepped after each accepted or skipped iteration (``ReduceLROnPlateau`` is not: it needs a
+metric); a skipped one (``RerunConfig.iterations_to_skip``, the tracker file) counts as one of
+``max_steps``.
 
 Under DDP the step is built on the strategy's wrapper (the checks run in DDP's comm hook on each
 rank's own gradients, so a fault is blamed on its rank and replayed on a peer), and a
@@ -74,14 +81,15 @@ import torch
 from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.distributed import collectives
 from stalwart.integrations import require
-from stalwart.integrations.framework_step import FrameworkStep
+from stalwart.integrations.framework_step import FrameworkStep, refuse_framework_saves
 from stalwart.integrations.lightning_checks import (
+    as_before_the_batch,
     refuse_unguardable,
     refuse_unsharded,
     shard_resumable_loaders,
 )
 from stalwart.iteration_dirs import iteration_dir_name
-from stalwart.loop import RngState, StepResult
+from stalwart.loop import Names, RngState, StepResult
 from stalwart.loop.shell import Shell, ShellConfig
 from stalwart.observability.flop_count import count_training_flops, flop_counter
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
@@ -91,6 +99,7 @@ L = require("lightning.pytorch", extra="lightning", what="stalwart.integrations.
 
 logger = logging.getLogger(__name__)
 
+NAMES = Names.LIGHTNING  # its messages name StalwartCallback(exit=ExitConfig(...)), max_steps
 LATEST_FILE = "latest_lightning_checkpoint.txt"
 STATE_VERSION = 1
 
@@ -156,9 +165,19 @@ class GuardedModule:
         result = self.stalwart_step.run([batch])
         self.stalwart_result = result
         if not result.verdict.exit:
+            if self.stalwart_step.skipped:
+                _count_a_step(self)  # a skipped iteration is one of max_steps all the same
             _step_schedulers(self)
         loss = result.losses.get("lm loss")
         return None if loss is None else {"loss": loss}
+
+
+def _count_a_step(module: Any) -> None:
+    """Lightning counts an iteration by its optimizer step (``global_step``): a skipped one
+    steps nothing, so count it as Lightning's own step does (its progress hooks only)."""
+    optimizer = module.optimizers()
+    optimizer._on_before_step()
+    optimizer._on_after_step()
 
 
 def _step_schedulers(module: Any) -> None:
@@ -181,9 +200,9 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         save_dir: where the callback's saves go (``iter_NNNNNNN.ckpt``), ``exit_reason.json``
             and the rerun files; None: no save (an exit 16 then says it needs one).
         count_flops: with ``LogConfig(log_throughput=True)``, count the first batch's FLOPs with
-            torch's counter (TFLOP/s); False: no TFLOP/s (the shell then refuses the flag).
+            torch's counter (TFLOP/s); False: no TFLOP/s (the shell then refuses the setting).
         **shell: :class:`ShellConfig`'s other fields (the exits, ``ft``, ``rerun``, ``log``, the
-            probes, ...); ``train_iters`` is the trainer's.
+            probes, ...); ``train_iters`` is the trainer's ``max_steps``.
     """
 
     def __init__(self, save_dir: str | None = None, *, count_flops: bool = True, **shell: Any):
@@ -191,14 +210,19 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         self.save_dir = save_dir
         self.count_flops = count_flops
         self._shell_fields = shell
-        ShellConfig(train_iters=1, save_dir=save_dir, **shell)  # bad fields fail here, early
+        # Bad fields and settings this path cannot honour fail here, early, in one line.
+        refuse_framework_saves(ShellConfig(train_iters=1, save_dir=save_dir, **shell), NAMES)
         self.shell: Shell | None = None
         self.step: FrameworkStep | None = None
         self._loaded: dict[str, Any] | None = None
         self._in_step: contextlib.ExitStack | None = None
+        self._evaluating: contextlib.ExitStack | None = None  # the shell's evaluation()
+        self._eval_step: contextlib.ExitStack | None = None  # its eval_iteration()
+        self._eval_losses: list[torch.Tensor] = []
         self._counter: Any = None  # torch's FLOP counter, around the first iteration
         self._counted = not count_flops
-        self._recorded = -1
+        self._stepped = -1  # Lightning's global_step at the last iteration's end
+        self._pending_exit: ExitDecision | None = None  # a graceful exit: at the loop's end
         self._begun = False
 
     @property
@@ -214,9 +238,11 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         iters = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
         config = ShellConfig(train_iters=int(iters), save_dir=self.save_dir, **self._shell_fields)
         self.shell = config.build(
-            rank=trainer.global_rank, world_size=trainer.world_size,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
             device=trainer.strategy.root_device,
-        )  # fmt: skip
+            names=NAMES,
+        )
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         shell = self._require_shell()
@@ -227,14 +253,17 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             # The strategy's model (DDP's wrapper): the step's checks then run in DDP's comm
             # hook, on this rank's own gradients before the all-reduce (blame stays local).
             self.step = FrameworkStep(
-                shell, model=trainer.strategy.model, optimizer=optimizer,
+                shell,
+                model=trainer.strategy.model,
+                optimizer=optimizer,
                 forward_step=lambda batch, model: pl_module.forward_step(batch),
                 clip_grad=pl_module.stalwart_clip_grad,
                 backward=pl_module.manual_backward,  # type: ignore[attr-defined]
-            )  # fmt: skip
+            )
             pl_module.stalwart_step = self.step
         else:
-            shell.watch(pl_module)  # --log-params-norm and the replica check read it
+            shell.refuse_without_step()  # Lightning's own step: what needs ours, refused now
+            shell.watch(pl_module)  # log_params_norm and the replica check read it
         self._begun = False
 
     def _begin(self, trainer: Any) -> None:
@@ -243,13 +272,13 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         RNG before that would make the resumed run draw differently from the uninterrupted one."""
         shell = self._require_shell()
         self._restore(trainer)
-        self._recorded = self._iteration(trainer)
-        shell.resumed(self._recorded)
+        self._stepped = int(trainer.global_step)
+        shell.resumed(shell.completed if self.step is not None else self._stepped)
         shell.start()
         self._begun = True
 
     def _restore(self, trainer: Any) -> None:
-        """Apply the loaded state: this rank's RNG (and rerun state, failed micro-batches)."""
+        """Apply the loaded state: this rank's RNG (and the step's count and rerun state)."""
         state, self._loaded = self._loaded, None
         if state is None:
             return
@@ -257,8 +286,9 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         if len(ranks) != trainer.world_size:
             logger.warning(
                 "world size changed (%d -> %d): RNG and rerun state not restored",
-                len(ranks), trainer.world_size,
-            )  # fmt: skip
+                len(ranks),
+                trainer.world_size,
+            )
             return
         mine = ranks[trainer.global_rank]
         if self.step is not None and "step" in mine:
@@ -275,10 +305,6 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             raise RuntimeError("StalwartCallback: the trainer did not call setup('fit')")
         return self.shell
 
-    def _iteration(self, trainer: Any) -> int:
-        """Completed iterations: the guarded step's accepted ones, else optimizer steps."""
-        return self.step.iteration if self.step is not None else int(trainer.global_step)
-
     # ---------------------------------------------------------------- per batch
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -291,7 +317,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         if not self._counted and shell.config.log.log_throughput:
             self._count_flops(trainer, pl_module, batch)
         self._in_step = contextlib.ExitStack()
-        self._in_step.enter_context(shell.iteration(self._iteration(trainer)))
+        self._in_step.enter_context(shell.iteration())
 
     def _count_flops(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         """A guarded module: one forward + backward of this batch under torch's counter, with
@@ -312,19 +338,19 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
     ) -> None:
         shell = self._require_shell()
         result = getattr(pl_module, "stalwart_result", None) if self.step is not None else None
-        it = self._iteration(trainer)
-        if result is None and it == self._recorded:
-            return  # still accumulating
+        if result is None and int(trainer.global_step) == self._stepped:
+            return  # Lightning's own step, still accumulating gradients
         self._end_step(trainer)
-        if result is None or not result.verdict.exit:
-            self._record(trainer, it, outputs, batch, result)
-        self._recorded = it
-        finished = it >= shell.config.train_iters
-        decision = shell.decide(it, result=result, finished=finished, can_save=bool(self.save_dir))
+        self._stepped = int(trainer.global_step)
+        rejected = result is not None and result.verdict.exit
+        if not rejected:
+            self._record(trainer, outputs, batch, result)
+        decision = shell.decide(result, can_save=bool(self.save_dir))
         if decision.save is not SaveKind.NONE:
-            self._save(trainer, it, non_persistent=decision.save is SaveKind.NON_PERSISTENT)
+            non_persistent = decision.save is SaveKind.NON_PERSISTENT
+            self._save(trainer, non_persistent=non_persistent, rejected=rejected)
         if decision.exit:
-            self._leave(trainer, decision, it)
+            self._leave(trainer, decision)
 
     def _end_step(self, trainer: Any) -> None:
         if self._in_step is not None:
@@ -337,9 +363,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             # One iteration of this rank; every data-parallel rank does the same.
             self.shell.set_flops(float(counter.get_total_flops()) * trainer.world_size)
 
-    def _record(
-        self, trainer: Any, it: int, outputs: Any, batch: Any, result: StepResult | None
-    ) -> None:
+    def _record(self, trainer: Any, outputs: Any, batch: Any, result: StepResult | None) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         losses: dict[str, Any] = {
             "lm loss": loss.detach() if isinstance(loss, torch.Tensor) else loss
@@ -347,27 +371,86 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         optimizers = trainer.optimizers
         lr = optimizers[0].param_groups[0]["lr"] if optimizers else None
         self._require_shell().record(
-            it, result, batch_size=max(_batch_size(batch), 1) * trainer.world_size,
-            losses=losses, learning_rate=lr,
-        )  # fmt: skip
+            result,
+            batch_size=max(_batch_size(batch), 1) * trainer.world_size,
+            losses=losses,
+            learning_rate=lr,
+        )
 
-    def _save(self, trainer: Any, it: int, *, non_persistent: bool) -> None:
+    def _save(self, trainer: Any, *, non_persistent: bool, rejected: bool) -> None:
+        """Through ``trainer.save_checkpoint`` (non-persistent saves are refused at start).
+        After a rejected iteration the loop's state and the loader's position are saved as at
+        its start: a relaunch is handed the same batch again."""
         shell = self._require_shell()
         assert self.save_dir is not None
-        path = checkpoint_path(self.save_dir, it)
-        with shell.saving(it, non_persistent=non_persistent):
+        path = checkpoint_path(self.save_dir, shell.completed)
+        before = as_before_the_batch(trainer) if rejected else contextlib.nullcontext()
+        with shell.saving(non_persistent=non_persistent), before:
             trainer.save_checkpoint(path, weights_only=False)  # with the optimizer and loops
-            shell.checkpoint_at(it, os.path.basename(path))
+            shell.checkpoint_at(shell.completed, os.path.basename(path))
             if trainer.is_global_zero:
                 _write_latest(self.save_dir, os.path.basename(path))
             collectives.barrier()  # no rank resumes from a pointer another has not written
 
-    def _leave(self, trainer: Any, decision: ExitDecision, it: int) -> None:
-        code = self._require_shell().finish(decision, it)
-        self._close()
-        if code:
-            raise SystemExit(code)  # 16/17: through Lightning's teardown to the launcher
+    def _leave(self, trainer: Any, decision: ExitDecision) -> None:
+        """16/17: finish and raise now (through Lightning's teardown to the launcher). A
+        graceful exit stops Lightning's loop and finishes at its end (an evaluation Lightning
+        runs after this batch is still the run's)."""
+        if decision.exit_code:
+            code = self._require_shell().finish(decision)
+            self._close()
+            raise SystemExit(code)
+        self._pending_exit = decision
         trainer.should_stop = True
+
+    # ---------------------------------------------------------------- evaluation
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.shell is None or not self._begun or self._evaluating is not None:
+            return  # the sanity check before training: not the run's evaluation
+        self._evaluating = contextlib.ExitStack()
+        self._evaluating.enter_context(self.shell.evaluation())
+        self._eval_losses = []
+
+    def on_validation_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self._evaluating is not None and self.shell is not None:
+            self._eval_step = contextlib.ExitStack()
+            self._eval_step.enter_context(self.shell.eval_iteration())
+
+    def on_validation_batch_end(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        step, self._eval_step = self._eval_step, None
+        if step is None:
+            return
+        step.close()
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._eval_losses.append(loss.detach().float())
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        stack, self._evaluating = self._evaluating, None
+        if stack is None or self.shell is None:
+            return
+        stack.close()
+        losses = self._validation_losses(trainer)
+        if losses:
+            self.shell.record_eval(losses)
+
+    def _validation_losses(self, trainer: Any) -> dict[str, Any]:
+        """The validation steps' returned losses (their mean, as ``lm loss``), else what the
+        module logged under ``val*`` names."""
+        if self._eval_losses:
+            return {"lm loss": torch.stack(self._eval_losses).mean()}
+        metrics = trainer.callback_metrics
+        return {k: v for k, v in metrics.items() if k.startswith("val")}
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -383,15 +466,20 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
     # ---------------------------------------------------------------- the end
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         shell = self.shell
-        if shell is not None and shell.exit_code is None:  # Lightning's loop ended first
+        if shell is not None and shell.exit_code is None:
             self._end_step(trainer)
-            done = ExitDecision(
+            ended = ExitDecision(  # Lightning's loop ended before a decision did
                 SaveKind.NONE, True, ExitReason.FINISHED, "the trainer's loop ended"
             )
-            shell.finish(done, self._recorded)
+            shell.finish(self._pending_exit or ended)
         self._close()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """The step's contexts end with the error (the iteration is not done), the ledger
+        records the fault, everything is released before Lightning re-raises it."""
+        stack, self._in_step = self._in_step, None
+        if stack is not None:
+            stack.__exit__(type(exception), exception, exception.__traceback__)
         shell = self.shell
         if shell is not None and shell.exit_code is None:
             shell.fault(exception)
@@ -402,9 +490,10 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             self._close()
 
     def _close(self) -> None:
-        if self._in_step is not None:
-            self._in_step.close()
-            self._in_step = None
+        for stack in (self._in_step, self._eval_step, self._evaluating):
+            if stack is not None:
+                stack.close()
+        self._in_step = self._eval_step = self._evaluating = None
         counter, self._counter = self._counter, None
         if counter is not None:
             counter.__exit__(None, None, None)

@@ -16,6 +16,7 @@ taken: :func:`refuse_unsharded` stops that run in one line at ``on_train_start``
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -76,6 +77,34 @@ def refuse_unsharded(trainer: Any) -> None:
             )
 
 
+@contextlib.contextmanager
+def as_before_the_batch(trainer: Any) -> Iterator[None]:
+    """While Lightning saves at the end of a rejected batch: its epoch loop's counters and the
+    :class:`ResumableLoader` s' positions as they were before that batch (as a save at the
+    previous batch's end holds them), so a resume is handed the rejected batch again instead of
+    the one after it. Put back afterwards."""
+    loop = trainer.fit_loop.epoch_loop
+    progress = (loop.batch_progress.total, loop.batch_progress.current)
+    names = ("ready", "started", "processed", "completed")
+    counters = [(tracker, name, getattr(tracker, name)) for tracker in progress for name in names]
+    loaders = [r for r in _resumables(trainer.train_dataloader) if r.batch > 0]
+    stepped = loop._batches_that_stepped  # incremented after the batch's end: one batch less
+    last = loop.batch_progress.is_last_batch  # the epoch's last batch: not the one before it
+    for tracker, name, value in counters:
+        setattr(tracker, name, value - 1)
+    for loader in loaders:
+        loader.batch -= 1
+    loop._batches_that_stepped, loop.batch_progress.is_last_batch = stepped - 1, False
+    try:
+        yield
+    finally:
+        for tracker, name, value in counters:
+            setattr(tracker, name, value)
+        for loader in loaders:
+            loader.batch += 1
+        loop._batches_that_stepped, loop.batch_progress.is_last_batch = stepped, last
+
+
 def refuse_unguardable(module: Any, optimizers: Any) -> None:
     """Raise (one line) for a ``GuardedModule`` the guarded step cannot drive: one that keeps
     its own ``training_step`` (manual optimization with no optimizer step never reaches
@@ -95,4 +124,9 @@ def refuse_unguardable(module: Any, optimizers: Any) -> None:
         )
 
 
-__all__ = ["refuse_unguardable", "refuse_unsharded", "shard_resumable_loaders"]
+__all__ = [
+    "as_before_the_batch",
+    "refuse_unguardable",
+    "refuse_unsharded",
+    "shard_resumable_loaders",
+]

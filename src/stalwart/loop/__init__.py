@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from stalwart.loop.checkpointing import Checkpointer, LoopState, RngState, Stateful
 from stalwart.loop.compute_weights import ComputeWeights
+from stalwart.loop.iterations import Iteration
 from stalwart.loop.lookahead import LookAhead
 from stalwart.loop.microbatches import (
     ForwardStep,
@@ -18,6 +19,7 @@ from stalwart.loop.microbatches import (
     average_reported,
     with_means,
 )
+from stalwart.loop.naming import Names
 from stalwart.loop.plans import EagerPlan, GraphPlan, Plan
 from stalwart.loop.precision import DynamicLossScaler, NullLossScaler, autocast_context
 from stalwart.loop.shell import Shell
@@ -32,9 +34,11 @@ __all__ = [
     "ForwardStep",
     "GraphPlan",
     "GuardedStep",
+    "Iteration",
     "LookAhead",
     "LoopState",
     "MicroBatches",
+    "Names",
     "NullLossScaler",
     "PassValues",
     "Plan",

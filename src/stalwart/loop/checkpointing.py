@@ -192,6 +192,11 @@ class Checkpointer:
                 after_load(loaded.path)
         return loaded
 
+    @property
+    def async_save(self) -> bool:
+        """Whether the manager's saves finish in the background."""
+        return bool(getattr(self.manager, "async_save", False))
+
     def maybe_finalize(self) -> int | None:
         return self.manager.maybe_finalize()
 

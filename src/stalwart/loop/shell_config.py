@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stalwart.loop.naming import Names
 from stalwart.observability.dumps import TensorDumpConfig
 from stalwart.observability.energy import EnergyConfig
-from stalwart.observability.memory import MemoryConfig
+from stalwart.observability.memory import MemoryConfig, validate_memory_args
 from stalwart.observability.memory_release import MemoryReleaseConfig
 from stalwart.observability.profiler import ProfilerConfig
 from stalwart.observability.progress_log import ProgressLogConfig
@@ -76,7 +77,7 @@ class ShellConfig(ProbeConfigs):
     run_dir: str | None = None
     goodput: bool = True
     seq_length: int | None = None
-    exit: ExitConfig = field(default_factory=lambda: ExitConfig(exit_signal_handler=True))
+    exit: ExitConfig = field(default_factory=ExitConfig)
     ft: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     # Disabled unless asked for; a framework draws its own progress bar.
     rerun: RerunConfig = field(default_factory=lambda: RerunConfig(rerun_mode=RerunMode.DISABLED))
@@ -89,19 +90,76 @@ class ShellConfig(ProbeConfigs):
             raise ValueError(f"ShellConfig.train_iters: an integer >= 1, got {self.train_iters!r}")
         if self.train_iters < 1:
             raise ValueError(f"ShellConfig.train_iters: an integer >= 1, got {self.train_iters}")
-        if self.progress.log_progress and not self.save_dir:
-            raise ValueError("--log-progress needs --save (progress.txt is written there)")
 
     @property
     def artefact_dir(self) -> str | None:
         """Where run artefacts go: ``run_dir``, else ``save_dir``, else nowhere."""
         return self.run_dir or self.save_dir
 
-    def check_extras(self) -> None:
+    def check(
+        self,
+        names: Names = Names.LOOP,
+        *,
+        device: torch.device | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        """Every rule between the shell's settings (with ``device`` and ``world_size``: also
+        what the job must have), raised as one ``ValueError`` naming the settings as ``names``
+        spells them. The shell checks before it builds or writes anything, so a refused start
+        leaves nothing behind; the CLI checks before its first line; an adapter when built."""
+        spell = names.spell
+        for path, value, why in (
+            ("progress.log_progress", self.progress.log_progress, "progress.txt is written there"),
+            ("exit.save_interval", self.exit.save_interval, "a checkpoint directory"),
+            (
+                "exit.non_persistent_save_interval",
+                self.exit.non_persistent_save_interval,
+                "its directory defaults to <save>/non_persistent",
+            ),
+            (
+                "rerun.error_injection_once",
+                self.rerun.error_injection_once,
+                "the fired-once markers live there",
+            ),
+        ):
+            if value and not self.save_dir:
+                raise ValueError(f"{spell(path)} needs {spell('save_dir')} ({why})")
+        signals = (spell("exit.exit_signal"), spell("ft.stack_dump_signal"))
+        self.ft.check_exit_signal(self.exit.signal_enum, signals)
+        intervals = (spell("memory.log_memory_interval"), spell("log.log_interval"))
+        validate_memory_args(self.log.log_interval, self.memory.log_memory_interval, intervals)
+        if device is not None:
+            self.profiler.check(device, world_size or 1, lambda f: spell(f"profiler.{f}"))
+        self.check_extras(names)
+
+    def refuse_without_step(self, names: Names, *, skips: bool) -> None:
+        """Settings that only the guarded step can honour, refused in one line (``ValueError``)
+        on a path without it (a framework's own step). ``skips``: iterations to skip (the
+        setting's and the tracker file's)."""
+        spell = names.spell
+        needs = {
+            "tensor dumps (they hook each micro-batch's forward and backward)": (
+                self.dumps.dump_config(log_interval=1).any_enabled
+            ),
+            f"{spell('log.log_num_zeros_in_grad')} (it counts the gradients the step clips)": (
+                self.log.log_num_zeros_in_grad
+            ),
+            f"{spell('rerun.iterations_to_skip')} (the step consumes a skipped iteration's "
+            "batch without training)": skips,
+            f"{spell('rerun.rerun_mode')} {self.rerun.mode.value} (the rerun machine replays "
+            "the step it owns)": self.rerun.mode is not RerunMode.DISABLED,
+        }
+        for what, wanted in needs.items():
+            if wanted:
+                raise ValueError(
+                    f"{what}: needs the guarded step (GuardedModule, StalwartTrainer, Shell.step)"
+                )
+
+    def check_extras(self, names: Names = Names.CLI) -> None:
         """Every setting that needs an optional package finds it importable, checked before
-        anything is built (``ValueError`` naming the flag and the ``pip install`` to run)."""
-        self.sinks.check_extras()
-        self.energy.check_extras()
+        anything is built (``ValueError`` naming the setting and the ``pip install`` to run)."""
+        self.sinks.check_extras(lambda f: names.spell(f"sinks.{f}"))
+        self.energy.check_extras(lambda f: names.spell(f"energy.{f}"))
 
     def build(
         self,
@@ -114,19 +172,24 @@ class ShellConfig(ProbeConfigs):
         loss_scaler: Any = None,
         run_config: Mapping[str, Any] | None = None,
         memory_estimate: Any = None,
+        names: Names = Names.LOOP,
+        compile_cache: Any = None,
     ) -> Shell:
-        """The shell of this rank (build it in the main thread: the signal handler).
+        """The shell of this rank (build it in the main thread: the signal handler). Checks
+        the settings first (:meth:`check`): a refused start writes nothing.
 
         ``attempt``: the in-process restart's attempt (the goodput ledger's session);
         ``loss_scaler``: its state is saved and restored around a rerun; ``run_config``: the
-        run's settings (W&B's config); ``memory_estimate``: the model's theoretical memory.
+        run's settings (W&B's config); ``memory_estimate``: the model's theoretical memory
+        (``memory.json`` compares it with the measured); ``names``: how this path spells the
+        settings in its messages; ``compile_cache``: an open persistent compile cache.
         """
         from stalwart.loop.shell import Shell
 
         return Shell(
             self, rank=rank, world_size=world_size, device=torch.device(device),
             print_fn=print_fn, attempt=attempt, loss_scaler=loss_scaler, run_config=run_config,
-            memory_estimate=memory_estimate,
+            memory_estimate=memory_estimate, names=names, compile_cache=compile_cache,
         )  # fmt: skip
 
 

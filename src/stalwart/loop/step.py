@@ -1,13 +1,14 @@
 """The guarded step: one training iteration under the rerun state machine, for any loop.
 
-Usage (a hand-written loop; the reference trainer does the same)::
+Usage (a hand-written loop without the shell; ``stalwart.loop.Shell`` builds the step and
+hands each iteration over, its skip list and look-ahead included: ``step.run(it)``)::
 
     machine = RerunConfig().build(device)
     data = RerunDataIterator(batches)                  # micro-batches, any objects
     step = GuardedStep(model=model, optimizer=opt, forward_step=fwd, machine=machine,
                        data=data, num_microbatches=4, clip_grad=1.0)
-    for it in range(start, iters):
-        result = step.run(it, launch_next=it + 1 < iters)
+    for number in range(start + 1, iters + 1):         # counted from 1, as logged
+        result = step.run(number, launch_next=number < iters)
         if result.verdict.exit:                        # 16 (save first) or 17
             ...
 
@@ -40,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.loop.compute_weights import NO_COMPUTE_WEIGHTS, ComputeWeights
 from stalwart.loop.data_parallel_grads import ReducedGradChecks
+from stalwart.loop.iterations import Iteration
 from stalwart.loop.lookahead import LookAhead
 from stalwart.loop.microbatches import (
     NO_TIMERS,
@@ -218,14 +220,31 @@ class GuardedStep:
 
     # ------------------------------------------------------------------------ the iteration
     def run(
-        self, iteration: int, *, num_microbatches: int | None = None, launch_next: bool = True
+        self,
+        iteration: int | Iteration,
+        *,
+        num_microbatches: int | None = None,
+        launch_next: bool | None = None,
     ) -> StepResult:
-        """Iteration ``iteration`` (0-based) under the rerun machine; see the module docstring.
+        """The iteration numbered ``iteration`` (counted from 1, as logged) under the rerun
+        machine; see the module docstring. Given the shell's :class:`Iteration`, a skipped one
+        is skipped (:meth:`skip`) and its ``launch_next`` is the default.
 
         ``launch_next``: the next iteration is a plain training iteration with the same
-        micro-batch count (the loop knows: not the last, not skipped, no evaluation before it).
+        micro-batch count (the loop knows: not the last, not skipped, no evaluation before it;
+        default: the handle's, else True).
         """
+        if isinstance(iteration, Iteration):
+            if iteration.skipped:
+                return self.skip(iteration.number, num_microbatches)
+            launch_next = iteration.launch_next if launch_next is None else launch_next
+            iteration = iteration.number
         n = num_microbatches or self.num_microbatches
+        # The machine counts from 0.
+        return self._run(_index(iteration), n, True if launch_next is None else launch_next)
+
+    def _run(self, iteration: int, n: int, launch_next: bool) -> StepResult:
+        """:meth:`run` of the machine's ``iteration`` (0-based) on ``n`` micro-batches."""
         launched = self._lookahead.pending
         if launched is not None and (launched.iteration, launched.num_microbatches) != (
             iteration,
@@ -372,9 +391,11 @@ class GuardedStep:
         self.runners.optimizer.join()
 
     def skip(self, iteration: int, num_microbatches: int | None = None) -> StepResult:
-        """Consume ``iteration``'s micro-batches without training (``--iterations-to-skip``)."""
+        """Consume the micro-batches of the iteration numbered ``iteration`` (from 1) without
+        training (``RerunConfig.iterations_to_skip``, Megatron's dummy step)."""
         self.settle()
-        self.machine.skip_iteration(iteration)
+        self.rejected = False
+        self.machine.skip_iteration(_index(iteration))
         self.data.advance()
         for _ in range(num_microbatches or self.num_microbatches):
             next(self.data)
@@ -488,6 +509,13 @@ def _staged_in_regions(
         return run
 
     return staged
+
+
+def _index(number: int) -> int:
+    """The machine's 0-based index of the iteration numbered ``number`` (from 1)."""
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+        raise ValueError(f"an iteration's number counts from 1 (as logged), got {number!r}")
+    return number - 1
 
 
 def _trained_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[str]]:

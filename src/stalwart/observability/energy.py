@@ -203,12 +203,13 @@ class EnergyConfig:
 
     log_energy: bool = False
 
-    def check_extras(self) -> None:
-        """``pynvml`` is importable when the flag is on (``ValueError`` naming it otherwise)."""
+    def check_extras(self, spell: Callable[[str], str] | None = None) -> None:
+        """``pynvml`` is importable when the setting is on (``ValueError`` naming it as
+        ``spell`` writes a field's name, the flag by default, otherwise)."""
         if self.log_energy:
-            from stalwart.observability.sinks import require_extra
+            from stalwart.observability.sinks import flag_name, require_extra
 
-            require_extra("--log-energy", "pynvml", "nvidia-ml-py", "nvml")
+            require_extra((spell or flag_name)("log_energy"), "pynvml", "nvidia-ml-py", "nvml")
 
     def build(
         self, device: torch.device, log: Callable[[str], None] | None = None,

@@ -155,13 +155,14 @@ def _current_rss() -> float:
     return float(psutil.Process().memory_info().rss)
 
 
-def compare(estimate: MemoryFootprint, measured: dict[str, float]) -> dict[str, object]:
-    """Pure: the theoretical-vs-measured record written to ``memory.json``."""
+def compare(estimate: MemoryFootprint | None, measured: dict[str, float]) -> dict[str, object]:
+    """Pure: the theoretical-vs-measured record written to ``memory.json`` (``theoretical``
+    null for a model with no estimate: the measured memory alone)."""
     peak = measured.get("mem-max-allocated-bytes", measured.get("mem-max-rss-bytes", 0.0))
     source = "cuda-allocator" if "mem-max-allocated-bytes" in measured else "cpu-rss"
-    ratio = estimate.total_bytes / peak if peak > 0 else None
+    ratio = estimate.total_bytes / peak if estimate is not None and peak > 0 else None
     return {
-        "theoretical": estimate.to_dict(),
+        "theoretical": estimate.to_dict() if estimate is not None else None,
         "measured": measured,
         "measured_source": source,
         "measured_peak_bytes": peak,
@@ -169,14 +170,19 @@ def compare(estimate: MemoryFootprint, measured: dict[str, float]) -> dict[str, 
     }
 
 
-def validate_memory_args(log_interval: int, log_memory_interval: int | None) -> None:
-    """``--log-memory-interval`` is off when None or 0, else a positive multiple of the log interval."""
+def validate_memory_args(
+    log_interval: int,
+    log_memory_interval: int | None,
+    names: tuple[str, str] = ("--log-memory-interval", "--log-interval"),
+) -> None:
+    """``--log-memory-interval`` is off when None or 0, else a positive multiple of the log
+    interval (``names``: the two settings as the caller's path spells them)."""
     if not log_memory_interval:
         return
     if log_memory_interval < 1 or log_memory_interval % log_interval != 0:
         raise ValueError(
-            "--log-memory-interval must be a positive multiple of --log-interval "
-            f"({log_interval}), got {log_memory_interval}"
+            f"{names[0]} must be a positive multiple of {names[1]} ({log_interval}), got "
+            f"{log_memory_interval}"
         )
 
 
@@ -185,7 +191,8 @@ class MemoryMonitor:
     """Theoretical-vs-measured report once, then periodic measured memory.
 
     ``on_log_step(iteration)`` runs at log steps *after* the optimizer step (so Adam states exist).
-    The first call writes ``<run_dir>/memory.json`` (rank 0 only) and logs Megatron's two lines
+    The first call writes ``<run_dir>/memory.json`` (rank 0 only; the measured memory alone,
+    ``"theoretical": null``, for a model with no estimate) and logs Megatron's two lines
     ("Theoretical memory footprints: ..." and "[Rank r] (after N iterations) memory (MB) | ...");
     later calls read memory every ``log_memory_interval`` iterations (``--log-memory-interval``).
     With ``to_tensorboard`` (``--log-memory-to-tensorboard``) the ``mem-*`` byte values go to
@@ -233,7 +240,7 @@ class MemoryMonitor:
                 f"{est.activation_bytes / MIB:.2f} MB, total={est.total_bytes / MIB:.2f} MB"
             )
         self.log(f"[Rank {self.rank}] (after {iteration} iterations) {format_measured(measured)}")
-        if self.rank != 0 or self.estimate is None or self.run_dir is None:
+        if self.rank != 0 or self.run_dir is None:
             return
         record = compare(self.estimate, measured)
         record.update(iteration=iteration, time=time.time(), device=str(self.device))

@@ -18,7 +18,7 @@ Disabled is `NullProfilerWindow` (no per-iteration cost). Usage in a hand-writte
         rank=rank, world_size=world_size, device=device, run_dir=None)
     for completed in range(start, train_iters):
         window.on_iteration_start(completed)
-        step.run(it)
+        step.run(completed + 1)                        # numbered from 1, as logged
         window.on_iteration_end(completed + 1)
     window.close()
 """
@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from stalwart.observability.sinks import flag_name
 
 logger = logging.getLogger(__name__)
 
@@ -179,20 +181,34 @@ class ProfilerConfig:
                 self.profile_step_start, self.profile_step_end, self.profile_ranks
             )
 
+    def check(
+        self, device: torch.device, world_size: int, spell: Callable[[str], str] | None = None
+    ) -> None:
+        """The window can be opened in a job of ``world_size`` ranks on ``device`` (a
+        ``ValueError`` naming the settings as ``spell`` writes a field's name, else the flag)."""
+        if not self.profile:
+            return
+        name = spell or flag_name
+        if not any(r < world_size for r in self.profile_ranks):
+            raise ValueError(
+                f"{name('profile_ranks')} {self.profile_ranks}: no such rank in a job of "
+                f"{world_size}"
+            )
+        if not self.use_pytorch_profiler and device.type != "cuda":
+            raise ValueError(
+                f"{name('profile')} without {name('use_pytorch_profiler')} needs a CUDA device "
+                "(it opens an nsys capture range); turn "
+                f"{name('use_pytorch_profiler')} on to trace on {device.type}"
+            )
+
     def build(
         self, *, rank: int, world_size: int, device: torch.device, run_dir: str | None
     ) -> ProfilerWindow:
         """This rank's window: a null object unless ``profile`` and ``rank`` is profiled."""
         if not self.profile:
             return NullProfilerWindow()
+        self.check(device, world_size)
         ranks, start, end = self.profile_ranks, self.profile_step_start, self.profile_step_end
-        if not any(r < world_size for r in ranks):
-            raise ValueError(f"--profile-ranks {ranks}: no such rank in a job of {world_size}")
-        if not self.use_pytorch_profiler and device.type != "cuda":
-            raise ValueError(
-                "--profile without --use-pytorch-profiler needs a CUDA device (it opens an nsys "
-                f"capture range); add --use-pytorch-profiler to trace on {device.type}"
-            )
         if rank not in ranks:
             return NullProfilerWindow()
         if self.use_pytorch_profiler:

@@ -187,7 +187,7 @@ class ProgressLog:
                     line = "\n" + line  # end a torn last line: ours must stay a line of its own
                 f.write(line.encode("utf-8"))
         except OSError as exc:  # a full disk must not fail a run whose checkpoint committed
-            logger.warning("--log-progress: cannot append to %s: %s", self.path, exc)
+            logger.warning("progress.txt: cannot append to %s: %s", self.path, exc)
 
     def start(self, flops_so_far: float) -> None:
         """The job starts (after loading its checkpoint: ``flops_so_far`` done before it)."""
@@ -213,7 +213,7 @@ class ProgressLog:
         if bad:
             more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
             logger.warning(
-                "--log-progress: %s: skipped %d invalid line(s) (%s%s)",
+                "progress.txt %s: skipped %d invalid line(s) (%s%s)",
                 self.path, len(bad), "; ".join(bad[:3]), more,
             )  # fmt: skip
         return entries

@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -438,6 +438,12 @@ def build_sinks(
     return children[0] if len(children) == 1 else FanOutSink(children)
 
 
+def flag_name(field: str) -> str:
+    """A config field's Megatron flag (``tensorboard_dir`` -> ``--tensorboard-dir``): how the
+    probes' configs name their settings unless a path gives its own spelling."""
+    return "--" + field.replace("_", "-")
+
+
 def require_extra(flag: str, module: str, package: str, extra: str) -> None:
     """``flag`` needs ``module``: ``ValueError`` naming the flag and the ``pip install
     'stalwart[extra]'`` to run when it cannot be imported (checked before start-up)."""
@@ -482,14 +488,15 @@ class SinkConfig:
         if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
             raise ValueError(f"--tensorboard-queue-size must be an integer >= 1, got {queue!r}")
 
-    def check_extras(self) -> None:
-        """The back-ends' packages are importable (``ValueError`` naming the flag otherwise)."""
+    def check_extras(self, spell: Callable[[str], str] = flag_name) -> None:
+        """The back-ends' packages are importable (``ValueError`` naming the setting as
+        ``spell`` writes a field's name: the flag by default)."""
         if self.tensorboard_dir is not None:
             require_extra(
-                "--tensorboard-dir", "torch.utils.tensorboard", "tensorboard", "tensorboard"
+                spell("tensorboard_dir"), "torch.utils.tensorboard", "tensorboard", "tensorboard"
             )
         if self.wandb_project is not None:
-            require_extra("--wandb-project", "wandb", "wandb", "wandb")
+            require_extra(spell("wandb_project"), "wandb", "wandb", "wandb")
 
     def metrics_path(self, run_dir: str | None) -> str | None:
         """``metrics_file``, else ``<run dir>/metrics.jsonl``, else None."""

@@ -49,6 +49,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -105,7 +106,9 @@ class ExitConfig:
     """Exit and save-cadence settings (Megatron flags). Intervals of 0 or None are disabled.
 
     Attributes:
-        exit_signal_handler: install `DistributedSignalHandler` (``--exit-signal-handler``).
+        exit_signal_handler: install `DistributedSignalHandler` (``--exit-signal-handler``). On
+            unless turned off by name: a preempted job saves whatever else a loop configures
+            (the CLI passes Megatron's default, off, unless ``--exit-signal-handler``).
         exit_signal: the signal it handles (``--exit-signal``; a name or `signal.Signals`).
         exit_duration_in_mins: wall-clock budget of this run in minutes.
         exit_interval: exit when ``iteration % exit_interval == 0``.
@@ -116,7 +119,7 @@ class ExitConfig:
             CLI turns it on for a single-process run on a terminal). Every rank must share it.
     """
 
-    exit_signal_handler: bool = False
+    exit_signal_handler: bool = True
     exit_signal: signal.Signals | str = signal.SIGTERM
     exit_duration_in_mins: float | None = None
     exit_interval: int | None = None
@@ -205,6 +208,11 @@ class ExitDecision:
     diagnosis: Diagnosis | None = None
 
 
+def flag_spelling(name: str) -> str:
+    """The CLI's name of an :class:`ExitConfig` field (or ``train_iters``, ``save_dir``)."""
+    return "--save" if name == "save_dir" else "--" + name.replace("_", "-")
+
+
 def _every(interval: int | None, iteration: int) -> bool:
     return bool(interval) and iteration % int(interval or 1) == 0
 
@@ -217,6 +225,7 @@ def decide(
     can_save: bool = True,
     already_saved: bool = False,
     finished: bool = False,
+    spell: Callable[[str], str] = flag_spelling,
 ) -> ExitDecision:
     """The save/exit decision for the completed ``iteration`` (pure; see the module priority list).
 
@@ -227,8 +236,10 @@ def decide(
         already_saved: a persistent checkpoint of this iteration was already written (e.g. by the
             rerun machine); no second save is requested.
         finished: this was the last training iteration.
+        spell: how the caller's path names a setting in a reason (an :class:`ExitConfig`
+            field, ``train_iters``, ``save_dir``): the flag by default.
     """
-    validation = _validation_exit(iteration, inputs, can_save)
+    validation = _validation_exit(iteration, inputs, can_save, spell)
     if validation is not None:
         return validation
     finished = finished or inputs.finished
@@ -246,22 +257,23 @@ def decide(
             regular = SaveKind.NON_PERSISTENT
     limit = config.exit_duration_in_mins
     if limit and inputs.elapsed_minutes_max > limit:
-        detail = (
-            f"{inputs.elapsed_minutes_max:.1f} minutes elapsed > --exit-duration-in-mins {limit:g}"
-        )
+        elapsed = inputs.elapsed_minutes_max
+        detail = f"{elapsed:.1f} minutes elapsed > {spell('exit_duration_in_mins')} {limit:g}"
         return ExitDecision(exit_save, True, ExitReason.DURATION, detail)
     if _every(config.exit_interval, iteration):
-        return ExitDecision(
-            exit_save, True, ExitReason.INTERVAL, f"--exit-interval {config.exit_interval}"
-        )
+        detail = f"{spell('exit_interval')} {config.exit_interval}"
+        return ExitDecision(exit_save, True, ExitReason.INTERVAL, detail)
     if iteration in config.phase_transition_iterations:
-        return ExitDecision(exit_save, True, ExitReason.PHASE, "--phase-transition-iterations")
+        detail = spell("phase_transition_iterations")
+        return ExitDecision(exit_save, True, ExitReason.PHASE, detail)
     if finished:
-        return ExitDecision(exit_save, True, ExitReason.FINISHED, "reached --train-iters")
+        return ExitDecision(exit_save, True, ExitReason.FINISHED, f"reached {spell('train_iters')}")
     return ExitDecision(regular, False, None, "")
 
 
-def _validation_exit(iteration: int, inputs: ExitInputs, can_save: bool) -> ExitDecision | None:
+def _validation_exit(
+    iteration: int, inputs: ExitInputs, can_save: bool, spell: Callable[[str], str]
+) -> ExitDecision | None:
     """Replica mismatch (exit 17, never saved), then the rerun machine's verdict (16/17)."""
     replica = inputs.replica
     if replica is not None and not replica.consistent:
@@ -283,7 +295,7 @@ def _validation_exit(iteration: int, inputs: ExitInputs, can_save: bool) -> Exit
         if can_save:
             save = SaveKind.PERSISTENT
         else:
-            detail += " (it needs a checkpoint to resume from but --save is not set)"
+            detail += f" (it needs a checkpoint to resume from but {spell('save_dir')} is not set)"
     return ExitDecision(save, True, reason, detail, verdict.exit_code, verdict.diagnosis)
 
 

@@ -30,7 +30,7 @@ from stalwart.observability.run_dir import (
     series,
 )
 from stalwart.report.config import config_diff_section
-from stalwart.report.html import CSS, _section, _skipped, _table
+from stalwart.report.html import CSS, _section, _skipped, _table, hint
 from stalwart.report.plotly_charts import Charts, make_charts, plotly_js
 from stalwart.report.svg import Points, _e, _fmt
 
@@ -129,7 +129,7 @@ def _loss_chart(charts: Charts, labels: Sequence[str], arts: Sequence[RunArtefac
             data[f"{label} (validation)"] = valid
             dashed.add(f"{label} (validation)")
     if not any(data.values()):
-        return _skipped("Loss", "the metrics file: --save or --metrics-file")
+        return _skipped("Loss", hint(arts[0], "loss") if arts else "")
     return charts.line(data, "iteration", "loss", _last_iteration(arts), frozenset(dashed))
 
 

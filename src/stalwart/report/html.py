@@ -47,14 +47,41 @@ def _section(sid: str, title: str, body: str) -> str:
     return f'<section id="{sid}"><h2>{_e(title)}</h2>{body}</section>'
 
 
-# How to get a missing section next time (the flags that write its data).
-HINTS = {
-    "loss": "the metrics file: --save or --metrics-file",
-    "learning-rate": "the metrics file: --save or --metrics-file",
-    "throughput": "the metrics file: --save or --metrics-file",
-    "timers": "train with --timing-log-level 1 or 2",
-    "stragglers": "train with --log-straggler",
+# How to get a missing section next time, as the run's path spells it: a run directory with
+# run.json's settings was written by `stalwart train` (its flags); any other by a loop or an
+# adapter on stalwart.loop.Shell (its config fields and calls).
+_NO_METRICS = {
+    "cli": "the metrics file: --save or --metrics-file",
+    "shell": "the metrics file: ShellConfig.save_dir, run_dir or SinkConfig(metrics_file=...)",
 }
+_NOT_LOGGED = {
+    "loss": {"cli": "", "shell": "the loop logged no loss: Shell.record(result or losses=...)"},
+    "learning-rate": {
+        "cli": "",
+        "shell": "the loop logged no learning rate: Shell.record(learning_rate=...)",
+    },
+    "throughput": {
+        "cli": "train with --log-throughput",
+        "shell": "LogConfig(log_throughput=True) and Shell.set_flops(...)",
+    },
+    "timers": {
+        "cli": "train with --timing-log-level 1 or 2",
+        "shell": "TimerConfig(timing_log_level=1 or 2)",
+    },
+    "stragglers": {
+        "cli": "train with --log-straggler",
+        "shell": "StragglerConfig(log_straggler=True)",
+    },
+}
+
+
+def hint(art: RunArtefacts, section: str) -> str:
+    """How to get the missing ``section`` next time, named as the run's path spells it: no
+    metrics file at all, or one that holds no values of the section."""
+    path = "cli" if art.config else "shell"
+    if section in ("loss", "learning-rate", "throughput", "timers") and not art.metrics:
+        return _NO_METRICS[path]
+    return _NOT_LOGGED[section][path]
 
 
 def _skipped(what: str, hint: str = "") -> str:
@@ -123,7 +150,7 @@ def _metric_sections(art: RunArtefacts, charts: Charts) -> list[str]:
         body = (
             charts.line(data, "iteration", ylabel, last, frozenset(validation))
             if has
-            else _skipped(title, HINTS.get(sid, ""))
+            else _skipped(title, hint(art, sid))
         )
         if sid == "throughput":
             body += _rate_charts(art, charts)
@@ -138,7 +165,7 @@ def _metric_sections(art: RunArtefacts, charts: Charts) -> list[str]:
             [str(r["iteration"]) for r in rows], stacks, "ms per iteration", "iteration"
         )
     else:
-        body = _skipped("Timers (<name>-time-ms or timer/<name> keys)", HINTS["timers"])
+        body = _skipped("Timers (<name>-time-ms or timer/<name> keys)", hint(art, "timers"))
     out.append(_section("timers", "Timer breakdown per iteration", body))
     return out
 
@@ -246,7 +273,7 @@ def _straggler_section(art: RunArtefacts, charts: Charts) -> str:
     recs = [r for r in art.straggler if isinstance(r.get("compute_ms"), list) and r["compute_ms"]]
     if not recs:
         return _section(
-            "stragglers", "Stragglers", _skipped("straggler.jsonl", HINTS["stragglers"])
+            "stragglers", "Stragglers", _skipped("straggler.jsonl", hint(art, "stragglers"))
         )
     flagged: dict[int, int] = {}
     for r in recs:

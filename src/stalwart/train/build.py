@@ -7,7 +7,6 @@ per run (an in-process restart throws everything away and calls them again).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import random
@@ -35,7 +34,6 @@ from stalwart.data.batch_schedule import BatchSchedule
 from stalwart.distributed.ddp_layout import needs_settled_layout, settle_bucket_layout
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import (
-    CompileBooking,
     CompileCache,
     CudaGraphImpl,
     GraphSettings,
@@ -49,7 +47,6 @@ from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
 from stalwart.models import GPT, RecomputeGranularity
 from stalwart.models.memory_model import CUDA_WORKSPACE_BYTES, MemoryEstimate, theoretical_memory
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
-from stalwart.observability.goodput import GoodputLedger, NullGoodputLedger
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
 from stalwart.reliability.replica_check import flip_gradient_bit, flip_parameter_bit
 from stalwart.reliability.signals import DataLoaderWorkerSignalGuard
@@ -164,8 +161,8 @@ def build_sampler(
         return source
     # Workers ignore the exit signal: a job-wide SIGTERM (scancel) must not end them while this
     # process finishes the step and saves; they stop with close() or with this process.
-    worker_signals = [config.exit.signal_enum]
-    if config.exit.exit_on_interrupt:  # Ctrl-C reaches the workers too (one process group)
+    worker_signals = [config.shell.exit.signal_enum]
+    if config.shell.exit.exit_on_interrupt:  # Ctrl-C reaches the workers too (one process group)
         worker_signals.append(signal.SIGINT)
     guard = DataLoaderWorkerSignalGuard(dict.fromkeys(worker_signals))
     return WorkerMicroBatchIterator(source, workers, pin_memory=pin, worker_init_fn=guard)
@@ -219,10 +216,10 @@ def check_graph_flags(config: RunConfig, device: torch.device, world_size: int =
             # One dropout, set by --hidden-dropout (--attention-dropout must equal it).
             attention_dropout_flag="--hidden-dropout",
             has_moe=config.model.is_moe,
-            check_for_nan_in_loss_and_grad=config.rerun.check_for_nan_in_loss_and_grad,
-            check_for_spiky_loss=config.rerun.check_for_spiky_loss,
-            check_for_large_grads=config.rerun.check_for_large_grads,
-            log_num_zeros_in_grad=config.log.log_num_zeros_in_grad,
+            check_for_nan_in_loss_and_grad=config.shell.rerun.check_for_nan_in_loss_and_grad,
+            check_for_spiky_loss=config.shell.rerun.check_for_spiky_loss,
+            check_for_large_grads=config.shell.rerun.check_for_large_grads,
+            log_num_zeros_in_grad=config.shell.log.log_num_zeros_in_grad,
             fp16=config.training.fp16,
             compile=config.training.compile,
         )
@@ -251,9 +248,7 @@ def resolve_config(config: RunConfig, ctx: DistributedContext) -> tuple[RunConfi
     data = build_data(config, ctx)
     if config.training.train_samples is not None:
         iters = data.schedule.iterations_for_samples(config.training.train_samples)
-        config = dataclasses.replace(
-            config, training=dataclasses.replace(config.training, train_iters=iters)
-        )
+        config = config.replace_shared(train_iters=iters)
     return config, data
 
 
@@ -327,21 +322,20 @@ def build_compile_cache(config: RunConfig, rank: int) -> CompileCache | NullComp
     return CompileCache(directory, writer=rank == 0, flag=flag)
 
 
-def build_compile_booking(
+def open_compile_cache(
     config: RunConfig,
     rank: int,
     given: CompileCache | NullCompileCache | None,
-    ledger: GoodputLedger | NullGoodputLedger,
     on_close: Callable[[Callable[[], None]], object],
-) -> CompileBooking:
-    """The booking of compiling iterations into ``ledger``, over ``given`` (an open cache its
-    owner keeps: the in-process restart wrapper's) or this run's own cache, opened now and
-    closed through ``on_close``."""
-    cache = given
-    if cache is None:
-        cache = build_compile_cache(config, rank).open()
-        on_close(cache.close)
-    return CompileBooking(cache, ledger, enabled=config.training.compile)
+) -> CompileCache | NullCompileCache:
+    """The persistent compile cache the shell writes after an iteration that compiled:
+    ``given`` (an open cache its owner keeps: the in-process restart wrapper's), or this run's
+    own, opened now and closed through ``on_close``."""
+    if given is not None:
+        return given
+    cache = build_compile_cache(config, rank).open()
+    on_close(cache.close)
+    return cache
 
 
 def build_compute_weights(

@@ -1,8 +1,9 @@
 """The reference trainer: the GPT, its data and the whole shell around one guarded step.
 
 Per iteration (:meth:`Trainer.train`): finalize a pending async save, run the guarded step
-inside the hang watchdog's ``step`` section (faults injected there), log and maybe evaluate,
-then one pure save/exit decision over every exit input, acted on in one place.
+inside the shell's iteration (the hang watchdog's ``step`` section, the skip list, the compile
+booking; faults injected there), log and maybe evaluate, then one pure save/exit decision over
+every exit input, acted on in one place.
 """
 
 from __future__ import annotations
@@ -19,19 +20,12 @@ from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs.compile_cache import CompileCache, NullCompileCache
-from stalwart.loop import (
-    Checkpointer,
-    GuardedStep,
-    LoopState,
-    RngState,
-    StepResult,
-    autocast_context,
-)
+from stalwart.loop import Checkpointer, GuardedStep, Iteration, StepResult, autocast_context
+from stalwart.loop.naming import Names
 from stalwart.models import num_floating_point_operations
-from stalwart.observability.run_dir import EventKind
 from stalwart.observability.throughput import compute_dtype, device_peak_tflops
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
-from stalwart.reliability.rerun import RerunDataIterator, resolve_iterations_to_skip
+from stalwart.reliability.rerun import RerunDataIterator
 from stalwart.train import build
 from stalwart.train.forward_step import gpt_forward_step
 from stalwart.train.manual_gc import make_manual_gc
@@ -101,15 +95,23 @@ class Trainer:
         self.config, self.data = build.resolve_config(config, ctx)
         config, t = self.config, self.config.training
         self.loss_scaler = build.build_loss_scaler(config)
-        # The shell: ledger, watchdog, signal handler, agreement, rerun machine, probes, log.
-        self.shell = config.shell_config().build(
-            rank=ctx.rank, world_size=ctx.world_size, device=ctx.device, print_fn=self.print,
-            attempt=attempt, loss_scaler=self.loss_scaler, run_config=config.to_dict(),
+        cache = build.open_compile_cache(config, ctx.rank, self.compile_cache, on_close)
+        # The shell: ledger, watchdog, signal handler, agreement, rerun machine, probes, log,
+        # the iterations (count, skip list, compile booking into this run's cache).
+        self.shell = config.shell.build(
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            device=ctx.device,
+            print_fn=self.print,
+            attempt=attempt,
+            loss_scaler=self.loss_scaler,
+            run_config=config.to_dict(),
             memory_estimate=build.memory_estimate(config, ctx),
-        )  # fmt: skip
+            names=Names.CLI,
+            compile_cache=cache,
+        )
         on_close(self.shell.close)
         self.shell.handle_signals()  # now: a SIGTERM during set-up only raises the flag
-        self.compiles = build.build_compile_booking(config, ctx.rank, self.compile_cache, self.shell.ledger, on_close)  # fmt: skip
         # A tracked complete checkpoint is loaded or the load fails (it never starts afresh), so
         # the model's random initialisation would be overwritten: it is skipped.
         resuming = config.checkpoint.load_dir is not None
@@ -127,9 +129,8 @@ class Trainer:
         self.manual_gc = make_manual_gc(t.manual_gc, t.manual_gc_interval, t.manual_gc_eval)
         on_close(self.manual_gc.close)
         self.step = self._build_step()
-        self.state = LoopState()  # iterations completed, samples consumed
+        self.state = self.shell.state  # iterations completed, samples consumed (the shell's)
         self.checkpointer = self._build_checkpointer(manager)
-        self.iterations_to_skip = frozenset(resolve_iterations_to_skip(config.rerun))
         self.loaded_path: str | None = None
         self.batch_size = gbs  # this iteration's (see _start_batch)
         self._num_microbatches: int | None = None
@@ -144,29 +145,30 @@ class Trainer:
         config, ctx = self.config, self.ctx
         dtype = build.autocast_dtype(config)
         return self.shell.step(
-            self.model, self.optimizer, gpt_forward_step, self.train_data,
-            num_microbatches=self.data.num_microbatches, faults=self.faults,
-            plan=config.graphs.build(), clip_grad=config.optim.clip_grad,
-            loss_scaler=self.loss_scaler, autocast=lambda: autocast_context(ctx.device, dtype),
+            self.model,
+            self.optimizer,
+            gpt_forward_step,
+            self.train_data,
+            num_microbatches=self.data.num_microbatches,
+            faults=self.faults,
+            plan=config.graphs.build(),
+            clip_grad=config.optim.clip_grad,
+            loss_scaler=self.loss_scaler,
+            autocast=lambda: autocast_context(ctx.device, dtype),
             compute_weights=build.build_compute_weights(config, self.raw_model, ctx),
             lookahead=config.graphs.cuda_graph_speculative_launch,
-        )  # fmt: skip
+        )
 
     def _build_checkpointer(self, manager: Any) -> Checkpointer:
         current = self.config.to_dict()["model"]
-        return Checkpointer(
+        # The shell registers the step (first: it settles a launch), the count, every RNG and
+        # the rerun machine; the trainer its data, schedule and config.
+        return self.shell.checkpointer(
             manager,
             self.model,
             self.optimizer,
-            # The step first: its state_dict settles a look-ahead launch before data and RNG.
-            common={
-                "step": self.step,
-                "train_state": self.state,
-                "data": self.train_data,
-                "scheduler": self.scheduler,
-                "config": ConfigPart(self.config),
-            },
-            per_rank={"rng": RngState(self.machine.rng), "rerun": self.machine},
+            data=self.train_data,
+            common={"scheduler": self.scheduler, "config": ConfigPart(self.config)},
             check_common=lambda common: check_model_matches(common, current, logger.warning),
             upgrade_common=upgrade_common_layout,
         )
@@ -205,39 +207,32 @@ class Trainer:
         while True:
             self.shell.maybe_finalize(self.checkpointer)
             result = self._run_iteration()
-            self.compiles.save()  # after an iteration that compiled: the cache's artifacts
             if not result.verdict.exit:  # a rejected iteration is not done: nothing to log
                 self._after_iteration(result)
-            finished = self.state.iteration >= t.train_iters
-            decision = self.shell.decide(self.state.iteration, result, finished=finished)
+            decision = self.shell.decide(result)
             if decision.save is not SaveKind.NONE:
                 self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
             if decision.exit:
                 return self._finish(decision)
 
     def _run_iteration(self) -> StepResult:
-        it, n = self.state.iteration, self._start_batch()
+        n = self._start_batch()
         self.scheduler.set_iteration(
-            it, samples_after=self.state.consumed_samples + self.batch_size
+            self.state.iteration, samples_after=self.state.consumed_samples + self.batch_size
         )
-        with self.shell.iteration(it) as span:
-            before = self.compiles.mark()
-            self.faults.maybe_inject(it + 1, self.ctx.rank, "step")
-            if it + 1 in self.iterations_to_skip:  # numbered like the log line
-                return self._skip_iteration(n)
-            result = self.step.run(it, num_microbatches=n, launch_next=self._plain_next(n))
-            self.compiles.book(span, before)  # it compiled: cold, or warm from the cache
-        return result
+        with self.shell.iteration() as it:  # a skipped one: the step consumes its data
+            self.faults.maybe_inject(it.number, self.ctx.rank, "step")
+            return self.step.run(it, num_microbatches=n, launch_next=self._plain_next(it, n))
 
-    def _plain_next(self, num_microbatches: int) -> bool:
-        """Whether the next iteration may be launched ahead: it exists, is not skipped, has the
-        same micro-batch count and no evaluation runs before it."""
-        cfg, upcoming = self.config.training, self.state.iteration + 1
+    def _plain_next(self, it: Iteration, num_microbatches: int) -> bool:
+        """Whether the next iteration may be launched ahead: it exists and is not skipped (the
+        shell's ``launch_next``), has the same micro-batch count and no evaluation runs before
+        it."""
+        eval_interval = self.config.training.eval_interval
         consumed = self.state.consumed_samples + self.batch_size
         return (
-            upcoming < cfg.train_iters
-            and upcoming + 1 not in self.iterations_to_skip
-            and not (cfg.eval_interval and upcoming % cfg.eval_interval == 0)
+            it.launch_next
+            and not (eval_interval and it.number % eval_interval == 0)
             and self.data.schedule.num_microbatches_at(consumed) == num_microbatches
         )
 
@@ -260,36 +255,25 @@ class Trainer:
         self.shell.log.flops_per_iteration = self.flops_per_iteration * self.batch_size / gbs
         return num_microbatches
 
-    def _skip_iteration(self, num_microbatches: int) -> StepResult:
-        """``--iterations-to-skip``: consume this iteration's data without training on it."""
-        it = self.state.iteration
-        self.print(f"skipping iteration {it + 1} (--iterations-to-skip)")
-        self.shell.event(it, EventKind.SKIPPED, "--iterations-to-skip")
-        return self.step.skip(it, num_microbatches)
-
     def _after_iteration(self, result: StepResult) -> None:
-        """Count and log the completed iteration, evaluate when due."""
+        """Log the completed iteration (the shell counted it), evaluate when due."""
         cfg = self.config
-        self.state.iteration += 1
-        self.state.consumed_samples += self.batch_size
         it = self.state.iteration
         self.manual_gc.on_iteration_end(it)
         self.shell.record(
-            it, result, batch_size=self.batch_size,  # losses empty: --iterations-to-skip
-            consumed_samples=self.state.consumed_samples, learning_rate=self.scheduler.last_lr,
+            result,
+            batch_size=self.batch_size,  # losses empty: an iteration skipped
+            learning_rate=self.scheduler.last_lr,
             loss_scale=self.loss_scaler.scale if cfg.training.fp16 else None,
-        )  # fmt: skip
+        )
         if cfg.training.eval_interval and it % cfg.training.eval_interval == 0:
             self.run_evaluation()
 
     def run_evaluation(self) -> dict[str, float]:
-        """Evaluate on the held-out split with validation checks in disabled mode."""
-        before = self.compiles.mark()
+        """Evaluate on the held-out split with validation checks in disabled mode (the shell's
+        evaluation: its goodput bucket, watchdog and compile booking)."""
         with self.shell.evaluation():
-            losses = self._evaluate()
-        self.compiles.book(None, before)  # the evaluation's own graphs go into the cache too
-        self.compiles.save()
-        return losses
+            return self._evaluate()
 
     def _evaluate(self) -> dict[str, float]:
         cfg = self.config
@@ -306,17 +290,14 @@ class Trainer:
             num_microbatches=self.data.num_microbatches,
             each_iteration=self.shell.eval_iteration,
         )
-        self.shell.log.on_eval(
-            self.state.iteration, losses, consumed_samples=self.state.consumed_samples
-        )
+        self.shell.record_eval(losses)
         self.manual_gc.on_evaluation()
         return losses
 
     def _finish(self, decision: ExitDecision) -> TrainOutcome:
         """The one exit path (the shell's): complete a pending save, record why, leave."""
         it, reason = self.state.iteration, decision.reason or ExitReason.FINISHED
-        async_save = self.config.checkpoint.async_save
-        code = self.shell.finish(decision, it, self.checkpointer, async_save=async_save)
+        code = self.shell.finish(decision, self.checkpointer)
         return TrainOutcome(code, reason, it, decision.detail)
 
     # ------------------------------------------------------------------ checkpoints
@@ -324,7 +305,7 @@ class Trainer:
         """Save every registered part (collective) inside the shell's ``saving``."""
         it = self._saved_at = self.state.iteration
         with self.shell.saving(
-            it, non_persistent=non_persistent, async_save=self.config.checkpoint.async_save,
+            non_persistent=non_persistent, async_save=self.config.checkpoint.async_save,
             flops_so_far=self._flops_so_far(), tokens_so_far=self._tokens_so_far(),
         ):  # fmt: skip
             self.faults.maybe_inject(it, self.ctx.rank, "checkpointing")
@@ -344,15 +325,15 @@ class Trainer:
             if self.blank_model:  # the checkpoint seen at build time is gone: no weights
                 raise CheckpointError(f"--load {cfg.load_dir}: its checkpoint went away at start")
             return
-        self.shell.sections.on_checkpoint_loaded(persistent=not loaded.non_persistent)
         if cfg.finetune:
+            self.shell.sections.on_checkpoint_loaded(persistent=not loaded.non_persistent)
             self.print(f"finetuning from {loaded.path}: weights loaded, starting at iteration 0")
             return
         # The machine's after_load applied rerun_verdict.json: a settled rerun trains on, a
         # suspect device was refused (SuspectDeviceError).
         self.loaded_path = loaded.path
         self._resume_schedule(loaded.common.get("scheduler"), not cfg.no_load_optim)
-        self.shell.ledger.resumed(self.state.iteration)
+        self.shell.resumed(self.state.iteration, persistent=not loaded.non_persistent)
         self.print(
             f"resumed from {loaded.source or loaded.path} at iteration {self.state.iteration}"
         )

@@ -169,10 +169,14 @@ class FaultToleranceConfig:
     def dump_signal(self) -> signal.Signals:
         return signal.Signals[self.stack_dump_signal]
 
-    def check_exit_signal(self, exit_signal: signal.Signals) -> None:
-        """Raise ValueError if ``--exit-signal`` collides with the stack-dump signal."""
+    def check_exit_signal(
+        self, exit_signal: signal.Signals, names: tuple[str, str] | None = None
+    ) -> None:
+        """Raise ValueError if ``--exit-signal`` collides with the stack-dump signal
+        (``names``: the two settings as the caller's path spells them)."""
+        exit_name, dump_name = names or ("--exit-signal", "FaultToleranceConfig.stack_dump_signal")
         if self.enable_ft and exit_signal == self.dump_signal:
             raise ValueError(
-                f"--exit-signal: {exit_signal.name} is used by hang detection for stack dumps "
-                f"(FaultToleranceConfig.stack_dump_signal); choose another exit signal"
+                f"{exit_name}: {exit_signal.name} is used by hang detection for stack dumps "
+                f"({dump_name}); choose another exit signal"
             )

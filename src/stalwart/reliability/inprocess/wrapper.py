@@ -38,7 +38,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -207,6 +207,13 @@ def _deadlock_guard(timeout_s: float) -> Iterator[None]:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _call_each(callbacks: Iterable[Callable[[], object]]) -> None:
+    """Call each (errors ignored); keeps no reference to any once it returns."""
+    for callback in callbacks:
+        with contextlib.suppress(Exception):
+            callback()
 
 
 def release_then_abort(pre_abort: list[Callable[[], object]]) -> None:
@@ -401,9 +408,7 @@ class InProcessRestarter:
                 f"{where}: {record.cause()} ({record.kind.value})"
             )
         attempt.monitor.stop()
-        for callback in reversed(attempt.abort_callbacks):
-            with contextlib.suppress(Exception):
-                callback()
+        _call_each(reversed(attempt.abort_callbacks))
         release_then_abort(attempt.pre_abort_callbacks)
         if record.rank != self.rank:
             # Our pending collectives wait on the failed rank; they end when its groups are freed.
@@ -411,9 +416,9 @@ class InProcessRestarter:
             self.store.wait_rank_value(n, "released", record.rank, self._release_wait_s())
         with _deadlock_guard(self.options.hard_timeout):
             quiesce_workers()
-            for callback in reversed(attempt.finalize_callbacks):
-                with contextlib.suppress(Exception):
-                    callback()
+            # In a function of its own: a loop variable here would keep the last callback's
+            # object (its process groups) alive through the gc.collect() below.
+            _call_each(reversed(attempt.finalize_callbacks))
             attempt.abort_callbacks.clear()
             attempt.finalize_callbacks.clear()
             attempt.pre_abort_callbacks.clear()

@@ -331,7 +331,7 @@ class RerunStateMachine:
         self.set_iteration(iteration)
         if self.state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
             self.reporter.log0(
-                f"Iteration {iteration + 1} is skipped (--iterations-to-skip): "
+                f"Iteration {iteration + 1} is skipped (the skip list): "
                 "dropping its pending rerun from checkpoint"
             )
             self.judge.finish()
