@@ -63,7 +63,7 @@ class Snapshotting:
         for _ in range(iters):
             t.shell.maybe_finalize(t.checkpointer)
             t.scheduler.set_iteration(self.iteration)
-            result = t.step.run(self.iteration)
+            result = t.step.run(self.iteration + 1)  # numbered from 1, as logged
             if result.verdict.exit:
                 raise RuntimeError(f"{self.name}: the rerun state machine asked to exit")
             self.iteration += 1

@@ -274,7 +274,7 @@ def test_config_file_train_args_set_save_run_dir_and_batch_and_the_ledger_is_the
     from stalwart.config.run import build_run_config
 
     trainer = build_run_config(parse_train_args(train_args), train_args)
-    assert run_dir_for(trainer.checkpoint.save, trainer.run_dir) == plan.run_dir
+    assert run_dir_for(trainer.checkpoint.save, trainer.shell.run_dir) == plan.run_dir
     save.mkdir()
     (save / "suspect_devices.json").write_text(
         json.dumps({"suspects": [{"host": plan.host, "device": "b"}]})

@@ -31,7 +31,13 @@ def _train(*args: str) -> list[str]:
     ("args", "needle"),
     [
         (["--non-persistent-ckpt-type", "memory"], "--non-persistent-ckpt-type: invalid choice"),
-        (["--non-persistent-ckpt-type", "local"], "needs --non-persistent-save-interval"),
+        (
+            [
+                *["--save", "/tmp/s", "--non-persistent-ckpt-type", "local"],
+                *["--non-persistent-local-ckpt-dir", "/tmp/l"],
+            ],
+            "needs --non-persistent-save-interval",
+        ),
         (LOCAL, "local needs --non-persistent-local-ckpt-dir"),
         ([*LOCAL, "--non-persistent-local-ckpt-dir", "/tmp/s"], "same directory as --save"),
         (

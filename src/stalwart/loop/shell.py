@@ -152,9 +152,12 @@ class Shell:
         self._log: TrainingLog | None = None
 
     def _say(self, line: str) -> None:
-        """A line of the run's own (rank 0), flushed: the probes' reports, the goodput line."""
-        self.print(line)
-        sys.stdout.flush()
+        """A line of the run's own (rank 0), flushed: the probes' reports, the goodput line;
+        printed above the progress bar while one is drawn."""
+        lift = self._log.external_write() if self._log is not None else contextlib.nullcontext()
+        with lift:
+            self.print(line)
+            sys.stdout.flush()
 
     # ------------------------------------------------------------------------ the step
     def step(

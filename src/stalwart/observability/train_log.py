@@ -37,6 +37,7 @@ the log lines are printed above it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -462,6 +463,10 @@ class TrainingLog:
             record.update(by_iter)
             record.update({f"{k} validation{suffix} ppl": ppl(v) for k, v in host.items()})
             self._metrics.write_record(record)
+
+    def external_write(self) -> contextlib.AbstractContextManager[None]:
+        """Lift the progress bar (when shown) while the body prints a line of the run's own."""
+        return self._progress.external_write()
 
     def end_progress(self) -> None:
         """Leave the progress bar for good (idempotent): training is over, so the lines that
