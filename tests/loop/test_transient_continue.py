@@ -26,7 +26,7 @@ from stalwart.reliability.rerun import (
     RerunDataIterator,
     RerunStateMachine,
 )
-from stalwart.reliability.rerun.transients import TransientPolicy
+from stalwart.reliability.rerun.remedies import RemedyConfig, TransientPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))
 from graphs_fake_backend import FakeGraphContext  # type: ignore[import-not-found]
@@ -53,8 +53,7 @@ class Job:
         self.machine = RerunStateMachine(
             mode="validate_results",
             device="cpu",
-            transient_policy=policy,
-            transient_budget=budget,
+            remedies=RemedyConfig(policy, budget),
             result_rejected_tracker_filename=tracker,
         )
         gen = torch.Generator().manual_seed(3)
@@ -132,14 +131,14 @@ def test_a_transient_fault_costs_one_replay_and_ends_bitwise_equal(
         x.split(" status=")[1].split()[0] for x in (tmp_path / "t").read_text().splitlines()
     ]
     assert statuses == ["initial_run", "first_rerun_not_reproducible"]
-    assert faulty.machine.transients.counts == {"/".join(_identity()): 1}
+    assert faulty.machine.remedies.counts == {"/".join(_identity()): 1}
 
 
 def test_under_exit_the_same_fault_exits_17_without_a_checkpoint() -> None:
     job = Job(lookahead=True, graphed=False, nan_calls=(4,), policy=TransientPolicy.EXIT)
     last = job.train()[-1].verdict
     assert (last.exit_code, last.checkpoint) == (EXIT_CODE_FAILED_ON_RESULT_VALIDATION, False)
-    assert job.machine.transients.counts == {}  # exit counts nothing
+    assert job.machine.remedies.counts == {}  # exit counts nothing
 
 
 def test_a_rerun_that_rejects_a_call_of_its_own_exits_17_as_megatron() -> None:
@@ -176,13 +175,13 @@ def test_the_counts_are_checkpointed_and_merged_by_device() -> None:
     job.train()
     state = job.machine.state_dict()
     fresh = Job(lookahead=False, graphed=False)
-    fresh.machine.transients.counts = {"other/dev": 5, "/".join(_identity()): 3}
+    fresh.machine.remedies.counts = {"other/dev": 5, "/".join(_identity()): 3}
     fresh.machine.load_state_dict(state)
     # The highest count of each device wins (a rewind to an older checkpoint forgets none).
-    assert fresh.machine.transients.counts == {"other/dev": 5, "/".join(_identity()): 3}
+    assert fresh.machine.remedies.counts == {"other/dev": 5, "/".join(_identity()): 3}
     newer = Job(lookahead=False, graphed=False)
     newer.machine.load_state_dict(state)
-    assert newer.machine.transients.counts == {"/".join(_identity()): 1}
+    assert newer.machine.remedies.counts == {"/".join(_identity()): 1}
 
 
 def _identity() -> tuple[str, str]:

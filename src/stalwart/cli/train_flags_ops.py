@@ -16,7 +16,7 @@ from stalwart.cli.train_flags import group, interval
 from stalwart.reliability.faults import FAULT_PHASES, FaultKind
 from stalwart.reliability.inprocess.config import RestartGranularity
 from stalwart.reliability.rerun.config import DEFAULT_MAX_REWINDS
-from stalwart.reliability.rerun.transients import TransientPolicy
+from stalwart.reliability.rerun.remedies import TransientPolicy
 from stalwart.reliability.rerun.types import RerunDiagnostic, RerunMode
 
 _RERUN_MODES = (*(m.value for m in RerunMode), "report_stats")

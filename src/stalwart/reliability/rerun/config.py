@@ -12,9 +12,13 @@ import torch.distributed as dist
 
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.machine import Agreement, RerunStateMachine
+from stalwart.reliability.rerun.remedies import (
+    DEFAULT_TRANSIENT_BUDGET,
+    RemedyConfig,
+    TransientPolicy,
+)
 from stalwart.reliability.rerun.replicas import ReplicaGate, ReplicaSchedule
 from stalwart.reliability.rerun.tracker import read_iterations_to_skip
-from stalwart.reliability.rerun.transients import DEFAULT_TRANSIENT_BUDGET, TransientPolicy
 from stalwart.reliability.rerun.types import CheckConfig, RerunDiagnostic, RerunMode
 
 DEFAULT_MAX_REWINDS = 3
@@ -64,7 +68,7 @@ class RerunConfig:
         rerun_transient_policy: ``--rerun-transient-policy``: what a transient verdict does:
             ``exit`` (Megatron's, the default: a fatal check exits 17 without saving) or
             ``continue`` (the rerun's clean result is applied and training goes on;
-            ``stalwart.reliability.rerun.transients``).
+            ``stalwart.reliability.rerun.remedies``).
         rerun_transient_budget: ``--rerun-transient-budget``: under ``continue``, a device with
             more transients than this in the run is a suspect: exit 17 naming it (None: 2).
         rewind_on_spike: ``--rewind-on-spike``: a spiky loss the rerun reproduces (on a peer
@@ -175,6 +179,13 @@ class RerunConfig:
         budget = self.rerun_transient_budget
         return DEFAULT_TRANSIENT_BUDGET if budget is None else budget
 
+    def remedies(self, rewind: Callable[[], bool] | None = None) -> RemedyConfig:
+        """What the machine does instead of exiting (``rewind``: whether the loop may rewind
+        now; used with ``rewind_on_spike``)."""
+        return RemedyConfig(
+            self.transient_policy, self.transient_budget, rewind if self.rewind_on_spike else None
+        )
+
     @property
     def injection_type(self) -> RerunDiagnostic:
         return RerunDiagnostic.parse(self.error_injection_type)
@@ -255,9 +266,7 @@ class RerunConfig:
             device=device,
             peer_replay=self.rerun_peer_replay,
             replicas=ReplicaGate(schedule, process_group) if validating else None,
-            transient_policy=self.transient_policy,
-            transient_budget=self.transient_budget,
-            rewind=rewind if self.rewind_on_spike else None,
+            remedies=self.remedies(rewind),
         )
 
 

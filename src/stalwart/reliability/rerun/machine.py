@@ -51,6 +51,7 @@ from stalwart.reliability.rerun.passes import Saved, StateSaver
 from stalwart.reliability.rerun.peer import ReplayDeterminism
 from stalwart.reliability.rerun.peer_flow import PeerReplay
 from stalwart.reliability.rerun.recording import Recorder
+from stalwart.reliability.rerun.remedies import Remedies, RemedyConfig
 from stalwart.reliability.rerun.replicas import (
     ReplicaGate,
     split_replica,
@@ -59,11 +60,6 @@ from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker
 from stalwart.reliability.rerun.rules import host_predicate
 from stalwart.reliability.rerun.tracker import TrackerFile
-from stalwart.reliability.rerun.transients import (
-    DEFAULT_TRANSIENT_BUDGET,
-    TransientPolicy,
-    Transients,
-)
 from stalwart.reliability.rerun.types import (
     CallKey,
     CheckConfig,
@@ -121,13 +117,12 @@ class RerunStateMachine:
         replay_determinism: the settings of the peer replay's pass (:class:`ReplayDeterminism`).
         replicas: fingerprints compared across replicas inside the step
             (``stalwart.reliability.rerun.replicas``; the step calls :meth:`record_replicas`).
-        transient_policy / transient_budget: what a transient verdict does
-            (``stalwart.reliability.rerun.transients``: ``exit``, Megatron's, or ``continue``
-            with the rerun's result, a device over its budget being a suspect).
-        rewind: asked when a spiky loss reproduced (an application error, the data): True ends
-            the iteration untrained with a :class:`SpikeRewind` verdict, which the loop acts on
-            (``stalwart.loop.Shell`` restores its newest snapshot and skips the window); None
-            (default): training goes on with the spike's gradients, as in Megatron.
+        remedies: what a transient verdict does (``exit``, Megatron's, or ``continue`` with
+            the rerun's result, a device over its budget being a suspect) and whether a
+            reproduced spiky loss (the data's) ends the iteration untrained with a
+            :class:`SpikeRewind` verdict the loop acts on (``stalwart.loop.Shell`` restores its
+            newest snapshot and skips the window); default: Megatron's behaviour
+            (``stalwart.reliability.rerun.remedies``).
     """
 
     REPORTING_INTERVAL_ITERATIONS = 2
@@ -148,9 +143,7 @@ class RerunStateMachine:
         peer_replay: bool = False,
         replay_determinism: ReplayDeterminism | None = None,
         replicas: ReplicaGate | None = None,
-        transient_policy: TransientPolicy | str = TransientPolicy.EXIT,
-        transient_budget: int = DEFAULT_TRANSIENT_BUDGET,
-        rewind: Callable[[], bool] | None = None,
+        remedies: RemedyConfig | None = None,
     ) -> None:
         self.mode = RerunMode.parse(mode)
         self.injector = error_injector or RerunErrorInjector()
@@ -175,12 +168,9 @@ class RerunStateMachine:
         self._pending_diagnosis: Diagnosis | None = None
         self._final_pass = False  # the clean pass after a correct result reproduced on a peer
         self._rejected_at: float | None = None
-        self._rewind_allowed = rewind
-        self._pending_rewind: SpikeRewind | None = None
         # The parts, each owning its state.
         self.reporter = Reporter(process_group, tracker)
-        policy = TransientPolicy.parse(transient_policy)
-        self.transients = Transients(policy, transient_budget, self.reporter)
+        self.remedies = Remedies(remedies or RemedyConfig(), self.reporter)
         self.judge = EventJudge(self.injector, self.reporter)
         self.recorder = Recorder(self.injector, self._inject_decision, self._may_record)
         # Megatron's recording calls on the machine are the recorder's (contracts there).
@@ -188,10 +178,8 @@ class RerunStateMachine:
         self.attach_buffer = self.recorder.attach_buffer
         self.validate_result = self.recorder.validate_result
         self.check_all_on_device = self.recorder.check_all_on_device
-        self._saver = StateSaver(
-            self.rng, state_save_func, state_restore_func,
-            self.recorder.save_trackers, self.recorder.restore_trackers,
-        )  # fmt: skip
+        trackers = (self.recorder.save_trackers, self.recorder.restore_trackers)
+        self._saver = StateSaver(self.rng, state_save_func, state_restore_func, *trackers)
         self._look_ahead = LookAhead(self.recorder, self._saver)
         self.peer = PeerReplay(
             peer_replay, replay_determinism or ReplayDeterminism(), self.reporter, self.rng
@@ -341,7 +329,7 @@ class RerunStateMachine:
         """
         self.discard_ahead()
         self.set_iteration(iteration)
-        self._pending_rewind = None
+        self.remedies.pending_rewind = None
         if self.state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
             self.reporter.log0(
                 f"Iteration {iteration + 1} is skipped (the skip list): "
@@ -410,8 +398,8 @@ class RerunStateMachine:
         ``stalwart.reliability.exit.leave`` writes it)."""
         if self.mode is not VALIDATE:
             return RerunVerdict()
-        if self._pending_rewind is not None:
-            return RerunVerdict(rewind=self._pending_rewind)
+        if self.remedies.pending_rewind is not None:
+            return RerunVerdict(rewind=self.remedies.pending_rewind)
         replica = self.replicas.detail if self.replicas is not None else ""
         verdict, line = exit_verdict(self.state, self._pending_diagnosis, replica)
         if line is not None:
@@ -435,7 +423,7 @@ class RerunStateMachine:
             self.iteration += 1
         self._iteration_set = False
         self._rejected_at = None
-        self._pending_rewind = None
+        self.remedies.pending_rewind = None
         for it in iterators:
             it.advance()
         if self.mode is VALIDATE and not self._announced:
@@ -499,12 +487,12 @@ class RerunStateMachine:
         ev = self.event
         reproduced = ev is not None and ev.suspicious is not None
         spike = reproduced and ev is not None and ev.message == SPIKY_LOSS_MESSAGE
-        seen = self.transients.observe(
+        seen = self.remedies.observe(
             ev is not None and not reproduced, _clean(items), self.iteration
         )
         flags = self._agree([*local, reproduced, spike, *seen])
         ckpt, fatal, _cont, anyone, spiked, transient, dirty, over = flags
-        continues = self.transients.continues
+        continues = self.remedies.continues
         action = transient_action(continues, transient, dirty, over, ckpt or anyone)
         if action is not TransientAction.MEGATRON:
             return self._after_transient(iterators, action, over=seen[2])
@@ -516,7 +504,7 @@ class RerunStateMachine:
         if ckpt or fatal:
             self._exit_after_rerun(iterators, checkpoint=ckpt)
             return False
-        if spike_rewinds(spiked, fatal, self._rewinds_left()):
+        if spike_rewinds(spiked, fatal, self.remedies.may_rewind()):
             value = ev.initial_result if spike and ev is not None else None
             return self._rewind_after_spike(iterators, "in_place", value)
         return self._continue_after_failure(iterators)
@@ -538,12 +526,9 @@ class RerunStateMachine:
         if over and ev is not None:  # a relaunch without rerun_verdict.json still names it
             ev.suspicious = device_identity()
         message = ev.message if ev is not None else ""
-        self._pending_diagnosis = self.transients.diagnosis(over, self.iteration, message)
+        self._pending_diagnosis = self.remedies.diagnosis(over, self.iteration, message)
         self._exit_after_rerun(iterators, checkpoint=True)
         return False
-
-    def _rewinds_left(self) -> bool:
-        return self._rewind_allowed is not None and self._rewind_allowed()
 
     def _rewind_after_spike(
         self, iterators: list[RerunDataIterator[Any]], attribution: str, value: float | None
@@ -558,7 +543,9 @@ class RerunStateMachine:
         (highest,) = collectives.all_reduce_floats(
             [value if value is not None else -math.inf], dist.ReduceOp.MAX, self.process_group
         )
-        self._pending_rewind = SpikeRewind(self.iteration, highest, SPIKY_LOSS_MESSAGE, attribution)
+        self.remedies.pending_rewind = SpikeRewind(
+            self.iteration, highest, SPIKY_LOSS_MESSAGE, attribution
+        )
         self.reporter.log0(
             f"Spiky loss at iteration {self.iteration + 1} reproduced ({attribution.replace('_', ' ')}): "
             "an application error; rewinding instead of training on it"
@@ -636,7 +623,7 @@ class RerunStateMachine:
         spikes = [
             r.initial for r in outcome.plan.requests.values() if r.message == SPIKY_LOSS_MESSAGE
         ]
-        if spike_rewinds(bool(spikes), outcome.fatal, self._rewinds_left()):
+        if spike_rewinds(bool(spikes), outcome.fatal, self.remedies.may_rewind()):
             return self._rewind_after_spike(iterators, "peer_replay", max(spikes))
         self.reporter.log0(
             "Continuing normal execution because the failed validation was not fatal (a correct "
@@ -720,7 +707,7 @@ class RerunStateMachine:
             "injector": self.injector.state_dict(),
             "large_values": host,
             "device_large_values": device,
-            "transients": self.transients.state_dict(),
+            "transients": self.remedies.state_dict(),
         }
         return {
             "version": STATE_DICT_VERSION,
@@ -746,7 +733,7 @@ class RerunStateMachine:
         if self.mode is RerunMode.DISABLED:
             logger.warning("Rerun state machine disabled; ignoring its checkpointed state")
             return
-        self.transients.load([row.get("transients") for row in sd["ranks"]])
+        self.remedies.load([row.get("transients") for row in sd["ranks"]])
         mine = sd["ranks"][self.reporter.group_rank]
         self.recorder.load_large_state(mine["large_values"], mine.get("device_large_values") or {})
         state = RerunState[sd["state"]]

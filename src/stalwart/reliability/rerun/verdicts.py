@@ -99,7 +99,7 @@ def transient_action(
     continues: bool, transient: bool, dirty: bool, over_budget: bool, reproduced_anywhere: bool
 ) -> TransientAction:
     """After the in-place rerun, from the flags agreed across ranks (``--rerun-transient-policy``,
-    ``stalwart.reliability.rerun.transients``). ``continues``: the policy is ``continue``;
+    ``stalwart.reliability.rerun.remedies``). ``continues``: the policy is ``continue``;
     ``transient``: some rank's rejection did not reproduce; ``dirty``: some rank's rerun
     rejected a call itself; ``over_budget``: some device has more transients than its budget;
     ``reproduced_anywhere``: some rank's rejection did reproduce (it must be attributed)."""

@@ -1,5 +1,8 @@
-"""What a transient verdict costs: the policy (``--rerun-transient-policy``) and the per-device
-count that turns flaky hardware into a suspect (``--rerun-transient-budget``).
+"""What a rejection costs instead of an exit: a transient verdict under its policy
+(``--rerun-transient-policy``, with the per-device count that turns flaky hardware into a
+suspect, ``--rerun-transient-budget``), and a reproduced spike's rewind (``--rewind-on-spike``:
+the machine asks the loop whether it may, and ends the iteration with the rewind; the loop does
+it, ``stalwart.reliability.rewind``).
 
 A transient verdict means the in-place rerun did not reproduce the rejected result: the rerun
 ran the same iteration on the same micro-batches, RNG and loss scale, and its own checks passed.
@@ -22,6 +25,8 @@ Megatron's behaviour (:func:`stalwart.reliability.rerun.verdicts.transient_actio
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from stalwart.distributed import collectives
@@ -29,6 +34,7 @@ from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.types import (
     Diagnosis,
     DiagnosisSource,
+    SpikeRewind,
     Suspect,
     device_identity,
 )
@@ -58,24 +64,46 @@ class TransientPolicy(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11
             ) from None
 
 
-class Transients:
-    """This run's transient verdicts per device, and the policy they are counted under.
+@dataclass(frozen=True)
+class RemedyConfig:
+    """The machine's remedies (``RerunConfig.build`` gives them).
+
+    Attributes:
+        transient_policy: :class:`TransientPolicy` (``exit`` counts nothing).
+        transient_budget: transients a device may have in the run; one more makes it a suspect.
+        rewind: asked when a spiky loss reproduced: whether the loop may rewind now (None:
+            never; training goes on with the spike's gradients, as in Megatron).
+    """
+
+    transient_policy: TransientPolicy = TransientPolicy.EXIT
+    transient_budget: int = DEFAULT_TRANSIENT_BUDGET
+    rewind: Callable[[], bool] | None = None
+
+
+class Remedies:
+    """This run's transient verdicts per device under the policy, and the spike rewind the
+    iteration ended with (the machine's part).
 
     Args:
-        policy: :class:`TransientPolicy` (``exit`` counts nothing).
-        budget: transients a device may have in the run; one more makes it a suspect.
+        config: the policy, the budget, whether a spike may rewind.
         reporter: the machine's place in its group and its lines.
     """
 
-    def __init__(self, policy: TransientPolicy, budget: int, reporter: Reporter) -> None:
-        self.policy = policy
-        self.budget = budget
+    def __init__(self, config: RemedyConfig, reporter: Reporter) -> None:
+        self.policy = TransientPolicy.parse(config.transient_policy)
+        self.budget = config.transient_budget
+        self._rewind = config.rewind
         self._reporter = reporter
         self.counts: dict[str, int] = {}  # "node/device" -> transients counted in the run
+        self.pending_rewind: SpikeRewind | None = None  # the iteration ended with it
 
     @property
     def continues(self) -> bool:
         return self.policy is TransientPolicy.CONTINUE
+
+    def may_rewind(self) -> bool:
+        """Whether a reproduced spike rewinds now (the same answer on every rank)."""
+        return self._rewind is not None and self._rewind()
 
     def observe(self, transient: bool, clean: bool, iteration: int) -> tuple[bool, bool, bool]:
         """After the in-place rerun, this rank's flags for the agreement: ``(transient, dirty,
@@ -133,4 +161,10 @@ class Transients:
                     self.counts[key] = max(self.counts.get(key, 0), count)
 
 
-__all__ = ["DEFAULT_TRANSIENT_BUDGET", "REPEATED_TRANSIENTS", "TransientPolicy", "Transients"]
+__all__ = [
+    "DEFAULT_TRANSIENT_BUDGET",
+    "REPEATED_TRANSIENTS",
+    "Remedies",
+    "RemedyConfig",
+    "TransientPolicy",
+]
