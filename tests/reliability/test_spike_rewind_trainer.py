@@ -36,6 +36,7 @@ SPIKE = [
     "7",
 ]
 REWIND = ["--rewind-on-spike", "--rewind-skip-window", "2"]
+ON = ["--rewind-on-spike", "--check-for-spiky-loss", "--result-rejected-tracker-filename", "t"]
 CRASH = ["--inject-fault", "exception", "--inject-fault-iteration", "9"]
 
 
@@ -126,6 +127,14 @@ def _metrics(path: Path) -> list[dict[str, float]]:
         (["--rewind-lr-scale", "1.5"], "--rewind-lr-scale"),
         (["--max-rewinds", "0"], "--max-rewinds"),
         (["--max-rewinds", "-3"], "--max-rewinds"),
+        (
+            [*ON, "--optimizer-cuda-graph"],
+            "--rewind-on-spike is not supported with --cuda-graph-impl",
+        ),
+        (
+            [*ON, "--save", "a", "--load", "b"],
+            "--rewind-on-spike restores the newest checkpoint of --save",
+        ),
     ],
 )
 def test_bad_values_exit_2_in_one_line(

@@ -121,10 +121,13 @@ class Rewinder:
         shell.event(EventKind.RERUN, line, iteration=record.restored)
 
 
-def check_rewindable(config: ShellConfig, names: Names, data: Any, plan: Any) -> None:
+def check_rewindable(
+    config: ShellConfig, names: Names, data: Any, plan: Any, *, registered: bool = True
+) -> None:
     """``rerun.rewind_on_spike`` needs a data iterator that can go back to a snapshot's
-    position, and no captured graph (a restored optimizer state is not what a graph
-    captured): ``ValueError`` naming the setting as ``names`` spells it."""
+    position (and is registered with the checkpointer: ``registered``), and no captured graph
+    (a restored optimizer state is not what a graph captured): ``ValueError`` naming the
+    setting as ``names`` spells it."""
     if not config.rerun.rewind_on_spike:
         return
     what = names.spell("rerun.rewind_on_spike")
@@ -132,6 +135,11 @@ def check_rewindable(config: ShellConfig, names: Names, data: Any, plan: Any) ->
         raise ValueError(
             f"{what}: the data iterator cannot go back to a snapshot's position; give "
             "RerunDataIterator a sequence or a resumable source (state_dict/load_state_dict)"
+        )
+    if not registered:
+        raise ValueError(
+            f"{what}: a rewind restores the data position with the snapshot; register the "
+            "data iterator: shell.checkpointer(..., data=...)"
         )
     if isinstance(plan, GraphPlan):
         raise ValueError(f"{what} is not supported under CUDA graphs (GraphPlan) yet")

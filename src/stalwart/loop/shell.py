@@ -295,14 +295,9 @@ class Shell:
         ``options``: ``Checkpointer``'s (``check_common``, ``upgrade_common``)."""
         parts: dict[str, Any] = {} if self._step is None else {"step": self._step}
         parts["train_state"] = self.state
+        check_rewindable(self.config, self.names, data, None, registered=data is not None)
         if data is not None:
             parts["data"] = data
-        elif self.config.rerun.rewind_on_spike:
-            raise ValueError(
-                f"{self.names.spell('rerun.rewind_on_spike')}: a rewind restores the data "
-                "position with the snapshot; register the data iterator: "
-                "shell.checkpointer(..., data=...)"
-            )
         own = {"rng": RngState(self.machine.rng), "rerun": self.machine}
         return Checkpointer(
             manager,
