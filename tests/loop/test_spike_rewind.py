@@ -64,13 +64,14 @@ def _loop(
     *,
     iters: int = ITERS,
     crash_after_rewind: bool = False,
+    save_every: int = SAVE_EVERY,
 ) -> tuple[list[torch.Tensor], list[str]]:
     """The README's loop; returns the final parameters and what the shell printed."""
     torch.manual_seed(0)
     model = nn.Linear(6, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     printed: list[str] = []
-    exits = ExitConfig(save_interval=SAVE_EVERY)
+    exits = ExitConfig(save_interval=save_every)
     config = ShellConfig(train_iters=iters, save_dir=str(save), rerun=rerun, exit=exits)
     with config.build(print_fn=lambda *a, **k: printed.append(" ".join(map(str, a)))) as shell:
         it_data = RerunDataIterator(data)
@@ -200,3 +201,15 @@ def test_rewind_without_the_shell_is_refused() -> None:
             rewind_on_spike=True,
             result_rejected_tracker_filename="/dev/null",
         ).build("cpu")
+
+
+def test_with_no_snapshot_yet_the_window_is_skipped_in_place(
+    tmp_path: Path, never_served: list[torch.Tensor]
+) -> None:
+    """The spike comes before the first checkpoint: the machine already put the iteration's
+    start back (RNG, loss scale, its micro-batches), so the rewind skips the window from there."""
+    rerun = _rerun(tmp_path, rewind_on_spike=True, rewind_skip_window=2)
+    params, printed = _loop(tmp_path / "save", rerun, _batches(), save_every=100)
+    _same(params, never_served)
+    (line,) = [p for p in printed if p.startswith("spike rewind")]
+    assert "restored no snapshot yet; skipping iterations 30-31" in line
