@@ -80,6 +80,7 @@ class Rewinder:
             shell.guarded.settle()
         loaded = None
         if checkpointer is not None:
+            _finalize(shell, checkpointer)  # a pending async save may be the newest snapshot
             with shell.sections.section(Section.CHECKPOINTING), shell.ledger.span(Bucket.RESTART):
                 loaded = checkpointer.load()
         restored = shell.completed if loaded is None else loaded.iteration
@@ -119,6 +120,18 @@ class Rewinder:
         )
         shell.print(line)
         shell.event(EventKind.RERUN, line, iteration=record.restored)
+
+
+def _finalize(shell: Shell, checkpointer: Checkpointer) -> None:
+    """Complete a pending async save, timed as an exit completes it."""
+    if not checkpointer.async_save:
+        return
+    with (
+        shell.sections.section(Section.CHECKPOINTING, is_async_finalization=True),
+        shell.saves.finalizing(),
+    ):
+        checkpointer.finalize()
+    shell.saves.finalized_all()
 
 
 def check_rewindable(
