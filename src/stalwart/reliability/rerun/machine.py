@@ -540,15 +540,17 @@ class RerunStateMachine:
         self._saver.restore(self._saved)
         for it in iterators:
             it.unread()
+        # Deliberate sync: the spike's value for the rewind's line and tracker (a rare path).
         (highest,) = collectives.all_reduce_floats(
             [value if value is not None else -math.inf], dist.ReduceOp.MAX, self.process_group
         )
         self.remedies.pending_rewind = SpikeRewind(
             self.iteration, highest, SPIKY_LOSS_MESSAGE, attribution
         )
+        how = attribution.replace("_", " ")
         self.reporter.log0(
-            f"Spiky loss at iteration {self.iteration + 1} reproduced ({attribution.replace('_', ' ')}): "
-            "an application error; rewinding instead of training on it"
+            f"Spiky loss at iteration {self.iteration + 1} reproduced ({how}): an application "
+            "error; rewinding instead of training on it"
         )
         self.judge.finish()
         self.state = RerunState.NOT_RUNNING_YET
