@@ -459,8 +459,15 @@ def test_gated_overlapped_optimizer_skips_on_device_and_matches_host_decided() -
     assert counters == ref_counters and set(counters) == {6.0}
 
 
-def _guarded(graphed: bool, lookahead: bool, poison_call: int, iters: int = 8) -> tuple:
-    """``GuardedStep`` on the tiny GPT: eager (fused AdamW) or graphed, NaN at one forward."""
+def _guarded(
+    graphed: bool,
+    lookahead: bool,
+    poison_call: int,
+    iters: int = 8,
+    rerun: RerunConfig | None = None,
+) -> tuple:
+    """``GuardedStep`` on the tiny GPT: eager (fused AdamW) or graphed, NaN at one forward
+    (``rerun``: the machine's flags, default ``RerunConfig()``)."""
     model = _model("tiny")
     device = torch.device("cuda")
     params = list(model.parameters())
@@ -480,7 +487,7 @@ def _guarded(graphed: bool, lookahead: bool, poison_call: int, iters: int = 8) -
 
     step = GuardedStep(
         model=model, optimizer=optimizer, forward_step=forward_step,
-        machine=RerunConfig().build(device),
+        machine=(rerun or RerunConfig()).build(device),
         data=RerunDataIterator(_batches("tiny", (iters + 2) * NUM_MICROBATCHES, seed=5)),
         num_microbatches=NUM_MICROBATCHES, plan=GraphPlan() if graphed else EagerPlan(),
         clip_grad=1.0, lookahead=lookahead,
@@ -518,3 +525,23 @@ def test_guarded_step_eager_fault_after_a_launch_reruns_and_exits_17_like_withou
     assert ahead_results[-1].verdict.exit_code == plain_results[-1].verdict.exit_code == 17
     assert len(ahead_results) == len(plain_results) == 4
     assert all(torch.equal(a, b) for a, b in zip(ahead, plain, strict=True))
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_transient_under_continue_costs_one_replay_and_ends_bitwise_on_the_device(
+    graphed: bool,
+) -> None:
+    """``--rerun-transient-policy continue``: a transient injected on the device into
+    iteration 6's first check (graphed: a replay of the captured pass) is rerun, the rerun's
+    result is applied (its step host-decided, or the optimizer graph replayed ungated) and the
+    parameters equal the fault-free run's bitwise."""
+    rerun = RerunConfig(
+        error_injection_rate=1,
+        error_injection_type="transient_error",
+        error_injection_iterations=[6],
+        rerun_transient_policy="continue",
+    )
+    faulty, results, _ = _guarded(graphed, True, poison_call=-1, rerun=rerun)
+    clean, _, _ = _guarded(graphed, True, poison_call=-1)
+    assert len(results) == 8 and not any(r.verdict.exit for r in results)
+    assert all(torch.equal(a, b) for a, b in zip(faulty, clean, strict=True))

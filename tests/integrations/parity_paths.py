@@ -41,7 +41,13 @@ from train_utils import make_config
 ITERS, VOCAB, SEQ = 6, 64, 8
 HAS_NVML = importlib.util.find_spec("pynvml") is not None
 DEVICE = "parity-dev"  # STALWART_DEVICE_ID of every run: the injection targets it
-FRAMEWORKS = ("lightning", "hf")  # their checkpoints are persistent
+FRAMEWORKS = ("lightning", "hf")  # their checkpoints are persistent; they own their loop
+REWINDS = {
+    "rewind_on_spike": True,
+    "rewind_skip_window": 2,
+    "rewind_lr_scale": 0.5,
+    "max_rewinds": 2,
+}
 
 
 # ------------------------------------------------------------------------------- the settings
@@ -102,8 +108,10 @@ def _tracker(root: Path) -> str:
     return str(path)
 
 
-def _run_a(root: Path) -> dict[str, Any]:
-    """Run A: every field but the exits', each unlike its default."""
+def _run_a(root: Path, path: str) -> dict[str, Any]:
+    """Run A: every field but the exits', each unlike its default (a framework refuses the
+    spike rewind: tested below)."""
+    rewinds = {} if path in FRAMEWORKS else REWINDS
     return {
         **_probes(root),
         "run_dir": str(root / "run"),
@@ -142,6 +150,9 @@ def _run_a(root: Path) -> dict[str, Any]:
             check_weight_hash_across_dp_replicas_interval=2,
             check_weight_hash_sample_fraction=0.5,
             rerun_peer_replay=False,
+            rerun_transient_policy="continue",
+            rerun_transient_budget=3,
+            **rewinds,
         ),
         "ft": FaultToleranceConfig(
             enable_ft=True,
@@ -339,7 +350,7 @@ def _loop(save: Path, fields: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    data = RerunDataIterator(iter([torch.randn(4, 4) for _ in range(2 * ITERS)]))
+    data = RerunDataIterator([torch.randn(4, 4) for _ in range(2 * ITERS)])  # rewindable
 
     def forward(batch: torch.Tensor, m: torch.nn.Module) -> torch.Tensor:
         SIGNALS.maybe_send()

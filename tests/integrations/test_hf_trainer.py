@@ -225,3 +225,24 @@ def test_logged_loss_and_grad_norm_are_the_plain_trainers(tmp_path: Path) -> Non
     assert guarded[0] == plain[0]  # the same weights: the same loss and norm, to the bit
     flat = [value for pair in plain for value in pair]
     assert [value for pair in guarded for value in pair] == pytest.approx(flat, rel=1e-5)
+
+
+def test_a_transient_fault_under_continue_costs_one_replay_and_ends_bitwise(
+    tmp_path: Path,
+) -> None:
+    """``RerunConfig(rerun_transient_policy="continue")``: the injected transient at step 3
+    (the loss's NaN check, a fatal one) does not exit; the rerun's result is applied and the
+    weights equal the fault-free run's (dropout draws included: the rerun restores the RNG)."""
+    clean, _ = _train(tmp_path / "clean", rerun=RerunConfig())
+    rerun = RerunConfig(
+        error_injection_rate=1,
+        error_injection_type="transient_error",
+        error_injection_iterations=[3],
+        rerun_transient_policy="continue",
+        result_rejected_tracker_filename=str(tmp_path / "t.txt"),
+    )
+    faulty, callback = _train(tmp_path / "faulty", rerun=rerun)
+    assert callback.exit_code == 0 and faulty.state.global_step == STEPS
+    assert "status=first_rerun_not_reproducible" in (tmp_path / "t.txt").read_text()
+    expected, got = _params(clean), _params(faulty)
+    assert all(torch.equal(expected[name], got[name]) for name in expected)

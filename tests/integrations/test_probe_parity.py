@@ -29,6 +29,7 @@ import io
 import json
 import re
 import signal
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from parity_paths import (  # noqa: E402
     FRAMEWORKS,
     HAS_NVML,
     ITERS,
+    REWINDS,
     RUNNERS,
     SIGNALS,
     _run_a,
@@ -66,7 +68,7 @@ from stalwart.reliability.exit import ExitConfig, ExitInputs, ExitReason, decide
 from stalwart.reliability.hang.sections import (  # noqa: E402
     SectionMonitor,
 )
-from stalwart.reliability.rerun import DEVICE_ID_ENV  # noqa: E402
+from stalwart.reliability.rerun import DEVICE_ID_ENV, RerunConfig  # noqa: E402
 from stalwart.train import trainer as trainer_module  # noqa: E402
 from stalwart.train.forward_step import gpt_forward_step  # noqa: E402
 
@@ -151,7 +153,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Run]
     out: dict[tuple[str, str], Run] = {}
     for path in PATHS:
         root = tmp_path_factory.mktemp(f"{path}-a")
-        out[(path, "a")] = _run(path, root, _run_a(root), sigusr1=False)
+        out[(path, "a")] = _run(path, root, _run_a(root, path), sigusr1=False)
         root = tmp_path_factory.mktemp(f"{path}-b")
         out[(path, "b")] = _run(path, root, _run_b(root, path), sigusr1=True)
     return out
@@ -296,6 +298,13 @@ CHECKS_A: A = {
     ("rerun", "check_weight_hash_across_dp_replicas_interval"): lambda r: (r.shell.replicas.interval == 2),
     ("rerun", "check_weight_hash_sample_fraction"): lambda r: r.shell.machine.replicas is not None,
     ("rerun", "rerun_peer_replay"): lambda r: r.shell.machine.peer.enabled is False,
+    # The injected transient (iteration 4) is counted against the device under continue.
+    ("rerun", "rerun_transient_policy"): lambda r: r.shell.machine.remedies.counts == {f"{socket.gethostname()}/{DEVICE}": 1},
+    ("rerun", "rerun_transient_budget"): lambda r: r.shell.machine.remedies.budget == 3,
+    ("rerun", "rewind_on_spike"): lambda r: r.shell.machine.remedies.may_rewind() is True,
+    ("rerun", "rewind_skip_window"): lambda r: r.shell.rewinder.policy.window == 2,
+    ("rerun", "rewind_lr_scale"): lambda r: r.shell.rewinder.policy.lr_scale == 0.5,
+    ("rerun", "max_rewinds"): lambda r: r.shell.rewinder.policy.max_rewinds == 2,
     ("ft", "enable_ft"): lambda r: isinstance(r.shell.sections, SectionMonitor),
     ("ft", "calc_ft_timeouts"): lambda r: (r.save / "ft_state.json").exists(),
     **{
@@ -339,7 +348,11 @@ CHECKS_B: A = {
     ),
 }
 CHECKS = {**CHECKS_A, **CHECKS_B}
-REFUSED = {("exit", "non_persistent_save_interval"): FRAMEWORKS}  # one line at construction
+# Refused in one line at construction (tested below).
+REFUSED = {
+    ("exit", "non_persistent_save_interval"): FRAMEWORKS,
+    **{("rerun", name): FRAMEWORKS for name in REWINDS},
+}
 
 
 def _fields() -> list[tuple[str, str]]:
@@ -355,7 +368,7 @@ def _fields() -> list[tuple[str, str]]:
 
 
 def _set_value(section: str, name: str, root: Path) -> Any:
-    fields = {**_run_a(root), **_run_b(root, "loop")}
+    fields = {**_run_a(root, "loop"), **_run_b(root, "loop")}
     if not section:
         return fields.get(name)
     return getattr(fields[section], name)
@@ -424,6 +437,21 @@ def test_a_non_persistent_save_interval_is_refused_by_a_framework_in_one_line(pa
     name = re.escape(SPELLING[path].spell("exit.non_persistent_save_interval"))
     with pytest.raises(ValueError, match=rf"^{name}: the framework's checkpoints are persistent"):
         callback(exit=ExitConfig(non_persistent_save_interval=2))
+
+
+@pytest.mark.parametrize("path", FRAMEWORKS)
+def test_a_spike_rewind_is_refused_by_a_framework_in_one_line(path: str, tmp_path: Path) -> None:
+    """The framework owns its loop, its loader and its checkpoint load: a rewind cannot restore
+    them in the middle of its fit. Refused when the callback is built, named as it spells it."""
+    callback = lightning.StalwartCallback if path == "lightning" else hf.StalwartCallback
+    rerun = RerunConfig(
+        check_for_spiky_loss=True,
+        rewind_on_spike=True,
+        result_rejected_tracker_filename=str(tmp_path / "t"),
+    )
+    name = re.escape(SPELLING[path].spell("rerun.rewind_on_spike"))
+    with pytest.raises(ValueError, match=rf"^{name}: a rewind restores a snapshot"):
+        callback(rerun=rerun)
 
 
 @pytest.mark.skipif(HAS_NVML, reason="with NVML the energy meter runs (checked above)")

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from stalwart.cli.arg_types import Float, OneOf, negated, switch, values
+from stalwart.cli.arg_types import Float, Int, OneOf, negated, switch, values
 from stalwart.cli.train_flags import group, interval
 from stalwart.reliability.faults import FAULT_PHASES, FaultKind
 from stalwart.reliability.inprocess.config import RestartGranularity
+from stalwart.reliability.rerun.config import DEFAULT_MAX_REWINDS
+from stalwart.reliability.rerun.remedies import TransientPolicy
 from stalwart.reliability.rerun.types import RerunDiagnostic, RerunMode
 
 _RERUN_MODES = (*(m.value for m in RerunMode), "report_stats")
@@ -99,6 +101,42 @@ def rerun_flags(p: argparse.ArgumentParser) -> None:
         help="attribute a rejection the in-place rerun reproduces by replaying it on a peer "
         "data-parallel replica in the same launch; --no-rerun-peer-replay: exit 16 and rerun "
         "after a relaunch, as Megatron (default: on)",
+    )
+    _transient_and_rewind_flags(g)
+
+
+def _transient_and_rewind_flags(g: Any) -> None:
+    """What a transient verdict costs, and the spike rewind (stalwart's; Megatron has neither)."""
+    values(
+        g,
+        (
+            "--rerun-transient-policy",
+            OneOf(TransientPolicy, "POLICY"),
+            TransientPolicy.EXIT,
+            "transient verdict: exit 17 (Megatron) or continue with the rerun's clean result",
+        ),
+        (
+            "--rerun-transient-budget",
+            int,
+            None,
+            "continue: a device with more transients than N is a suspect, exit 17 (default: 2)",
+        ),
+    )
+    switch(
+        g,
+        "--rewind-on-spike",
+        "a spiky loss the rerun reproduces: restore the newest checkpoint, skip the window",
+    )
+    values(
+        g,
+        ("--rewind-skip-window", Int(1), 1, "iterations skipped per rewind, from the spike on"),
+        (
+            "--rewind-lr-scale",
+            Float(gt=0.0, le=1.0),
+            1.0,
+            "multiply the learning rate by F after each rewind",
+        ),
+        ("--max-rewinds", Int(1), DEFAULT_MAX_REWINDS, "rewinds per run; later spikes train on"),
     )
 
 

@@ -411,6 +411,7 @@ def check_combinations(config: RunConfig) -> None:
                 f"{flag} compares replicated weights; with --use-torch-fsdp2 every rank holds "
                 "a different shard (use it with DDP)"
             )
+    _check_rewind(config)
     if config.optim.clip_grad_in_optimizer and config.training.use_torch_fsdp2:
         raise ValueError(
             "--clip-grad-in-optimizer is not supported with --use-torch-fsdp2 (the fused step's "
@@ -438,6 +439,25 @@ def check_combinations(config: RunConfig) -> None:
         raise ValueError(
             "--rampup-batch-size with --cuda-graph-impl full_iteration is not supported: every "
             "batch-size step changes the micro-batch count and would re-capture the graph"
+        )
+
+
+def _check_rewind(config: RunConfig) -> None:
+    """``--rewind-on-spike`` restores the newest checkpoint of the directory the run saves to,
+    eagerly (a restored optimizer state is not what a captured graph holds)."""
+    if not config.shell.rerun.rewind_on_spike:
+        return
+    if config.graphs.any:
+        raise ValueError(
+            "--rewind-on-spike is not supported with --cuda-graph-impl full_iteration or "
+            "--optimizer-cuda-graph yet (a captured graph holds the optimizer state a rewind "
+            "restores)"
+        )
+    save, load = config.checkpoint.save, config.checkpoint.load_dir
+    if load is not None and save is not None and os.path.realpath(load) != os.path.realpath(save):
+        raise ValueError(
+            "--rewind-on-spike restores the newest checkpoint of --save; with --load elsewhere "
+            "it would go back to --load's: resume with --load equal to --save"
         )
 
 

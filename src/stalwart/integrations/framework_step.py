@@ -154,9 +154,15 @@ class FrameworkStep:
 
 def refuse_framework_saves(config: ShellConfig, names: Names) -> None:
     """The adapter's start-up refusals (``ValueError``, one line naming the settings as the
-    adapter spells them): every rule of :meth:`ShellConfig.check`, and a non-persistent save
-    interval: a framework's checkpoint (``trainer.save_checkpoint``, ``checkpoint-N``) is
-    persistent, so such a save would outlive the job it was meant not to."""
+    adapter spells them): every rule of :meth:`ShellConfig.check`, a non-persistent save
+    interval (a framework's checkpoint, ``trainer.save_checkpoint``, ``checkpoint-N``, is
+    persistent, so such a save would outlive the job it was meant not to) and a spike rewind."""
+    if config.rerun.rewind_on_spike:
+        raise ValueError(
+            f"{names.spell('rerun.rewind_on_spike')}: a rewind restores a snapshot and the "
+            "loader's position in the middle of the framework's loop, which the framework owns; "
+            f"skip a window with {names.spell('rerun.iterations_to_skip')} instead"
+        )
     if config.exit.non_persistent_save_interval:
         raise ValueError(
             f"{names.spell('exit.non_persistent_save_interval')}: the framework's checkpoints "

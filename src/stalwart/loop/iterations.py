@@ -47,6 +47,7 @@ class Iterations:
     def __init__(self, train_iters: int, skip: Iterable[int] = ()) -> None:
         self.train_iters = train_iters
         self.skip = frozenset(skip)
+        self.rewound: frozenset[int] = frozenset()
         self.state = LoopState()
         self.current: Iteration | None = None
 
@@ -72,6 +73,12 @@ class Iterations:
             launch_next=upcoming <= self.train_iters and upcoming not in self.skip,
         )
         return self.current
+
+    def add_skips(self, numbers: Iterable[int]) -> None:
+        """Skip these iterations too (a spike rewind's window, numbered from 1; listed in
+        :attr:`rewound`)."""
+        self.rewound = self.rewound | frozenset(numbers)
+        self.skip = self.skip | self.rewound
 
     def end(self, *, done: bool) -> None:
         """The current iteration ended: completed (``done``), or rejected (not counted)."""

@@ -45,6 +45,7 @@ from stalwart.loop.checkpointing import Checkpointer, LoopState, RngState
 from stalwart.loop.iterations import Iteration, Iterations
 from stalwart.loop.naming import Names
 from stalwart.loop.observer import StepObserver
+from stalwart.loop.rewind import check_rewindable
 from stalwart.loop.shell_config import ShellConfig
 from stalwart.loop.shell_exit import ExitPath
 from stalwart.loop.shell_parts import Probes, Reliability
@@ -55,6 +56,8 @@ from stalwart.observability.timer_names import INTERVAL_TIME
 from stalwart.observability.train_log import TensorOrScalar, TrainingLog
 from stalwart.reliability.exit import ExitDecision, SaveKind
 from stalwart.reliability.rerun import resolve_iterations_to_skip
+from stalwart.reliability.rerun.types import SpikeRewind
+from stalwart.reliability.rewind import RewindRecord
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,7 @@ class Shell:
         )
         self.ledger, self.sections, self.machine = parts.ledger, parts.sections, parts.machine
         self.signal_handler, self.agreement = parts.signal_handler, parts.agreement
-        self.replicas = parts.replicas
+        self.replicas, self.rewinder = parts.replicas, parts.rewinder
         self.iterations = Iterations(config.train_iters, resolve_iterations_to_skip(config.rerun))
         probes = Probes.build(
             config,
@@ -178,6 +181,7 @@ class Shell:
         if self._step is not None:
             raise RuntimeError("Shell.step: this shell already built its step")
         cfg, raw = self.config, getattr(model, "module", model)  # DDP's wrapped module
+        check_rewindable(cfg, self.names, data, options.get("plan"))
         dumper = cfg.dumps.build(
             raw, run_dir=cfg.artefact_dir, log_interval=cfg.log.log_interval, rank=self.rank
         )
@@ -298,6 +302,7 @@ class Shell:
         ``options``: ``Checkpointer``'s (``check_common``, ``upgrade_common``)."""
         parts: dict[str, Any] = {} if self._step is None else {"step": self._step}
         parts["train_state"] = self.state
+        check_rewindable(self.config, self.names, data, None, registered=data is not None)
         if data is not None:
             parts["data"] = data
         own = {"rng": RngState(self.machine.rng), "rerun": self.machine}
@@ -369,7 +374,9 @@ class Shell:
             with self.ledger.step(it.number) as span:
                 with self.sections.step_section():
                     observer.begin_iteration(it.number)
-                    yield it
+                    optimizer = self._step.optimizer if self._step is not None else None
+                    with self.rewinder.scaled_lr(optimizer, it.number):  # after rewinds
+                        yield it
                     observer.end_iteration()
                 step = self._step
                 if step is not None and captures is not None and step.capture_state != captures:
@@ -393,7 +400,8 @@ class Shell:
         return self.compiles.mark() if "torch._dynamo" in sys.modules else None
 
     def _announce_skip(self, number: int) -> None:
-        why = self.names.spell("rerun.iterations_to_skip")
+        rewound = number in self.iterations.rewound
+        why = "spike rewind" if rewound else self.names.spell("rerun.iterations_to_skip")
         self.print(f"skipping iteration {number} ({why})")
         self.event(EventKind.SKIPPED, why, iteration=number)
 
@@ -416,7 +424,7 @@ class Shell:
         ``consumed_samples`` in all). ``result``: the guarded step's (its losses, gradient
         norm, zeros, skip; nothing is logged for a rejected one); ``values``: the rest of
         ``TrainingLog.on_iteration``'s (``learning_rate``, ``grad_norm``, ``loss_scale``, ...)."""
-        if result is not None and result.verdict.exit:
+        if result is not None and result.verdict.rejected:
             return
         state, iteration = self.state, self.completed
         state.consumed_samples = (
@@ -484,12 +492,23 @@ class Shell:
     def act(self, decision: ExitDecision, checkpointer: Checkpointer) -> int | None:
         """Do what ``decision`` says with ``checkpointer``: save (persistent or not, as
         decided) inside :meth:`saving`, then, on an exit, :meth:`finish`. Returns the exit code
-        on an exit (0, 16, 17 or 130: raise ``SystemExit`` with it), None to go on."""
+        on an exit (0, 16, 17 or 130: raise ``SystemExit`` with it), None to go on. A spike
+        rewind restores ``checkpointer``'s newest snapshot (:meth:`rewind`)."""
+        if decision.rewind is not None:
+            self.rewind(decision.rewind, checkpointer)
+            return None
         if decision.save is not SaveKind.NONE:
             non_persistent = decision.save is SaveKind.NON_PERSISTENT
             with self.saving(non_persistent=non_persistent, async_save=checkpointer.async_save):
                 checkpointer.save(self.completed, non_persistent=non_persistent)
         return self.finish(decision, checkpointer) if decision.exit else None
+
+    def rewind(self, request: SpikeRewind, checkpointer: Checkpointer | None) -> RewindRecord:
+        """The spike rewind a decision asked for (``ExitDecision.rewind``; :meth:`act` does it):
+        ``checkpointer``'s newest snapshot restored (collective), the window from the
+        spike skipped and recorded in the tracker file (:class:`stalwart.loop.rewind.Rewinder`).
+        A loop that keeps its own state beyond the checkpointer's parts restores it after."""
+        return self.rewinder.rewind(self, request, checkpointer)
 
     def saving(self, **options: Any) -> contextlib.AbstractContextManager[None]:
         """Around a save of the completed iterations (:meth:`ExitPath.saving`: its options)."""

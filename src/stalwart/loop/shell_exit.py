@@ -69,7 +69,8 @@ class ExitPath:
         can = config.save_dir is not None if can_save is None else can_save
         decision = decide(iteration, inputs, config.exit, can_save=can, spell=self._spell)
         saving = decision.save is not SaveKind.NONE
-        if not verdict.exit and model is not None and shell.replicas.due(iteration, saving=saving):
+        due = shell.replicas.due(iteration, saving=saving)
+        if due and not verdict.rejected and model is not None:
             inputs = dataclasses.replace(inputs, replica=shell.replicas.check(model))
             decision = decide(iteration, inputs, config.exit, can_save=can, spell=self._spell)
         log = shell.built_log

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from stalwart.loop.observer import StepObserver
+from stalwart.loop.rewind import Rewinder
 from stalwart.loop.shell_config import ShellConfig
 from stalwart.observability.dumps import NullTensorDumper
 from stalwart.observability.goodput import GOODPUT_FILE, make_goodput_ledger
@@ -26,6 +27,8 @@ from stalwart.observability.save_timing import SaveTiming
 from stalwart.observability.straggler import StragglerIdle
 from stalwart.reliability.hang.sections import build_section_monitor
 from stalwart.reliability.replica_check import ReplicaConsistencyChecker
+from stalwart.reliability.rerun import RerunConfig
+from stalwart.reliability.rewind import RewindPolicy, read_rewinds
 
 logger = logging.getLogger("stalwart.loop.shell")
 
@@ -38,7 +41,7 @@ def _flushed(say: Callable[[str], None], line: str) -> None:
 @dataclass
 class Reliability:
     """The ledger, the watchdog's sections, the signal handler (not installed yet), the
-    agreement, the rerun machine and the after-step replica check."""
+    agreement, the rerun machine, the after-step replica check and the spike rewinds."""
 
     ledger: Any
     sections: Any
@@ -46,6 +49,7 @@ class Reliability:
     agreement: Any
     machine: Any
     replicas: ReplicaConsistencyChecker
+    rewinder: Rewinder
 
     @classmethod
     def build(
@@ -87,13 +91,31 @@ class Reliability:
                 "state_restore_func": loss_scaler.load_state_dict,
             }
         )
+        rewinds = rewind_policy(config.rerun)
         machine = config.rerun.build(
-            device, agreement=agreement, marker_dir=config.save_dir, **scaler
+            device,
+            agreement=agreement,
+            marker_dir=config.save_dir,
+            rewind=rewinds.allows,
+            **scaler,
         )
         interval = config.rerun.check_weight_hash_across_dp_replicas_interval
-        return cls(
-            ledger, sections, handler, agreement, machine, ReplicaConsistencyChecker(interval)
-        )
+        replicas = ReplicaConsistencyChecker(interval)
+        return cls(ledger, sections, handler, agreement, machine, replicas, Rewinder(rewinds))
+
+
+def rewind_policy(config: RerunConfig) -> RewindPolicy:
+    """The spike rewinds of ``config``, with those its tracker file records (earlier launches
+    of the run count against ``max_rewinds`` and scale the learning rate alike)."""
+    tracker = config.result_rejected_tracker_filename
+    on = config.rewind_on_spike
+    return RewindPolicy(
+        enabled=on,
+        window=config.rewind_skip_window,
+        lr_scale=config.rewind_lr_scale,
+        max_rewinds=config.max_rewinds,
+        records=read_rewinds(tracker) if on and tracker else (),
+    )
 
 
 @dataclass
@@ -174,4 +196,4 @@ class Probes:
         )
 
 
-__all__ = ["Probes", "Reliability"]
+__all__ = ["Probes", "Reliability", "rewind_policy"]

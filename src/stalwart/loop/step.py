@@ -71,9 +71,9 @@ logger = logging.getLogger(__name__)
 class StepResult:
     """What one iteration produced. Tensors stay on the device; nothing here forced a sync.
 
-    ``verdict``: the rerun machine's (exit 16/17 or go on); ``agreed``: the exit inputs agreed in
-    the iteration's collective; ``skipped``: no optimizer step (a rejected iteration, an fp16
-    overflow, ``GuardedStep.skip``).
+    ``verdict``: the rerun machine's (exit 16/17, a spike rewind, or go on); ``agreed``: the
+    exit inputs agreed in the iteration's collective; ``skipped``: no optimizer step (a
+    rejected iteration, an fp16 overflow, ``GuardedStep.skip``).
     """
 
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -166,7 +166,7 @@ class GuardedStep:
         parts = PlanParts(model, optimizer, self.params, micro_batches, eager_optimizer, clip_grad)
         self.runners = (plan or EagerPlan()).build(parts)
         self._goodput = goodput
-        self.rejected = False  # whether the last run() was rejected (exit 16/17)
+        self.rejected = False  # whether the last run() was rejected (exit 16/17, a rewind)
         self._forward_backward = _in_regions(self.runners.forward_backward, observer)
         # e.g. release cached memory after each forward-backward (looked up once, not per pass)
         self._after_forward_backward = getattr(observer, "after_forward_backward", None)
@@ -285,8 +285,8 @@ class GuardedStep:
         agreed = self.agreement.finish() if self.agreement is not None else Agreed()
         if losses is None and reported:
             losses = average_reported(reported, self.dp_group)
-        self.rejected = verdict.exit  # the shell books the iteration as rerun time
-        if verdict.exit:
+        self.rejected = verdict.rejected  # the shell books the iteration as rerun time
+        if verdict.rejected:  # an exit, or a spike rewind: the step is not applied
             return StepResult(losses or {}, None, None, True, verdict, agreed)
         if stepped is None:
             stepped = self._optimizer_step(gated=False)

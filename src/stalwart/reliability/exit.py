@@ -22,7 +22,8 @@ deadlock in a save that only some ranks entered. :func:`leave` is the one place 
 Priority (Megatron's ``checkpoint_and_decide_exit``, with the validation exits first):
 0. replica mismatch (``--check-weight-hash-across-dp-replicas-interval``): exit 17, no save (never
    write a checkpoint from diverged replicas). Then the rerun machine's verdict: exit 16 (after
-   saving the completed iterations, so the failed one is rerun elsewhere) or 17.
+   saving the completed iterations, so the failed one is rerun elsewhere) or 17, or a spike
+   rewind (``--rewind-on-spike``: no save, no exit; the next iteration agrees on the rest).
 1. exit signal (``--exit-signal-handler``, any rank): save, exit. Ctrl-C (SIGINT, with
    ``exit_on_interrupt``): save, exit **130** (the shell's code for an interrupted command).
 2. ``--save-interval`` (persistent) or else ``--non-persistent-save-interval``: save, continue.
@@ -64,6 +65,7 @@ from stalwart.reliability.rerun.types import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     Diagnosis,
     RerunVerdict,
+    SpikeRewind,
 )
 from stalwart.reliability.signals import DistributedSignalHandler, parse_exit_signal
 
@@ -198,7 +200,8 @@ class ExitDecision:
     """What to do now: ``save`` a checkpoint (or not), then ``exit`` (or not), and why.
 
     ``diagnosis``: a finished attribution (suspect devices) that :func:`leave` records in
-    ``<save>/rerun_verdict.json`` for the launcher."""
+    ``<save>/rerun_verdict.json`` for the launcher; ``rewind``: a spike rewind to do instead
+    (no save, no exit: ``stalwart.loop.Shell.act`` restores the snapshot)."""
 
     save: SaveKind = SaveKind.NONE
     exit: bool = False
@@ -206,6 +209,7 @@ class ExitDecision:
     detail: str = ""
     exit_code: int = EXIT_CODE_GRACEFUL
     diagnosis: Diagnosis | None = None
+    rewind: SpikeRewind | None = None
 
 
 def flag_spelling(name: str) -> str:
@@ -242,6 +246,10 @@ def decide(
     validation = _validation_exit(iteration, inputs, can_save, spell)
     if validation is not None:
         return validation
+    if inputs.rerun.rewind is not None:
+        # The iteration was not trained: nothing to save; a signal or a time budget received
+        # meanwhile is agreed again after the rewind (the handler keeps the signal).
+        return ExitDecision(rewind=inputs.rerun.rewind, detail="spike rewind")
     finished = finished or inputs.finished
     # Exits always save persistently: a non-persistent save of the same iteration would not
     # survive the end of the job (deliberate deviation from Megatron, see the module docstring).

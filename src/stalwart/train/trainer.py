@@ -207,9 +207,12 @@ class Trainer:
         while True:
             self.shell.maybe_finalize(self.checkpointer)
             result = self._run_iteration()
-            if not result.verdict.exit:  # a rejected iteration is not done: nothing to log
+            if not result.verdict.rejected:  # a rejected iteration is not done: nothing to log
                 self._after_iteration(result)
             decision = self.shell.decide(result)
+            if decision.rewind is not None:  # a spike: back to the newest snapshot
+                self.shell.rewind(decision.rewind, self.checkpointer)
+                continue
             if decision.save is not SaveKind.NONE:
                 self.save(non_persistent=decision.save is SaveKind.NON_PERSISTENT)
             if decision.exit:
@@ -263,7 +266,7 @@ class Trainer:
         self.shell.record(
             result,
             batch_size=self.batch_size,  # losses empty: an iteration skipped
-            learning_rate=self.scheduler.last_lr,
+            learning_rate=self.scheduler.last_lr * self.shell.rewinder.policy.scale_at(it),
             loss_scale=self.loss_scaler.scale if cfg.training.fp16 else None,
         )
         if cfg.training.eval_interval and it % cfg.training.eval_interval == 0:

@@ -401,6 +401,12 @@ class GoodputLedger:
         with self._lock:
             self._write(Marker(RecordKind.RESUME, self._clock(), self._session, {"it": iteration}))
 
+    def rewound(self, through: int) -> None:
+        """A spike rewind went back to an older snapshot: iterations up to ``through`` (as
+        logged) run again, as lost work."""
+        with self._lock:
+            self._hwm = max(self._hwm, int(through))
+
     def fault(self, cause: str, detail: str = "", since: float | None = None) -> None:
         """Record a detected fault (``cause="hang"`` splits the next gap into hang + restart)."""
         fields: dict[str, Any] = {"cause": cause, "detail": detail[:500]}
@@ -552,6 +558,7 @@ class NullGoodputLedger:
     def drop_ahead(self) -> None: ...
     def add_straggler_idle(self, seconds: float) -> None: ...
     def resumed(self, iteration: int) -> None: ...
+    def rewound(self, through: int) -> None: ...
     def fault(self, cause: str, detail: str = "", since: float | None = None) -> None: ...
 
     def log_fields(self, info: IntervalInfo) -> list[LogField]:

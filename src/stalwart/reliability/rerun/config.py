@@ -12,9 +12,17 @@ import torch.distributed as dist
 
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.machine import Agreement, RerunStateMachine
+from stalwart.reliability.rerun.remedies import (
+    DEFAULT_TRANSIENT_BUDGET,
+    RemedyConfig,
+    TransientPolicy,
+)
 from stalwart.reliability.rerun.replicas import ReplicaGate, ReplicaSchedule
 from stalwart.reliability.rerun.tracker import read_iterations_to_skip
 from stalwart.reliability.rerun.types import CheckConfig, RerunDiagnostic, RerunMode
+
+DEFAULT_MAX_REWINDS = 3
+"""Spike rewinds a run may do (``--max-rewinds``); later spikes train on, as without rewinds."""
 
 
 @dataclass(kw_only=True)
@@ -57,6 +65,23 @@ class RerunConfig:
             rejection that reproduces in place by replaying it on a peer replica within the
             launch (``stalwart.reliability.rerun.peer``); used when the group has more than
             one rank, else (and when off) Megatron's exit 16 and relaunch.
+        rerun_transient_policy: ``--rerun-transient-policy``: what a transient verdict does:
+            ``exit`` (Megatron's, the default: a fatal check exits 17 without saving) or
+            ``continue`` (the rerun's clean result is applied and training goes on;
+            ``stalwart.reliability.rerun.remedies``).
+        rerun_transient_budget: ``--rerun-transient-budget``: under ``continue``, a device with
+            more transients than this in the run is a suspect: exit 17 naming it (None: 2).
+        rewind_on_spike: ``--rewind-on-spike``: a spiky loss the rerun reproduces (on a peer
+            replica, or in place with none: the data, not the hardware) restores the newest
+            snapshot and skips a window of iterations from the spike on
+            (``stalwart.reliability.rewind``; the shell does it). Needs ``check_for_spiky_loss`` and the tracker file (the
+            skipped iterations are recorded there: a relaunch skips them too).
+        rewind_skip_window: ``--rewind-skip-window``: iterations skipped per rewind, the
+            spiking one and those after it.
+        rewind_lr_scale: ``--rewind-lr-scale``: the learning rate is multiplied by this after
+            each rewind, from the restored iteration on (1: unchanged).
+        max_rewinds: ``--max-rewinds``: rewinds per run (the tracker file's count across
+            relaunches); later spikes train on.
     """
 
     rerun_mode: RerunMode | str = RerunMode.VALIDATE_RESULTS
@@ -77,6 +102,12 @@ class RerunConfig:
     check_weight_hash_across_dp_replicas_interval: int = 0
     check_weight_hash_sample_fraction: float = 0.0
     rerun_peer_replay: bool = True
+    rerun_transient_policy: TransientPolicy | str = TransientPolicy.EXIT
+    rerun_transient_budget: int | None = None
+    rewind_on_spike: bool = False
+    rewind_skip_window: int = 1
+    rewind_lr_scale: float = 1.0
+    max_rewinds: int = DEFAULT_MAX_REWINDS
 
     def __post_init__(self) -> None:
         self.rerun_mode = RerunMode.parse(self.rerun_mode)
@@ -130,10 +161,30 @@ class RerunConfig:
                 "--error-injection-rate > 0 needs --rerun-mode validate_results "
                 f"(got {self.mode.value})"
             )
+        self.rerun_transient_policy = TransientPolicy.parse(self.rerun_transient_policy)
+        _check_transients(self)
+        _check_rewinds(self)
 
     @property
     def mode(self) -> RerunMode:
         return RerunMode.parse(self.rerun_mode)
+
+    @property
+    def transient_policy(self) -> TransientPolicy:
+        return TransientPolicy.parse(self.rerun_transient_policy)
+
+    @property
+    def transient_budget(self) -> int:
+        """The budget in force (the default when none was given)."""
+        budget = self.rerun_transient_budget
+        return DEFAULT_TRANSIENT_BUDGET if budget is None else budget
+
+    def remedies(self, rewind: Callable[[], bool] | None = None) -> RemedyConfig:
+        """What the machine does instead of exiting (``rewind``: whether the loop may rewind
+        now; used with ``rewind_on_spike``)."""
+        return RemedyConfig(
+            self.transient_policy, self.transient_budget, rewind if self.rewind_on_spike else None
+        )
 
     @property
     def injection_type(self) -> RerunDiagnostic:
@@ -167,16 +218,25 @@ class RerunConfig:
         process_group: dist.ProcessGroup | None = None,
         agreement: Agreement | None = None,
         marker_dir: str | None = None,
+        rewind: Callable[[], bool] | None = None,
     ) -> RerunStateMachine:
         """The machine (and its injector) these flags describe, its device buffer on ``device``
-        (``marker_dir``: where ``error_injection_once`` keeps its markers).
+        (``marker_dir``: where ``error_injection_once`` keeps its markers; ``rewind``: whether a
+        spike may rewind now, asked by the machine: the loop that acts on the rewind gives it,
+        ``stalwart.loop.Shell`` does).
 
         Raises:
-            ValueError: ``error_injection_once`` without ``marker_dir``.
+            ValueError: ``error_injection_once`` without ``marker_dir``; ``rewind_on_spike``
+                without ``rewind`` (nothing would restore the snapshot).
         """
         if self.error_injection_once and not marker_dir:
             raise ValueError(
                 "--error-injection-once needs --save (the fired-once markers live there)"
+            )
+        if self.rewind_on_spike and rewind is None:
+            raise ValueError(
+                "RerunConfig.rewind_on_spike needs the loop that restores the snapshot: build "
+                "the machine with stalwart.loop.Shell (ShellConfig(rerun=...).build())"
             )
         injector = RerunErrorInjector(
             self.error_injection_rate,
@@ -206,7 +266,62 @@ class RerunConfig:
             device=device,
             peer_replay=self.rerun_peer_replay,
             replicas=ReplicaGate(schedule, process_group) if validating else None,
+            remedies=self.remedies(rewind),
         )
+
+
+def _is_int(value: object, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_transients(config: RerunConfig) -> None:
+    """``--rerun-transient-policy`` / ``--rerun-transient-budget`` (``ValueError``, one line)."""
+    budget = config.rerun_transient_budget
+    if budget is not None and not _is_int(budget, 0):
+        raise ValueError(f"--rerun-transient-budget must be an integer >= 0; got {budget!r}")
+    if config.transient_policy is not TransientPolicy.CONTINUE:
+        if budget is not None:
+            raise ValueError(
+                "--rerun-transient-budget needs --rerun-transient-policy continue (with exit, "
+                "every fatal transient ends the job)"
+            )
+        return
+    if config.mode is not RerunMode.VALIDATE_RESULTS:
+        raise ValueError(
+            "--rerun-transient-policy continue needs --rerun-mode validate_results "
+            f"(got {config.mode.value})"
+        )
+
+
+def _check_rewinds(config: RerunConfig) -> None:
+    """The spike rewind's fields (``ValueError``, one line naming the flag)."""
+    window, scale, most = config.rewind_skip_window, config.rewind_lr_scale, config.max_rewinds
+    if not _is_int(window, 1):
+        raise ValueError(f"--rewind-skip-window must be an integer >= 1; got {window!r}")
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0.0 < scale <= 1.0:
+        raise ValueError(f"--rewind-lr-scale must be in (0, 1] (1: unchanged); got {scale!r}")
+    if not _is_int(most, 1):
+        raise ValueError(f"--max-rewinds must be an integer >= 1; got {most!r}")
+    if not config.rewind_on_spike:
+        for flag, value, default in (
+            ("--rewind-skip-window", window, 1),
+            ("--rewind-lr-scale", scale, 1.0),
+            ("--max-rewinds", most, DEFAULT_MAX_REWINDS),
+        ):
+            if value != default:
+                raise ValueError(f"{flag} needs --rewind-on-spike")
+        return
+    for missing, needs in (
+        (not config.check_for_spiky_loss, "--check-for-spiky-loss (the spike it rewinds)"),
+        (config.mode is not RerunMode.VALIDATE_RESULTS, "--rerun-mode validate_results"),
+        (
+            not config.result_rejected_tracker_filename,
+            "--result-rejected-tracker-filename (the skipped iterations are recorded there, "
+            "so that a relaunch skips them too)",
+        ),
+    ):
+        if missing:
+            raise ValueError(f"--rewind-on-spike needs {needs}")
 
 
 def _all_ints_at_least(values: list[int], low: int) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -99,6 +99,26 @@ class RerunDataIterator(Generic[T]):
         self._current = 0
         self._prefetched, self._ahead = self._prefetched + self._ahead, []
 
+    def unread(self) -> None:
+        """Put this iteration's micro-batches back: they are served first after the next
+        :meth:`advance`, as if never read (a spike rewind that skips the iteration in place
+        consumes exactly them). Nothing is committed."""
+        self._prefetched = self.saved_microbatches + self._prefetched + self._ahead
+        self.saved_microbatches, self._ahead = [], []
+        self.replaying, self.replay_pos, self._served = False, 0, None
+        self._current = 0
+
+    @property
+    def rewindable(self) -> bool:
+        """Whether :meth:`load_state_dict` can go back to an earlier position: the source is
+        resumable (``state_dict``/``load_state_dict``) or a sequence read again from its start.
+        A one-shot iterator (or a loader that may shuffle anew) cannot."""
+        source = self.source
+        resumable = callable(getattr(source, "state_dict", None)) and callable(
+            getattr(source, "load_state_dict", None)
+        )
+        return resumable or isinstance(source, Sequence)
+
     def commit(self) -> None:
         """The current iteration is accepted: its items count as consumed for checkpoints."""
         self._committed += self._current
@@ -126,13 +146,21 @@ class RerunDataIterator(Generic[T]):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state["position"]`` (call before the first item is read)."""
+        """Resume at ``state["position"]``: at start-up, or to go back (a spike rewind) when the
+        source is :attr:`rewindable` (else ``ValueError``: a one-shot iterator cannot)."""
         position = int(state["position"])
         load = getattr(self.source, "load_state_dict", None)
         if "source" in state and callable(load):
             load(state["source"])
             self.iterable = iter(self.source)
         else:
+            if position < self._pulled:
+                if not isinstance(self.source, Sequence):
+                    raise ValueError(
+                        f"RerunDataIterator: cannot go back to item {position} of a one-shot "
+                        f"iterator ({self._pulled} read); give a sequence or a resumable source"
+                    )
+                self.iterable, self._pulled = iter(self.source), 0
             for _ in range(position - self._pulled):
                 self._pull()
         self.saved_microbatches, self._ahead, self._prefetched = [], [], []

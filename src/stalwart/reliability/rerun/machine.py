@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,7 +37,12 @@ import torch.distributed as dist
 from stalwart.distributed import collectives
 from stalwart.reliability.rerun.ahead import LookAhead
 from stalwart.reliability.rerun.buffer import ValidationBuffer
-from stalwart.reliability.rerun.checks import CheckRows, record_grad_checks, record_loss_checks
+from stalwart.reliability.rerun.checks import (
+    SPIKY_LOSS_MESSAGE,
+    CheckRows,
+    record_grad_checks,
+    record_loss_checks,
+)
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator, wrapped_iterators
 from stalwart.reliability.rerun.determinism import DeterminismStats
 from stalwart.reliability.rerun.injector import RerunErrorInjector
@@ -45,6 +51,7 @@ from stalwart.reliability.rerun.passes import Saved, StateSaver
 from stalwart.reliability.rerun.peer import ReplayDeterminism
 from stalwart.reliability.rerun.peer_flow import PeerReplay
 from stalwart.reliability.rerun.recording import Recorder
+from stalwart.reliability.rerun.remedies import Remedies, RemedyConfig
 from stalwart.reliability.rerun.replicas import (
     ReplicaGate,
     split_replica,
@@ -61,14 +68,20 @@ from stalwart.reliability.rerun.types import (
     RerunMode,
     RerunState,
     RerunVerdict,
+    SpikeRewind,
     device_identity,
 )
 from stalwart.reliability.rerun.verdict_file import apply_verdict
 from stalwart.reliability.rerun.verdicts import (
     Event,
+    Items,
+    TransientAction,
     event_from_json,
     event_to_json,
     exit_verdict,
+    first_rejection,
+    spike_rewinds,
+    transient_action,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,6 +117,12 @@ class RerunStateMachine:
         replay_determinism: the settings of the peer replay's pass (:class:`ReplayDeterminism`).
         replicas: fingerprints compared across replicas inside the step
             (``stalwart.reliability.rerun.replicas``; the step calls :meth:`record_replicas`).
+        remedies: what a transient verdict does (``exit``, Megatron's, or ``continue`` with
+            the rerun's result, a device over its budget being a suspect) and whether a
+            reproduced spiky loss (the data's) ends the iteration untrained with a
+            :class:`SpikeRewind` verdict the loop acts on (``stalwart.loop.Shell`` restores its
+            newest snapshot and skips the window); default: Megatron's behaviour
+            (``stalwart.reliability.rerun.remedies``).
     """
 
     REPORTING_INTERVAL_ITERATIONS = 2
@@ -124,6 +143,7 @@ class RerunStateMachine:
         peer_replay: bool = False,
         replay_determinism: ReplayDeterminism | None = None,
         replicas: ReplicaGate | None = None,
+        remedies: RemedyConfig | None = None,
     ) -> None:
         self.mode = RerunMode.parse(mode)
         self.injector = error_injector or RerunErrorInjector()
@@ -150,6 +170,7 @@ class RerunStateMachine:
         self._rejected_at: float | None = None
         # The parts, each owning its state.
         self.reporter = Reporter(process_group, tracker)
+        self.remedies = Remedies(remedies or RemedyConfig(), self.reporter)
         self.judge = EventJudge(self.injector, self.reporter)
         self.recorder = Recorder(self.injector, self._inject_decision, self._may_record)
         # Megatron's recording calls on the machine are the recorder's (contracts there).
@@ -157,10 +178,8 @@ class RerunStateMachine:
         self.attach_buffer = self.recorder.attach_buffer
         self.validate_result = self.recorder.validate_result
         self.check_all_on_device = self.recorder.check_all_on_device
-        self._saver = StateSaver(
-            self.rng, state_save_func, state_restore_func,
-            self.recorder.save_trackers, self.recorder.restore_trackers,
-        )  # fmt: skip
+        trackers = (self.recorder.save_trackers, self.recorder.restore_trackers)
+        self._saver = StateSaver(self.rng, state_save_func, state_restore_func, *trackers)
         self._look_ahead = LookAhead(self.recorder, self._saver)
         self.peer = PeerReplay(
             peer_replay, replay_determinism or ReplayDeterminism(), self.reporter, self.rng
@@ -329,6 +348,7 @@ class RerunStateMachine:
         """
         self.discard_ahead()
         self.set_iteration(iteration)
+        self.remedies.pending_rewind = None
         if self.state is RerunState.WILL_RERUN_FROM_CHECKPOINT:
             self.reporter.log0(
                 f"Iteration {iteration + 1} is skipped (the skip list): "
@@ -397,6 +417,8 @@ class RerunStateMachine:
         ``stalwart.reliability.exit.leave`` writes it)."""
         if self.mode is not VALIDATE:
             return RerunVerdict()
+        if self.remedies.pending_rewind is not None:
+            return RerunVerdict(rewind=self.remedies.pending_rewind)
         replica = self.replicas.detail if self.replicas is not None else ""
         verdict, line = exit_verdict(self.state, self._pending_diagnosis, replica)
         if line is not None:
@@ -420,6 +442,7 @@ class RerunStateMachine:
             self.iteration += 1
         self._iteration_set = False
         self._rejected_at = None
+        self.remedies.pending_rewind = None
         for it in iterators:
             it.advance()
         if self.mode is VALIDATE and not self._announced:
@@ -480,8 +503,18 @@ class RerunStateMachine:
         if attributing and self._replica_exit(iterators):
             return False
         local = self.judge.first_rerun(items, self.iteration)
-        reproduced = self.event is not None and self.event.suspicious is not None
-        ckpt, fatal, _cont, anyone = self._agree([*local, reproduced])
+        ev = self.event
+        reproduced = ev is not None and ev.suspicious is not None
+        spike = reproduced and ev is not None and ev.message == SPIKY_LOSS_MESSAGE
+        seen = self.remedies.observe(
+            ev is not None and not reproduced, _clean(items), self.iteration
+        )
+        flags = self._agree([*local, reproduced, spike, *seen])
+        ckpt, fatal, _cont, anyone, spiked, transient, dirty, over = flags
+        continues = self.remedies.continues
+        action = transient_action(continues, transient, dirty, over, ckpt or anyone)
+        if action is not TransientAction.MEGATRON:
+            return self._after_transient(iterators, action, over=seen[2])
         # Fatal beats non-fatal on every rank: a "continue" never overrides a fatal request.
         # A reproduced rejection is attributed on a peer replica when there is one.
         peer = anyone and not fatal and self.peer.possible
@@ -490,7 +523,57 @@ class RerunStateMachine:
         if ckpt or fatal:
             self._exit_after_rerun(iterators, checkpoint=ckpt)
             return False
+        if spike_rewinds(spiked, fatal, self.remedies.may_rewind()):
+            value = ev.initial_result if spike and ev is not None else None
+            return self._rewind_after_spike(iterators, "in_place", value)
         return self._continue_after_failure(iterators)
+
+    def _after_transient(
+        self, iterators: list[RerunDataIterator[Any]], action: TransientAction, over: bool
+    ) -> bool:
+        """``--rerun-transient-policy continue``: apply the clean rerun's result, or exit 17
+        naming the devices over their transient budget (the iteration's start is saved)."""
+        if action is TransientAction.CONTINUE:
+            self.reporter.log0(
+                f"Continuing with the rerun's result of iteration {self.iteration + 1}: it is "
+                "the fault-free one (a transient error; transient policy continue)"
+            )
+            self.judge.finish()
+            self._accept(iterators)
+            return False
+        ev = self.event
+        if over and ev is not None:  # a relaunch without rerun_verdict.json still names it
+            ev.suspicious = device_identity()
+        message = ev.message if ev is not None else ""
+        self._pending_diagnosis = self.remedies.diagnosis(over, self.iteration, message)
+        self._exit_after_rerun(iterators, checkpoint=True)
+        return False
+
+    def _rewind_after_spike(
+        self, iterators: list[RerunDataIterator[Any]], attribution: str, value: float | None
+    ) -> bool:
+        """End the iteration untrained with a :class:`SpikeRewind` verdict: its start restored,
+        its micro-batches put back to be read again (the loop restores a snapshot, or skips
+        them in place when it has none). ``value``: this rank's spiking loss, if any (the
+        verdict carries the highest: one all-reduce, on this rare path)."""
+        self._saver.restore(self._saved)
+        for it in iterators:
+            it.unread()
+        # Deliberate sync: the spike's value for the rewind's line and tracker (a rare path).
+        (highest,) = collectives.all_reduce_floats(
+            [value if value is not None else -math.inf], dist.ReduceOp.MAX, self.process_group
+        )
+        self.remedies.pending_rewind = SpikeRewind(
+            self.iteration, highest, SPIKY_LOSS_MESSAGE, attribution
+        )
+        how = attribution.replace("_", " ")
+        self.reporter.log0(
+            f"Spiky loss at iteration {self.iteration + 1} reproduced ({how}): an application "
+            "error; rewinding instead of training on it"
+        )
+        self.judge.finish()
+        self.state = RerunState.NOT_RUNNING_YET
+        return False
 
     def _start_rerun_from_checkpoint(self, iteration: int | None) -> bool:
         if iteration is not None and iteration != self.iteration:
@@ -558,6 +641,11 @@ class RerunStateMachine:
             self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
             self._awaiting_exit = True
             return False
+        spikes = [
+            r.initial for r in outcome.plan.requests.values() if r.message == SPIKY_LOSS_MESSAGE
+        ]
+        if spike_rewinds(bool(spikes), outcome.fatal, self.remedies.may_rewind()):
+            return self._rewind_after_spike(iterators, "peer_replay", max(spikes))
         self.reporter.log0(
             "Continuing normal execution because the failed validation was not fatal (a correct "
             "result, reproduced on a peer); the iteration runs once more for its gradients"
@@ -640,6 +728,7 @@ class RerunStateMachine:
             "injector": self.injector.state_dict(),
             "large_values": host,
             "device_large_values": device,
+            "transients": self.remedies.state_dict(),
         }
         return {
             "version": STATE_DICT_VERSION,
@@ -665,6 +754,7 @@ class RerunStateMachine:
         if self.mode is RerunMode.DISABLED:
             logger.warning("Rerun state machine disabled; ignoring its checkpointed state")
             return
+        self.remedies.load([row.get("transients") for row in sd["ranks"]])
         mine = sd["ranks"][self.reporter.group_rank]
         self.recorder.load_large_state(mine["large_values"], mine.get("device_large_values") or {})
         state = RerunState[sd["state"]]
@@ -684,6 +774,11 @@ class RerunStateMachine:
         the save directory's ``rerun_verdict.json`` (refuse a suspect device with
         ``SuspectDeviceError``, or drop a settled rerun mark and train on)."""
         apply_verdict(self, checkpoint_path)
+
+
+def _clean(items: Items) -> bool:
+    """A pass rejected none of its calls."""
+    return first_rejection(items) is None
 
 
 __all__ = ["Agreement", "RerunStateMachine"]

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 _LINE = re.compile(
     r"ts=.+? node=\S+ device=\S+ jobID=(?P<job>\S+) rank=(?P<rank>-?\d{1,18}) "
-    r"iteration=(?P<it>-?\d{1,18}) status=(?P<status>\S+) result=.+ message=.*",
+    r"iteration=(?P<it>-?\d{1,18}) status=(?P<status>\S+) result=.+? message=(?P<message>.*)",
     re.ASCII,
 )
 _SKIP_STATUSES = frozenset(
@@ -34,6 +34,16 @@ _SKIP_STATUSES = frozenset(
         RerunValidationStatus.PEER_REPLAY_REPRODUCIBLE,  # the second rerun, on a peer
     }
 )
+
+
+_REWIND = RerunValidationStatus.REWIND_SKIPPED
+
+
+def read_status_lines(tracker_path: str, status: RerunValidationStatus) -> list[tuple[int, str]]:
+    """``(iteration, message as written)`` of every readable line with ``status``, in file order
+    (a missing or unreadable file: ``[]``)."""
+    events, _ = _read_events(tracker_path)
+    return [(it, message) for _, _, it, found, message in events if found is status]
 
 
 class TrackerFile:
@@ -87,10 +97,13 @@ def _parse_status(text: str) -> RerunValidationStatus | None:
         return None
 
 
-def _read_events(
-    tracker_path: str,
-) -> tuple[list[tuple[str, int, int, RerunValidationStatus | None]], int]:
-    """``(job, rank, iteration, status)`` of every readable line, and how many were not readable.
+Row = tuple[str, int, int, RerunValidationStatus | None, str]
+"""One readable line: (job, rank, iteration, status, message as written)."""
+
+
+def _read_events(tracker_path: str) -> tuple[list[Row], int]:
+    """``(job, rank, iteration, status, message)`` of every readable line, and how many were
+    not readable.
 
     Lines are decoded one by one: a line torn by a crash or holding foreign bytes is skipped, the
     rest of the file still counts. A missing or unreadable file yields no events.
@@ -104,7 +117,7 @@ def _read_events(
     except OSError as exc:
         logger.warning("Cannot read tracker file %s: %s", tracker_path, exc)
         return [], 0
-    events: list[tuple[str, int, int, RerunValidationStatus | None]] = []
+    events: list[Row] = []
     unreadable = 0
     for raw in raw_lines:
         if not raw.strip():
@@ -116,7 +129,8 @@ def _read_events(
         if m is None:
             unreadable += 1
             continue
-        events.append((m["job"], int(m["rank"]), int(m["it"]), _parse_status(m["status"])))
+        row = (m["job"], int(m["rank"]), int(m["it"]), _parse_status(m["status"]), m["message"])
+        events.append(row)
     return events, unreadable
 
 
@@ -128,7 +142,8 @@ def read_iterations_to_skip(tracker_path: str) -> list[int]:
     ``second_rerun_reproducible``, ``peer_replay_reproducible``), in any jobs; it is *not* skipped when several ranks reported it
     within one job (a systemic or application problem, not bad data). A missing or unreadable
     file yields ``[]``; unreadable lines (not UTF-8, not in the format) are skipped, and their
-    number is logged once.
+    number is logged once. An iteration with a ``rewind_skipped`` line (a spike rewind skipped
+    it, ``--rewind-on-spike``) is skipped whatever else the file says.
     """
     hits: dict[tuple[int, int], int] = defaultdict(int)
     ranks_per_job: dict[tuple[str, int], set[int]] = defaultdict(set)
@@ -140,19 +155,20 @@ def read_iterations_to_skip(tracker_path: str) -> list[int]:
             unreadable,
             tracker_path,
         )
-    for job, rank, it, status in events:
+    rewound = {it for _, _, it, status, _ in events if status is _REWIND}
+    for job, rank, it, status, _ in events:
         if status not in _SKIP_STATUSES:
             continue
         hits[(rank, it)] += 1
         ranks_per_job[(job, it)].add(rank)
     candidates = {it for (_, it), n in hits.items() if n >= 2}
     systemic = {it for (_, it), ranks in ranks_per_job.items() if len(ranks) > 1}
-    skip = sorted(candidates - systemic)
+    skip = sorted((candidates - systemic) | rewound)
     if skip:
         logger.warning("Will skip these iterations from tracker file: %s", skip)
-    if candidates & systemic:
+    if (candidates & systemic) - rewound:
         logger.warning(
             "Will not skip these iterations due to multiple rank errors: %s",
-            sorted(candidates & systemic),
+            sorted((candidates & systemic) - rewound),
         )
     return skip

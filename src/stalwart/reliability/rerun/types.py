@@ -124,6 +124,9 @@ class RerunValidationStatus(str, enum.Enum):  # noqa: UP042 (StrEnum needs Pytho
     PEER_REPLAY_REPRODUCIBLE = "peer_replay_reproducible"
     # stalwart: replica fingerprints differed; the rank whose copy disagreed.
     REPLICA_MISMATCH = "replica_mismatch"
+    # stalwart: an iteration of the window a spike rewind skipped (``--rewind-on-spike``):
+    # written once per skipped iteration by rank 0; a relaunch skips it too.
+    REWIND_SKIPPED = "rewind_skipped"
 
 
 def device_identity() -> Identity:
@@ -189,6 +192,7 @@ class DiagnosisSource(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11
     PEER_REPLAY = "peer_replay"  # in the same launch, on a peer replica
     RERUN_FROM_CHECKPOINT = "rerun_from_checkpoint"  # Megatron's: after an exit 16 and relaunch
     REPLICA_CHECK = "replica_check"  # replica fingerprints: a majority vote or a replay
+    TRANSIENT_BUDGET = "transient_budget"  # more transients on a device than the budget allows
 
 
 @dataclass(frozen=True)
@@ -212,8 +216,8 @@ class Diagnosis:
     """A finished attribution, recorded in ``<save>/rerun_verdict.json`` by ``leave``.
 
     ``iteration``: completed iterations when it was reached (the failed iteration is logged as
-    ``iteration + 1``); ``diagnosis``: ``persistent_error``, ``correct_result`` or
-    ``replica_corruption``; ``suspects``: the ranks whose device is to be excluded (empty for a
+    ``iteration + 1``); ``diagnosis``: ``persistent_error``, ``correct_result``,
+    ``replica_corruption`` or ``repeated_transient_errors``; ``suspects``: the ranks whose device is to be excluded (empty for a
     correct result); ``checkpoint_iteration``: the checkpoint the relaunch resumes (None: the
     latest one in the save directory).
     """
@@ -227,9 +231,26 @@ class Diagnosis:
 
 
 @dataclass(frozen=True)
+class SpikeRewind:
+    """A loss spike attributed to the application (the data): the loop restores its newest
+    snapshot and skips a window from the spike on (``stalwart.reliability.rewind``).
+
+    ``iteration``: the machine's 0-based index of the spiking iteration (logged ``+ 1``);
+    ``value``: the spiking loss; ``attribution``: how the spike was attributed
+    (``peer_replay``: reproduced on a peer replica; ``in_place``: reproduced by the in-place
+    rerun, with no peer to replay it on)."""
+
+    iteration: int
+    value: float
+    message: str
+    attribution: str
+
+
+@dataclass(frozen=True)
 class RerunVerdict:
     """What the machine asks of the loop after an iteration: nothing, or exit with ``exit_code``
-    (16 or 17), after saving a checkpoint of the completed iterations when ``checkpoint``.
+    (16 or 17), after saving a checkpoint of the completed iterations when ``checkpoint``, or
+    rewind (``rewind``: the iteration is not trained; the loop restores a snapshot).
 
     ``diagnosis``: set when the exit ends an attribution (the verdict file's content);
     ``replica_detail``: set when replica fingerprints differ (the exit is a replica mismatch)."""
@@ -238,7 +259,13 @@ class RerunVerdict:
     checkpoint: bool = False
     diagnosis: Diagnosis | None = None
     replica_detail: str = ""
+    rewind: SpikeRewind | None = None
 
     @property
     def exit(self) -> bool:
         return self.exit_code != 0
+
+    @property
+    def rejected(self) -> bool:
+        """The iteration's result was not applied: an exit, or a spike rewind."""
+        return self.exit or self.rewind is not None

@@ -12,9 +12,12 @@ writes it, rank 0), whichever flow reached it::
      "message": "...", "time": "2026-...Z"}
 
 * ``source``: ``peer_replay`` (diagnosed in the launch that met the fault, on a peer replica),
-  ``rerun_from_checkpoint`` (Megatron's: after an exit 16 and a relaunch elsewhere) or
-  ``replica_check`` (replica fingerprints: a majority vote, or a copy that changed in a rerun);
-* ``diagnosis``: ``persistent_error``, ``correct_result`` or ``replica_corruption``;
+  ``rerun_from_checkpoint`` (Megatron's: after an exit 16 and a relaunch elsewhere),
+  ``replica_check`` (replica fingerprints: a majority vote, or a copy that changed in a rerun)
+  or ``transient_budget`` (``--rerun-transient-policy continue``: a device had more transient
+  errors than ``--rerun-transient-budget``);
+* ``diagnosis``: ``persistent_error``, ``correct_result``, ``replica_corruption`` or
+  ``repeated_transient_errors``;
 * ``iteration`` counts completed iterations (the failed iteration is logged as ``iteration +
   1``); ``checkpoint`` is the checkpoint to resume (saved at ``iteration`` when the diagnosis
   saved one, else the latest complete one), by its name in the save directory in the layout of
@@ -70,9 +73,10 @@ logger = logging.getLogger(__name__)
 
 VERDICT_FILENAME = "rerun_verdict.json"
 SUSPECTS_FILENAME = "suspect_devices.json"
-_DIAGNOSES = ("persistent_error", "correct_result", "replica_corruption")
-_EXCLUDING = ("persistent_error", "replica_corruption")  # diagnoses that name bad devices
-_SOURCES = ("peer_replay", "rerun_from_checkpoint", "replica_check")
+# Diagnoses that name bad devices, then the one that does not.
+_EXCLUDING = ("persistent_error", "replica_corruption", "repeated_transient_errors")
+_DIAGNOSES = (*_EXCLUDING, "correct_result")
+_SOURCES = ("peer_replay", "rerun_from_checkpoint", "replica_check", "transient_budget")
 
 
 class SuspectDeviceError(ValueError):

@@ -7,6 +7,7 @@ changes state. Also the checkpoint form of the machine's event (JSON-friendly).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,6 +85,39 @@ def second_rerun_requests(event: Event, reproducible: bool) -> tuple[Requests, R
     suspicious device, the machine restarts once more instead.)"""
     diagnosis = RerunDiagnostic.CORRECT_RESULT if reproducible else RerunDiagnostic.PERSISTENT_ERROR
     return (False, event.fatal, not event.fatal), diagnosis
+
+
+class TransientAction(enum.Enum):
+    """What the iteration does after an in-place rerun in which a rejection did not reproduce."""
+
+    MEGATRON = "megatron"  # the requests decide, as in Megatron (a fatal check exits 17)
+    CONTINUE = "continue"  # apply the rerun's result (it is the fault-free one) and go on
+    SUSPECT = "suspect"  # a device is over its transient budget: save, exit 17 naming it
+
+
+def transient_action(
+    continues: bool, transient: bool, dirty: bool, over_budget: bool, reproduced_anywhere: bool
+) -> TransientAction:
+    """After the in-place rerun, from the flags agreed across ranks (``--rerun-transient-policy``,
+    ``stalwart.reliability.rerun.remedies``). ``continues``: the policy is ``continue``;
+    ``transient``: some rank's rejection did not reproduce; ``dirty``: some rank's rerun
+    rejected a call itself; ``over_budget``: some device has more transients than its budget;
+    ``reproduced_anywhere``: some rank's rejection did reproduce (it must be attributed)."""
+    if not (continues and transient):
+        return TransientAction.MEGATRON
+    if over_budget:
+        return TransientAction.SUSPECT
+    if dirty or reproduced_anywhere:
+        return TransientAction.MEGATRON
+    return TransientAction.CONTINUE
+
+
+def spike_rewinds(spike: bool, fatal: bool, allowed: bool) -> bool:
+    """Whether a spiky loss reproduced by the rerun (the in-place rerun with no peer to replay
+    it on, or a peer replica: an application error, the data) rewinds instead of training on
+    (``--rewind-on-spike``): a spike, no fatal request on any rank (those exit first), and a
+    rewind left (``allowed``: the loop can rewind and ``--max-rewinds`` is not reached)."""
+    return spike and not fatal and allowed
 
 
 def exit_verdict(
