@@ -24,10 +24,12 @@ import threading
 
 EXIT_TIMEOUT_ENV = "STALWART_TEST_EXIT_TIMEOUT"
 DEFAULT_EXIT_TIMEOUT_S = 120.0
+COMPILE_POOL_TIMEOUT_S = 20.0
 
 
 def release_leftovers() -> None:
-    """Drop the last failed test's frames, collect cyclic garbage, synchronize CUDA."""
+    """Drop the last failed test's frames, collect cyclic garbage, synchronize CUDA, stop
+    Inductor's compile workers."""
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             delattr(sys, name)
@@ -35,6 +37,34 @@ def release_leftovers() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+    stop_compile_workers()
+
+
+def stop_compile_workers(timeout_s: float = COMPILE_POOL_TIMEOUT_S) -> list[int]:
+    """Shut Inductor's compile-worker pools down now, each within ``timeout_s``; the pid of
+    each one's process that had to be killed.
+
+    Torch shuts them down at the interpreter's exit (an ``atexit`` handler), waiting up to
+    300 s for each pool's process. A GPU session left three such children running after its
+    summary and did not exit within 390 s: a pool that does not answer its shutdown holds the
+    exit for minutes. Here each pool gets ``timeout_s``, then its process is killed, and the
+    pools are forgotten so that the exit handler waits for none of them."""
+    compile_pools = sys.modules.get("torch._inductor.async_compile")
+    if compile_pools is None:
+        return []
+    killed = []
+    for pool in list(getattr(compile_pools, "_pool_set", ())):
+        stopping = threading.Thread(target=pool.shutdown, name="compile-pool-shutdown")
+        stopping.daemon = True
+        stopping.start()
+        stopping.join(timeout_s)
+        process = getattr(pool, "process", None)  # SubprocPool's sidecar (a Popen)
+        if stopping.is_alive() and process is not None and process.poll() is None:
+            process.kill()  # the thread's wait then returns
+            process.wait()
+            killed.append(process.pid)
+    compile_pools.after_fork()  # forget the pools (torch's name for it): nothing left to wait for
+    return killed
 
 
 def leftover_threads() -> list[threading.Thread]:
@@ -67,10 +97,21 @@ def child_processes(pid: int | None = None) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def _command_line(pid: int, comm: str) -> str:
+    """The first 100 characters of the process's command line (its name if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = f.read().split(b"\0")
+    except OSError:
+        return comm
+    text = " ".join(w.decode(errors="replace") for w in words if w)
+    return text[:100] or comm
+
+
 def leftovers() -> str | None:
     """One line naming what is still running at the end of the session, or None."""
     threads = [t.name for t in leftover_threads()]
-    children = [f"{pid} {comm}" for pid, comm in child_processes()]
+    children = [f"{pid} {_command_line(pid, comm)}" for pid, comm in child_processes()]
     if not threads and not children:
         return None
     parts = []

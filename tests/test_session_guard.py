@@ -27,7 +27,7 @@ def test_a_leftover_non_daemon_thread_and_child_process_are_named() -> None:
     try:
         line = session_guard.leftovers()
         assert line is not None and "stuck-writer" in line and "a-daemon" not in line, line
-        assert f"{child.pid} python" in line, line
+        assert f"{child.pid} {sys.executable} -c import time" in line, line  # its command
         assert (child.pid, "python") in [(p, c[:6]) for p, c in session_guard.child_processes()]
     finally:
         stop.set()
@@ -94,3 +94,33 @@ def test_the_watchdog_is_armed_only_in_the_pytest_command() -> None:
     assert session_guard.exit_timeout({session_guard.EXIT_TIMEOUT_ENV: "0"}) == 0.0
     assert session_guard.exit_timeout({session_guard.EXIT_TIMEOUT_ENV: "soon"}) == 120.0
     assert not session_guard.arm_exit_watchdog(0.0)
+
+
+def test_a_compile_pool_that_ignores_its_shutdown_is_killed_not_waited_for() -> None:
+    # Inductor's compile workers: a sidecar process per pool, which torch's exit handler waits
+    # up to 300 s for. Stopped (SIGSTOP), it cannot answer the shutdown: the guard kills it
+    # after its timeout, and the interpreter's exit then waits for nothing.
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(TESTS)!r})
+        import session_guard
+        import torch._inductor.async_compile as compile_pools
+        from torch._inductor import config
+        config.worker_start_method = "subprocess"
+        config.compile_threads = 2
+        pool = compile_pools.AsyncCompile.process_pool()
+        os.kill(pool.process.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        killed = session_guard.stop_compile_workers(timeout_s=2)
+        print("killed", killed == [pool.process.pid], time.monotonic() - began < 20,
+              len(compile_pools._pool_set))
+        """
+    )
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "killed True True 0" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert time.monotonic() - began < 90  # not torch's 300 s wait at the exit
