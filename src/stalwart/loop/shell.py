@@ -94,6 +94,7 @@ class Shell:
         self._step: GuardedStep | None = None
         self._model: nn.Module | None = None  # the unwrapped model (replica check, norms)
         self._began = False  # an iteration began: a ValueError now is no refused start
+        self._log: TrainingLog | None = None  # built at its first use (after set_flops)
         # Before anything is built or written: a refused start leaves nothing behind.
         config.check(names, device=device, world_size=world_size)
         try:
@@ -152,7 +153,6 @@ class Shell:
         )
         self._flops: float | None = None
         self._peak_tflops: float | None = None
-        self._log: TrainingLog | None = None
 
     def _say(self, line: str) -> None:
         """A line of the run's own (rank 0), flushed: the probes' reports, the goodput line;
