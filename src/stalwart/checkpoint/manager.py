@@ -62,6 +62,7 @@ from stalwart.checkpoint.loading import (
 )
 from stalwart.checkpoint.lock import SaveDirLocks
 from stalwart.distributed import collectives
+from stalwart.log_notice import NOTICE
 
 logger = logging.getLogger("stalwart.checkpoint")
 
@@ -377,12 +378,7 @@ class CheckpointManager:
             )
             if problem is None and loaded is not None:
                 if self._rank == 0:
-                    logger.info(
-                        "loaded checkpoint iteration %d from %s in %.2fs",
-                        loaded.iteration,
-                        loaded.path,
-                        time.monotonic() - started,
-                    )
+                    _say_loaded(loaded, time.monotonic() - started)
                 return loaded
             if not self._fallback or iteration is not None:
                 raise CheckpointError(problem or f"loading {choice.path} failed")
@@ -442,3 +438,9 @@ class CheckpointManager:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(self._ckpt_group)
             self._ckpt_group = None
+
+
+def _say_loaded(loaded: Any, seconds: float) -> None:
+    """The notice of a resume (shown by default: `stalwart.log_notice`)."""
+    message = "loaded checkpoint iteration %d from %s in %.2fs"
+    logger.info(message, loaded.iteration, loaded.path, seconds, extra=NOTICE)
