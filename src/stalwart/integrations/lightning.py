@@ -317,10 +317,10 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
     def _record(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, result: StepResult | None
     ) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        losses: dict[str, Any] = {
-            "lm loss": loss.detach() if isinstance(loss, torch.Tensor) else loss
-        }
+        losses: dict[str, Any] | None = None  # a guarded step's result reports its own
+        if result is None:  # Lightning's own step: the loss its training_step returned
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            losses = {"lm loss": loss.detach() if isinstance(loss, torch.Tensor) else loss}
         record = self._require_shell().record(
             result,
             batch_size=max(_batch_size(batch), 1) * self._world_size,
