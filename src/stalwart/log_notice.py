@@ -1,7 +1,8 @@
 """Log records a person at the terminal sees by default (a leaf: it imports nothing of stalwart).
 
 ``stalwart train`` shows warnings and errors by default, and of the INFO records only the few
-marked as notices: the checkpoints saved and loaded, a profiler trace written. ``--verbose``
+marked as notices: the checkpoints saved and loaded, a CUDA graph captured, learned hang
+timeouts in use, a profiler trace written. ``--verbose``
 shows every INFO record; ``--logging-level`` sets the level exactly (a notice is an INFO record
 then, shown from level 20 down). Mark a record with ``extra=NOTICE``::
 
