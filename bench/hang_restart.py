@@ -38,7 +38,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "tiny", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2",
         "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "4",
-        "--no-progress-bar", "--use-cpu", "--log-interval", "1", "--seed", "3"]  # fmt: skip
+        "--no-progress-bar", "--use-cpu", "--log-interval", "1", "--seed", "3",
+        "--log-format", "megatron"]  # fmt: skip
 ITERATION_RE = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
 SAVED_RE = re.compile(r"saved checkpoint iteration (\d+)")
 
@@ -85,6 +86,7 @@ def sigterm_once(workdir: Path, preset: str, train_iters: int) -> dict[str, Any]
     save = workdir / "ckpt"
     model = TINY if preset == "tiny-bench" else ["--preset", preset, "--use-cpu",
                                                   "--no-progress-bar", "--log-interval", "1",
+                                                  "--log-format", "megatron",
                                                   "--micro-batch-size", "1", "--seq-length", "128"]  # fmt: skip
     args = [*model, "--train-iters", str(train_iters), "--save", str(save), "--exit-signal-handler"]
     proc = subprocess.Popen(_torchrun(2, [], args), stdout=subprocess.PIPE,

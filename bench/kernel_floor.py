@@ -161,7 +161,8 @@ TFLOPS_LINE = re.compile(r"iteration\s+(\d+)/.*?throughput per GPU \(TFLOP/s/GPU
 def variant_flags(preset: str, name: str, args: argparse.Namespace) -> list[str]:
     """The trainer flags of a variant (the plain baselines read the model shape from them)."""
     flags = ["--preset", preset, "--train-iters", str(10**6), "--seed", "1234", "--bf16",
-             "--no-progress-bar", "--log-interval", str(10**6), "--eval-interval", "0"]  # fmt: skip
+             "--no-progress-bar", "--log-interval", str(10**6), "--eval-interval", "0",
+             "--log-format", "megatron"]  # fmt: skip
     if args.device == "cpu":
         flags.append("--use-cpu")
     flags += args.extra.split()

@@ -40,6 +40,7 @@ def run_trainer(preset: str, iters: int, log_interval: int, extra: list[str]) ->
     cmd = [
         sys.executable, "-m", "stalwart", "train", "--preset", preset, "--bf16",
         "--train-iters", str(iters), "--log-interval", str(log_interval), "--no-progress-bar",
+        "--log-format", "megatron",
         "--eval-interval", "0", "--cuda-graph-impl", "full_iteration", "--optimizer-cuda-graph",
         *extra,
     ]  # fmt: skip

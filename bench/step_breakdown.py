@@ -34,6 +34,10 @@ PARTS: dict[str, tuple[str, str]] = {
     "  reported means": ("stalwart.loop.step", "average_reported"),
     "  optimizer step (clip, step)": ("stalwart.loop.optimizer", "EagerOptimizer.step"),
     "    torch AdamW.step": ("torch.optim", "AdamW.step"),
+    "framework step (FrameworkStep.run)": ("stalwart.integrations.framework_step", "FrameworkStep.run"),
+    "HF step: StalwartTrainer.training_step": ("stalwart.integrations.hf", "StalwartTrainer.training_step"),
+    "Lightning step: GuardedModule.training_step": (
+        "stalwart.integrations.lightning", "GuardedModule.training_step"),
     "HF hook: on_step_begin": ("stalwart.integrations.hf", "StalwartCallback.on_step_begin"),
     "HF hook: on_step_end": ("stalwart.integrations.hf", "StalwartCallback.on_step_end"),
     "Lightning hook: on_train_batch_start": (
@@ -41,7 +45,8 @@ PARTS: dict[str, tuple[str, str]] = {
     "Lightning hook: on_train_batch_end": (
         "stalwart.integrations.lightning", "StalwartCallback.on_train_batch_end"),
     "  training log (on_iteration)": ("stalwart.observability.train_log", "TrainingLog.on_iteration"),
-    "  exit decision (TrainingShell.decide)": ("stalwart.integrations.shell", "TrainingShell.decide"),
+    "  shell: the iteration recorded (Shell.record)": ("stalwart.loop.shell", "Shell.record"),
+    "  shell: exit decision (Shell.decide)": ("stalwart.loop.shell", "Shell.decide"),
 }  # fmt: skip
 
 

@@ -1,52 +1,83 @@
-"""The first line of a run: its run directory, and every default it relies on that differs from
-Megatron's (issue 30 item 12: defaults never differ without a word)."""
+"""The first lines of a run (at most two, short): its run directory, and how many defaults
+that differ from Megatron's it relies on, with the list in run.json and the table in --help
+(issue 30 item 12: defaults never differ without a word; issue 44 item 2: a quiet start)."""
 
 from __future__ import annotations
 
 import datetime
+import json
 from pathlib import Path
 
 import pytest
 
 from stalwart.cli.args import parse_train_args
 from stalwart.cli.main import main
-from stalwart.cli.run_start import default_run_dir, megatron_default_differences, start_line
-from stalwart.config.run import build_run_config, explicit_flags
+from stalwart.cli.run_start import default_run_dir, megatron_default_differences, start_lines
+from stalwart.config.megatron_defaults import MEGATRON_DEFAULTS
+from stalwart.config.run import RunConfig, build_run_config, explicit_flags
 
 from train_utils import TINY_FLAGS
 
 
-def _line(*flags: str) -> str:
+def _config(*flags: str) -> RunConfig:
     argv = [*TINY_FLAGS, *flags]
-    ns = parse_train_args(argv)
-    config = build_run_config(ns, argv)
-    return start_line(config, explicit_flags(ns, argv))
+    return build_run_config(parse_train_args(argv), argv)
 
 
 def test_the_defaults_unlike_megatrons_are_named_with_megatrons_value() -> None:
-    line = _line()
+    relied_on = _config().megatron_defaults
     for text in (
         "--weight-decay 0.1 (Megatron: 0.01)",
         "--adam-beta2 0.95 (Megatron: 0.999)",
         "--lr-decay-style cosine (Megatron: linear)",
         "--hidden-dropout 0.0 (Megatron: 0.1)",
     ):
-        assert text in line, line
-    assert "--log-interval" not in line  # TINY_FLAGS sets it: not a default this run relies on
-    assert "--moe-aux-loss-coeff" not in line and "--initial-loss-scale" not in line  # dense, fp32
+        assert text in relied_on, relied_on
+    assert not any(d.startswith("--log-interval") for d in relied_on)  # TINY_FLAGS sets it
+    assert not any("--moe-" in d or "--initial-loss-scale" in d for d in relied_on)  # dense, fp32
+
+
+def test_the_start_is_two_short_lines_that_count_them() -> None:
+    config = _config("--save", "runs/demo")
+    lines = start_lines(config).splitlines()
+    n = len(config.megatron_defaults)
+    assert lines == [
+        "stalwart train: run directory runs/demo (then: stalwart report runs/demo)",
+        f"  {n} defaults unlike Megatron's: --weight-decay 0.1, +{n - 1} more "
+        "(run.json and --help list them)",  # as many named as fit in 100 characters
+    ]
+    assert all(len(line) <= 100 for line in lines)
+    alone = start_lines(_config()).splitlines()  # no run directory: --help has the table
+    assert alone[0].startswith("stalwart train: no run directory (")
+    assert alone[1].endswith("more (--help lists them)")
 
 
 def test_a_flag_given_either_way_is_not_listed() -> None:
-    line = _line("--weight-decay", "0.1", "--adam-beta2", "0.999", "--lr-decay-style", "linear",
-                 "--hidden-dropout", "0", "--eval-interval", "0", "--num-workers", "0")  # fmt: skip
-    assert "Megatron" not in line, line
+    config = _config(
+        "--weight-decay",
+        "0.1",
+        "--adam-beta2",
+        "0.999",
+        "--lr-decay-style",
+        "linear",
+        "--hidden-dropout",
+        "0",
+        "--eval-interval",
+        "0",
+        "--num-workers",
+        "0",
+    )
+    assert config.megatron_defaults == ()
+    assert start_lines(config) == (
+        "stalwart train: no run directory (--save or --run-dir keeps metrics and goodput)"
+    )
 
 
 def test_moe_and_fp16_defaults_are_listed_where_they_apply() -> None:
-    line = _line("--num-experts", "2", "--fp16")
-    assert "--moe-aux-loss-coeff 0.01 (Megatron: 0.0)" in line
-    assert "--moe-expert-capacity-factor 1.25 (Megatron: none)" in line
-    assert "--initial-loss-scale 65536 (Megatron: 4294967296)" in line
+    relied_on = _config("--num-experts", "2", "--fp16").megatron_defaults
+    assert "--moe-aux-loss-coeff 0.01 (Megatron: 0.0)" in relied_on
+    assert "--moe-expert-capacity-factor 1.25 (Megatron: none)" in relied_on
+    assert "--initial-loss-scale 65536 (Megatron: 4294967296)" in relied_on
 
 
 def test_config_file_keys_count_as_given(tmp_path: Path) -> None:
@@ -56,6 +87,27 @@ def test_config_file_keys_count_as_given(tmp_path: Path) -> None:
     ns = parse_train_args(argv)
     differences = megatron_default_differences(build_run_config(ns, argv), explicit_flags(ns, argv))
     assert not any(d.startswith("--weight-decay") for d in differences)
+    assert not any(
+        d.startswith("--weight-decay") for d in build_run_config(ns, argv).megatron_defaults
+    )
+
+
+def test_the_list_is_in_run_json_and_the_table_in_help(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save = tmp_path / "run"
+    assert main(["train", *TINY_FLAGS, "--train-iters", "1", "--save", str(save)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    config = json.loads((save / "run.json").read_text())["config"]
+    assert config["megatron_defaults"] == list(_config().megatron_defaults)
+    assert out[1].startswith(f"  {len(config['megatron_defaults'])} defaults unlike Megatron's:")
+    assert main(["train", "--help"]) == 0
+    page = " ".join(capsys.readouterr().out.split())
+    assert "Defaults unlike Megatron-LM's" in page
+    for d in MEGATRON_DEFAULTS:
+        assert f"{d.flag} " in page, d.flag
+    # Where the settings came from is not a setting: the same flags are the same run.
+    assert _config().to_dict() == _config("--weight-decay", "0.1").to_dict()
 
 
 def test_default_run_dir_names() -> None:

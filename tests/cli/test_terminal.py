@@ -1,6 +1,7 @@
 """What an interactive ``stalwart train`` shows on a terminal (a pty): the bar ends before the
 exit and goodput lines, which get lines of their own; a 0-column terminal still gets a bar;
-Ctrl-C is one line; nothing routine is a WARNING; a run without --save has a run directory."""
+Ctrl-C is one line; nothing routine is a WARNING, and INFO lines only with --verbose; a run
+without --save has a run directory; ``make demo``'s first screen is short."""
 
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ def _pty_run(
 ) -> tuple[int, str]:
     """Run ``python -m stalwart ARGS`` on a pty of ``cols`` columns; returns (exit code, output).
     ``interrupt_on``: send SIGINT once this text has been printed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.setdefault("PYTHONPATH", str(REPO / "src"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its terminal
         os.chdir(cwd)
@@ -77,13 +77,14 @@ def test_the_bar_ends_before_the_exit_and_goodput_lines(tmp_path: Path, cols: in
     tail = raw[raw.index("exiting program") :]
     assert not BAR.search(tail), "the bar was drawn again after the run ended"
     assert " WARNING " not in raw, [line for line in screen if "WARNING" in line]
-    assert "INFO stalwart.reliability.rerun.machine: Result validation enabled" in raw
+    assert " INFO " not in raw, [line for line in screen if "INFO" in line]  # --verbose shows them
+    assert f"saved checkpoint iteration 6 to {tmp_path / 'run'}/iter_0000006 in " in raw  # a notice
 
 
 def test_ctrl_c_prints_one_line(tmp_path: Path) -> None:
     args = ["train", *FLAGS, "--train-iters", "100000", "--log-interval", "1"]
     code, raw = _pty_run(
-        [*args, "--save", str(tmp_path / "run")], tmp_path, interrupt_on="iteration        2/"
+        [*args, "--save", str(tmp_path / "run")], tmp_path, interrupt_on="iteration 2/"
     )
     assert code == 130, raw[-2000:]
     screen = _screen(raw)
@@ -105,3 +106,29 @@ def test_a_run_without_save_names_its_run_directory_first(
     assert first.startswith(f"stalwart train: run directory runs/{run.name} "), first
     assert (run / "metrics.jsonl").read_text().count('"split": "train"') == 2  # iterations 1 and 3
     assert (run / "goodput.jsonl").is_file()
+
+
+def _demo_command() -> list[str]:
+    """``make demo``'s ``stalwart train`` flags, read from the Makefile (so the test follows it)."""
+    text = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    target = text[text.index("\ndemo:") :]
+    line = next(ln for ln in target.splitlines() if "stalwart train " in ln)
+    return line.split("stalwart train ", 1)[1].split()
+
+
+def test_the_demos_first_screen_is_short(tmp_path: Path) -> None:
+    """The first screen of ``make demo`` (an 80-column terminal): under 10 rows before the
+    progress bar or the first iteration line, none of them a wall of text."""
+    args = _demo_command()
+    assert "--demo" in args and args[args.index("--save") + 1] == "runs/demo", args
+    code, raw = _pty_run(["train", *args, "--train-iters", "2"], tmp_path, cols=80)
+    assert code == 0, raw[-2000:]
+    screen = _screen(raw)
+    first = next(i for i, line in enumerate(screen) if BAR.search(line) or "iteration 1/" in line)
+    before = [line for line in screen[:first] if line.strip()]
+    rows = sum(max(1, -(-len(line) // 80)) for line in before)  # wrapped at 80 columns
+    assert rows < 10, before
+    assert before[0] == "stalwart train: run directory runs/demo (then: stalwart report runs/demo)"
+    assert not any(" INFO " in line or "WARNING" in line for line in before), before
+    line = next(line for line in screen if "iteration 1/2 |" in line)
+    assert len(line) < 160, line  # Megatron's line of the demo: 572 characters

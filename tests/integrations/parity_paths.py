@@ -129,6 +129,7 @@ def _run_a(root: Path, path: str) -> dict[str, Any]:
             log_validation_ppl_to_tensorboard=True,
             log_progress_bar=True,
             log_timestamp=False,
+            log_format="megatron",
             peak_tflops=1.0,
         ),
         "rerun": RerunConfig(

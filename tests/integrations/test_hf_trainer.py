@@ -81,8 +81,8 @@ def test_log_tensorboard_sigterm_resume_is_exact(tmp_path: Path, capsys: Any) ->
     full, callback = _train(tmp_path / "full", sinks=SinkConfig(tensorboard_dir=str(tb)))
     assert callback.exit_code == 0
     printed = capsys.readouterr().out
-    assert f"iteration        {STEPS}/       {STEPS} |" in printed and "lm loss:" in printed
-    assert "throughput per GPU (TFLOP/s/GPU)" in printed  # counted once by torch's counter
+    assert f"iteration {STEPS}/{STEPS} | lm loss " in printed  # the compact line
+    assert " TFLOP/s/GPU | " in printed  # counted once by torch's counter
     assert "goodput" in printed
     metrics = [
         json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().split("\n") if x
@@ -155,7 +155,7 @@ def test_callback_alone_on_a_plain_trainer_saves_and_stops_on_sigterm(
     assert (tmp_path / "checkpoint-2").is_dir()
     assert json.loads((tmp_path / "exit_reason.json").read_text())["reason"] == "signal"
     out = capsys.readouterr().out
-    assert f"iteration        2/       {STEPS} |" in out and "goodput" in out
+    assert f"iteration 2/{STEPS} |" in out and "goodput" in out
 
 
 def test_after_17_the_suspect_device_is_refused_and_other_hardware_trains_to_the_end(

@@ -88,8 +88,8 @@ def test_log_tensorboard_sigterm_resume_is_exact(tmp_path: Path, capsys: Any) ->
     full, callback = _fit(tmp_path / "full", sinks=SinkConfig(tensorboard_dir=str(tb)))
     assert callback.exit_code == 0
     printed = capsys.readouterr().out
-    assert f"iteration        {STEPS}/       {STEPS} |" in printed and "lm loss:" in printed
-    assert "throughput per GPU (TFLOP/s/GPU)" in printed and "goodput" in printed
+    assert f"iteration {STEPS}/{STEPS} | lm loss " in printed  # the compact line
+    assert " TFLOP/s/GPU | " in printed and "goodput" in printed
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tb))

@@ -270,7 +270,7 @@ CHECKS_A: A = {
     ("progress", "log_progress"): lambda r: "Starting job" in (r.save / "progress.txt").read_text(),
     ("log", "log_interval"): lambda r: ([m["iteration"] for m in r.training()] == list(range(1, ITERS + 1))),
     ("log", "tensorboard_log_interval"): lambda r: _tb_tags(r)["batch/batch-size"] == [2, 4, 6],
-    ("log", "log_throughput"): lambda r: "TFLOP/s" in r.out,
+    ("log", "log_throughput"): lambda r: re.search(r"iteration \(ms\): [\d.]+ \| throughput per GPU \(TFLOP/s/GPU\)", r.out) is not None,
     ("log", "log_num_zeros_in_grad"): _has("num_zeros"),
     ("log", "log_params_norm"): _has("params_norm"),
     ("log", "log_timers_to_tensorboard"): lambda r: any(t.endswith("forward-backward-time") for t in _tb_tags(r)),
@@ -279,6 +279,7 @@ CHECKS_A: A = {
     ("log", "log_validation_ppl_to_tensorboard"): lambda r: any(k.endswith("validation ppl") for m in r.metrics() for k in m),
     ("log", "log_progress_bar"): lambda r: r.shell.log._progress.enabled is True,
     ("log", "log_timestamp"): lambda r: (" iteration        1/" in r.out and not re.search(r"\[20\d\d-", r.out)),
+    ("log", "log_format"): lambda r: "| consumed samples: " in r.out,  # Megatron's line
     ("log", "peak_tflops"): _has("mfu_percent"),
     ("rerun", "rerun_mode"): lambda r: (4, "initial_run") in _statuses(r),
     ("rerun", "check_for_nan_in_loss_and_grad"): lambda r: (r.shell.machine.checks.nan_and_inf is False),

@@ -63,7 +63,7 @@ def test_shell_around_a_hand_written_step_saves_and_exits_on_sigterm(
     assert code == 0 and saved == [3]
     assert json.loads((tmp_path / "exit_reason.json").read_text())["reason"] == "signal"
     out = capsys.readouterr().out
-    assert "iteration        3/      10 |" in out and "goodput" in out
+    assert "iteration 3/10 |" in out and "goodput" in out
     records = [json.loads(x) for x in (tmp_path / "goodput.jsonl").read_text().splitlines()]
     productive = [r["it"] for r in records if r.get("b") == "productive"]
     assert sorted(set(productive)) == [1, 2, 3]

@@ -25,7 +25,9 @@ def _run(tmp_path, *, timed: bool, async_save: bool = False, ledger=None):
     saves = SaveTiming(timers, ledger=ledger)
     lines: list[str] = []
     log = TrainingLog(
-        LogConfig(log_interval=5, log_progress_bar=False, log_timestamp=False),
+        LogConfig(
+            log_interval=5, log_progress_bar=False, log_timestamp=False, log_format="megatron"
+        ),
         train_iters=10,
         sink=NullSink(),
         timers=timers,

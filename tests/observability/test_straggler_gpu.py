@@ -172,7 +172,7 @@ def test_disable_on_startup_in_the_trainer(tmp_path: Path, capsys) -> None:
     save.mkdir()
     (save / TOGGLE_FILE).touch()  # turned on at the first report (iteration 1)
     args = ["train", *TINY_FLAGS, "--train-iters", "10", "--save", str(save), "--log-straggler"]
-    assert main([*args, "--disable-straggler-on-startup"]) == 0
+    assert main([*args, "--disable-straggler-on-startup", "--log-format", "megatron"]) == 0
     lines = (save / STRAGGLER_FILE).read_text().splitlines()
     assert [json.loads(x)["iteration"] for x in lines] == [5, 10]
     out = capsys.readouterr().out

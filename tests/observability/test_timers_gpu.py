@@ -68,7 +68,12 @@ def test_training_log_non_log_iterations_do_not_sync() -> None:
     lines: list[str] = []
     timers = Timers(0, TimingLogOption.MINMAX, mode=TimingMode.EVENTS, device=device)
     log = TrainingLog(
-        LogConfig(log_interval=5, tensorboard_log_interval=1000, log_timestamp=False),
+        LogConfig(
+            log_interval=5,
+            tensorboard_log_interval=1000,
+            log_timestamp=False,
+            log_format="megatron",
+        ),
         train_iters=6,
         sink=NullSink(),
         timers=timers,

@@ -71,7 +71,9 @@ def make_log(
     timers = Timers(
         0, TimingLogOption.MINMAX, device=torch.device("cpu")
     )  # CPU: no cuda.synchronize
-    config = LogConfig(**{"log_interval": 3, "log_timestamp": False, **cfg})
+    config = LogConfig(
+        **{"log_interval": 3, "log_timestamp": False, "log_format": "megatron", **cfg}
+    )
     log = TrainingLog(
         config,
         train_iters=10,
@@ -198,7 +200,7 @@ def test_validation_block_exact() -> None:
 def test_timestamp_throughput_and_first_line_format() -> None:
     lines: list[str] = []
     timers = Timers(0, TimingLogOption.MINMAX)
-    config = LogConfig(log_interval=5, log_throughput=True)
+    config = LogConfig(log_interval=5, log_throughput=True, log_format="megatron")
     log = TrainingLog(
         config,
         train_iters=10,

@@ -237,7 +237,7 @@ def test_an_iteration_to_skip_is_logged_as_skipped_not_as_a_nan_iteration(
     """``--iterations-to-skip 2``: its line counts one skipped iteration, no NaN iteration, and
     shows no loss (it printed ``lm loss: NAN`` and ``number of nan iterations: 1``)."""
     outcome, _ = _train(["--train-iters", "3", "--seed", "5", "--log-interval", "1",
-                         "--iterations-to-skip", "2"])  # fmt: skip
+                         "--iterations-to-skip", "2", "--log-format", "megatron"])  # fmt: skip
     assert (outcome.exit_code, outcome.iteration) == (0, 3)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln]
     by_it = {int(ln.split(" iteration ")[1].split("/")[0]): ln for ln in lines if "/" in ln}

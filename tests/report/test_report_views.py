@@ -78,7 +78,8 @@ def test_docstring_examples() -> None:
 def _log(train_iters: int, lines: list[str]) -> TrainingLog:
     timers = Timers(0, TimingLogOption.MINMAX, device=torch.device("cpu"))
     log = TrainingLog(
-        LogConfig(log_interval=20, log_timestamp=False), train_iters=train_iters,
+        LogConfig(log_interval=20, log_timestamp=False, log_format="megatron"),
+        train_iters=train_iters,
         sink=NullSink(), timers=timers, rank=0, world_size=1, print_fn=lines.append,
     )  # fmt: skip
     timers(INTERVAL_TIME).start(barrier=True)

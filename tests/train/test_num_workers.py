@@ -61,7 +61,7 @@ def test_sigterm_to_the_whole_process_group_saves_and_resumes_exactly(tmp_path) 
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if "iteration        4/" in line:
+        if "iteration 4/" in line:
             break
     workers = _children(proc.pid)
     assert len(workers) == 2, (workers, "".join(lines))

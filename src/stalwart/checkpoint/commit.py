@@ -26,6 +26,7 @@ from stalwart.checkpoint import integrity, layout
 from stalwart.checkpoint.errors import CheckpointError, PeerLostError
 from stalwart.checkpoint.lock import SaveDirLocks
 from stalwart.distributed import collectives
+from stalwart.log_notice import NOTICE
 
 FORMAT_VERSION = "stalwart-dcp-v2"  # v1: common.pt/rank_*.pt pickles (convert --trust-pickle)
 
@@ -164,6 +165,7 @@ class SaveSteps:
                 pending.iteration,
                 os.path.join(pending.root, layout.iteration_dir_name(pending.iteration)),
                 time.monotonic() - pending.started,
+                extra=NOTICE,
             )
 
     def _publish(self, pending: PendingSave) -> None:

@@ -64,6 +64,7 @@ from stalwart.checkpoint.loading import (
 from stalwart.checkpoint.lock import SaveDirLocks
 from stalwart.checkpoint.resume import CopyChoice, CopyTier
 from stalwart.distributed import collectives
+from stalwart.log_notice import NOTICE
 
 logger = logging.getLogger("stalwart.checkpoint")
 
@@ -399,12 +400,7 @@ class CheckpointManager:
             problem, loaded = self._load_choice(choice, model, optim, strict, check_common)
             if problem is None and loaded is not None:
                 if self._rank == 0:
-                    logger.info(
-                        "loaded checkpoint iteration %d from %s in %.2fs",
-                        loaded.iteration,
-                        loaded.source or loaded.path,
-                        time.monotonic() - started,
-                    )
+                    _say_loaded(loaded, time.monotonic() - started)
                 return loaded
             # A copy (local, in-memory) that failed is passed over whatever --ckpt-fallback says.
             copy = isinstance(choice, CopyChoice) and choice.from_tier
@@ -484,3 +480,10 @@ class CheckpointManager:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(self._ckpt_group)
             self._ckpt_group = None
+
+
+def _say_loaded(loaded: Any, seconds: float) -> None:
+    """The notice of a resume (shown by default: `stalwart.log_notice`)."""
+    message = "loaded checkpoint iteration %d from %s in %.2fs"
+    where = loaded.source or loaded.path  # a local or in-memory copy names itself
+    logger.info(message, loaded.iteration, where, seconds, extra=NOTICE)

@@ -106,6 +106,28 @@ def register_checked_types(parser: argparse.ArgumentParser) -> None:
     parser.register("type", float, Float())
 
 
+class LogLevel:
+    """``type=`` for ``--logging-level``: Megatron's integer (10 DEBUG ... 50 CRITICAL, any
+    value in [0, 50]) or a level's name (``info``, ``WARNING``)."""
+
+    __name__ = "log level"
+    NAMES = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+
+    def __call__(self, text: str) -> int:
+        name = text.strip().lower()
+        if name in self.NAMES:
+            return self.NAMES[name]
+        try:
+            return Int(0, 50)(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer in [0, 50] or one of {', '.join(self.NAMES)}, got {text!r}"
+            ) from None
+
+    def __repr__(self) -> str:
+        return "LogLevel()"
+
+
 def switch(g: Any, flag: str, help: str) -> None:
     """A flag that is off unless given (``store_true``)."""
     g.add_argument(flag, action="store_true", help=help)

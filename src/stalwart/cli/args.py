@@ -20,6 +20,7 @@ from stalwart.cli.config_file import CONFIG_HELP, toml_defaults
 from stalwart.cli.help_format import FlagHelpFormatter
 from stalwart.cli.megatron_flags import add_megatron_refusals, unknown_flag_message
 from stalwart.cli.train_flags import PRESET_NAMES
+from stalwart.config import megatron_defaults
 
 __all__ = ["PRESET_NAMES", "OneLineErrorParser", "build_train_parser", "parse_train_args"]
 
@@ -102,6 +103,7 @@ def build_train_parser(*, raise_errors: bool = False) -> argparse.ArgumentParser
     for add in _GROUPS:
         add(p)
     add_megatron_refusals(p)
+    p.add_argument_group(*megatron_defaults.help_section())  # a paragraph of --help, no flags
     return p
 
 

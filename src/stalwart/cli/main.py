@@ -68,9 +68,25 @@ def build_main_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup_logging(rank: int) -> None:
-    level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+def _setup_logging(rank: int, ns: argparse.Namespace) -> None:
+    """The terminal's log records: ``--logging-level`` exactly (every rank, as Megatron);
+    ``--verbose``: INFO on rank 0; by default warnings and, on rank 0, the notices
+    (`stalwart.log_notice`: checkpoints saved and loaded), not the start-up's INFO lines."""
+    from stalwart.log_notice import NoticeFormatter, WarningsAndNotices
+
+    handler = logging.StreamHandler()
+    form = f"[rank{rank}] %(levelname)s %(name)s: %(message)s"
+    handler.setFormatter(logging.Formatter(form))
+    if ns.logging_level is not None:
+        level = ns.logging_level
+    elif rank != 0:
+        level = logging.WARNING
+    else:
+        level = logging.INFO
+        if not ns.verbose:
+            handler.addFilter(WarningsAndNotices())
+            handler.setFormatter(NoticeFormatter(form))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def _check_before_start(config: RunConfig) -> None:
@@ -162,8 +178,8 @@ def main_train(argv: list[str]) -> int:
     import os
 
     from stalwart.cli.args import parse_train_args
-    from stalwart.cli.run_start import start_line, with_default_run_dir
-    from stalwart.config.run import build_run_config, explicit_flags
+    from stalwart.cli.run_start import start_lines, with_default_run_dir
+    from stalwart.config.run import build_run_config
     from stalwart.distributed.launch_env import check_launch_env, env_int
 
     try:
@@ -172,6 +188,8 @@ def main_train(argv: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         check_launch_env()
+        if ns.verbose and ns.logging_level is not None:
+            raise ValueError("--verbose and --logging-level set the same thing: give one")
         config = build_run_config(ns, argv)
         if not ns.print_config:
             _check_runs_dir_env()
@@ -182,9 +200,9 @@ def main_train(argv: list[str]) -> int:
         return 2
     if ns.print_config:
         return _print_config(ns)
-    if env_int("RANK", 0) == 0:  # the first line: where the run writes, defaults unlike Megatron's
-        print(start_line(config, explicit_flags(ns, argv)), flush=True)
-    _setup_logging(env_int("RANK", 0))
+    if env_int("RANK", 0) == 0:  # the first lines: where the run writes, defaults unlike Megatron's
+        print(start_lines(config), flush=True)
+    _setup_logging(env_int("RANK", 0), ns)
     from stalwart.cli.train import run_from_cli
 
     return run_from_cli(config, demo=bool(ns.demo))

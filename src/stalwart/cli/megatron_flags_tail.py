@@ -187,7 +187,6 @@ TAIL: tuple[tuple[str, str, str], ...] = (
      "--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json", ""),
     # logging
     ("no timer barrier switch", "", "--no-barrier-with-level-1-timing"),
-    ("the log level is not configurable", "--logging-level", ""),
     ("no workload-inspector server: use --profile", "", "--run-workload-inspector-server"),
     ("no OneLogger: --tensorboard-dir, --wandb-project",
      "--one-logger-project --one-logger-run-name --app-tag-run-name --app-tag-run-version",

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from stalwart.cli.arg_types import Float, Int, OneOf, negated, switch, values
+from stalwart.cli.arg_types import Float, Int, LogLevel, OneOf, negated, switch, values
 from stalwart.cli.train_flags import group, interval
+from stalwart.observability.log_lines import LogFormat
 from stalwart.reliability.faults import FAULT_PHASES, FaultKind
 from stalwart.reliability.inprocess.config import RestartGranularity
 from stalwart.reliability.rerun.config import DEFAULT_MAX_REWINDS
@@ -243,10 +244,22 @@ def _tensorboard_flags(g: Any) -> None:
 def logging_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "observability.logging", "observability: logging")
     g.add_argument("--log-interval", type=int, default=10, help="log line every N iterations")
+    values(
+        g,
+        ("--log-format", OneOf(LogFormat, "FORMAT"), LogFormat.COMPACT,
+         "the log line (megatron: Megatron-LM's, for scrapers)"),
+    )  # fmt: skip
+    g.add_argument(
+        "--logging-level",
+        type=LogLevel(),
+        metavar="LEVEL",
+        help="10-50 or a name, e.g. info (default: warnings, saves, loads)",
+    )
+    switch(g, "--verbose", "INFO lines too (= --logging-level INFO)")
     switch(
         g,
         "--log-throughput",
-        "Megatron's TFLOP/s per GPU field (tokens/s, TFLOP/s and MFU are always logged)",
+        "TFLOP/s per GPU in the log line (Megatron's field)",
     )
     g.add_argument(
         "--peak-tflops",

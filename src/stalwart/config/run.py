@@ -19,6 +19,7 @@ from typing import Any
 from stalwart.checkpoint.non_persistent import NonPersistentType
 from stalwart.config.checks import bounds, check_fields
 from stalwart.config.fast_path import fast_path_values
+from stalwart.config.megatron_defaults import megatron_default_differences
 from stalwart.config.model import architecture_overrides, check_megatron_model_flags
 from stalwart.config.training import CheckpointConfig, DataConfig, OptimizerConfig, TrainingConfig
 from stalwart.graphs.checks import CudaGraphImpl
@@ -170,6 +171,10 @@ class RunConfig:
     faults: FaultInjectionConfig = field(default_factory=FaultInjectionConfig)
     inprocess: InProcessConfig = field(default_factory=InProcessConfig)
     graphs: GraphConfig = field(default_factory=GraphConfig)
+    # Not a setting but where the settings came from: the defaults unlike Megatron's that the
+    # run relies on (`stalwart.config.megatron_defaults`; the CLI's first lines count them,
+    # run.json lists them). Not compared and not in `to_dict`: the same flags are the same run.
+    megatron_defaults: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         for name, path in _SHARED.items():
@@ -216,6 +221,7 @@ class RunConfig:
         settings under its name, the shell's sub-configs and ``run_dir`` at the top level as
         before the shell held them (its run-wide values are the other components')."""
         flat = _jsonable(dataclasses.asdict(self))
+        del flat["megatron_defaults"]  # provenance, not a setting
         shell = flat.pop("shell")
         ordered = {name: shell[name] for name in PROBES}
         for name in ("preset", "model", "data", "optim", "training", "checkpoint"):
@@ -223,6 +229,11 @@ class RunConfig:
         for name in ("log", "run_dir", "rerun", "ft", "exit"):
             ordered[name] = shell[name]
         return {**ordered, **flat}
+
+    def manifest(self) -> dict[str, Any]:
+        """``run.json``'s ``config``: :meth:`to_dict` and ``megatron_defaults`` (the defaults
+        unlike Megatron's the run relies on)."""
+        return {**self.to_dict(), "megatron_defaults": list(self.megatron_defaults)}
 
 
 def _jsonable(value: Any) -> Any:
@@ -314,7 +325,8 @@ def build_run_config(ns: argparse.Namespace, argv: list[str] | None = None) -> R
         graphs=_pick(ns, GraphConfig),
     )
     check_combinations(config)
-    return config
+    relied_on = tuple(megatron_default_differences(config, explicit))
+    return dataclasses.replace(config, megatron_defaults=relied_on)
 
 
 def _shell_config(

@@ -31,6 +31,7 @@ import torch
 
 from stalwart.graphs.pool import GraphContext
 from stalwart.graphs.static_inputs import InputSignature, StaticInputs, signature_of
+from stalwart.log_notice import NOTICE
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +347,9 @@ class FullIterationGraph:
         stage.capture_seconds = time.perf_counter() - start
         stage.graph, stage.outputs, stage.phase = graph, outputs, StagePhase.CAPTURED
         self.num_captures += 1
-        logger.info("captured the %s graph in %.3f s", mode.value, stage.capture_seconds)
+        logger.info(
+            "captured the %s graph in %.3f s", mode.value, stage.capture_seconds, extra=NOTICE
+        )
         if _has_frozen_leaves(outputs):
             warnings.warn(
                 "non-tensor values returned by the captured function are frozen at capture",

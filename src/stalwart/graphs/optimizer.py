@@ -38,6 +38,7 @@ import torch
 
 from stalwart.graphs.full_iteration import CaptureFailurePolicy, StagePhase
 from stalwart.graphs.pool import GraphContext
+from stalwart.log_notice import NOTICE
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +355,9 @@ class OptimizerGraph:
                 return self._body()
         self.capture_seconds = time.perf_counter() - start
         self._graph, self._norm, self.phase = graph, norm, StagePhase.CAPTURED
-        logger.info("captured the optimizer CUDA graph in %.3f s", self.capture_seconds)
+        logger.info(
+            "captured the optimizer CUDA graph in %.3f s", self.capture_seconds, extra=NOTICE
+        )
         graph.replay()  # capture does not execute: replay so this call is a real step
         return norm
 

@@ -97,6 +97,7 @@ class FrameworkStep:
         )
         self.rng = RngState(self.machine.rng)
         self.skipped = False  # the last run() was a skipped iteration (the skip list)
+        self.result: StepResult | None = None  # the last run()'s
 
     @property
     def iteration(self) -> int:
@@ -114,9 +115,10 @@ class FrameworkStep:
         self.skipped = it.skipped
         self._feed.queue.extend(batches)
         try:
-            return self.step.run(it, num_microbatches=len(batches), launch_next=False)
+            self.result = self.step.run(it, num_microbatches=len(batches), launch_next=False)
         finally:
             self._feed.queue.clear()
+        return self.result
 
     # --------------------------------------------------------------------------- Stateful
     def state_dict(self) -> dict[str, Any]:

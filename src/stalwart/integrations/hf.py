@@ -18,8 +18,10 @@ What the callback does, hook by hook (it maps stalwart's decisions onto ``Traine
   monitor, the goodput ledger, the sinks) and installs the exit-signal handler (SIGTERM only
   raises a flag; the ranks agree on it after the step);
 * ``on_step_begin`` / ``on_step_end``: the watchdog's ``step`` section and a goodput step around
-  the Trainer's step; then the training-log line (timers, memory, energy, stragglers, goodput,
-  TensorBoard/W&B/``metrics.jsonl``) and one agreed decision: a save sets
+  the Trainer's step (the learning rate read before the step: the one it used); then the
+  training-log line (timers, memory, energy, stragglers, goodput, TensorBoard/W&B/
+  ``metrics.jsonl``; a log step's values offered to the Trainer's next logs) and one agreed
+  decision: a save sets
   ``control.should_save`` (the Trainer's own ``checkpoint-N``, inside the ``checkpointing``
   section and the save timer), an exit sets ``control.should_training_stop``; after a rejected
   iteration (16/17) the Trainer's ``global_step``, epoch and LR schedule are put back to the
@@ -37,7 +39,11 @@ first step's FLOPs with torch's counter): it overrides ``training_step`` so that
 :class:`stalwart.integrations.framework_step.FrameworkStep` runs the forward (``compute_loss``),
 the backward (``accelerator.backward``), the device checks, a replay on the same batch and RNG,
 the clip (``max_grad_norm``) and the optimizer step (gated on the device for fused AdamW: a
-rejected iteration never touches the weights). The loss is the plain Trainer's
+rejected iteration never touches the weights). Its LR schedule is built on the optimizer the
+guarded step steps (torch counts that step: no "``lr_scheduler.step()`` before
+``optimizer.step()``" warning), and its ``log`` adds stalwart's values of the last log step
+(``stalwart/loss``, ``stalwart/grad_norm``, throughput, the skipped and NaN iterations, ...) to
+the logs its callbacks (TensorBoard, W&B) receive. The loss is the plain Trainer's
 (``compute_loss`` with ``num_items_in_batch``); the Trainer's own ``optimizer.step()`` that
 follows is a no-op during ``train()`` and the ``grad_norm`` it logs is the guarded step's (the
 norm before the clip, as the Trainer's).
@@ -67,6 +73,7 @@ import torch
 
 from stalwart.integrations import require
 from stalwart.integrations.framework_step import FrameworkStep, refuse_framework_saves
+from stalwart.integrations.offered_metrics import offered_metrics
 from stalwart.loop import Names, StepResult
 from stalwart.loop.shell import Shell, ShellConfig
 from stalwart.observability.flop_count import count_training_flops
@@ -112,12 +119,14 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
         self.step: FrameworkStep | None = None  # set by StalwartTrainer
         self.result: StepResult | None = None  # the last guarded step's
         self.loss: torch.Tensor | None = None  # the last step's loss (StalwartTrainer)
-        self._in_step: contextlib.ExitStack | None = None
+        self._in_step: contextlib.AbstractContextManager[Any] | None = None  # shell.iteration()
         self._saving: contextlib.ExitStack | None = None
         self._pending_exit: ExitDecision | None = None
         self._exit_code: int | None = None  # kept after close
         self._global_batch = 0
         self._epoch = 0.0  # the Trainer's epoch before the step (a rejected one: put back)
+        self._lr: float | None = None  # the step's learning rate (read before its schedule steps)
+        self.offered: dict[str, float] = {}  # the last log step's values, for the Trainer's logs
 
     @property
     def exit_code(self) -> int | None:
@@ -157,14 +166,17 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         shell = self.require_shell()
         self._epoch = state.epoch
-        self._in_step = contextlib.ExitStack()
-        self._in_step.enter_context(shell.iteration())
+        optimizer = kwargs.get("optimizer")  # the step's rate: its schedule steps after it
+        self._lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+        iteration = shell.iteration()
+        iteration.__enter__()
+        self._in_step = iteration
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         shell = self.require_shell()
-        if self._in_step is not None:
-            self._in_step.close()
-            self._in_step = None
+        iteration, self._in_step = self._in_step, None
+        if iteration is not None:
+            iteration.__exit__(None, None, None)
         result, self.result = self.result, None
         if result is not None and result.verdict.exit:
             # The Trainer counted the rejected iteration as a step: its state (and the
@@ -172,7 +184,7 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             # the completed batches only and is handed the rejected one again.
             state.global_step, state.epoch = shell.completed, self._epoch
         else:
-            self._record(kwargs.get("optimizer"), result)
+            self._record(result)
         decision = shell.decide(result)
         if decision.save is not SaveKind.NONE:
             control.should_save = True  # the Trainer saves right after this hook, then on_save
@@ -185,12 +197,13 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             if self._saving is None:
                 self._leave_on_code()
 
-    def _record(self, optimizer: Any, result: StepResult | None) -> None:
+    def _record(self, result: StepResult | None) -> None:
         losses = {"lm loss": self.loss} if self.loss is not None else {}  # a plain Trainer's
-        lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
-        self.require_shell().record(
-            result, batch_size=self._global_batch, losses=losses, learning_rate=lr
+        record = self.require_shell().record(
+            result, batch_size=self._global_batch, losses=losses, learning_rate=self._lr
         )
+        if record is not None:  # a log step (rank 0): offered to the Trainer's next logs
+            self.offered = offered_metrics(record)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         shell = self.require_shell()
@@ -252,10 +265,12 @@ class StalwartCallback(transformers.TrainerCallback):  # type: ignore[misc,name-
             self.fault(RuntimeError("the Trainer's loop raised"))
 
     def _close(self) -> None:
-        for stack in (self._in_step, self._saving):
-            if stack is not None:
-                stack.close()
-        self._in_step = self._saving = None
+        iteration, self._in_step = self._in_step, None
+        if iteration is not None:
+            iteration.__exit__(None, None, None)
+        if self._saving is not None:
+            self._saving.close()
+        self._saving = None
         if self.step is not None:
             self.step.close()
             self.step = None
@@ -326,6 +341,33 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
             if isinstance(seen, _SteppedByTheGuardedStep):
                 self.optimizer = seen.optimizer  # the Trainer's own again
 
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The Trainer's LR schedule, built on the optimizer whose ``step()`` the guarded step
+        calls: torch's scheduler counts the steps of the optimizer it was built on, and built on
+        Accelerate's wrapper (which the guarded step goes around) it saw none and warned
+        "Detected call of `lr_scheduler.step()` before `optimizer.step()`" on every run."""
+        stepped = self._stepped_optimizer(optimizer if optimizer is not None else self.optimizer)
+        return super().create_scheduler(num_training_steps, optimizer=stepped)
+
+    def _stepped_optimizer(self, optimizer: Any) -> Any:
+        """What the guarded step calls ``step()`` on: without a GradScaler Accelerate's wrapper
+        adds nothing (every batch syncs) but host work, two package look-ups per step (LOMO),
+        so its optimizer; with one, the wrapper (its step is the scaler's)."""
+        if self.accelerator.scaler is None:
+            return getattr(optimizer, "optimizer", optimizer)
+        return optimizer
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's logs (its ``TensorBoardCallback``, ``WandbCallback``, ``log_history``,
+        the printed dict) with stalwart's values of its last log step, once each
+        (`stalwart.integrations.offered_metrics`: ``stalwart/loss``, ``stalwart/grad_norm``,
+        throughput, the skipped and NaN iterations, ...); evaluation logs are left as they are."""
+        callback = self._stalwart_callback()
+        if callback.offered and not any(key.startswith("eval_") for key in logs):
+            logs = {**logs, **callback.offered}
+            callback.offered = {}
+        super().log(logs, *args, **kwargs)
+
     def _stalwart_callback(self) -> StalwartCallback:
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, StalwartCallback):
@@ -391,15 +433,14 @@ class StalwartTrainer(transformers.Trainer):  # type: ignore[misc,name-defined]
         if shell.config.log.log_throughput:
             counted = count_training_flops(model, self._forward_step, batch)
             shell.set_flops(counted.per_iteration(data_parallel_size=self.args.world_size))
-        optimizer = self.optimizer
-        if self.accelerator.scaler is None:
-            # Accelerate's wrapper adds nothing then (every batch syncs) but host work: two
-            # package look-ups per step (LOMO); with a GradScaler its step is the scaler's.
-            optimizer = getattr(optimizer, "optimizer", optimizer)
         step = FrameworkStep(
-            shell, model=model, optimizer=optimizer, forward_step=self._forward_step,
-            clip_grad=float(self.args.max_grad_norm or 0.0), backward=self.accelerator.backward,
-        )  # fmt: skip
+            shell,
+            model=model,
+            optimizer=self._stepped_optimizer(self.optimizer),
+            forward_step=self._forward_step,
+            clip_grad=float(self.args.max_grad_norm or 0.0),
+            backward=self.accelerator.backward,
+        )
         if self._stalwart_resume is not None:
             path = os.path.join(self._stalwart_resume, STATE_FILE.format(rank=shell.rank))
             if os.path.isfile(path):

@@ -30,7 +30,9 @@ What the callback does, hook by hook:
   ``LogConfig(log_throughput=True)`` the first batch's FLOPs are counted once by torch's counter
   (TFLOP/s in the log line);
 * ``on_train_batch_end``: the training-log line (timers, memory, energy, stragglers, goodput,
-  TensorBoard/W&B/JSONL), then one agreed decision: save through ``trainer.save_checkpoint``
+  TensorBoard/W&B/JSONL; at a log step the interval's loss to the progress bar as ``loss`` and
+  stalwart's values to ``trainer.loggers`` as ``stalwart/<name>``, with the learning rate the
+  step used), then one agreed decision: save through ``trainer.save_checkpoint``
   (``<save_dir>/iter_NNNNNNN.ckpt``, the signal, ``ExitConfig.save_interval``, duration, exit
   interval, the last step), then stop. After a rejected iteration the save holds Lightning's
   loop and the loader's position as at its start (a relaunch is handed its batch again). Exits
@@ -88,6 +90,8 @@ from stalwart.integrations.lightning_checks import (
     refuse_unsharded,
     shard_resumable_loaders,
 )
+from stalwart.integrations.lightning_module import GuardedModule, StepSchedulers
+from stalwart.integrations.offered_metrics import offered_metrics
 from stalwart.iteration_dirs import iteration_dir_name
 from stalwart.loop import Names, RngState, StepResult
 from stalwart.loop.shell import Shell, ShellConfig
@@ -126,69 +130,6 @@ def latest_checkpoint(save_dir: str | None) -> str | None:
     return path
 
 
-class GuardedModule:
-    """Mixin for a ``LightningModule`` whose training step runs under the rerun state machine
-    (see the module docstring). Implement :meth:`forward_step`; keep ``configure_optimizers``."""
-
-    stalwart_clip_grad: float = 0.0  # global gradient-norm clip of the guarded step (0: none)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """``class M(L.LightningModule, GuardedModule)`` would take Lightning's
-        ``training_step`` (and Lightning's misleading "no training_step" error): name the order."""
-        super().__init_subclass__(**kwargs)
-        for base in cls.__mro__:
-            if base is GuardedModule:
-                break
-            if "training_step" in vars(base) and not issubclass(base, GuardedModule):
-                raise TypeError(
-                    f"class {cls.__name__}: put GuardedModule before {base.__name__} in its "
-                    f"bases, e.g. class {cls.__name__}(GuardedModule, L.LightningModule)"
-                )
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.automatic_optimization = False
-        self.stalwart_step: FrameworkStep | None = None  # set by StalwartCallback
-        self.stalwart_result: StepResult | None = None
-
-    def forward_step(self, batch: Any) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The loss of one micro-batch, or a dict with ``"loss"`` and values to report."""
-        raise NotImplementedError("GuardedModule: implement forward_step(batch) -> loss")
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        del batch_idx
-        if self.stalwart_step is None:
-            raise RuntimeError(
-                "GuardedModule: add stalwart.integrations.lightning.StalwartCallback to the "
-                "Trainer's callbacks"
-            )
-        result = self.stalwart_step.run([batch])
-        self.stalwart_result = result
-        if not result.verdict.exit:
-            if self.stalwart_step.skipped:
-                _count_a_step(self)  # a skipped iteration is one of max_steps all the same
-            _step_schedulers(self)
-        loss = result.losses.get("lm loss")
-        return None if loss is None else {"loss": loss}
-
-
-def _count_a_step(module: Any) -> None:
-    """Lightning counts an iteration by its optimizer step (``global_step``): a skipped one
-    steps nothing, so count it as Lightning's own step does (its progress hooks only)."""
-    optimizer = module.optimizers()
-    optimizer._on_before_step()
-    optimizer._on_after_step()
-
-
-def _step_schedulers(module: Any) -> None:
-    """Manual optimization: Lightning steps no scheduler; step-interval ones step here."""
-    trainer = module.trainer
-    for config in trainer.lr_scheduler_configs:
-        step_interval = config.interval == "step" and not config.reduce_on_plateau
-        if step_interval and trainer.global_step % max(config.frequency, 1) == 0:
-            config.scheduler.step()
-
-
 def _forward_step(batch: Any, model: Any) -> Any:
     return model.forward_step(batch)
 
@@ -215,13 +156,17 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         self.shell: Shell | None = None
         self.step: FrameworkStep | None = None
         self._loaded: dict[str, Any] | None = None
-        self._in_step: contextlib.ExitStack | None = None
+        self._in_step: contextlib.AbstractContextManager[Any] | None = None  # shell.iteration()
         self._evaluating: contextlib.ExitStack | None = None  # the shell's evaluation()
         self._eval_step: contextlib.ExitStack | None = None  # its eval_iteration()
         self._eval_losses: list[torch.Tensor] = []
         self._counter: Any = None  # torch's FLOP counter, around the first iteration
         self._counted = not count_flops
         self._stepped = -1  # Lightning's global_step at the last iteration's end
+        self._lr: float | None = None  # the step's learning rate (read before a schedule steps)
+        # Read once per fit, not per batch (Lightning's properties walk the strategy).
+        self._optimizers: list[Any] = []
+        self._world_size = 1
         self._pending_exit: ExitDecision | None = None  # a graceful exit: at the loop's end
         self._begun = False
 
@@ -261,6 +206,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
                 backward=pl_module.manual_backward,  # type: ignore[attr-defined]
             )
             pl_module.stalwart_step = self.step
+            pl_module._stalwart_schedulers = StepSchedulers(trainer)  # this fit's
         else:
             shell.refuse_without_step()  # Lightning's own step: what needs ours, refused now
             shell.watch(pl_module)  # log_params_norm and the replica check read it
@@ -272,6 +218,7 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         RNG before that would make the resumed run draw differently from the uninterrupted one."""
         shell = self._require_shell()
         self._restore(trainer)
+        self._optimizers, self._world_size = list(trainer.optimizers), int(trainer.world_size)
         self._stepped = int(trainer.global_step)
         shell.resumed(shell.completed if self.step is not None else self._stepped)
         shell.start()
@@ -316,8 +263,11 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             return
         if not self._counted and shell.config.log.log_throughput:
             self._count_flops(trainer, pl_module, batch)
-        self._in_step = contextlib.ExitStack()
-        self._in_step.enter_context(shell.iteration())
+        optimizers = self._optimizers  # the step's rate: schedules step inside the batch
+        self._lr = optimizers[0].param_groups[0]["lr"] if optimizers else None
+        iteration = shell.iteration()
+        iteration.__enter__()
+        self._in_step = iteration
 
     def _count_flops(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         """A guarded module: one forward + backward of this batch under torch's counter, with
@@ -337,14 +287,15 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         shell = self._require_shell()
-        result = getattr(pl_module, "stalwart_result", None) if self.step is not None else None
-        if result is None and int(trainer.global_step) == self._stepped:
+        result = self.step.result if self.step is not None else None
+        stepped = int(trainer.global_step)
+        if result is None and stepped == self._stepped:
             return  # Lightning's own step, still accumulating gradients
         self._end_step(trainer)
-        self._stepped = int(trainer.global_step)
+        self._stepped = stepped
         rejected = result is not None and result.verdict.exit
         if not rejected:
-            self._record(trainer, outputs, batch, result)
+            self._record(trainer, pl_module, outputs, batch, result)
         decision = shell.decide(result, can_save=bool(self.save_dir))
         if decision.save is not SaveKind.NONE:
             non_persistent = decision.save is SaveKind.NON_PERSISTENT
@@ -353,9 +304,9 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             self._leave(trainer, decision)
 
     def _end_step(self, trainer: Any) -> None:
-        if self._in_step is not None:
-            self._in_step.close()
-            self._in_step = None
+        iteration, self._in_step = self._in_step, None
+        if iteration is not None:
+            iteration.__exit__(None, None, None)
         counter, self._counter = self._counter, None
         if counter is not None and self.shell is not None:
             counter.__exit__(None, None, None)
@@ -363,19 +314,21 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             # One iteration of this rank; every data-parallel rank does the same.
             self.shell.set_flops(float(counter.get_total_flops()) * trainer.world_size)
 
-    def _record(self, trainer: Any, outputs: Any, batch: Any, result: StepResult | None) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        losses: dict[str, Any] = {
-            "lm loss": loss.detach() if isinstance(loss, torch.Tensor) else loss
-        }
-        optimizers = trainer.optimizers
-        lr = optimizers[0].param_groups[0]["lr"] if optimizers else None
-        self._require_shell().record(
+    def _record(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, result: StepResult | None
+    ) -> None:
+        losses: dict[str, Any] | None = None  # a guarded step's result reports its own
+        if result is None:  # Lightning's own step: the loss its training_step returned
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            losses = {"lm loss": loss.detach() if isinstance(loss, torch.Tensor) else loss}
+        record = self._require_shell().record(
             result,
-            batch_size=max(_batch_size(batch), 1) * trainer.world_size,
+            batch_size=max(_batch_size(batch), 1) * self._world_size,
             losses=losses,
-            learning_rate=lr,
+            learning_rate=self._lr,
         )
+        if record is not None:  # a log step, rank 0: host values, no device read
+            _offer(trainer, pl_module, record)
 
     def _save(self, trainer: Any, *, non_persistent: bool, rejected: bool) -> None:
         """Through ``trainer.save_checkpoint`` (non-persistent saves are refused at start).
@@ -490,10 +443,13 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             self._close()
 
     def _close(self) -> None:
-        for stack in (self._in_step, self._eval_step, self._evaluating):
+        iteration, self._in_step = self._in_step, None
+        if iteration is not None:
+            iteration.__exit__(None, None, None)
+        for stack in (self._eval_step, self._evaluating):
             if stack is not None:
                 stack.close()
-        self._in_step = self._eval_step = self._evaluating = None
+        self._eval_step = self._evaluating = None
         counter, self._counter = self._counter, None
         if counter is not None:
             counter.__exit__(None, None, None)
@@ -501,6 +457,19 @@ class StalwartCallback(L.Callback):  # type: ignore[misc,name-defined]
             self.step.close()
         if self.shell is not None:
             self.shell.close()
+
+
+def _offer(trainer: Any, pl_module: Any, record: Mapping[str, Any]) -> None:
+    """A log step's values to Lightning: the interval's loss to its progress bar (``loss``, a
+    CPU tensor: the bar's refreshes read it without a device sync), stalwart's values
+    (`stalwart.integrations.offered_metrics`) to ``trainer.loggers`` at Lightning's step."""
+    loss = record.get("loss")
+    if loss is not None and trainer.progress_bar_callback is not None:
+        value = torch.tensor(float(loss))
+        pl_module.log("loss", value, prog_bar=True, logger=False, on_step=True, batch_size=1)
+    metrics = offered_metrics(record)
+    for logger_ in trainer.loggers:
+        logger_.log_metrics(metrics, step=trainer.global_step)
 
 
 def _batch_size(batch: Any) -> int:

@@ -109,7 +109,7 @@ def refuse_unguardable(module: Any, optimizers: Any) -> None:
     """Raise (one line) for a ``GuardedModule`` the guarded step cannot drive: one that keeps
     its own ``training_step`` (manual optimization with no optimizer step never reaches
     ``max_steps``) or one with several optimizers (the step drives one)."""
-    from stalwart.integrations.lightning import GuardedModule
+    from stalwart.integrations.lightning_module import GuardedModule
 
     name = type(module).__name__
     if type(module).training_step is not GuardedModule.training_step:

@@ -155,12 +155,10 @@ class Shell:
         self._peak_tflops: float | None = None
 
     def _say(self, line: str) -> None:
-        """A line of the run's own (rank 0), flushed: the probes' reports, the goodput line;
-        printed above the progress bar while one is drawn."""
-        lift = self._log.external_write() if self._log is not None else contextlib.nullcontext()
-        with lift:
-            self.print(line)
-            sys.stdout.flush()
+        """A line of the run's own (rank 0), flushed: the probes' reports (printed above the
+        progress bar: the training log lifts it around them), the goodput line."""
+        self.print(line)
+        sys.stdout.flush()
 
     # ------------------------------------------------------------------------ the step
     def step(
@@ -418,14 +416,16 @@ class Shell:
         losses: Mapping[str, TensorOrScalar] | None = None,
         consumed_samples: int | None = None,
         **values: Any,
-    ) -> None:
+    ) -> Mapping[str, Any] | None:
         """The iteration just completed into the log line, the sinks and the metrics file
         (collective at log steps); its ``batch_size`` samples are consumed (or
         ``consumed_samples`` in all). ``result``: the guarded step's (its losses, gradient
         norm, zeros, skip; nothing is logged for a rejected one); ``values``: the rest of
-        ``TrainingLog.on_iteration``'s (``learning_rate``, ``grad_norm``, ``loss_scale``, ...)."""
+        ``TrainingLog.on_iteration``'s (``learning_rate``, ``grad_norm``, ``loss_scale``, ...).
+        Returns the log step's metrics record on rank 0 (host values: what a framework's own
+        loggers are offered), None on other iterations and ranks."""
         if result is not None and result.verdict.rejected:
-            return
+            return None
         state, iteration = self.state, self.completed
         state.consumed_samples = (
             state.consumed_samples + batch_size if consumed_samples is None else consumed_samples
@@ -443,7 +443,7 @@ class Shell:
         is_log = iteration % log.log_interval == 0 or iteration in (1, self.config.train_iters)
         if log.log_params_norm and is_log and self._model is not None:
             values.setdefault("params_norm", params_norm(self._model))
-        self.log.on_iteration(
+        return self.log.on_iteration(
             iteration,
             losses=losses or {},
             global_batch_size=batch_size,

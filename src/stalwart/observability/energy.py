@@ -156,8 +156,11 @@ class EnergyMeter:
                 lap.joules_per_iteration_per_gpu,
                 "{:.1f}",
                 "iter-energy/gpu",
+                compact=False,
             ),
-            LogField("power per GPU (W/GPU)", lap.watts_per_gpu, "{:.1f}", "power/gpu"),
+            LogField(
+                "power per GPU (W/GPU)", lap.watts_per_gpu, "{:.1f}", "power/gpu", short="{} W/GPU"
+            ),
         ]
 
     def scalars(self) -> dict[str, float]:

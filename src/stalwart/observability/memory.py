@@ -256,8 +256,11 @@ class MemoryMonitor:
             return []
         if "mem-max-allocated-bytes" in measured:
             peak = measured["mem-max-allocated-bytes"]
-            return [LogField("mem max allocated (MB)", peak / MIB, "{:.1f}")]
-        return [LogField("mem max RSS (MB)", measured["mem-max-rss-bytes"] / MIB, "{:.1f}")]
+            return [
+                LogField("mem max allocated (MB)", peak / MIB, "{:.1f}", short="max alloc {} MB")
+            ]
+        rss = measured["mem-max-rss-bytes"] / MIB
+        return [LogField("mem max RSS (MB)", rss, "{:.1f}", short="max RSS {} MB")]
 
     def scalars(self) -> dict[str, float]:
         """The latest ``mem-*`` values (empty at steps that did not read memory)."""

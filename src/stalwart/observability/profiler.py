@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
+from stalwart.log_notice import NOTICE
 from stalwart.observability.sinks import flag_name
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class TorchProfilerWindow:
         with open(os.path.join(self.out_dir, f"ops_rank{self.rank}_iters{span}.txt"), "w") as f:
             f.write(table + "\n")
         self.trace_path = path
-        logger.info("profiler: trace written to %s", path)
+        logger.info("profiler: trace written to %s", path, extra=NOTICE)
 
 
 class CudaProfilerRangeWindow:

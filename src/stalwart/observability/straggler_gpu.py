@@ -144,8 +144,9 @@ def gpu_fields(spread: Spread | None) -> list[LogField]:
             continue
         (lo, lo_rank), (hi, hi_rank) = spread[name]
         key = f"straggler/{_KEYS[name]}"
-        out.append(LogField(f"Mn{short}/Rnk", lo, f"{{:.2f}}{unit}/{lo_rank}", f"{key}-min"))
-        out.append(LogField(f"Mx{short}/Rnk", hi, f"{{:.2f}}{unit}/{hi_rank}", f"{key}-max"))
+        for side, value, rank, end in (("Mn", lo, lo_rank, "min"), ("Mx", hi, hi_rank, "max")):
+            fmt = f"{{:.2f}}{unit}/{rank}"  # the compact line leaves them to the sinks
+            out.append(LogField(f"{side}{short}/Rnk", value, fmt, f"{key}-{end}", compact=False))
     return out
 
 

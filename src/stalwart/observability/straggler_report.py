@@ -54,31 +54,43 @@ class StragglerReport:
     def fields(self) -> list[LogField]:
         """Fields for the training log line; keyed ones also go to the sinks and metrics file."""
         slow_rank = self.slowest[0][0]
+        relative = self.relative_throughput[slow_rank]
+        several = len(self.compute_ms) > 1  # the compact line: the slowest rank among several
         out = [
-            LogField("compute ms min", self.min_ms, "{:.1f}", "straggler/compute-ms-min"),
-            LogField("median", self.median_ms, "{:.1f}", "straggler/compute-ms-median"),
-            LogField("max", self.max_ms, "{:.1f}", "straggler/compute-ms-max"),
-            LogField("slowest rank", slow_rank, "{}", "straggler/slowest-rank"),
+            _quiet("compute ms min", self.min_ms, "straggler/compute-ms-min"),
+            _quiet("median", self.median_ms, "straggler/compute-ms-median"),
+            _quiet("max", self.max_ms, "straggler/compute-ms-max"),
+            LogField(
+                "slowest rank",
+                slow_rank,
+                "{}",
+                "straggler/slowest-rank",
+                short=f"slowest rank {{}} ({relative:.2f}x)",
+                compact=several,
+            ),
             LogField(
                 "slowest rel. throughput",
-                self.relative_throughput[slow_rank],
+                relative,
                 "{:.2f}",
                 "straggler/slowest-relative-throughput",
+                compact=False,
             ),
         ]
         if len(self.slowest) > 1:
             ranks = ",".join(f"{r}:{ms:.1f}" for r, ms in self.slowest)
-            out.append(LogField("slowest ranks (ms)", ranks, "{}"))
+            out.append(LogField("slowest ranks (ms)", ranks, "{}", compact=False))
             ranks = ",".join(f"{r}:{ms:.1f}" for r, ms in self.fastest)
-            out.append(LogField("fastest ranks (ms)", ranks, "{}"))
+            out.append(LogField("fastest ranks (ms)", ranks, "{}", compact=False))
         if self.comm_ms is not None:
             comm = self.comm_ms
-            out.append(
-                LogField("comm ms median", statistics.median(comm), "{:.1f}", COMM_MEDIAN_KEY)
-            )
-            out.append(LogField("max", max(comm), "{:.1f}", "straggler/comm-ms-max"))
+            median = statistics.median(comm)
+            out.append(_quiet("comm ms median", median, COMM_MEDIAN_KEY))
+            out.append(_quiet("max", max(comm), "straggler/comm-ms-max"))
         out += gpu_fields(gpu_spread(self.gpu) if self.gpu else None)
-        out.append(LogField("stragglers", len(self.stragglers), "{}", "straggler/num-stragglers"))
+        count = len(self.stragglers)
+        out.append(
+            LogField("stragglers", count, "{}", "straggler/num-stragglers", compact=count > 0)
+        )
         if self.stragglers:
             out.append(LogField("straggler ranks", ",".join(map(str, self.stragglers)), "{}"))
         return out
@@ -92,6 +104,11 @@ class StragglerReport:
         record = asdict(self)
         record["time"] = time.time()
         return record
+
+
+def _quiet(label: str, value: float, key: str) -> LogField:
+    """A field in milliseconds that the compact line leaves to the sinks and the metrics file."""
+    return LogField(label, value, "{:.1f}", key, compact=False)
 
 
 def build_report(

@@ -1,4 +1,8 @@
-"""The per-iteration training log: Megatron's stdout line, TensorBoard/W&B keys and a JSONL file.
+"""The per-iteration training log: a stdout line, TensorBoard/W&B keys and a JSONL file.
+
+The line is compact by default, or Megatron's line field for field with
+``LogConfig(log_format=LogFormat.MEGATRON)`` (``--log-format megatron``, for log scrapers; see
+`stalwart.observability.log_lines`); the sinks and the metrics file are the same either way.
 
 Call protocol (every rank, once per completed iteration)::
 
@@ -37,81 +41,47 @@ the log lines are printed above it.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from stalwart.observability.interval_losses import IntervalLosses, TensorOrScalar
+from stalwart.observability.log_config import IntervalInfo, LogConfig, LogFieldProvider
 from stalwart.observability.log_lines import (
     IntervalSummary,
     LogField,
+    LogFormat,
+    format_compact_line,
+    format_compact_timers,
+    format_compact_validation,
     format_iteration_line,
     format_validation_lines,
     ppl,
 )
 from stalwart.observability.progress import ProgressBar
 from stalwart.observability.sinks import JsonlSink, MetricSink, NullSink, is_null_sink
-from stalwart.observability.throughput import interval_throughput, validate_peak_tflops
+from stalwart.observability.throughput import interval_throughput
 from stalwart.observability.timer_names import INTERVAL_TIME, TRAINING_TIMERS
-from stalwart.observability.timers import TimerReport, Timers
+from stalwart.observability.timers import TimerReport, Timers, TimingLogOption
 
 # Name of the main loss (Megatron's "lm loss"): reported as "loss" in the metrics file.
 MAIN_LOSS_KEY = "lm loss"
 
-
-@dataclass(kw_only=True)
-class LogConfig:
-    """Logging flags (Megatron spelling in the CLI: ``--log-interval`` etc.)."""
-
-    log_interval: int = 10
-    tensorboard_log_interval: int = 1
-    log_throughput: bool = False
-    log_num_zeros_in_grad: bool = False
-    log_params_norm: bool = False
-    log_timers_to_tensorboard: bool = False
-    log_loss_scale_to_tensorboard: bool = True
-    log_world_size_to_tensorboard: bool = False  # Megatron's flag and default
-    log_validation_ppl_to_tensorboard: bool = False
-    log_progress_bar: bool | None = None  # None: only when stdout is a TTY
-    log_timestamp: bool = True  # prefix the iteration line with " [YYYY-mm-dd HH:MM:SS.ffffff]"
-    # --peak-tflops: the per-GPU peak MFU divides by, over the device table's (None: the table's;
-    # no MFU where the table has no entry, e.g. on CPU).
-    peak_tflops: float | None = None
-
-    def __post_init__(self) -> None:
-        validate_peak_tflops(self.peak_tflops)
-        if self.log_interval < 1:
-            raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
-        if self.tensorboard_log_interval < 1:
-            raise ValueError(
-                f"--tensorboard-log-interval must be >= 1, got {self.tensorboard_log_interval}"
-            )
-
-
-@dataclass(frozen=True)
-class IntervalInfo:
-    """What a provider knows about the interval being logged."""
-
-    iteration: int
-    num_iterations: int
-    elapsed_ms_per_iteration: float
-    consumed_samples: int
-    is_first: bool
-
-
-class LogFieldProvider(Protocol):
-    """Adds fields to log steps (straggler, memory, energy, ...).
-
-    Called at every log step on **every rank**, in list order, so it may run collectives; only rank
-    0's fields are printed and written. Must not read the device outside log steps.
-    """
-
-    def log_fields(self, info: IntervalInfo) -> Sequence[LogField]: ...
+__all__ = [
+    "MAIN_LOSS_KEY",
+    "IntervalInfo",
+    "LogConfig",
+    "LogField",
+    "LogFieldProvider",
+    "LogFormat",
+    "TensorOrScalar",
+    "TrainingLog",
+    "format_validation_lines",
+]
 
 
 @dataclass
@@ -210,8 +180,10 @@ class TrainingLog:
         loss_scale: TensorOrScalar | None = None,
         num_zeros: TensorOrScalar | None = None,
         params_norm: TensorOrScalar | None = None,
-    ) -> None:
+    ) -> Mapping[str, Any] | None:
         """Record the iteration just completed (1-based ``iteration``); log/write when due.
+        Returns, on rank 0 at a log step, the step's metrics-file record (host values, no
+        further read: what a framework's own loggers can be offered); None otherwise.
 
         Collective at log steps (every rank must call with the same ``iteration``). Tensors may live
         on the training device; nothing is read from it except at log/sink steps. ``losses``
@@ -236,12 +208,13 @@ class TrainingLog:
         )
         self._pending = None if is_log else (iteration, inputs)  # references only: no read
         if not (is_log or is_sink):
-            return
+            return None
         values = self._read(inputs, interval=is_log) if self._is_writer else {}
         if is_sink:
             self._write_iteration_scalars(iteration, inputs, values)
         if is_log:
-            self._log_interval(iteration, global_batch_size, values)
+            return self._log_interval(iteration, global_batch_size, values)
+        return None
 
     def flush(self) -> None:
         """Log the iterations since the last log step now (an exit between log steps), so the
@@ -310,19 +283,23 @@ class TrainingLog:
 
     def _log_interval(
         self, iteration: int, global_batch_size: int, values: Mapping[str, float | None]
-    ) -> None:
-        """Log step on every rank: collectives first, then rank 0 prints/writes, then reset."""
+    ) -> dict[str, Any] | None:
+        """Log step on every rank: collectives first, then rank 0 prints/writes (and returns
+        the metrics record), then reset."""
         n = max(self._iters_in_interval, 1)
         interval_timer = self.timers(INTERVAL_TIME)
         # barrier=True: the interval ends at the same moment on every rank (as Megatron).
         elapsed_ms = interval_timer.elapsed(reset=True, barrier=True) * 1000.0 / n
         report = self.timers.report(self.timers.enabled_names(TRAINING_TIMERS), normalizer=n)
         info = IntervalInfo(iteration, n, elapsed_ms, self._consumed_samples, not self._logged_once)
-        fields = [f for p in self.providers for f in p.log_fields(info)]
+        with self._progress.external_write():  # a provider may print (the memory report)
+            fields = [f for p in self.providers for f in p.log_fields(info)]
+        record = None
         if self._is_writer:
             summary = self._summarize(iteration, global_batch_size, elapsed_ms, values, fields)
-            self._emit(summary, report, is_first=not self._logged_once)
+            record = self._emit(summary, report, is_first=not self._logged_once)
         self._reset_interval()
+        return record
 
     def _summarize(
         self,
@@ -350,7 +327,10 @@ class TrainingLog:
         throughput = rates.tflops_per_gpu if self.config.log_throughput else None  # Megatron's
         stamp = None
         if self.config.log_timestamp:
-            stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
+            megatron = self.config.log_format is LogFormat.MEGATRON
+            stamp = datetime.datetime.now().strftime(
+                "%Y-%m-%d %H:%M:%S.%f" if megatron else "%H:%M:%S"
+            )
         return IntervalSummary(
             iteration=iteration,
             train_iters=self.train_iters,
@@ -374,15 +354,16 @@ class TrainingLog:
             mfu_percent=rates.mfu_percent,
         )
 
-    def _emit(self, s: IntervalSummary, report: TimerReport | None, *, is_first: bool) -> None:
-        """Rank 0: print the line and the timers, write log-step scalars and the metrics record."""
+    def _emit(
+        self, s: IntervalSummary, report: TimerReport | None, *, is_first: bool
+    ) -> dict[str, Any]:
+        """Rank 0: print the line and the timers, write log-step scalars and the metrics
+        record (returned)."""
         self.total_skipped += s.skipped
         self.total_nan += s.nan
-        timer_text = report.format(self.timers.log_option) if report is not None else None
         with self._progress.external_write():
-            self._print(format_iteration_line(s))
-            if timer_text is not None:
-                self._print(timer_text)
+            for line in self._lines(s, report):
+                self._print(line)
         timer_scalars = report.scalars() if report is not None else {}
         scalars = {f.key: float(f.value) for f in s.extra_fields if f.key is not None}
         if self.config.log_timers_to_tensorboard:
@@ -393,11 +374,28 @@ class TrainingLog:
         scalars.update(_throughput_scalars(s))
         if scalars:
             self.sink.add_scalars(scalars, s.iteration)
+        record = self._metrics_record(s, timer_scalars)
         if self._metrics is not None:
-            self._metrics.write_record(self._metrics_record(s, timer_scalars))
+            self._metrics.write_record(record)
         main = s.loss_averages.get(MAIN_LOSS_KEY)
         self._progress.set_stats(loss=main, loss_name=MAIN_LOSS_KEY)
         self._progress.update(s.iteration)
+        return record
+
+    def _lines(self, s: IntervalSummary, report: TimerReport | None) -> list[str]:
+        """The log step's lines in the configured format: the iteration line, then the timers
+        (one line in the compact format, unless every rank's value was asked for)."""
+        option = self.timers.log_option
+        if self.config.log_format is LogFormat.MEGATRON or option is TimingLogOption.ALL:
+            timers = report.format(option) if report is not None else None
+        else:
+            pairs = report.min_max() if report is not None else {}
+            timers = format_compact_timers(pairs, minmax=option is TimingLogOption.MINMAX)
+        if self.config.log_format is LogFormat.MEGATRON:
+            line = format_iteration_line(s)
+        else:
+            line = format_compact_line(s)
+        return [line] if timers is None else [line, timers]
 
     def _metrics_record(self, s: IntervalSummary, timer_scalars: Mapping[str, float]) -> dict:
         main_key = (
@@ -444,8 +442,12 @@ class TrainingLog:
         # Deliberate sync: evaluation has finished; its averaged losses are read once here.
         host = {k: float(v) for k, v in losses.items()}
         samples = self._consumed_samples if consumed_samples is None else consumed_samples
+        if self.config.log_format is LogFormat.MEGATRON:
+            lines = format_validation_lines(iteration, host, suffix)
+        else:
+            lines = [format_compact_validation(iteration, host, suffix)]
         with self._progress.external_write():
-            for line in format_validation_lines(iteration, host, suffix):
+            for line in lines:
                 self._print(line)
         if not suffix and MAIN_LOSS_KEY in host:
             self._progress.set_stats(val_loss=host[MAIN_LOSS_KEY])
@@ -463,10 +465,6 @@ class TrainingLog:
             record.update(by_iter)
             record.update({f"{k} validation{suffix} ppl": ppl(v) for k, v in host.items()})
             self._metrics.write_record(record)
-
-    def external_write(self) -> contextlib.AbstractContextManager[None]:
-        """Lift the progress bar (when shown) while the body prints a line of the run's own."""
-        return self._progress.external_write()
 
     def end_progress(self) -> None:
         """Leave the progress bar for good (idempotent): training is over, so the lines that

@@ -199,7 +199,7 @@ class Trainer:
         t = self.config.training
         done = self.state.iteration >= t.train_iters
         # The run's settings for the report: only when training starts.
-        manifest = None if done else self.config.to_dict()
+        manifest = None if done else self.config.manifest()
         self.shell.start(flops_so_far=self._flops_so_far(), manifest=manifest)
         if done:
             done_detail = nothing_left_to_train(self.loaded_path, self.state.iteration, t)

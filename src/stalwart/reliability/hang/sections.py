@@ -54,6 +54,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from stalwart.log_notice import NOTICE
 from stalwart.reliability.hang import monitor as hb
 from stalwart.reliability.hang.config import (
     _TIMEOUT_KEYS,
@@ -394,6 +395,7 @@ def build_section_monitor(
             ", ".join(sorted(calculated)),
             ft_state_path(save_dir or "."),
             timeouts.as_dict(),
+            extra=NOTICE,  # shown by default: hang detection runs on these
         )
     elif rank == 0:
         logger.info("stalwart-ft: timeouts %s", timeouts.as_dict())
