@@ -32,6 +32,7 @@ from stalwart.checkpoint.loading import (
 from stalwart.checkpoint.local import TierPlan
 from stalwart.checkpoint.local_plan import CopyKind, ResumeChoice, choose_copy
 from stalwart.distributed import collectives
+from stalwart.log_notice import NOTICE
 
 logger = logging.getLogger("stalwart.checkpoint")
 
@@ -161,7 +162,8 @@ def decide(
         candidates[tier.kind] = offer.iteration
     picked = _choose(tier.kind, candidates, offer, disk)
     if picked is not None and ranks[0] == 0:
-        logger.info("resuming from %s", picked.resume.detail)
+        # Shown by default: which copy a restart trusted, and why not a newer one.
+        logger.info("resuming from %s", picked.resume.detail, extra=NOTICE)
     return picked
 
 

@@ -396,21 +396,7 @@ def check_combinations(config: RunConfig) -> None:
     ``ValueError`` naming the flags, changes nothing."""
     config.shell.check(Names.CLI)  # the shell's own rules (its device rules: before start)
     _check_timeout_hierarchy(config)
-    if config.inprocess.inprocess_restart and not config.checkpoint.save:
-        raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
-    if (
-        config.checkpoint.non_persistent_ckpt_type is NonPersistentType.IN_MEMORY
-        and not config.inprocess.inprocess_restart
-    ):  # a relaunched process has no memory of the last one: only a restart in it can use them
-        raise ValueError("--non-persistent-ckpt-type in_memory needs --inprocess-restart")
-    if (
-        config.checkpoint.non_persistent_ckpt_type is not NonPersistentType.GLOBAL
-        and not config.shell.exit.non_persistent_save_interval
-    ):  # the type says where the non-persistent saves go: without their interval there are none
-        raise ValueError(
-            f"--non-persistent-ckpt-type {config.checkpoint.non_persistent_ckpt_type.value} needs "
-            "--non-persistent-save-interval (without it nothing is saved there)"
-        )
+    _check_restart_copies(config)
     if config.faults.inject_fault and not config.checkpoint.save:
         raise ValueError("--inject-fault needs --save (the fired-once marker lives there)")
     for flag, value in (
@@ -451,6 +437,25 @@ def check_combinations(config: RunConfig) -> None:
         raise ValueError(
             "--rampup-batch-size with --cuda-graph-impl full_iteration is not supported: every "
             "batch-size step changes the micro-batch count and would re-capture the graph"
+        )
+
+
+def _check_restart_copies(config: RunConfig) -> None:
+    """What a restart resumes from: a checkpoint directory, and non-persistent copies that exist."""
+    if config.inprocess.inprocess_restart and not config.checkpoint.save:
+        raise ValueError("--inprocess-restart needs --save (it resumes from the latest checkpoint)")
+    if (
+        config.checkpoint.non_persistent_ckpt_type is NonPersistentType.IN_MEMORY
+        and not config.inprocess.inprocess_restart
+    ):  # a relaunched process has no memory of the last one: only a restart in it can use them
+        raise ValueError("--non-persistent-ckpt-type in_memory needs --inprocess-restart")
+    if (
+        config.checkpoint.non_persistent_ckpt_type is not NonPersistentType.GLOBAL
+        and not config.shell.exit.non_persistent_save_interval
+    ):  # the type says where the non-persistent saves go: without their interval there are none
+        raise ValueError(
+            f"--non-persistent-ckpt-type {config.checkpoint.non_persistent_ckpt_type.value} needs "
+            "--non-persistent-save-interval (without it nothing is saved there)"
         )
 
 
