@@ -108,10 +108,20 @@ def _command_line(pid: int, comm: str) -> str:
     return text[:100] or comm
 
 
+# multiprocessing's own helpers (DataLoader workers' forkserver, the resource tracker) read a pipe
+# from this process and end when it closes: they never hold the exit, so they are not reported.
+_STDLIB_HELPERS = ("multiprocessing.forkserver import main", "multiprocessing.resource_tracker")
+
+
+def _exits_with_us(command_line: str) -> bool:
+    return any(helper in command_line for helper in _STDLIB_HELPERS)
+
+
 def leftovers() -> str | None:
     """One line naming what is still running at the end of the session, or None."""
     threads = [t.name for t in leftover_threads()]
-    children = [f"{pid} {_command_line(pid, comm)}" for pid, comm in child_processes()]
+    commands = [(pid, _command_line(pid, comm)) for pid, comm in child_processes()]
+    children = [f"{pid} {line}" for pid, line in commands if not _exits_with_us(line)]
     if not threads and not children:
         return None
     parts = []
