@@ -1,6 +1,6 @@
 """Benchmark: what the in-step replica fingerprint costs the guarded step, side by side.
 
-The fingerprint (``stalwart.reliability.rerun.replicas``) hashes the due weights and their
+The fingerprint (``stalwart.reliability.rerun.attribution.replicas``) hashes the due weights and their
 all-reduced gradients after the backward, gathers them across the data-parallel group and
 records one device check (its value rides on the machine's one per-iteration read; nothing else
 is read on the host). For each mode (``graphed``: ``--cuda-graph-impl full_iteration

@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from stalwart.graphs import make_capturable_adamw
 from stalwart.loop import GraphPlan, GuardedStep
 from stalwart.reliability.exit import ExitConfig, ExitProbe, IterationAgreement
-from stalwart.reliability.replica_check import flip_gradient_bit
 from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
+from stalwart.reliability.rerun.attribution.fingerprints import flip_gradient_bit
 
 from dist_utils import run_distributed
 

@@ -24,7 +24,7 @@ from stalwart.reliability.rerun import (
     decide_peer_outcome,
     plan_peer_replay,
 )
-from stalwart.reliability.rerun.verdict_file import SUSPECTS_FILENAME, write_verdict
+from stalwart.reliability.rerun.attribution.verdict_file import SUSPECTS_FILENAME, write_verdict
 
 
 def _request(rank: int, *, replayable: bool = True) -> PeerRequest:
@@ -108,8 +108,8 @@ def test_gate_fingerprints_one_column_per_weight_and_gradient_even_without_gradi
     the others' columns are their exact fingerprints; a world of one gathers its own row."""
     import torch
 
-    from stalwart.reliability.replica_check import tensor_fingerprints
     from stalwart.reliability.rerun import ReplicaGate
+    from stalwart.reliability.rerun.attribution.fingerprints import tensor_fingerprints
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from stalwart.reliability.replica_check import (
+from stalwart.reliability.rerun.attribution.fingerprints import (
     CHECK_INTERVAL_FLAG,
     ReplicaCheckResult,
     ReplicaConsistencyChecker,
@@ -50,7 +50,7 @@ def test_fingerprints_shape_dtype_and_determinism() -> None:
 def test_fingerprint_is_the_documented_sum(dtype: torch.dtype, chunk: int) -> None:
     """The exact value: sum of unsigned word i times (2 i + 1), modulo 2**64, as an int64
     (computed here in Python integers), whatever the chunking; an empty tensor is zero."""
-    from stalwart.reliability.replica_check import tensor_fingerprints
+    from stalwart.reliability.rerun.attribution.fingerprints import tensor_fingerprints
 
     torch.manual_seed(1)
     tensors = [torch.randn(5, 3).to(dtype), torch.randn(7).to(dtype), torch.empty(0, dtype=dtype)]

@@ -25,7 +25,7 @@ from stalwart.reliability.rerun import (
     compare_floats,
     read_iterations_to_skip,
 )
-from stalwart.reliability.rerun.rules import UNWRITTEN
+from stalwart.reliability.rerun.checks.rules import UNWRITTEN
 from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 INF, NAN = math.inf, math.nan

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.reliability.rerun import GradCheckState, RerunStateMachine, bucket_layout
-from stalwart.reliability.rerun.checks import DEFAULT_BUCKET_BYTES
+from stalwart.reliability.rerun.checks.grads import DEFAULT_BUCKET_BYTES
 
 
 class ReducedGradChecks(GradCheckState):

@@ -21,7 +21,7 @@ from stalwart.loop.precision import NullLossScaler
 from stalwart.observability.timer_names import BACKWARD_COMPUTE, BATCH_GENERATOR, FORWARD_COMPUTE
 from stalwart.observability.timers import NullTimer
 from stalwart.reliability.rerun import GradCheckState, RerunStateMachine
-from stalwart.reliability.rerun.checks import CheckRows, record_loss_run
+from stalwart.reliability.rerun.checks.grads import CheckRows, record_loss_run
 
 ForwardStep = Callable[[Any, nn.Module], "torch.Tensor | dict[str, torch.Tensor]"]
 """``forward_step(batch, model)``: the loss (a tensor), or a dict whose ``"loss"`` is

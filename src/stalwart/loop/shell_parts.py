@@ -26,8 +26,8 @@ from stalwart.observability.goodput import GOODPUT_FILE, make_goodput_ledger
 from stalwart.observability.save_timing import SaveTiming
 from stalwart.observability.straggler import StragglerIdle
 from stalwart.reliability.hang.sections import build_section_monitor
-from stalwart.reliability.replica_check import ReplicaConsistencyChecker
 from stalwart.reliability.rerun import RerunConfig
+from stalwart.reliability.rerun.attribution.fingerprints import ReplicaConsistencyChecker
 from stalwart.reliability.rewind import RewindPolicy, read_rewinds
 
 logger = logging.getLogger("stalwart.loop.shell")

@@ -55,7 +55,6 @@ from stalwart.loop.plans import EagerPlan, GraphPlan, PlanParts
 from stalwart.loop.precision import NullLossScaler
 from stalwart.observability.timer_names import FORWARD_BACKWARD, OPTIMIZER
 from stalwart.reliability.exit import Agreed, IterationAgreement
-from stalwart.reliability.replica_check import replicas_agree
 from stalwart.reliability.rerun import (
     GradCheckState,
     RerunDataIterator,
@@ -63,6 +62,7 @@ from stalwart.reliability.rerun import (
     RerunVerdict,
     register_grad_check_hook,
 )
+from stalwart.reliability.rerun.attribution.fingerprints import replicas_agree
 
 logger = logging.getLogger(__name__)
 

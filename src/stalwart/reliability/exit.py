@@ -60,7 +60,7 @@ from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.distributed import collectives
 from stalwart.regular_file import open_regular
 from stalwart.reliability.agreement import Agreed, ExitProbe, IterationAgreement
-from stalwart.reliability.replica_check import ReplicaCheckResult
+from stalwart.reliability.rerun.attribution.fingerprints import ReplicaCheckResult
 from stalwart.reliability.rerun.types import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     Diagnosis,
@@ -470,7 +470,7 @@ def leave(
     log(exit_message(decision, iteration))
     if save_dir and rank == 0:
         if decision.diagnosis is not None:
-            from stalwart.reliability.rerun.verdict_file import write_verdict
+            from stalwart.reliability.rerun.attribution.verdict_file import write_verdict
 
             write_verdict(os.fspath(save_dir), decision.diagnosis, checkpoint=checkpoint)
         write_exit_reason(save_dir, reason, iteration, decision.detail, decision.exit_code)

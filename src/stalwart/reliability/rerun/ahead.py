@@ -3,8 +3,8 @@ this pass was read, and adopted by that iteration when this pass is accepted."""
 
 from __future__ import annotations
 
+from stalwart.reliability.rerun.checks.recorder import Recorder
 from stalwart.reliability.rerun.passes import Ahead, StateSaver
-from stalwart.reliability.rerun.recording import Recorder
 
 
 class LookAhead:

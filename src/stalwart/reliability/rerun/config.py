@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stalwart.reliability.rerun.attribution.replicas import ReplicaGate, ReplicaSchedule
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.machine import Agreement, RerunStateMachine
 from stalwart.reliability.rerun.remedies import (
@@ -17,7 +18,6 @@ from stalwart.reliability.rerun.remedies import (
     RemedyConfig,
     TransientPolicy,
 )
-from stalwart.reliability.rerun.replicas import ReplicaGate, ReplicaSchedule
 from stalwart.reliability.rerun.tracker import read_iterations_to_skip
 from stalwart.reliability.rerun.types import CheckConfig, RerunDiagnostic, RerunMode
 
@@ -55,7 +55,7 @@ class RerunConfig:
         check_weight_hash_across_dp_replicas_interval: every N iterations (0: never) compare
             fingerprints across data-parallel replicas: inside the step, of the all-reduced
             gradients and the weights before the optimizer step (gated: a mismatch is rerun
-            and attributed, ``stalwart.reliability.rerun.replicas``), and of the weights after
+            and attributed, ``stalwart.reliability.rerun.attribution.replicas``), and of the weights after
             it (also before every save; a mismatch exits 17 without saving).
         check_weight_hash_sample_fraction: ``--check-weight-hash-sample-fraction``: every
             iteration, fingerprint this fraction of the parameters (weights and gradients, a
@@ -63,7 +63,7 @@ class RerunConfig:
             the step, as above; 0: off.
         rerun_peer_replay: ``--rerun-peer-replay`` / ``--no-rerun-peer-replay``: attribute a
             rejection that reproduces in place by replaying it on a peer replica within the
-            launch (``stalwart.reliability.rerun.peer``); used when the group has more than
+            launch (``stalwart.reliability.rerun.attribution.peer``); used when the group has more than
             one rank, else (and when off) Megatron's exit 16 and relaunch.
         rerun_transient_policy: ``--rerun-transient-policy``: what a transient verdict does:
             ``exit`` (Megatron's, the default: a fatal check exits 17 without saving) or

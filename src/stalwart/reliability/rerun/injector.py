@@ -8,7 +8,7 @@ reported as rejected), so the reruns perform real comparisons:
   different device (``$STALWART_DEVICE_ID`` changed) the value is clean;
 * ``correct_result``: every run is corrupted, wherever it runs.
 
-A peer replay (``stalwart.reliability.rerun.peer``) of an injected call follows the same rules
+A peer replay (``stalwart.reliability.rerun.attribution.peer``) of an injected call follows the same rules
 on the peer's device: the injecting rank ships its pending injection with the replay's inputs.
 
 ``devices`` ties the injection to devices rather than ranks (``--error-injection-devices``: a

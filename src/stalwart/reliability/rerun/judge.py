@@ -7,9 +7,9 @@ import logging
 from typing import Any, cast
 
 from stalwart.distributed import collectives
+from stalwart.reliability.rerun.checks.rules import is_rejected
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.reporter import Reporter
-from stalwart.reliability.rerun.rules import is_rejected
 from stalwart.reliability.rerun.types import (
     Diagnosis,
     RerunDiagnostic,

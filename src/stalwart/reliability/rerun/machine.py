@@ -14,10 +14,10 @@ of ``should_run_forward_backward`` reads every recorded value in one deliberate 
 agrees with the other ranks in one collective before changing state.
 
 The machine holds the state and its transitions. It is composed of parts that own their state:
-the :class:`~stalwart.reliability.rerun.recording.Recorder` (what a pass records), the
+the :class:`~stalwart.reliability.rerun.checks.recorder.Recorder` (what a pass records), the
 :class:`~stalwart.reliability.rerun.ahead.LookAhead` (the pass begun ahead), the
-:class:`~stalwart.reliability.rerun.peer_flow.PeerReplay` and the
-:class:`~stalwart.reliability.rerun.replicas.ReplicaGate`; the verdicts are pure functions
+:class:`~stalwart.reliability.rerun.attribution.peer_flow.PeerReplay` and the
+:class:`~stalwart.reliability.rerun.attribution.replicas.ReplicaGate`; the verdicts are pure functions
 (``verdicts``), the lines are the :class:`~stalwart.reliability.rerun.reporter.Reporter`'s.
 """
 
@@ -36,29 +36,30 @@ import torch.distributed as dist
 
 from stalwart.distributed import collectives
 from stalwart.reliability.rerun.ahead import LookAhead
-from stalwart.reliability.rerun.buffer import ValidationBuffer
-from stalwart.reliability.rerun.checks import (
+from stalwart.reliability.rerun.attribution.peer import ReplayDeterminism
+from stalwart.reliability.rerun.attribution.peer_flow import PeerReplay
+from stalwart.reliability.rerun.attribution.replicas import (
+    ReplicaGate,
+    split_replica,
+)
+from stalwart.reliability.rerun.attribution.verdict_file import apply_verdict
+from stalwart.reliability.rerun.checks.buffer import ValidationBuffer
+from stalwart.reliability.rerun.checks.grads import (
     SPIKY_LOSS_MESSAGE,
     CheckRows,
     record_grad_checks,
     record_loss_checks,
 )
+from stalwart.reliability.rerun.checks.recorder import Recorder
+from stalwart.reliability.rerun.checks.rules import host_predicate
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator, wrapped_iterators
 from stalwart.reliability.rerun.determinism import DeterminismStats
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.judge import EventJudge
 from stalwart.reliability.rerun.passes import Saved, StateSaver
-from stalwart.reliability.rerun.peer import ReplayDeterminism
-from stalwart.reliability.rerun.peer_flow import PeerReplay
-from stalwart.reliability.rerun.recording import Recorder
 from stalwart.reliability.rerun.remedies import Remedies, RemedyConfig
-from stalwart.reliability.rerun.replicas import (
-    ReplicaGate,
-    split_replica,
-)
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker
-from stalwart.reliability.rerun.rules import host_predicate
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
     CallKey,
@@ -71,7 +72,6 @@ from stalwart.reliability.rerun.types import (
     SpikeRewind,
     device_identity,
 )
-from stalwart.reliability.rerun.verdict_file import apply_verdict
 from stalwart.reliability.rerun.verdicts import (
     Event,
     Items,
@@ -111,12 +111,12 @@ class RerunStateMachine:
         device: where :attr:`buffer` lives, once a device check needs it (default: the device
             of the first device check). No check, no buffer: nothing is computed or read.
         peer_replay: attribute a rejection that reproduces in place by replaying it on a peer
-            replica in the same launch (``stalwart.reliability.rerun.peer``; needs more than one
+            replica in the same launch (``stalwart.reliability.rerun.attribution.peer``; needs more than one
             rank in ``process_group``, every one a data-parallel replica); off: Megatron's
             exit 16 and rerun after the relaunch.
         replay_determinism: the settings of the peer replay's pass (:class:`ReplayDeterminism`).
         replicas: fingerprints compared across replicas inside the step
-            (``stalwart.reliability.rerun.replicas``; the step calls :meth:`record_replicas`).
+            (``stalwart.reliability.rerun.attribution.replicas``; the step calls :meth:`record_replicas`).
         remedies: what a transient verdict does (``exit``, Megatron's, or ``continue`` with
             the rerun's result, a device over its budget being a suspect) and whether a
             reproduced spiky loss (the data's) ends the iteration untrained with a
@@ -703,7 +703,7 @@ class RerunStateMachine:
 
     def forget_rerun_from_checkpoint(self) -> None:
         """Drop a loaded "rerun this iteration from the checkpoint" mark: a rerun verdict has
-        settled it (`stalwart.reliability.rerun.verdict_file`); training goes on normally."""
+        settled it (`stalwart.reliability.rerun.attribution.verdict_file`); training goes on normally."""
         self.judge.finish()
         self.state = RerunState.NOT_RUNNING_YET
         self._awaiting_exit = False

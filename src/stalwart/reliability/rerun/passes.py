@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from stalwart.reliability.rerun.checks.rules import ValidationRecord
 from stalwart.reliability.rerun.rng import RngStateTracker
-from stalwart.reliability.rerun.rules import ValidationRecord
 from stalwart.reliability.rerun.types import CallKey
 from stalwart.rng_state import capture_rng_state, restore_rng_state
 

@@ -97,7 +97,7 @@ class RerunState(enum.Enum):
 
     ``REPLAYING_ON_PEER`` (stalwart): after an in-place rerun reproduced a rejection on rank r,
     every rank runs one more pass in which a peer replica replays rank r's micro-batches with
-    r's RNG state (``stalwart.reliability.rerun.peer``). It is never checkpointed.
+    r's RNG state (``stalwart.reliability.rerun.attribution.peer``). It is never checkpointed.
     """
 
     NOT_RUNNING_YET = 0

@@ -16,11 +16,9 @@ from typing import Any
 
 import torch
 
-from stalwart.reliability.rerun.buffer import ValidationBuffer
-from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.passes import Records
-from stalwart.reliability.rerun.reading import read_values
-from stalwart.reliability.rerun.rules import (
+from stalwart.reliability.rerun.checks.buffer import ValidationBuffer
+from stalwart.reliability.rerun.checks.reading import read_values
+from stalwart.reliability.rerun.checks.rules import (
     CheckSpec,
     DeviceCheck,
     DeviceRule,
@@ -29,7 +27,9 @@ from stalwart.reliability.rerun.rules import (
     as_scalar,
     host_predicate,
 )
-from stalwart.reliability.rerun.stats import LargeValueTracker, compare_floats, host_float
+from stalwart.reliability.rerun.checks.stats import LargeValueTracker, compare_floats, host_float
+from stalwart.reliability.rerun.injector import RerunErrorInjector
+from stalwart.reliability.rerun.passes import Records
 from stalwart.reliability.rerun.types import CallKey
 from stalwart.reliability.rerun.verdicts import Items
 

@@ -16,7 +16,7 @@ Two kinds of records:
   device tensor or a float), with the conventions below.
 
 The rules, specs and records, and how a rejection is evaluated on the host, are in
-:mod:`stalwart.reliability.rerun.rules`.
+:mod:`stalwart.reliability.rerun.checks.rules`.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.reliability.rerun.rules import (
+from stalwart.reliability.rerun.checks.rules import (
     UNWRITTEN,
     CheckSpec,
     DeviceRule,
     RuleKind,
     device_rule_of,
 )
-from stalwart.reliability.rerun.stats import compare_floats
+from stalwart.reliability.rerun.checks.stats import compare_floats
 from stalwart.reliability.rerun.types import CallKey
 
 

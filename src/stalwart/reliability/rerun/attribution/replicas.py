@@ -1,7 +1,7 @@
 """Replica fingerprints inside the guarded step: the all-reduced gradients (and the weights they
 step) compared across data-parallel replicas before the optimizer step, gated on the device.
 
-The replica check of the loop (``stalwart.reliability.replica_check``) compares the weights after
+The replica check of the loop (``stalwart.reliability.rerun.attribution.fingerprints``) compares the weights after
 a step. Most silent data corruption gives finite wrong values that no NaN check sees, and a
 corrupted all-reduced gradient on one replica makes its weights drift one step later. So, at the
 iterations :class:`ReplicaSchedule` names, the step fingerprints the pass's gradients and the
@@ -42,10 +42,13 @@ import torch
 import torch.distributed as dist
 
 from stalwart.distributed import collectives
-from stalwart.reliability.replica_check import decide_replica_consistency, tensor_fingerprints
-from stalwart.reliability.rerun.recording import Recorder
+from stalwart.reliability.rerun.attribution.fingerprints import (
+    decide_replica_consistency,
+    tensor_fingerprints,
+)
+from stalwart.reliability.rerun.checks.recorder import Recorder
+from stalwart.reliability.rerun.checks.rules import NAN_RULE, DeviceCheck, is_rejected
 from stalwart.reliability.rerun.reporter import Reporter
-from stalwart.reliability.rerun.rules import NAN_RULE, DeviceCheck, is_rejected
 from stalwart.reliability.rerun.types import (
     Diagnosis,
     DiagnosisSource,

@@ -1,4 +1,4 @@
-"""The peer replay's side of the rerun machine (see ``stalwart.reliability.rerun.peer`` for the
+"""The peer replay's side of the rerun machine (see ``stalwart.reliability.rerun.attribution.peer`` for the
 protocol): :class:`PeerReplay` owns the plan of the replay under way and does its collectives,
 its RNG and data set-up, its comparison and its lines; the machine owns the states."""
 
@@ -9,10 +9,7 @@ import math
 from typing import Any
 
 from stalwart.distributed import collectives
-from stalwart.reliability.rerun.checks import is_grad_message
-from stalwart.reliability.rerun.data_iterator import RerunDataIterator
-from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.peer import (
+from stalwart.reliability.rerun.attribution.peer import (
     PeerOutcome,
     PeerPlan,
     PeerReport,
@@ -22,9 +19,12 @@ from stalwart.reliability.rerun.peer import (
     plan_peer_replay,
     to_cpu,
 )
+from stalwart.reliability.rerun.checks.grads import is_grad_message
+from stalwart.reliability.rerun.checks.rules import evaluate_comparison
+from stalwart.reliability.rerun.data_iterator import RerunDataIterator
+from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker, adopt_rng_state, portable_rng_state
-from stalwart.reliability.rerun.rules import evaluate_comparison
 from stalwart.reliability.rerun.types import (
     CallKey,
     Diagnosis,

@@ -15,7 +15,13 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from stalwart.reliability.rerun.rules import INF_RULE, NAN_RULE, DeviceCheck, DeviceRule, RuleKind
+from stalwart.reliability.rerun.checks.rules import (
+    INF_RULE,
+    NAN_RULE,
+    DeviceCheck,
+    DeviceRule,
+    RuleKind,
+)
 from stalwart.reliability.rerun.types import CheckConfig
 
 NAN_LOSS_MESSAGE = "found NaN in local forward loss calculation"

@@ -3,7 +3,7 @@
 What a validation call checks (:class:`CheckSpec`, :class:`DeviceRule`), the record of one call
 before its value is read (:class:`ValidationRecord`), and how a rejection or comparison function
 is applied to a host value. The device buffer that holds the values is
-:class:`stalwart.reliability.rerun.buffer.ValidationBuffer`.
+:class:`stalwart.reliability.rerun.checks.buffer.ValidationBuffer`.
 
 Rejection and comparison functions are called with host values. ``torch.isnan`` / ``torch.isinf``
 are evaluated with :mod:`math`; callables marked with :func:`host_predicate` (such as
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from stalwart.reliability.rerun.stats import compare_floats
+from stalwart.reliability.rerun.checks.stats import compare_floats
 from stalwart.reliability.rerun.types import CallKey
 
 F = TypeVar("F", bound=Callable[..., Any])
