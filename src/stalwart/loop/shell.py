@@ -130,7 +130,7 @@ class Shell:
         )
         self.ledger, self.sections, self.machine = parts.ledger, parts.sections, parts.machine
         self.signal_handler, self.agreement = parts.signal_handler, parts.agreement
-        self.replicas, self.rewinder = parts.replicas, parts.rewinder
+        self.rewinder = parts.rewinder
         self.iterations = Iterations(config.train_iters, resolve_iterations_to_skip(config.rerun))
         probes = Probes.build(
             config,

@@ -14,7 +14,7 @@ from stalwart.reliability.rerun.attribution.peer import (
     plan_peer_replay,
 )
 from stalwart.reliability.rerun.attribution.replicas import (
-    ReplicaGate,
+    ReplicaCheck,
     ReplicaSchedule,
     attribute_replicas,
 )
@@ -22,8 +22,6 @@ from stalwart.reliability.rerun.checks.buffer import ValidationBuffer
 from stalwart.reliability.rerun.checks.grads import (
     GradCheckState,
     bucket_layout,
-    check_grads,
-    check_loss,
     register_grad_check_hook,
 )
 from stalwart.reliability.rerun.checks.stats import QuickStats, compare_floats
@@ -60,7 +58,7 @@ __all__ = [
     "PeerRequest",
     "QuickStats",
     "ReplayDeterminism",
-    "ReplicaGate",
+    "ReplicaCheck",
     "ReplicaSchedule",
     "RerunConfig",
     "RerunDataIterator",
@@ -75,8 +73,6 @@ __all__ = [
     "ValidationBuffer",
     "attribute_replicas",
     "bucket_layout",
-    "check_grads",
-    "check_loss",
     "compare_floats",
     "decide_peer_outcome",
     "device_identity",

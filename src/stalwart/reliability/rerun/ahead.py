@@ -7,7 +7,7 @@ from stalwart.reliability.rerun.checks.recorder import Recorder
 from stalwart.reliability.rerun.passes import Ahead, StateSaver
 
 
-class LookAhead:
+class AheadPass:
     """Owns the pass begun ahead, if any.
 
     Args:

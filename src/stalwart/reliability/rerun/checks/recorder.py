@@ -19,6 +19,7 @@ import torch
 from stalwart.reliability.rerun.checks.buffer import ValidationBuffer
 from stalwart.reliability.rerun.checks.reading import read_values
 from stalwart.reliability.rerun.checks.rules import (
+    CheckRows,
     CheckSpec,
     DeviceCheck,
     DeviceRule,
@@ -30,7 +31,7 @@ from stalwart.reliability.rerun.checks.rules import (
 from stalwart.reliability.rerun.checks.stats import LargeValueTracker, compare_floats, host_float
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.passes import Records
-from stalwart.reliability.rerun.types import CallKey
+from stalwart.reliability.rerun.types import CallKey, CheckConfig
 from stalwart.reliability.rerun.verdicts import Items
 
 
@@ -42,6 +43,10 @@ class Recorder:
         decide: whether to corrupt the call ``key`` now (the machine's injection decision,
             asked once per new call).
         in_pass: whether a pass is running (a record outside one is refused).
+        checks: which loss and gradient checks :meth:`check_loss`, :meth:`check_losses`,
+            :meth:`check_grad_norm` and :meth:`check_grad_norms` record (Megatron's
+            ``--check-for-nan-in-loss-and-grad``, ``--check-for-spiky-loss``,
+            ``--check-for-large-grads`` and their factors).
     """
 
     def __init__(
@@ -49,7 +54,10 @@ class Recorder:
         injector: RerunErrorInjector,
         decide: Callable[[CallKey], bool],
         in_pass: Callable[[], bool],
+        checks: CheckConfig | None = None,
     ) -> None:
+        self.checks = checks or CheckConfig()
+        self._rows = CheckRows()  # the checks' rows, built once per configuration
         self._injector = injector
         self._decide = decide
         self._in_pass = in_pass
@@ -218,6 +226,45 @@ class Recorder:
         flat = values.reshape(-1)
         for (i, _), slot in zip(pairs, slots, strict=True):  # another layout (rare): one by one
             buffer.record(slot, flat[i])
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Megatron's checks of one micro-batch's local loss, as :attr:`checks` says: NaN/Inf
+        (fatal, tolerance 0: the forward is deterministic) and spiky loss (non-fatal)."""
+        wanted = self._rows.loss(self.checks)
+        if wanted:
+            self.check_all_on_device(loss, (wanted,))
+
+    def check_losses(self, losses: Sequence[torch.Tensor]) -> None:
+        """:meth:`check_loss` of each loss of ``losses`` (one per micro-batch, in order) in one
+        call: the same slots, messages and verdicts, and one stack plus one device write in all
+        instead of one per micro-batch. ``losses`` should be detached (a host dispatch less)."""
+        wanted = self._rows.loss(self.checks)
+        if not wanted or not losses:
+            return
+        for loss in losses:
+            if loss.numel() != 1:
+                raise ValueError(f"a loss to check must be a scalar; got shape {tuple(loss.shape)}")
+        flat = [x if x.dim() == 0 else x.reshape(()) for x in losses]
+        if any(x.dtype != flat[0].dtype for x in flat):
+            flat = [x.double() for x in flat]
+        values = flat[0] if len(flat) == 1 else torch.stack(flat)
+        self.check_all_on_device(values, [wanted] * len(flat))
+
+    def check_grad_norm(self, norm: torch.Tensor, bucket: int | None = None) -> None:
+        """Megatron's checks of a *local* (pre-reduction) grad norm, of DDP bucket ``bucket``
+        when given, as :attr:`checks` says: NaN/Inf (fatal) and large grads (non-fatal), with
+        tolerance 1e-3 (non-deterministic backward kernels)."""
+        wanted = self._rows.grads(self.checks, bucket)
+        if wanted:
+            self.check_all_on_device(norm, (wanted,))
+
+    def check_grad_norms(self, norms: torch.Tensor) -> None:
+        """:meth:`check_grad_norm` of every bucket's norm (``norms[b]``; a 0-d tensor: the one
+        bucket's) in one call: the same slots, messages and verdicts, one device write."""
+        n = norms.numel()
+        wanted = [self._rows.grads(self.checks, b if n > 1 else None) for b in range(n)]
+        if wanted and wanted[0]:
+            self.check_all_on_device(norms, wanted)
 
     def _slot(self, buffer: ValidationBuffer, key: CallKey, check: DeviceCheck) -> int:
         """The buffer slot of ``key``; a new one decides its error injection now."""
