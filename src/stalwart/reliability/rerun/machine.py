@@ -427,9 +427,9 @@ class RerunStateMachine:
         ahead = self._look_ahead.take(self.iteration)
         if ahead is not None:
             # Adopt the pass begun ahead: its state was saved before any of its work.
-            self._saved = ahead.saved
+            self._saved, records = ahead
             self.state = RerunState.INITIAL_RUN
-            self.recorder.adopt(ahead.records, gate_non_fatal=self.mode is VALIDATE)
+            self.recorder.adopt(records, gate_non_fatal=self.mode is VALIDATE)
             return True
         self._look_ahead.discard(restore_rng=False)
         if self.mode is not RerunMode.DISABLED:

@@ -265,11 +265,21 @@ def decide_replica_consistency(
     )
 
 
-def _comm_device(group: ProcessGroup | None, local: torch.device) -> torch.device:
-    """Where the all-gather buffer must live: CUDA for NCCL, CPU for gloo and the rest."""
+def gather_fingerprints(local: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's fingerprint vector, ``[world, k]`` (one all-gather, device work; the buffer
+    lives where the backend wants it: CUDA for NCCL, the CPU for gloo and the rest)."""
+    world = dist.get_world_size(group) if collectives_initialized() else 1
+    if world == 1:
+        return local.unsqueeze(0)
     if dist.get_backend(group) == "nccl":
-        return local if local.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        comm = local if local.device.type == "cuda" else local.to(cuda)
+    else:
+        comm = local.to("cpu")
+    parts = [torch.empty_like(comm) for _ in range(world)]
+    # List form rather than all_gather_into_tensor: it is supported by gloo as well as NCCL.
+    dist.all_gather(parts, comm, group=group)
+    return torch.stack(parts)
 
 
 def check_replica_consistency(
@@ -292,13 +302,9 @@ def check_replica_consistency(
     world = dist.get_world_size(process_group)
     if world == 1 or not named:
         return ReplicaCheckResult(True, [], [])
-    local = parameter_fingerprints(module)
-    local = local.to(_comm_device(process_group, local.device))
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    # List form rather than all_gather_into_tensor: it is supported by gloo as well as NCCL.
-    dist.all_gather(gathered, local, group=process_group)
+    gathered = gather_fingerprints(parameter_fingerprints(module), process_group)
     # Deliberate sync: the decision needs the gathered fingerprints on the host, once per check.
-    rows = torch.stack(gathered).tolist()
+    rows = gathered.tolist()
     result = decide_replica_consistency(rows, [name for name, _ in named])
     if not result.consistent:  # the same on every rank: all of them gather (rare path)
         everyone = cast(
@@ -341,9 +347,7 @@ def replicas_agree(
                     if isinstance(v, torch.Tensor) and v.dtype in _WORD_VIEWS
                 ]
     local = tensor_fingerprints([t.to(tensors[0].device) for t in tensors])
-    local = local.to(_comm_device(process_group, local.device))
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(gathered, local, group=process_group)
+    gathered = gather_fingerprints(local, process_group)
     # Deliberate sync: a save decision (rare path).
     return bool(all(torch.equal(g, gathered[0]) for g in gathered))
 

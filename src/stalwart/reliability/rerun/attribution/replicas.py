@@ -49,6 +49,7 @@ from stalwart.reliability.rerun.attribution.fingerprints import (
     ReplicaCheckResult,
     check_replica_consistency,
     decide_replica_consistency,
+    gather_fingerprints,
     tensor_fingerprints,
 )
 from stalwart.reliability.rerun.checks.recorder import Recorder
@@ -229,15 +230,7 @@ class ReplicaCheck:
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's vector, ``[world, k]`` (device work; gloo gathers on the CPU)."""
-        world = collectives.world_size(self.group)
-        if world == 1:
-            gathered = local.unsqueeze(0)
-        else:
-            comm = local.to(collectives.device_for(self.group))
-            parts = [torch.empty_like(comm) for _ in range(world)]
-            dist.all_gather(parts, comm, group=self.group)
-            gathered = torch.stack(parts)
-        self._gathered = gathered
+        gathered = self._gathered = gather_fingerprints(local, self.group)
         self.num_recorded += 1
         return gathered
 

@@ -19,14 +19,15 @@ import torch
 from stalwart.reliability.rerun.checks.buffer import ValidationBuffer
 from stalwart.reliability.rerun.checks.reading import read_values
 from stalwart.reliability.rerun.checks.rules import (
-    CheckRows,
     CheckSpec,
     DeviceCheck,
     DeviceRule,
     RuleKind,
     ValidationRecord,
     as_scalar,
+    grad_checks,
     host_predicate,
+    loss_checks,
 )
 from stalwart.reliability.rerun.checks.stats import LargeValueTracker, compare_floats, host_float
 from stalwart.reliability.rerun.injector import RerunErrorInjector
@@ -57,7 +58,8 @@ class Recorder:
         checks: CheckConfig | None = None,
     ) -> None:
         self.checks = checks or CheckConfig()
-        self._rows = CheckRows()  # the checks' rows, built once per configuration
+        # The checks' rows, built once per configuration: the hot path then builds nothing.
+        self._rows: dict[tuple[CheckConfig, str, int | None], tuple[DeviceCheck, ...]] = {}
         self._injector = injector
         self._decide = decide
         self._in_pass = in_pass
@@ -230,7 +232,7 @@ class Recorder:
     def check_loss(self, loss: torch.Tensor) -> None:
         """Megatron's checks of one micro-batch's local loss, as :attr:`checks` says: NaN/Inf
         (fatal, tolerance 0: the forward is deterministic) and spiky loss (non-fatal)."""
-        wanted = self._rows.loss(self.checks)
+        wanted = self._row("loss")
         if wanted:
             self.check_all_on_device(loss, (wanted,))
 
@@ -238,7 +240,7 @@ class Recorder:
         """:meth:`check_loss` of each loss of ``losses`` (one per micro-batch, in order) in one
         call: the same slots, messages and verdicts, and one stack plus one device write in all
         instead of one per micro-batch. ``losses`` should be detached (a host dispatch less)."""
-        wanted = self._rows.loss(self.checks)
+        wanted = self._row("loss")
         if not wanted or not losses:
             return
         for loss in losses:
@@ -254,7 +256,7 @@ class Recorder:
         """Megatron's checks of a *local* (pre-reduction) grad norm, of DDP bucket ``bucket``
         when given, as :attr:`checks` says: NaN/Inf (fatal) and large grads (non-fatal), with
         tolerance 1e-3 (non-deterministic backward kernels)."""
-        wanted = self._rows.grads(self.checks, bucket)
+        wanted = self._row("grads", bucket)
         if wanted:
             self.check_all_on_device(norm, (wanted,))
 
@@ -262,9 +264,19 @@ class Recorder:
         """:meth:`check_grad_norm` of every bucket's norm (``norms[b]``; a 0-d tensor: the one
         bucket's) in one call: the same slots, messages and verdicts, one device write."""
         n = norms.numel()
-        wanted = [self._rows.grads(self.checks, b if n > 1 else None) for b in range(n)]
+        wanted = [self._row("grads", b if n > 1 else None) for b in range(n)]
         if wanted and wanted[0]:
             self.check_all_on_device(norms, wanted)
+
+    def _row(self, kind: str, bucket: int | None = None) -> tuple[DeviceCheck, ...]:
+        """The ``"loss"`` checks, or the ``"grads"`` checks of ``bucket`` (None: the only
+        one), as :attr:`checks` says."""
+        key = (self.checks, kind, bucket)
+        row = self._rows.get(key)
+        if row is None:
+            made = loss_checks(self.checks) if kind == "loss" else grad_checks(self.checks, bucket)
+            row = self._rows[key] = made
+        return row
 
     def _slot(self, buffer: ValidationBuffer, key: CallKey, check: DeviceCheck) -> int:
         """The buffer slot of ``key``; a new one decides its error injection now."""

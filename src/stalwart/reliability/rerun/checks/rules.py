@@ -217,25 +217,3 @@ def grad_checks(checks: CheckConfig, bucket: int | None) -> tuple[DeviceCheck, .
         rule = DeviceRule(RuleKind.LARGE, "grads", checks.large_grads_factor, checks.large_samples)
         out.append(DeviceCheck(rule, grad_message("large", bucket), GRAD_TOLERANCE, fatal=False))
     return tuple(out)
-
-
-class CheckRows:
-    """:func:`loss_checks` and :func:`grad_checks`, built once per configuration (an instance's
-    memo: the hot path then builds nothing)."""
-
-    def __init__(self) -> None:
-        self._memo: dict[tuple[CheckConfig, str, int | None], tuple[DeviceCheck, ...]] = {}
-
-    def loss(self, checks: CheckConfig) -> tuple[DeviceCheck, ...]:
-        key = (checks, "loss", None)
-        row = self._memo.get(key)
-        if row is None:
-            row = self._memo[key] = loss_checks(checks)
-        return row
-
-    def grads(self, checks: CheckConfig, bucket: int | None) -> tuple[DeviceCheck, ...]:
-        key = (checks, "grads", bucket)
-        row = self._memo.get(key)
-        if row is None:
-            row = self._memo[key] = grad_checks(checks, bucket)
-        return row
