@@ -247,11 +247,11 @@ class RerunStateMachine:
     ) -> None:
         """After a pass and before its optimizer step: the replica fingerprints' check, with
         the skip gate (:meth:`ReplicaCheck.record`), in the passes that check them."""
-        gate = self.replicas
-        if gate is None or self.mode is not VALIDATE or self._final_pass:
+        check = self.replicas
+        if check is None or self.mode is not VALIDATE or self._final_pass:
             return
         if self.state in (RerunState.INITIAL_RUN, RerunState.RERUNNING_IN_PLACE):
-            gate.record(iteration, params, names, self.recorder)
+            check.record(iteration, params, names, self.recorder)
 
     def _may_record(self) -> bool:
         return self.mode is RerunMode.DISABLED or self.state is not RerunState.NOT_RUNNING_YET
@@ -634,14 +634,14 @@ class RerunStateMachine:
 
     def _replica_exit(self, iterators: list[RerunDataIterator[Any]]) -> bool:
         """Attribute a replica fingerprint mismatch after its rerun; True: the job exits."""
-        gate = self.replicas
-        assert gate is not None
-        attribution, identities = gate.attribute(self.reporter, self.iteration)
+        check = self.replicas
+        assert check is not None
+        attribution, identities = check.attribute(self.reporter, self.iteration)
         if attribution.kind == "transient":
-            gate.detail = ""
+            check.detail = ""
             return False  # the rerun's gradients agree: train on with them
         if attribution.kind == "persistent":
-            self._pending_diagnosis = gate.diagnosis(
+            self._pending_diagnosis = check.diagnosis(
                 attribution, identities, self.iteration, self.reporter
             )
         save = attribution.kind == "persistent" and attribution.weights_consistent
