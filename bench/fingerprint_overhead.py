@@ -1,6 +1,6 @@
 """Benchmark: what the in-step replica fingerprint costs the guarded step, side by side.
 
-The fingerprint (``stalwart.reliability.rerun.replicas``) hashes the due weights and their
+The fingerprint (``stalwart.reliability.rerun.attribution.replicas``) hashes the due weights and their
 all-reduced gradients after the backward, gathers them across the data-parallel group and
 records one device check (its value rides on the machine's one per-iteration read; nothing else
 is read on the host). For each mode (``graphed``: ``--cuda-graph-impl full_iteration
@@ -47,7 +47,7 @@ from check_overhead import Variant  # the trainer stepped in place, as check_ove
 from stalwart.cli.args import parse_train_args
 from stalwart.config.run import build_run_config
 from stalwart.distributed.process_group import DistributedContext
-from stalwart.reliability.rerun import ReplicaGate
+from stalwart.reliability.rerun import ReplicaCheck
 from stalwart.train.trainer import Trainer
 
 from bench_utils import add_step_args, close_all, paired_rows, pin_device, rotated_windows
@@ -69,7 +69,7 @@ class Stepper(Variant):
     """One trainer stepped by its guarded step (``check_overhead.Variant``), counting its
     fingerprints."""
 
-    gate: ReplicaGate | None = field(init=False)
+    gate: ReplicaCheck | None = field(init=False)
     recorded_at_start: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ from stalwart.cli.args import parse_train_args
 from stalwart.config.run import build_run_config
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.models import PRESET_MICRO_BATCH_SIZE
-from stalwart.reliability.replica_check import parameter_fingerprints
+from stalwart.reliability.rerun.attribution.fingerprints import parameter_fingerprints
 from stalwart.train.trainer import Trainer
 
 from bench_utils import percentile, sync

@@ -25,7 +25,7 @@ PARTS: dict[str, tuple[str, str]] = {
     "    autograd backward": ("torch.autograd", "backward"),
     "    loss checks recorded": ("stalwart.loop.microbatches", "MicroBatches._check_losses"),
     "    gradient check after the backward": (
-        "stalwart.reliability.rerun.checks", "GradCheckState.check_after_backward"),
+        "stalwart.reliability.rerun.checks.grads", "GradCheckState.check_after_backward"),
     "    skip gate": ("stalwart.loop.microbatches", "MicroBatches._update_gate"),
     "    gradients zeroed": ("stalwart.loop.microbatches", "MicroBatches._zero_grad"),
     "  rerun machine: pass begin and the read": (

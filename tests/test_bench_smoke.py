@@ -37,7 +37,7 @@ def test_check_ops_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert check_ops.main(argv) == 0
     text = capsys.readouterr().out
     assert "| off |" in text and "| checks |" in text and "checks add" in text
-    assert "host reads (checks): {'tolist at stalwart/reliability/rerun/buffer.py" in text
+    assert "host reads (checks): {'tolist at stalwart/reliability/rerun/checks/buffer.py" in text
 
 
 def test_cross_entropy_fusion_runs_on_cpu(

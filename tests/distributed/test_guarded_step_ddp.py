@@ -66,13 +66,13 @@ def _job(rank: int, lookahead: bool, poison: bool) -> dict[str, Any]:
                 break
     finally:
         collectives.all_reduce_floats = original  # type: ignore[assignment]
-    buffer = machine.buffer
+    buffer = machine.recorder.buffer
     assert buffer is not None
     return {
         "codes": codes,
         "diagnosis": diagnosis,
         "params": [p.detach().clone().tolist() for p in model.parameters()],
-        "event": machine.event.message if machine.event is not None else None,
+        "event": machine.judge.event.message if machine.judge.event is not None else None,
         "messages": sorted({spec.message for spec in buffer.specs}),
         "agreements": calls["all_reduce_floats"],
         "used": step.num_used,

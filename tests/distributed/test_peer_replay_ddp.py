@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from stalwart.graphs import make_capturable_adamw
 from stalwart.loop import GraphPlan, GuardedStep
 from stalwart.reliability.exit import ExitConfig, ExitProbe, IterationAgreement
-from stalwart.reliability.replica_check import flip_gradient_bit
 from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
+from stalwart.reliability.rerun.attribution.fingerprints import flip_gradient_bit
 
 from dist_utils import run_distributed
 
@@ -78,7 +78,7 @@ def _job(rank: int, scenario: dict[str, Any], tracker: str) -> dict[str, Any]:
     config = RerunConfig(result_rejected_tracker_filename=tracker, **flags)
     machine = config.build("cpu", agreement=agreement)
     if scenario.get("spike"):  # sample the max over 2 iterations, not Megatron's 100
-        machine.checks = dataclasses.replace(machine.checks, large_samples=4)
+        machine.recorder.checks = dataclasses.replace(machine.recorder.checks, large_samples=4)
     gen = torch.Generator().manual_seed(rank)
     batches = [
         (torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(30)

@@ -69,7 +69,9 @@ def _job(rank: int, world_size: int, root: str, scenario: str) -> dict[str, Any]
     )
     with config.build(rank=rank, world_size=world_size, print_fn=printed.append) as shell:
         # Sample the loss's max over 2 iterations, not Megatron's 100.
-        shell.machine.checks = dataclasses.replace(shell.machine.checks, large_samples=4)
+        shell.machine.recorder.checks = dataclasses.replace(
+            shell.machine.recorder.checks, large_samples=4
+        )
         data = RerunDataIterator(batches)
         step = shell.step(model, optimizer, _forward, data, num_microbatches=MICRO)
         ckpt = shell.checkpointer(CheckpointManager(str(save)), model, optimizer, data=data)

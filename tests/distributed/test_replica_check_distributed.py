@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stalwart.reliability.replica_check import (
+from stalwart.reliability.rerun.attribution.fingerprints import (
     FSDP2_FLAG,
     ReplicaCheckResult,
     check_replica_consistency,

@@ -48,7 +48,7 @@ def _transient_on_rank1(rank: int, tracker: str) -> dict[str, Any]:
         mode="validate_results", error_injector=inj, result_rejected_tracker_filename=tracker
     )
     out = train(sm, model, opt, make_batches(N, seed=rank), config, stop=N)
-    return {"code": out.code, "passes": out.passes, "has_event": sm.event is not None}
+    return {"code": out.code, "passes": out.passes, "has_event": sm.judge.event is not None}
 
 
 def _fatal_beats_continue(rank: int, tracker: str) -> dict[str, Any]:
@@ -71,7 +71,7 @@ def _fatal_beats_continue(rank: int, tracker: str) -> dict[str, Any]:
         "first": (first.code, first.iteration),
         "identities": identities,
         "second": second.code,
-        "diagnosis": sm2.diagnosis,
+        "diagnosis": sm2.judge.diagnosis,
     }
 
 
@@ -83,7 +83,7 @@ def _ddp_hook(rank: int, world_size: int) -> dict[str, Any]:
         ddp = DDP(model)
         sm = RerunStateMachine(mode="validate_results" if with_hook else "disabled")
         if with_hook:
-            register_grad_check_hook(ddp, sm)
+            register_grad_check_hook(ddp, sm.recorder)
         out = train(sm, model, opt, make_batches(N, seed=rank), config, stop=N,
                     loss_check=_no_loss_check, ddp=ddp)  # fmt: skip
         results[f"params_{with_hook}"] = [p.tolist() for p in params(out.model)]
@@ -93,11 +93,11 @@ def _ddp_hook(rank: int, world_size: int) -> dict[str, Any]:
     ddp = DDP(model)
     inj = RerunErrorInjector(1, "persistent_error", ranks=[0], at_iterations={1})
     sm = RerunStateMachine(mode="validate_results", error_injector=inj)
-    register_grad_check_hook(ddp, sm)
+    register_grad_check_hook(ddp, sm.recorder)
     out = train(sm, model, opt, make_batches(N, seed=rank), config, stop=N,
                 loss_check=_no_loss_check, ddp=ddp)  # fmt: skip
     results["inject"] = (out.code, out.iteration, out.passes)
-    results["event"] = sm.event.message if sm.event is not None else None
+    results["event"] = sm.judge.event.message if sm.judge.event is not None else None
     return results
 
 

@@ -83,18 +83,18 @@ def _bucket_check_ops(num_params: int, bucket_bytes: int) -> tuple[int, int]:
     params = [nn.Parameter(torch.ones(16)) for _ in range(num_params)]
     for p in params:
         p.grad = torch.ones(16)
-    state = GradCheckState(sm, params, bucket_bytes=bucket_bytes)
+    state = GradCheckState(sm.recorder, params, bucket_bytes=bucket_bytes)
     counts = []
     for it in range(2):
         sm.should_run_forward_backward(iteration=it)
         count = OpCount()
         with count:
             state.check_after_backward()
-            assert sm.buffer is not None
-            sm.buffer.update_gate()
+            assert sm.recorder.buffer is not None
+            sm.recorder.buffer.update_gate()
         counts.append(sum(count.ops.values()))
         assert not sm.should_run_forward_backward(iteration=it)
-    assert sm.buffer is not None and float(sm.buffer.gate) == 0.0
+    assert sm.recorder.buffer is not None and float(sm.recorder.buffer.gate) == 0.0
     return counts[1], state.num_buckets
 
 
@@ -111,7 +111,7 @@ def test_bucket_checks_name_the_bucket_and_gate_the_step() -> None:
     for poison, kind in ((math.inf, "Inf"), (math.nan, "NaN")):
         sm = RerunStateMachine(mode="validate_results", device="cpu")
         params = [nn.Parameter(torch.ones(16)) for _ in range(24)]
-        state = GradCheckState(sm, params, bucket_bytes=2 * 16 * 4)
+        state = GradCheckState(sm.recorder, params, bucket_bytes=2 * 16 * 4)
         for it in range(2):
             for p in params:
                 p.grad = torch.ones(16)
@@ -119,12 +119,12 @@ def test_bucket_checks_name_the_bucket_and_gate_the_step() -> None:
                 params[13].grad[3] = poison  # type: ignore[index]
             sm.should_run_forward_backward(iteration=it)
             state.check_after_backward()
-            assert sm.buffer is not None
-            sm.buffer.update_gate()
-            assert float(sm.buffer.gate) == float(it == 1)
+            assert sm.recorder.buffer is not None
+            sm.recorder.buffer.update_gate()
+            assert float(sm.recorder.buffer.gate) == float(it == 1)
             assert sm.should_run_forward_backward(iteration=it) is (it == 1)  # 1: rerun
         bucket = bucket_layout(params, 2 * 16 * 4)[13]
-        assert sm.event is not None
-        assert sm.event.key[1] == f"found {kind} in local grad norm for bucket #{bucket} " + (
+        assert sm.judge.event is not None
+        assert sm.judge.event.key[1] == f"found {kind} in local grad norm for bucket #{bucket} " + (
             "in backward pass before data-parallel communication collective"
         )

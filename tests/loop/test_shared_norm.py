@@ -85,7 +85,7 @@ def test_norm_of_needs_the_same_parameters_in_the_same_order() -> None:
     params = [nn.Parameter(torch.full((4,), float(i + 1))) for i in range(3)]
     for p in params:
         p.grad = p.detach().clone()
-    state = GradCheckState(machine, params)
+    state = GradCheckState(machine.recorder, params)
     assert state.norm_of(params) is None  # nothing checked yet
     machine.should_run_forward_backward(iteration=0)
     state.check_after_backward()
@@ -96,7 +96,7 @@ def test_norm_of_needs_the_same_parameters_in_the_same_order() -> None:
     low = [nn.Parameter(p.detach().bfloat16()) for p in params]
     for p in low:
         p.grad = p.detach().clone()
-    bf16 = GradCheckState(machine, low)
+    bf16 = GradCheckState(machine.recorder, low)
     bf16.check_after_backward()
     assert bf16.norm_of(low) is None  # a bf16 norm: the clip computes its own in float32
 

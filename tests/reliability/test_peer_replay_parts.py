@@ -24,7 +24,7 @@ from stalwart.reliability.rerun import (
     decide_peer_outcome,
     plan_peer_replay,
 )
-from stalwart.reliability.rerun.verdict_file import SUSPECTS_FILENAME, write_verdict
+from stalwart.reliability.rerun.attribution.verdict_file import SUSPECTS_FILENAME, write_verdict
 
 
 def _request(rank: int, *, replayable: bool = True) -> PeerRequest:
@@ -108,13 +108,13 @@ def test_gate_fingerprints_one_column_per_weight_and_gradient_even_without_gradi
     the others' columns are their exact fingerprints; a world of one gathers its own row."""
     import torch
 
-    from stalwart.reliability.replica_check import tensor_fingerprints
-    from stalwart.reliability.rerun import ReplicaGate
+    from stalwart.reliability.rerun import ReplicaCheck
+    from stalwart.reliability.rerun.attribution.fingerprints import tensor_fingerprints
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
     params[0].grad = torch.randn(4, 3)
-    gate = ReplicaGate(ReplicaSchedule(interval=1))
+    gate = ReplicaCheck(ReplicaSchedule(interval=1))
     fp = gate.fingerprints(0, params, ["a", "b"])
     assert fp is not None and fp.dtype == torch.int64
     assert gate.columns == ["a", "b", "a.grad", "b.grad"] and gate.weight_columns == 2

@@ -13,10 +13,10 @@ import pytest
 from stalwart.reliability import rewind
 from stalwart.reliability.exit import ExitConfig, ExitInputs, decide
 from stalwart.reliability.rerun import RerunDataIterator, RerunVerdict, read_iterations_to_skip
+from stalwart.reliability.rerun.attribution.verdict_file import read_verdict
 from stalwart.reliability.rerun.remedies import Remedies, RemedyConfig, TransientPolicy
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.types import SpikeRewind
-from stalwart.reliability.rerun.verdict_file import read_verdict
 from stalwart.reliability.rerun.verdicts import TransientAction, spike_rewinds, transient_action
 from stalwart.reliability.rewind import RewindPolicy, RewindRecord, lr_scale_at, read_rewinds
 

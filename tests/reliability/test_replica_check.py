@@ -6,15 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from stalwart.reliability.replica_check import (
+from stalwart.reliability.rerun.attribution.fingerprints import (
     CHECK_INTERVAL_FLAG,
     ReplicaCheckResult,
-    ReplicaConsistencyChecker,
     check_replica_consistency,
     decide_replica_consistency,
     flip_parameter_bit,
     parameter_fingerprints,
 )
+from stalwart.reliability.rerun.attribution.replicas import ReplicaCheck, ReplicaSchedule
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -50,7 +50,7 @@ def test_fingerprints_shape_dtype_and_determinism() -> None:
 def test_fingerprint_is_the_documented_sum(dtype: torch.dtype, chunk: int) -> None:
     """The exact value: sum of unsigned word i times (2 i + 1), modulo 2**64, as an int64
     (computed here in Python integers), whatever the chunking; an empty tensor is zero."""
-    from stalwart.reliability.replica_check import tensor_fingerprints
+    from stalwart.reliability.rerun.attribution.fingerprints import tensor_fingerprints
 
     torch.manual_seed(1)
     tensors = [torch.randn(5, 3).to(dtype), torch.randn(7).to(dtype), torch.empty(0, dtype=dtype)]
@@ -246,32 +246,36 @@ def test_describe_lists_at_most_five_parameters() -> None:
 # --- checker ------------------------------------------------------------------------------------
 
 
+def _checker(interval: int) -> ReplicaCheck:
+    return ReplicaCheck(ReplicaSchedule(interval))
+
+
 def test_checker_interval_logic() -> None:
-    checker = ReplicaConsistencyChecker(3)
-    assert checker.enabled
-    assert [i for i in range(1, 11) if checker.should_check(i)] == [3, 6, 9]
-    assert not checker.should_check(0)
+    checker = _checker(3)
+    assert checker.schedule.enabled
+    assert [i for i in range(1, 11) if checker.due(i)] == [3, 6, 9]
+    assert not checker.due(0)
 
 
 def test_checker_disabled_with_zero() -> None:
-    checker = ReplicaConsistencyChecker(0)
-    assert not checker.enabled
-    assert not any(checker.should_check(i) for i in range(0, 20))
+    checker = _checker(0)
+    assert not checker.schedule.enabled
+    assert not any(checker.due(i) for i in range(0, 20))
 
 
 def test_checker_every_iteration() -> None:
-    checker = ReplicaConsistencyChecker(1)
-    assert all(checker.should_check(i) for i in range(1, 5))
+    checker = _checker(1)
+    assert all(checker.due(i) for i in range(1, 5))
 
 
 def test_checker_negative_interval_names_flag() -> None:
     with pytest.raises(ValueError, match=CHECK_INTERVAL_FLAG):
-        ReplicaConsistencyChecker(-1)
+        _checker(-1)
     assert CHECK_INTERVAL_FLAG == "--check-weight-hash-across-dp-replicas-interval"
 
 
 def test_checker_check_without_group() -> None:
-    assert ReplicaConsistencyChecker(5).check(_model()).consistent
+    assert _checker(5).check(_model()).consistent
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])

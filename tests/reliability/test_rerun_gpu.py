@@ -56,7 +56,7 @@ def test_graph_captured_checks_and_injection() -> None:
         buf.record(slot, static_x.square().sum())
 
     sm = RerunStateMachine(mode="validate_results")
-    sm.attach_buffer(buf)
+    sm.recorder.attach_buffer(buf)
     for it in range(3):
         while sm.should_run_forward_backward(iteration=it):
             static_x.copy_(torch.full((8,), math.nan if it == 2 else 1.0, device=dev))
@@ -65,7 +65,7 @@ def test_graph_captured_checks_and_injection() -> None:
 
     inj = RerunErrorInjector(1, "transient_error", at_iterations={1})
     sm = RerunStateMachine(mode="validate_results", error_injector=inj)
-    sm.attach_buffer(buf)
+    sm.recorder.attach_buffer(buf)
     passes = 0
     for it in range(3):
         while sm.should_run_forward_backward(iteration=it):

@@ -20,9 +20,9 @@ from stalwart.reliability.rerun import (
     RerunDataIterator,
     RerunErrorInjector,
     RerunStateMachine,
-    check_grads,
-    check_loss,
 )
+from stalwart.reliability.rerun.checks.grads import local_grad_norm
+from stalwart.reliability.rerun.checks.rules import grad_checks, loss_checks
 from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 MICRO = 2
@@ -95,6 +95,11 @@ class Outcome:
 LossCheck = Callable[[RerunStateMachine, torch.Tensor, RerunConfig], None]
 
 
+def check_loss(sm: RerunStateMachine, loss: torch.Tensor, config: RerunConfig) -> None:
+    """The default loss check: ``config``'s loss checks, recorded by the machine's recorder."""
+    sm.recorder.check_all_on_device(loss, (loss_checks(config.checks),))
+
+
 def train(
     sm: RerunStateMachine,
     model: Net,
@@ -127,8 +132,9 @@ def train(
                 loss = F.mse_loss(fwd(x), y)
                 loss_check(sm, loss, config)
                 (loss / MICRO).backward()
-            if grad_check and ddp is None:
-                check_grads(sm, model.parameters(), config)
+            if grad_check and ddp is None and config.checks.grads:  # config's gradient checks
+                norm = local_grad_norm(model.parameters())
+                sm.recorder.check_all_on_device(norm, (grad_checks(config.checks, None),))
         should_ckpt, should_exit, code = sm.should_checkpoint_and_exit()
         if should_exit:
             saved = None

@@ -118,7 +118,7 @@ def test_reproducible_error_checkpoint_restart_and_diagnosis(
     sm, model, opt, start = restart(ck, config, RerunErrorInjector(1, kind))
     second = train(sm, model, opt, make_batches(N), config, start=start, stop=N)
     assert second.code == EXIT_CODE_FAILED_ON_RESULT_VALIDATION
-    assert sm.diagnosis is RerunDiagnostic(kind)
+    assert sm.judge.diagnosis is RerunDiagnostic(kind)
     rows = _tracker(tracker)
     expected_second = "second_rerun_not_reproducible"
     if kind == "correct_result":

@@ -25,7 +25,7 @@ from stalwart.reliability.rerun import (
     compare_floats,
     read_iterations_to_skip,
 )
-from stalwart.reliability.rerun.rules import UNWRITTEN
+from stalwart.reliability.rerun.checks.rules import UNWRITTEN
 from stalwart.rng_state import capture_rng_state, restore_rng_state
 
 INF, NAN = math.inf, math.nan
@@ -201,14 +201,14 @@ def test_validation_buffer_transient_injection() -> None:
     sm = RerunStateMachine(
         mode="validate_results", error_injector=RerunErrorInjector(1, "transient_error")
     )
-    sm.attach_buffer(buf)
+    sm.recorder.attach_buffer(buf)
     passes = 0
     while sm.should_run_forward_backward(iteration=7):
         passes += 1
         buf.record(slot, torch.tensor(2.0))  # what a captured graph would do on replay
     assert passes == 2
     assert sm.should_checkpoint_and_exit() == (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
-    assert sm.event is not None and sm.event.key == ("graph", "grad norm", 1)
+    assert sm.judge.event is not None and sm.judge.event.key == ("graph", "grad norm", 1)
 
 
 def test_validation_buffer_clean_and_unwritten_slots() -> None:
@@ -216,7 +216,7 @@ def test_validation_buffer_clean_and_unwritten_slots() -> None:
     s0 = buf.add_check("a", torch.isnan)
     buf.add_check("b", torch.isnan)  # never recorded: not evaluated
     sm = RerunStateMachine(mode="validate_results")
-    sm.attach_buffer(buf)
+    sm.recorder.attach_buffer(buf)
     for it in range(3):
         while sm.should_run_forward_backward(iteration=it):
             buf.record(s0, torch.tensor(float(it)))
@@ -230,7 +230,7 @@ def test_a_slot_written_last_pass_only_neither_gates_nor_is_read() -> None:
         buf = ValidationBuffer("cpu", may_inject=may_inject)
         s0, s1 = buf.add_check("a", torch.isnan), buf.add_check("b", torch.isinf)
         sm = RerunStateMachine(mode="validate_results")
-        sm.attach_buffer(buf)
+        sm.recorder.attach_buffer(buf)
         assert sm.should_run_forward_backward(iteration=0)
         buf.record(s0, torch.tensor(1.0))
         buf.record(s1, torch.tensor(2.0))

@@ -21,7 +21,7 @@ import torch
 from stalwart.cli.main import main
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.reliability.rerun import DEVICE_ID_ENV
-from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
+from stalwart.reliability.rerun.attribution.verdict_file import SuspectDeviceError
 from stalwart.train.trainer import Trainer, TrainOutcome
 
 from train_utils import TINY_FLAGS, assert_params_equal, make_config

@@ -17,7 +17,7 @@ from stalwart.distributed.process_group import destroy_distributed, init_distrib
 from stalwart.iteration_dirs import TRACKER_FILENAME, iteration_dir_name
 from stalwart.observability.run_dir import RunPaths, run_dir_for
 from stalwart.reliability.exit import EXIT_CODE_INTERRUPTED as EXIT_INTERRUPTED
-from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
+from stalwart.reliability.rerun.attribution.verdict_file import SuspectDeviceError
 from stalwart.train.trainer import TrainOutcome, run_training
 
 logger = logging.getLogger("stalwart.cli")

@@ -49,7 +49,7 @@ from stalwart.distributed.launch_policy import (
 
 logger = logging.getLogger(__name__)
 
-SUSPECTS_FILENAME = "suspect_devices.json"  # stalwart.reliability.rerun.verdict_file's
+SUSPECTS_FILENAME = "suspect_devices.json"  # stalwart.reliability.rerun.attribution.verdict_file's
 
 
 @dataclass(frozen=True)

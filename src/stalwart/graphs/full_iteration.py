@@ -72,7 +72,7 @@ class GraphSignatureError(ValueError):
     """The workload changed under a captured graph and the policy is FAIL."""
 
 
-class ValidationBuffer(Protocol):
+class GateSource(Protocol):
     """Device-side validation state written inside the captured iteration.
 
     ``reset_()`` must only issue device work (e.g. ``flags.zero_()``): it is called at the start
@@ -179,7 +179,7 @@ class FullIterationGraph:
         on_signature_change: SignatureChangePolicy = SignatureChangePolicy.RECAPTURE,
         on_capture_failure: CaptureFailurePolicy = CaptureFailurePolicy.FAIL,
         grad_params: Iterable[torch.Tensor] | None = None,
-        validation_buffer: ValidationBuffer | None = None,
+        validation_buffer: GateSource | None = None,
         generators: Sequence[torch.Generator] = (),
         clone_outputs: bool = False,
     ) -> None:

@@ -38,7 +38,7 @@ from stalwart.loop import Names, RngState, ShellConfig, StepResult
 from stalwart.loop.microbatches import ForwardStep, as_output
 from stalwart.observability.train_log import MAIN_LOSS_KEY
 from stalwart.reliability.rerun import RerunDataIterator
-from stalwart.reliability.rerun.verdict_file import apply_verdict
+from stalwart.reliability.rerun.attribution.verdict_file import apply_verdict
 
 logger = logging.getLogger(__name__)
 

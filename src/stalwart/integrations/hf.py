@@ -78,7 +78,7 @@ from stalwart.loop import Names, StepResult
 from stalwart.loop.shell import Shell, ShellConfig
 from stalwart.observability.flop_count import count_training_flops
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
-from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
+from stalwart.reliability.rerun.attribution.verdict_file import SuspectDeviceError
 
 transformers = require("transformers", extra="hf", what="stalwart.integrations.hf")
 

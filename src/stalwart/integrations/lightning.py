@@ -97,7 +97,7 @@ from stalwart.loop import Names, RngState, StepResult
 from stalwart.loop.shell import Shell, ShellConfig
 from stalwart.observability.flop_count import count_training_flops, flop_counter
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
-from stalwart.reliability.rerun.verdict_file import SuspectDeviceError
+from stalwart.reliability.rerun.attribution.verdict_file import SuspectDeviceError
 
 L = require("lightning.pytorch", extra="lightning", what="stalwart.integrations.lightning")
 

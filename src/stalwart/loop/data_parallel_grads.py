@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.reliability.rerun import GradCheckState, RerunStateMachine, bucket_layout
-from stalwart.reliability.rerun.checks import DEFAULT_BUCKET_BYTES
+from stalwart.reliability.rerun.checks.grads import DEFAULT_BUCKET_BYTES
 
 
 class ReducedGradChecks(GradCheckState):
@@ -45,8 +45,10 @@ class ReducedGradChecks(GradCheckState):
     ) -> None:
         size = int(getattr(ddp_model, "bucket_bytes_cap", DEFAULT_BUCKET_BYTES))
         group = process_group if process_group is not None else ddp_model.process_group
-        super().__init__(machine, list(ddp_model.module.parameters()), group, bucket_bytes=size)
-        self.run_checks = machine.checks.grads
+        super().__init__(
+            machine.recorder, list(ddp_model.module.parameters()), group, bucket_bytes=size
+        )
+        self.run_checks = machine.recorder.checks.grads
         layout = bucket_layout(self.params, size)
         # DDP's initial bucket order: the last parameters first (their gradients come first).
         self.buckets: list[list[torch.nn.Parameter]] = [

@@ -47,5 +47,5 @@ def evaluate(
     if step.runners.checks_eval_on_host:
         with machine.disabled():
             for mean in losses.values():
-                machine.check_loss(torch.tensor(mean, dtype=torch.float64))
+                machine.recorder.check_loss(torch.tensor(mean, dtype=torch.float64))
     return losses

@@ -21,7 +21,6 @@ from stalwart.loop.precision import NullLossScaler
 from stalwart.observability.timer_names import BACKWARD_COMPUTE, BATCH_GENERATOR, FORWARD_COMPUTE
 from stalwart.observability.timers import NullTimer
 from stalwart.reliability.rerun import GradCheckState, RerunStateMachine
-from stalwart.reliability.rerun.checks import CheckRows, record_loss_run
 
 ForwardStep = Callable[[Any, nn.Module], "torch.Tensor | dict[str, torch.Tensor]"]
 """``forward_step(batch, model)``: the loss (a tensor), or a dict whose ``"loss"`` is
@@ -129,7 +128,6 @@ class MicroBatches:
     compute_weights: Any = NO_COMPUTE_WEIGHTS
     # A framework's backward (Lightning's ``manual_backward``: it prepares DDP's reducer first).
     backward: Callable[[torch.Tensor], None] | None = None
-    _check_rows: CheckRows = field(default_factory=CheckRows, repr=False)
     # model.parameters() walks every submodule (a Hugging Face model: hundreds of Python
     # calls per pass); the parameters do not change under a step, so they are listed once.
     _params: list[nn.Parameter] | None = field(default=None, repr=False)
@@ -217,7 +215,7 @@ class MicroBatches:
             return
         losses.append(loss)
         if flush:
-            record_loss_run(self.machine, losses, self.machine.checks, self._check_rows)
+            self.machine.recorder.check_losses(losses)
 
     def _zero_grad(self) -> None:
         if self.zero_grad == "none":
@@ -233,7 +231,7 @@ class MicroBatches:
                 torch._foreach_zero_(grads)
 
     def _update_gate(self) -> None:
-        buffer = self.machine.buffer
+        buffer = self.machine.recorder.buffer
         if buffer is not None:
             buffer.update_gate(self.gate_group)
 

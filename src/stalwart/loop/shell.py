@@ -2,9 +2,9 @@
 iteration needs besides the user's model, wired once.
 
 It owns the goodput ledger, the hang watchdog's sections, the exit-signal handler, the
-iteration agreement, the rerun state machine, the timers, the sinks, the probes (stragglers,
-memory, energy, tensor dumps, the profiler window, the memory release, ``progress.txt``), the
-save timing, the training log and the after-step replica check (:mod:`stalwart.loop.shell_parts`)
+iteration agreement, the rerun state machine (with the one replica check), the timers, the
+sinks, the probes (stragglers, memory, energy, tensor dumps, the profiler window, the memory
+release, ``progress.txt``), the save timing and the training log (:mod:`stalwart.loop.shell_parts`)
 and the iteration itself: its count and number (:mod:`stalwart.loop.iterations`: from 1, in
 every verb, message and file), the skip list, the compile booking, the evaluation hooks and its
 own checkpoint state (every RNG, the rerun machine, the count; :meth:`Shell.checkpointer`).
@@ -130,7 +130,7 @@ class Shell:
         )
         self.ledger, self.sections, self.machine = parts.ledger, parts.sections, parts.machine
         self.signal_handler, self.agreement = parts.signal_handler, parts.agreement
-        self.replicas, self.rewinder = parts.replicas, parts.rewinder
+        self.rewinder = parts.rewinder
         self.iterations = Iterations(config.train_iters, resolve_iterations_to_skip(config.rerun))
         probes = Probes.build(
             config,

@@ -7,7 +7,6 @@ to train on from).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -21,6 +20,7 @@ from stalwart.reliability.exit import (
     decide,
     exit_inputs,
     leave,
+    replica_exit,
 )
 from stalwart.reliability.hang.sections import Section
 from stalwart.reliability.rerun import RerunVerdict
@@ -52,8 +52,9 @@ class ExitPath:
         """The one save/exit decision after the iteration just run (over the completed ones).
         ``result``: the guarded step's (its verdict and agreed inputs), else the inputs are
         agreed here; ``finished``: default, the last training iteration is done; ``can_save``:
-        default, a save directory is set. The replica check runs when due (its interval, or
-        before any save). Its reasons name the settings as the shell's path spells them."""
+        default, a save directory is set. The machine's replica check compares the weights
+        when due (its interval, or before any save): a mismatch exits 17 without saving. Its
+        reasons name the settings as the shell's path spells them."""
         shell = self.shell
         if result is not None:
             agreed, verdict = result.agreed, result.verdict
@@ -68,11 +69,10 @@ class ExitPath:
         inputs = exit_inputs(agreed, rerun=verdict, finished=finished)
         can = config.save_dir is not None if can_save is None else can_save
         decision = decide(iteration, inputs, config.exit, can_save=can, spell=self._spell)
-        saving = decision.save is not SaveKind.NONE
-        due = shell.replicas.due(iteration, saving=saving)
-        if due and not verdict.rejected and model is not None:
-            inputs = dataclasses.replace(inputs, replica=shell.replicas.check(model))
-            decision = decide(iteration, inputs, config.exit, can_save=can, spell=self._spell)
+        replicas, saving = shell.machine.replicas, decision.save is not SaveKind.NONE
+        due = replicas is not None and replicas.due(iteration, saving=saving)
+        if due and not verdict.rejected and model is not None:  # a mismatch outranks the rest
+            decision = replica_exit(iteration, replicas.check(model)) or decision
         log = shell.built_log
         if decision.exit and log is not None:  # agreed on every rank
             log.flush()  # the iterations since the last log line

@@ -26,7 +26,6 @@ from stalwart.observability.goodput import GOODPUT_FILE, make_goodput_ledger
 from stalwart.observability.save_timing import SaveTiming
 from stalwart.observability.straggler import StragglerIdle
 from stalwart.reliability.hang.sections import build_section_monitor
-from stalwart.reliability.replica_check import ReplicaConsistencyChecker
 from stalwart.reliability.rerun import RerunConfig
 from stalwart.reliability.rewind import RewindPolicy, read_rewinds
 
@@ -41,14 +40,13 @@ def _flushed(say: Callable[[str], None], line: str) -> None:
 @dataclass
 class Reliability:
     """The ledger, the watchdog's sections, the signal handler (not installed yet), the
-    agreement, the rerun machine, the after-step replica check and the spike rewinds."""
+    agreement, the rerun machine (with the replica check) and the spike rewinds."""
 
     ledger: Any
     sections: Any
     signal_handler: Any
     agreement: Any
     machine: Any
-    replicas: ReplicaConsistencyChecker
     rewinder: Rewinder
 
     @classmethod
@@ -99,9 +97,7 @@ class Reliability:
             rewind=rewinds.allows,
             **scaler,
         )
-        interval = config.rerun.check_weight_hash_across_dp_replicas_interval
-        replicas = ReplicaConsistencyChecker(interval)
-        return cls(ledger, sections, handler, agreement, machine, replicas, Rewinder(rewinds))
+        return cls(ledger, sections, handler, agreement, machine, Rewinder(rewinds))
 
 
 def rewind_policy(config: RerunConfig) -> RewindPolicy:

@@ -55,7 +55,6 @@ from stalwart.loop.plans import EagerPlan, GraphPlan, PlanParts
 from stalwart.loop.precision import NullLossScaler
 from stalwart.observability.timer_names import FORWARD_BACKWARD, OPTIMIZER
 from stalwart.reliability.exit import Agreed, IterationAgreement
-from stalwart.reliability.replica_check import replicas_agree
 from stalwart.reliability.rerun import (
     GradCheckState,
     RerunDataIterator,
@@ -63,6 +62,7 @@ from stalwart.reliability.rerun import (
     RerunVerdict,
     register_grad_check_hook,
 )
+from stalwart.reliability.rerun.attribution.fingerprints import replicas_agree
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,8 @@ class GuardedStep:
         self.observer = observer
         self.params, self.param_names = _trained_parameters(model)
         device = self.params[0].device if self.params else torch.device("cpu")
-        buffer = machine.check_buffer(device) if machine.checks.any else machine.buffer
+        recorder = machine.recorder
+        buffer = recorder.check_buffer(device) if recorder.checks.any else recorder.buffer
         gate_group = dp_group if dp_group is not None else _world()
         micro_batches = self._micro_batches(
             forward_step, device, gate_group, autocast, compute_weights, backward
@@ -211,12 +212,12 @@ class GuardedStep:
             # FSDP2: the checked gradient shards are already reduced, not this rank's own
             # values; a peer cannot replay them (the loss checks stay local).
             self.machine.local_grad_checks = False
-        if not self.machine.checks.grads:
+        if not self.machine.recorder.checks.grads:
             return None
         if isinstance(self.model, DistributedDataParallel):
-            register_grad_check_hook(self.model, self.machine, process_group=group)
+            register_grad_check_hook(self.model, self.machine.recorder, process_group=group)
             return None
-        return GradCheckState(self.machine, self.params)
+        return GradCheckState(self.machine.recorder, self.params)
 
     # ------------------------------------------------------------------------ the iteration
     def run(

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from stalwart.reliability.signals import DistributedSignalHandler
 
 
-class ExitInputs(Protocol):
+class ExitSource(Protocol):
     """What the probe asks of the exit configuration (an ``ExitConfig``: exit.py imports this
     module, so the type is named by what it provides)."""
 
@@ -33,7 +33,7 @@ class ExitProbe:
 
     def __init__(
         self,
-        config: ExitInputs,
+        config: ExitSource,
         signal_handler: DistributedSignalHandler | None = None,
         started: float | None = None,
     ) -> None:

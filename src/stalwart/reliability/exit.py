@@ -8,8 +8,9 @@ Per-iteration recipe (after the step and its logging, every rank, same place)::
     result = step.run(it)                      # the step's one collective carries the inputs
     inputs = exit_inputs(result.agreed, rerun=result.verdict, finished=...)
     decision = decide(iteration, inputs, config, can_save=save_dir is not None)
-    if checker.due(iteration, decision):       # the replica check, also before every save
-        decision = decide(iteration, replace(inputs, replica=checker.check(model)), config, ...)
+    saving = decision.save is not SaveKind.NONE    # the replica check, also before every save
+    if check.due(iteration, saving=saving):        # machine.replicas (a ReplicaCheck)
+        decision = replica_exit(iteration, check.check(model)) or decision
     if decision.save is not SaveKind.NONE: save(..., non_persistent=decision.save is NON_PERSISTENT)
     if decision.exit: return leave(decision, iteration, save_dir=...)   # records, barriers
 
@@ -60,7 +61,7 @@ from stalwart.atomic_file import Sync, write_text_atomic
 from stalwart.distributed import collectives
 from stalwart.regular_file import open_regular
 from stalwart.reliability.agreement import Agreed, ExitProbe, IterationAgreement
-from stalwart.reliability.replica_check import ReplicaCheckResult
+from stalwart.reliability.rerun.attribution.fingerprints import ReplicaCheckResult
 from stalwart.reliability.rerun.types import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     Diagnosis,
@@ -283,13 +284,9 @@ def _validation_exit(
     iteration: int, inputs: ExitInputs, can_save: bool, spell: Callable[[str], str]
 ) -> ExitDecision | None:
     """Replica mismatch (exit 17, never saved), then the rerun machine's verdict (16/17)."""
-    replica = inputs.replica
-    if replica is not None and not replica.consistent:
-        detail = f"iteration {iteration}: {replica.describe()}"
-        return ExitDecision(
-            SaveKind.NONE, True, ExitReason.REPLICA_MISMATCH, detail,
-            EXIT_CODE_FAILED_ON_RESULT_VALIDATION, replica.diagnosis(iteration),
-        )  # fmt: skip
+    mismatch = replica_exit(iteration, inputs.replica)
+    if mismatch is not None:
+        return mismatch
     verdict = inputs.rerun
     if not verdict.exit:
         return None
@@ -305,6 +302,17 @@ def _validation_exit(
         else:
             detail += f" (it needs a checkpoint to resume from but {spell('save_dir')} is not set)"
     return ExitDecision(save, True, reason, detail, verdict.exit_code, verdict.diagnosis)
+
+
+def replica_exit(iteration: int, replica: ReplicaCheckResult | None) -> ExitDecision | None:
+    """Priority 0: the weights differ across the replicas: exit 17, never saved (a
+    ``replica_corruption`` diagnosis when a majority names the ranks); None when they agree or
+    were not compared. It outranks every other decision of the iteration."""
+    if replica is None or replica.consistent:
+        return None
+    detail = f"iteration {iteration}: {replica.describe()}"
+    code, diagnosis = EXIT_CODE_FAILED_ON_RESULT_VALIDATION, replica.diagnosis(iteration)
+    return ExitDecision(SaveKind.NONE, True, ExitReason.REPLICA_MISMATCH, detail, code, diagnosis)
 
 
 def _signal_decision(
@@ -470,7 +478,7 @@ def leave(
     log(exit_message(decision, iteration))
     if save_dir and rank == 0:
         if decision.diagnosis is not None:
-            from stalwart.reliability.rerun.verdict_file import write_verdict
+            from stalwart.reliability.rerun.attribution.verdict_file import write_verdict
 
             write_verdict(os.fspath(save_dir), decision.diagnosis, checkpoint=checkpoint)
         write_exit_reason(save_dir, reason, iteration, decision.detail, decision.exit_code)

@@ -48,7 +48,10 @@ from stalwart.models import GPT, RecomputeGranularity
 from stalwart.models.memory_model import CUDA_WORKSPACE_BYTES, MemoryEstimate, theoretical_memory
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
 from stalwart.reliability.faults import FaultInjector, NullFaultInjector
-from stalwart.reliability.replica_check import flip_gradient_bit, flip_parameter_bit
+from stalwart.reliability.rerun.attribution.fingerprints import (
+    flip_gradient_bit,
+    flip_parameter_bit,
+)
 from stalwart.reliability.signals import DataLoaderWorkerSignalGuard
 
 logger = logging.getLogger("stalwart.train")

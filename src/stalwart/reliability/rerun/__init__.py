@@ -6,32 +6,30 @@ with host syncs batched to one read per iteration and Megatron's known defects f
 
 from __future__ import annotations
 
-from stalwart.reliability.rerun.buffer import ValidationBuffer
-from stalwart.reliability.rerun.checks import (
-    GradCheckState,
-    bucket_layout,
-    check_grads,
-    check_loss,
-    register_grad_check_hook,
-)
-from stalwart.reliability.rerun.config import RerunConfig, resolve_iterations_to_skip
-from stalwart.reliability.rerun.data_iterator import RerunDataIterator
-from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.machine import RerunStateMachine
-from stalwart.reliability.rerun.peer import (
+from stalwart.reliability.rerun.attribution.peer import (
     PeerReport,
     PeerRequest,
     ReplayDeterminism,
     decide_peer_outcome,
     plan_peer_replay,
 )
-from stalwart.reliability.rerun.replicas import (
-    ReplicaGate,
+from stalwart.reliability.rerun.attribution.replicas import (
+    ReplicaCheck,
     ReplicaSchedule,
     attribute_replicas,
 )
+from stalwart.reliability.rerun.checks.buffer import ValidationBuffer
+from stalwart.reliability.rerun.checks.grads import (
+    GradCheckState,
+    bucket_layout,
+    register_grad_check_hook,
+)
+from stalwart.reliability.rerun.checks.stats import QuickStats, compare_floats
+from stalwart.reliability.rerun.config import RerunConfig, resolve_iterations_to_skip
+from stalwart.reliability.rerun.data_iterator import RerunDataIterator
+from stalwart.reliability.rerun.injector import RerunErrorInjector
+from stalwart.reliability.rerun.machine import RerunStateMachine
 from stalwart.reliability.rerun.rng import RngStateTracker
-from stalwart.reliability.rerun.stats import QuickStats, compare_floats
 from stalwart.reliability.rerun.tracker import read_iterations_to_skip
 from stalwart.reliability.rerun.types import (
     DEVICE_ID_ENV,
@@ -60,7 +58,7 @@ __all__ = [
     "PeerRequest",
     "QuickStats",
     "ReplayDeterminism",
-    "ReplicaGate",
+    "ReplicaCheck",
     "ReplicaSchedule",
     "RerunConfig",
     "RerunDataIterator",
@@ -75,8 +73,6 @@ __all__ = [
     "ValidationBuffer",
     "attribute_replicas",
     "bucket_layout",
-    "check_grads",
-    "check_loss",
     "compare_floats",
     "decide_peer_outcome",
     "device_identity",

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stalwart.reliability.rerun.attribution.replicas import ReplicaCheck, ReplicaSchedule
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.machine import Agreement, RerunStateMachine
 from stalwart.reliability.rerun.remedies import (
@@ -17,7 +18,6 @@ from stalwart.reliability.rerun.remedies import (
     RemedyConfig,
     TransientPolicy,
 )
-from stalwart.reliability.rerun.replicas import ReplicaGate, ReplicaSchedule
 from stalwart.reliability.rerun.tracker import read_iterations_to_skip
 from stalwart.reliability.rerun.types import CheckConfig, RerunDiagnostic, RerunMode
 
@@ -35,7 +35,8 @@ class RerunConfig:
         check_for_nan_in_loss_and_grad: off with ``--no-check-for-nan-in-loss-and-grad``. Turn it
             off yourself with fp16 dynamic loss scaling (overflow NaNs are expected there).
         check_for_spiky_loss: ``--check-for-spiky-loss`` (non-fatal, factor ``spiky_loss_factor``).
-        check_for_large_grads: ``--check-for-large-grads`` (non-fatal, factor ``large_grads_factor``).
+        check_for_large_grads: ``--check-for-large-grads`` (non-fatal, factor
+            ``large_grads_factor``).
         error_injection_rate: ``--error-injection-rate``; 0 = off, else 1/rate per validation call.
         error_injection_type: ``--error-injection-type``: transient_error | persistent_error |
             correct_result.
@@ -55,16 +56,16 @@ class RerunConfig:
         check_weight_hash_across_dp_replicas_interval: every N iterations (0: never) compare
             fingerprints across data-parallel replicas: inside the step, of the all-reduced
             gradients and the weights before the optimizer step (gated: a mismatch is rerun
-            and attributed, ``stalwart.reliability.rerun.replicas``), and of the weights after
-            it (also before every save; a mismatch exits 17 without saving).
+            and attributed, ``stalwart.reliability.rerun.attribution.replicas``), and of the
+            weights after it (also before every save; a mismatch exits 17 without saving).
         check_weight_hash_sample_fraction: ``--check-weight-hash-sample-fraction``: every
             iteration, fingerprint this fraction of the parameters (weights and gradients, a
             seeded random partition: every parameter every ceil(1/fraction) iterations) inside
             the step, as above; 0: off.
         rerun_peer_replay: ``--rerun-peer-replay`` / ``--no-rerun-peer-replay``: attribute a
             rejection that reproduces in place by replaying it on a peer replica within the
-            launch (``stalwart.reliability.rerun.peer``); used when the group has more than
-            one rank, else (and when off) Megatron's exit 16 and relaunch.
+            launch (``stalwart.reliability.rerun.attribution.peer``); used when the group has
+            more than one rank, else (and when off) Megatron's exit 16 and relaunch.
         rerun_transient_policy: ``--rerun-transient-policy``: what a transient verdict does:
             ``exit`` (Megatron's, the default: a fatal check exits 17 without saving) or
             ``continue`` (the rerun's clean result is applied and training goes on;
@@ -74,8 +75,9 @@ class RerunConfig:
         rewind_on_spike: ``--rewind-on-spike``: a spiky loss the rerun reproduces (on a peer
             replica, or in place with none: the data, not the hardware) restores the newest
             snapshot and skips a window of iterations from the spike on
-            (``stalwart.reliability.rewind``; the shell does it). Needs ``check_for_spiky_loss`` and the tracker file (the
-            skipped iterations are recorded there: a relaunch skips them too).
+            (``stalwart.reliability.rewind``; the shell does it). Needs
+            ``check_for_spiky_loss`` and the tracker file (the skipped iterations are recorded
+            there: a relaunch skips them too).
         rewind_skip_window: ``--rewind-skip-window``: iterations skipped per rewind, the
             spiking one and those after it.
         rewind_lr_scale: ``--rewind-lr-scale``: the learning rate is multiplied by this after
@@ -130,16 +132,7 @@ class RerunConfig:
         ):
             if values is not None and not _all_ints_at_least(values, low):
                 raise ValueError(f"{flag} must be integers >= {low}; got {list(values)}")
-        if self.check_weight_hash_across_dp_replicas_interval < 0:
-            raise ValueError(
-                "--check-weight-hash-across-dp-replicas-interval must be >= 0 (0: off); got "
-                f"{self.check_weight_hash_across_dp_replicas_interval}"
-            )
-        fraction = self.check_weight_hash_sample_fraction
-        if isinstance(fraction, bool) or not (0.0 <= fraction <= 1.0):  # NaN fails too
-            raise ValueError(
-                f"--check-weight-hash-sample-fraction must be in [0, 1] (0: off); got {fraction!r}"
-            )
+        self.replica_schedule  # noqa: B018 (the schedule refuses a bad interval or fraction)
         for name, value in (  # not flags: fields a hand-written loop sets
             ("RerunConfig.spiky_loss_factor", self.spiky_loss_factor),
             ("RerunConfig.large_grads_factor", self.large_grads_factor),
@@ -147,9 +140,11 @@ class RerunConfig:
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
         targeted = (
-            self.error_injection_iterations, self.error_injection_ranks,
-            self.error_injection_devices, self.error_injection_once or None,
-        )  # fmt: skip
+            self.error_injection_iterations,
+            self.error_injection_ranks,
+            self.error_injection_devices,
+            self.error_injection_once or None,
+        )
         if self.error_injection_rate == 0 and any(v is not None for v in targeted):
             raise ValueError(
                 "--error-injection-iterations/--error-injection-ranks/--error-injection-devices/"
@@ -253,7 +248,6 @@ class RerunConfig:
             marker_dir=marker_dir if self.error_injection_once else None,
         )
         schedule = self.replica_schedule
-        validating = schedule.enabled and self.mode is RerunMode.VALIDATE_RESULTS
         return RerunStateMachine(
             mode=self.mode,
             error_injector=injector,
@@ -265,7 +259,7 @@ class RerunConfig:
             agreement=agreement,
             device=device,
             peer_replay=self.rerun_peer_replay,
-            replicas=ReplicaGate(schedule, process_group) if validating else None,
+            replicas=ReplicaCheck(schedule, process_group) if schedule.enabled else None,
             remedies=self.remedies(rewind),
         )
 

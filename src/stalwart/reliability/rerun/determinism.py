@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 from stalwart.distributed import collectives
+from stalwart.reliability.rerun.checks.rules import evaluate_comparison
+from stalwart.reliability.rerun.checks.stats import QuickStats
 from stalwart.reliability.rerun.reporter import Reporter
-from stalwart.reliability.rerun.rules import evaluate_comparison
-from stalwart.reliability.rerun.stats import QuickStats
 from stalwart.reliability.rerun.types import CallKey
 from stalwart.reliability.rerun.verdicts import Items
 

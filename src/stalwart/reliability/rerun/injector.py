@@ -8,14 +8,16 @@ reported as rejected), so the reruns perform real comparisons:
   different device (``$STALWART_DEVICE_ID`` changed) the value is clean;
 * ``correct_result``: every run is corrupted, wherever it runs.
 
-A peer replay (``stalwart.reliability.rerun.peer``) of an injected call follows the same rules
-on the peer's device: the injecting rank ships its pending injection with the replay's inputs.
+A peer replay (``stalwart.reliability.rerun.attribution.peer``) of an injected call follows the
+same rules on the peer's device: the injecting rank ships its pending injection with the replay's
+inputs.
 
 ``devices`` ties the injection to devices rather than ranks (``--error-injection-devices``: a
 faulty device, which a relaunch without it no longer meets); ``marker_dir``
 (``--error-injection-once``) makes each (iteration, rank) injection fire once per job: a relaunch
-that trains the iteration again finds the marker ``<marker_dir>/.stalwart_rerun_injected_<it>_<rank>``
-(created with O_CREAT|O_EXCL before the injection) and stays clean, as a real transient fault would.
+that trains the iteration again finds the marker
+``<marker_dir>/.stalwart_rerun_injected_<it>_<rank>`` (created with O_CREAT|O_EXCL before the
+injection) and stays clean, as a real transient fault would.
 
 Decisions are made on the host with the injector's own seeded ``random.Random``; the global
 Python RNG is never touched, so enabling injection does not change training randomness.
@@ -171,7 +173,8 @@ class RerunErrorInjector:
         pending = sd.get("pending")
         if pending is not None:
             key, kind, ident = pending
-            self.pending = (tuple(key), RerunDiagnostic(kind), tuple(ident))  # type: ignore[assignment]
+            restored = (tuple(key), RerunDiagnostic(kind), tuple(ident))
+            self.pending = restored  # type: ignore[assignment]
         else:
             self.pending = None
         if sd.get("rng") is not None:

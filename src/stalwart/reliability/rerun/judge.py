@@ -7,9 +7,9 @@ import logging
 from typing import Any, cast
 
 from stalwart.distributed import collectives
+from stalwart.reliability.rerun.checks.rules import is_rejected
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.reporter import Reporter
-from stalwart.reliability.rerun.rules import is_rejected
 from stalwart.reliability.rerun.types import (
     Diagnosis,
     RerunDiagnostic,
@@ -64,8 +64,12 @@ class EventJudge:
         self._reporter.track(iteration, _STATUS.INITIAL_RUN, v, spec.message)
         logger.error(
             "Unexpected result %s on rank %d at iteration %d invocation #%d (message='%s')",
-            v, self._reporter.rank, iteration + 1, rec.key[2], spec.message,
-        )  # fmt: skip
+            v,
+            self._reporter.rank,
+            iteration + 1,
+            rec.key[2],
+            spec.message,
+        )
         return True
 
     def _rerun_value(self, ev: Event, items: Items, iteration: int) -> tuple[float, float]:
@@ -91,10 +95,12 @@ class EventJudge:
             self.diagnosis = diagnosis
             report.track(iteration, _STATUS.FIRST_RERUN_NOT_REPRODUCIBLE, v, ev.message)
             report.log_failure(
-                iteration, "Possible transient error!", ev.fatal,
+                iteration,
+                "Possible transient error!",
+                ev.fatal,
                 f"First rerun: unexpected result is not reproducible within the tolerance "
                 f"({ev.initial_result} != {v}) (message='{ev.message}')",
-            )  # fmt: skip
+            )
             return requests
         ev.suspicious = device_identity()
         report.track(iteration, _STATUS.FIRST_RERUN_REPRODUCIBLE, v, ev.message)
@@ -130,9 +136,15 @@ class EventJudge:
         )
         report.track(iteration, status, v, ev.message)
         report.log_repeat_verdict(
-            logger, iteration, "Second rerun", "a different GPU", reproducible=reproducible,
-            values=(ev.initial_result, v), message=ev.message, fatal=True,
-        )  # fmt: skip
+            logger,
+            iteration,
+            "Second rerun",
+            "a different GPU",
+            reproducible=reproducible,
+            values=(ev.initial_result, v),
+            message=ev.message,
+            fatal=True,
+        )
         return requests
 
     def checkpoint_diagnosis(self, iteration: int) -> Diagnosis | None:

@@ -3,7 +3,7 @@
 Per iteration the loop does (see :meth:`RerunStateMachine.should_run_forward_backward`)::
 
     while sm.should_run_forward_backward(data_iterator, iteration=it):   # 1 or 2 passes
-        zero grads; forward/backward calling sm.check_loss(loss) ...       # records only
+        zero grads; forward/backward calling sm.recorder.check_loss(loss) ...  # records only
     should_checkpoint, should_exit, exit_code = sm.should_checkpoint_and_exit()
     if should_exit: save a checkpoint if should_checkpoint; exit(exit_code)  # no optimizer step
     optimizer.step()
@@ -14,11 +14,12 @@ of ``should_run_forward_backward`` reads every recorded value in one deliberate 
 agrees with the other ranks in one collective before changing state.
 
 The machine holds the state and its transitions. It is composed of parts that own their state:
-the :class:`~stalwart.reliability.rerun.recording.Recorder` (what a pass records), the
-:class:`~stalwart.reliability.rerun.ahead.LookAhead` (the pass begun ahead), the
-:class:`~stalwart.reliability.rerun.peer_flow.PeerReplay` and the
-:class:`~stalwart.reliability.rerun.replicas.ReplicaGate`; the verdicts are pure functions
-(``verdicts``), the lines are the :class:`~stalwart.reliability.rerun.reporter.Reporter`'s.
+the :class:`~stalwart.reliability.rerun.checks.recorder.Recorder` (what a pass records), the
+:class:`~stalwart.reliability.rerun.ahead.AheadPass` (the pass begun ahead), the
+:class:`~stalwart.reliability.rerun.attribution.peer_flow.PeerReplay` and the
+:class:`~stalwart.reliability.rerun.attribution.replicas.ReplicaCheck`; the verdicts are pure
+functions (``verdicts``), the lines are the
+:class:`~stalwart.reliability.rerun.reporter.Reporter`'s.
 """
 
 from __future__ import annotations
@@ -35,45 +36,36 @@ import torch
 import torch.distributed as dist
 
 from stalwart.distributed import collectives
-from stalwart.reliability.rerun.ahead import LookAhead
-from stalwart.reliability.rerun.buffer import ValidationBuffer
-from stalwart.reliability.rerun.checks import (
-    SPIKY_LOSS_MESSAGE,
-    CheckRows,
-    record_grad_checks,
-    record_loss_checks,
+from stalwart.reliability.rerun.ahead import AheadPass
+from stalwart.reliability.rerun.attribution.peer import ReplayDeterminism
+from stalwart.reliability.rerun.attribution.peer_flow import PeerReplay
+from stalwart.reliability.rerun.attribution.replicas import (
+    ReplicaCheck,
+    split_replica,
 )
+from stalwart.reliability.rerun.attribution.verdict_file import apply_verdict
+from stalwart.reliability.rerun.checks.recorder import Recorder
+from stalwart.reliability.rerun.checks.rules import SPIKY_LOSS_MESSAGE, host_predicate
 from stalwart.reliability.rerun.data_iterator import RerunDataIterator, wrapped_iterators
 from stalwart.reliability.rerun.determinism import DeterminismStats
 from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.judge import EventJudge
 from stalwart.reliability.rerun.passes import Saved, StateSaver
-from stalwart.reliability.rerun.peer import ReplayDeterminism
-from stalwart.reliability.rerun.peer_flow import PeerReplay
-from stalwart.reliability.rerun.recording import Recorder
 from stalwart.reliability.rerun.remedies import Remedies, RemedyConfig
-from stalwart.reliability.rerun.replicas import (
-    ReplicaGate,
-    split_replica,
-)
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker
-from stalwart.reliability.rerun.rules import host_predicate
 from stalwart.reliability.rerun.tracker import TrackerFile
 from stalwart.reliability.rerun.types import (
     CallKey,
     CheckConfig,
     Diagnosis,
-    RerunDiagnostic,
     RerunMode,
     RerunState,
     RerunVerdict,
     SpikeRewind,
     device_identity,
 )
-from stalwart.reliability.rerun.verdict_file import apply_verdict
 from stalwart.reliability.rerun.verdicts import (
-    Event,
     Items,
     TransientAction,
     event_from_json,
@@ -105,18 +97,20 @@ class RerunStateMachine:
         state_restore_func: restores what ``state_save_func`` returned before a rerun.
         process_group: group whose ranks must agree (default: world).
         rng_tracker: extra named generators to snapshot with python/numpy/torch/CUDA ones.
-        checks: what :meth:`check_loss` and :meth:`check_grad_norm` record.
+        checks: what the recorder's ``check_loss`` and ``check_grad_norm`` (and their batched
+            forms) record.
         agreement: the cross-rank OR of the verdict flags (default: one all-reduce over
             ``process_group``); a loop may pass one that carries its exit inputs along.
         device: where :attr:`buffer` lives, once a device check needs it (default: the device
             of the first device check). No check, no buffer: nothing is computed or read.
         peer_replay: attribute a rejection that reproduces in place by replaying it on a peer
-            replica in the same launch (``stalwart.reliability.rerun.peer``; needs more than one
-            rank in ``process_group``, every one a data-parallel replica); off: Megatron's
-            exit 16 and rerun after the relaunch.
+            replica in the same launch (``stalwart.reliability.rerun.attribution.peer``; needs
+            more than one rank in ``process_group``, every one a data-parallel replica); off:
+            Megatron's exit 16 and rerun after the relaunch.
         replay_determinism: the settings of the peer replay's pass (:class:`ReplayDeterminism`).
-        replicas: fingerprints compared across replicas inside the step
-            (``stalwart.reliability.rerun.replicas``; the step calls :meth:`record_replicas`).
+        replicas: the replica check (``stalwart.reliability.rerun.attribution.replicas``):
+            fingerprints compared inside the step (the step calls :meth:`record_replicas`) and,
+            by the loop, on the weights at its interval and before every save.
         remedies: what a transient verdict does (``exit``, Megatron's, or ``continue`` with
             the rerun's result, a device over its budget being a suspect) and whether a
             reproduced spiky loss (the data's) ends the iteration untrained with a
@@ -142,7 +136,7 @@ class RerunStateMachine:
         device: torch.device | str | None = None,
         peer_replay: bool = False,
         replay_determinism: ReplayDeterminism | None = None,
-        replicas: ReplicaGate | None = None,
+        replicas: ReplicaCheck | None = None,
         remedies: RemedyConfig | None = None,
     ) -> None:
         self.mode = RerunMode.parse(mode)
@@ -151,7 +145,6 @@ class RerunStateMachine:
         tracker = TrackerFile(tracker_name) if tracker_name else None
         self.process_group = process_group
         self.rng = rng_tracker or RngStateTracker()
-        self.checks = checks or CheckConfig()
         any_rank = functools.partial(collectives.all_reduce_any, group=process_group)
         self._agree: Agreement = agreement or any_rank
         self.device = torch.device(device) if device is not None else None
@@ -172,20 +165,14 @@ class RerunStateMachine:
         self.reporter = Reporter(process_group, tracker)
         self.remedies = Remedies(remedies or RemedyConfig(), self.reporter)
         self.judge = EventJudge(self.injector, self.reporter)
-        self.recorder = Recorder(self.injector, self._inject_decision, self._may_record)
-        # Megatron's recording calls on the machine are the recorder's (contracts there).
-        self.check_buffer = self.recorder.check_buffer
-        self.attach_buffer = self.recorder.attach_buffer
-        self.validate_result = self.recorder.validate_result
-        self.check_all_on_device = self.recorder.check_all_on_device
+        self.recorder = Recorder(self.injector, self._inject_decision, self._may_record, checks)
         trackers = (self.recorder.save_trackers, self.recorder.restore_trackers)
         self._saver = StateSaver(self.rng, state_save_func, state_restore_func, *trackers)
-        self._look_ahead = LookAhead(self.recorder, self._saver)
+        self._look_ahead = AheadPass(self.recorder, self._saver)
         self.peer = PeerReplay(
             peer_replay, replay_determinism or ReplayDeterminism(), self.reporter, self.rng
         )
         self.determinism = DeterminismStats(self.reporter, self.REPORTING_INTERVAL_ITERATIONS)
-        self._check_rows = CheckRows()
         logger.info("RerunStateMachine initialized in mode %s", self.mode.value)
 
     # ------------------------------------------------------------------------- configuration
@@ -221,46 +208,31 @@ class RerunStateMachine:
         self.iteration = int(iteration)
         self._iteration_set = True
 
-    def register_generator(
-        self, name: str, get: Callable[[], Any], set: Callable[[Any], object]
-    ) -> None:
-        """Snapshot/restore an extra RNG with every iteration (e.g. a tensor-parallel tracker)."""
-        self.rng.register_generator(name, get, set)
-
-    @property
-    def rank(self) -> int:
-        return self.reporter.rank
-
-    @property
-    def event(self) -> Event | None:
-        """This rank's failed call, while it is being attributed."""
-        return self.judge.event
-
-    @property
-    def diagnosis(self) -> RerunDiagnostic | None:
-        """The cause attributed to this rank's last failed call, if any."""
-        return self.judge.diagnosis
-
     # ------------------------------------------------------------- recording (the recorder)
-    @property
-    def buffer(self) -> ValidationBuffer | None:
-        """The machine's one device check buffer (None before the first device check)."""
-        return self.recorder.buffer
-
-    def check_loss(self, loss: torch.Tensor) -> None:
-        """Megatron's loss checks of one micro-batch's local loss, as :attr:`checks` says."""
-        record_loss_checks(self, loss, self.checks, self._check_rows)
-
-    def check_grad_norm(self, norm: torch.Tensor, bucket: int | None = None) -> None:
-        """Megatron's gradient checks of a local (pre-reduction) grad norm, of DDP bucket
-        ``bucket`` when given, as :attr:`checks` says."""
-        record_grad_checks(self, norm, self.checks, bucket, self._check_rows)
+    def validate_result(
+        self,
+        result: torch.Tensor | float,
+        rejection_func: Callable[..., Any] | None,
+        message: str,
+        comparison_func: Callable[..., Any] | None = None,
+        tolerance: float = 0.0,
+        fatal: bool = True,
+    ) -> None:
+        """Megatron's validation call: record a check of a scalar ``result``, evaluated on the
+        host at the next read (:meth:`Recorder.validate_result` has the contract)."""
+        self.recorder.validate_result(
+            result, rejection_func, message, comparison_func, tolerance, fatal
+        )
 
     @host_predicate
     def is_unexpectedly_large(
-        self, result: torch.Tensor | float, threshold: float, context: str,
-        num_samples: int = 100, resample: bool = False,
-    ) -> bool:  # fmt: skip
+        self,
+        result: torch.Tensor | float,
+        threshold: float,
+        context: str,
+        num_samples: int = 100,
+        resample: bool = False,
+    ) -> bool:
         """Whether ``result`` is unexpectedly large in ``context``, a rejection function
         (:meth:`Recorder.is_unexpectedly_large`)."""
         return self.recorder.is_unexpectedly_large(
@@ -274,12 +246,12 @@ class RerunStateMachine:
         names: Sequence[str] | None = None,
     ) -> None:
         """After a pass and before its optimizer step: the replica fingerprints' check, with
-        the skip gate (:meth:`ReplicaGate.record`), in the passes that check them."""
-        gate = self.replicas
-        if gate is None or self.mode is not VALIDATE or self._final_pass:
+        the skip gate (:meth:`ReplicaCheck.record`), in the passes that check them."""
+        check = self.replicas
+        if check is None or self.mode is not VALIDATE or self._final_pass:
             return
         if self.state in (RerunState.INITIAL_RUN, RerunState.RERUNNING_IN_PLACE):
-            gate.record(iteration, params, names, self.recorder)
+            check.record(iteration, params, names, self.recorder)
 
     def _may_record(self) -> bool:
         return self.mode is RerunMode.DISABLED or self.state is not RerunState.NOT_RUNNING_YET
@@ -290,7 +262,9 @@ class RerunStateMachine:
         if self.mode is not VALIDATE or not self.injector.enabled:
             return False
         if self.state is RerunState.INITIAL_RUN:
-            return self.injector.maybe_inject(key, self.iteration, self.rank, device_identity())
+            return self.injector.maybe_inject(
+                key, self.iteration, self.reporter.rank, device_identity()
+            )
         if self.state in _RERUNS:
             return self.injector.should_corrupt(key, self.state, device_identity())
         return False
@@ -358,7 +332,8 @@ class RerunStateMachine:
             self.state = RerunState.NOT_RUNNING_YET
 
     def resolve(self) -> None:
-        """Evaluate checks recorded while disabled (one sync); fatal rejections raise RuntimeError."""
+        """Evaluate checks recorded while disabled (one sync); fatal rejections raise
+        RuntimeError."""
         if self.mode is not RerunMode.DISABLED:
             raise RuntimeError("resolve() is for disabled mode; enabled modes resolve in the loop")
         self.judge.without_rerun(self.recorder.read_host_only(), self.iteration)
@@ -452,9 +427,9 @@ class RerunStateMachine:
         ahead = self._look_ahead.take(self.iteration)
         if ahead is not None:
             # Adopt the pass begun ahead: its state was saved before any of its work.
-            self._saved = ahead.saved
+            self._saved, records = ahead
             self.state = RerunState.INITIAL_RUN
-            self.recorder.adopt(ahead.records, gate_non_fatal=self.mode is VALIDATE)
+            self.recorder.adopt(records, gate_non_fatal=self.mode is VALIDATE)
             return True
         self._look_ahead.discard(restore_rng=False)
         if self.mode is not RerunMode.DISABLED:
@@ -503,7 +478,7 @@ class RerunStateMachine:
         if attributing and self._replica_exit(iterators):
             return False
         local = self.judge.first_rerun(items, self.iteration)
-        ev = self.event
+        ev = self.judge.event
         reproduced = ev is not None and ev.suspicious is not None
         spike = reproduced and ev is not None and ev.message == SPIKY_LOSS_MESSAGE
         seen = self.remedies.observe(
@@ -541,7 +516,7 @@ class RerunStateMachine:
             self.judge.finish()
             self._accept(iterators)
             return False
-        ev = self.event
+        ev = self.judge.event
         if over and ev is not None:  # a relaunch without rerun_verdict.json still names it
             ev.suspicious = device_identity()
         message = ev.message if ev is not None else ""
@@ -579,8 +554,10 @@ class RerunStateMachine:
         if iteration is not None and iteration != self.iteration:
             logger.warning(
                 "Resumed at iteration %d but the rerun state is for iteration %d; using %d",
-                iteration, self.iteration, iteration,
-            )  # fmt: skip
+                iteration,
+                self.iteration,
+                iteration,
+            )
             self.iteration = int(iteration)
         self._enter(RerunState.RERUNNING_FROM_CHECKPOINT)
         return True
@@ -613,10 +590,10 @@ class RerunStateMachine:
         """Pick the peers and ship the inputs (one collective); True: the replay pass runs."""
         request = None
         if reproduced:
-            assert self.event is not None  # only a rank whose rejection reproduced asks
+            assert self.judge.event is not None  # only a rank whose rejection reproduced asks
             saved_rng = self._saved.rng if self._saved is not None else None
             request = self.peer.request(
-                self.event, self.injector, iterators, saved_rng, self.local_grad_checks
+                self.judge.event, self.injector, iterators, saved_rng, self.local_grad_checks
             )
         identities = self.peer.plan_replay(request)
         if identities is None:
@@ -657,14 +634,14 @@ class RerunStateMachine:
 
     def _replica_exit(self, iterators: list[RerunDataIterator[Any]]) -> bool:
         """Attribute a replica fingerprint mismatch after its rerun; True: the job exits."""
-        gate = self.replicas
-        assert gate is not None
-        attribution, identities = gate.attribute(self.reporter, self.iteration)
+        check = self.replicas
+        assert check is not None
+        attribution, identities = check.attribute(self.reporter, self.iteration)
         if attribution.kind == "transient":
-            gate.detail = ""
+            check.detail = ""
             return False  # the rerun's gradients agree: train on with them
         if attribution.kind == "persistent":
-            self._pending_diagnosis = gate.diagnosis(
+            self._pending_diagnosis = check.diagnosis(
                 attribution, identities, self.iteration, self.reporter
             )
         save = attribution.kind == "persistent" and attribution.weights_consistent
@@ -703,7 +680,8 @@ class RerunStateMachine:
 
     def forget_rerun_from_checkpoint(self) -> None:
         """Drop a loaded "rerun this iteration from the checkpoint" mark: a rerun verdict has
-        settled it (`stalwart.reliability.rerun.verdict_file`); training goes on normally."""
+        settled it (`stalwart.reliability.rerun.attribution.verdict_file`); training goes on
+        normally."""
         self.judge.finish()
         self.state = RerunState.NOT_RUNNING_YET
         self._awaiting_exit = False
@@ -723,7 +701,7 @@ class RerunStateMachine:
         """
         host, device = self.recorder.large_state()
         mine = {
-            "event": event_to_json(self.event),
+            "event": event_to_json(self.judge.event),
             "identity": list(device_identity()),
             "injector": self.injector.state_dict(),
             "large_values": host,

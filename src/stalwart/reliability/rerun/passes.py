@@ -1,6 +1,5 @@
-"""What the rerun state machine keeps per pass: the records, the state saved before it (and
-:class:`StateSaver`, which saves and restores it), and the pass begun *ahead* (the next
-iteration's first work, launched before this pass was read). Nothing here talks to other ranks.
+"""What the rerun state machine keeps per pass: the records and the state saved before it (and
+:class:`StateSaver`, which saves and restores it). Nothing here talks to other ranks.
 """
 
 from __future__ import annotations
@@ -11,8 +10,8 @@ from typing import Any
 
 import torch
 
+from stalwart.reliability.rerun.checks.rules import ValidationRecord
 from stalwart.reliability.rerun.rng import RngStateTracker
-from stalwart.reliability.rerun.rules import ValidationRecord
 from stalwart.reliability.rerun.types import CallKey
 from stalwart.rng_state import capture_rng_state, restore_rng_state
 
@@ -43,19 +42,6 @@ class Records:
     def host_evaluated(self) -> bool:
         """Whether a record of this pass needs the host to decide (no device verdict)."""
         return bool(self.pending)
-
-
-@dataclass
-class Ahead:
-    """The initial pass of ``iteration``, begun before the previous pass was read.
-
-    ``saved`` was captured when it began (before any of its work), so it is exactly what the
-    machine would have saved at the start of that iteration.
-    """
-
-    iteration: int
-    saved: Saved
-    records: Records = field(default_factory=Records)
 
 
 class StateSaver:

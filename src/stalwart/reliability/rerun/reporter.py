@@ -85,9 +85,17 @@ class Reporter:
         (logger.error if fatal else logger.warning)(f"{line} {detail}" if detail else line)
 
     def log_repeat_verdict(
-        self, log: logging.Logger, iteration: int, who: str, where: str, *, reproducible: bool,
-        values: tuple[object, object], message: str, fatal: bool,
-    ) -> None:  # fmt: skip
+        self,
+        log: logging.Logger,
+        iteration: int,
+        who: str,
+        where: str,
+        *,
+        reproducible: bool,
+        values: tuple[object, object],
+        message: str,
+        fatal: bool,
+    ) -> None:
         """The lines of a rejected result repeated on another device (``who``: "Second rerun" on
         ``where`` "a different GPU", or "Peer replay" on a peer): the warning on ``log`` (the
         caller's), then Megatron's failure line. Reproducible there, the result was likely
@@ -96,15 +104,23 @@ class Reporter:
         if reproducible:
             log.warning(
                 "%s: unexpected result is reproducible on %s, therefore it was likely correct "
-                "(%s = %s)", who, where, initial, value,
-            )  # fmt: skip
+                "(%s = %s)",
+                who,
+                where,
+                initial,
+                value,
+            )
             line = f"Correct result (but possible Application error) ({message})"
             self.log_failure(iteration, line, fatal)
             return
         log.warning(
             "%s: unexpected result is not reproducible on %s, therefore was likely incorrect "
-            "(%s != %s)", who, where, initial, value,
-        )  # fmt: skip
+            "(%s != %s)",
+            who,
+            where,
+            initial,
+            value,
+        )
         self.log_failure(iteration, "Possible persistent error!", True, f"(message='{message}')")
 
     def log0(self, message: str) -> None:

@@ -2,7 +2,10 @@
 
 One line per event, Megatron's format::
 
-    ts=<datetime> node=<host> device=<id> jobID=<id> rank=<r> iteration=<i> status=<s> result=<v> message='<m>'
+    ts=<datetime> node=<host> device=<id> jobID=<id> rank=<r> iteration=<i> status=<s>
+    result=<v> message='<m>'
+
+(one line in the file, wrapped here).
 
 ``iteration`` counts from 1 as in Megatron and in the training log line (the machine's 0-based
 loop index + 1): the same number in every run of it and the number ``--iterations-to-skip``
@@ -139,11 +142,11 @@ def read_iterations_to_skip(tracker_path: str) -> list[int]:
 
     An iteration is skipped when the same (rank, iteration) was reported twice with a status
     meaning "the bad result is real" (``rerun_disabled``, ``first_rerun_reproducible``,
-    ``second_rerun_reproducible``, ``peer_replay_reproducible``), in any jobs; it is *not* skipped when several ranks reported it
-    within one job (a systemic or application problem, not bad data). A missing or unreadable
-    file yields ``[]``; unreadable lines (not UTF-8, not in the format) are skipped, and their
-    number is logged once. An iteration with a ``rewind_skipped`` line (a spike rewind skipped
-    it, ``--rewind-on-spike``) is skipped whatever else the file says.
+    ``second_rerun_reproducible``, ``peer_replay_reproducible``), in any jobs; it is *not*
+    skipped when several ranks reported it within one job (a systemic or application problem, not
+    bad data). A missing or unreadable file yields ``[]``; unreadable lines (not UTF-8, not in the
+    format) are skipped, and their number is logged once. An iteration with a ``rewind_skipped``
+    line (a spike rewind skipped it, ``--rewind-on-spike``) is skipped whatever else the file says.
     """
     hits: dict[tuple[int, int], int] = defaultdict(int)
     ranks_per_job: dict[tuple[str, int], set[int]] = defaultdict(set)

@@ -65,7 +65,8 @@ class RerunMode(str, enum.Enum):  # noqa: UP042 (StrEnum needs Python 3.11)
 
     @classmethod
     def parse(cls, value: RerunMode | str) -> RerunMode:
-        """Convert user input; raises ``ValueError`` naming ``--rerun-mode`` and the allowed values."""
+        """Convert user input; raises ``ValueError`` naming ``--rerun-mode`` and the allowed
+        values."""
         try:
             return cls(value)
         except ValueError:
@@ -97,7 +98,7 @@ class RerunState(enum.Enum):
 
     ``REPLAYING_ON_PEER`` (stalwart): after an in-place rerun reproduced a rejection on rank r,
     every rank runs one more pass in which a peer replica replays rank r's micro-batches with
-    r's RNG state (``stalwart.reliability.rerun.peer``). It is never checkpointed.
+    r's RNG state (``stalwart.reliability.rerun.attribution.peer``). It is never checkpointed.
     """
 
     NOT_RUNNING_YET = 0
@@ -165,7 +166,7 @@ def job_id() -> str:
 
 @dataclass(frozen=True)
 class CheckConfig:
-    """Which checks ``RerunStateMachine.check_loss`` / ``check_grad_norm`` record (Megatron's
+    """Which checks ``Recorder.check_loss`` / ``check_grad_norm`` record (Megatron's
     ``--check-for-nan-in-loss-and-grad``, ``--check-for-spiky-loss``, ``--check-for-large-grads``
     and their factors)."""
 
@@ -217,9 +218,9 @@ class Diagnosis:
 
     ``iteration``: completed iterations when it was reached (the failed iteration is logged as
     ``iteration + 1``); ``diagnosis``: ``persistent_error``, ``correct_result``,
-    ``replica_corruption`` or ``repeated_transient_errors``; ``suspects``: the ranks whose device is to be excluded (empty for a
-    correct result); ``checkpoint_iteration``: the checkpoint the relaunch resumes (None: the
-    latest one in the save directory).
+    ``replica_corruption`` or ``repeated_transient_errors``; ``suspects``: the ranks whose
+    device is to be excluded (empty for a correct result); ``checkpoint_iteration``: the checkpoint
+    the relaunch resumes (None: the latest one in the save directory).
     """
 
     iteration: int

@@ -11,7 +11,11 @@ import enum
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stalwart.reliability.rerun.rules import ValidationRecord, evaluate_comparison, is_rejected
+from stalwart.reliability.rerun.checks.rules import (
+    ValidationRecord,
+    evaluate_comparison,
+    is_rejected,
+)
 from stalwart.reliability.rerun.types import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,

@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 def host_float(value: float | torch.Tensor) -> float:
-    """A Python float; a tensor argument is read with ``.item()`` (a sync when it is on a device)."""
+    """A Python float; a tensor argument is read with ``.item()`` (a sync when it is on a
+    device)."""
     if isinstance(value, torch.Tensor):
         return float(value.detach().reshape(()).item())
     return float(value)
@@ -29,7 +30,8 @@ def compare_floats(a: float | torch.Tensor, b: float | torch.Tensor) -> float:
     """Relative difference of two results: 0 means identical, ``inf`` means incomparable.
 
     * equal values, or both NaN -> 0;
-    * exactly one NaN, any infinity that is not matched exactly (``+inf`` vs ``-inf`` included) -> inf;
+    * exactly one NaN, any infinity that is not matched exactly (``+inf`` vs ``-inf``
+      included) -> inf;
     * otherwise ``|a - b| / mean(|a|, |b|)``, bounded by 2 (so ``a == -b`` gives 2 instead of
       Megatron's ZeroDivisionError, and values near zero do not blow up).
     """
@@ -99,7 +101,8 @@ class QuickStats:
 
 @dataclass
 class LargeValueTracker:
-    """Per-context state of ``is_unexpectedly_large``: the max over a sampling window, then frozen."""
+    """Per-context state of ``is_unexpectedly_large``: the max over a sampling window, then
+    frozen."""
 
     count: int = 0
     max_value: float = 0.0

@@ -16,7 +16,7 @@ Two kinds of records:
   device tensor or a float), with the conventions below.
 
 The rules, specs and records, and how a rejection is evaluated on the host, are in
-:mod:`stalwart.reliability.rerun.rules`.
+:mod:`stalwart.reliability.rerun.checks.rules`.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.reliability.rerun.rules import (
+from stalwart.reliability.rerun.checks.rules import (
     UNWRITTEN,
     CheckSpec,
     DeviceRule,
     RuleKind,
     device_rule_of,
 )
-from stalwart.reliability.rerun.stats import compare_floats
+from stalwart.reliability.rerun.checks.stats import compare_floats
 from stalwart.reliability.rerun.types import CallKey
 
 
@@ -47,7 +47,7 @@ class ValidationBuffer:
     """Static device buffer for checks, eager or inside a captured CUDA graph.
 
     Slots are either declared up front with :meth:`add_check` (one per call site and micro-batch)
-    or allocated on the first record of a key (:meth:`slot_for`, what the machine's
+    or allocated on the first record of a key (:meth:`slot_for`, what the recorder's
     ``check_loss``/``check_grad_norm`` use; the warm-up passes before a capture allocate them).
     :meth:`record` only performs device ops on preallocated tensors, so a captured graph writes
     its values and LARGE verdicts on every replay (NaN/Inf verdicts are taken
@@ -131,8 +131,15 @@ class ValidationBuffer:
         self._prefixes: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _gate_inputs(self) -> tuple[torch.Tensor, ...]:
-        return (self.values, self.nan_gate, self.inf_gate, self.inject, self.rejected,
-                self.counted, self._zeros)  # fmt: skip
+        return (
+            self.values,
+            self.nan_gate,
+            self.inf_gate,
+            self.inject,
+            self.rejected,
+            self.counted,
+            self._zeros,
+        )
 
     def _update_gate_masks(self) -> None:
         """The gate's masks from the slot rules and ``in_gate`` (in place: a captured graph
@@ -152,7 +159,8 @@ class ValidationBuffer:
         tolerance: float = 0.0,
         fatal: bool = True,
     ) -> int:
-        """Reserve a slot; returns its index for :meth:`record`. Not graph-safe: call before capture."""
+        """Reserve a slot; returns its index for :meth:`record`. Not graph-safe: call before
+        capture."""
         seq = 1 + sum(1 for s in self.specs if s.message == message)
         spec = CheckSpec(
             message, rejection_func, comparison_func or compare_floats, tolerance, fatal

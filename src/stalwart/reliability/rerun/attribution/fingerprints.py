@@ -23,16 +23,14 @@ swap of two different words. These guarantees hold for parameters of up to ``2**
 integer multiplies, adds and one sum per chunk run on the device (no 64-bit division, which GPUs
 emulate slowly).
 
-In a hand-written DDP loop (collective: every rank calls it at the same iterations)::
+The one replica check that runs these (in the step, and on the weights before every save) is
+:class:`stalwart.reliability.rerun.attribution.replicas.ReplicaCheck`; in a hand-written DDP
+loop (collective: every rank calls it at the same iterations)::
 
-    checker = ReplicaConsistencyChecker(interval=100)
-    for it in range(1, train_iters + 1):
-        step.run(it)
-        if checker.should_check(it) or it % save_interval == 0:
-            result = checker.check(model)  # the module DDP wraps
-            if not result.consistent:
-                log.error(result.describe())
-                raise SystemExit(17)  # do not save diverged weights; resume from the last save
+    result = check_replica_consistency(model)  # the module DDP wraps
+    if not result.consistent:
+        log.error(result.describe())
+        raise SystemExit(17)  # do not save diverged weights; resume from the last save
 """
 
 from __future__ import annotations
@@ -41,12 +39,15 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final, cast
+from typing import Final, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+
+from stalwart.distributed.collectives import all_gather_objects
+from stalwart.reliability.rerun.types import Diagnosis, DiagnosisSource, Suspect, device_identity
 
 CHECK_INTERVAL_FLAG: Final = "--check-weight-hash-across-dp-replicas-interval"
 FSDP2_FLAG: Final = "--use-torch-fsdp2"
@@ -146,9 +147,9 @@ def parameter_fingerprints(
 
     Returns a 1-D int64 tensor with one entry per parameter, in ``module.named_parameters()``
     order, on the parameters' device (CPU for a module without parameters); entries are int64
-    sums wrapped modulo ``2**64``. The values are a pure function of the parameters' bytes and positions:
-    identical on every process and device, independent of ``chunk_words``. Any single bit flip
-    in a parameter changes that parameter's entry and no other.
+    sums wrapped modulo ``2**64``. The values are a pure function of the parameters' bytes and
+    positions: identical on every process and device, independent of ``chunk_words``. Any single bit
+    flip in a parameter changes that parameter's entry and no other.
 
     ``chunk_words`` bounds the temporary memory (a few int64 buffers of that many words).
 
@@ -185,22 +186,23 @@ class ReplicaCheckResult:
     identities: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     subject: str = "weights"  # what was compared ("weights and gradients" inside the step)
 
-    def diagnosis(self, iteration: int) -> Any:
+    def diagnosis(self, iteration: int) -> Diagnosis | None:
         """The ``rerun_verdict.json`` record when a strict majority names the disagreeing
         ranks (``replica_corruption``; a relaunch from the last checkpoint refuses their
         devices), else None (two replicas, or a tie: nothing tells which one is right)."""
         if self.consistent or not self.has_majority or not self.identities:
             return None
-        from stalwart.reliability.rerun.types import Diagnosis, DiagnosisSource, Suspect
-
         suspects = tuple(
             Suspect(rank, node, device)
             for rank, (node, device) in zip(self.mismatched_ranks, self.identities, strict=True)
         )
         return Diagnosis(
-            iteration, "replica_corruption", suspects, self.describe(),
+            iteration,
+            "replica_corruption",
+            suspects,
+            self.describe(),
             DiagnosisSource.REPLICA_CHECK,
-        )  # fmt: skip
+        )
 
     def describe(self) -> str:
         """One-line summary naming the disagreeing ranks and up to five parameters."""
@@ -263,11 +265,21 @@ def decide_replica_consistency(
     )
 
 
-def _comm_device(group: ProcessGroup | None, local: torch.device) -> torch.device:
-    """Where the all-gather buffer must live: CUDA for NCCL, CPU for gloo and the rest."""
+def gather_fingerprints(local: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's fingerprint vector, ``[world, k]`` (one all-gather, device work; the buffer
+    lives where the backend wants it: CUDA for NCCL, the CPU for gloo and the rest)."""
+    world = dist.get_world_size(group) if collectives_initialized() else 1
+    if world == 1:
+        return local.unsqueeze(0)
     if dist.get_backend(group) == "nccl":
-        return local if local.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        comm = local if local.device.type == "cuda" else local.to(cuda)
+    else:
+        comm = local.to("cpu")
+    parts = [torch.empty_like(comm) for _ in range(world)]
+    # List form rather than all_gather_into_tensor: it is supported by gloo as well as NCCL.
+    dist.all_gather(parts, comm, group=group)
+    return torch.stack(parts)
 
 
 def check_replica_consistency(
@@ -290,18 +302,11 @@ def check_replica_consistency(
     world = dist.get_world_size(process_group)
     if world == 1 or not named:
         return ReplicaCheckResult(True, [], [])
-    local = parameter_fingerprints(module)
-    local = local.to(_comm_device(process_group, local.device))
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    # List form rather than all_gather_into_tensor: it is supported by gloo as well as NCCL.
-    dist.all_gather(gathered, local, group=process_group)
+    gathered = gather_fingerprints(parameter_fingerprints(module), process_group)
     # Deliberate sync: the decision needs the gathered fingerprints on the host, once per check.
-    rows = torch.stack(gathered).tolist()
+    rows = gathered.tolist()
     result = decide_replica_consistency(rows, [name for name, _ in named])
     if not result.consistent:  # the same on every rank: all of them gather (rare path)
-        from stalwart.distributed.collectives import all_gather_objects
-        from stalwart.reliability.rerun.types import device_identity
-
         everyone = cast(
             "list[tuple[str, str]]", all_gather_objects(device_identity(), process_group)
         )
@@ -342,52 +347,13 @@ def replicas_agree(
                     if isinstance(v, torch.Tensor) and v.dtype in _WORD_VIEWS
                 ]
     local = tensor_fingerprints([t.to(tensors[0].device) for t in tensors])
-    local = local.to(_comm_device(process_group, local.device))
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(gathered, local, group=process_group)
+    gathered = gather_fingerprints(local, process_group)
     # Deliberate sync: a save decision (rare path).
     return bool(all(torch.equal(g, gathered[0]) for g in gathered))
 
 
 def collectives_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-class ReplicaConsistencyChecker:
-    """Runs :func:`check_replica_consistency` every ``interval`` iterations.
-
-    ``interval`` is the value of ``--check-weight-hash-across-dp-replicas-interval``: 0 disables
-    the check (``should_check`` is always False), a positive value checks at iterations that are
-    multiples of it (iterations counted from 1, as in the training log).
-    """
-
-    def __init__(self, interval: int) -> None:
-        if interval < 0:
-            raise ValueError(
-                f"{CHECK_INTERVAL_FLAG} must be >= 0 (0 disables the check), got {interval}"
-            )
-        self._interval = interval
-
-    @property
-    def interval(self) -> int:
-        return self._interval
-
-    @property
-    def enabled(self) -> bool:
-        return self._interval > 0
-
-    def should_check(self, iteration: int) -> bool:
-        """True when enabled and ``iteration`` (>= 1) is a multiple of the interval."""
-        return self._interval > 0 and iteration >= 1 and iteration % self._interval == 0
-
-    def due(self, iteration: int, *, saving: bool = False) -> bool:
-        """Whether to compare now: at the interval, and before every save when enabled (never
-        write a checkpoint from diverged replicas)."""
-        return self.should_check(iteration) or (saving and self.enabled)
-
-    def check(self, module: nn.Module, group: ProcessGroup | None = None) -> ReplicaCheckResult:
-        """Collective: compare ``module`` across ``group``; see :func:`check_replica_consistency`."""
-        return check_replica_consistency(module, group)
 
 
 # (word index within element 0, bit) of the third-highest mantissa bit: a 6.25-12.5% relative change

@@ -1,14 +1,17 @@
-"""Replica fingerprints inside the guarded step: the all-reduced gradients (and the weights they
-step) compared across data-parallel replicas before the optimizer step, gated on the device.
+"""The one replica check (``--check-weight-hash-across-dp-replicas-interval``): fingerprints of
+the data-parallel replicas (``fingerprints``) compared in the step and before every save.
 
-The replica check of the loop (``stalwart.reliability.replica_check``) compares the weights after
-a step. Most silent data corruption gives finite wrong values that no NaN check sees, and a
-corrupted all-reduced gradient on one replica makes its weights drift one step later. So, at the
-iterations :class:`ReplicaSchedule` names, the step fingerprints the pass's gradients and the
-weights (exact integer sums of their bytes), all-gathers them on the device, and records one
-device check (``REPLICA_MESSAGE``) whose rejection also raises the optimizer's skip gate: a
-mismatch never reaches the weights. The check's value rides on the machine's one per-iteration
-read; the gathered fingerprints are read on the host only after a mismatch.
+In the step, the all-reduced gradients (and the weights they step) are compared before the
+optimizer step, gated on the device. After the step, at the interval and before every save,
+:meth:`ReplicaCheck.check` compares the weights; a mismatch exits 17 without saving
+(``stalwart.reliability.exit.replica_exit``). Most silent data corruption gives finite wrong values
+that no NaN check sees, and a corrupted all-reduced gradient on one replica makes its weights drift
+one step later. So, at the iterations :class:`ReplicaSchedule` names, the step fingerprints the
+pass's gradients and the weights (exact integer sums of their bytes), all-gathers them on the
+device, and records one device check (``REPLICA_MESSAGE``) whose rejection also raises the
+optimizer's skip gate: a mismatch never reaches the weights. The check's value rides on the
+machine's one per-iteration read; the gathered fingerprints are read on the host only after a
+mismatch.
 
 A mismatch is then attributed (:func:`attribute_replicas`, pure): the iteration is rerun in place
 on every rank (its micro-batches and RNG), then
@@ -42,10 +45,16 @@ import torch
 import torch.distributed as dist
 
 from stalwart.distributed import collectives
-from stalwart.reliability.replica_check import decide_replica_consistency, tensor_fingerprints
-from stalwart.reliability.rerun.recording import Recorder
+from stalwart.reliability.rerun.attribution.fingerprints import (
+    ReplicaCheckResult,
+    check_replica_consistency,
+    decide_replica_consistency,
+    gather_fingerprints,
+    tensor_fingerprints,
+)
+from stalwart.reliability.rerun.checks.recorder import Recorder
+from stalwart.reliability.rerun.checks.rules import NAN_RULE, DeviceCheck, is_rejected
 from stalwart.reliability.rerun.reporter import Reporter
-from stalwart.reliability.rerun.rules import NAN_RULE, DeviceCheck, is_rejected
 from stalwart.reliability.rerun.types import (
     Diagnosis,
     DiagnosisSource,
@@ -83,10 +92,10 @@ class ReplicaSchedule:
                 "--check-weight-hash-across-dp-replicas-interval must be >= 0 (0: off); "
                 f"got {self.interval}"
             )
-        if not (0.0 <= self.sample_fraction <= 1.0) or math.isnan(self.sample_fraction):
+        fraction = self.sample_fraction
+        if isinstance(fraction, bool) or not (0.0 <= fraction <= 1.0):  # NaN fails too
             raise ValueError(
-                "--check-weight-hash-sample-fraction must be in [0, 1] (0: off); "
-                f"got {self.sample_fraction}"
+                f"--check-weight-hash-sample-fraction must be in [0, 1] (0: off); got {fraction!r}"
             )
 
     @property
@@ -159,9 +168,11 @@ def attribute_replicas(
     return ReplicaAttribution("unattributed", [], weights_ok)
 
 
-class ReplicaGate:
-    """Fingerprints of a pass, gathered across the group (device side), and the attribution of
-    a mismatch after its rerun (the first pass's rows, the detail the exit reports).
+class ReplicaCheck:
+    """The replica check: in the step, fingerprints of a pass gathered across the group (device
+    side) and the attribution of a mismatch after its rerun (the first pass's rows, the detail
+    the exit reports); after the step, the weights compared when :meth:`due` (at the interval,
+    and before every save).
 
     Args:
         schedule: which parameters at which iteration.
@@ -178,6 +189,19 @@ class ReplicaGate:
         self.num_recorded = 0
         self.originals: list[list[int]] | None = None  # a mismatch's first pass, until its rerun
         self.detail = ""  # the mismatch the exit reports ("": none)
+
+    def due(self, iteration: int, *, saving: bool = False) -> bool:
+        """Whether to compare the weights after the step of the completed ``iteration``
+        (1-based, as logged): at the multiples of the interval, and before every save while the
+        interval is on (never write a checkpoint from diverged replicas). The sampled mode
+        fingerprints in the step only."""
+        interval = self.schedule.interval
+        return interval > 0 and (saving or (iteration >= 1 and iteration % interval == 0))
+
+    def check(self, module: torch.nn.Module) -> ReplicaCheckResult:
+        """Collective: compare ``module``'s weights across the group (global ranks in the
+        result; :func:`check_replica_consistency`)."""
+        return check_replica_consistency(module, self.group)
 
     def fingerprints(
         self,
@@ -206,15 +230,7 @@ class ReplicaGate:
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's vector, ``[world, k]`` (device work; gloo gathers on the CPU)."""
-        world = collectives.world_size(self.group)
-        if world == 1:
-            gathered = local.unsqueeze(0)
-        else:
-            comm = local.to(collectives.device_for(self.group))
-            parts = [torch.empty_like(comm) for _ in range(world)]
-            dist.all_gather(parts, comm, group=self.group)
-            gathered = torch.stack(parts)
-        self._gathered = gathered
+        gathered = self._gathered = gather_fingerprints(local, self.group)
         self.num_recorded += 1
         return gathered
 
@@ -274,9 +290,12 @@ class ReplicaGate:
             logger.error(line)
         if rank in attribution.suspects:
             reporter.track(
-                iteration, RerunValidationStatus.REPLICA_MISMATCH, math.nan, REPLICA_MESSAGE,
+                iteration,
+                RerunValidationStatus.REPLICA_MISMATCH,
+                math.nan,
+                REPLICA_MESSAGE,
                 rank=reporter.global_rank(rank),
-            )  # fmt: skip
+            )
         return attribution, identities
 
     @staticmethod
@@ -289,9 +308,13 @@ class ReplicaGate:
         )
         saved = iteration if attribution.weights_consistent else None
         return Diagnosis(
-            iteration, "replica_corruption", suspects, REPLICA_MESSAGE,
-            DiagnosisSource.REPLICA_CHECK, saved,
-        )  # fmt: skip
+            iteration,
+            "replica_corruption",
+            suspects,
+            REPLICA_MESSAGE,
+            DiagnosisSource.REPLICA_CHECK,
+            saved,
+        )
 
 
 def mismatch_value(gathered: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,7 @@ class SuspectDeviceError(ValueError):
 
 
 @dataclass(frozen=True)
-class RerunVerdict:
+class VerdictFile:
     """The content of ``rerun_verdict.json`` (see module docstring)."""
 
     checkpoint: str | None
@@ -99,9 +99,9 @@ class RerunVerdict:
     suspect_ranks: list[int] = field(default_factory=list)
 
 
-def verdict_of(diagnosis: Diagnosis, checkpoint: str | None) -> RerunVerdict:
+def verdict_of(diagnosis: Diagnosis, checkpoint: str | None) -> VerdictFile:
     """The file's content for ``diagnosis`` (``checkpoint``: the name of the one to resume)."""
-    return RerunVerdict(
+    return VerdictFile(
         checkpoint=checkpoint,
         iteration=int(diagnosis.iteration),
         diagnosis=diagnosis.diagnosis,
@@ -141,9 +141,13 @@ def write_verdict(root: str, diagnosis: Diagnosis, *, checkpoint: str | None = N
     logger.warning(
         "rerun verdict %s (%s) for iteration %d (suspect: %s) written to %s: a launch on other "
         "hardware trains on from %s; the suspect devices are refused",
-        verdict.diagnosis, verdict.source, verdict.iteration + 1, where, path,
+        verdict.diagnosis,
+        verdict.source,
+        verdict.iteration + 1,
+        where,
+        path,
         checkpoint or "the latest checkpoint",
-    )  # fmt: skip
+    )
     return path
 
 
@@ -178,7 +182,7 @@ def _write_json(path: str, content: dict[str, Any]) -> bool:
     return True
 
 
-def read_verdict(root: str) -> tuple[RerunVerdict | None, str]:
+def read_verdict(root: str) -> tuple[VerdictFile | None, str]:
     """``(verdict, "")``, or ``(None, why)`` when the file is absent or malformed."""
     path = os.path.join(root, VERDICT_FILENAME)
     try:
@@ -189,18 +193,22 @@ def read_verdict(root: str) -> tuple[RerunVerdict | None, str]:
     except (OSError, ValueError, RecursionError) as exc:
         return None, f"{path} unreadable ({type(exc).__name__})"
     try:
-        verdict = RerunVerdict(
-            raw["checkpoint"], raw["iteration"], raw["diagnosis"],
-            [(s[0], s[1]) for s in raw["suspects"]], str(raw.get("message", "")),
-            str(raw.get("time", "")), raw.get("source", "rerun_from_checkpoint"),
+        verdict = VerdictFile(
+            raw["checkpoint"],
+            raw["iteration"],
+            raw["diagnosis"],
+            [(s[0], s[1]) for s in raw["suspects"]],
+            str(raw.get("message", "")),
+            str(raw.get("time", "")),
+            raw.get("source", "rerun_from_checkpoint"),
             list(raw.get("suspect_ranks", [])),
-        )  # fmt: skip
+        )
     except (TypeError, KeyError, IndexError):
         return None, f"{path} is not a rerun verdict"
     return (verdict, "") if _valid(verdict) else (None, f"{path} is not a rerun verdict")
 
 
-def _valid(v: RerunVerdict) -> bool:
+def _valid(v: VerdictFile) -> bool:
     return (
         (v.checkpoint is None or isinstance(v.checkpoint, str))
         and isinstance(v.iteration, int)
@@ -218,7 +226,7 @@ def _loaded_iteration(checkpoint_path: str) -> int | None:
 
 def apply_verdict(
     machine: Any, checkpoint_path: str, *, iteration: int | None = None, root: str | None = None
-) -> RerunVerdict | None:
+) -> VerdictFile | None:
     """After loading ``checkpoint_path``: act on the verdict of its save directory (see module
     docstring). Collective (one all-reduce; every rank calls it after the same load); returns
     the verdict applied. ``iteration``: the loaded checkpoint's completed iterations (default:
@@ -265,11 +273,14 @@ def apply_verdict(
     if settles or any_excludes:
         if marked:
             machine.forget_rerun_from_checkpoint()
-        if machine.rank == 0:
+        if machine.reporter.rank == 0:
             logger.warning(
                 "rerun verdict %s for iteration %d (%s): this launch does not run on a suspect "
                 "device; training on from %s",
-                verdict.diagnosis, verdict.iteration + 1, verdict.message, checkpoint_path,
-            )  # fmt: skip
+                verdict.diagnosis,
+                verdict.iteration + 1,
+                verdict.message,
+                checkpoint_path,
+            )
         return verdict
     return None

@@ -1,6 +1,7 @@
-"""The peer replay's side of the rerun machine (see ``stalwart.reliability.rerun.peer`` for the
-protocol): :class:`PeerReplay` owns the plan of the replay under way and does its collectives,
-its RNG and data set-up, its comparison and its lines; the machine owns the states."""
+"""The peer replay's side of the rerun machine (see
+``stalwart.reliability.rerun.attribution.peer`` for the protocol): :class:`PeerReplay` owns the plan
+of the replay under way and does its collectives, its RNG and data set-up, its comparison and its
+lines; the machine owns the states."""
 
 from __future__ import annotations
 
@@ -9,10 +10,7 @@ import math
 from typing import Any
 
 from stalwart.distributed import collectives
-from stalwart.reliability.rerun.checks import is_grad_message
-from stalwart.reliability.rerun.data_iterator import RerunDataIterator
-from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.peer import (
+from stalwart.reliability.rerun.attribution.peer import (
     PeerOutcome,
     PeerPlan,
     PeerReport,
@@ -22,9 +20,11 @@ from stalwart.reliability.rerun.peer import (
     plan_peer_replay,
     to_cpu,
 )
+from stalwart.reliability.rerun.checks.rules import evaluate_comparison, is_grad_message
+from stalwart.reliability.rerun.data_iterator import RerunDataIterator
+from stalwart.reliability.rerun.injector import RerunErrorInjector
 from stalwart.reliability.rerun.reporter import Reporter
 from stalwart.reliability.rerun.rng import RngStateTracker, adopt_rng_state, portable_rng_state
-from stalwart.reliability.rerun.rules import evaluate_comparison
 from stalwart.reliability.rerun.types import (
     CallKey,
     Diagnosis,
@@ -78,6 +78,7 @@ class PeerReplay:
         """What this rank, whose rejection reproduced, ships to its peer
         (``local_grad_checks`` False: its gradient checks saw reduced shards, not replayable)."""
         injection = injector.injection_for(ev.key)
+        shipped = None if injection is None else (injection[0].value, tuple(injection[1]))
         return PeerRequest(
             rank=self._reporter.group_rank,
             identity=device_identity(),
@@ -88,7 +89,7 @@ class PeerReplay:
             initial=ev.initial_result,
             batches=[to_cpu(list(it.saved_microbatches)) for it in iterators],
             rng=portable_rng_state(saved_rng) if saved_rng is not None else {},
-            injection=None if injection is None else (injection[0].value, tuple(injection[1])),  # type: ignore[arg-type]
+            injection=shipped,  # type: ignore[arg-type]
             replayable=local_grad_checks or not is_grad_message(ev.message),
         )
 
@@ -158,9 +159,13 @@ class PeerReplay:
             line = f"the peer replay did not make call {request.key}"
             logger.warning(self._reporter.describe(iteration, line))
         return PeerReport(
-            request.rank, self._reporter.group_rank, device_identity(), value, comparison,
+            request.rank,
+            self._reporter.group_rank,
+            device_identity(),
+            value,
+            comparison,
             comparison <= request.tolerance,
-        )  # fmt: skip
+        )
 
     def record_outcome(
         self, outcome: PeerOutcome, iteration: int, seconds: float | None
@@ -190,9 +195,15 @@ class PeerReplay:
         value = math.nan if report is None else report.value
         reproducible = report is not None and report.reproducible
         reporter.log_repeat_verdict(
-            logger, iteration, "Peer replay", where, reproducible=reproducible,
-            values=(request.initial, value), message=request.message, fatal=request.fatal,
-        )  # fmt: skip
+            logger,
+            iteration,
+            "Peer replay",
+            where,
+            reproducible=reproducible,
+            values=(request.initial, value),
+            message=request.message,
+            fatal=request.fatal,
+        )
         status = (
             RerunValidationStatus.PEER_REPLAY_REPRODUCIBLE
             if reproducible

@@ -16,21 +16,23 @@ from typing import Any
 
 import torch
 
-from stalwart.reliability.rerun.buffer import ValidationBuffer
-from stalwart.reliability.rerun.injector import RerunErrorInjector
-from stalwart.reliability.rerun.passes import Records
-from stalwart.reliability.rerun.reading import read_values
-from stalwart.reliability.rerun.rules import (
+from stalwart.reliability.rerun.checks.buffer import ValidationBuffer
+from stalwart.reliability.rerun.checks.reading import read_values
+from stalwart.reliability.rerun.checks.rules import (
     CheckSpec,
     DeviceCheck,
     DeviceRule,
     RuleKind,
     ValidationRecord,
     as_scalar,
+    grad_checks,
     host_predicate,
+    loss_checks,
 )
-from stalwart.reliability.rerun.stats import LargeValueTracker, compare_floats, host_float
-from stalwart.reliability.rerun.types import CallKey
+from stalwart.reliability.rerun.checks.stats import LargeValueTracker, compare_floats, host_float
+from stalwart.reliability.rerun.injector import RerunErrorInjector
+from stalwart.reliability.rerun.passes import Records
+from stalwart.reliability.rerun.types import CallKey, CheckConfig
 from stalwart.reliability.rerun.verdicts import Items
 
 
@@ -42,6 +44,10 @@ class Recorder:
         decide: whether to corrupt the call ``key`` now (the machine's injection decision,
             asked once per new call).
         in_pass: whether a pass is running (a record outside one is refused).
+        checks: which loss and gradient checks :meth:`check_loss`, :meth:`check_losses`,
+            :meth:`check_grad_norm` and :meth:`check_grad_norms` record (Megatron's
+            ``--check-for-nan-in-loss-and-grad``, ``--check-for-spiky-loss``,
+            ``--check-for-large-grads`` and their factors).
     """
 
     def __init__(
@@ -49,7 +55,11 @@ class Recorder:
         injector: RerunErrorInjector,
         decide: Callable[[CallKey], bool],
         in_pass: Callable[[], bool],
+        checks: CheckConfig | None = None,
     ) -> None:
+        self.checks = checks or CheckConfig()
+        # The checks' rows, built once per configuration: the hot path then builds nothing.
+        self._rows: dict[tuple[CheckConfig, str, int | None], tuple[DeviceCheck, ...]] = {}
         self._injector = injector
         self._decide = decide
         self._in_pass = in_pass
@@ -218,6 +228,55 @@ class Recorder:
         flat = values.reshape(-1)
         for (i, _), slot in zip(pairs, slots, strict=True):  # another layout (rare): one by one
             buffer.record(slot, flat[i])
+
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """Megatron's checks of one micro-batch's local loss, as :attr:`checks` says: NaN/Inf
+        (fatal, tolerance 0: the forward is deterministic) and spiky loss (non-fatal)."""
+        wanted = self._row("loss")
+        if wanted:
+            self.check_all_on_device(loss, (wanted,))
+
+    def check_losses(self, losses: Sequence[torch.Tensor]) -> None:
+        """:meth:`check_loss` of each loss of ``losses`` (one per micro-batch, in order) in one
+        call: the same slots, messages and verdicts, and one stack plus one device write in all
+        instead of one per micro-batch. ``losses`` should be detached (a host dispatch less)."""
+        wanted = self._row("loss")
+        if not wanted or not losses:
+            return
+        for loss in losses:
+            if loss.numel() != 1:
+                raise ValueError(f"a loss to check must be a scalar; got shape {tuple(loss.shape)}")
+        flat = [x if x.dim() == 0 else x.reshape(()) for x in losses]
+        if any(x.dtype != flat[0].dtype for x in flat):
+            flat = [x.double() for x in flat]
+        values = flat[0] if len(flat) == 1 else torch.stack(flat)
+        self.check_all_on_device(values, [wanted] * len(flat))
+
+    def check_grad_norm(self, norm: torch.Tensor, bucket: int | None = None) -> None:
+        """Megatron's checks of a *local* (pre-reduction) grad norm, of DDP bucket ``bucket``
+        when given, as :attr:`checks` says: NaN/Inf (fatal) and large grads (non-fatal), with
+        tolerance 1e-3 (non-deterministic backward kernels)."""
+        wanted = self._row("grads", bucket)
+        if wanted:
+            self.check_all_on_device(norm, (wanted,))
+
+    def check_grad_norms(self, norms: torch.Tensor) -> None:
+        """:meth:`check_grad_norm` of every bucket's norm (``norms[b]``; a 0-d tensor: the one
+        bucket's) in one call: the same slots, messages and verdicts, one device write."""
+        n = norms.numel()
+        wanted = [self._row("grads", b if n > 1 else None) for b in range(n)]
+        if wanted and wanted[0]:
+            self.check_all_on_device(norms, wanted)
+
+    def _row(self, kind: str, bucket: int | None = None) -> tuple[DeviceCheck, ...]:
+        """The ``"loss"`` checks, or the ``"grads"`` checks of ``bucket`` (None: the only
+        one), as :attr:`checks` says."""
+        key = (self.checks, kind, bucket)
+        row = self._rows.get(key)
+        if row is None:
+            made = loss_checks(self.checks) if kind == "loss" else grad_checks(self.checks, bucket)
+            row = self._rows[key] = made
+        return row
 
     def _slot(self, buffer: ValidationBuffer, key: CallKey, check: DeviceCheck) -> int:
         """The buffer slot of ``key``; a new one decides its error injection now."""

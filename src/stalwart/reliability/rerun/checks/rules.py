@@ -3,7 +3,7 @@
 What a validation call checks (:class:`CheckSpec`, :class:`DeviceRule`), the record of one call
 before its value is read (:class:`ValidationRecord`), and how a rejection or comparison function
 is applied to a host value. The device buffer that holds the values is
-:class:`stalwart.reliability.rerun.buffer.ValidationBuffer`.
+:class:`stalwart.reliability.rerun.checks.buffer.ValidationBuffer`.
 
 Rejection and comparison functions are called with host values. ``torch.isnan`` / ``torch.isinf``
 are evaluated with :mod:`math`; callables marked with :func:`host_predicate` (such as
@@ -23,10 +23,35 @@ from typing import Any, TypeVar
 
 import torch
 
-from stalwart.reliability.rerun.stats import compare_floats
-from stalwart.reliability.rerun.types import CallKey
+from stalwart.reliability.rerun.checks.stats import compare_floats
+from stalwart.reliability.rerun.types import CallKey, CheckConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+NAN_LOSS_MESSAGE = "found NaN in local forward loss calculation"
+INF_LOSS_MESSAGE = "found Inf in local forward loss calculation"
+SPIKY_LOSS_MESSAGE = "Spiky loss"
+_GRAD_WHERE = "in backward pass before data-parallel communication collective"
+NAN_GRAD_MESSAGE = f"found NaN in local grad norm {_GRAD_WHERE}"
+INF_GRAD_MESSAGE = f"found Inf in local grad norm {_GRAD_WHERE}"
+LARGE_GRAD_MESSAGE = f"found unexpected large grads {_GRAD_WHERE}"
+GRAD_TOLERANCE = 1e-3
+
+
+def is_grad_message(message: str) -> bool:
+    """Whether ``message`` is one of the gradient checks' (per bucket, before the all-reduce)."""
+    return _GRAD_WHERE in message
+
+
+def grad_message(kind: str, bucket: int | None) -> str:
+    """Megatron's gradient check message (``kind``: NaN, Inf or large), naming the bucket when
+    there is more than one."""
+    if kind == "large":
+        where = _GRAD_WHERE if bucket is None else f"in bucket #{bucket} {_GRAD_WHERE}"
+        return f"found unexpected large grads {where}"
+    where = _GRAD_WHERE if bucket is None else f"for bucket #{bucket} {_GRAD_WHERE}"
+    return f"found {kind} in local grad norm {where}"
+
 
 DEFAULT_LARGE_SAMPLES = 100  # Megatron's sampling window of is_unexpectedly_large
 # The value of a buffer slot not written in the current pass: -DBL_MAX, finite (so never a
@@ -167,3 +192,28 @@ def as_scalar(result: torch.Tensor | float) -> torch.Tensor | float:
             raise ValueError(f"validation results must be scalars; got shape {tuple(result.shape)}")
         return result.detach().reshape(()).to(torch.float64, copy=True)
     return float(result)
+
+
+def loss_checks(checks: CheckConfig) -> tuple[DeviceCheck, ...]:
+    """The device checks of one local loss that ``checks`` asks for, in Megatron's order."""
+    out = []
+    if checks.nan_and_inf:
+        out += [DeviceCheck(NAN_RULE, NAN_LOSS_MESSAGE), DeviceCheck(INF_RULE, INF_LOSS_MESSAGE)]
+    if checks.spiky_loss:
+        rule = DeviceRule(RuleKind.LARGE, "loss", checks.spiky_loss_factor, checks.large_samples)
+        out.append(DeviceCheck(rule, SPIKY_LOSS_MESSAGE, fatal=False))
+    return tuple(out)
+
+
+def grad_checks(checks: CheckConfig, bucket: int | None) -> tuple[DeviceCheck, ...]:
+    """The device checks of one local grad norm (of ``bucket``) that ``checks`` asks for."""
+    out = []
+    if checks.nan_and_inf:
+        out += [
+            DeviceCheck(NAN_RULE, grad_message("NaN", bucket), GRAD_TOLERANCE),
+            DeviceCheck(INF_RULE, grad_message("Inf", bucket), GRAD_TOLERANCE),
+        ]
+    if checks.large_grads:
+        rule = DeviceRule(RuleKind.LARGE, "grads", checks.large_grads_factor, checks.large_samples)
+        out.append(DeviceCheck(rule, grad_message("large", bucket), GRAD_TOLERANCE, fatal=False))
+    return tuple(out)

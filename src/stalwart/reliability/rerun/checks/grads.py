@@ -1,177 +1,22 @@
-"""Ready-made validation points for a training loop: loss and gradients, evaluated on the device.
+"""The gradient checks: local gradient norms per DDP bucket, recorded on the device.
 
-None of these syncs: each records device scalars into the machine's buffer, which the machine
-reads once per iteration (and which can gate the optimizer step on the device). Messages,
-tolerances and fatality follow Megatron (loss: tolerance 0, the forward is deterministic; grads:
-tolerance 1e-3 for non-deterministic backward kernels). Gradient checks run per bucket, before
-the data-parallel reduction, as Megatron's ``check_grads`` does.
+None of this syncs: the norms go to the recorder's device buffer (``Recorder.check_grad_norms``),
+which the machine reads once per iteration (and which can gate the optimizer step on the
+device). Gradient checks run per bucket, before the data-parallel reduction, as Megatron's
+``check_grads`` does; their messages and rules are in ``rules``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from stalwart.reliability.rerun.rules import INF_RULE, NAN_RULE, DeviceCheck, DeviceRule, RuleKind
-from stalwart.reliability.rerun.types import CheckConfig
+from stalwart.reliability.rerun.checks.recorder import Recorder
 
-NAN_LOSS_MESSAGE = "found NaN in local forward loss calculation"
-INF_LOSS_MESSAGE = "found Inf in local forward loss calculation"
-SPIKY_LOSS_MESSAGE = "Spiky loss"
-_GRAD_WHERE = "in backward pass before data-parallel communication collective"
-NAN_GRAD_MESSAGE = f"found NaN in local grad norm {_GRAD_WHERE}"
-INF_GRAD_MESSAGE = f"found Inf in local grad norm {_GRAD_WHERE}"
-LARGE_GRAD_MESSAGE = f"found unexpected large grads {_GRAD_WHERE}"
-GRAD_TOLERANCE = 1e-3
 # Default DDP bucket size (torch's bucket_cap_mb=25): the fixed layout of the gradient checks.
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
-
-
-def is_grad_message(message: str) -> bool:
-    """Whether ``message`` is one of the gradient checks' (per bucket, before the all-reduce)."""
-    return _GRAD_WHERE in message
-
-
-def grad_message(kind: str, bucket: int | None) -> str:
-    """Megatron's gradient check message (``kind``: NaN, Inf or large), naming the bucket when
-    there is more than one."""
-    if kind == "large":
-        where = _GRAD_WHERE if bucket is None else f"in bucket #{bucket} {_GRAD_WHERE}"
-        return f"found unexpected large grads {where}"
-    where = _GRAD_WHERE if bucket is None else f"for bucket #{bucket} {_GRAD_WHERE}"
-    return f"found {kind} in local grad norm {where}"
-
-
-class DeviceChecker(Protocol):
-    """What the check helpers record into (the rerun state machine)."""
-
-    def check_all_on_device(
-        self, values: torch.Tensor, checks: Sequence[Sequence[DeviceCheck]]
-    ) -> None: ...
-
-
-class HasChecks(Protocol):
-    """Which checks to record (a ``RerunConfig`` or a ``RerunStateMachine``)."""
-
-    @property
-    def checks(self) -> CheckConfig: ...
-
-
-class CheckedMachine(DeviceChecker, HasChecks, Protocol):
-    """A machine that records device checks and says which (``RerunStateMachine``)."""
-
-
-def loss_checks(checks: CheckConfig) -> tuple[DeviceCheck, ...]:
-    """The device checks of one local loss that ``checks`` asks for, in Megatron's order."""
-    out = []
-    if checks.nan_and_inf:
-        out += [DeviceCheck(NAN_RULE, NAN_LOSS_MESSAGE), DeviceCheck(INF_RULE, INF_LOSS_MESSAGE)]
-    if checks.spiky_loss:
-        rule = DeviceRule(RuleKind.LARGE, "loss", checks.spiky_loss_factor, checks.large_samples)
-        out.append(DeviceCheck(rule, SPIKY_LOSS_MESSAGE, fatal=False))
-    return tuple(out)
-
-
-def grad_checks(checks: CheckConfig, bucket: int | None) -> tuple[DeviceCheck, ...]:
-    """The device checks of one local grad norm (of ``bucket``) that ``checks`` asks for."""
-    out = []
-    if checks.nan_and_inf:
-        out += [
-            DeviceCheck(NAN_RULE, grad_message("NaN", bucket), GRAD_TOLERANCE),
-            DeviceCheck(INF_RULE, grad_message("Inf", bucket), GRAD_TOLERANCE),
-        ]
-    if checks.large_grads:
-        rule = DeviceRule(RuleKind.LARGE, "grads", checks.large_grads_factor, checks.large_samples)
-        out.append(DeviceCheck(rule, grad_message("large", bucket), GRAD_TOLERANCE, fatal=False))
-    return tuple(out)
-
-
-class CheckRows:
-    """:func:`loss_checks` and :func:`grad_checks`, built once per configuration (an instance's
-    memo: the hot path then builds nothing)."""
-
-    def __init__(self) -> None:
-        self._memo: dict[tuple[CheckConfig, str, int | None], tuple[DeviceCheck, ...]] = {}
-
-    def loss(self, checks: CheckConfig) -> tuple[DeviceCheck, ...]:
-        key = (checks, "loss", None)
-        row = self._memo.get(key)
-        if row is None:
-            row = self._memo[key] = loss_checks(checks)
-        return row
-
-    def grads(self, checks: CheckConfig, bucket: int | None) -> tuple[DeviceCheck, ...]:
-        key = (checks, "grads", bucket)
-        row = self._memo.get(key)
-        if row is None:
-            row = self._memo[key] = grad_checks(checks, bucket)
-        return row
-
-
-def record_loss_checks(
-    sm: DeviceChecker, loss: torch.Tensor, checks: CheckConfig, rows: CheckRows | None = None
-) -> None:
-    """NaN/Inf (fatal, tolerance 0) and spiky-loss (non-fatal) checks of a local loss."""
-    wanted = (rows or CheckRows()).loss(checks)
-    if wanted:
-        sm.check_all_on_device(loss, (wanted,))
-
-
-def record_loss_run(
-    sm: DeviceChecker, losses: Sequence[torch.Tensor], checks: CheckConfig, rows: CheckRows
-) -> None:
-    """:func:`record_loss_checks` of each loss of ``losses`` (one per micro-batch, in order) in
-    one call: the same slots, messages and verdicts as one call per loss, and one stack plus
-    one device write in all instead of one per micro-batch. ``losses`` should be
-    detached (each is a host dispatch less)."""
-    wanted = rows.loss(checks)
-    if not wanted or not losses:
-        return
-    for loss in losses:
-        if loss.numel() != 1:
-            raise ValueError(f"a loss to check must be a scalar; got shape {tuple(loss.shape)}")
-    flat = [x if x.dim() == 0 else x.reshape(()) for x in losses]
-    if any(x.dtype != flat[0].dtype for x in flat):
-        flat = [x.double() for x in flat]
-    values = flat[0] if len(flat) == 1 else torch.stack(flat)
-    sm.check_all_on_device(values, [wanted] * len(flat))
-
-
-def record_grad_checks(
-    sm: DeviceChecker,
-    norm: torch.Tensor,
-    checks: CheckConfig,
-    bucket: int | None = None,
-    rows: CheckRows | None = None,
-) -> None:
-    """NaN/Inf (fatal) and large-grads (non-fatal) checks of a *local* (pre-reduction) norm."""
-    wanted = (rows or CheckRows()).grads(checks, bucket)
-    if wanted:
-        sm.check_all_on_device(norm, (wanted,))
-
-
-def record_bucket_checks(
-    sm: DeviceChecker, norms: torch.Tensor, checks: CheckConfig, rows: CheckRows
-) -> None:
-    """:func:`record_grad_checks` of every bucket's norm (``norms[b]``), in one call: the same
-    slots, messages and verdicts as one call per bucket, one device write in all."""
-    n = norms.numel()
-    wanted = [rows.grads(checks, b if n > 1 else None) for b in range(n)]
-    if wanted and wanted[0]:
-        sm.check_all_on_device(norms, wanted)
-
-
-def check_loss(sm: DeviceChecker, loss: torch.Tensor, config: HasChecks) -> None:
-    """NaN/Inf (fatal, tolerance 0) and spiky-loss (non-fatal) checks of a local loss."""
-    record_loss_checks(sm, loss, config.checks)
-
-
-def check_grad_norm(sm: DeviceChecker, grad_norm: torch.Tensor, config: HasChecks) -> None:
-    """NaN/Inf (fatal) and large-grads (non-fatal) checks of a *local* (pre-reduction) grad norm."""
-    record_grad_checks(sm, grad_norm, config.checks)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -231,12 +76,12 @@ class GradCheckState:
 
     def __init__(
         self,
-        sm: CheckedMachine,
+        recorder: Recorder,
         parameters: Sequence[torch.nn.Parameter],
         process_group: dist.ProcessGroup | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        self.sm = sm
+        self.recorder = recorder
         self.process_group = process_group
         self.params = [p for p in parameters if p.requires_grad]
         layout = bucket_layout(self.params, bucket_bytes)
@@ -246,7 +91,6 @@ class GradCheckState:
         # Bucket index tensors per DDP bucket, made in the first (eager) backward: a capture
         # must not copy from the host.
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
-        self._rows = CheckRows()
         # The one-bucket check's global norm, written in place every pass (a captured graph
         # keeps its address), and the parameters it is the norm of (None: not shareable).
         self._norm_out: torch.Tensor | None = None
@@ -272,7 +116,7 @@ class GradCheckState:
         if self._sum_sq is None:
             return
         norms, self._sum_sq = self._sum_sq.sqrt(), None
-        record_bucket_checks(self.sm, norms, self.sm.checks, self._rows)
+        self.recorder.check_grad_norms(norms)
 
     def check_after_backward(self) -> None:
         """Without DDP: check the local gradients now (after backward, before any step)."""
@@ -289,7 +133,7 @@ class GradCheckState:
                 torch.linalg.vector_norm(torch.stack(norms), out=total)
                 self._norm_params = params if self._shareable(params, grads, total) else None
                 # 0-d: its one element is the one bucket's (record_run broadcasts it).
-                record_bucket_checks(self.sm, total, self.sm.checks, self._rows)
+                self.recorder.check_grad_norms(total)
                 return
         self._norm_params = None
         self.add_grads(params, grads)
@@ -332,14 +176,6 @@ class GradCheckState:
         return self._norm_out
 
 
-def check_grads(
-    sm: DeviceChecker, parameters: Iterable[torch.nn.Parameter], config: HasChecks
-) -> None:
-    """Without DDP: check the local gradients after backward, before any reduction or step."""
-    if config.checks.grads:
-        check_grad_norm(sm, local_grad_norm(parameters), config)
-
-
 def _grad_check_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     # Left unannotated on purpose: DDP inspects the signature and rejects string annotations.
     buffer = bucket.buffer()
@@ -352,30 +188,19 @@ def _grad_check_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     return fut.then(lambda f: f.value()[0])
 
 
-def grad_check_comm_hook(
-    sm: CheckedMachine,
-    parameters: Sequence[torch.nn.Parameter],
-    process_group: dist.ProcessGroup | None = None,
-) -> tuple[GradCheckState, object]:
-    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
-
-    The hook checks the local gradients of each backward per bucket for NaN/Inf (and large
-    grads) on the device before the all-reduce, then averages them like DDP's default hook.
-    """
-    return GradCheckState(sm, parameters, process_group), _grad_check_allreduce_hook
-
-
 def register_grad_check_hook(
     ddp_model: torch.nn.parallel.DistributedDataParallel,
-    sm: CheckedMachine,
+    recorder: Recorder,
     process_group: dist.ProcessGroup | None = None,
 ) -> GradCheckState:
-    """Register :func:`grad_check_comm_hook` on a DDP model (before the first backward); the
-    machine's ``checks`` say which checks run."""
+    """Register the gradient checks' comm hook on a DDP model (before the first backward): it
+    checks the local gradients of each backward per bucket on the device before the all-reduce,
+    then averages them like DDP's default hook. The recorder's ``checks`` say which checks run.
+    Returns the hook's state."""
     params = list(ddp_model.module.parameters())
     # The same bucket size as DDP's, so the fixed layout is its initial one.
     size = int(getattr(ddp_model, "bucket_bytes_cap", DEFAULT_BUCKET_BYTES))
-    state = GradCheckState(sm, params, process_group, bucket_bytes=size)
+    state = GradCheckState(recorder, params, process_group, bucket_bytes=size)
     hook = _grad_check_allreduce_hook
     ddp_model.register_comm_hook(state, hook)  # type: ignore[arg-type]
     return state

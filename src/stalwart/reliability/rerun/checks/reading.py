@@ -11,8 +11,13 @@ import math
 
 import torch
 
-from stalwart.reliability.rerun.buffer import ValidationBuffer
-from stalwart.reliability.rerun.rules import UNWRITTEN, DeviceRule, RuleKind, ValidationRecord
+from stalwart.reliability.rerun.checks.buffer import ValidationBuffer
+from stalwart.reliability.rerun.checks.rules import (
+    UNWRITTEN,
+    DeviceRule,
+    RuleKind,
+    ValidationRecord,
+)
 
 
 def read_values(
