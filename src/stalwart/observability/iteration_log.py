@@ -84,7 +84,9 @@ class IterationLog:
         self.enabled = wanted
         self._rows: list[dict[str, Any]] = []  # read, not yet written
         self._sink_active = sink_active and wanted
-        self._file = JsonlSink(str(iterations_path(metrics_file))) if wanted and metrics_file else None
+        self._file = (
+            JsonlSink(str(iterations_path(metrics_file))) if wanted and metrics_file else None
+        )
 
     # ------------------------------------------------------------------ every iteration
     def keep(

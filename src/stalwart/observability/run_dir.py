@@ -195,6 +195,8 @@ class RunArtefacts:
 
     run_dir: Path
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    # one row per iteration (<metrics stem>.iterations.jsonl); empty for older runs
+    iterations: list[dict[str, Any]] = field(default_factory=list)
     validation: list[dict[str, Any]] = field(default_factory=list)
     straggler: list[dict[str, Any]] = field(default_factory=list)
     memory: dict[str, Any] | None = None
@@ -208,7 +210,8 @@ class RunArtefacts:
     def last_iteration(self) -> float | None:
         """The run's last iteration known to any artefact (metrics, validation, events, exit
         reason): every chart's x axis reaches it."""
-        its = [float(r["iteration"]) for r in self.metrics + self.validation + self.events]
+        rows = self.metrics + self.iterations + self.validation + self.events
+        its = [float(r["iteration"]) for r in rows]
         exit_it = (self.exit_reason or {}).get("iteration")
         if isinstance(exit_it, (int, float)) and not isinstance(exit_it, bool):
             its.append(float(exit_it))
