@@ -431,7 +431,9 @@ def render_html(
     pngs = ", ".join(f"report/{_e(n)}" for n in png_names)
     header = (
         f"<h1>stalwart run report</h1><p>Run directory: <code>{_e(art.run_dir)}</code><br>"
-        f"Generated {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}; {len(art.metrics)} metric rows; "
+        f"Generated {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}; {len(art.metrics)} metric rows"
+        + (f", {len(art.iterations)} iteration rows" if art.iterations else "")
+        + "; "
         f"charts: {'interactive (plotly)' if charts.interactive else 'static (inline SVG)'}."
         + (f"<br>PNG charts: {pngs}" if pngs else "")
         + "</p>"
