@@ -56,12 +56,12 @@ from stalwart.integrations import hf, lightning  # noqa: E402
 from stalwart.loop import Names, Shell, ShellConfig  # noqa: E402
 from stalwart.observability.energy import EnergyConfig, EnergyMeter  # noqa: E402
 from stalwart.observability.memory import MemoryMonitor  # noqa: E402
-from stalwart.observability.run_dir import iterations_path  # noqa: E402
 from stalwart.observability.memory_release import (  # noqa: E402
     MemoryReleaseConfig,
     UnusedMemoryRelease,
 )
 from stalwart.observability.metric_names import grouped_name  # noqa: E402
+from stalwart.observability.run_dir import iterations_path  # noqa: E402
 from stalwart.observability.sinks import TensorBoardSink, WandbSink  # noqa: E402
 from stalwart.observability.straggler import StragglerDetector  # noqa: E402
 from stalwart.observability.timers import TimingLogOption, TimingMode  # noqa: E402
