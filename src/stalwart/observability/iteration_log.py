@@ -13,7 +13,9 @@ that step's one read, and each iteration becomes:
        "skipped": false, "nan": false}
 
   ``loss`` is the main loss (``lm loss``, else the first), every loss also under its own key;
-  ``tokens`` only when the sequence length is known; ``wall_time`` is the host's clock
+  ``tokens`` only when the sequence length is known; on a CUDA device ``iteration_ms``, the
+  device time since the previous iteration's end (a CUDA event per iteration, read at the log
+  step); ``wall_time`` is the host's clock
   (``time.time()``) when the iteration was recorded: the host may run ahead of the device by
   the queued work, so it is exact only at log steps (which wait for the device); ``skipped``:
   no optimizer step; ``nan``: a non-finite loss. A value the iteration did not have is left out.
@@ -159,6 +161,8 @@ class IterationLog:
             record["loss"] = main
         record.update(losses)
         record.update({k: float(row[k]) for k in _VALUES if row.get(k) is not None})
+        if "iteration_ms" in row:
+            record["iteration_ms"] = row["iteration_ms"]
         record["skipped"] = bool(row.get("skipped", False))
         record["nan"] = any(not math.isfinite(v) for v in losses.values())
         return record

@@ -16,7 +16,9 @@ copy, when an interval is longer: a caller that never logs). Off (``--no-log-eve
 kernel, no copy, no row.
 
 Rows come back as ``{"iteration": n, <name>: value, ...}`` with every device value as a Python
-float (``skipped`` as a bool) and the host values as given.
+float and the host values as given. On a CUDA device each row also records an event when the
+stream reaches it (no wait), and ``iteration_ms`` is the device time from the previous row's
+event (none for a run's first row): the iteration's device time, the idle gaps included.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class _Slot:
     iteration: int
     names: tuple[str, ...]
     host: dict[str, Any]
+    event: torch.cuda.Event | None = None  # the stream reached the iteration's end (CUDA)
 
 
 class IterationRing:
@@ -49,6 +52,7 @@ class IterationRing:
         self.capacity = capacity
         self._buf: torch.Tensor | None = None  # allocated at the first device value
         self._slots: list[_Slot] = []
+        self._last_event: torch.cuda.Event | None = None  # the previous interval's last end
 
     def write(
         self, iteration: int, values: Mapping[str, Any], host: Mapping[str, Any] | None = None
@@ -58,13 +62,17 @@ class IterationRing:
         tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
         kept = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
         kept.update(host or {})
+        event = None
         if tensors:
             row = self._row(len(self._slots), len(tensors), next(iter(tensors.values())))
             device = row.device
             torch.stack(
                 [_scalar(t, device) for t in tensors.values()], out=row[: len(tensors)]
             )  # one kernel; stack converts each dtype into the float64 row
-        self._slots.append(_Slot(iteration, tuple(tensors), kept))
+            if device.type == "cuda":  # the device time between iteration ends; no wait
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(torch.cuda.current_stream(device))
+        self._slots.append(_Slot(iteration, tuple(tensors), kept, event))
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -86,6 +94,11 @@ class IterationRing:
             row: dict[str, Any] = {"iteration": slot.iteration}
             row.update(zip(slot.names, read[i * width : i * width + len(slot.names)], strict=True))
             row.update(slot.host)
+            if slot.event is not None:
+                if self._last_event is not None:
+                    # Both ends completed before the log step's read returned: no wait here.
+                    row["iteration_ms"] = self._last_event.elapsed_time(slot.event)
+                self._last_event = slot.event
             out.append(row)
         return out
 

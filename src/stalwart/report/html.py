@@ -6,13 +6,14 @@ interactive plotly charts (plotly.js inlined from the installed package) when pl
 installed, else the inline-SVG charts of `stalwart.report.svg`.
 
 Sections (element ids, stable for tests and links): the controls (``chart-controls``: x axis,
-EMA smoothing, log y; `stalwart.report.iteration_charts`), ``loss`` (training loss per iteration,
-or per log interval for runs without per-iteration rows, and validation loss), ``grad-norm``,
-``learning-rate``, ``throughput``, ``timers`` (each timer's own time per
-iteration: a parent timer such as ``forward-backward`` shows only the time not covered by the
-children logged with it, so bars add up to the iteration), ``memory``, ``system`` (power,
-temperature, clock over iterations; only where NVML recorded them), ``stragglers``,
-``timeline``, for chaos runs ``chaos``, and ``config`` (the run's settings from ``run.json``).
+EMA smoothing, log y; `stalwart.report.iteration_charts`), ``loss`` (training loss per
+iteration, or per log interval for runs without per-iteration rows, and validation loss),
+``grad-norm``, ``learning-rate``, ``iteration-time`` (a CUDA run's device time per iteration),
+``throughput``, ``timers`` (each timer's own time per iteration: a parent timer such as
+``forward-backward`` shows only the time not covered by the children logged with it, so bars
+add up to the iteration), ``memory``, ``system`` (power, temperature, clock over iterations;
+only where NVML recorded them), ``stragglers``, ``timeline``, for chaos runs ``chaos``, and
+``config`` (the run's settings from ``run.json``).
 Every chart over iterations reaches the run's last iteration (`RunArtefacts.last_iteration`).
 """
 
@@ -191,7 +192,7 @@ def _rate_charts(art: RunArtefacts, charts: Charts) -> str:
     ):
         points = series(m, *keys)
         if points:
-            out += charts.line({label: points}, "iteration", unit, last)
+            out += charts.line({label: points}, "iteration", unit, last, xmaps=x_maps(art))
     if m and not series(m, *MFU_KEYS):
         out += (
             '<p class="note">MFU: not logged (no known peak for this device: CPU, or a GPU '

@@ -73,16 +73,22 @@ def iteration_panels(
     art: RunArtefacts, validation: dict[str, list[tuple[float, float]]]
 ) -> list[Panel]:
     """(section id, title, series, y label) of the loss (with ``validation``), gradient-norm
-    and learning-rate charts: per iteration when the run has its rows, else per log step."""
+    and learning-rate charts: per iteration when the run has its rows, else per log step; and
+    the device time per iteration when the rows have it (a CUDA run)."""
     per_it = bool(art.iterations)
     rows = art.iterations if per_it else art.metrics
     what = "per iteration" if per_it else "per log interval"
     loss_keys = ("loss", *LOSS_KEYS) if per_it else LOSS_KEYS
-    return [
+    panels: list[Panel] = [
         ("loss", "Loss", {f"loss ({what})": series(rows, *loss_keys), **validation}, "loss"),
         ("grad-norm", "Gradient norm", {f"grad norm ({what})": series(rows, *_GRAD_KEYS)}, "norm"),
         ("learning-rate", "Learning rate", {"lr": series(rows, *LR_KEYS)}, "lr"),
     ]
+    device_ms = series(art.iterations, "iteration_ms")  # a CUDA run's rows only
+    if device_ms:
+        data = {"device ms per iteration": device_ms}
+        panels.append(("iteration-time", "Iteration time (device, per iteration)", data, "ms"))
+    return panels
 
 
 def system_panels(art: RunArtefacts) -> list[Panel]:
