@@ -172,7 +172,8 @@ def load_run(
 
 
 def write_pngs(art: RunArtefacts, out_dir: Path) -> list[Path]:
-    """Loss/LR/throughput/timer PNGs with matplotlib (Agg); empty list when it is not installed."""
+    """Loss/grad-norm/LR/throughput/timer PNGs with matplotlib (Agg); empty list when it is not
+    installed."""
     try:
         import matplotlib
 
@@ -181,9 +182,11 @@ def write_pngs(art: RunArtefacts, out_dir: Path) -> list[Path]:
     except ImportError:
         art.notes.append("matplotlib not installed: PNGs skipped (the HTML uses inline SVG)")
         return []
+    rows = art.iterations or art.metrics  # one point per iteration where the run has its rows
     charts: list[tuple[str, str, dict[str, list[tuple[float, float]]]]] = [
-        ("loss", "loss", {"loss": series(art.metrics, *LOSS_KEYS)}),
-        ("learning_rate", "learning rate", {"lr": series(art.metrics, *LR_KEYS)}),
+        ("loss", "loss", {"loss": series(rows, *LOSS_KEYS)}),
+        ("grad_norm", "gradient norm", {"grad norm": series(rows, "grad_norm", "grad-norm")}),
+        ("learning_rate", "learning rate", {"lr": series(rows, *LR_KEYS)}),
         (
             "throughput",
             "throughput",
