@@ -127,8 +127,8 @@ class IterationLog:
         for row in rows:
             if self._sink_active and row["iteration"] % tb_interval == 0:
                 self._write_scalars(row)
-            if self._file is not None:
-                self._file.write_record(self._record(row))
+        if self._file is not None and rows:
+            self._file.write_records(self._record(row) for row in rows)  # one flush
         return len(rows)
 
     def close(self) -> None:
