@@ -131,6 +131,7 @@ def _run_a(root: Path, path: str) -> dict[str, Any]:
             log_timestamp=False,
             log_format="megatron",
             peak_tflops=1.0,
+            log_every_iteration=False,
         ),
         "rerun": RerunConfig(
             rerun_mode="validate_results",

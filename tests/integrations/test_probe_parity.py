@@ -61,6 +61,7 @@ from stalwart.observability.memory_release import (  # noqa: E402
     UnusedMemoryRelease,
 )
 from stalwart.observability.metric_names import grouped_name  # noqa: E402
+from stalwart.observability.run_dir import iterations_path  # noqa: E402
 from stalwart.observability.sinks import TensorBoardSink, WandbSink  # noqa: E402
 from stalwart.observability.straggler import StragglerDetector  # noqa: E402
 from stalwart.observability.timers import TimingLogOption, TimingMode  # noqa: E402
@@ -281,6 +282,7 @@ CHECKS_A: A = {
     ("log", "log_timestamp"): lambda r: (" iteration        1/" in r.out and not re.search(r"\[20\d\d-", r.out)),
     ("log", "log_format"): lambda r: "| consumed samples: " in r.out,  # Megatron's line
     ("log", "peak_tflops"): _has("mfu_percent"),
+    ("log", "log_every_iteration"): lambda r: not iterations_path(r.fields["sinks"].metrics_file).exists(),
     ("rerun", "rerun_mode"): lambda r: (4, "initial_run") in _statuses(r),
     ("rerun", "check_for_nan_in_loss_and_grad"): lambda r: (r.shell.machine.recorder.checks.nan_and_inf is False),
     ("rerun", "check_for_spiky_loss"): lambda r: r.shell.machine.recorder.checks.spiky_loss is True,
@@ -428,6 +430,20 @@ def test_iterations_to_skip_and_the_tracker_files_skips_are_counted_skipped_on_e
         assert f"skipping iteration 5 ({r.spell('rerun.iterations_to_skip')})" in r.out, path
         skipped = {m["iteration"] for m in r.training() if m.get("skipped_iterations")}
         assert skipped == {2, 5}, (path, skipped)
+
+
+def test_every_iteration_has_its_row_by_default_on_each_path(
+    runs: dict[tuple[str, str], Run],
+) -> None:
+    """Run B keeps the log's defaults: each path writes one row per iteration it completed
+    beside its metrics file (run A turns them off: checked above)."""
+    for path in PATHS:
+        config = runs[(path, "b")].shell.config
+        metrics = config.sinks.metrics_path(config.artefact_dir)
+        assert metrics is not None, path
+        text = iterations_path(metrics).read_text()
+        rows = [json.loads(line)["iteration"] for line in text.splitlines()]
+        assert rows == list(range(1, 5)), (path, rows)  # the exit interval ends it at 4
 
 
 @pytest.mark.parametrize("path", FRAMEWORKS)

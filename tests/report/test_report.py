@@ -21,6 +21,7 @@ SECTIONS = (
     'id="goodput"',
     'id="ettr"',
     'id="loss"',
+    'id="grad-norm"',
     'id="learning-rate"',
     'id="throughput"',
     'id="timers"',

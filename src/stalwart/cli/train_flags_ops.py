@@ -270,6 +270,12 @@ def logging_flags(p: argparse.ArgumentParser) -> None:
     switch(g, "--log-num-zeros-in-grad", "count zero gradients")
     switch(g, "--log-params-norm", "log the parameter norm")
     negated(g, "--no-progress-bar", "no progress bar (it shows on a terminal only)")
+    negated(
+        g,
+        "--no-log-every-iteration",
+        "no per-iteration rows (<metrics stem>.iterations.jsonl; the dashboards' per-iteration "
+        "keys are then read at their own steps)",
+    )
     switch(g, "--log-progress", "<save>/progress.txt line per persistent save (Megatron's format)")
     g.add_argument(
         "--metrics-file",

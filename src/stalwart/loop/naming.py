@@ -28,6 +28,7 @@ _FLAGS = {
     "ft.timeouts": "--ft-timeouts",
     "rerun.check_for_nan_in_loss_and_grad": "--no-check-for-nan-in-loss-and-grad",
     "log.log_progress_bar": "--no-progress-bar",
+    "log.log_every_iteration": "--no-log-every-iteration",
     "log.log_loss_scale_to_tensorboard": "--no-log-loss-scale-to-tensorboard",
 }
 # ShellConfig fields the CLI has no flag for: spelled as their config's field.

@@ -33,6 +33,10 @@ class LogConfig:
     # --peak-tflops: the per-GPU peak MFU divides by, over the device table's (None: the table's;
     # no MFU where the table has no entry, e.g. on CPU).
     peak_tflops: float | None = None
+    # every iteration's row (<metrics stem>.iterations.jsonl, the dashboards' per-iteration keys)
+    # kept on the device and read once per log interval (iteration_log); off: --no-log-every-
+    # iteration (the dashboards' keys are then read at each --tensorboard-log-interval step).
+    log_every_iteration: bool = True
 
     def __post_init__(self) -> None:
         validate_peak_tflops(self.peak_tflops)

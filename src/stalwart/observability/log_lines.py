@@ -227,3 +227,16 @@ def format_compact_validation(iteration: int, losses: Mapping[str, float], suffi
     parts = [f"validation{suffix} at iteration {iteration}"]
     parts += [f"{key} {value:.4g} (ppl {_sig(ppl(value))})" for key, value in losses.items()]
     return " | ".join(parts)
+
+
+def throughput_scalars(s: IntervalSummary) -> dict[str, float]:
+    """Dashboard keys of the interval's rates, at every log step: Megatron's ``throughput``
+    (TFLOP/s/GPU; Megatron writes it only with --log-throughput and --log-timers-to-tensorboard)
+    and ours (``tokens-per-second``, ``tokens-per-second-per-gpu``, ``mfu-percent``)."""
+    named = {
+        "throughput": s.tflops_per_gpu,
+        "tokens-per-second": s.tokens_per_second,
+        "tokens-per-second-per-gpu": s.tokens_per_second_per_gpu,
+        "mfu-percent": s.mfu_percent,
+    }
+    return {k: v for k, v in named.items() if v is not None}

@@ -14,6 +14,8 @@ is still complete::
 Layout (file names are fixed; each artefact is optional):
 
 * ``metrics.jsonl`` — training and validation records (`stalwart.observability.train_log`)
+* ``metrics.iterations.jsonl`` — one row per iteration beside the metrics file, whatever its
+  name (`iterations_path`; `stalwart.observability.iteration_log`)
 * ``events.jsonl`` — skipped/NaN iterations, reruns, restarts, checkpoints, exits (`report`)
 * ``straggler.jsonl``, ``memory.json``, ``exit_reason.json``, ``chaos.json``
 * ``run.json`` — this manifest: ``{"version": 1, "metrics": "<path>", "config": {...}}`` (the
@@ -49,8 +51,17 @@ MEMORY_FILE = "memory.json"
 EXIT_REASON_FILE = "exit_reason.json"
 CHAOS_FILE = "chaos.json"
 REPORT_FILE = "report.html"
+# Every iteration's row (`stalwart.observability.iteration_log`) beside the metrics file.
+ITERATIONS_SUFFIX = ".iterations.jsonl"
 PNG_DIR = "report"
 _MANIFEST_VERSION = 1
+
+
+def iterations_path(metrics: str | os.PathLike[str]) -> Path:
+    """The per-iteration rows beside a metrics file: ``metrics.jsonl`` ->
+    ``metrics.iterations.jsonl`` (``m`` -> ``m.iterations.jsonl``)."""
+    path = Path(metrics)
+    return path.with_name(path.name.removesuffix(".jsonl") + ITERATIONS_SUFFIX)
 
 
 def run_dir_for(save: str | None, run_dir: str | None = None) -> str | None:
@@ -184,6 +195,8 @@ class RunArtefacts:
 
     run_dir: Path
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    # one row per iteration (<metrics stem>.iterations.jsonl); empty for older runs
+    iterations: list[dict[str, Any]] = field(default_factory=list)
     validation: list[dict[str, Any]] = field(default_factory=list)
     straggler: list[dict[str, Any]] = field(default_factory=list)
     memory: dict[str, Any] | None = None
@@ -197,7 +210,8 @@ class RunArtefacts:
     def last_iteration(self) -> float | None:
         """The run's last iteration known to any artefact (metrics, validation, events, exit
         reason): every chart's x axis reaches it."""
-        its = [float(r["iteration"]) for r in self.metrics + self.validation + self.events]
+        rows = self.metrics + self.iterations + self.validation + self.events
+        its = [float(r["iteration"]) for r in rows]
         exit_it = (self.exit_reason or {}).get("iteration")
         if isinstance(exit_it, (int, float)) and not isinstance(exit_it, bool):
             its.append(float(exit_it))

@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -323,9 +323,14 @@ class JsonlSink:
 
     def write_record(self, record: Mapping[str, Any]) -> None:
         """Write ``record`` as one line now (flushed so a crash loses at most this line)."""
+        self.write_records((record,))
+
+    def write_records(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Write each of ``records`` as one line now, then flush once (a log step's rows)."""
         self._flush_pending()
-        clean = {k: _json_number(v) for k, v in record.items()}
-        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
+        for record in records:
+            clean = {k: _json_number(v) for k, v in record.items()}
+            self._file.write(json.dumps(clean, allow_nan=False) + "\n")
         self._file.flush()
 
     def add_scalar(self, name: str, value: float, step: int) -> None:

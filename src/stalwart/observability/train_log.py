@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from stalwart.observability.interval_losses import IntervalLosses, TensorOrScalar
+from stalwart.observability.iteration_log import IterationLog, iteration_scalars
 from stalwart.observability.log_config import IntervalInfo, LogConfig, LogFieldProvider
 from stalwart.observability.log_lines import (
     IntervalSummary,
@@ -61,6 +62,7 @@ from stalwart.observability.log_lines import (
     format_iteration_line,
     format_validation_lines,
     ppl,
+    throughput_scalars,
 )
 from stalwart.observability.progress import ProgressBar
 from stalwart.observability.sinks import JsonlSink, MetricSink, NullSink, is_null_sink
@@ -153,6 +155,11 @@ class TrainingLog:
         self.peak_tflops = (
             config.peak_tflops if config.peak_tflops is not None else peak_tflops_per_gpu
         )
+        # Every iteration's row, kept on the device until the log step's read (iteration_log).
+        self._every = IterationLog(
+            config, writer=self._is_writer, sink=self.sink, sink_active=self._sink_active,
+            metrics_file=metrics_file, seq_length=seq_length, world_size=world_size,
+        )  # fmt: skip
         self._progress = ProgressBar(
             train_iters, enabled=config.log_progress_bar if self._is_writer else False
         )
@@ -202,10 +209,20 @@ class TrainingLog:
             or iteration % self.config.log_interval == 0
             or iteration == self.train_iters  # the last one too: the run's end is on the charts
         )
-        is_sink = self._sink_active and iteration % self.config.tensorboard_log_interval == 0
         inputs = _IterationInputs(
             losses, global_batch_size, learning_rate, grad_norm, loss_scale, num_zeros, params_norm
         )
+        # With every iteration kept, the dashboards' per-iteration keys come from the ring at
+        # the log step: no read at a sink step.
+        is_sink = (
+            self._sink_active
+            and not self._every.enabled
+            and iteration % self.config.tensorboard_log_interval == 0
+        )
+        self._every.keep(
+            iteration, {**_named(inputs), "skipped": skipped},
+            consumed_samples=consumed_samples, global_batch_size=global_batch_size,
+        )  # fmt: skip
         self._pending = None if is_log else (iteration, inputs)  # references only: no read
         if not (is_log or is_sink):
             return None
@@ -232,14 +249,11 @@ class TrainingLog:
     # ----------------------------------------------------------------- log / sink steps
     def _read(self, inputs: _IterationInputs, *, interval: bool) -> dict[str, float | None]:
         """Read every device value this step needs in ONE transfer; host scalars pass through."""
-        i = inputs
-        named: dict[str, TensorOrScalar | None] = dict(
-            lr=i.learning_rate, grad_norm=i.grad_norm, loss_scale=i.loss_scale,
-            num_zeros=i.num_zeros, params_norm=i.params_norm,
-        )  # fmt: skip
-        named.update({f"cur:{k}": v for k, v in i.losses.items()})
+        named = _named(inputs)
+        ring = None
         if interval:
             named.update(self._losses.to_read())
+            ring = self._every.to_read()  # every iteration's row rides on this read
         device = self._losses.device or torch.device("cpu")
         tensor_names = [k for k, v in named.items() if isinstance(v, torch.Tensor)]
         out: dict[str, float | None] = {
@@ -247,16 +261,20 @@ class TrainingLog:
             for k, v in named.items()
             if not isinstance(v, torch.Tensor)
         }
-        if tensor_names:
-            stacked = torch.stack(
-                [
-                    named[k].detach().reshape(()).to(device=device, dtype=torch.float64)  # type: ignore[union-attr]
-                    for k in tensor_names
-                ]
-            )
+        parts = [
+            named[k].detach().reshape(()).to(device=device, dtype=torch.float64)  # type: ignore[union-attr]
+            for k in tensor_names
+        ]
+        flat: list[float] = []
+        if parts or ring is not None:
+            stacked = torch.stack(parts) if parts else torch.empty(0, dtype=torch.float64)
+            if ring is not None:
+                stacked = torch.cat([stacked.to(ring.device), ring])
             # Deliberate sync: the one device read of a log/sink step.
-            out.update(zip(tensor_names, stacked.tolist()))
+            flat = stacked.tolist()
+            out.update(zip(tensor_names, flat))
         if interval:
+            self._every.took(flat[len(tensor_names) :])
             out.update(self._losses.totals(out))
         return out
 
@@ -264,18 +282,9 @@ class TrainingLog:
         self, iteration: int, inputs: _IterationInputs, values: Mapping[str, float | None]
     ) -> None:
         """Megatron's per-iteration keys, each with its "vs samples" twin (x = consumed samples)."""
-        candidates: dict[str, float | None] = {"learning-rate": values.get("lr")}
-        candidates["batch-size"] = float(inputs.global_batch_size)
-        if self.config.log_world_size_to_tensorboard:
-            candidates["world-size"] = float(self.world_size)
-        candidates.update({key: values.get(f"cur:{key}") for key in inputs.losses})
-        if self.config.log_loss_scale_to_tensorboard:
-            # Without fp16 the scale is 1.0, and Megatron writes it (its optimizers report 1.0).
-            scale = values.get("loss_scale")
-            candidates["loss-scale"] = 1.0 if scale is None else scale
-        for key in ("grad-norm", "num-zeros", "params-norm"):
-            candidates[key] = values.get(key.replace("-", "_"))
-        scalars = {k: v for k, v in candidates.items() if v is not None}
+        scalars = iteration_scalars(
+            self.config, values, inputs.global_batch_size, inputs.losses, self.world_size
+        )
         self.sink.add_scalars(scalars, iteration)
         self.sink.add_scalars(
             {f"{k} vs samples": v for k, v in scalars.items()}, self._consumed_samples
@@ -296,6 +305,7 @@ class TrainingLog:
             fields = [f for p in self.providers for f in p.log_fields(info)]
         record = None
         if self._is_writer:
+            self._every.emit()  # the interval's iterations first: the files stay in order
             summary = self._summarize(iteration, global_batch_size, elapsed_ms, values, fields)
             record = self._emit(summary, report, is_first=not self._logged_once)
         self._reset_interval()
@@ -371,7 +381,7 @@ class TrainingLog:
                 scalars["iteration-time"] = s.elapsed_ms / 1000.0  # seconds, as Megatron
             if report is not None:
                 scalars.update(report.megatron_scalars())
-        scalars.update(_throughput_scalars(s))
+        scalars.update(throughput_scalars(s))
         if scalars:
             self.sink.add_scalars(scalars, s.iteration)
         record = self._metrics_record(s, timer_scalars)
@@ -475,18 +485,16 @@ class TrainingLog:
         """Flush the sink, close the metrics file and the progress bar (the sink's owner closes it)."""
         self._progress.close()
         self.sink.flush()
+        self._every.close()
         if self._metrics is not None:
             self._metrics.close()
 
 
-def _throughput_scalars(s: IntervalSummary) -> dict[str, float]:
-    """Dashboard keys of the interval's rates, at every log step: Megatron's ``throughput``
-    (TFLOP/s/GPU; Megatron writes it only with --log-throughput and --log-timers-to-tensorboard)
-    and ours (``tokens-per-second``, ``tokens-per-second-per-gpu``, ``mfu-percent``)."""
-    named = {
-        "throughput": s.tflops_per_gpu,
-        "tokens-per-second": s.tokens_per_second,
-        "tokens-per-second-per-gpu": s.tokens_per_second_per_gpu,
-        "mfu-percent": s.mfu_percent,
-    }
-    return {k: v for k, v in named.items() if v is not None}
+def _named(i: _IterationInputs) -> dict[str, TensorOrScalar | None]:
+    """An iteration's values under the names of the log's read (``cur:<loss>`` for losses)."""
+    named: dict[str, TensorOrScalar | None] = dict(
+        lr=i.learning_rate, grad_norm=i.grad_norm, loss_scale=i.loss_scale,
+        num_zeros=i.num_zeros, params_norm=i.params_norm,
+    )  # fmt: skip
+    named.update({f"cur:{k}": v for k, v in i.losses.items()})
+    return named

@@ -5,11 +5,15 @@ loads the artefacts and writes the file. Charts come from `stalwart.report.plotl
 interactive plotly charts (plotly.js inlined from the installed package) when plotly is
 installed, else the inline-SVG charts of `stalwart.report.svg`.
 
-Sections (element ids, stable for tests and links): ``loss`` (training loss per log interval and
-validation loss), ``learning-rate``, ``throughput``, ``timers`` (each timer's own time per
-iteration: a parent timer such as ``forward-backward`` shows only the time not covered by the
-children logged with it, so bars add up to the iteration), ``memory``, ``stragglers``,
-``timeline``, for chaos runs ``chaos``, and ``config`` (the run's settings from ``run.json``).
+Sections (element ids, stable for tests and links): the controls (``chart-controls``: x axis,
+EMA smoothing, log y; `stalwart.report.iteration_charts`), ``loss`` (training loss per
+iteration, or per log interval for runs without per-iteration rows, and validation loss),
+``grad-norm``, ``learning-rate``, ``iteration-time`` (a CUDA run's device time per iteration),
+``throughput``, ``timers`` (each timer's own time per iteration: a parent timer such as
+``forward-backward`` shows only the time not covered by the children logged with it, so bars
+add up to the iteration), ``memory``, ``system`` (power, temperature, clock over iterations;
+only where NVML recorded them), ``stragglers``, ``timeline``, for chaos runs ``chaos``, and
+``config`` (the run's settings from ``run.json``).
 Every chart over iterations reaches the run's last iteration (`RunArtefacts.last_iteration`).
 """
 
@@ -22,7 +26,6 @@ from typing import Any
 
 from stalwart.observability.run_dir import (
     LOSS_KEYS,
-    LR_KEYS,
     MFU_KEYS,
     THROUGHPUT_KEYS,
     TOKENS_KEYS,
@@ -33,6 +36,7 @@ from stalwart.observability.run_dir import (
 )
 from stalwart.observability.timer_names import TIMER_PARENTS
 from stalwart.report.config import config_section
+from stalwart.report.iteration_charts import controls_html, iteration_panels, system_panels, x_maps
 from stalwart.report.plotly_charts import Charts, make_charts, plotly_js
 from stalwart.report.svg import _e, _fmt
 
@@ -56,6 +60,10 @@ _NO_METRICS = {
 }
 _NOT_LOGGED = {
     "loss": {"cli": "", "shell": "the loop logged no loss: Shell.record(result or losses=...)"},
+    "grad-norm": {
+        "cli": "",
+        "shell": "the loop logged no gradient norm: Shell.record(result or grad_norm=...)",
+    },
     "learning-rate": {
         "cli": "",
         "shell": "the loop logged no learning rate: Shell.record(learning_rate=...)",
@@ -79,7 +87,10 @@ def hint(art: RunArtefacts, section: str) -> str:
     """How to get the missing ``section`` next time, named as the run's path spells it: no
     metrics file at all, or one that holds no values of the section."""
     path = "cli" if art.config else "shell"
-    if section in ("loss", "learning-rate", "throughput", "timers") and not art.metrics:
+    if (
+        section in ("loss", "grad-norm", "learning-rate", "throughput", "timers")
+        and not art.metrics
+    ):
         return _NO_METRICS[path]
     return _NOT_LOGGED[section][path]
 
@@ -132,23 +143,23 @@ def timer_stacks(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, list[
 
 def _metric_sections(art: RunArtefacts, charts: Charts) -> list[str]:
     m, last = art.metrics, art.last_iteration
-    out = []
+    maps = x_maps(art)
+    out = [controls_html(maps)] if charts.interactive else []
     validation = _validation_series(art)
-    loss = {"loss": series(m, *LOSS_KEYS), **validation}
-    panels = (
-        ("loss", "Loss", loss, "loss"),
-        ("learning-rate", "Learning rate", {"lr": series(m, *LR_KEYS)}, "lr"),
+    panels = iteration_panels(art, validation)
+    panels.append(
         (
             "throughput",
             "Throughput",
             {"TFLOP/s/GPU": series(m, *THROUGHPUT_KEYS)},
             "TFLOP/s per GPU",
-        ),
+        )
     )
     for sid, title, data, ylabel in panels:
         has = any(data.values())
+        smooth = frozenset(k for k in data if k not in validation and sid != "learning-rate")
         body = (
-            charts.line(data, "iteration", ylabel, last, frozenset(validation))
+            charts.line(data, "iteration", ylabel, last, frozenset(validation), maps, smooth)
             if has
             else _skipped(title, hint(art, sid))
         )
@@ -181,7 +192,7 @@ def _rate_charts(art: RunArtefacts, charts: Charts) -> str:
     ):
         points = series(m, *keys)
         if points:
-            out += charts.line({label: points}, "iteration", unit, last)
+            out += charts.line({label: points}, "iteration", unit, last, xmaps=x_maps(art))
     if m and not series(m, *MFU_KEYS):
         out += (
             '<p class="note">MFU: not logged (no known peak for this device: CPU, or a GPU '
@@ -232,10 +243,23 @@ def _memory_section(art: RunArtefacts, charts: Charts) -> str:
         for k in ("mem-max-allocated-bytes", "mem-allocated-bytes", "mem-reserved-bytes")
     }
     if any(mem_series.values()):
-        parts.append(charts.line(mem_series, "iteration", "MiB", art.last_iteration))
+        parts.append(
+            charts.line(mem_series, "iteration", "MiB", art.last_iteration, xmaps=x_maps(art))
+        )
     cpu = bool(mem) and (mem or {}).get("measured_source") == "cpu-rss"
     title = "Memory: the formula, and the process RSS" if cpu else "Memory: theoretical vs measured"
     return _section("memory", title, "".join(parts))
+
+
+def _system_section(art: RunArtefacts, charts: Charts) -> str:
+    """Power, temperature, SM clock and utilisation over iterations, where NVML recorded them
+    (a GPU run with --log-energy or --log-straggler); no section otherwise (a CPU run)."""
+    maps, last = x_maps(art), art.last_iteration
+    parts = [
+        f"<h3>{_e(title)}</h3>" + charts.line(data, "iteration", unit, last, xmaps=maps)
+        for _, title, data, unit in system_panels(art)
+    ]
+    return _section("system", "System over time", "".join(parts)) if parts else ""
 
 
 def _cpu_memory(mem: dict[str, Any], charts: Charts) -> str:
@@ -397,6 +421,7 @@ def render_html(
     sections += _metric_sections(art, charts)
     sections += [
         _memory_section(art, charts),
+        _system_section(art, charts),
         _straggler_section(art, charts),
         _timeline_section(art, charts),
     ]
@@ -407,7 +432,9 @@ def render_html(
     pngs = ", ".join(f"report/{_e(n)}" for n in png_names)
     header = (
         f"<h1>stalwart run report</h1><p>Run directory: <code>{_e(art.run_dir)}</code><br>"
-        f"Generated {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}; {len(art.metrics)} metric rows; "
+        f"Generated {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}; {len(art.metrics)} metric rows"
+        + (f", {len(art.iterations)} iteration rows" if art.iterations else "")
+        + "; "
         f"charts: {'interactive (plotly)' if charts.interactive else 'static (inline SVG)'}."
         + (f"<br>PNG charts: {pngs}" if pngs else "")
         + "</p>"

@@ -14,6 +14,7 @@ from typing import Any
 
 import stalwart.report.svg as svg
 from stalwart.observability.run_dir import EventKind
+from stalwart.report.iteration_charts import XMaps, trace_meta
 from stalwart.report.svg import KIND_COLOURS, PALETTE, Points, series_colours
 
 _CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["toImage"]}
@@ -76,10 +77,14 @@ class PlotlyCharts:
         ylabel: str,
         x_max: float | None = None,
         dashed: frozenset[str] = frozenset(),
+        xmaps: XMaps | None = None,
+        smooth: frozenset[str] = frozenset(),
     ) -> str:
         """One trace per series; non-finite values are gaps; one-point series get markers.
         ``x_max``: the x axis reaches at least this (the run's last iteration); ``dashed``:
-        names of series drawn dashed (validation next to training)."""
+        names of series drawn dashed (validation next to training). ``xmaps``: the page's
+        controls apply to these traces (their other x axes; `iteration_charts.trace_meta`),
+        the EMA to the series named in ``smooth``."""
         import plotly.graph_objects as go
 
         fig = go.Figure()
@@ -94,6 +99,7 @@ class PlotlyCharts:
                     name=name,
                     mode="lines+markers" if sparse else "lines",
                     line=dict(color=colour, dash="dash" if name in dashed else "solid"),
+                    meta=None if xmaps is None else trace_meta(pts, xmaps, name in smooth),
                 )
             )
         fig.update_xaxes(title_text=xlabel, range=_x_range(data, x_max))
@@ -193,7 +199,20 @@ class SvgCharts:
     """The static fallback with the same methods (inline SVG, `stalwart.report.svg`)."""
 
     interactive = False
-    line = staticmethod(svg.line_chart)
+
+    @staticmethod
+    def line(
+        data: dict[str, Points],
+        xlabel: str,
+        ylabel: str,
+        x_max: float | None = None,
+        dashed: frozenset[str] = frozenset(),
+        xmaps: XMaps | None = None,
+        smooth: frozenset[str] = frozenset(),
+    ) -> str:
+        """`svg.line_chart` (static: no controls, so ``xmaps`` and ``smooth`` do nothing)."""
+        return svg.line_chart(data, xlabel, ylabel, x_max, dashed)
+
     stacked_bars = staticmethod(svg.stacked_bars)
     heatmap = staticmethod(svg.straggler_heatmap)
     timeline = staticmethod(svg.timeline)

@@ -13,7 +13,9 @@ Artefacts read (each optional; a missing one becomes a note in the report):
   `stalwart.observability.run_dir`; or any ``*metrics*.jsonl``): one object per log step with
   ``iteration`` and e.g. ``loss``/``lm loss``, ``lr``/``learning-rate``, ``throughput``,
   ``elapsed_ms``, ``timer/<name>``, ``mem-*``; validation records (``"split": "validation..."``)
-  go on the loss chart.
+  go on the loss chart. Beside it, ``<stem>.iterations.jsonl``: one row per iteration
+  (`stalwart.observability.iteration_log`); the loss, gradient-norm and learning-rate charts
+  use it when present (one point per iteration), else the log-interval records (older runs).
 * ``straggler.jsonl`` (`stalwart.observability.straggler`), ``memory.json``
   (`stalwart.observability.memory`), ``exit_reason.json``, ``events.jsonl`` (`append_event`),
   ``chaos.json`` (``{"passed": bool, "faults": [...]}``).
@@ -35,6 +37,7 @@ from stalwart.observability.run_dir import (
     CHAOS_FILE,
     EVENTS_FILE,
     EXIT_REASON_FILE,
+    ITERATIONS_SUFFIX,
     LOSS_KEYS,
     LR_KEYS,
     MANIFEST_FILE,
@@ -46,6 +49,7 @@ from stalwart.observability.run_dir import (
     THROUGHPUT_KEYS,
     RunArtefacts,
     RunPaths,
+    iterations_path,
     read_manifest,
     series,
     timer_label,
@@ -93,7 +97,19 @@ def _find_metrics(run_dir: Path) -> Path | None:
     if direct.exists():
         return direct
     candidates = sorted(run_dir.glob("*metrics*.jsonl")) + sorted(run_dir.glob("*/*metrics*.jsonl"))
+    candidates = [c for c in candidates if not c.name.endswith(ITERATIONS_SUFFIX)]
     return candidates[0] if candidates else None
+
+
+def _load_iterations(metrics: Path, notes: list[str]) -> list[dict]:
+    """The per-iteration rows beside the metrics file (none for runs before them, or with
+    ``--no-log-every-iteration``: the charts then use the log-interval records)."""
+    path = iterations_path(metrics)
+    if not path.exists():
+        return []
+    rows = clean.clean_metrics(clean.read_jsonl(path, notes), path.name, notes)
+    by_iteration = {float(r["iteration"]): r for r in rows}  # a resumed run's repeat: the last
+    return [by_iteration[k] for k in sorted(by_iteration)]
 
 
 def load_run(
@@ -128,6 +144,7 @@ def load_run(
         valid = [r for r, s in zip(rows, split) if s.startswith("validation")]
         art.metrics = sorted(train, key=lambda r: float(r["iteration"]))
         art.validation = sorted(valid, key=lambda r: float(r["iteration"]))
+        art.iterations = _load_iterations(metrics, notes)
     for name, cleaner, attr in (
         ("straggler.jsonl", clean.clean_straggler, "straggler"),
         (EVENTS_FILE, clean.clean_events, "events"),
@@ -155,7 +172,8 @@ def load_run(
 
 
 def write_pngs(art: RunArtefacts, out_dir: Path) -> list[Path]:
-    """Loss/LR/throughput/timer PNGs with matplotlib (Agg); empty list when it is not installed."""
+    """Loss/grad-norm/LR/throughput/timer PNGs with matplotlib (Agg); empty list when it is not
+    installed."""
     try:
         import matplotlib
 
@@ -164,9 +182,11 @@ def write_pngs(art: RunArtefacts, out_dir: Path) -> list[Path]:
     except ImportError:
         art.notes.append("matplotlib not installed: PNGs skipped (the HTML uses inline SVG)")
         return []
+    rows = art.iterations or art.metrics  # one point per iteration where the run has its rows
     charts: list[tuple[str, str, dict[str, list[tuple[float, float]]]]] = [
-        ("loss", "loss", {"loss": series(art.metrics, *LOSS_KEYS)}),
-        ("learning_rate", "learning rate", {"lr": series(art.metrics, *LR_KEYS)}),
+        ("loss", "loss", {"loss": series(rows, *LOSS_KEYS)}),
+        ("grad_norm", "gradient norm", {"grad norm": series(rows, "grad_norm", "grad-norm")}),
+        ("learning_rate", "learning rate", {"lr": series(rows, *LR_KEYS)}),
         (
             "throughput",
             "throughput",
