@@ -46,9 +46,9 @@ from stalwart.loop.iterations import Iteration, Iterations
 from stalwart.loop.naming import Names
 from stalwart.loop.observer import StepObserver
 from stalwart.loop.rewind import check_rewindable
-from stalwart.loop.shell_config import ShellConfig
 from stalwart.loop.shell_exit import ExitPath
 from stalwart.loop.shell_parts import Probes, Reliability
+from stalwart.loop.shell_settings import ShellSettings
 from stalwart.loop.step import GuardedStep, StepResult
 from stalwart.observability.goodput import Bucket, CompileSource
 from stalwart.observability.run_dir import EventKind, RunPaths, append_event
@@ -72,7 +72,7 @@ class Shell:
 
     def __init__(
         self,
-        config: ShellConfig,
+        config: ShellSettings,
         *,
         rank: int,
         world_size: int,
@@ -571,4 +571,4 @@ def params_norm(model: nn.Module) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-__all__ = ["Shell", "ShellConfig", "params_norm"]
+__all__ = ["Shell", "params_norm"]

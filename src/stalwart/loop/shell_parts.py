@@ -20,7 +20,7 @@ import torch
 
 from stalwart.loop.observer import StepObserver
 from stalwart.loop.rewind import Rewinder
-from stalwart.loop.shell_config import ShellConfig
+from stalwart.loop.shell_settings import ShellSettings
 from stalwart.observability.dumps import NullTensorDumper
 from stalwart.observability.goodput import GOODPUT_FILE, make_goodput_ledger
 from stalwart.observability.save_timing import SaveTiming
@@ -54,7 +54,7 @@ class Reliability:
     @classmethod
     def build(
         cls,
-        config: ShellConfig,
+        config: ShellSettings,
         *,
         rank: int,
         device: torch.device,
@@ -139,7 +139,7 @@ class Probes:
     @classmethod
     def build(
         cls,
-        config: ShellConfig,
+        config: ShellSettings,
         *,
         rank: int,
         world_size: int,

@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.loop.compute_weights import NO_COMPUTE_WEIGHTS, ComputeWeights
 from stalwart.loop.data_parallel_grads import ReducedGradChecks
+from stalwart.loop.evaluation import evaluate
 from stalwart.loop.iterations import Iteration
 from stalwart.loop.lookahead import LookAhead
 from stalwart.loop.microbatches import (
@@ -420,8 +421,6 @@ class GuardedStep:
 
         Returns host floats (one deliberate sync at the end).
         """
-        from stalwart.loop.evaluation import evaluate
-
         self.settle()
         return evaluate(self, data_iterator, eval_iters, num_microbatches, each_iteration)
 
