@@ -23,6 +23,7 @@ COMPONENTS = (
     "reliability",
     "observability",
     "graphs",
+    "compile",
     "checkpoint",
     "data",
     "models",
@@ -37,8 +38,9 @@ IMPORT_EXCEPTIONS: dict[str, str] = {}
 # (importer, imported) components that must not depend on each other that way: observability
 # measures any model (the reference GPT's memory formula is in models/), graphs checks any
 # model's settings, observability needs no reliability (the RNG capture is the leaf
-# stalwart.rng_state), reliability writes its verdicts without the checkpoint package, and the
-# integrations take their settings from the library, not from the trainer's config package.
+# stalwart.rng_state), reliability writes its verdicts without the checkpoint package, the
+# integrations take their settings from the library, not from the trainer's config package, and
+# neither the graphs nor the compile cache book goodput (the shell in loop/ does).
 FORBIDDEN_ARROWS = frozenset(
     {
         ("observability", "models"),
@@ -46,6 +48,8 @@ FORBIDDEN_ARROWS = frozenset(
         ("observability", "reliability"),
         ("reliability", "checkpoint"),
         ("integrations", "config"),
+        ("graphs", "observability"),
+        ("compile", "observability"),
     }
 )
 # "module:function" -> why it may be longer. Keep it short.

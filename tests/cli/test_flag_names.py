@@ -73,7 +73,7 @@ def _subcommand_options(path: Path) -> set[str]:
         "chaos/": "cli/chaos.py",
         "report/": "cli/report.py",
         "checkpoint/": "cli/checkpoints.py",  # "run: stalwart checkpoints convert --trust-pickle"
-        "graphs/cache_trust.py": "cli/checkpoints.py",  # "stalwart checkpoints --verify would fail"
+        "compile/cache_trust.py": "cli/checkpoints.py",  # "stalwart checkpoints --verify would fail"
         "distributed/launch": "cli/launch.py",
         "observability/goodput/ettr_report": "cli/goodput.py",  # stalwart goodput --project
     }

@@ -138,7 +138,8 @@ class _Foreach:
         self._eager = func
         self._func: Callable[..., Any] = func
         if compiled:
-            # Inductor's own CUDA graphs are off: the call may be captured by a full-iteration graph.
+            # Inductor's own CUDA graphs are off: the call may be captured by a full-iteration
+            # graph.
             self._func = torch.compile(
                 func, fullgraph=True, dynamic=False, options={"triton.cudagraphs": False}
             )
@@ -223,8 +224,9 @@ class ComputeWeights:
         self._add = _Foreach(_foreach_add, compile_them)
         self._first = _Foreach(_foreach_copy_then_add, compile_them)
         self.direct = _used_elsewhere(model, self.slots)
-        self.fused, self.fused_uses = _fusion_plan(model, self.slots, self.copy_dtypes,
-                                                   fuse_grad_accumulation)  # fmt: skip
+        self.fused, self.fused_uses = _fusion_plan(
+            model, self.slots, self.copy_dtypes, fuse_grad_accumulation
+        )
         self.fp32_gemm = fuse_grad_accumulation and fp32_wgrad_supported(device, dtype)
         self.copies: list[nn.Parameter] = []
 

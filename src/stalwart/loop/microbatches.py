@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,9 @@ def gradient_sync(model: nn.Module) -> GradientSync:
     """:func:`no_sync` for ``model``, its kind (DDP, FSDP2, neither) looked up once: each
     lookup that misses goes through ``nn.Module.__getattr__``, which raises and catches."""
     if hasattr(model, "no_sync"):
-        ddp_no_sync = model.no_sync
-        return lambda sync: contextlib.nullcontext() if sync else ddp_no_sync()  # type: ignore[operator]
+        # DDP's no_sync() is a context manager; mypy sees a module attribute (Tensor | Module).
+        ddp_no_sync = cast(Callable[[], contextlib.AbstractContextManager[Any]], model.no_sync)
+        return lambda sync: contextlib.nullcontext() if sync else ddp_no_sync()
     set_sync = getattr(model, "set_requires_gradient_sync", None)
     if callable(set_sync):
         return lambda sync: _fsdp2_sync(set_sync, sync)

@@ -182,9 +182,13 @@ class GraphPlan:
                 "--log-num-zeros-in-grad (both decide on the host before the step)"
             )
         optimizer = InGraphOptimizer(
-            parts.optimizer, parts.params, clip_grad=parts.clip_grad,
-            machine=parts.micro_batches.machine, gate=eager.gate, norm_source=eager.norm_source,
-        )  # fmt: skip
+            parts.optimizer,
+            parts.params,
+            clip_grad=parts.clip_grad,
+            machine=parts.micro_batches.machine,
+            gate=eager.gate,
+            norm_source=eager.norm_source,
+        )
         logger.info(
             "--cuda-graph-include-optimizer: one graph per iteration, and no speculative launch "
             "of the next iteration: the device idles while the host reads the checks and "

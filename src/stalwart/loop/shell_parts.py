@@ -120,9 +120,9 @@ def rewind_policy(config: RerunConfig) -> RewindPolicy:
 
 @dataclass
 class Probes:
-    """Timers, the sinks (built first by the shell), stragglers, memory, energy, save timing, the memory release, the
-    profiler window, ``progress.txt`` and the step's observer (no dumps until a step exists);
-    ``providers``: what the training log's line shows besides its own fields."""
+    """Timers, the sinks (built first by the shell), stragglers, memory, energy, save timing, the
+    memory release, the profiler window, ``progress.txt`` and the step's observer (no dumps until a
+    step exists); ``providers``: what the training log's line shows besides its own fields."""
 
     timers: Any
     sink: Any

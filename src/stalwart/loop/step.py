@@ -158,26 +158,45 @@ class GuardedStep:
         micro_batches = self._micro_batches(
             forward_step, device, gate_group, autocast, compute_weights, backward
         )
-        eager_optimizer = EagerOptimizer(
-            optimizer, self.params, clip_grad=clip_grad,
-            gate=buffer.gate if buffer is not None else None,
-            loss_scaler=self.loss_scaler, log_num_zeros=log_num_zeros, timers=self.timers,
-            norm_source=micro_batches.grad_checks,  # the clip reuses the check's norm
-        )  # fmt: skip
+        gate = buffer.gate if buffer is not None else None
+        eager_optimizer = self._eager_optimizer(gate, micro_batches, clip_grad, log_num_zeros)
         parts = PlanParts(model, optimizer, self.params, micro_batches, eager_optimizer, clip_grad)
         self.runners = (plan or EagerPlan()).build(parts)
         self._goodput = goodput
         self.rejected = False  # whether the last run() was rejected (exit 16/17, a rewind)
+        self._observe(observer, lookahead)
+        self._closed = False
+
+    def _eager_optimizer(
+        self, gate: Any, micro_batches: MicroBatches, clip_grad: float, log_num_zeros: bool
+    ) -> EagerOptimizer:
+        """The optimizer step outside a graph, behind the check buffer's ``gate``."""
+        return EagerOptimizer(
+            self.optimizer,
+            self.params,
+            clip_grad=clip_grad,
+            gate=gate,
+            loss_scaler=self.loss_scaler,
+            log_num_zeros=log_num_zeros,
+            timers=self.timers,
+            norm_source=micro_batches.grad_checks,  # the clip reuses the check's norm
+        )
+
+    def _observe(self, observer: Any, lookahead: bool) -> None:
+        """The observer's regions around each forward-backward call and the look-ahead's."""
         self._forward_backward = _in_regions(self.runners.forward_backward, observer)
         # e.g. release cached memory after each forward-backward (looked up once, not per pass)
         self._after_forward_backward = getattr(observer, "after_forward_backward", None)
         allows = getattr(observer, "allows_lookahead", True)
         self.lookahead_enabled = lookahead and allows and self.runners.optimizer.gated
         self._lookahead = LookAhead(
-            machine, data, self._forward_backward, self.runners.splittable,
-            self.runners.lookahead_ready, _staged_in_regions(self.runners.stage_pass, observer),
-        )  # fmt: skip
-        self._closed = False
+            self.machine,
+            self.data,
+            self._forward_backward,
+            self.runners.splittable,
+            self.runners.lookahead_ready,
+            _staged_in_regions(self.runners.stage_pass, observer),
+        )
 
     def _micro_batches(
         self,
@@ -194,12 +213,19 @@ class GuardedStep:
         reduced = compute_weights is not None and isinstance(self.model, DistributedDataParallel)
         runs_on = cast(nn.Module, self.model.module) if reduced else self.model
         return MicroBatches(
-            runs_on, forward_step, self.machine, device,
-            self.loss_scaler, autocast or contextlib.nullcontext,
-            grad_checks=self._grad_checks(gate_group, reduced), gate_group=gate_group,
-            timers=self.timers, observer=self.observer, backward=backward,
+            runs_on,
+            forward_step,
+            self.machine,
+            device,
+            self.loss_scaler,
+            autocast or contextlib.nullcontext,
+            grad_checks=self._grad_checks(gate_group, reduced),
+            gate_group=gate_group,
+            timers=self.timers,
+            observer=self.observer,
+            backward=backward,
             compute_weights=compute_weights or NO_COMPUTE_WEIGHTS,
-        )  # fmt: skip
+        )
 
     def _grad_checks(self, group: dist.ProcessGroup | None, reduced: bool) -> GradCheckState | None:
         """Per-bucket gradient checks: DDP's comm hook (before its all-reduce), else after the

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from stalwart.compile import CompileCache, NullCompileCache
 from stalwart.config.inductor import parse_inductor_options
 from stalwart.config.run import RunConfig
 from stalwart.data import (
@@ -34,10 +35,8 @@ from stalwart.data.batch_schedule import BatchSchedule
 from stalwart.distributed.ddp_layout import needs_settled_layout, settle_bucket_layout
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import (
-    CompileCache,
     CudaGraphImpl,
     GraphSettings,
-    NullCompileCache,
     check_graph_config,
     clip_in_optimizer_step,
     make_capturable_adamw,
