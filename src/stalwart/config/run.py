@@ -107,6 +107,11 @@ class GraphConfig:
             impl = CudaGraphImpl(self.cuda_graph_impl)
         except ValueError:
             impl = None
+        if impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE):
+            raise ValueError(
+                f"--cuda-graph-impl {impl.value} (Megatron's per-layer graphs) is not implemented "
+                "by stalwart, which graphs the whole iteration; allowed: none, full_iteration"
+            )
         if impl not in allowed:
             raise ValueError(
                 f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"

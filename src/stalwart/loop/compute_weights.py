@@ -381,11 +381,38 @@ class NullComputeWeights:
 
 NO_COMPUTE_WEIGHTS = NullComputeWeights()
 
+
+def check_compute_weights(
+    weights: ComputeWeights | None, model: nn.Module, autocast: Callable[..., Any] | None
+) -> None:
+    """Compute copies need the forward under autocast (their matmuls take the activations in
+    the copies' dtype) and the fp32 parameters' ``.grad`` filled by them, not by FSDP2's
+    hooks (DDP's reduction the step does itself)."""
+    if weights is None:
+        return
+    if autocast is None:
+        raise ValueError(
+            "GuardedStep(compute_weights=...) needs autocast= to the copies' dtype (--bf16)"
+        )
+    if hasattr(model, "set_requires_gradient_sync"):
+        raise ValueError(FSDP2_COMPUTE_WEIGHTS_MESSAGE)
+
+
+FSDP2_COMPUTE_WEIGHTS_MESSAGE = (
+    "--bf16-compute-weights is not supported with --use-torch-fsdp2: FSDP2 reduces the sharded "
+    "fp32 parameters' gradients in its own hooks, which the copies bypass. FSDP2's equivalent "
+    "is its MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) "
+    "(fully_shard(..., mp_policy=...): bf16 parameters gathered from the fp32 shards, fp32 "
+    "gradient reduction); the reference trainer's --use-torch-fsdp2 runs under bf16 autocast"
+)
+
 __all__ = [
+    "FSDP2_COMPUTE_WEIGHTS_MESSAGE",
     "NO_COMPUTE_WEIGHTS",
     "ComputeWeights",
     "NullComputeWeights",
     "Slot",
+    "check_compute_weights",
     "compute_weight_slots",
     "linear_slots",
 ]

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.graphs import FullIterationGraph, GraphContext, GraphMode, OptimizerGraph, StagePhase
 from stalwart.loop.microbatches import NO_TIMERS, MicroBatches, Reported, with_means
+from stalwart.loop.observer import NULL_OBSERVER
 from stalwart.loop.optimizer import EagerOptimizer, GraphedOptimizer, OptimizerRunner
 from stalwart.loop.optimizer_in_graph import InGraphOptimizer, around_passes, with_optimizer_step
 from stalwart.observability.timer_split import make_phase_split
@@ -221,13 +222,13 @@ class GraphPlan:
 def _capturable(micro_batches: MicroBatches) -> MicroBatches:
     """The pass as a graph captures it: no host timers or dump hooks (they would sync, or be
     frozen at capture); straggler compute regions may stay (``graph_safe``)."""
-    observer = micro_batches.observer
+    in_graph = micro_batches.observer.graph_safe()
     return replace(
         micro_batches,
         zero_grad="none",
         check_eval_losses=False,
         timers=NO_TIMERS,
-        observer=observer.graph_safe() if hasattr(observer, "graph_safe") else None,
+        observer=in_graph if in_graph is not None else NULL_OBSERVER,
     )
 
 

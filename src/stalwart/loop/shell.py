@@ -45,7 +45,7 @@ from stalwart.loop.checkpointing import Checkpointer, LoopState, RngState
 from stalwart.loop.compile_booking import CompileBooking
 from stalwart.loop.iterations import Iteration, Iterations
 from stalwart.loop.naming import Names
-from stalwart.loop.observer import StepObserver
+from stalwart.loop.observer import NULL_OBSERVER, StepObserver
 from stalwart.loop.rewind import check_rewindable
 from stalwart.loop.shell_exit import ExitPath
 from stalwart.loop.shell_iteration import IterationScope
@@ -219,7 +219,8 @@ class Shell:
             num_microbatches=num_microbatches,
             agreement=self.agreement,
             timers=self.timers,
-            observer=self.observer if self.observer.enabled else None,
+            # A disabled observer's step pays nothing for it.
+            observer=self.observer if self.observer.enabled else NULL_OBSERVER,
             log_num_zeros=cfg.log.log_num_zeros_in_grad,
             goodput=self.ledger,
             **options,

@@ -42,7 +42,7 @@ from stalwart.graphs import (
     make_capturable_adamw,
 )
 from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler, autocast_context
-from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
+from stalwart.loop.compute_weights import FSDP2_COMPUTE_WEIGHTS_MESSAGE
 from stalwart.models import GPT, RecomputeGranularity
 from stalwart.models.memory_model import CUDA_WORKSPACE_BYTES, MemoryEstimate, theoretical_memory
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES
