@@ -190,3 +190,19 @@ def test_megatrons_other_graph_flags_are_refused_by_the_cli(flag: str) -> None:
     from stalwart.cli.megatron_flags import UNSUPPORTED
 
     assert flag in {u.flag for u in UNSUPPORTED}
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_the_cli_refuses_megatrons_per_layer_graphs_saying_why(
+    impl: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stalwart train --cuda-graph-impl local``: exit 2 and one line naming the flag and why."""
+    from stalwart.cli.args import build_train_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_train_parser().parse_args(["--cuda-graph-impl", impl])
+    assert exited.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert (
+        len(lines) == 1 and f"--cuda-graph-impl: {impl} (Megatron's per-layer graphs)" in lines[0]
+    )

@@ -414,16 +414,26 @@ def profiler_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _graph_impl(value: str) -> str:
+    """``--cuda-graph-impl``: Megatron's per-layer values refused saying why (the choices
+    check names the allowed ones for anything else)."""
+    if value in ("local", "transformer_engine"):
+        raise argparse.ArgumentTypeError(
+            f"{value} (Megatron's per-layer graphs) is not implemented by stalwart, which graphs "
+            "the whole iteration; allowed: none, full_iteration"
+        )
+    return value
+
+
 def graph_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "graphs", "CUDA graphs")
-    values(
-        g,
-        (
-            "--cuda-graph-impl",
-            OneOf(("none", "full_iteration"), "IMPL"),
-            "none",
-            "full_iteration: all micro-batches' forward-backward in one graph",
-        ),
+    g.add_argument(
+        "--cuda-graph-impl",
+        type=_graph_impl,
+        choices=("none", "full_iteration"),
+        default="none",
+        metavar="IMPL",
+        help="full_iteration: all micro-batches' forward-backward in one graph",
     )
     switch(g, "--optimizer-cuda-graph", "capture clip + AdamW as a graph")
     g.add_argument(
