@@ -41,9 +41,9 @@ TARGETS = [
     ("  data: datasets and batch schedule", "stalwart.train.build:resolve_config"),
     ("  memory estimate", "stalwart.train.build:memory_estimate"),
     ("  shell: ledger, watchdog, rerun machine, timers, sinks, probes, log", "stalwart.loop.shell_config:ShellConfig.build"),
-    ("  compile cache: open (Inductor import, artifacts load)", "stalwart.graphs.compile_cache:CompileCache.open"),
-    ("    compile cache: trust check (the path, every entry)", "stalwart.graphs.compile_cache:check_cache_dir"),
-    ("    compile cache: load artifacts.bin", "stalwart.graphs.compile_cache:CompileCache._load"),
+    ("  compile cache: open (Inductor import, artifacts load)", "stalwart.compile.cache:CompileCache.open"),
+    ("    compile cache: trust check (the path, every entry)", "stalwart.compile.cache:check_cache_dir"),
+    ("    compile cache: load artifacts.bin", "stalwart.compile.cache:CompileCache._load"),
     ("  model: build, DDP, torch.compile wrapper", "stalwart.train.build:build_model"),
     ("    model: DDP/FSDP2 wrapper", "stalwart.train.build:wrap_model"),
     ("    model: torch.compile wrapper", "torch.nn.modules.module:Module.compile"),
@@ -54,12 +54,12 @@ TARGETS = [
     ("  guarded step (plan, graphs)", "stalwart.train.trainer:Trainer._build_step"),
     ("checkpoint load (--load)", "stalwart.train.trainer:Trainer.load"),
     ("first iteration (warm compile, capture)", "stalwart.train.trainer:Trainer._run_iteration"),
-    ("compile cache: save artifacts", "stalwart.graphs.compile_cache:CompileCache.save"),
+    ("compile cache: save artifacts", "stalwart.compile.cache:CompileCache.save"),
     ("CUDA initialisation (inside the phase that first used CUDA)", "torch.cuda:_lazy_init"),
 ]  # fmt: skip
 
 FIRST_ONLY = {"stalwart.train.trainer:Trainer._run_iteration",
-              "stalwart.graphs.compile_cache:CompileCache.save", "torch.cuda:_lazy_init"}  # fmt: skip
+              "stalwart.compile.cache:CompileCache.save", "torch.cuda:_lazy_init"}  # fmt: skip
 
 
 class Recorder:

@@ -5,6 +5,8 @@
    compose them.
 3. Some arrows between components are forbidden (`FORBIDDEN_ARROWS`: a runtime probe does not
    know the reference model, ...), and no import cycle joins two components.
+4. No import cycle joins two modules of the package (the helper's side is typed by a Protocol
+   where it must know its owner).
 
 Every import counts: inside ``if TYPE_CHECKING:``, inside functions, re-exports.
 """
@@ -21,6 +23,7 @@ COMPONENTS = (
     "reliability",
     "observability",
     "graphs",
+    "compile",
     "checkpoint",
     "data",
     "models",
@@ -35,8 +38,9 @@ IMPORT_EXCEPTIONS: dict[str, str] = {}
 # (importer, imported) components that must not depend on each other that way: observability
 # measures any model (the reference GPT's memory formula is in models/), graphs checks any
 # model's settings, observability needs no reliability (the RNG capture is the leaf
-# stalwart.rng_state), reliability writes its verdicts without the checkpoint package, and the
-# integrations take their settings from the library, not from the trainer's config package.
+# stalwart.rng_state), reliability writes its verdicts without the checkpoint package, the
+# integrations take their settings from the library, not from the trainer's config package, and
+# neither the graphs nor the compile cache book goodput (the shell in loop/ does).
 FORBIDDEN_ARROWS = frozenset(
     {
         ("observability", "models"),
@@ -44,6 +48,8 @@ FORBIDDEN_ARROWS = frozenset(
         ("observability", "reliability"),
         ("reliability", "checkpoint"),
         ("integrations", "config"),
+        ("graphs", "observability"),
+        ("compile", "observability"),
     }
 )
 # "module:function" -> why it may be longer. Keep it short.
@@ -162,6 +168,59 @@ def test_no_import_cycle_between_components() -> None:
     cycle = _cycle(edges)
     where = [f"{a} -> {b} ({sorted(arrows[a, b])[0]})" for a, b in itertools.pairwise(cycle)]
     assert not cycle, "import cycle between components: " + "; ".join(where)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports(tree: ast.AST, module: str, modules: set[str]) -> set[str]:
+    """The package's modules that ``tree`` (the module ``module``) imports: ``from a.b import c``
+    imports the module ``a.b.c`` if there is one, else ``a.b`` (its ``__init__``)."""
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    found: set[str | None] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {owner(alias.name) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the importer's package
+                package = module.split(".")[: len(module.split(".")) - node.level + 1]
+                base = ".".join([*package[:-1], *([base] if base else [])])
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in modules else owner(base))
+    return {name for name in found if name is not None and name != module}
+
+
+def test_no_import_cycle_between_modules() -> None:
+    paths = {_module_name(path): path for path in _modules()}
+    edges = {
+        (module, imported)
+        for module, path in paths.items()
+        for imported in _module_imports(ast.parse(path.read_text()), module, set(paths))
+    }
+    cycle = _cycle(edges)
+    assert not cycle, "import cycle between modules: " + " -> ".join(cycle)
+
+
+def test_the_module_cycle_check_can_fail() -> None:
+    """A type-only import and a function-level import back make a cycle of two modules."""
+    modules = {"stalwart.a", "stalwart.b", "stalwart.pkg", "stalwart.pkg.c"}
+    a = "if TYPE_CHECKING:\n    from stalwart.b import B\n"
+    b = "def f():\n    from stalwart.a import A\n"
+    c = "from stalwart.pkg import d\nfrom . import c\n"
+    assert _module_imports(ast.parse(a), "stalwart.a", modules) == {"stalwart.b"}
+    assert _module_imports(ast.parse(b), "stalwart.b", modules) == {"stalwart.a"}
+    assert _module_imports(ast.parse(c), "stalwart.pkg.c", modules) == {"stalwart.pkg"}
+    edges = {("stalwart.a", "stalwart.b"), ("stalwart.b", "stalwart.a")}
+    assert _cycle(edges) == ["stalwart.a", "stalwart.b", "stalwart.a"]
 
 
 def test_the_arrow_checks_can_fail() -> None:

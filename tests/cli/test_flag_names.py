@@ -26,19 +26,8 @@ TORCHRUN = {"--max-restarts", "--standalone", "--monitor-interval", "--nproc-per
 SLURM = {"--exclude", "--requeue"}
 # graphs/checks.py encodes Megatron's CUDA-graph compatibility rules over `GraphSettings`, whose
 # fields carry Megatron's flag names; these are the ones `stalwart train` does not expose, so the
-# rules naming them can only fire for a GraphSettings built by hand.
-MEGATRON_GRAPH_RULES = {
-    "--attention-dropout",
-    "--cuda-graph-modules",
-    "--cuda-graph-scope",
-    "--enable-cuda-graph",
-    "--moe-input-jitter-eps",
-    "--cpu-offloading",
-    "--fine-grained-activation-offloading",
-    "--fine-grained-offloading-max-inflight-offloads",
-    "--optimizer",
-    "--loss-scale",
-}
+# rules naming them can only fire for a GraphSettings built by hand (or named in its docstring).
+MEGATRON_GRAPH_RULES = {"--attention-dropout"}
 
 
 def _options(parser: argparse.ArgumentParser) -> set[str]:
@@ -73,7 +62,7 @@ def _subcommand_options(path: Path) -> set[str]:
         "chaos/": "cli/chaos.py",
         "report/": "cli/report.py",
         "checkpoint/": "cli/checkpoints.py",  # "run: stalwart checkpoints convert --trust-pickle"
-        "graphs/cache_trust.py": "cli/checkpoints.py",  # "stalwart checkpoints --verify would fail"
+        "compile/cache_trust.py": "cli/checkpoints.py",  # "stalwart checkpoints --verify would fail"
         "distributed/launch": "cli/launch.py",
         "observability/goodput/ettr_report": "cli/goodput.py",  # stalwart goodput --project
     }

@@ -37,13 +37,9 @@ TORCHRUN = {
 }  # stalwart launch passes these through
 SBATCH = {"--exclude", "--requeue"}  # what stalwart launch tells a SLURM user to submit with
 PLACEHOLDERS = {"--x", "--no-x", "--no"}  # "--no-x" in the config-file and help texts
-# GraphSettings takes Megatron's settings from any caller (a user's loop); the trainer never sets
-# these, so only such a caller can see their messages, which name Megatron's flags.
-GRAPH_SETTINGS_ONLY = {
-    "--cuda-graph-modules", "--cuda-graph-scope", "--enable-cuda-graph", "--optimizer",
-    "--cpu-offloading", "--fine-grained-activation-offloading",
-    "--fine-grained-offloading-max-inflight-offloads", "--moe-input-jitter-eps",
-}  # fmt: skip
+# GraphSettings' messages that only a caller building it by hand can see (none: it checks only
+# what a path can set; Megatron's other graph flags are refused where they are given).
+GRAPH_SETTINGS_ONLY: set[str] = set()
 
 
 def _options(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:

@@ -9,7 +9,6 @@ Graphed (``GraphPlan`` over the CPU fake graph backend, in eager warm-up) and ea
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from stalwart.graphs import make_capturable_adamw
 from stalwart.loop import GraphPlan, GuardedStep
+from stalwart.loop.observer import NULL_OBSERVER, NullStepObserver
 from stalwart.reliability.exit import ExitConfig, ExitProbe, IterationAgreement
 from stalwart.reliability.rerun import RerunConfig, RerunDataIterator
 from stalwart.reliability.rerun.attribution.fingerprints import flip_gradient_bit
@@ -38,7 +38,7 @@ ITERS = 5
 BAD = 2  # 0-based: iteration 3 as logged
 
 
-class _GradFlip:
+class _GradFlip(NullStepObserver):
     """An observer that flips one gradient bit on ``rank`` after the backward of ``BAD``
     (every pass when ``every_pass``: a persistent fault), like ``--inject-fault grad_corruption``."""
 
@@ -51,12 +51,6 @@ class _GradFlip:
         if mine and (self.every_pass or not self.fired):
             flip_gradient_bit(self.model)
             self.fired += 1
-
-    def on_microbatch(self, index: int, is_last: bool) -> None:
-        pass
-
-    def compute(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
 
 
 def _job(rank: int, scenario: dict[str, Any], tracker: str) -> dict[str, Any]:
@@ -96,7 +90,8 @@ def _job(rank: int, scenario: dict[str, Any], tracker: str) -> dict[str, Any]:
     step = GuardedStep(
         model=ddp, optimizer=optimizer, plan=plan, machine=machine, agreement=agreement,
         forward_step=lambda b, m: nn.functional.mse_loss(m(b[0]) + 0.01 * torch.randn(4, 1), b[1]),
-        data=RerunDataIterator(batches), num_microbatches=2, clip_grad=1.0, observer=observer,
+        data=RerunDataIterator(batches), num_microbatches=2, clip_grad=1.0,
+        observer=observer if observer is not None else NULL_OBSERVER,
     )  # fmt: skip
     torch.manual_seed(100 + rank)
     codes, verdict = [], None

@@ -34,7 +34,6 @@ def test_valid_combinations_pass() -> None:
     )
     # Full recompute without dropout is fine inside the full-iteration graph.
     check_graph_config(dataclasses.replace(FULL, recompute_granularity=RecomputeGranularity.FULL))
-    check_graph_config(dataclasses.replace(FULL, fp16=True, loss_scale=1024.0))
     # Without graphs, host-syncing checks and dynamic fp16 are not our concern.
     check_graph_config(
         GraphSettings(
@@ -54,11 +53,6 @@ def test_valid_combinations_pass() -> None:
             {"device": torch.device("cpu")},
             "--cuda-graph-impl full_iteration requires a CUDA device",
         ),
-        (
-            {"cuda_graph_modules": ("attn",)},
-            "cannot be combined with --cuda-graph-impl full_iteration",
-        ),
-        ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
         ({"cuda_graph_warmup_steps": 0}, "--cuda-graph-warmup-steps must be an integer >= 1"),
         ({"fp16": True}, "--fp16 with dynamic loss scaling is not supported"),
         ({"compile": True, "compile_mode": "reduce-overhead"}, "cannot nest inside"),
@@ -75,18 +69,6 @@ def test_valid_combinations_pass() -> None:
             },
             "--attention-dropout=0.1 is not allowed with recomputed 'core_attn'",
         ),
-        (
-            {
-                "recompute_granularity": RecomputeGranularity.SELECTIVE,
-                "recompute_modules": ("moe",),
-                "moe_input_jitter_eps": 0.01,
-            },
-            "--moe-input-jitter-eps",
-        ),
-        (
-            {"fine_grained_activation_offloading": True},
-            "--fine-grained-offloading-max-inflight-offloads to be an integer >= 0",
-        ),
     ],
 )
 def test_full_iteration_rejections(change: dict, match: str) -> None:
@@ -102,42 +84,14 @@ def test_selective_recompute_of_deterministic_modules_is_allowed() -> None:
             hidden_dropout=0.1,
         )
     )
-    check_graph_config(
-        dataclasses.replace(
-            FULL,
-            fine_grained_activation_offloading=True,
-            fine_grained_offloading_max_inflight_offloads=2,
-            cpu_offloading=True,
-        )
-    )
 
 
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
         (
-            GraphSettings(device=CUDA, cuda_graph_impl=CudaGraphImpl.LOCAL),
-            "not implemented by stalwart",
-        ),
-        (
-            GraphSettings(
-                device=CUDA, enable_cuda_graph=True, recompute_granularity=RecomputeGranularity.FULL
-            ),
-            "--recompute-granularity full is only supported",
-        ),
-        (
-            GraphSettings(
-                device=CUDA, cuda_graph_impl=CudaGraphImpl.TRANSFORMER_ENGINE, cpu_offloading=True
-            ),
-            "--cpu-offloading with CUDA graphs requires",
-        ),
-        (
             GraphSettings(device=torch.device("cpu"), optimizer_cuda_graph=True),
             "--optimizer-cuda-graph requires a CUDA device",
-        ),
-        (
-            GraphSettings(device=CUDA, optimizer_cuda_graph=True, optimizer="sgd"),
-            "--optimizer-cuda-graph requires --optimizer adam",
         ),
         (
             GraphSettings(device=CUDA, optimizer_cuda_graph=True, log_num_zeros_in_grad=True),
@@ -151,7 +105,7 @@ def test_other_rejections(settings: GraphSettings, match: str) -> None:
 
 def test_all_problems_are_reported_together() -> None:
     bad = dataclasses.replace(
-        FULL, device=torch.device("cpu"), fp16=True, cuda_graph_modules=("mlp",)
+        FULL, device=torch.device("cpu"), fp16=True, cuda_graph_warmup_steps=0
     )
     assert len(graph_config_problems(bad)) == 3
 
@@ -209,4 +163,46 @@ def test_any_models_recompute_enum_is_read_by_its_value() -> None:
     assert graph_config_problems(dataclasses.replace(theirs, hidden_dropout=0.1))
     assert not graph_config_problems(
         dataclasses.replace(FULL, recompute_granularity=Granularity.NONE, hidden_dropout=0.1)
+    )
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_megatrons_per_layer_graphs_are_refused_in_one_line_saying_why(impl: str) -> None:
+    """Megatron's per-layer ``--cuda-graph-impl`` values reach no graph rule: the run's config
+    refuses them, naming the flag, why and what is allowed."""
+    from stalwart.config.run import GraphConfig
+
+    with pytest.raises(ValueError) as refused:
+        GraphConfig(cuda_graph_impl=impl)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        f"--cuda-graph-impl {impl} (Megatron's per-layer graphs) is not implemented by stalwart, "
+        "which graphs the whole iteration; allowed: none, full_iteration"
+    )
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--cuda-graph-modules", "--cuda-graph-scope", "--enable-cuda-graph", "--cpu-offloading",
+     "--fine-grained-activation-offloading", "--moe-input-jitter-eps", "--loss-scale"],
+)  # fmt: skip
+def test_megatrons_other_graph_flags_are_refused_by_the_cli(flag: str) -> None:
+    """The Megatron flags GraphSettings no longer carries are refused where they are given."""
+    from stalwart.cli.megatron_flags import UNSUPPORTED
+
+    assert flag in {u.flag for u in UNSUPPORTED}
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_the_cli_refuses_megatrons_per_layer_graphs_saying_why(
+    impl: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stalwart train --cuda-graph-impl local``: exit 2 and one line naming the flag and why."""
+    from stalwart.cli.args import build_train_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_train_parser().parse_args(["--cuda-graph-impl", impl])
+    assert exited.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert (
+        len(lines) == 1 and f"--cuda-graph-impl: {impl} (Megatron's per-layer graphs)" in lines[0]
     )

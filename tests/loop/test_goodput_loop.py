@@ -19,7 +19,10 @@ from torch import nn
 
 from stalwart.graphs import make_capturable_adamw
 from stalwart.loop import GraphPlan, GuardedStep
+from stalwart.loop.observer import StepObserver
+from stalwart.observability.dumps import NullTensorDumper
 from stalwart.observability.goodput import Bucket, GoodputLedger
+from stalwart.observability.memory_release import NullMemoryRelease
 from stalwart.observability.straggler import StragglerDetector
 from stalwart.reliability.rerun import RerunConfig, RerunDataIterator, RerunStateMachine
 
@@ -122,7 +125,7 @@ def test_straggler_regions_live_in_the_captured_graph_and_evaluation_stays_out(t
         forward_step=forward, machine=_machine(tmp_path), data=RerunDataIterator(_batches(40)),
         num_microbatches=2, plan=GraphPlan(context=context, warmup_steps=1,
                                            optimizer_graph=False),
-        observer=detector, lookahead=False,
+        observer=StepObserver(detector, NullTensorDumper(), NullMemoryRelease()), lookahead=False,
     )  # fmt: skip
     for it in range(4):  # warm-up, capture (+ its replay), two replays
         step.run(it + 1, launch_next=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 
 import pytest
 
@@ -56,3 +57,17 @@ def test_the_docstring_examples_run() -> None:
     for module in (naming, iterations):
         failed, tried = doctest.testmod(module)
         assert tried and not failed, module.__name__
+
+
+def test_the_section_classes_are_shell_configs() -> None:
+    """naming's table of ``ShellConfig.<section>`` classes is the config's own (naming cannot
+    read it off ShellConfig: shell_config imports naming)."""
+    from stalwart.loop import naming
+
+    hints = typing.get_type_hints(ShellConfig)
+    sections = {
+        f.name: hints[f.name].__name__
+        for f in dataclasses.fields(ShellConfig)
+        if dataclasses.is_dataclass(hints[f.name])
+    }
+    assert dict(naming.SECTION_CLASSES) == sections

@@ -145,7 +145,7 @@ def test_a_warm_relaunch_reloads_nothing_and_ends_bitwise_equal(tmp_path: Path) 
     import subprocess
     import sys
 
-    from stalwart.graphs.compile_cache import DEFAULT_CACHE_DIRNAME, INDUCTOR_DIR, STAMP_FILE
+    from stalwart.compile.cache import DEFAULT_CACHE_DIRNAME, INDUCTOR_DIR, STAMP_FILE
 
     from train_utils import REPO, assert_params_equal, load_params
 

@@ -32,14 +32,36 @@ from stalwart.chaos.schedule import EXPECTED, ChaosFault, FaultPlan, build_sched
 from stalwart.chaos.storage import STORAGE_SCENARIOS
 
 # The job every scenario trains: a ~0.6M-parameter GPT, one log line per iteration.
-MODEL_FLAGS = ["--preset", "tiny", "--num-layers", "1", "--hidden-size", "64",
-               "--num-attention-heads", "2", "--seq-length", "32", "--vocab-size", "512",
-               "--micro-batch-size", "4", "--lr", "1e-3", "--lr-warmup-iters", "2",
-               "--log-interval", "1", "--no-progress-bar"]  # fmt: skip
+MODEL_FLAGS = [
+    "--preset",
+    "tiny",
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "512",
+    "--micro-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--no-progress-bar",
+]
 Scenario = Callable[[Context, FaultPlan], FaultResult]
 ALL_SCENARIOS: dict[ChaosFault, Scenario] = {
-    **SCENARIOS, **PEER_SCENARIOS, **STORAGE_SCENARIOS, **FILE_SCENARIOS
-}  # fmt: skip
+    **SCENARIOS,
+    **PEER_SCENARIOS,
+    **STORAGE_SCENARIOS,
+    **FILE_SCENARIOS,
+}
 
 
 @dataclass
@@ -86,9 +108,18 @@ class CampaignOutcome:
 
 def base_args(config: CampaignConfig) -> list[str]:
     gbs = 4 * config.nproc  # one micro-batch of 4 per rank
-    return [*MODEL_FLAGS, "--train-iters", str(config.iterations), "--seed", str(config.seed + 1),
-            "--global-batch-size", str(gbs), "--save-interval", str(config.save_interval),
-            *(["--use-cpu"] if config.use_cpu else [])]  # fmt: skip
+    return [
+        *MODEL_FLAGS,
+        "--train-iters",
+        str(config.iterations),
+        "--seed",
+        str(config.seed + 1),
+        "--global-batch-size",
+        str(gbs),
+        "--save-interval",
+        str(config.save_interval),
+        *(["--use-cpu"] if config.use_cpu else []),
+    ]
 
 
 def run_reference(ctx: Context) -> str | None:
@@ -180,8 +211,19 @@ def _run_scenarios(
         return list(pool.map(one, schedule))
 
 
-COLUMNS = ("kind", "iteration", "rank", "detected", "mechanism", "recovered",
-           "seconds_to_recover", "iterations_redone", "bitwise_equal", "exit_code", "passed")  # fmt: skip
+COLUMNS = (
+    "kind",
+    "iteration",
+    "rank",
+    "detected",
+    "mechanism",
+    "recovered",
+    "seconds_to_recover",
+    "iterations_redone",
+    "bitwise_equal",
+    "exit_code",
+    "passed",
+)
 # From each faulted job's goodput ledger: recovery = restart + hang + lost work + rerun seconds.
 GOODPUT_COLUMNS = ("goodput_pct", "recovery_s", "recovery_pct")
 

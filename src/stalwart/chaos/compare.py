@@ -21,7 +21,8 @@ from stalwart.checkpoint.safe_state import read_state_file
 
 
 def load_dcp_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Every tensor of a DCP checkpoint directory, nested as saved (``{"model": ..., "optim": ...}``)."""
+    """Every tensor of a DCP checkpoint directory, nested as saved (``{"model": ..., "optim":
+    ...}``)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from stalwart.checkpoint.dcp_readers import (

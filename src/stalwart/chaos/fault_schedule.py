@@ -48,12 +48,37 @@ from stalwart.checkpoint.local_layout import FAKE_NODE_ENV
 DEVICES = ("dev-a", "dev-b")
 EXPECTED_ACTIONS = ["restart", "restart", "restart", "preempted", "exclude", "finished"]
 HANG_STEP_TIMEOUT_S = 3.0
-FT_FLAGS = ["--enable-ft", "--ft-num-warmup-iters", "2", "--ft-timeouts",
-            f"setup=180,step={HANG_STEP_TIMEOUT_S:g},checkpointing=180,out_of_section=180"]  # fmt: skip
-MODEL_FLAGS = ["--preset", "tiny", "--num-layers", "1", "--hidden-size", "64",
-               "--num-attention-heads", "2", "--seq-length", "32", "--vocab-size", "512",
-               "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-3",
-               "--lr-warmup-iters", "2", "--no-progress-bar", "--use-cpu"]  # fmt: skip
+FT_FLAGS = [
+    "--enable-ft",
+    "--ft-num-warmup-iters",
+    "2",
+    "--ft-timeouts",
+    f"setup=180,step={HANG_STEP_TIMEOUT_S:g},checkpointing=180,out_of_section=180",
+]
+MODEL_FLAGS = [
+    "--preset",
+    "tiny",
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "512",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--no-progress-bar",
+    "--use-cpu",
+]
 
 
 @dataclass(frozen=True)
@@ -81,8 +106,13 @@ class ScheduledFault:
 def schedule(iterations: int) -> list[ScheduledFault]:
     """The five faults, evenly spaced (pure)."""
     step = iterations // 6
-    kinds = (("hang", 0), ("sigkill", 1), ("transient_nan", 1), ("sigterm", 0),
-             ("persistent_device", 1))  # fmt: skip
+    kinds = (
+        ("hang", 0),
+        ("sigkill", 1),
+        ("transient_nan", 1),
+        ("sigterm", 0),
+        ("persistent_device", 1),
+    )
     return [ScheduledFault(kind, step * (i + 1), rank) for i, (kind, rank) in enumerate(kinds)]
 
 
@@ -114,26 +144,55 @@ class ScheduleResult:
             self.problems.append(problem)
 
     def to_json(self) -> dict[str, Any]:
-        return {"scenario": "fault_schedule", "passed": self.passed, "problems": self.problems,
-                "faults": self.faults, "actions": self.actions, "goodput": self.goodput,
-                "bitwise_equal": self.bitwise_equal, "wall_seconds": round(self.wall_seconds, 1),
-                "reference_seconds": round(self.reference_seconds, 1),
-                "commands": self.commands}  # fmt: skip
+        return {
+            "scenario": "fault_schedule",
+            "passed": self.passed,
+            "problems": self.problems,
+            "faults": self.faults,
+            "actions": self.actions,
+            "goodput": self.goodput,
+            "bitwise_equal": self.bitwise_equal,
+            "wall_seconds": round(self.wall_seconds, 1),
+            "reference_seconds": round(self.reference_seconds, 1),
+            "commands": self.commands,
+        }
 
 
 def _launcher(
     config: ScheduleConfig, nproc: int, devices: tuple[str, ...], max_restarts: int
 ) -> list[str]:
-    return [sys.executable, "-m", "stalwart", "launch", "--nproc-per-node", str(nproc),
-            "--devices", ",".join(devices), "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.2", *(["--fork-workers"] if config.fork_workers else []),
-            "--"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "stalwart",
+        "launch",
+        "--nproc-per-node",
+        str(nproc),
+        "--devices",
+        ",".join(devices),
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        *(["--fork-workers"] if config.fork_workers else []),
+        "--",
+    ]
 
 
 def _base(config: ScheduleConfig, save: Path) -> list[str]:
-    return [*MODEL_FLAGS, "--train-iters", str(config.iterations), "--seed", str(config.seed + 1),
-            "--save-interval", str(config.save_interval), "--log-interval",
-            str(config.log_interval), "--save", str(save)]  # fmt: skip
+    return [
+        *MODEL_FLAGS,
+        "--train-iters",
+        str(config.iterations),
+        "--seed",
+        str(config.seed + 1),
+        "--save-interval",
+        str(config.save_interval),
+        "--log-interval",
+        str(config.log_interval),
+        "--save",
+        str(save),
+    ]
 
 
 def _non_persistent(config: ScheduleConfig, job: Path) -> tuple[list[str], dict[str, str]]:
@@ -159,8 +218,16 @@ def _injection(fault: ScheduledFault, devices: str | None = None) -> list[str]:
         if devices
         else ["--error-injection-ranks", str(fault.rank)]
     )
-    return ["--error-injection-rate", "1", "--error-injection-type", kind,
-            "--error-injection-iterations", str(fault.iteration), "--error-injection-once", *where]  # fmt: skip
+    return [
+        "--error-injection-rate",
+        "1",
+        "--error-injection-type",
+        kind,
+        "--error-injection-iterations",
+        str(fault.iteration),
+        "--error-injection-once",
+        *where,
+    ]
 
 
 def _wait_iteration(job: Job, iteration: int, since: int, timeout: float) -> bool:
@@ -184,8 +251,13 @@ def run_schedule(config: ScheduleConfig, say: Any = print) -> ScheduleResult:
     started = time.time()
     first = _first_launch(config, res, faults, save, say)
     extra, env = _non_persistent(config, save.parent)
-    second_args = [*_base(config, save), *extra, "--exit-signal-handler", *FT_FLAGS,
-                   *_injection(faults["persistent_device"], devices="dev-b")]  # fmt: skip
+    second_args = [
+        *_base(config, save),
+        *extra,
+        "--exit-signal-handler",
+        *FT_FLAGS,
+        *_injection(faults["persistent_device"], devices="dev-b"),
+    ]
     spec = LaunchSpec(
         second_args,
         2,
@@ -206,19 +278,36 @@ def run_schedule(config: ScheduleConfig, say: Any = print) -> ScheduleResult:
     return res
 
 
-def _first_launch(config: ScheduleConfig, res: ScheduleResult,
-                  faults: dict[str, ScheduledFault], save: Path, say: Any) -> LaunchResult:  # fmt: skip
+def _first_launch(
+    config: ScheduleConfig,
+    res: ScheduleResult,
+    faults: dict[str, ScheduledFault],
+    save: Path,
+    say: Any,
+) -> LaunchResult:
     hang = faults["hang"]
     extra, env = _non_persistent(config, save.parent)
-    args = [*_base(config, save), *extra, "--exit-signal-handler", *FT_FLAGS,
-            "--inject-fault", "hang", "--inject-fault-iteration", str(hang.iteration),
-            "--inject-fault-rank", str(hang.rank), *_injection(faults["transient_nan"])]  # fmt: skip
+    args = [
+        *_base(config, save),
+        *extra,
+        "--exit-signal-handler",
+        *FT_FLAGS,
+        "--inject-fault",
+        "hang",
+        "--inject-fault-iteration",
+        str(hang.iteration),
+        "--inject-fault-rank",
+        str(hang.rank),
+        *_injection(faults["transient_nan"]),
+    ]
     spec = LaunchSpec(
         args, 2, launcher=_launcher(config, 2, DEVICES, 4), env={"OMP_NUM_THREADS": "1", **env}
     )
     res.commands.append(" ".join([*(spec.launcher or []), *args]))
-    say(f"chaos schedule: {config.iterations} iterations, faults at "
-        + ", ".join(f"{f.kind}@{f.iteration}" for f in faults.values()))  # fmt: skip
+    say(
+        f"chaos schedule: {config.iterations} iterations, faults at "
+        + ", ".join(f"{f.kind}@{f.iteration}" for f in faults.values())
+    )
     job = Job(spec, config.work_dir / "job" / "1-launch.log")
     kill, term = faults["sigkill"], faults["sigterm"]
     if _wait_iteration(job, kill.iteration, 0, config.timeout):
@@ -242,8 +331,9 @@ def _read_ledger(res: ScheduleResult, save: Path, faults: dict[str, ScheduledFau
     summary = summarize(read_ledger(save / "goodput.jsonl"))
     res.goodput = summary.to_json()
     res.goodput.pop("sessions", None)
-    res.actions = [{"t": a.t, "action": a.get("action"), "detail": a.get("detail")}
-                   for a in summary.actions]  # fmt: skip
+    res.actions = [
+        {"t": a.t, "action": a.get("action"), "detail": a.get("detail")} for a in summary.actions
+    ]
     kinds = [a["action"] for a in res.actions]
     res.check(kinds == EXPECTED_ACTIONS, f"launch actions {kinds}, expected {EXPECTED_ACTIONS}")
     listed = {f["kind"] for f in res.faults}
@@ -293,8 +383,9 @@ def _lost_work(res: ScheduleResult, sessions: list[Any], records: list[Any]) -> 
         row.update(gap)
 
 
-def _reference_and_compare(config: ScheduleConfig, res: ScheduleResult, save: Path,
-                           switch: int, say: Any) -> None:  # fmt: skip
+def _reference_and_compare(
+    config: ScheduleConfig, res: ScheduleResult, save: Path, switch: int, say: Any
+) -> None:
     from stalwart.chaos.compare import params_equal
     from stalwart.checkpoint import layout
 
@@ -326,13 +417,18 @@ def _reference_and_compare(config: ScheduleConfig, res: ScheduleResult, save: Pa
 
 def format_result(res: ScheduleResult) -> str:
     g = res.goodput
-    lines = [f"fault schedule: {'passed' if res.passed else 'FAILED'}; wall {res.wall_seconds:.0f} s; "
-             f"goodput {100 * g.get('goodput', 0.0):.1f}%; bitwise equal: {res.bitwise_equal}"]  # fmt: skip
+    lines = [
+        f"fault schedule: {'passed' if res.passed else 'FAILED'}; wall {res.wall_seconds:.0f} s; "
+        f"goodput {100 * g.get('goodput', 0.0):.1f}%; bitwise equal: {res.bitwise_equal}"
+    ]
     secs = g.get("seconds", {})
     lines.append("buckets (s): " + ", ".join(f"{k} {v:.1f}" for k, v in secs.items() if v))
-    lines += [f"  {f['kind']:<18} iteration {f['iteration']:<6} -> {f.get('action', '?')}: "
-              f"recomputed {f.get('recomputed', '?')} iterations ({f.get('lost_work_s', 0):.1f} s "
-              f"of lost work); {f.get('detail', '')}" for f in res.faults]  # fmt: skip
+    lines += [
+        f"  {f['kind']:<18} iteration {f['iteration']:<6} -> {f.get('action', '?')}: "
+        f"recomputed {f.get('recomputed', '?')} iterations ({f.get('lost_work_s', 0):.1f} s "
+        f"of lost work); {f.get('detail', '')}"
+        for f in res.faults
+    ]
     lines += [f"  problem: {p}" for p in res.problems]
     return "\n".join(lines)
 

@@ -88,8 +88,10 @@ def corrupt_metadata(ctx: Context, plan: FaultPlan) -> FaultResult:
     first = ctx.launch(plan, "1-no-fallback", ctx.spec(save, []))
     res.exit_code = first.worker_code()
     res.launch_exit_codes.append(res.exit_code)
-    named = any("checkpoint error" in ln and "metadata" in ln and "not allowed" in ln
-                for _, ln in first.lines)  # fmt: skip
+    named = any(
+        "checkpoint error" in ln and "metadata" in ln and "not allowed" in ln
+        for _, ln in first.lines
+    )
     detect(res, plan.kind, named and not marker.exists(), "no refusal of the planted .metadata")
     res.check(not first.iterations(), "training ran on a checkpoint with planted metadata")
     fallback = ctx.spec(save, ["--ckpt-fallback"])

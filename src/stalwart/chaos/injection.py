@@ -12,21 +12,44 @@ from stalwart.checkpoint import layout
 
 def error_injection(kind: str, plan: FaultPlan) -> list[str]:
     """The rerun machine's ``kind`` error at the plan's iteration and rank, every time."""
-    return ["--error-injection-rate", "1", "--error-injection-type", kind,
-            "--error-injection-iterations", str(plan.iteration),
-            "--error-injection-ranks", str(plan.rank)]  # fmt: skip
+    return [
+        "--error-injection-rate",
+        "1",
+        "--error-injection-type",
+        kind,
+        "--error-injection-iterations",
+        str(plan.iteration),
+        "--error-injection-ranks",
+        str(plan.rank),
+    ]
 
 
 def inject(kind: str, plan: FaultPlan) -> list[str]:
     """``--inject-fault kind`` at the plan's iteration and rank."""
-    return ["--inject-fault", kind, "--inject-fault-iteration", str(plan.iteration),
-            "--inject-fault-rank", str(plan.rank)]  # fmt: skip
+    return [
+        "--inject-fault",
+        kind,
+        "--inject-fault-iteration",
+        str(plan.iteration),
+        "--inject-fault-rank",
+        str(plan.rank),
+    ]
 
 
 def hold_in_commit(iteration: int, seconds: str) -> list[str]:
     """Rank 0 (the committing rank) sleeps ``seconds`` inside the commit of ``iteration``'s save."""
-    return ["--inject-fault", "hang", "--inject-fault-phase", "commit", "--inject-fault-iteration",
-            str(iteration), "--inject-fault-rank", "0", "--inject-fault-hang-seconds", seconds]  # fmt: skip
+    return [
+        "--inject-fault",
+        "hang",
+        "--inject-fault-phase",
+        "commit",
+        "--inject-fault-iteration",
+        str(iteration),
+        "--inject-fault-rank",
+        "0",
+        "--inject-fault-hang-seconds",
+        seconds,
+    ]
 
 
 def in_commit(save: Path, iteration: int, previous: int) -> Callable[[], bool]:

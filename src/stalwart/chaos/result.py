@@ -216,7 +216,8 @@ def check_chain(res: FaultResult, save: Path) -> None:
 
 
 def seed_from_reference(ctx: Context, save: Path, iteration: int) -> None:
-    """Make ``save`` hold the fault-free chain up to ``iteration`` (as if a job had stopped there)."""
+    """Make ``save`` hold the fault-free chain up to ``iteration`` (as if a job had stopped
+    there)."""
     save.mkdir(parents=True, exist_ok=True)
     for it in layout.list_complete_checkpoints(str(ctx.reference)):
         if it <= iteration:
@@ -234,7 +235,8 @@ def resumed_at(launch: LaunchResult) -> tuple[float, int] | None:
 def recovery_seconds(
     fault_time: float | None, launch: LaunchResult, after: float = 0.0
 ) -> float | None:
-    """From ``fault_time`` to the first training-log line after the first resume at/after ``after``."""
+    """From ``fault_time`` to the first training-log line after the first resume at/after
+    ``after``."""
     if fault_time is None:
         return None
     resume = next(((t, it) for t, _, it in launch.resumes() if t >= after), None)

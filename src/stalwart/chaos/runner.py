@@ -48,9 +48,22 @@ def torchrun_command(spec: LaunchSpec) -> list[str]:
     or ``spec.launcher`` (``stalwart launch ... --``) followed by the train args."""
     if spec.launcher is not None:
         return [*spec.launcher, *spec.train_args]
-    return [sys.executable, "-m", "stalwart.distributed.torchrun", "--standalone",
-            "--nproc-per-node", str(spec.nproc), "--max-restarts", str(spec.max_restarts),
-            "--monitor-interval", "0.2", "-m", "stalwart", "train", *spec.train_args]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "stalwart.distributed.torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        str(spec.nproc),
+        "--max-restarts",
+        str(spec.max_restarts),
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        "stalwart",
+        "train",
+        *spec.train_args,
+    ]
 
 
 def launch_env(extra: dict[str, str]) -> dict[str, str]:
@@ -195,11 +208,13 @@ class LaunchResult:
         ]
 
     def first_iteration_after(self, since: float, above: int) -> float | None:
-        """Time of the first training-log line at or after ``since`` with an iteration > ``above``."""
+        """Time of the first training-log line at or after ``since`` with an iteration >
+        ``above``."""
         return next((t for t, it in self.iterations() if t >= since and it > above), None)
 
     def worker_code(self) -> int:
-        """The root-cause worker exit code: torchrun's first reported failure, else the launcher's."""
+        """The root-cause worker exit code: torchrun's first reported failure, else the
+        launcher's."""
         return self.worker_exits[0][0] if self.worker_exits else self.code
 
 

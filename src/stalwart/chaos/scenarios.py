@@ -28,8 +28,13 @@ from stalwart.chaos.runner import LaunchResult
 from stalwart.chaos.schedule import ChaosFault, FaultPlan
 
 HANG_STEP_TIMEOUT_S = 3.0
-FT_FLAGS = ["--enable-ft", "--ft-num-warmup-iters", "2", "--ft-timeouts",
-            f"setup=180,step={HANG_STEP_TIMEOUT_S:g},checkpointing=180,out_of_section=180"]  # fmt: skip
+FT_FLAGS = [
+    "--enable-ft",
+    "--ft-num-warmup-iters",
+    "2",
+    "--ft-timeouts",
+    f"setup=180,step={HANG_STEP_TIMEOUT_S:g},checkpointing=180,out_of_section=180",
+]
 
 
 def transient_nan(ctx: Context, plan: FaultPlan) -> FaultResult:
@@ -93,8 +98,11 @@ def spiky_loss(ctx: Context, plan: FaultPlan) -> FaultResult:
     """A reproducible loss spike on one rank (``correct_result`` injection into the spiky-loss
     check, the only validation call here): non-fatal, the job continues without exiting."""
     res, save = new_result(plan), ctx.save_dir(plan)
-    args = ["--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss",
-            *error_injection("correct_result", plan)]  # fmt: skip
+    args = [
+        "--no-check-for-nan-in-loss-and-grad",
+        "--check-for-spiky-loss",
+        *error_injection("correct_result", plan),
+    ]
     run = ctx.launch(plan, "1-fault", ctx.spec(save, args))
     res.launch_exit_codes.append(run.code)
     res.exit_code = run.code
@@ -209,8 +217,13 @@ def repeatable_fault(ctx: Context, plan: FaultPlan) -> FaultResult:
     """The same exception at every attempt: in-process restart gives up after seeing it twice
     and exits 75 (for the launcher) instead of retrying forever."""
     res, save = new_result(plan), ctx.save_dir(plan)
-    args = ["--inprocess-restart", "--inprocess-max-iterations", "3", "--inject-fault-repeat",
-            *inject("exception", plan)]  # fmt: skip
+    args = [
+        "--inprocess-restart",
+        "--inprocess-max-iterations",
+        "3",
+        "--inject-fault-repeat",
+        *inject("exception", plan),
+    ]
     run = ctx.launch(plan, "1-fault", ctx.spec(save, args))
     res.exit_code = run.worker_code()
     res.launch_exit_codes.append(res.exit_code)

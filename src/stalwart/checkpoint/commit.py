@@ -73,7 +73,8 @@ class SaveSteps:
 
     def begin(self, root: str, iteration: int, flag: str, own_root: bool) -> str:
         """Rank 0 removes stale tmp dirs and creates this save's tmp dir; all ranks get its path.
-        ``flag`` names ``root``; ``own_root``: stalwart creates ``root`` (``<save>/non_persistent``)."""
+        ``flag`` names ``root``; ``own_root``: stalwart creates ``root``
+        (``<save>/non_persistent``)."""
         decision: tuple[str | None, str | None] = (None, None)
         if self.rank == 0:
             try:

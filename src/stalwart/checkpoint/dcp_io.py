@@ -6,9 +6,9 @@ torch 2.4 through 2.13, with or without an initialised process group. Loads read
 `stalwart.checkpoint.dcp_safe` (no pickle from the checkpoint runs code).
 
 ``torch.distributed.checkpoint`` is imported inside the functions that save, load or gather
-state, never at module import: it costs ~1.5 s per process (most of it ``torch.distributed.tensor``),
-which every launch that never touches a checkpoint (a run without ``--save``, a CLI error, a
-tool) would pay.
+state, never at module import: it costs ~1.5 s per process (most of it
+``torch.distributed.tensor``), which every launch that never touches a checkpoint (a run without
+``--save``, a CLI error, a tool) would pay.
 """
 
 from __future__ import annotations

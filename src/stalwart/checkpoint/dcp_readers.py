@@ -38,7 +38,8 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class _SafeBytesMixin:
-    """``load_bytes`` through :func:`load_bytes_item` instead of ``torch.load(weights_only=False)``."""
+    """``load_bytes`` through :func:`load_bytes_item` instead of
+    ``torch.load(weights_only=False)``."""
 
     flatten_state_dict: bool
     original_state_dict: Any

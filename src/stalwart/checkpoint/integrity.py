@@ -87,8 +87,11 @@ def digests(paths: list[str]) -> dict[str, tuple[int, str]]:
     for path in paths:
         with open_regular(path) as f:
             sizes[path] = os.fstat(f.fileno()).st_size
-    blocks = [(p, off, min(BLOCK_BYTES, n - off)) for p, n in sizes.items()
-              for off in range(0, max(n, 1), BLOCK_BYTES)]  # fmt: skip
+    blocks = [
+        (p, off, min(BLOCK_BYTES, n - off))
+        for p, n in sizes.items()
+        for off in range(0, max(n, 1), BLOCK_BYTES)
+    ]
     threads = max(1, min(_MAX_THREADS, os.cpu_count() or 1, len(blocks)))
     with concurrent.futures.ThreadPoolExecutor(threads, "stalwart-crc") as pool:
         crcs = list(pool.map(lambda b: _block_crc(*b), blocks))
@@ -116,8 +119,12 @@ def write_manifest(path: str) -> None:
     names = _listed_files(path)
     found = digests([os.path.join(path, rel) for rel in names])
     files = {rel: list(found[os.path.join(path, rel)]) for rel in names}
-    body = {"format": MANIFEST_FORMAT, "algorithm": "crc32", "block_bytes": BLOCK_BYTES,
-            "files": files}  # fmt: skip
+    body = {
+        "format": MANIFEST_FORMAT,
+        "algorithm": "crc32",
+        "block_bytes": BLOCK_BYTES,
+        "files": files,
+    }
     text = json.dumps(body, indent=0, sort_keys=True) + "\n"
     write_text_atomic(os.path.join(path, MANIFEST_FILENAME), text)
 
@@ -196,7 +203,8 @@ def _trusted_entries(
     manifest is hashed); else why not."""
     manifest = os.path.join(path, MANIFEST_FILENAME)
     if not isinstance(recorded, str) or not _CRC_RE.match(recorded):
-        return f"{MANIFEST_FILENAME} is there but marker {layout.COMPLETE_MARKER} records no checksum of it"
+        marker = layout.COMPLETE_MARKER
+        return f"{MANIFEST_FILENAME} is there but marker {marker} records no checksum of it"
     try:
         if crc32_file(manifest)[1] != recorded:
             return f"{MANIFEST_FILENAME} does not match the checksum in the marker"

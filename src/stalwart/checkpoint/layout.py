@@ -9,7 +9,8 @@ Layout of one checkpoint root (``--save`` or ``--non-persistent-ckpt-dir``)::
         rank_00000.json ...                     every rank's ``per_rank`` dict (`safe_state` JSON)
         metadata.json                           human-readable facts (iteration, world size, ...)
         COMPLETE                                completeness marker (the same facts, incl. which
-                                                kind of save wrote it), written last, before the rename
+                                                kind of save wrote it), written last, before
+                                                the rename
     <root>/iter_0000020.tmp-<token>/            a save in progress (or a crashed one): never loaded
 
 A directory counts as a checkpoint only when its name is exactly ``iter_<digits>`` and it holds
@@ -146,7 +147,8 @@ def is_complete(path: str) -> bool:
 
 
 def list_complete_checkpoints(root: str) -> list[int]:
-    """Iterations of the complete checkpoints under ``root``, ascending (empty if ``root`` is absent)."""
+    """Iterations of the complete checkpoints under ``root``, ascending (empty if ``root`` is
+    absent)."""
     try:
         names = os.listdir(root)
     except FileNotFoundError:
@@ -225,7 +227,8 @@ def check_files(path: str) -> str | None:
 
 
 def is_legacy(path: str) -> bool:
-    """A checkpoint of stalwart before JSON state files (``common.pt`` pickle, no ``common.json``)."""
+    """A checkpoint of stalwart before JSON state files (``common.pt`` pickle, no
+    ``common.json``)."""
     return os.path.isfile(os.path.join(path, LEGACY_COMMON_FILENAME)) and not os.path.exists(
         os.path.join(path, COMMON_FILENAME)
     )

@@ -120,7 +120,8 @@ class CheckpointLocator:
         raise CheckpointError(f"no checkpoint directory {name} in {dirs or '(no --load)'}")
 
     def _heads(self, log: logging.Logger) -> tuple[list[Choice], bool]:
-        """Tracked checkpoints, newest first; flag set when a tracker was garbage (fallback only)."""
+        """Tracked checkpoints, newest first; flag set when a tracker was garbage (fallback
+        only)."""
         heads: list[Choice] = []
         garbage = False
         for root, non_persistent in self._roots:

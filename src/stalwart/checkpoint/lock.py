@@ -166,8 +166,15 @@ class SaveDirLock:
 
     # ------------------------------------------------------------------ records
     def _record(self) -> dict[str, Any]:
-        return {"host": self._host, "pid": os.getpid(), **self._identity, "job": self._job,
-                "token": self._token, "since": self._since, "heartbeat": time.time()}  # fmt: skip
+        return {
+            "host": self._host,
+            "pid": os.getpid(),
+            **self._identity,
+            "job": self._job,
+            "token": self._token,
+            "since": self._since,
+            "heartbeat": time.time(),
+        }
 
     def _read(self, path: str | None = None) -> dict[str, Any] | None:
         """The record at ``path`` (default: the lock); None when absent; {} when unreadable."""
@@ -223,8 +230,12 @@ class SaveDirLock:
         wait = self._stale_s - age + min(self._heartbeat_s, 1.0)
         logger.warning(
             "the lock of %s is held by %s with a fresh heartbeat (%.0f s old); waiting up to "
-            "%.0f s for it to go stale", self.directory, describe_holder(record), age, wait,
-        )  # fmt: skip
+            "%.0f s for it to go stale",
+            self.directory,
+            describe_holder(record),
+            age,
+            wait,
+        )
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             time.sleep(min(0.5, self._heartbeat_s / 2))
@@ -260,7 +271,8 @@ class SaveDirLock:
                 continue  # released between our attempt and the read
             if verdict is LockVerdict.HELD:
                 raise ValueError(
-                    f"{self._flag} {self.directory} is in use by another job ({describe_holder(holder)}; "
+                    f"{self._flag} {self.directory} is in use by another job "
+                    f"({describe_holder(holder)}; "
                     f"lock file {self.path}); use another directory, or wait for that job to end "
                     f"(a killed job's lock expires {self._stale_s:.0f} s after its last heartbeat)"
                 )
@@ -340,9 +352,11 @@ class SaveDirLock:
                 pass
             except OSError as exc:  # read-only or immutable now: the next job sees a stale lock
                 logger.warning(
-                    "could not remove the lock %s (%s); it expires %.0f s after its last "
-                    "heartbeat", self.path, exc.strerror or exc, self._stale_s,
-                )  # fmt: skip
+                    "could not remove the lock %s (%s); it expires %.0f s after its last heartbeat",
+                    self.path,
+                    exc.strerror or exc,
+                    self._stale_s,
+                )
 
 
 class SaveDirLocks:

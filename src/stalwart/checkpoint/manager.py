@@ -5,14 +5,14 @@ Typical loop (every rank calls every method; each is collective when a process g
     ckpt = CheckpointManager(args.save, args.load, keep_last=args.ckpt_keep_last,
                              async_save=args.async_save, fallback=args.ckpt_fallback,
                              non_persistent_dir=args.non_persistent_ckpt_dir)
-    ckpt.check_writable()                                   # before training: clear error for --save
+    ckpt.check_writable()                         # before training: clear error for --save
     loaded = ckpt.load(model, optimizer, load_optim=not args.no_load_optim)
     for iteration in range(start, train_iters):
-        ckpt.maybe_finalize()                               # top of step: commit a finished async save
+        ckpt.maybe_finalize()                     # top of step: commit a finished async save
         ...train step...
         if iteration % save_interval == 0:
             ckpt.save(iteration, model, optimizer, common, per_rank)
-    ckpt.finalize()                                         # before exit: blocking commit
+    ckpt.finalize()                               # before exit: blocking commit
     ckpt.close()
 
 Save protocol: every rank writes into ``<root>/iter_N.tmp-<token>/`` (DCP shards, ``common.json``
@@ -96,7 +96,8 @@ class CheckpointManager:
             (``--non-persistent-ckpt-type local`` / ``in_memory``: a
             `stalwart.checkpoint.local.LocalCheckpoints` or
             `stalwart.checkpoint.in_memory.InMemorySnapshots`); a resume then takes the newest
-            complete iteration among the directories and these copies (`stalwart.checkpoint.resume`).
+            complete iteration among the directories and these copies
+            (`stalwart.checkpoint.resume`).
 
     Raises:
         ValueError: naming the flags, for ``keep_last < 1`` or overlapping directories.

@@ -142,7 +142,8 @@ def decide(
     head = tracked_head(roots) if ranks[0] == 0 and not rejected else "checked"
     gathered = collectives.all_gather_objects((head, tier.report()), group)
     head = gathered[0][0]  # type: ignore[index]
-    offer = tier.plan([g[1] for g in gathered], _excluded(tier.kind, rejected))  # type: ignore[index]
+    reports = [g[1] for g in gathered]  # type: ignore[index]
+    offer = tier.plan(reports, _excluded(tier.kind, rejected))
     candidates: dict[CopyKind, int] = {}
     newest = offer.iteration is not None and (
         head is None or (not isinstance(head, str) and offer.iteration >= head[0])

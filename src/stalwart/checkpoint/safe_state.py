@@ -42,11 +42,20 @@ MAX_STATE_BYTES = 1 << 30
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
-        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.float16, torch.bfloat16, torch.float32, torch.float64,
-        torch.complex64, torch.complex128,
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
     )
-}  # fmt: skip
+}
 
 
 class StateFormatError(ValueError):
@@ -107,16 +116,24 @@ def _encode_tensor(tensor: torch.Tensor, path: str) -> dict[str, Any]:
         raise StateFormatError(f"{path}: tensor dtype {tensor.dtype} cannot be stored")
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    return {TAG: "tensor", "dtype": name, "shape": list(tensor.shape),
-            "base64": base64.b64encode(raw).decode("ascii")}  # fmt: skip
+    return {
+        TAG: "tensor",
+        "dtype": name,
+        "shape": list(tensor.shape),
+        "base64": base64.b64encode(raw).decode("ascii"),
+    }
 
 
 def _encode_ndarray(array: np.ndarray, path: str) -> dict[str, Any]:
     if array.dtype.kind not in "biufc" or array.dtype.fields is not None:
         raise StateFormatError(f"{path}: numpy dtype {array.dtype} cannot be stored")
     little = array.astype(array.dtype.newbyteorder("<"), copy=False)
-    return {TAG: "ndarray", "dtype": little.dtype.str, "shape": list(array.shape),
-            "base64": base64.b64encode(np.ascontiguousarray(little).tobytes()).decode("ascii")}  # fmt: skip
+    return {
+        TAG: "ndarray",
+        "dtype": little.dtype.str,
+        "shape": list(array.shape),
+        "base64": base64.b64encode(np.ascontiguousarray(little).tobytes()).decode("ascii"),
+    }
 
 
 def dumps_state(state: Any, name: str = "state") -> str:

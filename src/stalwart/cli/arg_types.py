@@ -101,7 +101,8 @@ class Float:
 
 
 def register_checked_types(parser: argparse.ArgumentParser) -> None:
-    """Make ``type=int`` / ``type=float`` of ``parser`` (and its groups) mean `Int()` / `Float()`."""
+    """Make ``type=int`` / ``type=float`` of ``parser`` (and its groups) mean `Int()` /
+    `Float()`."""
     parser.register("type", int, Int())
     parser.register("type", float, Float())
 
@@ -134,7 +135,8 @@ def switch(g: Any, flag: str, help: str) -> None:
 
 
 def negated(g: Any, flag: str, help: str) -> None:
-    """``--no-x``: the setting ``x`` is on unless this flag is given (``store_false`` into ``x``)."""
+    """``--no-x``: the setting ``x`` is on unless this flag is given (``store_false`` into
+    ``x``)."""
     dest = flag.removeprefix("--no-").replace("-", "_")
     g.add_argument(flag, dest=dest, action="store_false", help=help)
 

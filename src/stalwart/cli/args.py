@@ -1,4 +1,5 @@
-"""The ``stalwart train`` parser: flags in Megatron spelling, grouped by the component that owns them.
+"""The ``stalwart train`` parser: flags in Megatron spelling, grouped by the component that owns
+them.
 
 The flags themselves are declared in ``train_flags`` (model, data, training, optimizer,
 checkpoints) and ``train_flags_ops`` (reliability, observability, CUDA graphs); Megatron flags

@@ -24,21 +24,41 @@ SCHEDULE_SAVE_INTERVAL = 300
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stalwart.chaos.schedule import ChaosFault
-
     p = OneLineErrorParser(
         prog="stalwart chaos",
         description="Run the reference trainer under injected faults and check every recovery.",
     )
+    _add_job_flags(p)
+    _add_schedule_flags(p)
+    _add_run_flags(p)
+    return p
+
+
+def _add_job_flags(p: argparse.ArgumentParser) -> None:
+    """Which faults, and the job they hit."""
+    from stalwart.chaos.schedule import ChaosFault
+
     kinds = ", ".join(k.value for k in ChaosFault)
     p.add_argument(
         "--faults", default="all", metavar="LIST", help=f"comma-separated: all | {kinds}"
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the fault schedule and the job")
-    p.add_argument("--iterations", type=int, help="training iterations of the job (default: 12; "
-                   f"--fault-schedule: {SCHEDULE_ITERATIONS})")  # fmt: skip
-    p.add_argument("--save-interval", type=int, help="checkpoint every N iterations (default: 3; "
-                   f"--fault-schedule: {SCHEDULE_SAVE_INTERVAL})")  # fmt: skip
+    p.add_argument(
+        "--iterations",
+        type=int,
+        help="training iterations of the job (default: 12; "
+        f"--fault-schedule: {SCHEDULE_ITERATIONS})",
+    )
+    p.add_argument(
+        "--save-interval",
+        type=int,
+        help="checkpoint every N iterations (default: 3; "
+        f"--fault-schedule: {SCHEDULE_SAVE_INTERVAL})",
+    )
+
+
+def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
+    """``--fault-schedule``: one long job under ``stalwart launch``, and its options."""
     switch(
         p,
         "--fault-schedule",
@@ -46,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         "fault every iterations/6 (hang, SIGKILL, transient NaN, SIGTERM, a persistent device "
         "fault excluded), its goodput and final weights against the fault-free job",
     )
-    switch(p, "--fork-workers", "--fault-schedule: its stalwart launch forks the workers "
-           "(a relaunch skips the interpreter start and imports)")  # fmt: skip
+    switch(
+        p,
+        "--fork-workers",
+        "--fault-schedule: its stalwart launch forks the workers "
+        "(a relaunch skips the interpreter start and imports)",
+    )
     values(
         p,
         (
@@ -65,24 +89,33 @@ def build_parser() -> argparse.ArgumentParser:
             "directory per fake node, replicated to the other)",
         ),
     )
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Where and how the jobs run, and where their results go."""
     values(
         p,
         ("--nproc-per-node", int, 2, "ranks (torchrun workers)"),
-        ("--device", OneOf(("cpu", "auto"), "WHERE"), "cpu", "cpu: gloo, bitwise checks hold; auto: NCCL on GPUs"),
-    )  # fmt: skip
+        (
+            "--device",
+            OneOf(("cpu", "auto"), "WHERE"),
+            "cpu",
+            "cpu: gloo, bitwise checks hold; auto: NCCL on GPUs",
+        ),
+    )
     p.add_argument(
         "--json", metavar="FILE", help="write the result {passed, faults} here (default: none)"
     )
     p.add_argument(
         "--work-dir", metavar="DIR", help="where the runs go (default: a new temporary directory)"
     )
-    p.add_argument("--timeout", type=float,
-                   help="seconds per launch (default: 300; --fault-schedule: 3600)")  # fmt: skip
+    p.add_argument(
+        "--timeout", type=float, help="seconds per launch (default: 300; --fault-schedule: 3600)"
+    )
     p.add_argument(
         "--jobs", type=int, default=1, help="scenarios run at once (they are independent jobs)"
     )
     switch(p, "--no-report", "skip the HTML run report")
-    return p
 
 
 def _use_cpu(device: str) -> bool:
@@ -191,7 +224,8 @@ def main_chaos(argv: list[str]) -> int:
 
 
 def _main_schedule(ns: argparse.Namespace) -> int:
-    """``--fault-schedule``: the long job under ``stalwart launch`` (stalwart.chaos.fault_schedule)."""
+    """``--fault-schedule``: the long job under ``stalwart launch``
+    (stalwart.chaos.fault_schedule)."""
     from stalwart.chaos.fault_schedule import (
         ScheduleConfig,
         check_shape,
@@ -219,10 +253,16 @@ def _main_schedule(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         sys.stderr.write(f"stalwart chaos: error: {exc}\n")
         return EXIT_USAGE
-    config = ScheduleConfig(work, iterations, save_interval, seed=ns.seed, timeout=timeout,
-                            fork_workers=ns.fork_workers,
-                            non_persistent_interval=ns.non_persistent_save_interval,
-                            non_persistent_type=ns.non_persistent_ckpt_type)  # fmt: skip
+    config = ScheduleConfig(
+        work,
+        iterations,
+        save_interval,
+        seed=ns.seed,
+        timeout=timeout,
+        fork_workers=ns.fork_workers,
+        non_persistent_interval=ns.non_persistent_save_interval,
+        non_persistent_type=ns.non_persistent_ckpt_type,
+    )
     print(f"chaos: work directory {work}", flush=True)
     result = run_schedule(config, lambda line: print(line, flush=True))
     print(format_result(result))

@@ -174,11 +174,15 @@ def build_export_parser() -> argparse.ArgumentParser:
     )
     values(
         p,
-        ("--format", OneOf(EXPORT_FORMATS, "FORMAT"), "auto",
-         "auto: safetensors for --out *.safetensors, else torch; hf: config.json + "
-         "model.safetensors that transformers' LlamaForCausalLM loads (Llama presets)"),
+        (
+            "--format",
+            OneOf(EXPORT_FORMATS, "FORMAT"),
+            "auto",
+            "auto: safetensors for --out *.safetensors, else torch; hf: config.json + "
+            "model.safetensors that transformers' LlamaForCausalLM loads (Llama presets)",
+        ),
         ("--dtype", OneOf(_DTYPES, "DTYPE"), "fp32", "dtype of the weights"),
-    )  # fmt: skip
+    )
     return p
 
 

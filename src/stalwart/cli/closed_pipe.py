@@ -7,7 +7,8 @@ without its checkpoint), the interpreter's final flush. The process entry
 (:func:`stalwart.__main__.run`) installs :class:`ClosedPipeSafeStream` on stdout and on stderr
 (``2>&1 | head``: a one-line error must still exit 2), for every command: at the first broken
 pipe it does what Python's documentation advises (point the file descriptor at ``os.devnull``:
-later writes and the final flush go nowhere, quietly) and carries on, so a command ends with its own exit code and a training run still saves.
+later writes and the final flush go nowhere, quietly) and carries on, so a command ends with its own
+exit code and a training run still saves.
 
     >>> import io
     >>> out = ClosedPipeSafeStream(io.StringIO())
@@ -24,8 +25,9 @@ __all__ = ["ClosedPipeSafeStream"]
 
 
 class ClosedPipeSafeStream:
-    """A ``sys.stdout`` / ``sys.stderr`` stand-in: ``write``/``flush`` of ``stream``; a ``BrokenPipeError``
-    points the stream's descriptor at ``os.devnull`` (what is lost was unread anyway)."""
+    """A ``sys.stdout`` / ``sys.stderr`` stand-in: ``write``/``flush`` of ``stream``; a
+    ``BrokenPipeError`` points the stream's descriptor at ``os.devnull`` (what is lost was unread
+    anyway)."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream

@@ -46,7 +46,8 @@ def gpu_counts(text: str) -> list[int]:
 
 
 def mttf_anchor(text: str) -> tuple[float, int]:
-    """``--mttf HOURS@GPUS``: a measured mean time to failure and the GPU count it was measured at."""
+    """``--mttf HOURS@GPUS``: a measured mean time to failure and the GPU count it was measured
+    at."""
     import math
 
     hours, _, gpus = text.partition("@")

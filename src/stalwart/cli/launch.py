@@ -60,29 +60,53 @@ class _TorchrunArgError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog=PROG, usage=f"{PROG} [options] -- TRAIN_ARGS",
-                           description=DESCRIPTION, epilog=EPILOG)  # fmt: skip
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, metavar="N",
-                   help="ranks on this node (default: one per --devices entry)")  # fmt: skip
-    p.add_argument("--nnodes", default="1", metavar="N",
-                   help="nodes, as torchrun takes it (N or MIN:MAX)")  # fmt: skip
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3, metavar="N",
-                   help="restart budget: relaunches of any kind before giving up")  # fmt: skip
+    p = OneLineErrorParser(
+        prog=PROG, usage=f"{PROG} [options] -- TRAIN_ARGS", description=DESCRIPTION, epilog=EPILOG
+    )
     p.add_argument(
-        "--devices", metavar="LIST",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        metavar="N",
+        help="ranks on this node (default: one per --devices entry)",
+    )
+    p.add_argument(
+        "--nnodes", default="1", metavar="N", help="nodes, as torchrun takes it (N or MIN:MAX)"
+    )
+    p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="restart budget: relaunches of any kind before giving up",
+    )
+    p.add_argument(
+        "--devices",
+        metavar="LIST",
         help="this node's devices, comma list: the first --nproc-per-node in use, the rest spares "
         "(default: $CUDA_VISIBLE_DEVICES or every GPU; on CPU cpu:0,...: fake ids, exported as "
         "$STALWART_VISIBLE_DEVICES)",
-    )  # fmt: skip
-    p.add_argument("--module", default="stalwart", metavar="MOD",
-                   help="worker module: stalwart runs `stalwart train`, another module gets "
-                   "TRAIN_ARGS as they are (it must take --save and use stalwart's exit codes)")  # fmt: skip
-    switch(p, "--slurm-requeue",
-           "run the scontrol commands that move the job off a node (default: print)")  # fmt: skip
-    switch(p, "--fork-workers",
-           "fork each round's workers from this launcher, which imports torch, the trainer and "
-           "(with --compile) Dynamo and Inductor once: a relaunch skips the interpreter start "
-           "and those imports (--module stalwart only)")  # fmt: skip
+    )
+    p.add_argument(
+        "--module",
+        default="stalwart",
+        metavar="MOD",
+        help="worker module: stalwart runs `stalwart train`, another module gets "
+        "TRAIN_ARGS as they are (it must take --save and use stalwart's exit codes)",
+    )
+    switch(
+        p,
+        "--slurm-requeue",
+        "run the scontrol commands that move the job off a node (default: print)",
+    )
+    switch(
+        p,
+        "--fork-workers",
+        "fork each round's workers from this launcher, which imports torch, the trainer and "
+        "(with --compile) Dynamo and Inductor once: a relaunch skips the interpreter start "
+        "and those imports (--module stalwart only)",
+    )
     return p
 
 
@@ -133,7 +157,8 @@ def _devices(ns: argparse.Namespace, cuda: bool) -> list[str]:
     nproc = ns.nproc_per_node or len(devices)
     if not 1 <= nproc <= len(devices):
         _error(
-            f"--nproc-per-node must be between 1 and the {len(devices)} device(s) of --devices, got {nproc}"
+            f"--nproc-per-node must be between 1 and the {len(devices)} device(s) of --devices, "
+            f"got {nproc}"
         )
     return devices
 
@@ -191,10 +216,20 @@ def record_launch_action(plan: LaunchPlan, action: LaunchAction) -> None:
     sys.stderr.flush()
     code = action.exit_code if not action.kind.relaunches else None
     try:
-        record_action(plan.run_dir, action.kind.value, action.line, exit_code=code,
-                      world_size=len(action.devices), devices=action.devices)  # fmt: skip
-        append_event(plan.run_dir, _tracker_iteration(plan.save), EventKind.LAUNCH,
-                     f"{action.kind.value}: {action.line}")  # fmt: skip
+        record_action(
+            plan.run_dir,
+            action.kind.value,
+            action.line,
+            exit_code=code,
+            world_size=len(action.devices),
+            devices=action.devices,
+        )
+        append_event(
+            plan.run_dir,
+            _tracker_iteration(plan.save),
+            EventKind.LAUNCH,
+            f"{action.kind.value}: {action.line}",
+        )
     except OSError as exc:  # the job's next step must not depend on a full disk
         sys.stderr.write(f"stalwart launch: cannot record the action in {plan.run_dir}: {exc}\n")
 
@@ -258,7 +293,8 @@ def build_plan(argv: list[str]) -> LaunchPlan:
     ns, torchrun_args = build_parser().parse_known_args(own)
     if not 0 <= ns.max_restarts <= MAX_RESTARTS_LIMIT:
         _error(
-            f"--max-restarts (the restart budget) must be in [0, {MAX_RESTARTS_LIMIT}], got {ns.max_restarts}"
+            f"--max-restarts (the restart budget) must be in [0, {MAX_RESTARTS_LIMIT}], got "
+            f"{ns.max_restarts}"
         )
     nnodes = _nnodes(ns.nnodes)
     if ns.fork_workers and ns.module != "stalwart":

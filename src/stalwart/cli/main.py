@@ -1,4 +1,5 @@
-"""``stalwart`` console script: ``stalwart train | launch | report | goodput | chaos | checkpoints | export``.
+"""``stalwart`` console script: ``stalwart train | launch | report | goodput | chaos | checkpoints |
+export``.
 
 Bad flags or values exit with code 2 and one line naming the flag; never a traceback.
 ``stalwart --help`` lists the commands, ``stalwart --version`` prints the installed version.
@@ -137,10 +138,10 @@ def _check_output_paths(config: RunConfig) -> None:
 
 def _check_compile_cache(config: RunConfig) -> None:
     """``--compile``'s cache holds code the run executes: it must be the user's own directory
-    and not writable by its group or others (`stalwart.graphs.compile_cache.check_cache_dir`)."""
+    and not writable by its group or others (`stalwart.compile.check_cache_dir`)."""
     location = config.compile_cache_location()
     if location is not None:
-        from stalwart.graphs.compile_cache import check_cache_dir
+        from stalwart.compile import check_cache_dir
 
         check_cache_dir(*location)
 

@@ -61,8 +61,12 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--virtual-pipeline-model-parallel-size", _PP),
     Unsupported("--num-layers-per-virtual-pipeline-stage", _PP),
     Unsupported("--context-parallel-size", f"context parallelism; {_DP}", accepted=_ONE),
-    Unsupported("--expert-model-parallel-size", "experts are replicated on every rank", accepted=_ONE),
-    Unsupported("--expert-tensor-parallel-size", "experts are replicated on every rank", accepted=_ONE),
+    Unsupported(
+        "--expert-model-parallel-size", "experts are replicated on every rank", accepted=_ONE
+    ),
+    Unsupported(
+        "--expert-tensor-parallel-size", "experts are replicated on every rank", accepted=_ONE
+    ),
     Unsupported("--sequence-parallel", "sequence parallelism needs tensor parallelism", False),
     Unsupported("--use-distributed-optimizer", "shard the optimizer with --use-torch-fsdp2", False),
     Unsupported("--overlap-param-gather", "no distributed optimizer: --use-torch-fsdp2", False),
@@ -71,9 +75,21 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--fp8-recipe", "FP8 training; use --bf16"),
     Unsupported("--fp8-param-gather", "FP8 training; use --bf16", False),
     Unsupported("--fp4-format", "FP4 training; use --bf16"),
-    Unsupported("--transformer-impl", "Transformer Engine layers; the model is plain PyTorch", accepted=("local",)),
-    Unsupported("--attention-backend", "attention is torch's scaled_dot_product_attention, which picks its kernel itself (auto)", accepted=("auto",)),
-    Unsupported("--distributed-backend", "the backend follows the device: NCCL, or gloo with --use-cpu", accepted=("nccl",)),
+    Unsupported(
+        "--transformer-impl",
+        "Transformer Engine layers; the model is plain PyTorch",
+        accepted=("local",),
+    ),
+    Unsupported(
+        "--attention-backend",
+        "attention is torch's scaled_dot_product_attention, which picks its kernel itself (auto)",
+        accepted=("auto",),
+    ),
+    Unsupported(
+        "--distributed-backend",
+        "the backend follows the device: NCCL, or gloo with --use-cpu",
+        accepted=("nccl",),
+    ),
     # Data.
     Unsupported("--tokenizer-type", f"no tokenizer; {_TOKENS}", accepted=("NullTokenizer",)),
     Unsupported("--tokenizer-model", f"no tokenizer; {_TOKENS}"),
@@ -104,16 +120,29 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--auto-detect-ckpt-format", _CKPT, False),
     Unsupported("--dist-ckpt-strictness", _CKPT),
     Unsupported("--ckpt-assume-constant-structure", _CKPT, False),
-    Unsupported("--use-persistent-ckpt-worker", "--async-save writes from a worker of its own", False),
+    Unsupported(
+        "--use-persistent-ckpt-worker", "--async-save writes from a worker of its own", False
+    ),
     Unsupported("--pretrained-checkpoint", "use --load DIR --finetune"),
     # Reliability and observability.
-    Unsupported("--exit-signal-handler-for-training", "it exits 0 without saving; use --exit-signal-handler and --exit-on-interrupt", False),
-    Unsupported("--straggler-ctrlr-port", "no control port: `touch <run dir>/straggler.toggle` turns --log-straggler on or off at the next log step"),
+    Unsupported(
+        "--exit-signal-handler-for-training",
+        "it exits 0 without saving; use --exit-signal-handler and --exit-on-interrupt",
+        False,
+    ),
+    Unsupported(
+        "--straggler-ctrlr-port",
+        "no control port: `touch <run dir>/straggler.toggle` turns --log-straggler on or off at "
+        "the next log step",
+    ),
     Unsupported("--gpu-sniff-test-interval", "no periodic GPU sniff test"),
     Unsupported("--record-memory-history", "use --profile for memory timelines", False),
     Unsupported("--memory-snapshot-path", "use --profile for memory timelines"),
     Unsupported("--inprocess-monitor-process-interval", f"{_INPROCESS} (no monitor process)"),
-    Unsupported("--inprocess-progress-watchdog-interval", f"{_INPROCESS} (the monitor thread watches progress)"),
+    Unsupported(
+        "--inprocess-progress-watchdog-interval",
+        f"{_INPROCESS} (the monitor thread watches progress)",
+    ),
     Unsupported("--inprocess-completion-timeout", _INPROCESS),
     Unsupported("--inprocess-last-call-wait", _INPROCESS),
     Unsupported("--inprocess-termination-grace-time", f"{_INPROCESS} (a hard timeout is SIGKILL)"),
@@ -134,16 +163,32 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--account-for-loss-in-pipeline-split", _PP, False),
     Unsupported("--tp-comm-overlap", _TP, False),
     Unsupported("--no-async-tensor-model-parallel-allreduce", _TP, False),
-    Unsupported("--use-mcore-models", "stalwart's GPT is its own (stalwart.models.GPT): drop the flag", False),
-    Unsupported("--use-legacy-models", "stalwart's GPT is its own (stalwart.models.GPT): drop the flag", False),
+    Unsupported(
+        "--use-mcore-models",
+        "stalwart's GPT is its own (stalwart.models.GPT): drop the flag",
+        False,
+    ),
+    Unsupported(
+        "--use-legacy-models",
+        "stalwart's GPT is its own (stalwart.models.GPT): drop the flag",
+        False,
+    ),
     Unsupported("--spec", "stalwart's GPT is its own (stalwart.models.GPT): no layer specs"),
     Unsupported("--ddp-bucket-size", "DDP uses torch's bucket size"),
     Unsupported("--ddp-average-in-collective", "DDP averages after its all-reduce", False),
     Unsupported("--grad-reduce-in-bf16", "gradients are reduced in fp32", False),
     Unsupported("--nccl-communicator-config-path", "process groups use NCCL's defaults"),
     # Model.
-    Unsupported("--apply-query-key-layer-scaling", "attention scales scores by 1/sqrt(head size) only", False),
-    Unsupported("--attention-softmax-in-fp32", "attention is torch's scaled_dot_product_attention; its kernel picks the softmax precision", False),
+    Unsupported(
+        "--apply-query-key-layer-scaling",
+        "attention scales scores by 1/sqrt(head size) only",
+        False,
+    ),
+    Unsupported(
+        "--attention-softmax-in-fp32",
+        "attention is torch's scaled_dot_product_attention; its kernel picks the softmax precision",
+        False,
+    ),
     Unsupported("--apply-residual-connection-post-layernorm", "layers are pre-norm", False),
     Unsupported("--apply-layernorm-1p", "norms scale by their weight, not 1 + weight", False),
     Unsupported("--openai-gelu", "the MLP is GELU, or SwiGLU with --swiglu", False),
@@ -153,7 +198,12 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--recompute-activations", "use --recompute-granularity selective", False),
     Unsupported("--rotary-percent", "RoPE rotates the whole head", accepted=("1", "1.0")),
     Unsupported("--rotary-seq-len-interpolation-factor", "no RoPE interpolation"),
-    Unsupported("--no-position-embedding", "learned positions are --position-embedding-type learned_absolute; RoPE models have no position table already", False),
+    Unsupported(
+        "--no-position-embedding",
+        "learned positions are --position-embedding-type learned_absolute; RoPE models have no "
+        "position table already",
+        False,
+    ),
     Unsupported("--moe-ffn-hidden-size", f"{_MOE} of --ffn-hidden-size"),
     Unsupported("--moe-layer-freq", "with --num-experts every layer's MLP is MoE", accepted=("1",)),
     Unsupported("--moe-router-dtype", _MOE),
@@ -164,7 +214,11 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--moe-permute-fusion", _FUSION, False),
     Unsupported("--moe-input-jitter-eps", f"{_MOE}; no input jitter"),
     # Precision and fusions.
-    Unsupported("--loss-scale", "--fp16 scales dynamically: --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis"),
+    Unsupported(
+        "--loss-scale",
+        "--fp16 scales dynamically: --initial-loss-scale, --min-loss-scale, --loss-scale-window, "
+        "--hysteresis",
+    ),
     Unsupported("--use-precision-aware-optimizer", _OPTIM, False),
     Unsupported("--main-grads-dtype", _OPTIM, accepted=("fp32",)),
     Unsupported("--main-params-dtype", _OPTIM, accepted=("fp32",)),
@@ -174,12 +228,18 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--decoupled-min-lr", "one learning rate for every parameter: --min-lr"),
     Unsupported("--sgd-momentum", _OPTIM),
     Unsupported("--deterministic-mode", "no deterministic-kernel mode", False),
-    Unsupported("--calculate-per-token-loss", "no per-token loss normalisation across micro-batches", False),
+    Unsupported(
+        "--calculate-per-token-loss", "no per-token loss normalisation across micro-batches", False
+    ),
     # Data.
-    Unsupported("--dataloader-type", "stalwart's sampler is its own: a seeded shuffle, or --no-shuffle"),
+    Unsupported(
+        "--dataloader-type", "stalwart's sampler is its own: a seeded shuffle, or --no-shuffle"
+    ),
     Unsupported("--train-data-path", "one --data-path blend, split by --valid-fraction"),
     Unsupported("--valid-data-path", "one --data-path blend, split by --valid-fraction"),
-    Unsupported("--test-data-path", "no test split: one --data-path blend, split by --valid-fraction"),
+    Unsupported(
+        "--test-data-path", "no test split: one --data-path blend, split by --valid-fraction"
+    ),
     Unsupported("--data-args-path", "give the files to --data-path"),
     Unsupported("--per-split-data-args-path", "give the files to --data-path"),
     Unsupported("--num-dataset-builder-threads", "datasets are memory-mapped, nothing is built"),
@@ -188,33 +248,73 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--reset-attention-mask", "attention is causal over the whole sample", False),
     Unsupported("--eod-mask-loss", "every token's loss counts", False),
     # Checkpoints.
-    Unsupported("--no-save-optim", "checkpoints always hold the optimizer state; load without it: --no-load-optim", False),
-    Unsupported("--no-save-rng", "checkpoints always hold the RNG states; load without them: --no-load-rng", False),
-    Unsupported("--use-checkpoint-args", "a checkpoint does not set the model flags; the run's own flags must match it (checked at load)", False),
+    Unsupported(
+        "--no-save-optim",
+        "checkpoints always hold the optimizer state; load without it: --no-load-optim",
+        False,
+    ),
+    Unsupported(
+        "--no-save-rng",
+        "checkpoints always hold the RNG states; load without them: --no-load-rng",
+        False,
+    ),
+    Unsupported(
+        "--use-checkpoint-args",
+        "a checkpoint does not set the model flags; the run's own flags must match it (checked at "
+        "load)",
+        False,
+    ),
     Unsupported("--ckpt-fully-parallel-save", _CKPT, False),
     Unsupported("--no-ckpt-fully-parallel-save", _CKPT, False),
     Unsupported("--ckpt-fully-parallel-load", _CKPT, False),
     Unsupported("--save-retain-interval", "retention keeps the last N: --ckpt-keep-last"),
-    Unsupported("--exit-on-missing-checkpoint", "a --load without a checkpoint starts at iteration 0", False),
-    Unsupported("--no-initialization", "the model is always initialised (--init-method-std)", False),
+    Unsupported(
+        "--exit-on-missing-checkpoint", "a --load without a checkpoint starts at iteration 0", False
+    ),
+    Unsupported(
+        "--no-initialization", "the model is always initialised (--init-method-std)", False
+    ),
     Unsupported("--data-impl", "datasets are memory-mapped", accepted=("mmap",)),
-    Unsupported("--adlr-autoresume", "no ADLR autoresume: --exit-signal-handler saves on SIGTERM", False),
-    Unsupported("--adlr-autoresume-interval", "no ADLR autoresume: --exit-signal-handler saves on SIGTERM"),
+    Unsupported(
+        "--adlr-autoresume", "no ADLR autoresume: --exit-signal-handler saves on SIGTERM", False
+    ),
+    Unsupported(
+        "--adlr-autoresume-interval", "no ADLR autoresume: --exit-signal-handler saves on SIGTERM"
+    ),
     Unsupported("--fp16-lm-cross-entropy", "the cross entropy is computed in fp32", False),
-    Unsupported("--num-distributed-optimizer-instances", "no distributed optimizer: --use-torch-fsdp2", accepted=("1",)),
+    Unsupported(
+        "--num-distributed-optimizer-instances",
+        "no distributed optimizer: --use-torch-fsdp2",
+        accepted=("1",),
+    ),
     Unsupported("--use-custom-fsdp", "use --use-torch-fsdp2", False),
     Unsupported("--use-megatron-fsdp", "use --use-torch-fsdp2", False),
-    Unsupported("--data-parallel-sharding-strategy", "--use-torch-fsdp2 shards parameters, gradients and optimizer states"),
+    Unsupported(
+        "--data-parallel-sharding-strategy",
+        "--use-torch-fsdp2 shards parameters, gradients and optimizer states",
+    ),
     Unsupported("--optimizer-cpu-offload", "the optimizer states stay on the device", False),
-    Unsupported("--overlap-param-gather-with-optimizer-step", "no distributed optimizer: --use-torch-fsdp2", False),
-    Unsupported("--cpu-offloading", "no activation offloading: --recompute-granularity saves memory", False),
-    Unsupported("--fine-grained-activation-offloading", "no activation offloading: --recompute-granularity saves memory", False),
+    Unsupported(
+        "--overlap-param-gather-with-optimizer-step",
+        "no distributed optimizer: --use-torch-fsdp2",
+        False,
+    ),
+    Unsupported(
+        "--cpu-offloading", "no activation offloading: --recompute-granularity saves memory", False
+    ),
+    Unsupported(
+        "--fine-grained-activation-offloading",
+        "no activation offloading: --recompute-granularity saves memory",
+        False,
+    ),
     Unsupported("--moe-router-enable-expert-bias", _MOE, False),
     Unsupported("--moe-router-bias-update-rate", _MOE),
     Unsupported("--te-rng-tracker", "Transformer Engine layers; the model is plain PyTorch", False),
     # Logging.
     Unsupported("--log-memory-interval-to-tensorboard", "use --log-memory-to-tensorboard", False),
-    Unsupported("--no-log-learning-rate-to-tensorboard", "the learning rate is always written", False),
+    Unsupported(
+        "--no-log-learning-rate-to-tensorboard", "the learning rate is always written", False
+    ),
     Unsupported("--enable-one-logger", "no OneLogger: --tensorboard-dir, --wandb-project", False),
     Unsupported("--wandb-entity", "W&B reads the entity from WANDB_ENTITY"),
     # Per-module CUDA graphs.
@@ -222,7 +322,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("--cuda-graph-scope", _PER_MODULE),
     Unsupported("--enable-cuda-graph", _PER_MODULE, False),
     Unsupported("--external-cuda-graph", _PER_MODULE, False),
-)  # fmt: skip
+)
 
 
 LONG_TAIL: tuple[Unsupported, ...] = tuple(
@@ -231,7 +331,8 @@ LONG_TAIL: tuple[Unsupported, ...] = tuple(
     for takes_value, names in ((True, values), (False, switches))
     for flag in names.split()
 )
-"""Every other flag of Megatron-LM's arguments.py that stalwart lacks, refused like `UNSUPPORTED`."""
+"""Every other flag of Megatron-LM's arguments.py that stalwart lacks, refused like
+`UNSUPPORTED`."""
 
 
 @dataclass(frozen=True)
@@ -243,18 +344,38 @@ class Always:
 
 
 ALWAYS: tuple[Always, ...] = (
-    Always("--use-flash-attn", "attention is torch's scaled_dot_product_attention, which runs its flash kernel where the device and dtype allow"),
-    Always("--overlap-grad-reduce", "DDP overlaps the gradient all-reduce with backward, FSDP2 its reduce-scatter"),
-    Always("--accumulate-allreduce-grads-in-fp32", "gradients are accumulated and reduced in fp32 (the parameters' dtype)"),
-    Always("--no-masked-softmax-fusion", "attention is torch's scaled_dot_product_attention, no Megatron softmax kernel"),
-    Always("--no-bias-dropout-fusion", "bias, dropout and the residual add are separate PyTorch ops"),
+    Always(
+        "--use-flash-attn",
+        "attention is torch's scaled_dot_product_attention, which runs its flash kernel where the "
+        "device and dtype allow",
+    ),
+    Always(
+        "--overlap-grad-reduce",
+        "DDP overlaps the gradient all-reduce with backward, FSDP2 its reduce-scatter",
+    ),
+    Always(
+        "--accumulate-allreduce-grads-in-fp32",
+        "gradients are accumulated and reduced in fp32 (the parameters' dtype)",
+    ),
+    Always(
+        "--no-masked-softmax-fusion",
+        "attention is torch's scaled_dot_product_attention, no Megatron softmax kernel",
+    ),
+    Always(
+        "--no-bias-dropout-fusion", "bias, dropout and the residual add are separate PyTorch ops"
+    ),
     Always("--no-bias-gelu-fusion", "bias and GELU are separate PyTorch ops"),
     Always("--no-bias-swiglu-fusion", "SwiGLU is separate PyTorch ops"),
     Always("--no-rope-fusion", "RoPE is PyTorch ops"),
     Always("--no-persist-layer-norm", "norms are torch.nn.functional ops"),
-    Always("--use-cpu-initialization", "the model is initialised on the CPU, then moved to the device"),
-    Always("--no-create-attention-mask-in-dataloader", "attention is causal in the kernel; no mask is built"),
-)  # fmt: skip
+    Always(
+        "--use-cpu-initialization", "the model is initialised on the CPU, then moved to the device"
+    ),
+    Always(
+        "--no-create-attention-mask-in-dataloader",
+        "attention is causal in the kernel; no mask is built",
+    ),
+)
 
 
 def refusal_message(flag: str, reason: str) -> str:

@@ -1,4 +1,5 @@
-"""Run training from a validated config: set up the process group, train, map errors to exit codes."""
+"""Run training from a validated config: set up the process group, train, map errors to exit
+codes."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _loss_summary(metrics_file: str) -> str | None:
     if len(losses) < 2 or losses[0] == 0:
         return None
     ratio = losses[-1] / losses[0]
-    return f"loss fell from {losses[0]:.3f} (first log) to {losses[-1]:.3f} (last interval): {ratio:.0%} of the first"
+    fell = f"loss fell from {losses[0]:.3f} (first log) to {losses[-1]:.3f} (last interval)"
+    return f"{fell}: {ratio:.0%} of the first"
 
 
 def _demo_epilogue(config: RunConfig, outcome: TrainOutcome) -> None:

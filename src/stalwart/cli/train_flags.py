@@ -58,11 +58,21 @@ def model_flags(p: argparse.ArgumentParser) -> None:
         ("--seq-length", int, None, f"tokens per sample {_PRESET}"),
         ("--ffn-hidden-size", int, None, "MLP width (default: the preset's, else 4 x hidden)"),
         ("--vocab-size", int, None, f"vocabulary size {_PRESET}"),
-        ("--hidden-dropout", float, None, "dropout everywhere: embeddings, attention, residuals (default: 0.0)"),
-        ("--num-experts", Int(1), None, "MoE experts per layer, >= 1 (default: none, a dense MLP; Megatron's meaning)"),
+        (
+            "--hidden-dropout",
+            float,
+            None,
+            "dropout everywhere: embeddings, attention, residuals (default: 0.0)",
+        ),
+        (
+            "--num-experts",
+            Int(1),
+            None,
+            "MoE experts per layer, >= 1 (default: none, a dense MLP; Megatron's meaning)",
+        ),
         ("--moe-router-topk", int, None, "experts per token (default: 2)"),
         ("--moe-aux-loss-coeff", float, None, "load-balancing loss weight (default: 0.01)"),
-    )  # fmt: skip
+    )
     g.add_argument(
         "--moe-expert-capacity-factor",
         "--moe-capacity-factor",
@@ -75,11 +85,21 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     values(
         g,
         ("--init-method-std", Float(gt=0), None, "std of the weight init (default: 0.02)"),
-        ("--max-position-embeddings", Int(1), None, ">= --seq-length; = --seq-length with learned positions"),
+        (
+            "--max-position-embeddings",
+            Int(1),
+            None,
+            ">= --seq-length; = --seq-length with learned positions",
+        ),
         ("--kv-channels", Int(1), None, "= --hidden-size / --num-attention-heads"),
         ("--attention-dropout", float, None, "= --hidden-dropout, the one dropout"),
-        ("--make-vocab-size-divisible-by", Int(1), None, "--vocab-size must be a multiple: no padding"),
-    )  # fmt: skip
+        (
+            "--make-vocab-size-divisible-by",
+            Int(1),
+            None,
+            "--vocab-size must be a multiple: no padding",
+        ),
+    )
 
 
 def architecture_flags(p: argparse.ArgumentParser) -> None:
@@ -87,13 +107,27 @@ def architecture_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "model.architecture", "model: architecture (GPT-2 unless a llama-* preset)")
     values(
         g,
-        ("--position-embedding-type", OneOf(("learned_absolute", "rope"), "KIND"), None,
-         f"learned absolute positions (GPT-2) or rotary embeddings (Llama) {_PRESET}"),
+        (
+            "--position-embedding-type",
+            OneOf(("learned_absolute", "rope"), "KIND"),
+            None,
+            f"learned absolute positions (GPT-2) or rotary embeddings (Llama) {_PRESET}",
+        ),
         ("--rotary-base", int, None, "RoPE base, rope only (default: 10000)"),
-        ("--rope-scaling-factor", Float(gt=0), None, "Llama 3.x RoPE scaling factor, with --use-rope-scaling (default: 8.0)"),
-        ("--normalization", OneOf(("LayerNorm", "RMSNorm"), "KIND"), None, f"norm of every layer {_PRESET}"),
+        (
+            "--rope-scaling-factor",
+            Float(gt=0),
+            None,
+            "Llama 3.x RoPE scaling factor, with --use-rope-scaling (default: 8.0)",
+        ),
+        (
+            "--normalization",
+            OneOf(("LayerNorm", "RMSNorm"), "KIND"),
+            None,
+            f"norm of every layer {_PRESET}",
+        ),
         ("--norm-epsilon", Float(gt=0), None, "epsilon of every norm (default: 1e-5)"),
-    )  # fmt: skip
+    )
     for flag, text in (
         ("--swiglu", "SwiGLU MLP (3 matrices) instead of GELU"),
         ("--untie-embeddings-and-output-weights", "an output layer of its own, not the embedding"),
@@ -113,13 +147,26 @@ def recompute_flags(p: argparse.ArgumentParser) -> None:
     g = group(p, "model.recompute", "model: activation recompute")
     values(
         g,
-        ("--recompute-granularity", OneOf(("full", "selective"), "KIND"), None,
-         "selective: the attention core; full: whole layers (with --recompute-method and "
-         "--recompute-num-layers) (default: off)"),
-        ("--recompute-method", OneOf(("uniform", "block"), "KIND"), None,
-         "full: uniform groups of --recompute-num-layers, or block: the first ones"),
-        ("--recompute-num-layers", int, None, "full: layers per group (uniform) or recomputed (block)"),
-    )  # fmt: skip
+        (
+            "--recompute-granularity",
+            OneOf(("full", "selective"), "KIND"),
+            None,
+            "selective: the attention core; full: whole layers (with --recompute-method and "
+            "--recompute-num-layers) (default: off)",
+        ),
+        (
+            "--recompute-method",
+            OneOf(("uniform", "block"), "KIND"),
+            None,
+            "full: uniform groups of --recompute-num-layers, or block: the first ones",
+        ),
+        (
+            "--recompute-num-layers",
+            int,
+            None,
+            "full: layers per group (uniform) or recomputed (block)",
+        ),
+    )
 
 
 def data_flags(p: argparse.ArgumentParser) -> None:
@@ -133,9 +180,14 @@ def data_flags(p: argparse.ArgumentParser) -> None:
     )
     values(
         g,
-        ("--data-dtype", OneOf(("uint16", "uint32"), "DTYPE"), "uint16", "dtype of the token ids of a .bin file"),
+        (
+            "--data-dtype",
+            OneOf(("uint16", "uint32"), "DTYPE"),
+            "uint16",
+            "dtype of the token ids of a .bin file",
+        ),
         ("--valid-fraction", float, 0.02, "held-out share of the data"),
-    )  # fmt: skip
+    )
     negated(g, "--no-shuffle", "read samples in order instead of a seeded shuffle")
     g.add_argument(
         "--num-workers",
@@ -206,8 +258,13 @@ def training_flags(p: argparse.ArgumentParser) -> None:
     values(
         g,
         ("--micro-batch-size", int, None, "samples per rank per forward-backward (default: 8)"),
-        ("--global-batch-size", int, None, "samples per iteration (default: micro batch x data-parallel ranks)"),
-    )  # fmt: skip
+        (
+            "--global-batch-size",
+            int,
+            None,
+            "samples per iteration (default: micro batch x data-parallel ranks)",
+        ),
+    )
     g.add_argument(
         "--rampup-batch-size",
         type=int,
@@ -219,9 +276,14 @@ def training_flags(p: argparse.ArgumentParser) -> None:
         g,
         # None here, 100 in build_run_config: --train-samples must know whether it was given.
         ("--train-iters", int, None, "iterations to train in total (default: 100)"),
-        ("--train-samples", int, None, "train this many samples instead; the LR schedule then counts samples"),
+        (
+            "--train-samples",
+            int,
+            None,
+            "train this many samples instead; the LR schedule then counts samples",
+        ),
         ("--seed", Int(0, SEED_MAX), 1234, "seed of init and data"),
-    )  # fmt: skip
+    )
     _precision_flags(g)
     interval(g, "--eval-interval", "evaluate", zero="never")
     g.add_argument("--eval-iters", type=int, default=10, help="batches per evaluation")

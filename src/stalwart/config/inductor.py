@@ -91,8 +91,9 @@ def parse_inductor_options(items: Iterable[str] | None) -> dict[str, Any]:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ValueError(f"{FLAG} takes KEY=VALUE (e.g. triton.mix_order_reduction=False), "
-                             f"got {item!r}")  # fmt: skip
+            raise ValueError(
+                f"{FLAG} takes KEY=VALUE (e.g. triton.mix_order_reduction=False), got {item!r}"
+            )
         if key in _RESERVED:
             raise ValueError(f"{FLAG} {key}: set by stalwart itself (not allowed)")
         if key not in known:

@@ -13,10 +13,31 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from stalwart.config.run import RunConfig
+from stalwart.config.training import DataConfig, OptimizerConfig, TrainingConfig
+from stalwart.loop.shell_settings import ShellSettings
+from stalwart.models import GPTConfig
+
+
+class RunSettings(Protocol):
+    """The parts of the run's config (``stalwart.config.run.RunConfig`` is the one) that the
+    defaults are read from: typed here because run.py imports this module."""
+
+    @property
+    def model(self) -> GPTConfig: ...
+
+    @property
+    def shell(self) -> ShellSettings: ...
+
+    @property
+    def data(self) -> DataConfig: ...
+
+    @property
+    def optim(self) -> OptimizerConfig: ...
+
+    @property
+    def training(self) -> TrainingConfig: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +48,8 @@ class MegatronDefault:
     flag: str
     dest: str
     megatron: object
-    value: Callable[[RunConfig], object]
-    applies: Callable[[RunConfig], bool] = lambda c: True
+    value: Callable[[RunSettings], object]
+    applies: Callable[[RunSettings], bool] = lambda c: True
 
 
 MEGATRON_DEFAULTS: tuple[MegatronDefault, ...] = (
@@ -81,7 +102,7 @@ def show(value: object) -> str:
     return str(value)
 
 
-def megatron_default_differences(config: RunConfig, explicit: set[str]) -> list[str]:
+def megatron_default_differences(config: RunSettings, explicit: set[str]) -> list[str]:
     """``"--flag VALUE (Megatron: VALUE)"`` for every default of `MEGATRON_DEFAULTS` that this
     run relies on (not in ``explicit``) and that differs from Megatron's. Pure."""
     out = []

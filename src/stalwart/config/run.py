@@ -107,6 +107,11 @@ class GraphConfig:
             impl = CudaGraphImpl(self.cuda_graph_impl)
         except ValueError:
             impl = None
+        if impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE):
+            raise ValueError(
+                f"--cuda-graph-impl {impl.value} (Megatron's per-layer graphs) is not implemented "
+                "by stalwart, which graphs the whole iteration; allowed: none, full_iteration"
+            )
         if impl not in allowed:
             raise ValueError(
                 f"--cuda-graph-impl: got {self.cuda_graph_impl!r}, allowed: none, full_iteration"
@@ -149,8 +154,11 @@ class GraphConfig:
 
 
 # The shell's fields that are the run's own values elsewhere (one value each, kept equal).
-_SHARED = {"train_iters": "training.train_iters", "save_dir": "checkpoint.save",
-           "seq_length": "model.seq_length"}  # fmt: skip
+_SHARED = {
+    "train_iters": "training.train_iters",
+    "save_dir": "checkpoint.save",
+    "seq_length": "model.seq_length",
+}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -198,7 +206,7 @@ class RunConfig:
     def compile_cache_location(self) -> tuple[str, str] | None:
         """(flag, directory) of ``--compile``'s persistent cache: ``--compile-cache-dir``, else
         ``<run dir>/compile_cache``; None without ``--compile`` or without a run directory."""
-        from stalwart.graphs.compile_cache import DEFAULT_CACHE_DIRNAME
+        from stalwart.compile import DEFAULT_CACHE_DIRNAME
 
         if not self.training.compile:
             return None
@@ -400,10 +408,15 @@ def check_combinations(config: RunConfig) -> None:
     if config.faults.inject_fault and not config.checkpoint.save:
         raise ValueError("--inject-fault needs --save (the fired-once marker lives there)")
     for flag, value in (
-        ("--check-weight-hash-across-dp-replicas-interval",
-         config.shell.rerun.check_weight_hash_across_dp_replicas_interval),
-        ("--check-weight-hash-sample-fraction", config.shell.rerun.check_weight_hash_sample_fraction),
-    ):  # fmt: skip
+        (
+            "--check-weight-hash-across-dp-replicas-interval",
+            config.shell.rerun.check_weight_hash_across_dp_replicas_interval,
+        ),
+        (
+            "--check-weight-hash-sample-fraction",
+            config.shell.rerun.check_weight_hash_sample_fraction,
+        ),
+    ):
         if value and config.training.use_torch_fsdp2:
             raise ValueError(
                 f"{flag} compares replicated weights; with --use-torch-fsdp2 every rank holds "

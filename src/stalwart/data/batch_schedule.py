@@ -64,7 +64,8 @@ class BatchSchedule:
                 f"got {list(rampup_batch_size)}"
             )
         ramp = None if rampup_batch_size is None else tuple(int(v) for v in rampup_batch_size)
-        return cls(global_batch_size, micro_batch_size, data_parallel_size, ramp)  # type: ignore[arg-type]
+        sizes = (global_batch_size, micro_batch_size, data_parallel_size)
+        return cls(*sizes, ramp)  # type: ignore[arg-type]
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
         """Samples the iteration that starts after ``consumed_samples`` consumes."""
@@ -79,7 +80,8 @@ class BatchSchedule:
         return min(size, self.global_batch_size)
 
     def iterations_for_samples(self, train_samples: int) -> int:
-        """Iterations until at least ``train_samples`` samples are consumed (``--train-samples``)."""
+        """Iterations until at least ``train_samples`` samples are consumed
+        (``--train-samples``)."""
         consumed = iterations = 0
         ramp_end = 0 if self.rampup is None else self.rampup[2]
         while consumed < train_samples and consumed < ramp_end:  # inside the ramp: step by step

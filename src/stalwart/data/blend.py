@@ -1,4 +1,5 @@
-"""Blending several token sources by weight (``--data-path 0.3 a.bin 0.7 b.bin``, Megatron's syntax).
+"""Blending several token sources by weight (``--data-path 0.3 a.bin 0.7 b.bin``, Megatron's
+syntax).
 
 ``--data-path`` takes one path, several paths (equal weights), or ``weight path`` pairs. Each
 source is split into train/valid on its own (the same ``--valid-fraction``), then the splits are

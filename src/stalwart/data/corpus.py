@@ -155,7 +155,8 @@ def _save_npz(tmp: str, corpus: Corpus) -> None:
 
 
 def _write_cache(path: Path, corpus: Corpus) -> None:
-    """Atomically write the cache; failures are ignored because the cache is only an optimization."""
+    """Atomically write the cache; failures are ignored because the cache is only an
+    optimization."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda tmp: _save_npz(tmp, corpus), sync=Sync.NONE)

@@ -26,8 +26,16 @@ from stalwart.data.corpus import load_corpus
 _BIN_DTYPES = ("uint16", "uint32")
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 # Megatron's index dtype codes (its DType enum) -> numpy dtype.
-_IDX_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64",
-               7: "float32", 8: "uint16"}  # fmt: skip
+_IDX_DTYPES = {
+    1: "uint8",
+    2: "int8",
+    3: "int16",
+    4: "int32",
+    5: "int64",
+    6: "float64",
+    7: "float32",
+    8: "uint16",
+}
 _MAX_CHECK_CHUNK = 1 << 24
 
 

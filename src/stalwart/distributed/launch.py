@@ -115,7 +115,8 @@ def torchrun_round(argv: list[str], worker: Callable[..., None] | None = None) -
         # torchrun's run() normalises the rendezvous options, then calls its elastic_launch
         # with the exec entrypoint; this round's launch swaps in the forked function instead
         # (restored below: the module is torch's, this process runs one round at a time).
-        torchrun.elastic_launch = functools.partial(_forked_launch, exec_launch, worker)  # type: ignore[assignment,misc]
+        forked = functools.partial(_forked_launch, exec_launch, worker)
+        torchrun.elastic_launch = forked  # type: ignore[assignment,misc]
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
@@ -137,8 +138,10 @@ def _forked_launch(
     import torch
 
     if torch.cuda.is_initialized():  # a forked worker could not use CUDA: exec them this round
-        sys.stderr.write("stalwart launch: --fork-workers: CUDA is initialised in the launcher, a "
-                         "forked worker cannot use it: this round starts fresh workers\n")  # fmt: skip
+        sys.stderr.write(
+            "stalwart launch: --fork-workers: CUDA is initialised in the launcher, a "
+            "forked worker cannot use it: this round starts fresh workers\n"
+        )
         return launch(config=config, entrypoint=entrypoint)
     sys.stderr.write(
         f"stalwart launch: forking the workers from the launcher (pid {os.getpid()})\n"
@@ -233,16 +236,29 @@ def run_launches(
     restarts_left = plan.max_restarts
     for index in itertools.count():
         _set_round_env(plan, index)
-        argv = [*plan.torchrun_args, "--nproc-per-node", str(len(plan.devices)),
-                "--max-restarts", "0", *plan.command]  # fmt: skip
+        argv = [
+            *plan.torchrun_args,
+            "--nproc-per-node",
+            str(len(plan.devices)),
+            "--max-restarts",
+            "0",
+            *plan.command,
+        ]
         result = launch_round(argv, plan.worker)
         outcome = LaunchOutcome(
-            exit_codes=result.exit_codes, devices=plan.devices, host=plan.host,
-            restarts_left=restarts_left, first_failed=result.first_failed,
-            launcher_signal=result.launcher_signal, suspects=read_suspects(plan.save),
-            spares=plan.spares, nnodes=plan.nnodes, slurm_job=plan.slurm_job,
-            global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size,
-        )  # fmt: skip
+            exit_codes=result.exit_codes,
+            devices=plan.devices,
+            host=plan.host,
+            restarts_left=restarts_left,
+            first_failed=result.first_failed,
+            launcher_signal=result.launcher_signal,
+            suspects=read_suspects(plan.save),
+            spares=plan.spares,
+            nnodes=plan.nnodes,
+            slurm_job=plan.slurm_job,
+            global_batch_size=plan.global_batch_size,
+            micro_batch_size=plan.micro_batch_size,
+        )
         action = decide(outcome)
         record(plan, action)
         if action.kind is ActionKind.REQUEUE:

@@ -137,9 +137,10 @@ def decide(outcome: LaunchOutcome) -> LaunchAction:
     if o.launcher_signal is not None:
         name = _signal_name(o.launcher_signal)
         line = f"the launcher got {name}: the workers saved and stopped; not relaunched here " + (
-            "(SLURM requeues a job submitted with --requeue)" if o.slurm_job else
-            "(run the same command again to resume)"
-        )  # fmt: skip
+            "(SLURM requeues a job submitted with --requeue)"
+            if o.slurm_job
+            else "(run the same command again to resume)"
+        )
         return _stay(o, ActionKind.PREEMPTED, line, 128 + o.launcher_signal)
     failed = {r: c for r, c in o.exit_codes.items() if c != 0}
     if not failed:
@@ -295,9 +296,14 @@ def _leave_nodes(o: LaunchOutcome, nodes: list[str], what: str, code: int) -> La
         + f" (or resubmit with sbatch --exclude={listed})"
     )
     return LaunchAction(
-        ActionKind.REQUEUE, line, o.devices, o.spares, exit_code=code, commands=commands,
+        ActionKind.REQUEUE,
+        line,
+        o.devices,
+        o.spares,
+        exit_code=code,
+        commands=commands,
         excluded=tuple(nodes),
-    )  # fmt: skip
+    )
 
 
 def _signal_name(signum: int) -> str:

@@ -24,7 +24,6 @@ from stalwart.graphs.checks import (
     graph_config_problems,
 )
 from stalwart.graphs.compile import compile_for_graph
-from stalwart.graphs.compile_cache import CompileBooking, CompileCache, NullCompileCache
 from stalwart.graphs.full_iteration import (
     CaptureFailurePolicy,
     FullIterationGraph,
@@ -52,8 +51,6 @@ from stalwart.graphs.static_inputs import InputSignature, StaticInputs, signatur
 
 __all__ = [
     "CaptureFailurePolicy",
-    "CompileBooking",
-    "CompileCache",
     "CudaGraphImpl",
     "FullIterationGraph",
     "GradNormSource",
@@ -62,7 +59,6 @@ __all__ = [
     "GraphSettings",
     "GraphSignatureError",
     "InputSignature",
-    "NullCompileCache",
     "OptimizerGraph",
     "SignatureChangePolicy",
     "StagePhase",

@@ -1,8 +1,13 @@
-"""Configuration checks for CUDA graphs x recompute x offload x host-syncing checks x compile.
+"""Configuration checks for CUDA graphs x recompute x host-syncing checks x compile.
 
 ``graph_config_problems`` is a pure decision function returning every violated rule as a
 one-line reason naming the offending flag (Megatron spelling); ``check_graph_config`` raises one
-``ValueError`` listing them. Rules follow Megatron's ``TransformerConfig``/``arguments.py`` checks,
+``ValueError`` listing them. Only settings a path can set are checked: Megatron's per-module
+graphs (``--cuda-graph-modules``, ``--cuda-graph-scope``, ``--enable-cuda-graph``,
+``--cuda-graph-impl local|transformer_engine``), activation offloading,
+``--moe-input-jitter-eps``, ``--loss-scale`` and other optimizers are refused in one line where
+they are given (``stalwart.cli.megatron_flags``, ``GraphConfig``), so no graph rule meets them.
+Rules follow Megatron's ``TransformerConfig``/``arguments.py`` checks,
 with one deliberate difference: the NaN/Inf, spiky-loss and large-gradient checks stay on under
 ``full_iteration`` (Megatron turns the NaN check off and forgets the others, which sync inside
 the captured region). Here they are device work writing the rerun machine's buffer
@@ -19,7 +24,9 @@ import torch
 
 
 class CudaGraphImpl(enum.Enum):
-    """``--cuda-graph-impl``: stalwart implements ``none`` and ``full_iteration``."""
+    """``--cuda-graph-impl``: stalwart implements ``none`` and ``full_iteration``; Megatron's
+    per-layer ``local`` and ``transformer_engine`` are its names, refused where a run is
+    configured (``stalwart.config.run.GraphConfig``: one line saying why)."""
 
     NONE = "none"
     LOCAL = "local"
@@ -54,11 +61,8 @@ class GraphSettings:
 
     device: torch.device
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
-    cuda_graph_modules: tuple[str, ...] = ()  # also the deprecated --cuda-graph-scope
-    enable_cuda_graph: bool = False  # deprecated per-layer switch
     cuda_graph_warmup_steps: int = 3
     optimizer_cuda_graph: bool = False
-    optimizer: str = "adam"
     recompute_granularity: RecomputeChoice | None = None  # None: no recompute
     recompute_modules: tuple[str, ...] = ()
     attention_dropout: float = 0.0
@@ -68,16 +72,11 @@ class GraphSettings:
     attention_dropout_flag: str = "--attention-dropout"
     hidden_dropout_flag: str = "--hidden-dropout"
     has_moe: bool = False  # the layers' MLP is a mixture of experts ('moe', else 'mlp')
-    moe_input_jitter_eps: float | None = None
-    cpu_offloading: bool = False
-    fine_grained_activation_offloading: bool = False
-    fine_grained_offloading_max_inflight_offloads: int | None = None
     check_for_nan_in_loss_and_grad: bool = True
     check_for_spiky_loss: bool = False
     check_for_large_grads: bool = False
     log_num_zeros_in_grad: bool = False
-    fp16: bool = False
-    loss_scale: float | None = None  # None with --fp16: dynamic loss scaling
+    fp16: bool = False  # stalwart's --fp16 scales the loss dynamically (Megatron's default)
     compile: bool = False
     compile_mode: str = "default"
 
@@ -85,17 +84,6 @@ class GraphSettings:
 def _impl_problems(s: GraphSettings) -> list[str]:
     problems: list[str] = []
     full = s.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
-    if s.cuda_graph_impl in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE):
-        problems.append(
-            f"--cuda-graph-impl {s.cuda_graph_impl.value} (per-layer graphs) is not implemented "
-            "by stalwart; allowed: none, full_iteration"
-        )
-    if full and (s.cuda_graph_modules or s.enable_cuda_graph):
-        problems.append(
-            "--cuda-graph-modules/--cuda-graph-scope/--enable-cuda-graph (per-module graphs) "
-            "cannot be combined with --cuda-graph-impl full_iteration: the whole iteration is "
-            "one graph"
-        )
     if (full or s.optimizer_cuda_graph) and s.device.type != "cuda":
         flag = "--cuda-graph-impl full_iteration" if full else "--optimizer-cuda-graph"
         problems.append(f"{flag} requires a CUDA device (got device '{s.device}')")
@@ -112,37 +100,16 @@ def _impl_problems(s: GraphSettings) -> list[str]:
 
 
 def _recompute_problems(s: GraphSettings) -> list[str]:
-    problems: list[str] = []
     full = s.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
-    per_layer = (
-        s.enable_cuda_graph
-        or bool(s.cuda_graph_modules)
-        or s.cuda_graph_impl
-        in (
-            CudaGraphImpl.LOCAL,
-            CudaGraphImpl.TRANSFORMER_ENGINE,
-        )
-    )
     granularity = "none" if s.recompute_granularity is None else s.recompute_granularity.value
-    if granularity == "full" and per_layer and not full:
-        problems.append(
-            "--recompute-granularity full is only supported with --cuda-graph-impl full_iteration "
-            "(not with per-layer CUDA graphs)"
-        )
     if not full or granularity == "none":
-        return problems
+        return []
     modules = (
         ("core_attn", "moe" if s.has_moe else "mlp")
         if granularity == "full"
         else s.recompute_modules
     )
-    problems.extend(_random_recompute_problems(s, modules))
-    if s.moe_input_jitter_eps and ("moe" in modules):
-        problems.append(
-            "--moe-input-jitter-eps is not allowed with recomputed 'moe' inside a full_iteration "
-            "CUDA graph: recompute's RNG save/restore cannot be captured"
-        )
-    return problems
+    return _random_recompute_problems(s, modules)
 
 
 def _random_recompute_problems(s: GraphSettings, modules: tuple[str, ...]) -> list[str]:
@@ -162,47 +129,15 @@ def _random_recompute_problems(s: GraphSettings, modules: tuple[str, ...]) -> li
     ]
 
 
-def _offload_problems(s: GraphSettings) -> list[str]:
-    problems: list[str] = []
-    full = s.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION
-    graphs_on = s.cuda_graph_impl is not CudaGraphImpl.NONE or s.enable_cuda_graph
-    if s.cpu_offloading and graphs_on and not full:
-        problems.append(
-            "--cpu-offloading with CUDA graphs requires --cuda-graph-impl full_iteration"
-        )
-    if s.fine_grained_activation_offloading and graphs_on:
-        if not full:
-            problems.append(
-                "--fine-grained-activation-offloading with CUDA graphs requires "
-                "--cuda-graph-impl full_iteration"
-            )
-        max_inflight = s.fine_grained_offloading_max_inflight_offloads
-        if full and (
-            isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 0
-        ):
-            problems.append(
-                "--fine-grained-activation-offloading with full_iteration requires "
-                "--fine-grained-offloading-max-inflight-offloads to be an integer >= 0, got "
-                f"{max_inflight!r}"
-            )
-    return problems
-
-
 def _host_sync_problems(s: GraphSettings) -> list[str]:
     problems: list[str] = []
-    if s.optimizer_cuda_graph:
-        if s.log_num_zeros_in_grad:
-            problems.append(
-                "--log-num-zeros-in-grad syncs with the host inside the optimizer step; it cannot "
-                "be used with --optimizer-cuda-graph"
-            )
-        if s.optimizer not in ("adam", "adamw"):
-            problems.append(
-                f"--optimizer-cuda-graph requires --optimizer adam (capturable AdamW), got "
-                f"--optimizer {s.optimizer}"
-            )
+    if s.optimizer_cuda_graph and s.log_num_zeros_in_grad:
+        problems.append(
+            "--log-num-zeros-in-grad syncs with the host inside the optimizer step; it cannot "
+            "be used with --optimizer-cuda-graph"
+        )
     graphs = s.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION or s.optimizer_cuda_graph
-    if graphs and s.fp16 and s.loss_scale is None:
+    if graphs and s.fp16:
         problems.append(
             "--fp16 with dynamic loss scaling is not supported with CUDA graphs (the found-inf "
             "skip decision syncs with the host); use --bf16"
@@ -226,7 +161,6 @@ def graph_config_problems(settings: GraphSettings) -> list[str]:
     return [
         *_impl_problems(settings),
         *_recompute_problems(settings),
-        *_offload_problems(settings),
         *_host_sync_problems(settings),
         *_compile_problems(settings),
     ]

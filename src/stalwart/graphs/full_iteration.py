@@ -334,8 +334,9 @@ class FullIterationGraph:
             del graph
             if self.on_capture_failure is CaptureFailurePolicy.FAIL:
                 raise RuntimeError(
-                    f"capture of the {mode.value} iteration CUDA graph failed: {err}. Captured code "
-                    "must not sync with the host (.item(), printing tensors, data-dependent shapes)"
+                    f"capture of the {mode.value} iteration CUDA graph failed: {err}. "
+                    "Captured code must not sync with the host (.item(), printing tensors, "
+                    "data-dependent shapes)"
                 ) from err
             warnings.warn(
                 f"capture of the {mode.value} iteration CUDA graph failed ({err}); "

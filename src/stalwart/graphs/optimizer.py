@@ -115,7 +115,8 @@ def grad_norm(params: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, max_norm / (total_norm + 1e-6))`` on the device; NaN norm gives a NaN coefficient."""
+    """``min(1, max_norm / (total_norm + 1e-6))`` on the device; NaN norm gives a NaN
+    coefficient."""
     return torch.clamp(max_norm / (total_norm + _CLIP_EPS), max=1.0)
 
 

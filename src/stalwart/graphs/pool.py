@@ -34,7 +34,8 @@ CPU_DEVICE_MESSAGE = (
 
 
 class CaptureErrorMode(enum.Enum):
-    """``capture_error_mode`` of ``torch.cuda.graph``; ``THREAD_LOCAL`` limits errors to our thread."""
+    """``capture_error_mode`` of ``torch.cuda.graph``; ``THREAD_LOCAL`` limits errors to our
+    thread."""
 
     GLOBAL = "global"
     THREAD_LOCAL = "thread_local"
@@ -142,7 +143,8 @@ class GraphContext:
         return torch.cuda.stream(self._overlap_stream)
 
     def join_overlapped(self) -> None:
-        """Make the current stream wait (on the device, no host sync) for :meth:`overlapped` work."""
+        """Make the current stream wait (on the device, no host sync) for :meth:`overlapped`
+        work."""
         if self._overlap_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._overlap_stream)
 

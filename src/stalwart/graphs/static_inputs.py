@@ -49,7 +49,8 @@ def signature_of(obj: Any) -> Hashable:
 
 @dataclasses.dataclass(frozen=True)
 class InputSignature:
-    """What a captured graph was specialised to: micro-batch count, batch structure, static kwargs."""
+    """What a captured graph was specialised to: micro-batch count, batch structure, static
+    kwargs."""
 
     num_microbatches: int
     batches: Hashable
@@ -83,8 +84,10 @@ class _SharedLayout:
         if len(leaves) < 2 or any(t.dtype != leaves[0].dtype for t in leaves):
             return None
         storage = leaves[0].untyped_storage()
-        if any(not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr()
-               for t in leaves):  # fmt: skip
+        if any(
+            not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr()
+            for t in leaves
+        ):
             return None
         size = leaves[0].element_size()
         if storage.nbytes() != sum(t.numel() for t in leaves) * size:

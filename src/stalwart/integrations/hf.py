@@ -75,7 +75,8 @@ from stalwart.integrations import require
 from stalwart.integrations.framework_step import FrameworkStep, refuse_framework_saves
 from stalwart.integrations.offered_metrics import offered_metrics
 from stalwart.loop import Names, StepResult
-from stalwart.loop.shell import Shell, ShellConfig
+from stalwart.loop.shell import Shell
+from stalwart.loop.shell_config import ShellConfig
 from stalwart.observability.flop_count import count_training_flops
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
 from stalwart.reliability.rerun.attribution.verdict_file import SuspectDeviceError

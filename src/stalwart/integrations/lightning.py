@@ -94,7 +94,8 @@ from stalwart.integrations.lightning_module import GuardedModule, StepSchedulers
 from stalwart.integrations.offered_metrics import offered_metrics
 from stalwart.iteration_dirs import iteration_dir_name
 from stalwart.loop import Names, RngState, StepResult
-from stalwart.loop.shell import Shell, ShellConfig
+from stalwart.loop.shell import Shell
+from stalwart.loop.shell_config import ShellConfig
 from stalwart.observability.flop_count import count_training_flops, flop_counter
 from stalwart.reliability.exit import ExitDecision, ExitReason, SaveKind
 from stalwart.reliability.rerun.attribution.verdict_file import SuspectDeviceError

@@ -38,8 +38,10 @@ def _resumables(loaders: Any) -> Iterator[ResumableLoader]:
 
 
 def _distributed(loader: Any) -> bool:
-    samplers = (getattr(loader, "sampler", None),
-                getattr(getattr(loader, "batch_sampler", None), "sampler", None))  # fmt: skip
+    samplers = (
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    )
     return any(isinstance(s, DistributedSampler) for s in samplers)
 
 

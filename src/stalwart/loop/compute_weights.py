@@ -138,7 +138,8 @@ class _Foreach:
         self._eager = func
         self._func: Callable[..., Any] = func
         if compiled:
-            # Inductor's own CUDA graphs are off: the call may be captured by a full-iteration graph.
+            # Inductor's own CUDA graphs are off: the call may be captured by a full-iteration
+            # graph.
             self._func = torch.compile(
                 func, fullgraph=True, dynamic=False, options={"triton.cudagraphs": False}
             )
@@ -223,8 +224,9 @@ class ComputeWeights:
         self._add = _Foreach(_foreach_add, compile_them)
         self._first = _Foreach(_foreach_copy_then_add, compile_them)
         self.direct = _used_elsewhere(model, self.slots)
-        self.fused, self.fused_uses = _fusion_plan(model, self.slots, self.copy_dtypes,
-                                                   fuse_grad_accumulation)  # fmt: skip
+        self.fused, self.fused_uses = _fusion_plan(
+            model, self.slots, self.copy_dtypes, fuse_grad_accumulation
+        )
         self.fp32_gemm = fuse_grad_accumulation and fp32_wgrad_supported(device, dtype)
         self.copies: list[nn.Parameter] = []
 
@@ -379,11 +381,38 @@ class NullComputeWeights:
 
 NO_COMPUTE_WEIGHTS = NullComputeWeights()
 
+
+def check_compute_weights(
+    weights: ComputeWeights | None, model: nn.Module, autocast: Callable[..., Any] | None
+) -> None:
+    """Compute copies need the forward under autocast (their matmuls take the activations in
+    the copies' dtype) and the fp32 parameters' ``.grad`` filled by them, not by FSDP2's
+    hooks (DDP's reduction the step does itself)."""
+    if weights is None:
+        return
+    if autocast is None:
+        raise ValueError(
+            "GuardedStep(compute_weights=...) needs autocast= to the copies' dtype (--bf16)"
+        )
+    if hasattr(model, "set_requires_gradient_sync"):
+        raise ValueError(FSDP2_COMPUTE_WEIGHTS_MESSAGE)
+
+
+FSDP2_COMPUTE_WEIGHTS_MESSAGE = (
+    "--bf16-compute-weights is not supported with --use-torch-fsdp2: FSDP2 reduces the sharded "
+    "fp32 parameters' gradients in its own hooks, which the copies bypass. FSDP2's equivalent "
+    "is its MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) "
+    "(fully_shard(..., mp_policy=...): bf16 parameters gathered from the fp32 shards, fp32 "
+    "gradient reduction); the reference trainer's --use-torch-fsdp2 runs under bf16 autocast"
+)
+
 __all__ = [
+    "FSDP2_COMPUTE_WEIGHTS_MESSAGE",
     "NO_COMPUTE_WEIGHTS",
     "ComputeWeights",
     "NullComputeWeights",
     "Slot",
+    "check_compute_weights",
     "compute_weight_slots",
     "linear_slots",
 ]

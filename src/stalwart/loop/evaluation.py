@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from stalwart.loop.microbatches import average_reported
+from stalwart.loop.plans import Runners
+from stalwart.reliability.rerun import RerunStateMachine
 
-if TYPE_CHECKING:
-    from stalwart.loop.step import GuardedStep
+
+class Evaluated(Protocol):
+    """What an evaluation reads off the guarded step (``GuardedStep`` is one): typed here so
+    that this module does not import the step that calls it."""
+
+    model: nn.Module
+    machine: RerunStateMachine
+    runners: Runners
+    dp_group: dist.ProcessGroup | None
+    num_microbatches: int
 
 
 def evaluate(
-    step: GuardedStep,
+    step: Evaluated,
     data_iterator: Any,
     eval_iters: int,
     num_microbatches: int | None,

@@ -115,8 +115,9 @@ class LookAhead:
         staged, self._staged = self._staged, None
         if staged is not None:
             if staged[:2] != (iteration, num_microbatches):
-                raise RuntimeError(f"launch of {(iteration, num_microbatches)} after staging "
-                                   f"{staged[:2]}")  # fmt: skip
+                raise RuntimeError(
+                    f"launch of {(iteration, num_microbatches)} after staging {staged[:2]}"
+                )
             reported = staged[3]()
             self._launched = Launched(iteration, num_microbatches, staged[2], reported)
             self.num_launched += 1

@@ -10,16 +10,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from stalwart.loop.compute_weights import NO_COMPUTE_WEIGHTS
+from stalwart.loop.observer import NULL_OBSERVER, PassHooks
 from stalwart.loop.precision import NullLossScaler
 from stalwart.observability.timer_names import BACKWARD_COMPUTE, BATCH_GENERATOR, FORWARD_COMPUTE
-from stalwart.observability.timers import NullTimer
+from stalwart.observability.timers import NullTimer, Timer
 from stalwart.reliability.rerun import GradCheckState, RerunStateMachine
 
 ForwardStep = Callable[[Any, nn.Module], "torch.Tensor | dict[str, torch.Tensor]"]
@@ -42,8 +43,9 @@ def gradient_sync(model: nn.Module) -> GradientSync:
     """:func:`no_sync` for ``model``, its kind (DDP, FSDP2, neither) looked up once: each
     lookup that misses goes through ``nn.Module.__getattr__``, which raises and catches."""
     if hasattr(model, "no_sync"):
-        ddp_no_sync = model.no_sync
-        return lambda sync: contextlib.nullcontext() if sync else ddp_no_sync()  # type: ignore[operator]
+        # DDP's no_sync() is a context manager; mypy sees a module attribute (Tensor | Module).
+        ddp_no_sync = cast(Callable[[], contextlib.AbstractContextManager[Any]], model.no_sync)
+        return lambda sync: contextlib.nullcontext() if sync else ddp_no_sync()
     set_sync = getattr(model, "set_requires_gradient_sync", None)
     if callable(set_sync):
         return lambda sync: _fsdp2_sync(set_sync, sync)
@@ -87,6 +89,13 @@ def as_output(output: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch
     return output
 
 
+class StepTimers(Protocol):
+    """The run's timers as the step reads them (:class:`stalwart.observability.timers.Timers`;
+    :data:`NO_TIMERS` when nothing is timed)."""
+
+    def __call__(self, name: str, log_level: int | None = None) -> Timer | NullTimer: ...
+
+
 class _NoTimers:
     _timer = NullTimer()
 
@@ -95,7 +104,7 @@ class _NoTimers:
         return self._timer
 
 
-NO_TIMERS: Any = _NoTimers()
+NO_TIMERS: StepTimers = _NoTimers()
 
 
 @dataclass
@@ -120,8 +129,8 @@ class MicroBatches:
     grad_checks: GradCheckState | None = None  # post-backward checks (no DDP)
     gate_group: dist.ProcessGroup | None = None
     zero_grad: str = "none_grads"  # "none_grads" (set to None) | "in_place" | "none"
-    timers: Any = NO_TIMERS
-    observer: Any = None
+    timers: StepTimers = NO_TIMERS
+    observer: PassHooks = NULL_OBSERVER
     # Evaluation under a graph: a per-micro-batch host check would run at capture only, so the
     # step checks the evaluation means on the host instead.
     check_eval_losses: bool = True
@@ -170,10 +179,9 @@ class MicroBatches:
     ) -> dict[str, torch.Tensor]:
         is_last = index == num_microbatches - 1
         # Evaluation is not training compute (and must not replace a training graph's regions).
-        observer = None if forward_only else self.observer
-        if observer is not None:
-            observer.on_microbatch(index, is_last)
-        compute = observer.compute() if observer is not None else contextlib.nullcontext()
+        observer = NULL_OBSERVER if forward_only else self.observer
+        observer.on_microbatch(index, is_last)
+        compute = observer.compute()
         grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
         forward_timer, backward_timer = self.timers(FORWARD_COMPUTE), self.timers(BACKWARD_COMPUTE)
         weights = self.compute_weights.using()  # forward and backward: recompute needs them

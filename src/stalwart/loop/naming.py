@@ -20,7 +20,6 @@ flag of ``stalwart train`` (or a field the CLI has no flag for, spelled as its c
 from __future__ import annotations
 
 import enum
-import typing
 
 # ShellConfig fields whose flag is not "--" + the field's name (negated switches, renames).
 _FLAGS = {
@@ -51,11 +50,29 @@ _FRAMEWORK = {
 }
 
 
+# The class of each ``ShellConfig.<section>``, by its field name. Written out here, not read off
+# ShellConfig, because shell_config imports this module (tests/loop/test_naming.py checks that
+# the two agree).
+SECTION_CLASSES: tuple[tuple[str, str], ...] = (
+    ("sinks", "SinkConfig"),
+    ("timers", "TimerConfig"),
+    ("straggler", "StragglerConfig"),
+    ("memory", "MemoryConfig"),
+    ("energy", "EnergyConfig"),
+    ("dumps", "TensorDumpConfig"),
+    ("profiler", "ProfilerConfig"),
+    ("memory_release", "MemoryReleaseConfig"),
+    ("progress", "ProgressLogConfig"),
+    ("exit", "ExitConfig"),
+    ("ft", "FaultToleranceConfig"),
+    ("rerun", "RerunConfig"),
+    ("log", "LogConfig"),
+)
+
+
 def _config_class(section: str) -> str:
     """The class name of ``ShellConfig.<section>`` (``exit`` -> ``ExitConfig``)."""
-    from stalwart.loop.shell_config import ShellConfig
-
-    return typing.get_type_hints(ShellConfig)[section].__name__  # type: ignore[no-any-return]
+    return dict(SECTION_CLASSES)[section]
 
 
 class Names(enum.Enum):

@@ -7,12 +7,67 @@ guarded step calls (``on_microbatch``, ``compute``, ``iteration_region``, ``grap
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
 
 from stalwart.observability.dumps import NullTensorDumper, TensorDumper
 from stalwart.observability.memory_release import NullMemoryRelease, UnusedMemoryRelease
 from stalwart.observability.straggler import NullStragglerDetector, StragglerDetector
+
+T = TypeVar("T")
+
+
+class PassHooks(Protocol):
+    """What a pass of micro-batches calls: before each micro-batch, around its compute, and
+    the part of it that may run inside a captured graph (None: nothing)."""
+
+    def on_microbatch(self, index: int, is_last: bool) -> None: ...
+
+    def compute(self) -> contextlib.AbstractContextManager[Any]: ...
+
+    def graph_safe(self) -> PassHooks | None: ...
+
+
+class StepHooks(PassHooks, Protocol):
+    """What the guarded step calls besides a pass's hooks (:class:`StepObserver` is the one;
+    :class:`NullStepObserver` the disabled one)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything observes the step (the step skips its regions when not)."""
+        ...
+
+    @property
+    def allows_lookahead(self) -> bool: ...
+
+    def iteration_region(self) -> contextlib.AbstractContextManager[Any]: ...
+
+    def after_forward_backward(self) -> None: ...
+
+
+class NullStepObserver:
+    """Nothing observes the step: every hook does nothing (the step pays nothing)."""
+
+    enabled = False
+    allows_lookahead = True
+
+    def on_microbatch(self, index: int, is_last: bool) -> None:
+        del index, is_last
+
+    def compute(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def graph_safe(self) -> None:
+        return None
+
+    def iteration_region(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def after_forward_backward(self) -> None: ...
+
+
+# Stateless: one instance serves every disabled step.
+NULL_OBSERVER = NullStepObserver()
 
 
 class StepObserver:
@@ -86,3 +141,48 @@ class StepObserver:
         self.straggler.step()
         self.dumper.end_iteration()
         self.memory_release.after_optimizer_step()
+
+
+def in_regions(fb: Callable[..., T], observer: StepHooks) -> Callable[..., T]:
+    """``fb`` with every call inside the observer's ``iteration_region`` (outside any graph);
+    ``fb`` itself when nothing observes the step."""
+    if not observer.enabled:
+        return fb
+    region = observer.iteration_region
+
+    def timed(**kwargs: Any) -> T:
+        with region():
+            return fb(**kwargs)
+
+    return timed
+
+
+def staged_in_regions(
+    stage: Callable[..., Callable[[], T]] | None, observer: StepHooks
+) -> Callable[..., Callable[[], T]] | None:
+    """A graph's ``stage_pass`` whose returned call runs inside the observer's region."""
+    if stage is None or not observer.enabled:
+        return stage
+    region = observer.iteration_region
+
+    def staged(**kwargs: Any) -> Callable[[], T]:
+        fire = stage(**kwargs)
+
+        def run() -> T:
+            with region():
+                return fire()
+
+        return run
+
+    return staged
+
+
+__all__ = [
+    "NULL_OBSERVER",
+    "NullStepObserver",
+    "PassHooks",
+    "StepHooks",
+    "StepObserver",
+    "in_regions",
+    "staged_in_regions",
+]

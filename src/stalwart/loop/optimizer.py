@@ -26,7 +26,7 @@ from stalwart.graphs import (
     clip_scale_of,
     shared_norm,
 )
-from stalwart.loop.microbatches import NO_TIMERS
+from stalwart.loop.microbatches import NO_TIMERS, StepTimers
 from stalwart.loop.precision import NullLossScaler
 from stalwart.observability.timer_names import (
     OPTIMIZER_CLIP_MAIN_GRAD,
@@ -132,7 +132,7 @@ class EagerOptimizer:
     gate: torch.Tensor | None
     loss_scaler: NullLossScaler
     log_num_zeros: bool = False
-    timers: Any = NO_TIMERS
+    timers: StepTimers = NO_TIMERS
     norm_source: GradNormSource | None = None
     gated: bool = field(init=False)
 

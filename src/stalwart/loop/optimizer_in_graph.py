@@ -1,4 +1,5 @@
-"""The optimizer step captured inside the full-iteration CUDA graph (``GraphPlan(optimizer_in_graph=True)``).
+"""The optimizer step captured inside the full-iteration CUDA graph
+(``GraphPlan(optimizer_in_graph=True)``).
 
 One graph replays forward-backward of every micro-batch, the checks, the skip gate, gradient
 clipping and a fused capturable AdamW step: one launch per iteration instead of two, and no
@@ -52,7 +53,8 @@ class InGraphOptimizer:
     """The optimizer half of a plan whose graph holds the step (see the module docstring).
 
     Args:
-        optimizer: fused, capturable, with device-tensor LRs (``make_capturable_adamw(fused=True)``).
+        optimizer: fused, capturable, with device-tensor LRs
+            (``make_capturable_adamw(fused=True)``).
         params: the parameters with gradients (the step's clipping set).
         clip_grad: global gradient-norm clip (0: none; the norm is still computed).
         machine: the rerun machine (whether a pass may be gated on the device).

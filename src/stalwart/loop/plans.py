@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.graphs import FullIterationGraph, GraphContext, GraphMode, OptimizerGraph, StagePhase
 from stalwart.loop.microbatches import NO_TIMERS, MicroBatches, Reported, with_means
+from stalwart.loop.observer import NULL_OBSERVER
 from stalwart.loop.optimizer import EagerOptimizer, GraphedOptimizer, OptimizerRunner
 from stalwart.loop.optimizer_in_graph import InGraphOptimizer, around_passes, with_optimizer_step
 from stalwart.observability.timer_split import make_phase_split
@@ -182,9 +183,13 @@ class GraphPlan:
                 "--log-num-zeros-in-grad (both decide on the host before the step)"
             )
         optimizer = InGraphOptimizer(
-            parts.optimizer, parts.params, clip_grad=parts.clip_grad,
-            machine=parts.micro_batches.machine, gate=eager.gate, norm_source=eager.norm_source,
-        )  # fmt: skip
+            parts.optimizer,
+            parts.params,
+            clip_grad=parts.clip_grad,
+            machine=parts.micro_batches.machine,
+            gate=eager.gate,
+            norm_source=eager.norm_source,
+        )
         logger.info(
             "--cuda-graph-include-optimizer: one graph per iteration, and no speculative launch "
             "of the next iteration: the device idles while the host reads the checks and "
@@ -217,13 +222,13 @@ class GraphPlan:
 def _capturable(micro_batches: MicroBatches) -> MicroBatches:
     """The pass as a graph captures it: no host timers or dump hooks (they would sync, or be
     frozen at capture); straggler compute regions may stay (``graph_safe``)."""
-    observer = micro_batches.observer
+    in_graph = micro_batches.observer.graph_safe()
     return replace(
         micro_batches,
         zero_grad="none",
         check_eval_losses=False,
         timers=NO_TIMERS,
-        observer=observer.graph_safe() if hasattr(observer, "graph_safe") else None,
+        observer=in_graph if in_graph is not None else NULL_OBSERVER,
     )
 
 

@@ -29,8 +29,8 @@ from stalwart.reliability.rewind import RewindPolicy, RewindRecord
 
 if TYPE_CHECKING:
     from stalwart.loop.checkpointing import Checkpointer
-    from stalwart.loop.shell import Shell
-    from stalwart.loop.shell_config import ShellConfig
+    from stalwart.loop.shell_settings import ShellSettings
+    from stalwart.loop.shell_view import ShellView
 
 
 class Rewinder:
@@ -70,7 +70,7 @@ class Rewinder:
                     group["lr"] = old
 
     def rewind(
-        self, shell: Shell, request: SpikeRewind, checkpointer: Checkpointer | None
+        self, shell: ShellView, request: SpikeRewind, checkpointer: Checkpointer | None
     ) -> RewindRecord:
         """Restore ``checkpointer``'s newest snapshot (collective; None or no snapshot yet: the
         iteration's start, already restored), skip the window, record it (see the module
@@ -97,7 +97,7 @@ class Rewinder:
         return record
 
     def _report(
-        self, shell: Shell, request: SpikeRewind, record: RewindRecord, loaded: Any
+        self, shell: ShellView, request: SpikeRewind, record: RewindRecord, loaded: Any
     ) -> None:
         """The tracker lines (rank 0: one per skipped iteration), the run's event, one line."""
         policy, reporter = self.policy, shell.machine.reporter
@@ -122,7 +122,7 @@ class Rewinder:
         shell.event(EventKind.RERUN, line, iteration=record.restored)
 
 
-def _finalize(shell: Shell, checkpointer: Checkpointer) -> None:
+def _finalize(shell: ShellView, checkpointer: Checkpointer) -> None:
     """Complete a pending async save, timed as an exit completes it."""
     if not checkpointer.async_save:
         return
@@ -135,7 +135,7 @@ def _finalize(shell: Shell, checkpointer: Checkpointer) -> None:
 
 
 def check_rewindable(
-    config: ShellConfig, names: Names, data: Any, plan: Any, *, registered: bool = True
+    config: ShellSettings, names: Names, data: Any, plan: Any, *, registered: bool = True
 ) -> None:
     """``rerun.rewind_on_spike`` needs a data iterator that can go back to a snapshot's
     position (and is registered with the checkpointer: ``registered``), and no captured graph

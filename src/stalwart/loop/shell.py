@@ -40,17 +40,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from stalwart.graphs.compile_cache import CompileBooking, CompileCounts, NullCompileCache
+from stalwart.compile import NullCompileCache
 from stalwart.loop.checkpointing import Checkpointer, LoopState, RngState
+from stalwart.loop.compile_booking import CompileBooking
 from stalwart.loop.iterations import Iteration, Iterations
 from stalwart.loop.naming import Names
-from stalwart.loop.observer import StepObserver
+from stalwart.loop.observer import NULL_OBSERVER, StepObserver
 from stalwart.loop.rewind import check_rewindable
-from stalwart.loop.shell_config import ShellConfig
 from stalwart.loop.shell_exit import ExitPath
+from stalwart.loop.shell_iteration import IterationScope
+from stalwart.loop.shell_log import ShellLog, params_norm
 from stalwart.loop.shell_parts import Probes, Reliability
+from stalwart.loop.shell_settings import ShellSettings
 from stalwart.loop.step import GuardedStep, StepResult
-from stalwart.observability.goodput import Bucket, CompileSource
 from stalwart.observability.run_dir import EventKind, RunPaths, append_event
 from stalwart.observability.timer_names import INTERVAL_TIME
 from stalwart.observability.train_log import TensorOrScalar, TrainingLog
@@ -72,7 +74,7 @@ class Shell:
 
     def __init__(
         self,
-        config: ShellConfig,
+        config: ShellSettings,
         *,
         rank: int,
         world_size: int,
@@ -94,7 +96,6 @@ class Shell:
         self._step: GuardedStep | None = None
         self._model: nn.Module | None = None  # the unwrapped model (replica check, norms)
         self._began = False  # an iteration began: a ValueError now is no refused start
-        self._log: TrainingLog | None = None  # built at its first use (after set_flops)
         # Before anything is built or written: a refused start leaves nothing behind.
         config.check(names, device=device, world_size=world_size)
         try:
@@ -147,12 +148,36 @@ class Shell:
         self.energy, self.saves, self.profiler = probes.energy, probes.saves, probes.profiler
         self.memory_release, self.progress = probes.memory_release, probes.progress
         self.observer: StepObserver = probes.observer
-        self._providers = probes.providers
+        self._build_own(compile_cache, probes.providers)
+
+    def _build_own(self, compile_cache: Any, providers: list[Any]) -> None:
+        """What the shell keeps itself: the compile booking, the iteration's scope and the
+        training log."""
         self.compiles = CompileBooking(
             compile_cache or NullCompileCache(), self.ledger, enabled=True
         )
-        self._flops: float | None = None
-        self._peak_tflops: float | None = None
+        self._scope = IterationScope(
+            self.iterations,
+            ledger=self.ledger,
+            sections=self.sections,
+            profiler=self.profiler,
+            memory_release=self.memory_release,
+            rewinder=self.rewinder,
+            compiles=self.compiles,
+            skip_setting=self.names.spell("rerun.iterations_to_skip"),
+            announce=self._announce_skip,
+        )
+        self._records = ShellLog(
+            self.config,
+            self.names,
+            rank=self.rank,
+            world_size=self.world_size,
+            sink=self.sink,
+            timers=self.timers,
+            providers=providers,
+            print_fn=self.print,
+            stack=self._exit,
+        )
 
     def _say(self, line: str) -> None:
         """A line of the run's own (rank 0), flushed: the probes' reports (printed above the
@@ -194,7 +219,8 @@ class Shell:
             num_microbatches=num_microbatches,
             agreement=self.agreement,
             timers=self.timers,
-            observer=self.observer if self.observer.enabled else None,
+            # A disabled observer's step pays nothing for it.
+            observer=self.observer if self.observer.enabled else NULL_OBSERVER,
             log_num_zeros=cfg.log.log_num_zeros_in_grad,
             goodput=self.ledger,
             **options,
@@ -213,37 +239,12 @@ class Shell:
     ) -> None:
         """The whole job's FLOPs of one iteration (``stalwart.observability.flop_count``), for
         TFLOP/s (``LogConfig.log_throughput``) and MFU; before the first :meth:`record`."""
-        if self._log is not None:
-            raise RuntimeError("Shell.set_flops: the training log is already built")
-        self._flops, self._peak_tflops = float(flops_per_iteration), peak_tflops_per_gpu
+        self._records.set_flops(flops_per_iteration, peak_tflops_per_gpu)
 
     @property
     def log(self) -> TrainingLog:
         """The training log, built at its first use (after :meth:`set_flops`, if any)."""
-        if self._log is None:
-            cfg = self.config
-            if cfg.log.log_throughput and self._flops is None:
-                raise ValueError(
-                    f"{self.names.spell('log.log_throughput')}: the model's FLOPs are not "
-                    "known yet; call Shell.set_flops first (stalwart.observability.flop_count)"
-                )
-            metrics = cfg.sinks.metrics_path(cfg.artefact_dir) if self.rank == 0 else None
-            self._log = TrainingLog(
-                cfg.log,
-                train_iters=cfg.train_iters,
-                sink=self.sink,
-                timers=self.timers,
-                rank=self.rank,
-                world_size=self.world_size,
-                flops_per_iteration=self._flops,
-                metrics_file=metrics,
-                extra_providers=self._providers,
-                print_fn=self.print,
-                seq_length=cfg.seq_length,
-                peak_tflops_per_gpu=self._peak_tflops,
-            )
-            self._exit.callback(self._log.close)
-        return self._log
+        return self._records.log
 
     @property
     def watched(self) -> nn.Module | None:
@@ -253,7 +254,7 @@ class Shell:
     @property
     def built_log(self) -> TrainingLog | None:
         """The training log if it was built (None before its first use)."""
-        return self._log
+        return self._records.built
 
     @property
     def guarded(self) -> GuardedStep | None:
@@ -263,7 +264,7 @@ class Shell:
     @property
     def flops_per_iteration(self) -> float | None:
         """What :meth:`set_flops` was given (None before)."""
-        return self._flops
+        return self._records.flops
 
     # ------------------------------------------------------------------------ its state
     @property
@@ -298,20 +299,14 @@ class Shell:
         (``train_state``), ``data`` (the loop's data iterator), every RNG (``rng``) and the
         rerun machine (``rerun``). ``common`` / ``per_rank``: the loop's other parts;
         ``options``: ``Checkpointer``'s (``check_common``, ``upgrade_common``)."""
+        check_rewindable(self.config, self.names, data, None, registered=data is not None)
         parts: dict[str, Any] = {} if self._step is None else {"step": self._step}
         parts["train_state"] = self.state
-        check_rewindable(self.config, self.names, data, None, registered=data is not None)
         if data is not None:
             parts["data"] = data
         own = {"rng": RngState(self.machine.rng), "rerun": self.machine}
-        return Checkpointer(
-            manager,
-            model,
-            optimizer,
-            common={**parts, **(common or {})},
-            per_rank={**own, **(per_rank or {})},
-            **options,
-        )
+        common, per_rank = {**parts, **(common or {})}, {**own, **(per_rank or {})}
+        return Checkpointer(manager, model, optimizer, common=common, per_rank=per_rank, **options)
 
     # ------------------------------------------------------------------------ the run
     def handle_signals(self) -> None:
@@ -360,46 +355,15 @@ class Shell:
         compile time when it compiled or captured a graph, as rerun time when it was
         rejected), the watchdog's step section, the observer's iteration (dumps, stragglers,
         memory release). A skipped one says so here; a rejected one is not counted."""
-        it = self.iterations.begin()
-        if it.skipped:
-            self._announce_skip(it.number)
-        self.profiler.on_iteration_start(it.number - 1)
-        observer = self.observer  # a framework may build the step inside its first step
-        captures = self._step.capture_state if self._step is not None else None
-        before = self._compile_counts()
-        self._began = True
-        try:
-            with self.ledger.step(it.number) as span:
-                with self.sections.step_section():
-                    observer.begin_iteration(it.number)
-                    optimizer = self._step.optimizer if self._step is not None else None
-                    with self.rewinder.scaled_lr(optimizer, it.number):  # after rewinds
-                        yield it
-                    observer.end_iteration()
-                step = self._step
-                if step is not None and captures is not None and step.capture_state != captures:
-                    span.reclassify(Bucket.COMPILE, CompileSource.CAPTURE)
-                self.compiles.book(span, before)  # it compiled: cold, or warm from a cache
-                rejected = step is not None and step.rejected
-                if rejected:
-                    span.abandon(Bucket.RERUN)  # its passes validated, nothing advanced
-        except BaseException:
-            self.iterations.end(done=False)
-            raise
-        self.iterations.end(done=not rejected)
-        self.compiles.save()  # outside the step: writing the cache's artifacts is compile time
-        self.profiler.on_iteration_end(it.number)
-        if step is None:
+        with self._scope.iteration(self.observer, lambda: self._step, self._begin) as it:
+            yield it
+        if self._step is None:
             self.refuse_without_step()
 
-    def _compile_counts(self) -> CompileCounts | None:
-        """torch's compile counters before an iteration, once anything was compiled (Dynamo
-        imported: a loop that never compiles pays nothing)."""
-        return self.compiles.mark() if "torch._dynamo" in sys.modules else None
+    def _begin(self) -> None:
+        self._began = True  # an iteration began: a ValueError now is no refused start
 
-    def _announce_skip(self, number: int) -> None:
-        rewound = number in self.iterations.rewound
-        why = "spike rewind" if rewound else self.names.spell("rerun.iterations_to_skip")
+    def _announce_skip(self, number: int, why: str) -> None:
         self.print(f"skipping iteration {number} ({why})")
         self.event(EventKind.SKIPPED, why, iteration=number)
 
@@ -424,31 +388,15 @@ class Shell:
         ``TrainingLog.on_iteration``'s (``learning_rate``, ``grad_norm``, ``loss_scale``, ...).
         Returns the log step's metrics record on rank 0 (host values: what a framework's own
         loggers are offered), None on other iterations and ranks."""
-        if result is not None and result.verdict.rejected:
-            return None
-        state, iteration = self.state, self.completed
-        state.consumed_samples = (
-            state.consumed_samples + batch_size if consumed_samples is None else consumed_samples
-        )
-        if result is not None:
-            losses = result.losses
-            values = {
-                "grad_norm": result.grad_norm,
-                "num_zeros": result.num_zeros,
-                "skipped": result.skipped,
-                **values,
-            }
-        values = {"learning_rate": None, "grad_norm": None, "skipped": False, **values}
-        log = self.config.log
-        is_log = iteration % log.log_interval == 0 or iteration in (1, self.config.train_iters)
-        if log.log_params_norm and is_log and self._model is not None:
-            values.setdefault("params_norm", params_norm(self._model))
-        return self.log.on_iteration(
-            iteration,
-            losses=losses or {},
-            global_batch_size=batch_size,
-            consumed_samples=state.consumed_samples,
-            **values,
+        return self._records.record(
+            self.completed,
+            self.state,
+            self._model,
+            result,
+            batch_size=batch_size,
+            losses=losses,
+            consumed_samples=consumed_samples,
+            values=values,
         )
 
     @contextlib.contextmanager
@@ -456,24 +404,20 @@ class Shell:
         """Around an evaluation: goodput's evaluation bucket (its compiles booked as compile
         time) and the watchdog's evaluation. The next :meth:`decide` agrees on the exit inputs
         again (a signal received during the evaluation ends the run at this iteration)."""
-        self.sections.start_evaluation()
-        before = self._compile_counts()
-        with self.ledger.span(Bucket.EVALUATION):
+        with self._scope.evaluation():
             yield
-        self.compiles.book(None, before)  # the evaluation's own graphs go into the cache too
-        self.compiles.save()
         self.exits.evaluated = True  # the next decide agrees on the exit inputs again
 
     @contextlib.contextmanager
     def eval_iteration(self) -> Iterator[None]:
         """One evaluation iteration: the watchdog's section, then the memory release."""
-        with self.sections.step_section(is_eval=True):
+        with self._scope.eval_iteration():
             yield
-        self.memory_release.after_eval_step()
 
     def record_eval(self, losses: Mapping[str, TensorOrScalar], *, suffix: str = "") -> None:
         """An evaluation's mean losses after the completed iterations: Megatron's validation
-        lines, the sinks' ``<key> validation`` (and perplexity, ``log_validation_ppl_to_tensorboard``)."""
+        lines, the sinks' ``<key> validation`` (and perplexity,
+        ``log_validation_ppl_to_tensorboard``)."""
         self.log.on_eval(
             self.completed, losses, consumed_samples=self.state.consumed_samples, suffix=suffix
         )
@@ -565,10 +509,4 @@ class Shell:
         self.close()
 
 
-def params_norm(model: nn.Module) -> torch.Tensor:
-    """L2 norm of all parameters (device tensor, ``log_params_norm``)."""
-    norms = torch._foreach_norm([p.detach() for p in model.parameters()])
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
-__all__ = ["Shell", "ShellConfig", "params_norm"]
+__all__ = ["Shell", "params_norm"]

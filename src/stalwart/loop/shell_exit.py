@@ -26,7 +26,7 @@ from stalwart.reliability.hang.sections import Section
 from stalwart.reliability.rerun import RerunVerdict
 
 if TYPE_CHECKING:
-    from stalwart.loop.shell import Shell
+    from stalwart.loop.shell_view import ShellView
 
 logger = logging.getLogger("stalwart.loop.shell")
 
@@ -35,7 +35,7 @@ class ExitPath:
     """Saves and the exit of one :class:`~stalwart.loop.Shell` (its parts: sections, save
     timing, energy, ``progress.txt``, ledger, log)."""
 
-    def __init__(self, shell: Shell) -> None:
+    def __init__(self, shell: ShellView) -> None:
         self.shell = shell
         self.code: int | None = None  # what finish() returned
         self._checkpoints: dict[int, str] = {}  # a framework's checkpoint names by iteration

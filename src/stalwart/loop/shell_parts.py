@@ -20,7 +20,7 @@ import torch
 
 from stalwart.loop.observer import StepObserver
 from stalwart.loop.rewind import Rewinder
-from stalwart.loop.shell_config import ShellConfig
+from stalwart.loop.shell_settings import ShellSettings
 from stalwart.observability.dumps import NullTensorDumper
 from stalwart.observability.goodput import GOODPUT_FILE, make_goodput_ledger
 from stalwart.observability.save_timing import SaveTiming
@@ -52,7 +52,7 @@ class Reliability:
     @classmethod
     def build(
         cls,
-        config: ShellConfig,
+        config: ShellSettings,
         *,
         rank: int,
         device: torch.device,
@@ -116,9 +116,9 @@ def rewind_policy(config: RerunConfig) -> RewindPolicy:
 
 @dataclass
 class Probes:
-    """Timers, the sinks (built first by the shell), stragglers, memory, energy, save timing, the memory release, the
-    profiler window, ``progress.txt`` and the step's observer (no dumps until a step exists);
-    ``providers``: what the training log's line shows besides its own fields."""
+    """Timers, the sinks (built first by the shell), stragglers, memory, energy, save timing, the
+    memory release, the profiler window, ``progress.txt`` and the step's observer (no dumps until a
+    step exists); ``providers``: what the training log's line shows besides its own fields."""
 
     timers: Any
     sink: Any
@@ -135,7 +135,7 @@ class Probes:
     @classmethod
     def build(
         cls,
-        config: ShellConfig,
+        config: ShellSettings,
         *,
         rank: int,
         world_size: int,

@@ -39,8 +39,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from stalwart.loop.compute_weights import NO_COMPUTE_WEIGHTS, ComputeWeights
+from stalwart.loop.compute_weights import (
+    NO_COMPUTE_WEIGHTS,
+    ComputeWeights,
+    check_compute_weights,
+)
 from stalwart.loop.data_parallel_grads import ReducedGradChecks
+from stalwart.loop.evaluation import evaluate
 from stalwart.loop.iterations import Iteration
 from stalwart.loop.lookahead import LookAhead
 from stalwart.loop.microbatches import (
@@ -48,11 +53,15 @@ from stalwart.loop.microbatches import (
     ForwardStep,
     MicroBatches,
     Reported,
+    StepTimers,
     average_reported,
 )
+from stalwart.loop.observer import NULL_OBSERVER, StepHooks, in_regions, staged_in_regions
 from stalwart.loop.optimizer import EagerOptimizer, Stepped
 from stalwart.loop.plans import EagerPlan, GraphPlan, PlanParts
 from stalwart.loop.precision import NullLossScaler
+from stalwart.observability.goodput import GoodputLedger, NullGoodputLedger
+from stalwart.observability.goodput.records import Bucket
 from stalwart.observability.timer_names import FORWARD_BACKWARD, OPTIMIZER
 from stalwart.reliability.exit import Agreed, IterationAgreement
 from stalwart.reliability.rerun import (
@@ -84,6 +93,10 @@ class StepResult:
     agreed: Agreed = field(default_factory=Agreed)
 
 
+# Stateless: the ledger of a step that books no goodput.
+NO_LEDGER = NullGoodputLedger()
+
+
 class GuardedStep:
     """One guarded training iteration (see the module docstring).
 
@@ -107,10 +120,14 @@ class GuardedStep:
         lookahead: launch the next iteration before the read when possible.
         dp_group: the data-parallel group (reported values, the gate's max-reduction).
         agreement: the machine's :class:`IterationAgreement`, to return the exit inputs.
-        timers / observer / log_num_zeros: the trainer's timers, stragglers+dumps, zeros count.
-            An observer with ``iteration_region()`` times every forward-backward call (its
-            communication), one with ``graph_safe()`` keeps its compute regions in a graph.
-        goodput: a :class:`stalwart.observability.goodput.GoodputLedger`: rerun passes go to
+        timers / observer / log_num_zeros: the run's timers (default: none timed), the
+            :class:`stalwart.loop.observer.StepHooks` (a :class:`StepObserver`: stragglers,
+            dumps, the memory release; default: the null one, which costs nothing), the zeros
+            count. An enabled observer's ``iteration_region()`` times every forward-backward
+            call (its communication); its ``graph_safe()`` part keeps its compute regions in a
+            graph.
+        goodput: a :class:`stalwart.observability.goodput.GoodputLedger` (default: the null
+            one, nothing booked): rerun passes go to
             its ``rerun`` bucket (the loop wraps ``run`` in ``ledger.step``); the look-ahead's
             work is booked with the iteration it belongs to (``ledger.ahead``; a dropped
             launch stays where it ran).
@@ -135,10 +152,10 @@ class GuardedStep:
         lookahead: bool = True,
         dp_group: dist.ProcessGroup | None = None,
         agreement: IterationAgreement | None = None,
-        timers: Any = None,
-        observer: Any = None,
+        timers: StepTimers = NO_TIMERS,
+        observer: StepHooks = NULL_OBSERVER,
         log_num_zeros: bool = False,
-        goodput: Any = None,
+        goodput: GoodputLedger | NullGoodputLedger = NO_LEDGER,
         backward: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if num_microbatches < 1:
@@ -148,8 +165,7 @@ class GuardedStep:
         self.loss_scaler = loss_scaler or NullLossScaler()
         self.dp_group = dp_group
         self.agreement = agreement
-        self.timers = timers or NO_TIMERS
-        self.observer = observer
+        self.timers, self.observer = timers, observer
         self.params, self.param_names = _trained_parameters(model)
         device = self.params[0].device if self.params else torch.device("cpu")
         recorder = machine.recorder
@@ -158,26 +174,43 @@ class GuardedStep:
         micro_batches = self._micro_batches(
             forward_step, device, gate_group, autocast, compute_weights, backward
         )
-        eager_optimizer = EagerOptimizer(
-            optimizer, self.params, clip_grad=clip_grad,
-            gate=buffer.gate if buffer is not None else None,
-            loss_scaler=self.loss_scaler, log_num_zeros=log_num_zeros, timers=self.timers,
-            norm_source=micro_batches.grad_checks,  # the clip reuses the check's norm
-        )  # fmt: skip
+        gate = buffer.gate if buffer is not None else None
+        eager_optimizer = self._eager_optimizer(gate, micro_batches, clip_grad, log_num_zeros)
         parts = PlanParts(model, optimizer, self.params, micro_batches, eager_optimizer, clip_grad)
         self.runners = (plan or EagerPlan()).build(parts)
         self._goodput = goodput
         self.rejected = False  # whether the last run() was rejected (exit 16/17, a rewind)
-        self._forward_backward = _in_regions(self.runners.forward_backward, observer)
-        # e.g. release cached memory after each forward-backward (looked up once, not per pass)
-        self._after_forward_backward = getattr(observer, "after_forward_backward", None)
-        allows = getattr(observer, "allows_lookahead", True)
+        self._observe(observer, lookahead)
+        self._closed = False
+
+    def _eager_optimizer(
+        self, gate: Any, micro_batches: MicroBatches, clip_grad: float, log_num_zeros: bool
+    ) -> EagerOptimizer:
+        """The optimizer step outside a graph, behind the check buffer's ``gate``."""
+        return EagerOptimizer(
+            self.optimizer,
+            self.params,
+            clip_grad=clip_grad,
+            gate=gate,
+            loss_scaler=self.loss_scaler,
+            log_num_zeros=log_num_zeros,
+            timers=self.timers,
+            norm_source=micro_batches.grad_checks,  # the clip reuses the check's norm
+        )
+
+    def _observe(self, observer: StepHooks, lookahead: bool) -> None:
+        """The observer's regions around each forward-backward call and the look-ahead's."""
+        self._forward_backward = in_regions(self.runners.forward_backward, observer)
+        allows = observer.allows_lookahead
         self.lookahead_enabled = lookahead and allows and self.runners.optimizer.gated
         self._lookahead = LookAhead(
-            machine, data, self._forward_backward, self.runners.splittable,
-            self.runners.lookahead_ready, _staged_in_regions(self.runners.stage_pass, observer),
-        )  # fmt: skip
-        self._closed = False
+            self.machine,
+            self.data,
+            self._forward_backward,
+            self.runners.splittable,
+            self.runners.lookahead_ready,
+            staged_in_regions(self.runners.stage_pass, observer),
+        )
 
     def _micro_batches(
         self,
@@ -188,18 +221,25 @@ class GuardedStep:
         compute_weights: ComputeWeights | None,
         backward: Callable[[torch.Tensor], None] | None,
     ) -> MicroBatches:
-        _check_compute_weights(compute_weights, self.model, autocast)
+        check_compute_weights(compute_weights, self.model, autocast)
         # DDP under compute copies: the micro-batches run on the unwrapped module (DDP's hooks
         # sit on the fp32 parameters the forward no longer uses) and the pass's end reduces.
         reduced = compute_weights is not None and isinstance(self.model, DistributedDataParallel)
         runs_on = cast(nn.Module, self.model.module) if reduced else self.model
         return MicroBatches(
-            runs_on, forward_step, self.machine, device,
-            self.loss_scaler, autocast or contextlib.nullcontext,
-            grad_checks=self._grad_checks(gate_group, reduced), gate_group=gate_group,
-            timers=self.timers, observer=self.observer, backward=backward,
+            runs_on,
+            forward_step,
+            self.machine,
+            device,
+            self.loss_scaler,
+            autocast or contextlib.nullcontext,
+            grad_checks=self._grad_checks(gate_group, reduced),
+            gate_group=gate_group,
+            timers=self.timers,
+            observer=self.observer,
+            backward=backward,
             compute_weights=compute_weights or NO_COMPUTE_WEIGHTS,
-        )  # fmt: skip
+        )
 
     def _grad_checks(self, group: dist.ProcessGroup | None, reduced: bool) -> GradCheckState | None:
         """Per-bucket gradient checks: DDP's comm hook (before its all-reduce), else after the
@@ -318,10 +358,8 @@ class GuardedStep:
 
     def _rerun_span(self, passes: int) -> contextlib.AbstractContextManager[Any]:
         """A replay of the iteration is the goodput ledger's rerun time."""
-        if passes == 0 or self._goodput is None:
+        if passes == 0:
             return contextlib.nullcontext()
-        from stalwart.observability.goodput.records import Bucket
-
         return self._goodput.span(Bucket.RERUN)
 
     @property
@@ -341,8 +379,8 @@ class GuardedStep:
         else:
             rest = fb(data_iterator=self.data, num_microbatches=n, first=len(launched.batches))
             reported = launched.reported + rest
-        if self._after_forward_backward is not None:
-            self._after_forward_backward()  # outside any graph
+        # e.g. release cached memory after each forward-backward; outside any graph
+        self.observer.after_forward_backward()
         timer.stop()
         return reported
 
@@ -359,14 +397,11 @@ class GuardedStep:
             timer.stop()
 
     def _ahead_span(self) -> contextlib.AbstractContextManager[Any]:
-        ahead = getattr(self._goodput, "ahead", None)
-        return ahead() if ahead is not None else contextlib.nullcontext()
+        return self._goodput.ahead()
 
     def _dropped_ahead(self) -> None:
         """A launch was dropped: the ledger keeps its time where it ran."""
-        drop = getattr(self._goodput, "drop_ahead", None)
-        if drop is not None:
-            drop()
+        self._goodput.drop_ahead()
 
     def _optimizer_step(self, gated: bool, overlap: bool = True) -> Stepped:
         if getattr(self.runners.optimizer, "stepped_in_pass", False):
@@ -421,8 +456,6 @@ class GuardedStep:
 
         Returns host floats (one deliberate sync at the end).
         """
-        from stalwart.loop.evaluation import evaluate
-
         self.settle()
         return evaluate(self, data_iterator, eval_iters, num_microbatches, each_iteration)
 
@@ -452,64 +485,6 @@ class GuardedStep:
         self._closed = True
         self._lookahead.forget()
         self.runners.close()
-
-
-def _check_compute_weights(
-    weights: ComputeWeights | None, model: nn.Module, autocast: Callable[..., Any] | None
-) -> None:
-    """Compute copies need the forward under autocast (their matmuls take the activations in
-    the copies' dtype) and the fp32 parameters' ``.grad`` filled by them, not by FSDP2's
-    hooks (DDP's reduction the step does itself)."""
-    if weights is None:
-        return
-    if autocast is None:
-        raise ValueError(
-            "GuardedStep(compute_weights=...) needs autocast= to the copies' dtype (--bf16)"
-        )
-    if hasattr(model, "set_requires_gradient_sync"):
-        raise ValueError(FSDP2_COMPUTE_WEIGHTS_MESSAGE)
-
-
-FSDP2_COMPUTE_WEIGHTS_MESSAGE = (
-    "--bf16-compute-weights is not supported with --use-torch-fsdp2: FSDP2 reduces the sharded "
-    "fp32 parameters' gradients in its own hooks, which the copies bypass. FSDP2's equivalent "
-    "is its MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) "
-    "(fully_shard(..., mp_policy=...): bf16 parameters gathered from the fp32 shards, fp32 "
-    "gradient reduction); the reference trainer's --use-torch-fsdp2 runs under bf16 autocast"
-)
-
-
-def _in_regions(fb: Callable[..., Reported], observer: Any) -> Callable[..., Reported]:
-    """``fb`` with every call inside the observer's ``iteration_region`` (outside any graph)."""
-    region = getattr(observer, "iteration_region", None)
-    if region is None:
-        return fb
-
-    def timed(**kwargs: Any) -> Reported:
-        with region():
-            return fb(**kwargs)
-
-    return timed
-
-
-def _staged_in_regions(
-    stage: Callable[..., Callable[[], Reported]] | None, observer: Any
-) -> Callable[..., Callable[[], Reported]] | None:
-    """A graph's ``stage_pass`` whose returned call runs inside the observer's region."""
-    region = getattr(observer, "iteration_region", None)
-    if stage is None or region is None:
-        return stage
-
-    def staged(**kwargs: Any) -> Callable[[], Reported]:
-        fire = stage(**kwargs)
-
-        def run() -> Reported:
-            with region():
-                return fire()
-
-        return run
-
-    return staged
 
 
 def _index(number: int) -> int:

@@ -78,7 +78,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """Two-layer MLP (GELU, or SwiGLU with ``[gate | up]`` from ``fc1``); returns ``(out, None)``."""
+    """Two-layer MLP (GELU, or SwiGLU with ``[gate | up]`` from ``fc1``); returns ``(out,
+    None)``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()

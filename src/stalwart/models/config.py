@@ -295,7 +295,8 @@ class GPTConfig:
             or not 1 <= count <= self.num_layers
         ):
             raise ValueError(
-                f"--recompute-num-layers must be an integer in [1, --num-layers={self.num_layers}], "
+                "--recompute-num-layers must be an integer in [1, "
+                f"--num-layers={self.num_layers}], "
                 f"got {count!r}"
             )
         if method is RecomputeMethod.UNIFORM and self.num_layers % count:

@@ -221,5 +221,7 @@ def linear_cross_entropy(
     if main_grad is None:
         loss, _ = _linear_ce(rows, weight.to(dtype), targets, ignore_index)
     else:
-        loss, _ = _linear_ce_acc(rows, weight.to(dtype), targets, ignore_index, main_grad, fp32_wgrad)  # fmt: skip
+        loss, _ = _linear_ce_acc(
+            rows, weight.to(dtype), targets, ignore_index, main_grad, fp32_wgrad
+        )
     return loss

@@ -237,9 +237,8 @@ class GPT(nn.Module):
             if isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 slots += [(module, n, p) for n, p in module.named_parameters(recurse=False)]
         if self.position_embeddings is not None:
-            slots.append(
-                (self.position_embeddings, "weight", self.position_embeddings.weight)  # type: ignore[arg-type]
-            )
+            table = self.position_embeddings
+            slots.append((table, "weight", table.weight))  # type: ignore[arg-type]
         return slots
 
     def _run_layers(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -13,7 +13,8 @@ biases (``--disable-bias-linear``) the export writes zero biases, which GPT-2 ad
 A Llama-architecture `GPTConfig` (RoPE, RMSNorm, SwiGLU, no biases, dense MLP: the ``llama-*``
 presets) is the same function as ``transformers``' Llama: the fused ``attn.qkv`` splits into
 ``q_proj | k_proj | v_proj``, ``mlp.fc1`` into ``gate_proj | up_proj``, and RoPE is the same
-rotate-half layout with the same frequencies (Llama 3.x scaling as ``rope_scaling``). Pure functions of the config and the state dict::
+rotate-half layout with the same frequencies (Llama 3.x scaling as ``rope_scaling``). Pure functions
+of the config and the state dict::
 
     >>> from stalwart.models import GPT, preset_model_config
     >>> cfg = preset_model_config("llama-tiny", num_layers=1, hidden_size=32, vocab_size=64,
@@ -110,17 +111,19 @@ def hf_llama_state(config: GPTConfig, state: Mapping[str, torch.Tensor]) -> dict
         src, dst = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = state[src + "attn.qkv.weight"].split([h, kv, kv], dim=0)
         gate, up = state[src + "mlp.fc1.weight"].chunk(2, dim=0)
-        out.update({
-            dst + "input_layernorm.weight": state[src + "ln1.weight"],
-            dst + "self_attn.q_proj.weight": q,
-            dst + "self_attn.k_proj.weight": k,
-            dst + "self_attn.v_proj.weight": v,
-            dst + "self_attn.o_proj.weight": state[src + "attn.proj.weight"],
-            dst + "post_attention_layernorm.weight": state[src + "ln2.weight"],
-            dst + "mlp.gate_proj.weight": gate,
-            dst + "mlp.up_proj.weight": up,
-            dst + "mlp.down_proj.weight": state[src + "mlp.fc2.weight"],
-        })  # fmt: skip
+        out.update(
+            {
+                dst + "input_layernorm.weight": state[src + "ln1.weight"],
+                dst + "self_attn.q_proj.weight": q,
+                dst + "self_attn.k_proj.weight": k,
+                dst + "self_attn.v_proj.weight": v,
+                dst + "self_attn.o_proj.weight": state[src + "attn.proj.weight"],
+                dst + "post_attention_layernorm.weight": state[src + "ln2.weight"],
+                dst + "mlp.gate_proj.weight": gate,
+                dst + "mlp.up_proj.weight": up,
+                dst + "mlp.down_proj.weight": state[src + "mlp.fc2.weight"],
+            }
+        )
     out["model.norm.weight"] = state["final_layernorm.weight"]
     if config.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = state["output_layer.weight"]

@@ -55,8 +55,8 @@ Activation recompute (``stalwart.models.recompute``):
         fp32 input) instead of its layers' activations. Two moments can be the peak: the loss
         backward (as without recompute) and the backward of a recomputed unit, which holds that
         unit's recomputed activations and weight copies and what the units before it keep, while
-        the head and the later layers are done; during that backward the hidden-state gradient 4*t*h and
-        the widest gradient, fc1's output e*t*f1 (M rows for MoE), are alive too.
+        the head and the later layers are done; during that backward the hidden-state gradient
+        4*t*h and the widest gradient, fc1's output e*t*f1 (M rows for MoE), are alive too.
 
     activation_bytes = max(L_kept*(attention + MLP) + stored unit inputs + embedding + head
                            + transient,  the recomputed-unit backward moment)
@@ -200,7 +200,8 @@ def compute_weight_parameters(cfg: GPTConfig) -> int:
 
 
 def _residual_bytes(cfg: GPTConfig, bf16: bool) -> float:
-    """Bytes per element of the residual stream between layers (2: ``--bf16-residual-connection``)."""
+    """Bytes per element of the residual stream between layers (2:
+    ``--bf16-residual-connection``)."""
     return 2.0 if bf16 and cfg.bf16_residual_connection else 4.0
 
 
@@ -378,6 +379,41 @@ def _weight_terms(
     return bpp * n - copies_dropped, bpp, terms
 
 
+def _peak_activation(
+    config: GPTConfig,
+    micro_batch_size: int,
+    bf16: bool,
+    norms: tuple[bool, bool],
+    copies: int | None,
+    grad_accumulation_fusion: bool,
+) -> tuple[float, dict[str, float]]:
+    """The activation peak of one micro-batch and its breakdown terms: the larger of the
+    forward's kept activations, a recomputed unit's backward moment and the compute copies'
+    bf16 weight gradients (``norms``: fused RMSNorm, norms upcast; ``copies``: the compute
+    copies' parameters, None without them)."""
+    fused_rms_norm, upcast = norms
+    acts = activation_breakdown(config, micro_batch_size, bf16, fused_rms_norm, upcast)
+    terms = {f"activation.{k}": val for k, val in acts.items()}
+    norm_input = _norm_input_bytes(config, bf16, upcast)
+    compute_weights = copies is not None
+    backward_unit = _recompute_backward_bytes(
+        config,
+        micro_batch_size,
+        bf16,
+        fused_rms_norm,
+        acts["embedding"],
+        norm_input,
+        compute_weights,
+    )
+    if backward_unit:
+        terms["activation_recompute_backward_moment"] = backward_unit
+    # bf16 grads before the add
+    grads_moment = 0.0 if grad_accumulation_fusion else 2.0 * (copies or 0)
+    if grads_moment:
+        terms["activation_compute_weight_grads_moment"] = grads_moment
+    return max(sum(acts.values()), backward_unit, grads_moment), terms
+
+
 def theoretical_memory(
     config: GPTConfig,
     micro_batch_size: int,
@@ -412,21 +448,19 @@ def theoretical_memory(
     _check_estimate_args(micro_batch_size, dp_size, bf16, compute_weights)
     n = num_parameters if num_parameters is not None else count_parameters(config)
     upcast = fused_rms_norm if norms_upcast is None else norms_upcast
-    acts = activation_breakdown(config, micro_batch_size, bf16, fused_rms_norm, upcast)
     copies = compute_weight_parameters(config) if compute_weights else 0
     weights, bpp, breakdown = _weight_terms(
         config, n, dp_size, sharded_optimizer, bf16, copies if compute_weights else None
     )
-    breakdown |= {f"activation.{k}": val for k, val in acts.items()}
-    norm_input = _norm_input_bytes(config, bf16, upcast)
-    backward_unit = _recompute_backward_bytes(config, micro_batch_size, bf16, fused_rms_norm,
-                                              acts["embedding"], norm_input, compute_weights)  # fmt: skip
-    if backward_unit:
-        breakdown["activation_recompute_backward_moment"] = backward_unit
-    grads_moment = 0.0 if grad_accumulation_fusion else 2.0 * copies  # bf16 grads before the add
-    if grads_moment:
-        breakdown["activation_compute_weight_grads_moment"] = grads_moment
-    activation = max(sum(acts.values()), backward_unit, grads_moment)
+    activation, terms = _peak_activation(
+        config,
+        micro_batch_size,
+        bf16,
+        (fused_rms_norm, upcast),
+        copies if compute_weights else None,
+        grad_accumulation_fusion,
+    )
+    breakdown |= terms
     optimizer_transient = 4.0 * n / (dp_size if sharded_optimizer else 1)
     breakdown["optimizer_step_transient"] = optimizer_transient
     breakdown["library_workspaces"] = workspace_bytes

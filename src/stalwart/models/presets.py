@@ -46,7 +46,8 @@ PRESETS: Mapping[str, Mapping[str, object]] = MappingProxyType(
                 "vocab_size": 50304,
             }
         ),
-        # SwiGLU width ~ 8/3 h rounded up to a multiple of 64 (704 = 2.75 h), GQA 4 heads : 2 groups.
+        # SwiGLU width ~ 8/3 h rounded up to a multiple of 64 (704 = 2.75 h),
+        # GQA 4 heads : 2 groups.
         "llama-tiny": MappingProxyType(
             {
                 "num_layers": 2,

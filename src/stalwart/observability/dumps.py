@@ -481,13 +481,15 @@ class TensorDumpConfig:
     def dump_config(self, *, log_interval: int) -> DumpConfig:
         return DumpConfig.from_flags(
             save_activations_interval=self.save_activations_interval,
-            log_dgrads=self.log_dgrads, log_tokens_per_expert=self.log_tokens_per_expert,
-            dump_stats_only=self.dump_stats_only, log_interval=log_interval,
+            log_dgrads=self.log_dgrads,
+            log_tokens_per_expert=self.log_tokens_per_expert,
+            dump_stats_only=self.dump_stats_only,
+            log_interval=log_interval,
             save_wgrads_interval=self.save_wgrads_interval,
             save_params_interval=self.save_params_interval,
             save_dgrads_interval=self.save_dgrads_interval,
             save_tokens_per_expert_interval=self.save_tokens_per_expert_interval,
-        )  # fmt: skip
+        )
 
     def build(
         self, model: nn.Module, *, run_dir: str | None, log_interval: int, rank: int

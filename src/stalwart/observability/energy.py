@@ -17,9 +17,9 @@ Each rank reads ``nvmlDeviceGetTotalEnergyConsumption`` (millijoules since drive
 device; ``lap`` sums joules and GPU counts over ranks in ONE all-reduce and reports the mean per
 GPU. ``pynvml`` (package ``nvidia-ml-py``) is imported lazily; ``--log-energy`` without it is
 refused before start-up (``ShellConfig.check_extras``: ``pip install 'stalwart[nvml]'``).
-Without NVML's driver library or a CUDA device the meter logs "energy: not available (<reason>)" once and reports nothing, but still joins the
-all-reduce so that mixed ranks cannot deadlock. Cost: one NVML call (~10 µs) per lap, no device
-sync.
+Without NVML's driver library or a CUDA device the meter logs "energy: not available (<reason>)"
+once and reports nothing, but still joins the all-reduce so that mixed ranks cannot deadlock. Cost:
+one NVML call (~10 µs) per lap, no device sync.
 """
 
 from __future__ import annotations
@@ -215,8 +215,10 @@ class EnergyConfig:
             require_extra((spell or flag_name)("log_energy"), "pynvml", "nvidia-ml-py", "nvml")
 
     def build(
-        self, device: torch.device, log: Callable[[str], None] | None = None,
+        self,
+        device: torch.device,
+        log: Callable[[str], None] | None = None,
         group: ProcessGroup | None = None,
-    ) -> EnergyMeter | NullEnergyMeter:  # fmt: skip
+    ) -> EnergyMeter | NullEnergyMeter:
         """``log_energy``: the meter (its all-reduce on ``group``), else the null one."""
         return EnergyMeter(device, log, group) if self.log_energy else NullEnergyMeter()

@@ -23,10 +23,10 @@ Usage in your own loop (a Hugging Face model here; any ``nn.Module`` works)::
     180224.0
 
 (The backward is ``2 x 10240 - 8192``: the first layer needs no gradient of its input, so its
-backward is one matmul, not two.) The count runs the model once on a real micro-batch and leaves no trace: every random
-generator, the parameters' ``.grad`` and the module buffers (e.g. BatchNorm statistics) are
-restored afterwards, so training is bitwise the same as without counting (tested). It is a
-collective when the model is (FSDP2, DDP): call it on every rank.
+backward is one matmul, not two.) The count runs the model once on a real micro-batch and leaves no
+trace: every random generator, the parameters' ``.grad`` and the module buffers (e.g. BatchNorm
+statistics) are restored afterwards, so training is bitwise the same as without counting (tested).
+It is a collective when the model is (FSDP2, DDP): call it on every rank.
 """
 
 from __future__ import annotations

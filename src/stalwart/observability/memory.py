@@ -307,11 +307,24 @@ class MemoryConfig:
             raise ValueError(f"--log-memory-interval must be >= 0, got {self.log_memory_interval}")
 
     def build(
-        self, device: torch.device, estimate: MemoryFootprint | None, *, run_dir: str | None,
-        rank: int, log_interval: int, sink: MetricSink | None, log: Callable[[str], None],
-    ) -> MemoryMonitor:  # fmt: skip
+        self,
+        device: torch.device,
+        estimate: MemoryFootprint | None,
+        *,
+        run_dir: str | None,
+        rank: int,
+        log_interval: int,
+        sink: MetricSink | None,
+        log: Callable[[str], None],
+    ) -> MemoryMonitor:
         return MemoryMonitor(
-            device, estimate, run_dir=run_dir, rank=rank, log_interval=log_interval,
+            device,
+            estimate,
+            run_dir=run_dir,
+            rank=rank,
+            log_interval=log_interval,
             log_memory_interval=self.log_memory_interval or None,
-            to_tensorboard=self.log_memory_to_tensorboard, sink=sink, log=log,
-        )  # fmt: skip
+            to_tensorboard=self.log_memory_to_tensorboard,
+            sink=sink,
+            log=log,
+        )

@@ -11,7 +11,8 @@ the cache at fixed points of the step, trading a little speed for headroom:
 
 Usage in a hand-written loop::
 
-    release = MemoryReleaseConfig(empty_unused_memory_level=level).build(device)        # a null object at level 0 or on CPU
+    # A null object at level 0 or on CPU:
+    release = MemoryReleaseConfig(empty_unused_memory_level=level).build(device)
     for it in range(iters):
         forward_backward(...)
         release.after_forward_backward()

@@ -1,9 +1,9 @@
 """Dashboard tag names: Megatron's flat metric keys by default, a ``<group>/`` prefix on request.
 
 The sinks write Megatron's keys exactly (``lm loss``, ``learning-rate``, ``forward-backward-time``,
-``mem-reserved-bytes``, ...), so a Megatron dashboard or script finds every tag it knows. TensorBoard
-and W&B put every tag without a ``/`` into its own card group, so those flat keys become some thirty
-one-card sections; ``--group-metric-tags`` (``SinkConfig.group_metric_tags``) writes
+``mem-reserved-bytes``, ...), so a Megatron dashboard or script finds every tag it knows.
+TensorBoard and W&B put every tag without a ``/`` into its own card group, so those flat keys become
+some thirty one-card sections; ``--group-metric-tags`` (``SinkConfig.group_metric_tags``) writes
 :func:`grouped_name` instead, which keeps Megatron's key as the leaf and adds one group prefix::
 
     >>> grouped_name("lm loss")

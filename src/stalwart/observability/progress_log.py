@@ -214,8 +214,11 @@ class ProgressLog:
             more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
             logger.warning(
                 "progress.txt %s: skipped %d invalid line(s) (%s%s)",
-                self.path, len(bad), "; ".join(bad[:3]), more,
-            )  # fmt: skip
+                self.path,
+                len(bad),
+                "; ".join(bad[:3]),
+                more,
+            )
         return entries
 
     def on_save(self, iteration: int, flops_so_far: float, tokens: float, async_save: bool) -> None:

@@ -240,7 +240,8 @@ def timer_label(key: str) -> str:
 
 
 def timer_names(rows: list[dict[str, Any]]) -> list[str]:
-    """Per-region timer keys (``timer/<name>`` or TrainingLog's ``<name>-time-ms``), first seen first.
+    """Per-region timer keys (``timer/<name>`` or TrainingLog's ``<name>-time-ms``), first seen
+    first.
 
     The whole-iteration timers are left out: they are the sum, not a part of the breakdown.
     """

@@ -95,7 +95,8 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard is an optional dependency
             raise ImportError(
-                "--tensorboard-dir needs the 'tensorboard' package: pip install 'stalwart[tensorboard]'"
+                "--tensorboard-dir needs the 'tensorboard' package: pip install "
+                "'stalwart[tensorboard]'"
             ) from exc
         self.log_dir = log_dir
         self._tag = grouped_name if grouped else _flat_name
@@ -123,9 +124,10 @@ class WandbSink:
     """A Weights & Biases run (``--wandb-project``, ``--wandb-exp-name``, ``--wandb-save-dir``).
 
     ``mode`` (``--wandb-mode``) is a :class:`WandbMode` (a string raises ``TypeError``); ``None``
-    lets wandb read ``WANDB_MODE`` from the environment. W&B needs a monotonic step, so the sink does not pass
-    ``step=`` to W&B: it logs each call as one row with an explicit x-axis column, ``iteration`` for
-    ordinary keys and ``samples`` for ``"... vs samples"`` keys (declared with ``define_metric``).
+    lets wandb read ``WANDB_MODE`` from the environment. W&B needs a monotonic step, so the sink
+    does not pass ``step=`` to W&B: it logs each call as one row with an explicit x-axis column,
+    ``iteration`` for ordinary keys and ``samples`` for ``"... vs samples"`` keys (declared with
+    ``define_metric``).
 
     ``resume_file`` (the trainer passes ``<run dir>/wandb_run_id.txt``) keeps one W&B run across
     restarts: the first start writes its run id there, every later start (torchrun restart,
@@ -363,7 +365,8 @@ class JsonlSink:
 
 
 class FanOutSink:
-    """Forwards every call to each child, in order, so all back-ends get identical keys and steps."""
+    """Forwards every call to each child, in order, so all back-ends get identical keys and
+    steps."""
 
     def __init__(self, children: Sequence[MetricSink]) -> None:
         self.children: tuple[MetricSink, ...] = tuple(children)
@@ -514,10 +517,14 @@ class SinkConfig:
     ) -> MetricSink:
         """This rank's sink; a W&B run resumes from ``<run dir>/wandb_run_id.txt``."""
         return build_sinks(
-            rank=rank, tensorboard_dir=self.tensorboard_dir,
+            rank=rank,
+            tensorboard_dir=self.tensorboard_dir,
             tensorboard_queue_size=self.tensorboard_queue_size,
-            wandb_project=self.wandb_project, wandb_exp_name=self.wandb_exp_name,
-            wandb_save_dir=self.wandb_save_dir, wandb_mode=self.wandb_mode,
+            wandb_project=self.wandb_project,
+            wandb_exp_name=self.wandb_exp_name,
+            wandb_save_dir=self.wandb_save_dir,
+            wandb_mode=self.wandb_mode,
             wandb_resume_file=os.path.join(run_dir, "wandb_run_id.txt") if run_dir else None,
-            config=config, grouped=self.group_metric_tags,
-        )  # fmt: skip
+            config=config,
+            grouped=self.group_metric_tags,
+        )

@@ -295,16 +295,19 @@ class StragglerDetector:
         if self.rank == 0:
             state = "on" if self.enabled else "off"
             logging.getLogger(__name__).info(
-                "straggler detection turned %s at iteration %d (%s)", state, iteration,
+                "straggler detection turned %s at iteration %d (%s)",
+                state,
+                iteration,
                 self._toggle.path,
-            )  # fmt: skip
+            )
 
     @property
     def last_report(self) -> StragglerReport | None:
         return self._last
 
     def log_fields(self, info: IntervalInfo) -> list[LogField]:
-        """`LogFieldProvider`: report at this log step (collective on every rank) and return fields."""
+        """`LogFieldProvider`: report at this log step (collective on every rank) and return
+        fields."""
         report = self.report(info.iteration, info.num_iterations)
         return report.fields() if report is not None else []
 
@@ -386,14 +389,24 @@ class StragglerConfig:
             raise ValueError("--disable-straggler-on-startup needs --log-straggler")
 
     def build(
-        self, device: torch.device, rank: int = 0, world_size: int = 1,
-        run_dir: str | None = None, group: ProcessGroup | None = None,
-    ) -> StragglerDetector | NullStragglerDetector:  # fmt: skip
+        self,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        run_dir: str | None = None,
+        group: ProcessGroup | None = None,
+    ) -> StragglerDetector | NullStragglerDetector:
         """``log_straggler``: the detector (off at start with ``disable_straggler_on_startup``:
         on with ``touch <run dir>/straggler.toggle``), else the null one."""
         if not self.log_straggler:
             return NullStragglerDetector()
         return StragglerDetector(
-            device, rank, world_size, self.straggler_threshold, self.straggler_minmax_count,
-            run_dir, group, enabled=not self.disable_straggler_on_startup,
-        )  # fmt: skip
+            device,
+            rank,
+            world_size,
+            self.straggler_threshold,
+            self.straggler_minmax_count,
+            run_dir,
+            group,
+            enabled=not self.disable_straggler_on_startup,
+        )

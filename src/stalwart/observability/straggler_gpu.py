@@ -35,10 +35,18 @@ logger = logging.getLogger(__name__)
 
 GPU_FIELDS = ("temperature_c", "power_w", "utilization_pct", "clock_mhz")
 # Megatron's labels and units, in its order: power, temperature, utilisation, clock.
-_LABELS = (("power_w", "Pwr", "W"), ("temperature_c", "Tmp", "C"),
-           ("utilization_pct", "Utl", "%"), ("clock_mhz", "Clk", "MHz"))  # fmt: skip
-_KEYS = {"temperature_c": "temperature-c", "power_w": "power-w",
-         "utilization_pct": "utilization-percent", "clock_mhz": "clock-mhz"}  # fmt: skip
+_LABELS = (
+    ("power_w", "Pwr", "W"),
+    ("temperature_c", "Tmp", "C"),
+    ("utilization_pct", "Utl", "%"),
+    ("clock_mhz", "Clk", "MHz"),
+)
+_KEYS = {
+    "temperature_c": "temperature-c",
+    "power_w": "power-w",
+    "utilization_pct": "utilization-percent",
+    "clock_mhz": "clock-mhz",
+}
 
 ValueRank = tuple[float, int]
 Spread = dict[str, tuple[ValueRank, ValueRank]]  # field -> ((min, rank), (max, rank))

@@ -113,8 +113,9 @@ class NullTimer:
 class Timer:
     """One named timer. Accumulates across start/stop pairs until reset; times are in seconds.
 
-    ``elapsed`` on a running timer stops it, reads, optionally resets, and restarts it (as Megatron).
-    ``reset`` clears the elapsed accumulator but not ``active_time`` (cumulative since creation).
+    ``elapsed`` on a running timer stops it, reads, optionally resets, and restarts it (as
+    Megatron). ``reset`` clears the elapsed accumulator but not ``active_time`` (cumulative since
+    creation).
     """
 
     def __init__(
@@ -355,7 +356,8 @@ class Timers:
         if existing is not None:
             if log_level is not None and log_level != existing.log_level:
                 raise ValueError(
-                    f"timer {name!r} exists with log level {existing.log_level}, asked for {log_level}"
+                    f"timer {name!r} exists with log level {existing.log_level}, asked for "
+                    f"{log_level}"
                 )
             return existing
         level = STANDARD_TIMER_LEVELS.get(name, 0) if log_level is None else log_level
@@ -434,7 +436,8 @@ class Timers:
         reset: bool = True,
         barrier: bool = False,
     ) -> None:
-        """Collective. On rank 0, write the max over ranks as ``"<name>-time"`` (seconds, Megatron)."""
+        """Collective. On rank 0, write the max over ranks as ``"<name>-time"`` (seconds,
+        Megatron)."""
         rep = self.report(names, normalizer, reset, barrier)
         if rep is None or self._rank() != 0:
             return

@@ -31,8 +31,8 @@ loss: an interval of only such iterations prints none.
 Units: the dashboards (sink) get Megatron's keys and units: ``iteration-time`` and
 ``<timer>-time`` in seconds, ``world-size`` with ``--log-world-size-to-tensorboard`` and
 ``loss-scale`` (1.0 without fp16) as Megatron; flat, or grouped by a ``<group>/`` prefix with
-``--group-metric-tags`` (`stalwart.observability.metric_names`). The metrics file keeps ``elapsed_ms`` and
-``<timer>-time-ms`` in milliseconds (what ``stalwart report`` reads).
+``--group-metric-tags`` (`stalwart.observability.metric_names`). The metrics file keeps
+``elapsed_ms`` and ``<timer>-time-ms`` in milliseconds (what ``stalwart report`` reads).
 
 On a terminal, rank 0 also draws a progress bar (`stalwart.observability.progress`) with rate,
 tokens/s (when ``seq_length`` is given), ETA, the last logged loss and the last validation loss;
@@ -110,9 +110,10 @@ class TrainingLog:
             timers up to ``--timing-log-level`` are printed (and written if
             ``log_timers_to_tensorboard``).
         rank, world_size: this process's place in the job.
-        flops_per_iteration: model FLOPs of one iteration, whole job; required by ``log_throughput``.
-            With it every log line and metrics record has TFLOP/s per GPU, and MFU when a peak is
-            known; with ``seq_length`` they have tokens/s (`stalwart.observability.throughput`).
+        flops_per_iteration: model FLOPs of one iteration, whole job; required by
+            ``log_throughput``. With it every log line and metrics record has TFLOP/s per GPU,
+            and MFU when a peak is known; with ``seq_length`` they have tokens/s
+            (`stalwart.observability.throughput`).
         metrics_file: JSONL path (``--metrics-file``); one object per log step and per evaluation.
         extra_providers: :class:`LogFieldProvider` objects (fields appear before the counters).
         print_fn: where rank 0's lines go (printed above the progress bar when it is shown).
@@ -255,16 +256,14 @@ class TrainingLog:
             named.update(self._losses.to_read())
             ring = self._every.to_read()  # every iteration's row rides on this read
         device = self._losses.device or torch.device("cpu")
-        tensor_names = [k for k, v in named.items() if isinstance(v, torch.Tensor)]
+        tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
+        tensor_names = list(tensors)
         out: dict[str, float | None] = {
             k: (None if v is None else float(v))
             for k, v in named.items()
             if not isinstance(v, torch.Tensor)
         }
-        parts = [
-            named[k].detach().reshape(()).to(device=device, dtype=torch.float64)  # type: ignore[union-attr]
-            for k in tensor_names
-        ]
+        parts = [t.detach().reshape(()).to(device, torch.float64) for t in tensors.values()]
         flat: list[float] = []
         if parts or ring is not None:
             stacked = torch.stack(parts) if parts else torch.empty(0, dtype=torch.float64)
@@ -412,17 +411,27 @@ class TrainingLog:
             MAIN_LOSS_KEY if MAIN_LOSS_KEY in s.loss_averages else next(iter(s.loss_averages), None)
         )
         record: dict[str, Any] = dict(
-            split="train", iteration=s.iteration, consumed_samples=s.consumed_samples,
+            split="train",
+            iteration=s.iteration,
+            consumed_samples=s.consumed_samples,
             loss=s.loss_averages[main_key] if main_key is not None else None,
-            lr=s.learning_rate, grad_norm=s.grad_norm, elapsed_ms=s.elapsed_ms,
-            global_batch_size=s.global_batch_size, loss_scale=s.loss_scale,
-            num_zeros=s.num_zeros, params_norm=s.params_norm,
-            throughput_tflops_per_gpu=s.tflops_per_gpu, tokens_per_second=s.tokens_per_second,
-            tokens_per_second_per_gpu=s.tokens_per_second_per_gpu, mfu_percent=s.mfu_percent,
-            skipped_iterations=s.skipped, nan_iterations=s.nan,
-            total_skipped_iterations=self.total_skipped, total_nan_iterations=self.total_nan,
+            lr=s.learning_rate,
+            grad_norm=s.grad_norm,
+            elapsed_ms=s.elapsed_ms,
+            global_batch_size=s.global_batch_size,
+            loss_scale=s.loss_scale,
+            num_zeros=s.num_zeros,
+            params_norm=s.params_norm,
+            throughput_tflops_per_gpu=s.tflops_per_gpu,
+            tokens_per_second=s.tokens_per_second,
+            tokens_per_second_per_gpu=s.tokens_per_second_per_gpu,
+            mfu_percent=s.mfu_percent,
+            skipped_iterations=s.skipped,
+            nan_iterations=s.nan,
+            total_skipped_iterations=self.total_skipped,
+            total_nan_iterations=self.total_nan,
             world_size=self.world_size,
-        )  # fmt: skip
+        )
         record.update(s.loss_averages)
         record.update({f.key: f.value for f in s.extra_fields if f.key is not None})
         record.update(timer_scalars)
@@ -482,7 +491,8 @@ class TrainingLog:
         self._progress.close()
 
     def close(self) -> None:
-        """Flush the sink, close the metrics file and the progress bar (the sink's owner closes it)."""
+        """Flush the sink, close the metrics file and the progress bar (the sink's owner closes
+        it)."""
         self._progress.close()
         self.sink.flush()
         self._every.close()

@@ -38,8 +38,9 @@ exit save is upgraded to persistent.
 
 Every graceful exit uses exit code 0 (what launchers and Megatron expect), except Ctrl-C: a user
 who interrupts a command expects 130, and a script must not mistake it for a finished run.
-``exit_reason.json`` tells the reasons apart; `ExitDecision.exit_code` carries the code. On a signal, the save must finish inside torchrun's 30 s
-SIGTERM-to-SIGKILL window (see `stalwart.reliability.signals`).
+``exit_reason.json`` tells the reasons apart; `ExitDecision.exit_code` carries the code. On a
+signal, the save must finish inside torchrun's 30 s SIGTERM-to-SIGKILL window (see
+`stalwart.reliability.signals`).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class ExitConfig:
         phases = tuple(self.phase_transition_iterations)
         if any(not isinstance(i, int) or i <= 0 for i in phases) or len(set(phases)) != len(phases):
             raise ValueError(
-                f"--phase-transition-iterations: must be distinct positive integers, got {list(phases)}"
+                "--phase-transition-iterations: must be distinct positive integers, got "
+                f"{list(phases)}"
             )
         object.__setattr__(self, "phase_transition_iterations", tuple(sorted(phases)))
 
@@ -369,12 +371,15 @@ def exit_message(decision: ExitDecision, iteration: int) -> str:
     """One line saying why the program exits (Megatron's wording where it exists)."""
     reason = decision.reason
     if reason is ExitReason.INTERRUPT:
-        return f"interrupted (Ctrl-C): exiting program at iteration {iteration} with code {decision.exit_code}"
+        code = decision.exit_code
+        return f"interrupted (Ctrl-C): exiting program at iteration {iteration} with code {code}"
     if reason is ExitReason.SIGNAL:
-        return f"exiting program after {decision.detail.removeprefix('received ')} at iteration {iteration}"
+        signal = decision.detail.removeprefix("received ")
+        return f"exiting program after {signal} at iteration {iteration}"
     if reason is ExitReason.DURATION:
         return f"exiting program after {decision.detail} at iteration {iteration}"
-    return f"exiting program at iteration {iteration} ({reason.value if reason else 'unknown'}: {decision.detail})"
+    why = reason.value if reason else "unknown"
+    return f"exiting program at iteration {iteration} ({why}: {decision.detail})"
 
 
 def write_exit_reason(

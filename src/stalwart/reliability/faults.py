@@ -27,8 +27,8 @@ Once per job: before firing, the injector atomically creates
 ``<marker_dir>/.stalwart_fault_fired_<kind>_<iteration>_<rank>`` (O_CREAT|O_EXCL) and keeps an
 in-memory flag. A process restarted by torchrun, or by in-process restart, that reaches the same
 iteration again finds the marker and does not fire, so the restarted job can make progress. Use
-the checkpoint directory (``--save``) as ``marker_dir``. ``--inject-fault-repeat`` skips the marker and
-fires at every attempt that reaches the iteration (a repeatable fault, e.g. an OOM, for testing
+the checkpoint directory (``--save``) as ``marker_dir``. ``--inject-fault-repeat`` skips the marker
+and fires at every attempt that reaches the iteration (a repeatable fault, e.g. an OOM, for testing
 that restarts are bounded); without one, only the in-memory flag
 protects against re-firing (a warning says so).
 
@@ -102,7 +102,8 @@ class FaultInjectionConfig:
         it = self.inject_fault_iteration
         if it is None or not isinstance(it, int) or it < 1:
             raise ValueError(
-                f"--inject-fault-iteration: required with --inject-fault, an integer >= 1, got {it!r}"
+                "--inject-fault-iteration: required with --inject-fault, an integer >= 1, got "
+                f"{it!r}"
             )
         if not isinstance(self.inject_fault_rank, int) or self.inject_fault_rank < 0:
             raise ValueError(
@@ -115,7 +116,8 @@ class FaultInjectionConfig:
             )
         if self.inject_fault_phase not in FAULT_PHASES:
             raise ValueError(
-                f"--inject-fault-phase: got {self.inject_fault_phase!r}, allowed: {', '.join(FAULT_PHASES)}"
+                f"--inject-fault-phase: got {self.inject_fault_phase!r}, allowed: "
+                f"{', '.join(FAULT_PHASES)}"
             )
 
     def build(
@@ -212,7 +214,8 @@ class FaultInjector:
         return True
 
     def _fire(self) -> None:
-        line = f"FAULT INJECTION: rank {self.rank} fires '{self.kind.value}' at iteration {self.iteration} ({self.phase})"
+        where = f"at iteration {self.iteration} ({self.phase})"
+        line = f"FAULT INJECTION: rank {self.rank} fires '{self.kind.value}' {where}"
         logger.error(line)
         print(line, file=sys.stderr, flush=True)  # visible even without logging configured
         if self.kind is FaultKind.EXCEPTION:
@@ -252,7 +255,8 @@ def build_fault_injector(
         return NullFaultInjector()
     if config.inject_fault_rank >= world_size:
         raise ValueError(
-            f"--inject-fault-rank: {config.inject_fault_rank} is not a rank of a world of size {world_size}"
+            f"--inject-fault-rank: {config.inject_fault_rank} is not a rank of a world of size "
+            f"{world_size}"
         )
     kind = parse_fault_kind(config.inject_fault)
     # The gradients exist only after the backward: that kind fires there (the default phase
@@ -280,7 +284,8 @@ def _signal_agent_and_wait(signum: int, timeout_s: float = 30.0) -> None:
     """``signum`` to the torchrun agent, which forwards it to every local worker; returns once it
     has reached this process too (at most ``timeout_s``), so the drill's signal lands in the phase
     it names: on a loaded machine the agent's forward can outlast the phase. The handler in place
-    still runs (the relay calls it); with none installed from Python there is nothing to wait for."""
+    still runs (the relay calls it); with none installed from Python there is nothing to wait
+    for."""
     previous = signal.getsignal(signum)
     arrived: list[int] = []
     if callable(previous):

@@ -73,7 +73,8 @@ def parse_exit_signal(name: str | signal.Signals) -> signal.Signals:
             text = "SIG" + text
     if text not in EXIT_SIGNAL_NAMES:
         raise ValueError(
-            f"--exit-signal: {name!r} is not supported; choose one of {', '.join(EXIT_SIGNAL_NAMES)}"
+            f"--exit-signal: {name!r} is not supported; choose one of "
+            f"{', '.join(EXIT_SIGNAL_NAMES)}"
         )
     return signal.Signals[text]
 

@@ -70,8 +70,17 @@ def _runs_table(labels: Sequence[str], arts: Sequence[RunArtefacts]) -> str:
                 else "n/a",
             ]
         )
-    header = ["run", "directory", "last iteration", "last loss", "last validation loss",
-              "median tokens/s", "median TFLOP/s/GPU", "median MFU %", "exit"]  # fmt: skip
+    header = [
+        "run",
+        "directory",
+        "last iteration",
+        "last loss",
+        "last validation loss",
+        "median tokens/s",
+        "median TFLOP/s/GPU",
+        "median MFU %",
+        "exit",
+    ]
     notes = "".join(
         f"<li>{_e(label)}: {_e(n)}</li>" for label, art in zip(labels, arts) for n in art.notes
     )
@@ -111,8 +120,10 @@ def _memory_table(labels: Sequence[str], arts: Sequence[RunArtefacts]) -> str:
         source = {"cpu-rss": "process RSS (CPU)", "cuda-allocator": "CUDA allocator"}.get(
             str(mem.get("measured_source")), str(mem.get("measured_source", "n/a"))
         )
-        mib = [f"{float(v) / 2**20:,.1f} MiB" if isinstance(v, (int, float)) else "n/a"
-               for v in (theo, peak)]  # fmt: skip
+        mib = [
+            f"{float(v) / 2**20:,.1f} MiB" if isinstance(v, (int, float)) else "n/a"
+            for v in (theo, peak)
+        ]
         rows.append([label, *mib, source])
     if not any(a.memory for a in arts):
         return ""
@@ -158,7 +169,7 @@ def render_comparison(
         _section("throughput", "Throughput", rates or _skipped("Throughput")),
         _section("memory", "Memory", memory or _skipped("Memory (memory.json)")),
         config_diff_section(labels, [a.config for a in arts]),
-    ]  # fmt: skip
+    ]
     header = (
         f"<h1>stalwart comparison of {len(arts)} runs</h1><p>"
         + ", ".join(f"<code>{_e(label)}</code>" for label in labels)

@@ -7,7 +7,8 @@ hostile ``run.json`` shows as text, never runs::
 
     >>> flatten({"optim": {"lr": 0.001, "betas": [0.9, 0.95]}, "preset": "tiny"})
     {'optim.lr': '0.001', 'optim.betas': '[0.9, 0.95]', 'preset': 'tiny'}
-    >>> differing([{"optim.lr": "0.001", "preset": "tiny"}, {"optim.lr": "0.002", "preset": "tiny"}])
+    >>> differing([{"optim.lr": "0.001", "preset": "tiny"},
+    ...            {"optim.lr": "0.002", "preset": "tiny"}])
     ['optim.lr']
 """
 

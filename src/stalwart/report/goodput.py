@@ -89,7 +89,8 @@ def timeline_svg(spans: list[Span], sessions: list[str]) -> str:
     )
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{height}" '
-        f'viewBox="0 0 {_W} {height}" font-family="sans-serif" font-size="11">{"".join(parts)}</svg>'
+        f'viewBox="0 0 {_W} {height}" font-family="sans-serif" '
+        f'font-size="11">{"".join(parts)}</svg>'
     )
 
 
@@ -131,8 +132,16 @@ def _table(header: list[str], rows: Sequence[Sequence[object]]) -> str:
 def _sessions_table(rows: list[list[object]]) -> str:
     if not rows:
         return ""
-    header = ["session", "torchrun restart", "attempt", "resumed", "last iteration",
-              "downtime before", "startup", "end"]  # fmt: skip
+    header = [
+        "session",
+        "torchrun restart",
+        "attempt",
+        "resumed",
+        "last iteration",
+        "downtime before",
+        "startup",
+        "end",
+    ]
     return _table(header, rows)
 
 
@@ -156,12 +165,18 @@ def goodput_section(run_dir: str | os.PathLike[str]) -> str:
         for b, s in summary.seconds.items()
     ]
     sessions: list[list[object]] = [
-        [i, s.restart_count, s.attempt, s.resumed_at if s.resumed_at is not None else "-",
-         s.last_iteration if s.last_iteration is not None else "-",
-         format_duration(s.downtime_before_s), format_duration(s.startup_s),
-         s.end_reason or "no end record"]
+        [
+            i,
+            s.restart_count,
+            s.attempt,
+            s.resumed_at if s.resumed_at is not None else "-",
+            s.last_iteration if s.last_iteration is not None else "-",
+            format_duration(s.downtime_before_s),
+            format_duration(s.startup_s),
+            s.end_reason or "no end record",
+        ]
         for i, s in enumerate(summary.sessions)
-    ]  # fmt: skip
+    ]
     body = (
         f"<p><b>{_e(goodput_line(summary))}</b></p>"
         + share_bar_svg(summary)

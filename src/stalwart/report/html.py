@@ -401,7 +401,8 @@ body{font-family:sans-serif;margin:24px;max-width:1000px;color:#222}
 h1{font-size:22px} h2{font-size:18px;border-bottom:1px solid #ccc;padding-bottom:4px}
 table{border-collapse:collapse;margin:8px 0;font-size:13px}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:left} th{background:#f3f3f3}
-.note{color:#777;font-style:italic} .ok{color:#2a2;font-weight:bold} .bad{color:#c22;font-weight:bold}
+.note{color:#777;font-style:italic}
+.ok{color:#2a2;font-weight:bold} .bad{color:#c22;font-weight:bold}
 """
 
 

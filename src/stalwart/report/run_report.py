@@ -1,4 +1,5 @@
-"""Run report: read a run directory's artefacts, write ``report.html`` (+ PNGs when matplotlib exists).
+"""Run report: read a run directory's artefacts, write ``report.html`` (+ PNGs when matplotlib
+exists).
 
 Usage::
 
@@ -118,7 +119,8 @@ def load_run(
     """Read every known artefact; missing or unreadable ones (and records of the wrong shape,
     see `stalwart.report.clean`) are recorded in ``notes``, never raised.
 
-    ``metrics_file`` overrides the search for ``metrics.jsonl`` / ``*metrics*.jsonl`` in the run dir.
+    ``metrics_file`` overrides the search for ``metrics.jsonl`` / ``*metrics*.jsonl`` in the run
+    dir.
 
     Raises:
         FileNotFoundError: ``run_dir`` does not exist or is not a directory.

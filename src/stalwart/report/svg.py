@@ -144,7 +144,8 @@ def line_chart(
             elif seg:
                 pl = " ".join(seg)
                 parts.append(
-                    f'<polyline points="{pl}" fill="none" stroke="{colour}" stroke-width="1.5"{dash}/>'
+                    f'<polyline points="{pl}" fill="none" stroke="{colour}" '
+                    f'stroke-width="1.5"{dash}/>'
                 )
     parts += _legend(list(data), colours)
     return _svg(parts)
@@ -219,7 +220,8 @@ def straggler_heatmap(records: list[dict[str, Any]]) -> str:
             ratio = float(ms) / med
             parts.append(
                 f'<rect x="{ML + c * cw:.1f}" y="{MT + r * cell_h:.1f}" width="{cw + 0.5:.1f}" '
-                f'height="{cell_h + 0.5:.1f}" fill="{heat_colour(ratio, thr)}" stroke="#fff" stroke-width="0.5"><title>iteration '
+                f'height="{cell_h + 0.5:.1f}" fill="{heat_colour(ratio, thr)}" stroke="#fff" '
+                'stroke-width="0.5"><title>iteration '
                 f"{_e(rec.get('iteration'))} rank {r}: {float(ms):.2f} ms ({ratio:.2f}x median)"
                 "</title></rect>"
             )
@@ -249,7 +251,8 @@ def timeline(events: list[dict[str, Any]], x_max: float | None) -> str:
     height = MT + lane_h * len(kinds) + MB
     pw = W - ML - MR
     parts = [
-        f'<rect x="{ML}" y="{MT}" width="{pw}" height="{lane_h * len(kinds)}" fill="#fff" stroke="#999"/>'
+        f'<rect x="{ML}" y="{MT}" width="{pw}" height="{lane_h * len(kinds)}" fill="#fff" '
+        'stroke="#999"/>'
     ]
     for i, kind in enumerate(kinds):
         y = MT + lane_h * (i + 0.5)
@@ -263,7 +266,8 @@ def timeline(events: list[dict[str, Any]], x_max: float | None) -> str:
         y = MT + lane_h * (kinds.index(kind) + 0.5)
         parts.append(
             f'<circle cx="{x:.1f}" cy="{y}" r="5" fill="{KIND_COLOURS[kind]}"><title>'
-            f"iteration {_e(ev.get('iteration'))} {kind}: {_e(ev.get('detail', ''))}</title></circle>"
+            f"iteration {_e(ev.get('iteration'))} {kind}: "
+            f"{_e(ev.get('detail', ''))}</title></circle>"
         )
     for v in _ticks(x0, x1):
         x = ML + (v - x0) / (x1 - x0) * pw

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from stalwart.compile import CompileCache, NullCompileCache
 from stalwart.config.inductor import parse_inductor_options
 from stalwart.config.run import RunConfig
 from stalwart.data import (
@@ -34,16 +35,14 @@ from stalwart.data.batch_schedule import BatchSchedule
 from stalwart.distributed.ddp_layout import needs_settled_layout, settle_bucket_layout
 from stalwart.distributed.process_group import DistributedContext
 from stalwart.graphs import (
-    CompileCache,
     CudaGraphImpl,
     GraphSettings,
-    NullCompileCache,
     check_graph_config,
     clip_in_optimizer_step,
     make_capturable_adamw,
 )
 from stalwart.loop import ComputeWeights, DynamicLossScaler, NullLossScaler, autocast_context
-from stalwart.loop.step import FSDP2_COMPUTE_WEIGHTS_MESSAGE
+from stalwart.loop.compute_weights import FSDP2_COMPUTE_WEIGHTS_MESSAGE
 from stalwart.models import GPT, RecomputeGranularity
 from stalwart.models.memory_model import CUDA_WORKSPACE_BYTES, MemoryEstimate, theoretical_memory
 from stalwart.models.recompute import SELECTIVE_RECOMPUTE_MODULES

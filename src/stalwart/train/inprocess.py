@@ -10,10 +10,10 @@ import torch.distributed as dist
 
 from stalwart.checkpoint.in_memory import InMemorySnapshots
 from stalwart.checkpoint.non_persistent import NonPersistentType
+from stalwart.compile import CompileActivity, CompileCache, NullCompileCache
 from stalwart.config.run import RunConfig
 from stalwart.distributed.launch_env import env_int
 from stalwart.distributed.process_group import DistributedContext, choose_device, init_distributed
-from stalwart.graphs.compile_cache import CompileActivity, CompileCache, NullCompileCache
 from stalwart.reliability.inprocess.policy import FailureKind
 from stalwart.reliability.inprocess.store import RestartStore, StoreAddress
 from stalwart.reliability.inprocess.wrapper import (
@@ -41,8 +41,9 @@ def trainer_attempt(
     objects: the rebuilt model passes the same guards, so a restarted attempt compiles nothing
     and only re-captures its CUDA graphs. ``snapshots`` (``--non-persistent-ckpt-type
     in_memory``) outlive the attempts too: a restarted attempt resumes from the newest one
-    every rank holds when it is newer than the checkpoints on disk, and reads no file. On a fault the wrapper first discards an in-flight
-    async save without collectives (abort), then closes the Trainer (finalize).
+    every rank holds when it is newer than the checkpoints on disk, and reads no file. On a fault
+    the wrapper first discards an in-flight async save without collectives (abort), then closes the
+    Trainer (finalize).
     """
 
     def body(attempt: Attempt) -> TrainOutcome:

@@ -16,10 +16,10 @@ from typing import Any
 
 from stalwart.checkpoint import CheckpointError
 from stalwart.checkpoint.in_memory import InMemorySnapshots
+from stalwart.compile import CompileCache, NullCompileCache
 from stalwart.config.run import RunConfig
 from stalwart.data import make_eval_iterator
 from stalwart.distributed.process_group import DistributedContext
-from stalwart.graphs.compile_cache import CompileCache, NullCompileCache
 from stalwart.loop import Checkpointer, GuardedStep, Iteration, StepResult, autocast_context
 from stalwart.loop.naming import Names
 from stalwart.models import num_floating_point_operations
@@ -203,7 +203,11 @@ class Trainer:
         self.shell.start(flops_so_far=self._flops_so_far(), manifest=manifest)
         if done:
             done_detail = nothing_left_to_train(self.loaded_path, self.state.iteration, t)
-            return self._finish(ExitDecision(SaveKind.NONE, True, ExitReason.FINISHED, done_detail or "reached --train-iters"))  # fmt: skip
+            return self._finish(
+                ExitDecision(
+                    SaveKind.NONE, True, ExitReason.FINISHED, done_detail or "reached --train-iters"
+                )
+            )
         while True:
             self.shell.maybe_finalize(self.checkpointer)
             result = self._run_iteration()
@@ -308,14 +312,17 @@ class Trainer:
         """Save every registered part (collective) inside the shell's ``saving``."""
         it = self._saved_at = self.state.iteration
         with self.shell.saving(
-            non_persistent=non_persistent, async_save=self.config.checkpoint.async_save,
-            flops_so_far=self._flops_so_far(), tokens_so_far=self._tokens_so_far(),
-        ):  # fmt: skip
+            non_persistent=non_persistent,
+            async_save=self.config.checkpoint.async_save,
+            flops_so_far=self._flops_so_far(),
+            tokens_so_far=self._tokens_so_far(),
+        ):
             self.faults.maybe_inject(it, self.ctx.rank, "checkpointing")
             self.checkpointer.save(it, non_persistent=non_persistent)
 
     def load(self) -> None:
-        """Resume from the newest complete checkpoint, if any (``--load`` defaults to ``--save``)."""
+        """Resume from the newest complete checkpoint, if any (``--load`` defaults to
+        ``--save``)."""
         cfg = self.config.checkpoint
         if cfg.load_dir is None:
             return

@@ -141,7 +141,8 @@ Record = Span | Marker
 
 
 def json_count(value: Any) -> int | None:
-    """``value`` when it is a count JSON holds exactly (an int, not a bool, in [0, 2**53)); else None."""
+    """``value`` when it is a count JSON holds exactly (an int, not a bool, in [0, 2**53)); else
+    None."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**53:
         return None
     return value
@@ -280,9 +281,16 @@ def summarize(ledger: LedgerFile | Iterable[Record]) -> GoodputSummary:
     faults = [m for m in markers if m.kind is RecordKind.FAULT]
     actions = [m for m in markers if m.kind is RecordKind.ACTION]
     return GoodputSummary(
-        seconds, sessions, faults, notes, first, last_t, max(covered - union, 0.0),
-        compile_sources(spans), actions=actions,
-    )  # fmt: skip
+        seconds,
+        sessions,
+        faults,
+        notes,
+        first,
+        last_t,
+        max(covered - union, 0.0),
+        compile_sources(spans),
+        actions=actions,
+    )
 
 
 def compile_sources(spans: Iterable[Span]) -> dict[str, float]:
@@ -421,8 +429,11 @@ def format_table(summary: GoodputSummary) -> str:
             f"(not counted: {summary.excluded_s:.1f} s between a finished job and a relaunch)"
         )
     if summary.sessions:
-        lines += ["", "session  start                torchrun restart  attempt  resumed  "
-                  "last it  downtime before  startup  end"]  # fmt: skip
+        lines += [
+            "",
+            "session  start                torchrun restart  attempt  resumed  "
+            "last it  downtime before  startup  end",
+        ]
         for i, s in enumerate(summary.sessions):
             lines.append(
                 f"{i:<9}{_clock(s.started):<21}{s.restart_count:<18}{s.attempt:<9}"

@@ -1,4 +1,5 @@
-"""Hang-detection settings: sections, per-section timeouts, ``--ft-timeouts`` parsing and the config.
+"""Hang-detection settings: sections, per-section timeouts, ``--ft-timeouts`` parsing and the
+config.
 
 :mod:`stalwart.reliability.hang.sections` re-exports the config names (the README's entry point).
 """
@@ -143,11 +144,23 @@ class FaultToleranceConfig:
         seconds = ("min_learned_timeout_s", "kill_grace_s", "abort_grace_s", "stack_dump_wait_s")
         checks = (
             ("safety_factor", _finite(self.safety_factor, 1.0), "a number >= 1"),
-            ("blend_alpha", _finite(self.blend_alpha, 0.0) and self.blend_alpha < 1.0, "a number in [0, 1)"),
-            ("min_steps_for_step_update", _int_at_least(self.min_steps_for_step_update, 1), "an integer >= 1"),
-            ("poll_interval_s", _finite(self.poll_interval_s, 0.0) and 0 < self.poll_interval_s <= 60, "a number in (0, 60]"),
+            (
+                "blend_alpha",
+                _finite(self.blend_alpha, 0.0) and self.blend_alpha < 1.0,
+                "a number in [0, 1)",
+            ),
+            (
+                "min_steps_for_step_update",
+                _int_at_least(self.min_steps_for_step_update, 1),
+                "an integer >= 1",
+            ),
+            (
+                "poll_interval_s",
+                _finite(self.poll_interval_s, 0.0) and 0 < self.poll_interval_s <= 60,
+                "a number in (0, 60]",
+            ),
             *((name, _finite(getattr(self, name), 0.0), "a number >= 0") for name in seconds),
-        )  # fmt: skip
+        )
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"FaultToleranceConfig.{name}: must be {allowed}")

@@ -7,9 +7,9 @@ worker's GIL, a stuck CUDA call or a hung collective, because it is a separate p
 
 Protocol
 --------
-The worker (``stalwart.reliability.hang.sections.SectionMonitor``) owns a small memory-mapped file (the
-heartbeat record): two slots of layout ``_SLOT``, each the open section, when it opened, when the
-last section closed, the live timeouts, a sequence number and a CRC-32 of all that. A write goes
+The worker (``stalwart.reliability.hang.sections.SectionMonitor``) owns a small memory-mapped file
+(the heartbeat record): two slots of layout ``_SLOT``, each the open section, when it opened, when
+the last section closed, the live timeouts, a sequence number and a CRC-32 of all that. A write goes
 to the slot the last write did not use, in one copy, so a complete record is always in the file
 even if the worker stops in the middle of a write; the reader takes the valid slot with the
 highest sequence number (a torn slot fails its CRC). The monitor polls the record every
@@ -298,9 +298,14 @@ def _write_hang_report(path: str, report: dict[str, object]) -> None:
 def _append_goodput_fault(path: str, rank: int, overrun: Overrun) -> None:
     """A ``fault`` record in the goodput ledger (``stalwart.observability.goodput.records``'s
     format): the next session splits its downtime into hang-until-detected and restart."""
-    record = {"k": "fault", "t": round(time.time(), 6), "s": f"hang-monitor-rank{rank}",
-              "cause": "hang", "rank": rank,
-              "detail": f"{overrun.section} open {overrun.elapsed_s:.1f} s > {overrun.timeout_s:g} s"}  # fmt: skip
+    record = {
+        "k": "fault",
+        "t": round(time.time(), 6),
+        "s": f"hang-monitor-rank{rank}",
+        "cause": "hang",
+        "rank": rank,
+        "detail": f"{overrun.section} open {overrun.elapsed_s:.1f} s > {overrun.timeout_s:g} s",
+    }
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         size = os.fstat(fd).st_size

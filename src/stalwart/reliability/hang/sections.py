@@ -35,12 +35,13 @@ Learned timeouts (``--calc-ft-timeouts``)
 The worker records the longest observed duration per section and the longest out-of-section gap.
 `SectionMonitor.maybe_update_timeouts` (a collective: call it on every rank, after each save and
 once before `close`) takes one all-reduce MAX of the four maxima and applies `learn_timeouts`:
-``new = max(floor, safety_factor × max_observed)`` (NVRx: safety factor 5), blended with a previously
-*learned* value as ``alpha × previous + (1 − alpha) × new`` (alpha 0.5, NVRx's EMA). Sections qualify
-as in Megatron: setup only after a persistent checkpoint was loaded; step after >= 16 timed steps;
-checkpointing after >= 1 real save and only with synchronous saves; out-of-section only at closing
-when setup and step qualify and a save was seen. Rank 0 writes ``<save>/ft_state.json`` atomically;
-at start `build_section_monitor` loads it and uses the learned values for the learned sections.
+``new = max(floor, safety_factor × max_observed)`` (NVRx: safety factor 5), blended with a
+previously *learned* value as ``alpha × previous + (1 − alpha) × new`` (alpha 0.5, NVRx's EMA).
+Sections qualify as in Megatron: setup only after a persistent checkpoint was loaded; step after
+>= 16 timed steps; checkpointing after >= 1 real save and only with synchronous saves;
+out-of-section only at closing when setup and step qualify and a save was seen. Rank 0 writes
+``<save>/ft_state.json`` atomically; at start `build_section_monitor` loads it and uses the learned
+values for the learned sections.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ class NullSectionMonitor:
 
 
 class SectionMonitor:
-    """Per-rank section bookkeeping; the monitor process (see `monitor_client.MonitorClient`) enforces it.
+    """Per-rank section bookkeeping; the monitor process (see `monitor_client.MonitorClient`)
+    enforces it.
 
     Build it with `build_section_monitor`. Methods are cheap, thread-safe and never raise for
     misuse (see the module docstring for the section rules). `maybe_update_timeouts` is the only

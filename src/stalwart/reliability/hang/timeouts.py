@@ -150,7 +150,11 @@ def load_ft_state(path: str | os.PathLike[str]) -> FtState | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         logger.warning("stalwart-ft: ignoring unreadable %s (%s)", target, exc)
         return None
-    usable = {k: float(v) for k, v in raw.items() if timeout_problem(v, 0.0) is None}  # type: ignore[arg-type]
+    usable = {
+        k: float(v)  # type: ignore[arg-type]  # timeout_problem: a finite number > 0
+        for k, v in raw.items()
+        if timeout_problem(v, 0.0) is None
+    }
     timeouts = replace(SectionTimeouts(), **usable)
     return FtState(timeouts, calculated & frozenset(usable), observed)
 

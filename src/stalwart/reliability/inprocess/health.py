@@ -65,7 +65,8 @@ def run_health_checks(
 
 @dataclass(frozen=True)
 class MemorySample:
-    """Process memory after a finalize: host RSS and (on CUDA) device bytes held by the allocator."""
+    """Process memory after a finalize: host RSS and (on CUDA) device bytes held by the
+    allocator."""
 
     rss_bytes: int
     device_allocated_bytes: int = 0

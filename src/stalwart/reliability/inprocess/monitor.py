@@ -62,7 +62,8 @@ def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
 
 
 class AttemptMonitor:
-    """Monitor thread of attempt ``attempt``; ``start()`` before, ``leave()`` after the train call."""
+    """Monitor thread of attempt ``attempt``; ``start()`` before, ``leave()`` after the train
+    call."""
 
     def __init__(
         self,

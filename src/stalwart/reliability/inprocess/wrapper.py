@@ -16,7 +16,7 @@ Cycle of one failed attempt, on every rank::
          first collective), call the train function again: it rebuilds everything from the
          config and resumes from the newest complete checkpoint.
 
-What must outlive the attempts (a compile cache: `stalwart.graphs.CompileCache`) is created by
+What must outlive the attempts (a compile cache: `stalwart.compile.CompileCache`) is created by
 the caller outside :meth:`InProcessRestarter.run` and passed into the train function, never kept
 in module state; everything else is rebuilt by each attempt.
 
@@ -305,7 +305,8 @@ class InProcessRestarter:
         monitor.start()
         if n and self.rank == 0:
             self.say(
-                f"in-process restart attempt {n}: process group rebuilt, training resumes ({self._timing()})"
+                f"in-process restart attempt {n}: process group rebuilt, training resumes "
+                f"({self._timing()})"
             )
         return Attempt(
             index=n,
@@ -427,7 +428,8 @@ class InProcessRestarter:
         self.store.set_rank_value(n, "released", "1")
         sample = sample_memory(self.device)
         self.memory.append(sample)
-        msg = f"in-process restart attempt {n + 1}: rank {self.rank} after finalize: {sample.describe()}"
+        after = f"rank {self.rank} after finalize: {sample.describe()}"
+        msg = f"in-process restart attempt {n + 1}: {after}"
         if self.rank == 0:
             self.say(msg)
         else:
@@ -495,7 +497,8 @@ def restartable(
     init_group: GroupFactory,
     **kwargs: Any,
 ) -> Callable[[], T]:
-    """``fn`` wrapped for in-process restart: calling the result runs :class:`InProcessRestarter`."""
+    """``fn`` wrapped for in-process restart: calling the result runs
+    :class:`InProcessRestarter`."""
 
     def run() -> T:
         return InProcessRestarter(options, init_group, **kwargs).run(fn)

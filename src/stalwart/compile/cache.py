@@ -32,7 +32,7 @@ job's user can write, for the whole run: `check_cache_dir` refuses, in one line 
 a directory that is a symbolic link, another user's, or writable by its group or everyone; one
 with anything below it that is a link, another user's or writable by others who can reach it;
 one under a directory that another user owns or can write without the sticky bit (they could
-swap the cache after the check: `stalwart.graphs.cache_trust` says why the whole path is judged);
+swap the cache after the check: `stalwart.compile.cache_trust` says why the whole path is judged);
 one inside a checkpoint directory. `CompileCache` judges it again when it opens, right before
 the first load and compile. A new directory is created with mode 0700, the file with 0600. The
 default lives under the run directory. A cache copied from elsewhere becomes the copier's own:
@@ -64,9 +64,8 @@ from types import TracebackType
 from typing import Any
 
 from stalwart.atomic_file import Sync, write_bytes_atomic
+from stalwart.compile.cache_trust import ARTIFACTS_FILE, INDUCTOR_DIR, check_cache_dir
 from stalwart.fixed_paths import FixedPath
-from stalwart.graphs.cache_trust import ARTIFACTS_FILE, INDUCTOR_DIR, check_cache_dir
-from stalwart.observability.goodput.records import Bucket, CompileSource
 from stalwart.regular_file import open_regular
 
 logger = logging.getLogger("stalwart.compile_cache")
@@ -118,16 +117,20 @@ class CompileCounts:
         return self.frames > 0 or self.fx_misses > 0 or self.fx_hits > 0
 
     @property
-    def source(self) -> CompileSource:
-        """Warm when every Inductor graph came from the cache (at least one hit, no miss);
-        cold otherwise (a miss, or a backend that does not cache)."""
-        warm = self.fx_hits > 0 and self.fx_misses == 0
-        return CompileSource.WARM if warm else CompileSource.COLD
+    def warm(self) -> bool:
+        """Every Inductor graph came from the cache (at least one hit, no miss); else cold (a
+        miss, or a backend that does not cache)."""
+        return self.fx_hits > 0 and self.fx_misses == 0
 
     def fields(self) -> dict[str, int]:
-        """The ledger record's counters."""
-        return {"frames": self.frames, "fx_hit": self.fx_hits, "fx_miss": self.fx_misses,
-                "aot_hit": self.aot_hits, "aot_miss": self.aot_misses}  # fmt: skip
+        """The counters by their record names (``fx_hit``, ...)."""
+        return {
+            "frames": self.frames,
+            "fx_hit": self.fx_hits,
+            "fx_miss": self.fx_misses,
+            "aot_hit": self.aot_hits,
+            "aot_miss": self.aot_misses,
+        }
 
 
 class CompileCache:
@@ -165,7 +168,7 @@ class CompileCache:
         """Switch the caches on and point them here; load ``artifacts.bin`` if present.
 
         The directory is judged again first (``ValueError``), at its use: before the first
-        load and compile (the module docstring of `stalwart.graphs.cache_trust` says why that
+        load and compile (the module docstring of `stalwart.compile.cache_trust` says why that
         judgement then holds for the whole run)."""
         if self._stack is not None:
             return self
@@ -323,57 +326,6 @@ class NullCompileCache:
     def __exit__(self, *exc: object) -> None: ...
 
 
-class CompileBooking:
-    """Books the iterations that compiled into the goodput ledger's ``compile`` bucket, with where
-    their time went (`CompileSource`), and writes the cache's artifacts after them.
-
-    Not enabled (``--compile`` off): no counter is read, nothing is booked. An iteration that
-    compiled nothing (the second iteration; an in-process restart's first, whose model reuses
-    the compiled code) stays productive or lost work. ``ledger`` is a goodput ledger (the null
-    one on other ranks).
-
-        booking = CompileBooking(cache, ledger, enabled=True)
-        with ledger.step(it) as span:
-            before = booking.mark()
-            train_step()
-            booking.book(span, before)
-        booking.save()                      # outside the step: its time is compile (cache write)
-    """
-
-    def __init__(
-        self, cache: CompileCache | NullCompileCache, ledger: Any, *, enabled: bool
-    ) -> None:
-        self.cache, self.ledger, self.enabled = cache, ledger, enabled
-        self._unsaved = False
-        self._cold = False  # a graph compiled since the last save was not in the cache
-
-    def mark(self) -> CompileCounts | None:
-        """The counters before a step (None when not enabled)."""
-        return CompileCounts.read() if self.enabled else None
-
-    def book(self, span: Any, before: CompileCounts | None) -> CompileCounts | None:
-        """What compiled since ``before`` (None: nothing); reclassifies ``span`` (a `StepSpan`,
-        or None outside a step) to ``compile``, cold or warm."""
-        if before is None:
-            return None
-        compiled = CompileCounts.read().since(before)
-        if not compiled.compiled:
-            return None
-        self._unsaved = True
-        self._cold |= compiled.source is CompileSource.COLD
-        if span is not None:
-            span.reclassify(Bucket.COMPILE, compiled.source)
-        return compiled
-
-    def save(self) -> None:
-        """After a step that compiled something new (or with no artifacts file yet): write the
-        artifacts, booked as compile (cache write). A warm relaunch writes nothing."""
-        if self._unsaved and (self._cold or not self.cache.has_artifacts()):
-            with self.ledger.span(Bucket.COMPILE, CompileSource.SAVE):
-                self.cache.save()
-        self._unsaved = self._cold = False
-
-
 class CompileActivity:
     """Progress while torch compiles, for a watchdog that would take a long compile for a hang.
 
@@ -470,10 +422,8 @@ __all__ = [
     "INDUCTOR_DIR",
     "STAMP_FILE",
     "CompileActivity",
-    "CompileBooking",
     "CompileCache",
     "CompileCounts",
-    "CompileSource",
     "NullCompileCache",
     "check_cache_dir",
 ]

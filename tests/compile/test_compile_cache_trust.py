@@ -1,5 +1,5 @@
 """The compile cache is code the run executes: attacks on it, each refused in one line
-(`stalwart.graphs.cache_trust`, `stalwart.graphs.compile_cache`).
+(`stalwart.compile.cache_trust`, `stalwart.compile.cache`).
 
 Another user's moves are played by a child process running as uid 4242 where the test runs as
 root (skipped otherwise); entries of another user are made with ``os.chown``.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.graphs.compile_cache import (
+from stalwart.compile.cache import (
     ARTIFACTS_FILE,
     INDUCTOR_DIR,
     CompileCache,

@@ -208,7 +208,7 @@ def cache_dir_problem(directory: Path, fixed: dict[str, bool]) -> str | None:
 
 def check_cache_dir(flag: str, directory: str | os.PathLike[str]) -> None:
     """``ValueError`` (one line naming ``flag``) unless ``directory`` can hold a trusted cache
-    (`stalwart.graphs.cache_trust`): it and everything below it are this user's, no links,
+    (`stalwart.compile.cache_trust`): it and everything below it are this user's, no links,
     not writable by others; every directory above it is this user's or root's and writable by
     its owner only (or sticky); it is not inside a checkpoint directory; a missing directory
     needs a writable parent. Only looks: nothing is created."""

@@ -1,4 +1,4 @@
-"""Warm restarts (`stalwart.graphs.compile_cache`): a relaunch loads what the first process
+"""Warm restarts (`stalwart.compile.cache`): a relaunch loads what the first process
 compiled, an in-process restart compiles nothing, an untrusted cache directory is refused."""
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalwart.distributed.process_group import DistributedContext
-from stalwart.graphs import compile_cache
-from stalwart.graphs.compile_cache import (
+from stalwart.compile import cache as compile_cache
+from stalwart.compile.cache import (
     ARTIFACTS_FILE,
     INDUCTOR_DIR,
     STAMP_FILE,
-    CompileBooking,
     CompileCache,
     CompileCounts,
     check_cache_dir,
 )
+from stalwart.distributed.process_group import DistributedContext
+from stalwart.loop.compile_booking import CompileBooking
 from stalwart.observability.goodput import Bucket, CompileSource, GoodputLedger
 from stalwart.observability.goodput.reader import read_ledger
 from stalwart.observability.goodput.records import Span, summarize
@@ -38,7 +38,8 @@ REPO = Path(__file__).resolve().parents[2]
 RELAUNCH = """
 import json, sys
 import torch
-from stalwart.graphs.compile_cache import CompileCache, CompileCounts
+from stalwart.compile import CompileCache, CompileCounts
+from stalwart.loop.compile_booking import compile_source
 
 class Tiny(torch.nn.Module):
     def __init__(self):
@@ -55,7 +56,7 @@ with CompileCache(sys.argv[1]) as cache:
     model(torch.randn(4, 8)).sum().backward()
     counts = CompileCounts.read().since(before)
     wrote = cache.save()
-print(json.dumps({**counts.fields(), "source": counts.source.value, "wrote": wrote,
+print(json.dumps({**counts.fields(), "source": compile_source(counts).value, "wrote": wrote,
                   "loaded": cache.loaded_artifacts}))
 """
 
@@ -250,7 +251,7 @@ def test_a_compiled_graph_is_progress_for_the_inprocess_watchdog() -> None:
 def test_compile_activity_changes_while_torch_compiles() -> None:
     """Inside a compile (here: the backend, called by Dynamo) every read differs, so the
     watchdog sees progress for the whole compile; outside it follows the counters."""
-    from stalwart.graphs.compile_cache import CompileActivity
+    from stalwart.compile import CompileActivity
 
     activity = CompileActivity()
     seen: list[object] = []
