@@ -44,7 +44,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >>
 [[ " ${STEPS:-} " == *" compat_cpu "* ]] && step compat_cpu 300 env CUDA_VISIBLE_DEVICES= \
   python3 -m pytest -q -x -n 12 -m "not gpu and not slow" -p no:cacheprovider tests
 # -s: the tests print their measured differences; two-GPU tests skip on a one-GPU machine.
-step gpu_tests 540 python3 -m pytest -q -s -rfs -m gpu -p no:cacheprovider tests
+# GPU_PYTEST_ARGS: e.g. "-n 3" (pytest-xdist, carried as a wheel) to share the card; the opt-in
+# gpu_tests_again runs the suite a second time in a row (each must exit on its own: timeout kills
+# a pytest that hangs at exit, and the step fails).
+step gpu_tests 540 python3 -m pytest -q -s -rfs -m gpu -p no:cacheprovider ${GPU_PYTEST_ARGS:-} tests
+[[ " ${STEPS:-} " == *" gpu_tests_again "* ]] && step gpu_tests_again 540 python3 -m pytest -q -rfs \
+  -m gpu -p no:cacheprovider ${GPU_PYTEST_ARGS:-} tests
 # The straggler detector's NVML fields (temperature, power, utilisation, clock): a missing pynvml
 # fails this step (in gpu_tests it is a skip). The image has nvidia-ml-py (KINDS.md); else carry
 # its wheel as the device README says.
@@ -155,7 +160,14 @@ step bench_graphs 300 python3 bench/graphs.py --variants \
 step bench_speculative 300 bash -c "python3 bench/speculative_launch.py --preset tiny --json $WORK/spec_tiny.json && python3 bench/speculative_launch.py --preset tiny --extra '--global-batch-size 32' --json $WORK/spec_tiny4.json && python3 bench/speculative_launch.py --preset small --iters 200 --log-interval 25 --json $WORK/spec_small.json"
 # What the checks cost the guarded step, eager and graphed, against the checks truly off.
 step bench_checks 300 python3 bench/check_overhead.py --device cuda --bf16 \
-  --presets tiny,small,gpt2-124m --json "$WORK/check_overhead.json"
+  --presets "${CHECK_PRESETS:-tiny,small,gpt2-124m}" --json "$WORK/check_overhead.json"
+# Every iteration's row (the device ring) against the per-iteration rows truly off (issue 44).
+step bench_iteration_log 240 python3 bench/iteration_log_overhead.py --device cuda --bf16 \
+  --presets gpt2-124m --modes "${LOG_MODES:-graphed,eager}" --rounds "${LOG_ROUNDS:-8}" \
+  --json "$WORK/iteration_log.json"
+# A non-persistent snapshot every 10 iterations against none (issue 43: at most 1%).
+step bench_local_snapshot 240 python3 bench/local_snapshot.py --device cuda --bf16 \
+  --preset gpt2-124m --rounds "${SNAPSHOT_ROUNDS:-10}" --json "$WORK/local_snapshot.json"
 # Opt-in: what the checks launch per iteration (kernels, ops, syncs), off vs on.
 [[ " ${STEPS:-} " == *" bench_check_ops "* ]] && step bench_check_ops 240 python3 bench/check_ops.py \
   --device cuda --bf16 --presets tiny,small,gpt2-124m -v --json "$WORK/check_ops.json"
