@@ -10,9 +10,16 @@ DEV_STAMP := $(VENV)/.stalwart-dev
 
 .PHONY: demo docs test lint typecheck unit chaos gpu-check clean
 
+# The demo's installer: uv when it is on PATH (it reads UV_* settings, not pip's config:
+# INSTALLER=pip for pip), else pip without byte-compiling every file of torch, half of pip's time
+# (the demo's imports compile what they use). No pip upgrade: the venv's own pip installs these.
+INSTALLER ?= $(if $(shell command -v uv 2>/dev/null),uv,pip)
+DEMO_INSTALL_pip = $(BIN)/pip install -q --no-compile
+DEMO_INSTALL_uv = uv pip install -q --python $(BIN)/python
+
 $(DEMO_STAMP): pyproject.toml constraints-dev.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints-dev.txt -e '.[demo]'
+	$(DEMO_INSTALL_$(INSTALLER)) -c constraints-dev.txt -e '.[demo]'
 	touch $(DEMO_STAMP)
 
 $(DEV_STAMP): pyproject.toml constraints-dev.txt
