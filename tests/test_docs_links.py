@@ -50,8 +50,8 @@ def test_every_relative_link_resolves(page: Path) -> None:
             continue
         path, _, fragment = target.partition("#")
         file = (page.parent / path).resolve() if path else page
-        if not file.exists():
-            broken.append(target)
-        elif fragment and file.suffix == ".md" and fragment not in anchors(file):
+        if not file.exists() or (
+            fragment and file.suffix == ".md" and fragment not in anchors(file)
+        ):
             broken.append(target)
     assert not broken, f"{page.relative_to(REPO)}: {broken}"
