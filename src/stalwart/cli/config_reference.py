@@ -182,8 +182,9 @@ def train_flags_section() -> list[str]:
     lines += [
         "One table per group of `stalwart train --help`, in its order. *Sets* is the config",
         "field the value ends in (`RunConfig`'s component, or the `ShellConfig` a loop builds);",
-        "the TOML key of `--config` is the flag without its dashes (`save_interval = 500`),",
-        "written under the group's table by `--print-config`. Megatron-LM flags stalwart does",
+        "the TOML key of `--config` is the flag without its dashes (`save_interval = 500`; a",
+        "switch under its positive name: `shuffle = false`), written under the group's table",
+        "by `--print-config`. Megatron-LM flags stalwart does",
         "not implement are refused in one line (exit 2):",
         "[migration-megatron.md](migration-megatron.md) lists them.",
         "",
