@@ -28,7 +28,7 @@ __all__ = ["PRESET_NAMES", "OneLineErrorParser", "build_train_parser", "parse_tr
 TRAIN_DESCRIPTION = """\
 Train the reference GPT inside stalwart's reliability shell. Examples:
 
-  stalwart train --demo --save runs/demo     # 1.5 min on CPU; then: stalwart report runs/demo
+  stalwart train --demo --save runs/demo     # 100 CPU iterations; then: stalwart report runs/demo
   stalwart train --preset llama-150m --bf16 --save runs/l --save-interval 500 --log-throughput
   torchrun --nproc-per-node 8 -m stalwart train --preset gpt2-124m --bf16 --save /ckpt/run \\
       --global-batch-size 256 --save-interval 500 --async-save --exit-signal-handler --enable-ft
