@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--fault-schedule: where those go: global (<save>/non_persistent) or local (a "
             "directory per fake node, replicated to the other)",
         ),
+        (
+            "--rerun-transient-policy",
+            OneOf(("exit", "continue"), "POLICY"),
+            "exit",
+            "--fault-schedule: the job's policy for a transient verdict: exit (17, restart: "
+            "Megatron's) or continue (the rerun's result applied: one replay, no restart)",
+        ),
     )
     values(
         p,
@@ -125,6 +132,7 @@ def _schedule_only(ns: argparse.Namespace) -> str | None:
         ("--fork-workers", ns.fork_workers),
         ("--non-persistent-save-interval", ns.non_persistent_save_interval),
         ("--non-persistent-ckpt-type", ns.non_persistent_ckpt_type != "global"),
+        ("--rerun-transient-policy", ns.rerun_transient_policy != "exit"),
     ):
         if given:
             return flag
@@ -222,7 +230,8 @@ def _main_schedule(ns: argparse.Namespace) -> int:
     config = ScheduleConfig(work, iterations, save_interval, seed=ns.seed, timeout=timeout,
                             fork_workers=ns.fork_workers,
                             non_persistent_interval=ns.non_persistent_save_interval,
-                            non_persistent_type=ns.non_persistent_ckpt_type)  # fmt: skip
+                            non_persistent_type=ns.non_persistent_ckpt_type,
+                            transient_policy=ns.rerun_transient_policy)  # fmt: skip
     print(f"chaos: work directory {work}", flush=True)
     result = run_schedule(config, lambda line: print(line, flush=True))
     print(format_result(result))
