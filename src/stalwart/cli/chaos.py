@@ -46,6 +46,29 @@ def build_parser() -> argparse.ArgumentParser:
         "fault every iterations/6 (hang, SIGKILL, transient NaN, SIGTERM, a persistent device "
         "fault excluded), its goodput and final weights against the fault-free job",
     )
+    _schedule_options(p)
+    values(
+        p,
+        ("--nproc-per-node", int, 2, "ranks (torchrun workers)"),
+        ("--device", OneOf(("cpu", "auto"), "WHERE"), "cpu", "cpu: gloo, bitwise checks hold; auto: NCCL on GPUs"),
+    )  # fmt: skip
+    p.add_argument(
+        "--json", metavar="FILE", help="write the result {passed, faults} here (default: none)"
+    )
+    p.add_argument(
+        "--work-dir", metavar="DIR", help="where the runs go (default: a new temporary directory)"
+    )
+    p.add_argument("--timeout", type=float,
+                   help="seconds per launch (default: 300; --fault-schedule: 3600)")  # fmt: skip
+    p.add_argument(
+        "--jobs", type=int, default=1, help="scenarios run at once (they are independent jobs)"
+    )
+    switch(p, "--no-report", "skip the HTML run report")
+    return p
+
+
+def _schedule_options(p: argparse.ArgumentParser) -> None:
+    """The options only ``--fault-schedule`` takes (`_schedule_only` refuses them elsewhere)."""
     switch(p, "--fork-workers", "--fault-schedule: its stalwart launch forks the workers "
            "(a relaunch skips the interpreter start and imports)")  # fmt: skip
     values(
@@ -72,24 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
             "Megatron's) or continue (the rerun's result applied: one replay, no restart)",
         ),
     )
-    values(
-        p,
-        ("--nproc-per-node", int, 2, "ranks (torchrun workers)"),
-        ("--device", OneOf(("cpu", "auto"), "WHERE"), "cpu", "cpu: gloo, bitwise checks hold; auto: NCCL on GPUs"),
-    )  # fmt: skip
-    p.add_argument(
-        "--json", metavar="FILE", help="write the result {passed, faults} here (default: none)"
-    )
-    p.add_argument(
-        "--work-dir", metavar="DIR", help="where the runs go (default: a new temporary directory)"
-    )
-    p.add_argument("--timeout", type=float,
-                   help="seconds per launch (default: 300; --fault-schedule: 3600)")  # fmt: skip
-    p.add_argument(
-        "--jobs", type=int, default=1, help="scenarios run at once (they are independent jobs)"
-    )
-    switch(p, "--no-report", "skip the HTML run report")
-    return p
 
 
 def _use_cpu(device: str) -> bool:
