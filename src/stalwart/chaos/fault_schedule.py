@@ -49,7 +49,6 @@ from stalwart.checkpoint.local_layout import FAKE_NODE_ENV
 
 DEVICES = ("dev-a", "dev-b")
 EXPECTED_ACTIONS = ["restart", "restart", "restart", "preempted", "exclude", "finished"]
-TRANSIENT_POLICIES = ("exit", "continue")  # --rerun-transient-policy
 HANG_STEP_TIMEOUT_S = 3.0
 FT_FLAGS = ["--enable-ft", "--ft-num-warmup-iters", "2", "--ft-timeouts",
             f"setup=180,step={HANG_STEP_TIMEOUT_S:g},checkpointing=180,out_of_section=180"]  # fmt: skip
