@@ -125,3 +125,43 @@ def test_non_persistent_flags_of_the_schedule_are_checked(
     assert main_chaos(args) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_transient_policy_continue_goes_to_every_launch_and_ends_no_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stalwart.chaos.fault_schedule import ScheduleConfig, _policy, expected_actions
+    from stalwart.cli.chaos import main_chaos
+
+    assert _policy(ScheduleConfig(tmp_path, 1200, 100)) == []
+    config = ScheduleConfig(tmp_path, 1200, 100, transient_policy="continue")
+    assert _policy(config) == ["--rerun-transient-policy", "continue"]
+    # The transient fault costs a replay, not a relaunch: one action fewer.
+    assert expected_actions("continue") == [
+        "restart",
+        "restart",
+        "preempted",
+        "exclude",
+        "finished",
+    ]
+    assert expected_actions("exit") == EXPECTED_ACTIONS
+    assert main_chaos(["--rerun-transient-policy", "continue"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.strip() == "stalwart chaos: error: --rerun-transient-policy goes with --fault-schedule"
+    )
+
+
+def test_a_fault_recovered_in_place_costs_its_rerun_spans() -> None:
+    from stalwart.chaos.fault_schedule import in_place_fault
+    from stalwart.observability.goodput.records import Bucket, Span
+
+    spans = [
+        Span(Bucket.PRODUCTIVE, 10.0, 10.5, "a", 599),
+        Span(Bucket.RERUN, 10.5, 10.52, "a", 599),
+        Span(Bucket.RERUN, 10.52, 10.55, "a", 599),
+        Span(Bucket.RERUN, 11.0, 11.5, "a", 700),  # another iteration's rerun
+    ]
+    row = in_place_fault(600, spans)
+    assert row["action"] == "continue" and row["recomputed"] == 0
+    assert row["rerun_s"] == pytest.approx(0.05)

@@ -181,3 +181,19 @@ def test_the_launcher_imports_a_restart_s_modules_without_initialising_cuda() ->
     # Only what this torch lacks is passed over (the CPU wheel has no Triton).
     assert set(left) <= {"triton.compiler.compiler", "psutil"}
     assert cuda is False
+
+
+def test_the_launcher_imports_dynamo_for_ddp_without_compile() -> None:
+    """DDP's constructor imports Dynamo: a forked worker must find it imported (not import it
+    at every restart), and the launcher must not import it while it logs a failed round."""
+    code = (
+        "import json, sys, torch\n"
+        "from stalwart.cli.launch import forking_worker\n"
+        "before = 'torch._dynamo' in sys.modules\n"
+        "forking_worker(compiles=False)\n"
+        "print(json.dumps([before, 'torch._dynamo' in sys.modules, torch.cuda.is_initialized()]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=REPO, check=True).stdout  # fmt: skip
+    assert json.loads(out) == [False, True, False]

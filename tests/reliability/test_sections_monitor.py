@@ -184,3 +184,31 @@ def test_absurd_ft_state_is_rejected_in_one_line_and_the_job_runs(tmp_path: Path
     for key in absurd:
         assert f"{key} (0.001 s is below the 30 s floor" in lines[0]
     assert not (save / "ft_logs" / "ft_hang_rank0.json").exists()
+
+
+def test_monitor_stops_at_once_after_the_closing_record_not_at_its_next_poll(
+    tmp_path: Path,
+) -> None:
+    """Every rank's exit reaps its monitor: with a 30 s poll, stop() would wait out the poll
+    (up to --poll seconds of every restart); the wake pipe ends the wait at the closing record."""
+    import signal as signals
+
+    from stalwart.reliability.hang import monitor as hb
+    from stalwart.reliability.hang.monitor_client import MonitorClient
+
+    client = MonitorClient(
+        0, str(tmp_path), poll_s=30.0, dump_signal=int(signals.SIGUSR2), dump_wait_s=0.1,
+        term_grace_s=0.0,
+    )  # fmt: skip
+    huge = (1e6, 1e6, 1e6, 1e6)
+    now = time.monotonic()
+    client.publish(0, 0, now, now, huge)
+    client.start()
+    monitor_pid = client.pid
+    time.sleep(0.5)  # the monitor is in its 30 s pause
+    client.publish(0, hb.FLAG_CLOSED, now, time.monotonic(), huge)
+    started = time.monotonic()
+    status = client.stop(timeout_s=20.0)
+    assert time.monotonic() - started < 5.0
+    assert status == int(hb.MonitorExit.WORKER_CLOSED)
+    assert monitor_pid is not None and not psutil.pid_exists(monitor_pid)

@@ -6,7 +6,9 @@
    the ``step`` timeout; ``stalwart launch``: restart;
 2. ``sigkill``: the harness SIGKILLs rank 1's worker; restart;
 3. ``transient_nan``: rank 1's loss observed as NaN once (``transient_error``,
-   ``--error-injection-once``): the in-place rerun is clean, exit 17 without suspects; restart;
+   ``--error-injection-once``): the in-place rerun is clean, exit 17 without suspects; restart
+   (``transient_policy="continue"``, ``--rerun-transient-policy continue`` on every launch: the
+   step applies the rerun's result and training goes on, no launch action: one replay);
 4. ``sigterm``: the harness SIGTERMs the launcher (a preemption): the workers save and stop, the
    launcher exits 143 (``preempted``), and the harness, as a scheduler would, relaunches;
 5. ``persistent_device``: device ``dev-b`` makes rank 1's loss NaN on every run
@@ -94,6 +96,7 @@ class ScheduleConfig:
     fork_workers: bool = False  # stalwart launch --fork-workers: relaunches skip the imports
     non_persistent_interval: int = 0  # --non-persistent-save-interval (0: none)
     non_persistent_type: str = "global"  # --non-persistent-ckpt-type: global or local
+    transient_policy: str = "exit"  # --rerun-transient-policy of every launch: exit or continue
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,18 @@ def schedule(iterations: int) -> list[ScheduledFault]:
         ("persistent_device", 1),
     )
     return [ScheduledFault(kind, step * (i + 1), rank) for i, (kind, rank) in enumerate(kinds)]
+
+
+def expected_actions(transient_policy: str) -> list[str]:
+    """The launch actions the ledger must hold, in order (pure): one per fault that ends a
+    launch, then ``finished``; under ``continue`` the transient fault ends none."""
+    if transient_policy == "continue":
+        return [a for i, a in enumerate(EXPECTED_ACTIONS) if i != 2]
+    return list(EXPECTED_ACTIONS)
+
+
+def _ends_a_launch(kind: str, transient_policy: str) -> bool:
+    return not (kind == "transient_nan" and transient_policy == "continue")
 
 
 def check_shape(iterations: int, save_interval: int) -> None:
@@ -211,6 +226,13 @@ def _non_persistent(config: ScheduleConfig, job: Path) -> tuple[list[str], dict[
     return [*flags, *local], {FAKE_NODE_ENV: "1"}
 
 
+def _policy(config: ScheduleConfig) -> list[str]:
+    """The faulted job's transient policy (every launch: a job keeps its flags)."""
+    if config.transient_policy == "exit":
+        return []  # the default: the command lines stay those of the runs before the option
+    return ["--rerun-transient-policy", config.transient_policy]
+
+
 def _injection(fault: ScheduledFault, devices: str | None = None) -> list[str]:
     kind = "persistent_error" if fault.kind == "persistent_device" else "transient_error"
     where = (
@@ -251,6 +273,7 @@ def run_schedule(config: ScheduleConfig, say: Any = print) -> ScheduleResult:
     started = time.time()
     first = _first_launch(config, res, faults, save, say)
     extra, env = _non_persistent(config, save.parent)
+    extra += _policy(config)
     second_args = [
         *_base(config, save),
         *extra,
@@ -272,7 +295,7 @@ def run_schedule(config: ScheduleConfig, say: Any = print) -> ScheduleResult:
         first.code == 128 + signal.SIGTERM, f"first stalwart launch exited {first.code}, not 143"
     )
     res.check(second.code == 0, f"the relaunch exited {second.code}, not 0")
-    _read_ledger(res, save, faults)
+    _read_ledger(res, save, faults, config.transient_policy)
     _reference_and_compare(config, res, save, faults["persistent_device"].iteration - 1, say)
     res.passed = not res.problems
     return res
@@ -287,6 +310,7 @@ def _first_launch(
 ) -> LaunchResult:
     hang = faults["hang"]
     extra, env = _non_persistent(config, save.parent)
+    extra += _policy(config)
     args = [
         *_base(config, save),
         *extra,
@@ -324,28 +348,56 @@ def _first_launch(
     return finish(job, config.timeout)
 
 
-def _read_ledger(res: ScheduleResult, save: Path, faults: dict[str, ScheduledFault]) -> None:
+def _read_ledger(
+    res: ScheduleResult, save: Path, faults: dict[str, ScheduledFault], transient_policy: str
+) -> None:
     from stalwart.observability.goodput.reader import read_ledger
     from stalwart.observability.goodput.records import summarize
 
-    summary = summarize(read_ledger(save / "goodput.jsonl"))
+    ledger = read_ledger(save / "goodput.jsonl")
+    summary = summarize(ledger)
     res.goodput = summary.to_json()
     res.goodput.pop("sessions", None)
     res.actions = [
         {"t": a.t, "action": a.get("action"), "detail": a.get("detail")} for a in summary.actions
     ]
     kinds = [a["action"] for a in res.actions]
-    res.check(kinds == EXPECTED_ACTIONS, f"launch actions {kinds}, expected {EXPECTED_ACTIONS}")
+    expected = expected_actions(transient_policy)
+    res.check(kinds == expected, f"launch actions {kinds}, expected {expected}")
     listed = {f["kind"] for f in res.faults}
     for planned in faults.values():
         if planned.kind not in listed:
             res.faults.append({"kind": planned.kind, "iteration": planned.iteration})
     order = list(faults)
     res.faults.sort(key=lambda f: order.index(f["kind"]))
-    for row, action in zip(res.faults, res.actions, strict=False):
+    ending = [f for f in res.faults if _ends_a_launch(f["kind"], transient_policy)]
+    for row, action in zip(ending, res.actions, strict=False):
         row["action"] = action["action"]
         row["detail"] = action["detail"]
-    _lost_work(res, summary.sessions, read_ledger(save / "goodput.jsonl").records)
+    for row in res.faults:
+        if not _ends_a_launch(row["kind"], transient_policy):
+            row.update(in_place_fault(row["iteration"], ledger.records))
+    _lost_work(res, ending, summary.sessions, ledger.records)
+
+
+def in_place_fault(iteration: int, records: list[Any]) -> dict[str, Any]:
+    """A fault the job recovered from without a relaunch (pure): the seconds of the rerun
+    spans of ``iteration`` (the ledger's ``it`` is the iteration completed before it) and no
+    recomputed work."""
+    from stalwart.observability.goodput.records import Bucket, Span
+
+    rerun = sum(
+        r.seconds
+        for r in records
+        if isinstance(r, Span) and r.bucket is Bucket.RERUN and r.iteration == iteration - 1
+    )
+    return {
+        "action": "continue",
+        "detail": "the rerun's result applied: one replay, no restart",
+        "recomputed": 0,
+        "lost_work_s": 0.0,
+        "rerun_s": round(rerun, 3),
+    }
 
 
 def lost_work_per_fault(sessions: list[Any], records: list[Any]) -> list[dict[str, Any]]:
@@ -373,13 +425,16 @@ def lost_work_per_fault(sessions: list[Any], records: list[Any]) -> list[dict[st
     return gaps
 
 
-def _lost_work(res: ScheduleResult, sessions: list[Any], records: list[Any]) -> None:
+def _lost_work(
+    res: ScheduleResult, ending: list[dict[str, Any]], sessions: list[Any], records: list[Any]
+) -> None:
+    """Each fault that ended a launch gets the gap after its session."""
     gaps = lost_work_per_fault(sessions, records)
     res.check(
-        len(gaps) == len(res.faults),
-        f"{len(sessions)} sessions in the ledger, expected {len(res.faults) + 1}",
+        len(gaps) == len(ending),
+        f"{len(sessions)} sessions in the ledger, expected {len(ending) + 1}",
     )
-    for row, gap in zip(res.faults, gaps, strict=False):
+    for row, gap in zip(ending, gaps, strict=False):
         row.update(gap)
 
 
@@ -426,11 +481,15 @@ def format_result(res: ScheduleResult) -> str:
     lines += [
         f"  {f['kind']:<18} iteration {f['iteration']:<6} -> {f.get('action', '?')}: "
         f"recomputed {f.get('recomputed', '?')} iterations ({f.get('lost_work_s', 0):.1f} s "
-        f"of lost work); {f.get('detail', '')}"
+        f"of lost work{_rerun_note(f)}); {f.get('detail', '')}"
         for f in res.faults
     ]
     lines += [f"  problem: {p}" for p in res.problems]
     return "\n".join(lines)
+
+
+def _rerun_note(row: dict[str, Any]) -> str:
+    return f", {row['rerun_s']:.2f} s of rerun" if "rerun_s" in row else ""
 
 
 def write_json(res: ScheduleResult, path: str | os.PathLike[str]) -> None:

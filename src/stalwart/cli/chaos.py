@@ -66,29 +66,7 @@ def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
         "fault every iterations/6 (hang, SIGKILL, transient NaN, SIGTERM, a persistent device "
         "fault excluded), its goodput and final weights against the fault-free job",
     )
-    switch(
-        p,
-        "--fork-workers",
-        "--fault-schedule: its stalwart launch forks the workers "
-        "(a relaunch skips the interpreter start and imports)",
-    )
-    values(
-        p,
-        (
-            "--non-persistent-save-interval",
-            int,
-            0,
-            "--fault-schedule: the job also saves a "
-            "non-persistent checkpoint every N iterations (default: 0 = none)",
-        ),
-        (
-            "--non-persistent-ckpt-type",
-            OneOf(("global", "local"), "TYPE"),
-            "global",
-            "--fault-schedule: where those go: global (<save>/non_persistent) or local (a "
-            "directory per fake node, replicated to the other)",
-        ),
-    )
+    _schedule_options(p)
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -116,6 +94,40 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "--jobs", type=int, default=1, help="scenarios run at once (they are independent jobs)"
     )
     switch(p, "--no-report", "skip the HTML run report")
+
+
+def _schedule_options(p: argparse.ArgumentParser) -> None:
+    """The options only ``--fault-schedule`` takes (`_schedule_only` refuses them elsewhere)."""
+    switch(
+        p,
+        "--fork-workers",
+        "--fault-schedule: its stalwart launch forks the workers "
+        "(a relaunch skips the interpreter start and imports)",
+    )
+    values(
+        p,
+        (
+            "--non-persistent-save-interval",
+            int,
+            0,
+            "--fault-schedule: the job also saves a "
+            "non-persistent checkpoint every N iterations (default: 0 = none)",
+        ),
+        (
+            "--non-persistent-ckpt-type",
+            OneOf(("global", "local"), "TYPE"),
+            "global",
+            "--fault-schedule: where those go: global (<save>/non_persistent) or local (a "
+            "directory per fake node, replicated to the other)",
+        ),
+        (
+            "--rerun-transient-policy",
+            OneOf(("exit", "continue"), "POLICY"),
+            "exit",
+            "--fault-schedule: the job's policy for a transient verdict: exit (17, restart: "
+            "Megatron's) or continue (the rerun's result applied: one replay, no restart)",
+        ),
+    )
 
 
 def _use_cpu(device: str) -> bool:
@@ -158,6 +170,7 @@ def _schedule_only(ns: argparse.Namespace) -> str | None:
         ("--fork-workers", ns.fork_workers),
         ("--non-persistent-save-interval", ns.non_persistent_save_interval),
         ("--non-persistent-ckpt-type", ns.non_persistent_ckpt_type != "global"),
+        ("--rerun-transient-policy", ns.rerun_transient_policy != "exit"),
     ):
         if given:
             return flag
@@ -262,6 +275,7 @@ def _main_schedule(ns: argparse.Namespace) -> int:
         fork_workers=ns.fork_workers,
         non_persistent_interval=ns.non_persistent_save_interval,
         non_persistent_type=ns.non_persistent_ckpt_type,
+        transient_policy=ns.rerun_transient_policy,
     )
     print(f"chaos: work directory {work}", flush=True)
     result = run_schedule(config, lambda line: print(line, flush=True))

@@ -371,7 +371,11 @@ def _cuda_available() -> bool:
 # once by the launcher, they are not imported again by every restart: where the installed torch
 # has no bytecode cache, each costs its source compilation too. A name this torch lacks is passed
 # over. Measured: the modules new in a worker after its first compiled iteration, the costliest.
+# Dynamo without --compile too: DDP's constructor imports it (~200 modules: ~1 CPU-s a worker on
+# an idle machine, 4 s on a loaded one), and so does torch's log formatter in this launcher at
+# the first failed round it logs, between the failure and the relaunch.
 RESTART_IMPORTS = (
+    "torch._dynamo",
     "stalwart.cli.main",
     "stalwart.cli.run_start",
     "stalwart.config.memory_check",

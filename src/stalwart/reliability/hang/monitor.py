@@ -13,7 +13,10 @@ the last section closed, the live timeouts, a sequence number and a CRC-32 of al
 to the slot the last write did not use, in one copy, so a complete record is always in the file
 even if the worker stops in the middle of a write; the reader takes the valid slot with the
 highest sequence number (a torn slot fails its CRC). The monitor polls the record every
-``--poll`` seconds and:
+``--poll`` seconds, and at once when ``--wake-fd`` (the read end of a pipe whose write end only
+the worker holds) reaches its end: the worker closes it right after its closing record, and a
+worker that dies closes it too, so neither waits out a poll (the worker reaps the monitor on its
+way out), and:
 
 * exits quietly (``MonitorExit.WORKER_CLOSED``) when the worker set the *closed* flag;
 * exits (``MonitorExit.WORKER_GONE``) when the worker died (it was re-parented, or the pid is gone);
@@ -446,9 +449,21 @@ def run_monitor(args: argparse.Namespace) -> int:
                 handle_overrun(args, log, overrun)
                 _unlink(args.heartbeat)
                 return MonitorExit.KILLED_WORKER
-            time.sleep(args.poll)
+            _pause(args)
     finally:
         buf.close()
+
+
+def _pause(args: argparse.Namespace) -> None:
+    """Sleep ``--poll`` seconds, or until ``--wake-fd`` reaches its end (then no longer
+    watched: a pipe at its end is always readable)."""
+    if args.wake_fd < 0:
+        time.sleep(args.poll)
+        return
+    ready, _, _ = select.select([args.wake_fd], [], [], args.poll)
+    if ready and not os.read(args.wake_fd, 1):
+        os.close(args.wake_fd)
+        args.wake_fd = -1
 
 
 def _positive(text: str) -> float:
@@ -468,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-pid", type=int, required=True, help="expected parent pid (the worker)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--poll", type=_positive, default=1.0, help="seconds between polls")
+    p.add_argument("--wake-fd", type=int, default=-1, help="poll at once when this pipe ends")
     p.add_argument("--dump-signal", type=int, default=int(signal.SIGUSR2))
     p.add_argument(
         "--dump-wait", type=_positive, default=1.0, help="max seconds to wait for a dump"

@@ -103,6 +103,7 @@ class MonitorClient:
         os.close(fd)
         self._stack_file: IO[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._wake_fd = -1
 
     @property
     def pid(self) -> int | None:
@@ -156,6 +157,12 @@ class MonitorClient:
         # The hard tier: the monitor writes to this pipe, a thread here aborts the groups.
         self._listener = AbortListener()
         opts["--abort-fd"], opts["--abort-reply-fd"] = self._listener.monitor_fds
+        # The monitor's wake-up: stop() closes the write end after the closing record, so the
+        # monitor exits at once instead of at its next poll (up to --poll seconds of every
+        # rank's exit, hence of every restart). Non-inheritable: only the monitor gets the read
+        # end, and no other child of this worker keeps the write end open.
+        wake_read, self._wake_fd = os.pipe()
+        opts["--wake-fd"] = wake_read
         argv = [item for key, value in opts.items() for item in (key, str(value))]
         # -I (isolated): no script directory or user site on sys.path; only stdlib is needed.
         cmd = [sys.executable, "-I", "-u", os.path.abspath(hb.__file__), *argv]
@@ -163,8 +170,9 @@ class MonitorClient:
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            pass_fds=self._listener.monitor_fds,
+            pass_fds=(*self._listener.monitor_fds, wake_read),
         )
+        os.close(wake_read)
 
     def stop(self, timeout_s: float = 5.0) -> int | None:
         """Reap the monitor (publish a record with FLAG_CLOSED first), clean up; idempotent.
@@ -172,6 +180,9 @@ class MonitorClient:
         Returns the monitor's exit status, or None if it was never started.
         """
         status = None
+        if self._wake_fd >= 0:
+            os.close(self._wake_fd)  # the monitor reads the closing record now, not in --poll s
+            self._wake_fd = -1
         if self._proc is not None:
             try:
                 status = self._proc.wait(timeout=timeout_s)
