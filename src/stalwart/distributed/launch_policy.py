@@ -164,7 +164,9 @@ def decide(outcome: LaunchOutcome) -> LaunchAction:
     else:
         rank, code = _root(o, failed)
         why = (
-            "a transient result-validation failure"
+            # 17 is Megatron's persistent result-validation failure; its device is not in use here
+            # (already excluded, or none was named), so the same devices run it again.
+            "a result-validation failure on no device in use"
             if code == EXIT_FAILED_VALIDATION
             else "killed: a hang its watchdog ended, or a dead rank"
             if code < 0
