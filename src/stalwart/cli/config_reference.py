@@ -125,7 +125,7 @@ def _flags(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
 def _kind(action: argparse.Action) -> str:
     """What the flag takes, as a user reads it."""
     if isinstance(action, argparse.BooleanOptionalAction):
-        return "switch (`--x` / `--no-x`)"
+        return "switch (on; its `--no-` form: off)"
     if action.nargs == 0:
         return "switch"
     if action.choices is not None:
